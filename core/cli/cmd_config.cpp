@@ -1,0 +1,44 @@
+// ductile config check FILE
+#include <iostream>
+
+#include <fmt/format.h>
+
+#include "cli_common.hpp"
+#include "ductile/core/config.hpp"
+
+namespace ductile::cli {
+namespace {
+
+struct CheckOptions {
+  std::string file;
+};
+
+int check_config(const CliContext& context, const CheckOptions& options) {
+  auto runtime = context.load_runtime(options.file);
+  const auto& config = runtime.config();
+  std::cout << fmt::format("{}: valid\n", options.file);
+  for (const auto& section : config.plugin_sections()) {
+    std::cout << fmt::format("  [{}] {} plugin '{}'\n", section.section, to_string(section.kind),
+                             section.plugin);
+    for (const auto& [key, value] : section.params.values())
+      std::cout << fmt::format("    {} = {}\n", key, core::format_param_value(value));
+    for (const auto& [key, value] : section.host_params.values())
+      std::cout << fmt::format("    {} = {}\n", key, core::format_param_value(value));
+  }
+  return kExitOk;
+}
+
+}  // namespace
+
+void register_config_command(CLI::App& app, CliContext& context) {
+  auto options = std::make_shared<CheckOptions>();
+  auto* config = app.add_subcommand("config", "Work with configuration files");
+  config->require_subcommand(1);
+  auto* check = config->add_subcommand(
+      "check", "Validate a configuration file against the schemas of the plugins it selects "
+               "(exit 0 if valid, 2 with every error otherwise)");
+  check->add_option("FILE", options->file, "TOML configuration file")->required();
+  set_action(check, context, [&context, options] { return check_config(context, *options); });
+}
+
+}  // namespace ductile::cli

@@ -1,0 +1,144 @@
+// Configuration files: TOML parsed with TOML++, validated against the schema
+// of each selected plugin before anything is created.
+//
+// A file has one section per plugin kind, naming its plugin with a selector
+// key, plus host sections owned by the core:
+//
+//   [plugins]    path = ["dir", ...]     extra plugin directories (relative to the file)
+//   [log]        level = "info"
+//   [elasticity] policy = "v0.1"         (or DeepSpeed's version = 0.1)
+//   [batching]   sampler = "greedy"
+//   [lr]         rule = "linear"
+//   [accelerator] backend = "cpu"        (default "cpu")
+//   [zero]       coordinator = "partitioned" (default)
+//
+// Every other key of a plugin section must be in the selected plugin's schema
+// or in the section's host keys. All errors of a file are reported together,
+// sorted by position, as "file:line:col: message".
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ductile/error.hpp"
+#include "ductile/params.hpp"
+#include "ductile/plugin.hpp"
+
+namespace ductile::core {
+
+class PluginRegistry;
+
+struct SourcePosition {
+  std::string file;
+  std::uint32_t line = 0;    // 1-based; 0 = unknown
+  std::uint32_t column = 0;  // 1-based; 0 = unknown
+};
+
+struct Diagnostic {
+  SourcePosition where;
+  std::string message;
+  std::string format() const;  // "file:line:col: message"
+};
+
+// Thrown when a configuration is invalid: what() is every diagnostic, one a
+// line, in file order; kind() is ErrorKind::config.
+class ConfigError : public Error {
+ public:
+  explicit ConfigError(std::vector<Diagnostic> diagnostics);
+  const std::vector<Diagnostic>& diagnostics() const { return diagnostics_; }
+
+ private:
+  std::vector<Diagnostic> diagnostics_;
+};
+
+// How a section of the file is interpreted. `kind` is set for plugin
+// sections; host-only sections have no selector.
+struct SectionSpec {
+  std::string name;
+  std::optional<PluginKind> kind;
+  std::string selector;        // key naming the plugin ("policy", ...)
+  std::string default_plugin;  // used when the selector key is absent; "" = required
+  std::vector<ParamSpec> host_keys;  // keys the core owns in this section
+  std::string doc;
+};
+
+// The sections the core knows, in a fixed order.
+const std::vector<SectionSpec>& section_specs();
+const SectionSpec* find_section_spec(std::string_view name);
+
+// A validated plugin section.
+struct PluginSection {
+  std::string section;
+  PluginKind kind;
+  std::string plugin;   // the selected plugin's name
+  Params params;        // the plugin's parameters, defaults filled in
+  Params host_params;   // the section's host keys, defaults filled in
+  SourcePosition where; // the section header
+};
+
+// A parsed, not yet validated file: enough to learn [plugins] path and
+// [log] level, which are needed before plugins can be found.
+class ConfigDocument {
+ public:
+  // Throws ConfigError for a file that cannot be read or is not valid TOML.
+  static ConfigDocument from_file(const std::filesystem::path& file);
+  static ConfigDocument from_string(std::string_view text, std::string_view source_name,
+                                    const std::filesystem::path& base_dir = {});
+
+  ConfigDocument(ConfigDocument&&) noexcept;
+  ConfigDocument& operator=(ConfigDocument&&) noexcept;
+  ~ConfigDocument();
+
+  const std::string& source_name() const;
+  // Directory that relative paths in the file are resolved against.
+  const std::filesystem::path& base_dir() const;
+  // [plugins] path, resolved against base_dir(). Throws ConfigError if malformed.
+  std::vector<std::filesystem::path> plugin_dirs() const;
+  // [log] level if present.
+  std::optional<std::string> log_level() const;
+
+  struct Impl;
+  const Impl& impl() const { return *impl_; }
+
+ private:
+  ConfigDocument();
+  std::unique_ptr<Impl> impl_;
+};
+
+// A validated configuration.
+class Config {
+ public:
+  // Validates every section against `registry`. Throws ConfigError with all
+  // problems found.
+  static Config validate(const ConfigDocument& document, const PluginRegistry& registry);
+
+  const std::string& source_name() const { return source_name_; }
+  const std::filesystem::path& base_dir() const { return base_dir_; }
+  const std::vector<PluginSection>& plugin_sections() const { return sections_; }
+  const PluginSection* section(PluginKind kind) const;
+  // Validated host-only sections ([log], [plugins], ...) by name.
+  const std::map<std::string, Params, std::less<>>& host_sections() const { return host_; }
+  const Params* host_section(std::string_view name) const;
+
+ private:
+  std::string source_name_;
+  std::filesystem::path base_dir_;
+  std::vector<PluginSection> sections_;
+  std::map<std::string, Params, std::less<>> host_;
+};
+
+// Validates `value` (a TOML value written as text, as in ParamSpec defaults)
+// against one spec. Used for defaults and by tests. Throws Error(config).
+ParamValue parse_param_literal(const ParamSpec& spec, std::string_view literal);
+
+// "1.5", "[2, 4]", "\"seqlen\"": a value formatted as TOML.
+std::string format_param_value(const ParamValue& value);
+
+}  // namespace ductile::core

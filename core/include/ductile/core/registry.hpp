@@ -1,0 +1,109 @@
+// Finding, loading and instantiating plugins.
+//
+// The registry scans a search path of directories (first match wins) for
+// files named libductile_<kind>_<name>.so, loads each one immediately
+// (RTLD_NOW | RTLD_LOCAL) and checks its descriptor. Libraries stay loaded for
+// the registry's lifetime and for as long as any object created from them
+// lives: every object is handed out as a shared_ptr whose deleter holds its
+// library.
+//
+// Threading: a registry is built on one thread; afterwards its const methods
+// and create() may be called from any thread.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <spdlog/logger.h>
+
+#include "ductile/params.hpp"
+#include "ductile/plugin.hpp"
+
+namespace ductile::core {
+
+class LoadedLibrary;
+
+// A plugin found on the search path and successfully loaded.
+struct PluginInfo {
+  PluginKind kind;
+  std::string name;
+  std::string version;
+  std::string description;
+  std::filesystem::path file;
+  std::string build_tag;
+  std::uint32_t abi_major = 0;
+  std::uint32_t abi_minor = 0;
+  // Points into the loaded library; valid while the registry lives.
+  std::vector<ParamSpec> params;
+  ductile_plugin_factory factory = nullptr;
+  // Keeps the library loaded; shared with every object created from it.
+  std::shared_ptr<LoadedLibrary> library;
+};
+
+// A file on the search path that looked like a plugin but could not be used.
+struct LoadProblem {
+  std::filesystem::path file;
+  std::string message;  // complete sentence naming the file
+};
+
+// Parses "elasticity", "batching", ... Returns false for anything else.
+bool parse_plugin_kind(std::string_view text, PluginKind& kind);
+std::vector<std::string> plugin_kind_names();
+
+// Loads one plugin file and checks it. Throws ductile::Error
+// (ErrorKind::plugin) with a message naming the file for: a file that is not
+// a loadable shared library, a missing entry symbol, a null descriptor, an
+// ABI major or build tag mismatch (both sides named), a kind or name that
+// does not match the file name.
+PluginInfo load_plugin_file(const std::filesystem::path& file);
+
+class PluginRegistry {
+ public:
+  // Scans `search_path` in order. Problems are collected (see problems()) and
+  // logged at warning level; duplicates (same kind and name) keep the first
+  // and log a warning naming both files.
+  PluginRegistry(std::vector<std::filesystem::path> search_path,
+                 std::shared_ptr<spdlog::logger> logger);
+
+  // The default search path: `config_dirs` (from a config's [plugins] path),
+  // then DUCTILE_PLUGIN_PATH (colon-separated), then the built-in plugin
+  // directory.
+  static std::vector<std::filesystem::path> default_search_path(
+      const std::vector<std::filesystem::path>& config_dirs = {});
+
+  // <directory of libductile_core.so>/ductile/plugins: next to the binaries
+  // in the build tree, lib/ductile/plugins under the install prefix.
+  static std::filesystem::path builtin_plugin_dir();
+
+  const std::vector<std::filesystem::path>& search_path() const { return search_path_; }
+  const std::vector<PluginInfo>& plugins() const { return plugins_; }
+  const std::vector<LoadProblem>& problems() const { return problems_; }
+
+  // The plugin of this kind and name. Throws ductile::Error: ErrorKind::plugin
+  // when a file for it exists but failed to load (with that failure), else
+  // ErrorKind::not_found listing the plugins of that kind and the closest name.
+  const PluginInfo& find(PluginKind kind, std::string_view name) const;
+
+  // Finds by name alone (any kind); throws not_found or, when the name exists
+  // in several kinds, invalid_argument asking for kind/name.
+  const PluginInfo& find_any(std::string_view name) const;
+
+  // Names of the plugins of one kind, sorted.
+  std::vector<std::string> names(PluginKind kind) const;
+
+  // Calls the plugin's factory with `context`. Throws ductile::Error
+  // (ErrorKind::plugin) with the plugin's message if the factory fails.
+  std::shared_ptr<Plugin> create(const PluginInfo& info, const HostContext& context) const;
+
+ private:
+  std::vector<std::filesystem::path> search_path_;
+  std::vector<PluginInfo> plugins_;
+  std::vector<LoadProblem> problems_;
+  std::shared_ptr<spdlog::logger> logger_;
+};
+
+}  // namespace ductile::core

@@ -1,0 +1,88 @@
+// The embedding API: load a configuration and get plugin instances, without
+// the CLI. Typical use in a training framework:
+//
+//   auto runtime = ductile::core::Runtime::from_file("train.toml");
+//   auto policy = runtime.get<ductile::ElasticityPolicy>();
+//   auto accel = runtime.get<ductile::Accelerator>();
+//
+// Ownership: the Runtime owns the registry (and so keeps the libraries loaded)
+// and one shared instance per configured plugin kind. Instances handed out
+// stay valid after the Runtime is destroyed: each keeps its library loaded.
+// Threading: construct on one thread. get()/instance() are serialized by an
+// internal mutex and may be called from any thread.
+// Errors: ductile::Error; ConfigError for an invalid configuration.
+#pragma once
+
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <spdlog/logger.h>
+
+#include "ductile/core/config.hpp"
+#include "ductile/core/registry.hpp"
+#include "ductile/plugin.hpp"
+
+namespace ductile::core {
+
+struct RuntimeOptions {
+  // Searched before the config's [plugins] path.
+  std::vector<std::filesystem::path> extra_plugin_dirs;
+  // Logger for the runtime and (as the parent of) its plugins; default: the
+  // core's logger.
+  std::shared_ptr<spdlog::logger> logger;
+};
+
+class Runtime {
+ public:
+  static Runtime from_file(const std::filesystem::path& file, RuntimeOptions options = {});
+  static Runtime from_string(std::string_view toml, std::string_view source_name,
+                             RuntimeOptions options = {});
+  static Runtime from_document(const ConfigDocument& document, RuntimeOptions options = {});
+
+  Runtime(Runtime&&) noexcept;
+  Runtime& operator=(Runtime&&) noexcept;
+  ~Runtime();
+
+  const Config& config() const;
+  const PluginRegistry& registry() const;
+  std::shared_ptr<spdlog::logger> logger() const;
+
+  // True when the configuration selects a plugin of this kind (explicitly
+  // or through a default of a section that is present).
+  bool has(PluginKind kind) const;
+
+  // The shared instance for a kind, created on first use with the
+  // section's parameters. Throws Error(config) if the file has no such section.
+  std::shared_ptr<Plugin> instance(PluginKind kind);
+
+  template <class Interface>
+  std::shared_ptr<Interface> get() {
+    return std::static_pointer_cast<Interface>(instance(Interface::kind));
+  }
+
+  // A new, unshared instance of a named plugin with explicit parameters
+  // (validated against its schema; defaults filled in).
+  std::shared_ptr<Plugin> create(PluginKind kind, std::string_view name, const Params& params);
+  template <class Interface>
+  std::shared_ptr<Interface> create(std::string_view name, const Params& params = {}) {
+    return std::static_pointer_cast<Interface>(create(Interface::kind, name, params));
+  }
+
+  struct State;
+
+ private:
+  explicit Runtime(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
+// Checks explicit parameters against a plugin's schema and fills defaults.
+// Throws Error(config) naming the plugin, key and value.
+Params complete_params(const PluginInfo& info, const Params& given);
+
+}  // namespace ductile::core

@@ -1,0 +1,280 @@
+#include "ductile/core/registry.hpp"
+
+#include <algorithm>
+#include <cstdlib>
+#include <map>
+#include <system_error>
+
+#include <boost/dll/runtime_symbol_info.hpp>
+#include <boost/dll/shared_library.hpp>
+#include <fmt/format.h>
+
+#include "ductile/core/text.hpp"
+#include "ductile/version.hpp"
+
+namespace ductile::core {
+
+class LoadedLibrary {
+ public:
+  explicit LoadedLibrary(boost::dll::shared_library library) : library_(std::move(library)) {}
+
+ private:
+  boost::dll::shared_library library_;
+};
+
+namespace {
+
+namespace fs = std::filesystem;
+constexpr std::string_view kPrefix = "libductile_";
+constexpr std::string_view kSuffix = ".so";
+
+bool split_file_name(const fs::path& file, PluginKind& kind, std::string& name) {
+  std::string base = file.filename().string();
+  if (base.size() <= kPrefix.size() + kSuffix.size() || !base.starts_with(kPrefix) ||
+      !base.ends_with(kSuffix))
+    return false;
+  std::string_view middle(base);
+  middle = middle.substr(kPrefix.size(), middle.size() - kPrefix.size() - kSuffix.size());
+  auto underscore = middle.find('_');
+  if (underscore == std::string_view::npos || underscore + 1 >= middle.size()) return false;
+  if (!parse_plugin_kind(middle.substr(0, underscore), kind)) return false;
+  name = std::string(middle.substr(underscore + 1));
+  return true;
+}
+
+std::string kind_list() { return join(plugin_kind_names()); }
+
+}  // namespace
+
+bool parse_plugin_kind(std::string_view text, PluginKind& kind) {
+  for (std::uint32_t i = 0; i < kPluginKindCount; ++i) {
+    auto k = static_cast<PluginKind>(i);
+    if (text == to_string(k)) {
+      kind = k;
+      return true;
+    }
+  }
+  return false;
+}
+
+std::vector<std::string> plugin_kind_names() {
+  std::vector<std::string> out;
+  for (std::uint32_t i = 0; i < kPluginKindCount; ++i)
+    out.emplace_back(to_string(static_cast<PluginKind>(i)));
+  return out;
+}
+
+PluginInfo load_plugin_file(const fs::path& file) {
+  const std::string shown = file.string();
+  std::error_code exists_error;
+  if (!fs::is_regular_file(file, exists_error))
+    throw Error(ErrorKind::not_found, fmt::format("plugin file '{}' does not exist", shown));
+
+  boost::dll::shared_library library;
+  boost::dll::fs::error_code ec;
+  library.load(boost::dll::fs::path(file.string()),
+               boost::dll::load_mode::rtld_now | boost::dll::load_mode::rtld_local, ec);
+  if (ec || !library.is_loaded()) {
+    throw Error(ErrorKind::plugin,
+                fmt::format("'{}' is not a loadable shared library: {}", shown, ec.message()));
+  }
+  if (!library.has(DUCTILE_PLUGIN_ENTRY_SYMBOL)) {
+    throw Error(ErrorKind::plugin,
+                fmt::format("'{}' is a shared library but not a ductile plugin: it does not "
+                            "export the entry symbol '{}' (define it with DUCTILE_PLUGIN)",
+                            shown, DUCTILE_PLUGIN_ENTRY_SYMBOL));
+  }
+  auto entry = library.get<const ductile_plugin_descriptor*()>(DUCTILE_PLUGIN_ENTRY_SYMBOL);
+  const ductile_plugin_descriptor* d = entry();
+  if (d == nullptr)
+    throw Error(ErrorKind::plugin, fmt::format("'{}': its entry point returned no descriptor", shown));
+  if (d->abi_major != DUCTILE_ABI_MAJOR) {
+    throw Error(ErrorKind::plugin,
+                fmt::format("'{}' was built for plugin ABI {}.{} but this ductile uses ABI {}.{}; "
+                            "rebuild the plugin against this SDK",
+                            shown, d->abi_major, d->abi_minor, DUCTILE_ABI_MAJOR, DUCTILE_ABI_MINOR));
+  }
+  std::string tag = d->build_tag ? d->build_tag : "";
+  if (tag != DUCTILE_BUILD_TAG) {
+    throw Error(ErrorKind::plugin,
+                fmt::format("'{}' was built with '{}' but this ductile was built with '{}'; "
+                            "rebuild the plugin with the same compiler, standard library and SDK",
+                            shown, tag, DUCTILE_BUILD_TAG));
+  }
+  if (d->kind >= kPluginKindCount) {
+    throw Error(ErrorKind::plugin, fmt::format("'{}' declares unknown plugin kind {} (valid: {})",
+                                               shown, d->kind, kind_list()));
+  }
+  if (d->name == nullptr || *d->name == '\0' || d->create == nullptr ||
+      (d->param_count > 0 && d->params == nullptr)) {
+    throw Error(ErrorKind::plugin,
+                fmt::format("'{}' has an incomplete descriptor (name, factory or schema missing)",
+                            shown));
+  }
+  PluginInfo info;
+  info.kind = static_cast<PluginKind>(d->kind);
+  info.name = d->name;
+  info.version = d->version ? d->version : "";
+  info.description = d->description ? d->description : "";
+  info.file = file;
+  info.build_tag = tag;
+  info.abi_major = d->abi_major;
+  info.abi_minor = d->abi_minor;
+  for (std::size_t i = 0; i < d->param_count; ++i) {
+    const ParamSpec& p = d->params[i];
+    if (p.key == nullptr || *p.key == '\0')
+      throw Error(ErrorKind::plugin,
+                  fmt::format("'{}': parameter {} of its schema has no key", shown, i));
+    info.params.push_back(p);
+  }
+  PluginKind file_kind;
+  std::string file_name;
+  if (split_file_name(file, file_kind, file_name) &&
+      (file_kind != info.kind || file_name != info.name)) {
+    throw Error(ErrorKind::plugin,
+                fmt::format("'{}' declares plugin {}/{} but its file name says {}/{}; name the "
+                            "file libductile_{}_{}.so",
+                            shown, to_string(info.kind), info.name, to_string(file_kind), file_name,
+                            to_string(info.kind), info.name));
+  }
+  info.factory = d->create;
+  info.library = std::make_shared<LoadedLibrary>(std::move(library));
+  return info;
+}
+
+PluginRegistry::PluginRegistry(std::vector<fs::path> search_path,
+                               std::shared_ptr<spdlog::logger> logger)
+    : search_path_(std::move(search_path)), logger_(std::move(logger)) {
+  std::map<std::pair<PluginKind, std::string>, fs::path> seen;
+  for (const auto& dir : search_path_) {
+    std::error_code ec;
+    if (!fs::is_directory(dir, ec)) {
+      if (logger_) logger_->debug("plugin directory '{}' does not exist; skipped", dir.string());
+      continue;
+    }
+    std::vector<fs::path> files;
+    for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+      PluginKind kind;
+      std::string name;
+      if (split_file_name(it->path(), kind, name)) files.push_back(it->path());
+    }
+    std::sort(files.begin(), files.end());
+    for (const auto& file : files) {
+      PluginKind kind;
+      std::string name;
+      split_file_name(file, kind, name);
+      auto key = std::make_pair(kind, name);
+      if (auto found = seen.find(key); found != seen.end()) {
+        if (logger_)
+          logger_->warn("plugin {}/{} found twice: using '{}', ignoring '{}' (earlier on the "
+                        "search path wins)",
+                        to_string(kind), name, found->second.string(), file.string());
+        continue;
+      }
+      seen.emplace(key, file);
+      try {
+        plugins_.push_back(load_plugin_file(file));
+      } catch (const std::exception& e) {
+        problems_.push_back({file, e.what()});
+        if (logger_) logger_->warn("{}", e.what());
+      }
+    }
+  }
+  std::stable_sort(plugins_.begin(), plugins_.end(), [](const PluginInfo& a, const PluginInfo& b) {
+    return std::tie(a.kind, a.name) < std::tie(b.kind, b.name);
+  });
+}
+
+std::vector<fs::path> PluginRegistry::default_search_path(const std::vector<fs::path>& config_dirs) {
+  std::vector<fs::path> path(config_dirs.begin(), config_dirs.end());
+  if (const char* env = std::getenv("DUCTILE_PLUGIN_PATH"); env && *env) {
+    std::string_view rest(env);
+    while (!rest.empty()) {
+      auto colon = rest.find(':');
+      auto part = rest.substr(0, colon);
+      if (!part.empty()) path.emplace_back(std::string(part));
+      if (colon == std::string_view::npos) break;
+      rest.remove_prefix(colon + 1);
+    }
+  }
+  path.push_back(builtin_plugin_dir());
+  return path;
+}
+
+fs::path PluginRegistry::builtin_plugin_dir() {
+  boost::dll::fs::error_code ec;
+  auto here = boost::dll::this_line_location(ec);
+  if (ec) return fs::path(DUCTILE_PLUGIN_RELATIVE_DIR);
+  return fs::path(here.parent_path().string()) / DUCTILE_PLUGIN_RELATIVE_DIR;
+}
+
+const PluginInfo& PluginRegistry::find(PluginKind kind, std::string_view name) const {
+  for (const auto& p : plugins_)
+    if (p.kind == kind && p.name == name) return p;
+  for (const auto& problem : problems_) {
+    PluginKind k;
+    std::string n;
+    if (split_file_name(problem.file, k, n) && k == kind && n == name)
+      throw Error(ErrorKind::plugin, fmt::format("{} plugin '{}' cannot be used: {}",
+                                                 to_string(kind), name, problem.message));
+  }
+  auto available = names(kind);
+  std::vector<std::string> dirs;
+  for (const auto& d : search_path_) dirs.push_back(d.string());
+  throw Error(ErrorKind::not_found,
+              fmt::format("no {} plugin named '{}'{}; available: {}; searched: {}", to_string(kind),
+                          name, did_you_mean(name, available), join(available), join(dirs)));
+}
+
+const PluginInfo& PluginRegistry::find_any(std::string_view name) const {
+  const PluginInfo* match = nullptr;
+  std::vector<std::string> qualified;
+  auto slash = name.find('/');
+  if (slash != std::string_view::npos) {
+    PluginKind kind;
+    if (!parse_plugin_kind(name.substr(0, slash), kind))
+      throw Error(ErrorKind::invalid_argument,
+                  fmt::format("'{}': unknown plugin kind '{}'; valid kinds: {}", name,
+                              name.substr(0, slash), kind_list()));
+    return find(kind, name.substr(slash + 1));
+  }
+  std::vector<std::string> all;
+  for (const auto& p : plugins_) {
+    all.push_back(p.name);
+    if (p.name == name) {
+      qualified.push_back(std::string(to_string(p.kind)) + "/" + p.name);
+      match = &p;
+    }
+  }
+  if (qualified.size() > 1)
+    throw Error(ErrorKind::invalid_argument,
+                fmt::format("plugin name '{}' is ambiguous; use one of: {}", name, join(qualified)));
+  if (match) return *match;
+  std::sort(all.begin(), all.end());
+  all.erase(std::unique(all.begin(), all.end()), all.end());
+  throw Error(ErrorKind::not_found, fmt::format("no plugin named '{}'{}; available: {}", name,
+                                                did_you_mean(name, all), join(all)));
+}
+
+std::vector<std::string> PluginRegistry::names(PluginKind kind) const {
+  std::vector<std::string> out;
+  for (const auto& p : plugins_)
+    if (p.kind == kind) out.push_back(p.name);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::shared_ptr<Plugin> PluginRegistry::create(const PluginInfo& info,
+                                               const HostContext& context) const {
+  auto library = info.library;
+  char error[2048] = {0};
+  Plugin* object = info.factory(&context, error, sizeof error);
+  if (object == nullptr) {
+    throw Error(ErrorKind::plugin, fmt::format("{} plugin '{}' ({}) failed to create an instance: {}",
+                                               to_string(info.kind), info.name, info.file.string(),
+                                               error[0] ? error : "no reason given"));
+  }
+  return std::shared_ptr<Plugin>(object, [library](Plugin* p) { delete p; });
+}
+
+}  // namespace ductile::core

@@ -1,0 +1,186 @@
+#include "ductile/core/runtime.hpp"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "ductile/core/logging.hpp"
+#include "ductile/core/text.hpp"
+
+namespace ductile::core {
+
+struct Runtime::State {
+  std::shared_ptr<spdlog::logger> logger;
+  std::unique_ptr<PluginRegistry> registry;
+  std::unique_ptr<Config> config;
+  std::recursive_mutex mutex;
+  std::map<PluginKind, std::shared_ptr<Plugin>> instances;
+  std::vector<PluginKind> creating;  // to report require() cycles
+
+  std::shared_ptr<Plugin> create(const PluginInfo& info, Params params);
+  std::shared_ptr<Plugin> instance(PluginKind kind);
+};
+
+namespace {
+
+class HostContextImpl final : public HostContext {
+ public:
+  HostContextImpl(Runtime::State& state, const PluginInfo& info, Params params)
+      : state_(state), info_(info), params_(std::move(params)) {
+    logger_ = make_logger(fmt::format("{}.{}", to_string(info.kind), info.name));
+    if (state.logger) logger_->set_level(state.logger->level());
+  }
+  std::string_view plugin_name() const override { return info_.name; }
+  const Params& params() const override { return params_; }
+  std::shared_ptr<spdlog::logger> logger() const override { return logger_; }
+  std::shared_ptr<Plugin> require(PluginKind kind) const override { return state_.instance(kind); }
+
+ private:
+  Runtime::State& state_;
+  const PluginInfo& info_;
+  Params params_;
+  std::shared_ptr<spdlog::logger> logger_;
+};
+
+bool same_type(const ParamValue& v, ParamType t) {
+  switch (t) {
+    case ParamType::boolean: return std::holds_alternative<bool>(v);
+    case ParamType::integer: return std::holds_alternative<std::int64_t>(v);
+    case ParamType::floating:
+      return std::holds_alternative<double>(v) || std::holds_alternative<std::int64_t>(v);
+    case ParamType::string: return std::holds_alternative<std::string>(v);
+    case ParamType::integer_list: return std::holds_alternative<std::vector<std::int64_t>>(v);
+    case ParamType::float_list: return std::holds_alternative<std::vector<double>>(v);
+    case ParamType::string_list: return std::holds_alternative<std::vector<std::string>>(v);
+  }
+  return false;
+}
+
+}  // namespace
+
+Params complete_params(const PluginInfo& info, const Params& given) {
+  std::vector<std::string> problems;
+  std::vector<std::string> known;
+  for (const auto& s : info.params) known.emplace_back(s.key);
+  Params out;
+  for (const auto& [key, value] : given.values()) {
+    auto spec = std::find_if(info.params.begin(), info.params.end(),
+                             [&](const ParamSpec& s) { return key == s.key; });
+    if (spec == info.params.end()) {
+      problems.push_back(fmt::format("unknown parameter '{}'{}; valid: {}", key,
+                                     did_you_mean(key, known), join(known)));
+      continue;
+    }
+    if (!same_type(value, spec->type)) {
+      problems.push_back(fmt::format("parameter '{}' = {} must be {}", key,
+                                     format_param_value(value), to_string(spec->type)));
+      continue;
+    }
+    // Re-check bounds and allowed values through the TOML path.
+    try {
+      ParamValue checked = parse_param_literal(*spec, format_param_value(value));
+      out.set(key, std::holds_alternative<std::int64_t>(value) && spec->type == ParamType::floating
+                       ? ParamValue(static_cast<double>(std::get<std::int64_t>(value)))
+                       : std::move(checked));
+    } catch (const Error& e) {
+      std::string what = e.what();
+      auto colon = what.find(": ");
+      problems.push_back(colon == std::string::npos ? what : what.substr(colon + 2));
+    }
+  }
+  for (const auto& s : info.params) {
+    if (out.has(s.key) || given.has(s.key)) continue;
+    if (s.flags & param_required)
+      problems.push_back(fmt::format("missing required parameter '{}'", s.key));
+    else if (s.default_value)
+      out.set(s.key, parse_param_literal(s, s.default_value));
+  }
+  if (!problems.empty())
+    throw Error(ErrorKind::config, fmt::format("{} plugin '{}': {}", to_string(info.kind),
+                                               info.name, join(problems, "; ")));
+  return out;
+}
+
+std::shared_ptr<Plugin> Runtime::State::create(const PluginInfo& info, Params params) {
+  HostContextImpl context(*this, info, std::move(params));
+  return registry->create(info, context);
+}
+
+std::shared_ptr<Plugin> Runtime::State::instance(PluginKind kind) {
+  std::lock_guard lock(mutex);
+  if (auto it = instances.find(kind); it != instances.end()) return it->second;
+  if (std::find(creating.begin(), creating.end(), kind) != creating.end())
+    throw Error(ErrorKind::config,
+                fmt::format("the {} plugin requires itself (through other plugins)", to_string(kind)));
+  const PluginSection* section = config->section(kind);
+  if (!section) {
+    const SectionSpec* spec = nullptr;
+    for (const auto& s : section_specs())
+      if (s.kind == kind) spec = &s;
+    if (!spec || spec->default_plugin.empty())
+      throw Error(ErrorKind::config,
+                  fmt::format("{}: no [{}] section; add one naming the {} plugin to use",
+                              config->source_name(), to_string(kind), to_string(kind)));
+    // Sections with a default plugin may be omitted.
+    const PluginInfo& info = registry->find(kind, spec->default_plugin);
+    creating.push_back(kind);
+    struct Pop {
+      std::vector<PluginKind>& v;
+      ~Pop() { v.pop_back(); }
+    } pop{creating};
+    auto object = create(info, complete_params(info, {}));
+    instances[kind] = object;
+    return object;
+  }
+  const PluginInfo& info = registry->find(kind, section->plugin);
+  creating.push_back(kind);
+  struct Pop {
+    std::vector<PluginKind>& v;
+    ~Pop() { v.pop_back(); }
+  } pop{creating};
+  auto object = create(info, section->params);
+  instances[kind] = object;
+  return object;
+}
+
+Runtime::Runtime(std::unique_ptr<State> state) : state_(std::move(state)) {}
+Runtime::Runtime(Runtime&&) noexcept = default;
+Runtime& Runtime::operator=(Runtime&&) noexcept = default;
+Runtime::~Runtime() = default;
+
+Runtime Runtime::from_file(const std::filesystem::path& file, RuntimeOptions options) {
+  return from_document(ConfigDocument::from_file(file), std::move(options));
+}
+
+Runtime Runtime::from_string(std::string_view toml, std::string_view source_name,
+                             RuntimeOptions options) {
+  return from_document(ConfigDocument::from_string(toml, source_name), std::move(options));
+}
+
+Runtime Runtime::from_document(const ConfigDocument& document, RuntimeOptions options) {
+  auto state = std::make_unique<State>();
+  state->logger = options.logger ? options.logger : core::logger();
+  auto dirs = options.extra_plugin_dirs;
+  for (auto& d : document.plugin_dirs()) dirs.push_back(d);
+  state->registry = std::make_unique<PluginRegistry>(PluginRegistry::default_search_path(dirs),
+                                                     state->logger);
+  state->config = std::make_unique<Config>(Config::validate(document, *state->registry));
+  return Runtime(std::move(state));
+}
+
+const Config& Runtime::config() const { return *state_->config; }
+const PluginRegistry& Runtime::registry() const { return *state_->registry; }
+std::shared_ptr<spdlog::logger> Runtime::logger() const { return state_->logger; }
+
+bool Runtime::has(PluginKind kind) const { return state_->config->section(kind) != nullptr; }
+
+std::shared_ptr<Plugin> Runtime::instance(PluginKind kind) { return state_->instance(kind); }
+
+std::shared_ptr<Plugin> Runtime::create(PluginKind kind, std::string_view name,
+                                        const Params& params) {
+  std::lock_guard lock(state_->mutex);
+  const PluginInfo& info = state_->registry->find(kind, name);
+  return state_->create(info, complete_params(info, params));
+}
+
+}  // namespace ductile::core

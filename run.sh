@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Quick start, part 1: install what is missing, build (Release) into build/,
+# and run the main job (the demo) on the CPU backend.
+set -euo pipefail
+cd "$(dirname "$0")"
+source .ci/setup.sh
+
+ductile_install_packages
+ductile_configure_and_build build Release OFF
+
+echo
+echo "== build/bin/ductile demo --config samples/configs/demo.toml =="
+build/bin/ductile demo --config samples/configs/demo.toml
+# >>> later capabilities append their part of the main job below this line

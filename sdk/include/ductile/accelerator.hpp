@@ -1,0 +1,182 @@
+// The Accelerator interface: device memory, streams, events and collective
+// communication. Backends (cpu, cuda, level_zero) implement it as plugins of
+// kind PluginKind::accelerator; the ZeRO-3 coordinator and embedding
+// frameworks use it.
+//
+// Conventions for every call below unless a call says otherwise:
+// - Errors: throws ductile::Error. ErrorKind::invalid_argument for a bad
+//   argument (null pointer with a non-zero size, unknown device, mismatched
+//   sizes), ErrorKind::unsupported when the backend lacks the feature,
+//   ErrorKind::communication when a collective or peer fails, and
+//   ErrorKind::internal when the device runtime reports an unexpected failure.
+//   The message names the call and, for runtime failures, the runtime's own
+//   error string.
+// - Threading: an Accelerator may be used from several threads; a single
+//   Stream, Event or CollectiveHandle is used by one thread at a time.
+//   Communicators issue collectives in call order: every rank must issue the
+//   same collectives in the same order (as with MPI and NCCL).
+// - Ownership: objects are returned as shared_ptr and keep what they need of
+//   the backend alive. Memory returned by allocate() is owned by the caller
+//   and released with deallocate() on the same accelerator.
+// - Asynchrony: *_async calls and collectives only enqueue work on a stream;
+//   buffers they read or write must stay valid until that work completes
+//   (observe it with a stream synchronize, an event, or the handle).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ductile/plugin.hpp"
+
+namespace ductile {
+
+// Element types understood by collectives. fp16 and bf16 are carried as raw
+// 16-bit values; reductions on them are computed in fp32 by backends that
+// reduce on the host.
+enum class DataType : std::uint32_t { f32, f64, f16, bf16, i32, i64, u8 };
+
+DUCTILE_SDK_API inline std::size_t size_of(DataType t) noexcept {
+  switch (t) {
+    case DataType::f32: return 4;
+    case DataType::f64: return 8;
+    case DataType::f16: return 2;
+    case DataType::bf16: return 2;
+    case DataType::i32: return 4;
+    case DataType::i64: return 8;
+    case DataType::u8: return 1;
+  }
+  return 0;
+}
+
+enum class ReduceOp : std::uint32_t { sum, prod, min, max };
+
+enum class MemoryKind : std::uint32_t {
+  device,       // memory of the current device
+  pinned_host,  // page-locked host memory, fast to copy to and from the device
+};
+
+enum class CopyKind : std::uint32_t { host_to_device, device_to_host, device_to_device, host_to_host };
+
+struct DeviceInfo {
+  std::string name;
+  std::size_t total_memory = 0;  // bytes
+  std::size_t free_memory = 0;   // bytes, as far as the backend can tell
+};
+
+class Event;
+
+// An in-order queue of work.
+class DUCTILE_SDK_API Stream {
+ public:
+  virtual ~Stream() = default;
+  // Blocks until all work enqueued so far has completed. Rethrows (as
+  // ductile::Error) the first failure of enqueued work.
+  virtual void synchronize() = 0;
+  // True when all work enqueued so far has completed. Non-blocking.
+  virtual bool query() = 0;
+  // Work enqueued after this call starts only once `event` has completed.
+  virtual void wait_event(Event& event) = 0;
+};
+
+// A marker in a stream.
+class DUCTILE_SDK_API Event {
+ public:
+  virtual ~Event() = default;
+  // Captures the current end of `stream`; completes when everything enqueued
+  // on it before this call has completed. Re-recording is allowed.
+  virtual void record(Stream& stream) = 0;
+  // True when the recorded work has completed (true if never recorded).
+  virtual bool query() = 0;
+  // Blocks until the recorded work has completed.
+  virtual void synchronize() = 0;
+};
+
+// An asynchronous collective in progress.
+class DUCTILE_SDK_API CollectiveHandle {
+ public:
+  virtual ~CollectiveHandle() = default;
+  // True when the collective has completed and its output is readable by the
+  // host (for host-visible memory) or by later work on its stream. Never
+  // blocks; drives progress where the transport needs it.
+  virtual bool query() = 0;
+  // Blocks until complete. Throws ErrorKind::communication on failure.
+  virtual void wait() = 0;
+};
+
+// One tensor of a coalesced all-gather: `count` elements of `type` from
+// `send` on every rank, gathered into `recv` (size() * count elements, rank r's
+// part at offset r * count).
+struct GatherItem {
+  const void* send;
+  void* recv;
+  std::size_t count;
+  DataType type;
+};
+
+// Collectives over a fixed group of ranks.
+class DUCTILE_SDK_API Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  // recv holds size() * count elements; rank r's `send` lands at r * count.
+  virtual std::shared_ptr<CollectiveHandle> all_gather(const void* send, void* recv,
+                                                       std::size_t count, DataType type,
+                                                       Stream& stream) = 0;
+  // Several all-gathers as one collective operation.
+  virtual std::shared_ptr<CollectiveHandle> all_gather_coalesced(std::span<const GatherItem> items,
+                                                                 Stream& stream) = 0;
+  // send holds size() * count elements; rank r receives the reduction of
+  // block r (count elements) over all ranks.
+  virtual std::shared_ptr<CollectiveHandle> reduce_scatter(const void* send, void* recv,
+                                                           std::size_t count, DataType type,
+                                                           ReduceOp op, Stream& stream) = 0;
+  // send may equal recv (in place).
+  virtual std::shared_ptr<CollectiveHandle> all_reduce(const void* send, void* recv,
+                                                       std::size_t count, DataType type,
+                                                       ReduceOp op, Stream& stream) = 0;
+  virtual std::shared_ptr<CollectiveHandle> broadcast(void* buffer, std::size_t count,
+                                                      DataType type, int root,
+                                                      Stream& stream) = 0;
+  virtual std::shared_ptr<CollectiveHandle> barrier(Stream& stream) = 0;
+};
+
+// A compute device with its memory, queues and communication.
+class DUCTILE_SDK_API Accelerator : public Plugin {
+ public:
+  static constexpr PluginKind kind = PluginKind::accelerator;
+
+  // "cpu", "cuda", "level_zero".
+  virtual std::string_view backend() const = 0;
+
+  // Devices visible to this process and the one this instance uses.
+  virtual int device_count() const = 0;
+  virtual int current_device() const = 0;
+  virtual DeviceInfo device_info(int device) const = 0;
+
+  // Memory. allocate() of 0 bytes returns a unique non-null pointer that
+  // must still be deallocated. Throws ErrorKind::incompatible when out of
+  // memory.
+  virtual void* allocate(std::size_t bytes, MemoryKind kind) = 0;
+  virtual void deallocate(void* pointer, MemoryKind kind) noexcept = 0;
+
+  virtual std::shared_ptr<Stream> create_stream() = 0;
+  virtual std::shared_ptr<Event> create_event() = 0;
+
+  virtual void copy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind,
+                          Stream& stream) = 0;
+  virtual void memset_async(void* dst, int value, std::size_t bytes, Stream& stream) = 0;
+
+  // The communicator over all ranks of the job (created on first call, which
+  // every rank must make). Rank and size come from MPI or from the launcher's
+  // variables; a single process without a launcher is rank 0 of 1.
+  virtual std::shared_ptr<Communicator> world() = 0;
+};
+
+}  // namespace ductile

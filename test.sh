@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Quick start, part 2: install what is missing, build with assertions,
+# AddressSanitizer and UndefinedBehaviorSanitizer into build/, and run the
+# whole test suite (multi-rank MPI tests included) through ctest.
+set -euo pipefail
+cd "$(dirname "$0")"
+source .ci/setup.sh
+
+ductile_install_packages
+ductile_configure_and_build build RelWithDebInfo ON
+
+cd build
+ctest --output-on-failure --timeout 600 -j "$(ductile_jobs)" "$@"
