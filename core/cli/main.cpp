@@ -1,9 +1,32 @@
 // ductile: the command-line interface.
 #include <iostream>
+#include <optional>
 
 #include "cli_common.hpp"
 #include "ductile/core/logging.hpp"
+#include "ductile/core/text.hpp"
 #include "ductile/version.hpp"
+
+namespace {
+
+// The first word on the command line that should have been a command but is
+// not one (global options and their values skipped).
+std::optional<std::string> unknown_command(CLI::App& app, int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--log-level" || arg == "--plugin-path") {
+      ++i;
+      continue;
+    }
+    if (arg.starts_with("-")) continue;
+    for (const auto* sub : app.get_subcommands({}))
+      if (sub->get_name() == arg) return std::nullopt;
+    return arg;
+  }
+  return std::nullopt;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   using namespace ductile::cli;
@@ -38,6 +61,15 @@ int main(int argc, char** argv) {
         } catch (const CLI::Success& e) {
           return app.exit(e);
         } catch (const CLI::ParseError& e) {
+          if (auto unknown = unknown_command(app, argc, argv)) {
+            std::vector<std::string> names;
+            for (const auto* sub : app.get_subcommands({})) names.push_back(sub->get_name());
+            std::cerr << "ductile: error: unknown command '" << *unknown << "'"
+                      << ductile::core::did_you_mean(*unknown, names)
+                      << "; commands: " << ductile::core::join(names)
+                      << "\nRun 'ductile --help' for more information.\n";
+            return kExitUserError;
+          }
           app.exit(e);
           return kExitUserError;
         }

@@ -172,8 +172,9 @@ std::vector<std::string> allowed_list(const ParamSpec& spec) {
 std::optional<ParamValue> convert_node(const toml::node& node, const ParamSpec& spec,
                                        const std::string& what, std::string& error) {
   auto type_error = [&]() {
-    error = fmt::format("{} must be {}{}, got {} {}", what,
-                        spec.type == ParamType::integer ? "an " : "a ", to_string(spec.type),
+    std::string type = to_string(spec.type);
+    bool vowel = std::string_view("aeiou").find(type[0]) != std::string_view::npos;
+    error = fmt::format("{} must be {}{}, got {} {}", what, vowel ? "an " : "a ", type,
                         toml_type_name(node), show(node));
     return std::nullopt;
   };
@@ -304,9 +305,21 @@ struct ValueFormatter {
     return s;
   }
   std::string operator()(const std::string& s) const {
-    std::ostringstream out;
-    out << toml::value<std::string>(s);
-    return out.str();
+    std::string out = "\"";
+    for (char c : s) {
+      switch (c) {
+        case '"': out += "\\\""; break;
+        case '\\': out += "\\\\"; break;
+        case '\n': out += "\\n"; break;
+        case '\t': out += "\\t"; break;
+        default:
+          if (static_cast<unsigned char>(c) < 0x20)
+            out += fmt::format("\\u{:04x}", static_cast<unsigned>(c));
+          else
+            out += c;
+      }
+    }
+    return out + "\"";
   }
   template <class T>
   std::string operator()(const std::vector<T>& list) const {
@@ -332,8 +345,10 @@ void validate_keys(const toml::table& table, const std::string& file, const std:
   std::vector<std::string> known;
   for (const auto& s : specs) known.emplace_back(s.key);
   for (const auto& s : host_specs) known.emplace_back(s.key);
+  std::vector<std::string> present;
   for (auto&& [key, node] : table) {
     std::string k(key.str());
+    present.push_back(k);
     if (std::find(ignored_keys.begin(), ignored_keys.end(), k) != ignored_keys.end()) continue;
     const ParamSpec* spec = nullptr;
     bool host = false;
@@ -358,7 +373,8 @@ void validate_keys(const toml::table& table, const std::string& file, const std:
   }
   auto fill = [&](const std::vector<ParamSpec>& list, Params& out) {
     for (const auto& s : list) {
-      if (out.has(s.key)) continue;
+      if (out.has(s.key) || std::find(present.begin(), present.end(), s.key) != present.end())
+        continue;
       if (s.flags & param_required) {
         errors.push_back({header, fmt::format("[{}] is missing required key '{}' ({}: {})",
                                               section, s.key, to_string(s.type),
@@ -419,7 +435,7 @@ Config Config::validate(const ConfigDocument& document, const PluginRegistry& re
       if (auto s = sel->value_exact<std::string>()) {
         plugin = *s;
       } else {
-        errors.push_back({selector_at, fmt::format("[{}] {} must be a string naming a {} plugin, "
+        errors.push_back({selector_at, fmt::format("[{}] {} must be a string naming the {} plugin, "
                                                    "got {} {}",
                                                    name, spec->selector, to_string(kind),
                                                    toml_type_name(*sel), show(*sel))});

@@ -205,7 +205,7 @@ fs::path PluginRegistry::builtin_plugin_dir() {
   boost::dll::fs::error_code ec;
   auto here = boost::dll::this_line_location(ec);
   if (ec) return fs::path(DUCTILE_PLUGIN_RELATIVE_DIR);
-  return fs::path(here.parent_path().string()) / DUCTILE_PLUGIN_RELATIVE_DIR;
+  return (fs::path(here.parent_path().string()) / DUCTILE_PLUGIN_RELATIVE_DIR).lexically_normal();
 }
 
 const PluginInfo& PluginRegistry::find(PluginKind kind, std::string_view name) const {

@@ -10,7 +10,7 @@
 # In the ductile source tree the plugin goes to the built-in plugin directory
 # and is installed; out of tree (after find_package(ductile)) it lands in the
 # current binary directory, or in DUCTILE_PLUGIN_OUTPUT_DIR when set.
-set(_DUCTILE_PLUGIN_CMAKE_DIR ${CMAKE_CURRENT_LIST_DIR})
+set(_DUCTILE_PLUGIN_CMAKE_DIR ${CMAKE_CURRENT_LIST_DIR} CACHE INTERNAL "Where DuctilePlugin.cmake lives")
 
 function(ductile_add_plugin)
   cmake_parse_arguments(ARG "" "NAME;KIND" "SOURCES;LIBRARIES" ${ARGN})

@@ -1,0 +1,151 @@
+// The `ductile` CLI as a user runs it: exit codes, output, and garbage input.
+#include <doctest/doctest.h>
+#include <nlohmann/json.hpp>
+
+#include "process.hpp"
+#include "temp_dir.hpp"
+
+namespace fs = std::filesystem;
+using ductile::test::run_process;
+using ductile::test::TempDir;
+
+namespace {
+
+const std::string kGood = (fs::path(FIXTURE_ROOT) / "good").string();
+const std::string kBad = (fs::path(FIXTURE_ROOT) / "bad").string();
+
+ductile::test::ProcessResult cli(std::vector<std::string> args,
+                                 std::vector<std::string> env = {}) {
+  args.insert(args.begin(), DUCTILE_CLI);
+  env.push_back("DUCTILE_PLUGIN_PATH=");
+  return run_process(args, env);
+}
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+}  // namespace
+
+TEST_CASE("--help and --version exit 0; every subcommand has --help") {
+  auto help = cli({"--help"});
+  CHECK(help.exit_code == 0);
+  CHECK(contains(help.out, "plugins"));
+  CHECK(contains(help.out, "config"));
+  auto version = cli({"--version"});
+  CHECK(version.exit_code == 0);
+  CHECK(contains(version.out, "ductile 0.1.0"));
+  CHECK(contains(version.out, "ABI 1.0"));
+  for (auto sub : std::vector<std::vector<std::string>>{
+           {"plugins", "--help"}, {"plugins", "list", "--help"}, {"plugins", "describe", "--help"},
+           {"config", "--help"}, {"config", "check", "--help"}, {"demo", "--help"}}) {
+    auto r = cli(sub);
+    CHECK_MESSAGE(r.exit_code == 0, sub[0]);
+    CHECK(contains(r.out, "Usage"));
+  }
+}
+
+TEST_CASE("plugins list shows kind, name, version, file and description") {
+  auto r = cli({"--plugin-path", kGood, "plugins", "list"});
+  CHECK(r.exit_code == 0);
+  CHECK(contains(r.out, "fixture_good"));
+  CHECK(contains(r.out, "1.2.3"));
+  CHECK(contains(r.out, "A well-formed fixture plugin"));
+  CHECK(contains(r.out, kGood + "/libductile_lr_fixture_good.so"));
+
+  auto j = cli({"--plugin-path", kGood, "plugins", "list", "--json"});
+  REQUIRE(j.exit_code == 0);
+  auto doc = nlohmann::json::parse(j.out);
+  bool found = false;
+  for (const auto& p : doc["plugins"])
+    if (p["name"] == "fixture_good") {
+      found = true;
+      CHECK(p["kind"] == "lr");
+      CHECK(p["version"] == "1.2.3");
+      CHECK(p["file"] == kGood + "/libductile_lr_fixture_good.so");
+    }
+  CHECK(found);
+  CHECK(doc["search_path"][0] == kGood);
+}
+
+TEST_CASE("plugins list reports broken plugin files as problems, not crashes") {
+  auto r = cli({"--plugin-path", kBad, "plugins", "list", "--json"});
+  CHECK(r.exit_code == 0);
+  auto doc = nlohmann::json::parse(r.out);
+  CHECK(doc["problems"].size() == 5);
+}
+
+TEST_CASE("plugins describe prints the schema") {
+  auto r = cli({"--plugin-path", kGood, "plugins", "describe", "fixture_good"});
+  CHECK(r.exit_code == 0);
+  CHECK(contains(r.out, "steps (integer, required, [1, 1000])"));
+  CHECK(contains(r.out, "mode (string, default \"fast\", fast|exact)"));
+  auto j = cli({"--plugin-path", kGood, "plugins", "describe", "lr/fixture_good", "--json"});
+  REQUIRE(j.exit_code == 0);
+  auto doc = nlohmann::json::parse(j.out);
+  CHECK(doc["params"][0]["key"] == "steps");
+  CHECK(doc["params"][0]["required"] == true);
+  CHECK(doc["params"][0]["min"] == 1.0);
+  CHECK(doc["params"][3]["allowed"] == nlohmann::json::array({"fast", "exact"}));
+}
+
+TEST_CASE("describing an unknown plugin is a user error with a suggestion") {
+  auto r = cli({"--plugin-path", kGood, "plugins", "describe", "fixture_goodd"});
+  CHECK(r.exit_code == 2);
+  CHECK(contains(r.err, "no plugin named 'fixture_goodd' (did you mean 'fixture_good'?)"));
+  auto j = cli({"--plugin-path", kGood, "plugins", "describe", "nope", "--json"});
+  CHECK(j.exit_code == 2);
+  auto doc = nlohmann::json::parse(j.out);
+  CHECK(doc["error"]["type"] == "NotFound");
+}
+
+TEST_CASE("config check: 0 for a valid file, 2 with every error otherwise") {
+  TempDir dir;
+  auto ok = dir.write("ok.toml", "[lr]\nrule = \"fixture_good\"\nsteps = 4\n");
+  auto r = cli({"--plugin-path", kGood, "config", "check", ok.string()});
+  CHECK(r.exit_code == 0);
+  CHECK(contains(r.out, "valid"));
+  CHECK(contains(r.out, "steps = 4"));
+
+  auto bad = dir.write("bad.toml", "[lr]\nrule = \"fixture_good\"\nsteps = 0\nmode = \"slow\"\n");
+  auto b = cli({"--plugin-path", kGood, "config", "check", bad.string()});
+  CHECK(b.exit_code == 2);
+  CHECK(contains(b.err, bad.string() + ":3:9: [lr] steps = 0 is out of range"));
+  CHECK(contains(b.err, bad.string() + ":4:8: [lr] mode = \"slow\" is not allowed"));
+}
+
+TEST_CASE("garbage input never crashes the CLI") {
+  TempDir dir;
+  std::string binary;
+  for (int i = 0; i < 4096; ++i) binary.push_back(static_cast<char>((i * 7919) % 256));
+  auto garbage = dir.write("garbage.toml", binary);
+  auto deep = dir.write("deep.toml", "x = " + std::string(5000, '[') + "\n");
+  auto huge = dir.write("huge.toml", "[lr]\nrule = \"fixture_good\"\nsteps = 99999999999999999999\n");
+  for (const auto& file : {garbage, deep, huge, dir.path() / "missing.toml", dir.path()}) {
+    auto r = cli({"--plugin-path", kGood, "config", "check", file.string()});
+    CHECK_MESSAGE(r.exit_code == 2, file.string() << ": " << r.err);
+    CHECK(contains(r.err, "ductile: error:"));
+  }
+  auto self = cli({"config", "check", DUCTILE_CLI});
+  CHECK(self.exit_code == 2);
+}
+
+TEST_CASE("bad command lines are user errors") {
+  CHECK(cli({}).exit_code == 2);
+  auto unknown = cli({"plugns"});
+  CHECK(unknown.exit_code == 2);
+  CHECK(contains(unknown.err, "unknown command 'plugns' (did you mean 'plugins'?)"));
+  CHECK(cli({"plugins", "describe"}).exit_code == 2);
+  CHECK(cli({"--log-level", "loud", "plugins", "list"}).exit_code == 2);
+  auto env = cli({"plugins", "list"}, {"DUCTILE_LOG_LEVEL=chatty"});
+  CHECK(env.exit_code == 2);
+  CHECK(contains(env.err, "DUCTILE_LOG_LEVEL: invalid log level 'chatty'"));
+}
+
+TEST_CASE("the CLI finds its built-in plugin directory by itself") {
+  auto r = cli({"plugins", "list", "--json"});
+  REQUIRE(r.exit_code == 0);
+  auto doc = nlohmann::json::parse(r.out);
+  CHECK(fs::weakly_canonical(doc["search_path"].back().get<std::string>()) ==
+        fs::weakly_canonical(DUCTILE_PLUGIN_DIR));
+}

@@ -1,0 +1,175 @@
+// Configuration validation: exact messages and positions, all errors at once.
+#include <doctest/doctest.h>
+
+#include "ductile/core/config.hpp"
+#include "ductile/core/registry.hpp"
+#include "ductile/core/runtime.hpp"
+#include "temp_dir.hpp"
+
+namespace fs = std::filesystem;
+using namespace ductile;
+using namespace ductile::core;
+
+namespace {
+
+const fs::path kGood = fs::path(FIXTURE_ROOT) / "good";
+
+const PluginRegistry& registry() {
+  static PluginRegistry r({kGood}, nullptr);
+  return r;
+}
+
+std::vector<std::string> errors_of(std::string_view text) {
+  try {
+    auto doc = ConfigDocument::from_string(text, "job.toml");
+    Config::validate(doc, registry());
+  } catch (const ConfigError& e) {
+    CHECK(e.kind() == ErrorKind::config);
+    std::vector<std::string> out;
+    for (const auto& d : e.diagnostics()) out.push_back(d.format());
+    return out;
+  }
+  return {};
+}
+
+}  // namespace
+
+TEST_CASE("a valid section gets its parameters with defaults filled in") {
+  auto doc = ConfigDocument::from_string("[lr]\nrule = \"fixture_good\"\nsteps = 12\nscale = 3\n",
+                                         "job.toml");
+  auto config = Config::validate(doc, registry());
+  const PluginSection* lr = config.section(PluginKind::lr);
+  REQUIRE(lr != nullptr);
+  CHECK(lr->plugin == "fixture_good");
+  CHECK(lr->params.get_int("steps") == 12);
+  CHECK(lr->params.get_double("scale") == 3.0);  // an integer literal is accepted for a float
+  CHECK(lr->params.get_bool("enabled") == true);
+  CHECK(lr->params.get_string("mode") == "fast");
+  CHECK(lr->params.get_int_list("sizes") == std::vector<std::int64_t>{2, 4});
+  CHECK_FALSE(lr->params.has("label"));
+  CHECK(lr->where.line == 1);
+  CHECK(config.host_section("log")->get_string("level") == "info");
+}
+
+TEST_CASE("every error of a file is reported together, in file order, with positions") {
+  auto errors = errors_of(
+      "[lr]\n"
+      "rule = \"fixture_good\"\n"
+      "stepz = 3\n"
+      "scale = \"big\"\n"
+      "mode = \"exakt\"\n"
+      "sizes = [2, 0]\n"
+      "\n"
+      "[elastcity]\n"
+      "policy = \"v0.1\"\n"
+      "\n"
+      "[accelerator]\n"
+      "backend = 7\n");
+  REQUIRE(errors.size() == 7);
+  CHECK(errors[0] == "job.toml:1:1: [lr] is missing required key 'steps' (integer: Number of steps)");
+  CHECK(errors[1] ==
+        "job.toml:3:1: unknown key 'stepz' in [lr] (did you mean 'steps'?); valid keys: steps, "
+        "scale, enabled, mode, sizes, label");
+  CHECK(errors[2] == "job.toml:4:9: [lr] scale must be a float, got string 'big'");
+  CHECK(errors[3] ==
+        "job.toml:5:8: [lr] mode = \"exakt\" is not allowed (did you mean 'exact'?); valid values: "
+        "fast, exact");
+  CHECK(errors[4] == "job.toml:6:9: [lr] sizes[1] = 0 is out of range: must be >= 1");
+  CHECK(errors[5] ==
+        "job.toml:8:2: unknown section [elastcity] (did you mean 'elasticity'?); valid sections: "
+        "plugins, log, elasticity, batching, lr, accelerator, zero");
+  CHECK(errors[6] ==
+        "job.toml:12:11: [accelerator] backend must be a string naming the accelerator plugin, got "
+        "integer 7");
+}
+
+TEST_CASE("wrong types and ranges name the key, the value and what is valid") {
+  auto errors = errors_of("[lr]\nrule = \"fixture_good\"\nsteps = 5000\nenabled = 1\n"
+                          "sizes = \"2,4\"\nlabel = [1]\n");
+  REQUIRE(errors.size() == 4);
+  CHECK(errors[0] == "job.toml:3:9: [lr] steps = 5000 is out of range: must be between 1 and 1000");
+  CHECK(errors[1] == "job.toml:4:11: [lr] enabled must be a boolean, got integer 1");
+  CHECK(errors[2] == "job.toml:5:9: [lr] sizes must be an array of integers, got string '2,4'");
+  CHECK(errors[3] == "job.toml:6:9: [lr] label must be a string, got array [ 1 ]");
+}
+
+TEST_CASE("an unknown plugin is reported at its selector with the closest name") {
+  auto errors = errors_of("[lr]\nrule = \"fixture_goo\"\n");
+  REQUIRE(errors.size() == 1);
+  CHECK(errors[0].starts_with(
+      "job.toml:2:8: [lr] rule = \"fixture_goo\": no lr plugin named 'fixture_goo' (did you mean "
+      "'fixture_good'?); available: fixture_good, fixture_throws; searched: "));
+}
+
+TEST_CASE("a plugin section without its selector lists the available plugins") {
+  auto errors = errors_of("\n[lr]\nsteps = 3\n");
+  REQUIRE(errors.size() == 1);
+  CHECK(errors[0] ==
+        "job.toml:2:1: [lr] must name its plugin with rule = \"...\"; available: fixture_good, "
+        "fixture_throws");
+}
+
+TEST_CASE("a section that is not a table is an error") {
+  auto errors = errors_of("lr = 3\n");
+  REQUIRE(errors.size() == 1);
+  CHECK(errors[0] == "job.toml:1:6: 'lr' must be a table ([lr]), got integer 3");
+}
+
+TEST_CASE("invalid TOML is reported at its position") {
+  auto errors = errors_of("[lr]\nrule = \"fixture_good\nsteps = 3\n");
+  REQUIRE(errors.size() == 1);
+  CHECK(errors[0].starts_with("job.toml:2:"));
+  CHECK(errors[0].find("invalid TOML") != std::string::npos);
+}
+
+TEST_CASE("host sections are validated too") {
+  auto errors = errors_of("[log]\nlevel = \"verbose\"\n[plugins]\npath = \"x\"\n");
+  REQUIRE(errors.size() == 2);
+  CHECK(errors[0] ==
+        "job.toml:2:9: [log] level = \"verbose\" is not allowed; valid values: trace, debug, info, "
+        "warn, error, critical, off");
+  CHECK(errors[1] == "job.toml:4:8: [plugins] path must be an array of strings, got string 'x'");
+}
+
+TEST_CASE("a missing or unreadable file is a config error naming it") {
+  try {
+    ConfigDocument::from_file("/nonexistent/job.toml");
+    FAIL("no error");
+  } catch (const ConfigError& e) {
+    CHECK(std::string(e.what()) == "/nonexistent/job.toml: configuration file does not exist");
+  }
+}
+
+TEST_CASE("[plugins] path is resolved against the config file's directory") {
+  test::TempDir dir;
+  fs::create_directories(dir / "conf");
+  auto file = dir.write("conf/job.toml", "[plugins]\npath = [\"../plugins\", \"/abs\"]\n");
+  auto doc = ConfigDocument::from_file(file);
+  auto dirs = doc.plugin_dirs();
+  REQUIRE(dirs.size() == 2);
+  CHECK(dirs[0] == dir / "conf" / "../plugins");
+  CHECK(dirs[1] == "/abs");
+}
+
+TEST_CASE("the runtime creates the configured plugin once and shares it") {
+  std::string text = "[plugins]\npath = [\"" + kGood.string() +
+                     "\"]\n[lr]\nrule = \"fixture_good\"\nsteps = 2\n";
+  auto runtime = Runtime::from_string(text, "inline.toml");
+  CHECK(runtime.has(PluginKind::lr));
+  CHECK_FALSE(runtime.has(PluginKind::elasticity));
+  auto a = runtime.instance(PluginKind::lr);
+  auto b = runtime.instance(PluginKind::lr);
+  CHECK(a == b);
+  CHECK_THROWS_WITH_AS(runtime.instance(PluginKind::elasticity),
+                       "inline.toml: no [elasticity] section; add one naming the elasticity "
+                       "plugin to use",
+                       Error);
+}
+
+TEST_CASE("parameter literals round-trip through format_param_value") {
+  ParamSpec list{"xs", ParamType::float_list, 0, nullptr, 0, 0, nullptr, ""};
+  CHECK(format_param_value(parse_param_literal(list, "[1, 2.5]")) == "[1.0, 2.5]");
+  ParamSpec text{"s", ParamType::string, 0, nullptr, 0, 0, nullptr, ""};
+  CHECK(format_param_value(parse_param_literal(text, "\"a\\\"b\"")) == "\"a\\\"b\"");
+  CHECK_THROWS_AS(parse_param_literal(text, "[1"), Error);
+}

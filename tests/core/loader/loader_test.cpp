@@ -1,0 +1,211 @@
+// The plugin loader and registry against real fixture libraries.
+#include <dlfcn.h>
+#include <stdlib.h>
+
+#include <sstream>
+
+#include <doctest/doctest.h>
+#include <spdlog/sinks/ostream_sink.h>
+
+#include "ductile/core/registry.hpp"
+#include "ductile/core/runtime.hpp"
+
+namespace fs = std::filesystem;
+using namespace ductile;
+using namespace ductile::core;
+
+namespace {
+
+const fs::path kRoot = FIXTURE_ROOT;
+
+std::string load_error(const fs::path& file) {
+  try {
+    load_plugin_file(file);
+  } catch (const Error& e) {
+    CHECK(e.kind() == ErrorKind::plugin);
+    return e.what();
+  }
+  FAIL("loading " << file << " did not fail");
+  return {};
+}
+
+struct CapturedLog {
+  std::ostringstream stream;
+  std::shared_ptr<spdlog::logger> logger;
+  CapturedLog() {
+    auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(stream);
+    logger = std::make_shared<spdlog::logger>("capture", sink);
+    logger->set_level(spdlog::level::debug);
+  }
+};
+
+bool library_loaded(const fs::path& file) {
+  void* handle = dlopen(file.c_str(), RTLD_NOW | RTLD_NOLOAD);
+  if (!handle) return false;
+  dlclose(handle);
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("a well-formed plugin loads with its descriptor and schema") {
+  auto info = load_plugin_file(kRoot / "good" / "libductile_lr_fixture_good.so");
+  CHECK(info.kind == PluginKind::lr);
+  CHECK(info.name == "fixture_good");
+  CHECK(info.version == "1.2.3");
+  CHECK(info.description == "A well-formed fixture plugin");
+  CHECK(info.abi_major == DUCTILE_ABI_MAJOR);
+  CHECK(info.build_tag == DUCTILE_BUILD_TAG);
+  REQUIRE(info.params.size() == 6);
+  CHECK(std::string(info.params[0].key) == "steps");
+  CHECK((info.params[0].flags & param_required) != 0);
+  CHECK(static_cast<bool>(info.factory));
+}
+
+TEST_CASE("a plugin built for another ABI major is refused, naming both versions") {
+  auto message = load_error(kRoot / "bad" / "libductile_lr_fixture_abi.so");
+  CHECK(message.find("libductile_lr_fixture_abi.so") != std::string::npos);
+  CHECK(message.find("plugin ABI 99.0") != std::string::npos);
+  CHECK(message.find("this ductile uses ABI 1.0") != std::string::npos);
+}
+
+TEST_CASE("a plugin with another build tag is refused, naming both tags") {
+  auto message = load_error(kRoot / "bad" / "libductile_lr_fixture_tag.so");
+  CHECK(message.find("'msvc-19/msvc-stl/c++202002/sdk-0.1'") != std::string::npos);
+  CHECK(message.find(std::string("'") + DUCTILE_BUILD_TAG + "'") != std::string::npos);
+}
+
+TEST_CASE("a shared library without the entry symbol is refused") {
+  auto message = load_error(kRoot / "bad" / "libductile_lr_fixture_noentry.so");
+  CHECK(message.find("does not export the entry symbol 'ductile_plugin_entry'") !=
+        std::string::npos);
+}
+
+TEST_CASE("a file that is not a shared library is refused") {
+  auto message = load_error(kRoot / "bad" / "libductile_lr_fixture_text.so");
+  CHECK(message.find("is not a loadable shared library") != std::string::npos);
+  CHECK(message.find("libductile_lr_fixture_text.so") != std::string::npos);
+}
+
+TEST_CASE("a plugin whose descriptor contradicts its file name is refused") {
+  auto message = load_error(kRoot / "bad" / "libductile_lr_fixture_misnamed.so");
+  CHECK(message.find("declares plugin lr/something_else") != std::string::npos);
+  CHECK(message.find("libductile_lr_something_else.so") != std::string::npos);
+}
+
+TEST_CASE("a missing file is not_found") {
+  try {
+    load_plugin_file(kRoot / "good" / "libductile_lr_nothing.so");
+    FAIL("no error");
+  } catch (const Error& e) {
+    CHECK(e.kind() == ErrorKind::not_found);
+  }
+}
+
+TEST_CASE("the registry collects broken files as problems and reports them on lookup") {
+  CapturedLog log;
+  PluginRegistry registry({kRoot / "bad"}, log.logger);
+  CHECK(registry.plugins().empty());
+  CHECK(registry.problems().size() == 5);
+  CHECK(log.stream.str().find("[warning]") != std::string::npos);
+  try {
+    registry.find(PluginKind::lr, "fixture_abi");
+    FAIL("no error");
+  } catch (const Error& e) {
+    CHECK(e.kind() == ErrorKind::plugin);
+    CHECK(std::string(e.what()).find("lr plugin 'fixture_abi' cannot be used") != std::string::npos);
+    CHECK(std::string(e.what()).find("ABI 99.0") != std::string::npos);
+  }
+}
+
+TEST_CASE("an unknown plugin name lists what exists and suggests the closest") {
+  PluginRegistry registry({kRoot / "good"}, nullptr);
+  REQUIRE(registry.plugins().size() == 2);
+  try {
+    registry.find(PluginKind::lr, "fixture_goood");
+    FAIL("no error");
+  } catch (const Error& e) {
+    std::string message = e.what();
+    CHECK(e.kind() == ErrorKind::not_found);
+    CHECK(message.find("no lr plugin named 'fixture_goood' (did you mean 'fixture_good'?)") !=
+          std::string::npos);
+    CHECK(message.find("available: fixture_good, fixture_throws") != std::string::npos);
+  }
+  CHECK_THROWS_AS(registry.find(PluginKind::elasticity, "fixture_good"), Error);
+  CHECK(registry.find_any("lr/fixture_good").name == "fixture_good");
+  CHECK(registry.find_any("fixture_good").kind == PluginKind::lr);
+}
+
+TEST_CASE("the first of two plugins with the same kind and name wins, with a warning naming both") {
+  CapturedLog log;
+  PluginRegistry registry({kRoot / "dup_a", kRoot / "dup_b"}, log.logger);
+  REQUIRE(registry.plugins().size() == 1);
+  CHECK(registry.plugins()[0].version == "1.0.0-a");
+  std::string text = log.stream.str();
+  CHECK(text.find((kRoot / "dup_a" / "libductile_lr_fixture_dup.so").string()) != std::string::npos);
+  CHECK(text.find((kRoot / "dup_b" / "libductile_lr_fixture_dup.so").string()) != std::string::npos);
+
+  PluginRegistry reversed({kRoot / "dup_b", kRoot / "dup_a"}, nullptr);
+  CHECK(reversed.plugins()[0].version == "2.0.0-b");
+}
+
+TEST_CASE("a throwing factory becomes a plugin error with the plugin's message") {
+  auto runtime = Runtime::from_string("", "inline.toml", {{kRoot / "good"}, nullptr});
+  try {
+    runtime.create(PluginKind::lr, "fixture_throws", {});
+    FAIL("no error");
+  } catch (const Error& e) {
+    CHECK(e.kind() == ErrorKind::plugin);
+    std::string message = e.what();
+    CHECK(message.find("lr plugin 'fixture_throws'") != std::string::npos);
+    CHECK(message.find("fixture refuses to start: no GPU attached") != std::string::npos);
+  }
+}
+
+TEST_CASE("objects keep their library loaded after the registry is gone") {
+  const fs::path file = kRoot / "good" / "libductile_lr_fixture_good.so";
+  REQUIRE_FALSE(library_loaded(file));
+  std::shared_ptr<Plugin> object;
+  {
+    auto runtime = Runtime::from_string("", "inline.toml", {{kRoot / "good"}, nullptr});
+    Params params;
+    params.set("steps", std::int64_t{3});
+    params.set("scale", 2.5);
+    object = runtime.create(PluginKind::lr, "fixture_good", params);
+    CHECK(library_loaded(file));
+  }
+  CHECK(library_loaded(file));
+  REQUIRE(object);
+  object.reset();
+  CHECK_FALSE(library_loaded(file));
+}
+
+TEST_CASE("explicit parameters are checked against the schema") {
+  auto runtime = Runtime::from_string("", "inline.toml", {{kRoot / "good"}, nullptr});
+  Params missing;
+  CHECK_THROWS_WITH_AS(runtime.create(PluginKind::lr, "fixture_good", missing),
+                       "lr plugin 'fixture_good': missing required parameter 'steps'", Error);
+  Params bad;
+  bad.set("steps", std::int64_t{0});
+  bad.set("stepz", std::int64_t{1});
+  std::string message;
+  try {
+    runtime.create(PluginKind::lr, "fixture_good", bad);
+  } catch (const Error& e) {
+    message = e.what();
+  }
+  CHECK(message.find("unknown parameter 'stepz' (did you mean 'steps'?)") != std::string::npos);
+  CHECK(message.find("steps = 0 is out of range: must be between 1 and 1000") != std::string::npos);
+}
+
+TEST_CASE("the search path is config dirs, then DUCTILE_PLUGIN_PATH, then the built-in dir") {
+  setenv("DUCTILE_PLUGIN_PATH", "/opt/a::/opt/b", 1);
+  auto path = PluginRegistry::default_search_path({"/etc/x"});
+  unsetenv("DUCTILE_PLUGIN_PATH");
+  REQUIRE(path.size() == 4);
+  CHECK(path[0] == "/etc/x");
+  CHECK(path[1] == "/opt/a");
+  CHECK(path[2] == "/opt/b");
+  CHECK(path[3] == PluginRegistry::builtin_plugin_dir());
+  CHECK(path[3] == fs::path(DUCTILE_PLUGIN_DIR));
+}
