@@ -2,8 +2,8 @@
 
 #include <iostream>
 
-#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
+#include <nlohmann/json.hpp>
 
 #include "ductile/core/config.hpp"
 #include "ductile/core/logging.hpp"
@@ -49,15 +49,24 @@ std::string error_type_name(const std::exception& e) {
   if (auto* error = dynamic_cast<const Error*>(&e)) {
     if (!error->type().empty()) return error->type();
     switch (error->kind()) {
-      case ErrorKind::invalid_argument: return "InvalidArgument";
-      case ErrorKind::config: return "ConfigError";
-      case ErrorKind::not_found: return "NotFound";
-      case ErrorKind::plugin: return "PluginError";
-      case ErrorKind::io: return "IoError";
-      case ErrorKind::incompatible: return "Incompatible";
-      case ErrorKind::communication: return "CommunicationError";
-      case ErrorKind::unsupported: return "Unsupported";
-      case ErrorKind::internal: return "InternalError";
+      case ErrorKind::invalid_argument:
+        return "InvalidArgument";
+      case ErrorKind::config:
+        return "ConfigError";
+      case ErrorKind::not_found:
+        return "NotFound";
+      case ErrorKind::plugin:
+        return "PluginError";
+      case ErrorKind::io:
+        return "IoError";
+      case ErrorKind::incompatible:
+        return "Incompatible";
+      case ErrorKind::communication:
+        return "CommunicationError";
+      case ErrorKind::unsupported:
+        return "Unsupported";
+      case ErrorKind::internal:
+        return "InternalError";
     }
   }
   return "InternalError";

@@ -31,7 +31,8 @@ struct CliContext {
   // {"error": {"type", "message"}}.
   const bool* json = nullptr;
 
-  core::PluginRegistry make_registry(const std::vector<std::filesystem::path>& config_dirs = {}) const;
+  core::PluginRegistry make_registry(
+      const std::vector<std::filesystem::path>& config_dirs = {}) const;
   core::Runtime load_runtime(const std::filesystem::path& config_file) const;
   core::RuntimeOptions runtime_options() const;
 };

@@ -35,8 +35,9 @@ void register_config_command(CLI::App& app, CliContext& context) {
   auto* config = app.add_subcommand("config", "Work with configuration files");
   config->require_subcommand(1);
   auto* check = config->add_subcommand(
-      "check", "Validate a configuration file against the schemas of the plugins it selects "
-               "(exit 0 if valid, 2 with every error otherwise)");
+      "check",
+      "Validate a configuration file against the schemas of the plugins it selects "
+      "(exit 0 if valid, 2 with every error otherwise)");
   check->add_option("FILE", options->file, "TOML configuration file")->required();
   set_action(check, context, [&context, options] { return check_config(context, *options); });
 }

@@ -42,9 +42,9 @@ int run_demo(const CliContext& context, const DemoOptions& options) {
 
 void register_demo_command(CLI::App& app, CliContext& context) {
   auto options = std::make_shared<DemoOptions>();
-  auto* demo = app.add_subcommand("demo", "Run the framework on a configuration and show what it did");
-  demo->add_option("--config", options->config, "TOML configuration file")
-      ->capture_default_str();
+  auto* demo =
+      app.add_subcommand("demo", "Run the framework on a configuration and show what it did");
+  demo->add_option("--config", options->config, "TOML configuration file")->capture_default_str();
   set_action(demo, context, [&context, options] { return run_demo(context, *options); });
 }
 

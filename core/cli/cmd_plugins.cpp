@@ -35,7 +35,8 @@ std::string range_text(const ParamSpec& p) {
     out = fmt::format("<= {}", num(p.max_value));
   if (p.allowed_values) {
     std::string values;
-    for (auto v = p.allowed_values; *v; ++v) values += (values.empty() ? "" : "|") + std::string(*v);
+    for (auto v = p.allowed_values; *v; ++v)
+      values += (values.empty() ? "" : "|") + std::string(*v);
     out += (out.empty() ? "" : " ") + values;
   }
   return out;
@@ -99,9 +100,12 @@ int describe_plugin(const CliContext& context, const PluginsOptions& options) {
   auto registry = context.make_registry();
   const auto& info = registry.find_any(options.name);
   if (options.json) {
-    nlohmann::json out = {{"kind", to_string(info.kind)},   {"name", info.name},
-                          {"version", info.version},        {"description", info.description},
-                          {"file", info.file.string()},     {"build_tag", info.build_tag},
+    nlohmann::json out = {{"kind", to_string(info.kind)},
+                          {"name", info.name},
+                          {"version", info.version},
+                          {"description", info.description},
+                          {"file", info.file.string()},
+                          {"build_tag", info.build_tag},
                           {"abi", fmt::format("{}.{}", info.abi_major, info.abi_minor)},
                           {"params", schema_json(info)}};
     std::cout << out.dump(2) << std::endl;

@@ -35,11 +35,11 @@ int main(int argc, char** argv) {
       [&]() -> int {
         CLI::App app{"ductile: elastic, dynamically batched, sharded deep-learning training"};
         app.name("ductile");
-        app.set_version_flag("--version",
-                             std::string("ductile " DUCTILE_VERSION " (SDK " DUCTILE_SDK_VERSION_STRING
-                                         ", ABI ") +
-                                 std::to_string(DUCTILE_ABI_MAJOR) + "." +
-                                 std::to_string(DUCTILE_ABI_MINOR) + ", " DUCTILE_BUILD_TAG ")");
+        app.set_version_flag(
+            "--version",
+            std::string("ductile " DUCTILE_VERSION " (SDK " DUCTILE_SDK_VERSION_STRING ", ABI ") +
+                std::to_string(DUCTILE_ABI_MAJOR) + "." + std::to_string(DUCTILE_ABI_MINOR) +
+                ", " DUCTILE_BUILD_TAG ")");
         app.require_subcommand(1);
         app.fallthrough();
         app.add_option_function<std::string>(

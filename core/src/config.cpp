@@ -35,7 +35,8 @@ std::string join_diagnostics(const std::vector<Diagnostic>& diagnostics) {
 }  // namespace
 
 ConfigError::ConfigError(std::vector<Diagnostic> diagnostics)
-    : Error(ErrorKind::config, join_diagnostics(diagnostics)), diagnostics_(std::move(diagnostics)) {}
+    : Error(ErrorKind::config, join_diagnostics(diagnostics)),
+      diagnostics_(std::move(diagnostics)) {}
 
 struct ConfigDocument::Impl {
   std::string source_name;
@@ -48,8 +49,12 @@ ConfigDocument::ConfigDocument(ConfigDocument&&) noexcept = default;
 ConfigDocument& ConfigDocument::operator=(ConfigDocument&&) noexcept = default;
 ConfigDocument::~ConfigDocument() = default;
 
-const std::string& ConfigDocument::source_name() const { return impl_->source_name; }
-const fs::path& ConfigDocument::base_dir() const { return impl_->base_dir; }
+const std::string& ConfigDocument::source_name() const {
+  return impl_->source_name;
+}
+const fs::path& ConfigDocument::base_dir() const {
+  return impl_->base_dir;
+}
 
 SourcePosition position_of(const std::string& file, const toml::source_region& region) {
   return {file, region.begin.line, region.begin.column};
@@ -112,16 +117,26 @@ namespace {
 
 const char* toml_type_name(const toml::node& node) {
   switch (node.type()) {
-    case toml::node_type::table: return "table";
-    case toml::node_type::array: return "array";
-    case toml::node_type::string: return "string";
-    case toml::node_type::integer: return "integer";
-    case toml::node_type::floating_point: return "float";
-    case toml::node_type::boolean: return "boolean";
-    case toml::node_type::date: return "date";
-    case toml::node_type::time: return "time";
-    case toml::node_type::date_time: return "date-time";
-    default: return "nothing";
+    case toml::node_type::table:
+      return "table";
+    case toml::node_type::array:
+      return "array";
+    case toml::node_type::string:
+      return "string";
+    case toml::node_type::integer:
+      return "integer";
+    case toml::node_type::floating_point:
+      return "float";
+    case toml::node_type::boolean:
+      return "boolean";
+    case toml::node_type::date:
+      return "date";
+    case toml::node_type::time:
+      return "time";
+    case toml::node_type::date_time:
+      return "date-time";
+    default:
+      return "nothing";
   }
 }
 
@@ -139,7 +154,8 @@ std::string bounds_text(const ParamSpec& spec) {
   auto num = [&](double v) {
     return integral ? fmt::format("{}", static_cast<long long>(v)) : fmt::format("{}", v);
   };
-  if (has_min && has_max) return fmt::format("between {} and {}", num(spec.min_value), num(spec.max_value));
+  if (has_min && has_max)
+    return fmt::format("between {} and {}", num(spec.min_value), num(spec.max_value));
   if (has_min) return fmt::format(">= {}", num(spec.min_value));
   if (has_max) return fmt::format("<= {}", num(spec.max_value));
   return "";
@@ -308,10 +324,18 @@ struct ValueFormatter {
     std::string out = "\"";
     for (char c : s) {
       switch (c) {
-        case '"': out += "\\\""; break;
-        case '\\': out += "\\\\"; break;
-        case '\n': out += "\\n"; break;
-        case '\t': out += "\\t"; break;
+        case '"':
+          out += "\\\"";
+          break;
+        case '\\':
+          out += "\\\\";
+          break;
+        case '\n':
+          out += "\\n";
+          break;
+        case '\t':
+          out += "\\t";
+          break;
         default:
           if (static_cast<unsigned char>(c) < 0x20)
             out += fmt::format("\\u{:04x}", static_cast<unsigned>(c));
@@ -376,9 +400,8 @@ void validate_keys(const toml::table& table, const std::string& file, const std:
       if (out.has(s.key) || std::find(present.begin(), present.end(), s.key) != present.end())
         continue;
       if (s.flags & param_required) {
-        errors.push_back({header, fmt::format("[{}] is missing required key '{}' ({}: {})",
-                                              section, s.key, to_string(s.type),
-                                              s.doc ? s.doc : "")});
+        errors.push_back({header, fmt::format("[{}] is missing required key '{}' ({}: {})", section,
+                                              s.key, to_string(s.type), s.doc ? s.doc : "")});
       } else if (s.default_value) {
         try {
           out.set(s.key, parse_param_literal(s, s.default_value));
@@ -477,8 +500,7 @@ Config Config::validate(const ConfigDocument& document, const PluginRegistry& re
       if (spec->default_plugin.empty()) {
         errors.push_back({header, fmt::format("[{}] must name its plugin with {} = \"...\"; "
                                               "available: {}",
-                                              name, spec->selector,
-                                              join(registry.names(kind)))});
+                                              name, spec->selector, join(registry.names(kind)))});
         continue;
       }
       plugin = spec->default_plugin;

@@ -35,7 +35,7 @@ void ensure_root(LoggingState& s) {
 }  // namespace
 
 spdlog::level::level_enum parse_log_level(std::string_view text, std::string_view where) {
-  static const std::vector<std::string> names = {"trace", "debug", "info",    "warn",
+  static const std::vector<std::string> names = {"trace", "debug",    "info", "warn",
                                                  "error", "critical", "off"};
   for (std::size_t i = 0; i < names.size(); ++i)
     if (text == names[i]) return static_cast<spdlog::level::level_enum>(i);

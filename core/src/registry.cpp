@@ -5,9 +5,9 @@
 #include <map>
 #include <system_error>
 
+#include <fmt/format.h>
 #include <boost/dll/runtime_symbol_info.hpp>
 #include <boost/dll/shared_library.hpp>
-#include <fmt/format.h>
 
 #include "ductile/core/text.hpp"
 #include "ductile/version.hpp"
@@ -42,7 +42,9 @@ bool split_file_name(const fs::path& file, PluginKind& kind, std::string& name) 
   return true;
 }
 
-std::string kind_list() { return join(plugin_kind_names()); }
+std::string kind_list() {
+  return join(plugin_kind_names());
+}
 
 }  // namespace
 
@@ -87,12 +89,14 @@ PluginInfo load_plugin_file(const fs::path& file) {
   auto entry = library.get<const ductile_plugin_descriptor*()>(DUCTILE_PLUGIN_ENTRY_SYMBOL);
   const ductile_plugin_descriptor* d = entry();
   if (d == nullptr)
-    throw Error(ErrorKind::plugin, fmt::format("'{}': its entry point returned no descriptor", shown));
-  if (d->abi_major != DUCTILE_ABI_MAJOR) {
     throw Error(ErrorKind::plugin,
-                fmt::format("'{}' was built for plugin ABI {}.{} but this ductile uses ABI {}.{}; "
-                            "rebuild the plugin against this SDK",
-                            shown, d->abi_major, d->abi_minor, DUCTILE_ABI_MAJOR, DUCTILE_ABI_MINOR));
+                fmt::format("'{}': its entry point returned no descriptor", shown));
+  if (d->abi_major != DUCTILE_ABI_MAJOR) {
+    throw Error(
+        ErrorKind::plugin,
+        fmt::format("'{}' was built for plugin ABI {}.{} but this ductile uses ABI {}.{}; "
+                    "rebuild the plugin against this SDK",
+                    shown, d->abi_major, d->abi_minor, DUCTILE_ABI_MAJOR, DUCTILE_ABI_MINOR));
   }
   std::string tag = d->build_tag ? d->build_tag : "";
   if (tag != DUCTILE_BUILD_TAG) {
@@ -107,9 +111,9 @@ PluginInfo load_plugin_file(const fs::path& file) {
   }
   if (d->name == nullptr || *d->name == '\0' || d->create == nullptr ||
       (d->param_count > 0 && d->params == nullptr)) {
-    throw Error(ErrorKind::plugin,
-                fmt::format("'{}' has an incomplete descriptor (name, factory or schema missing)",
-                            shown));
+    throw Error(
+        ErrorKind::plugin,
+        fmt::format("'{}' has an incomplete descriptor (name, factory or schema missing)", shown));
   }
   PluginInfo info;
   info.kind = static_cast<PluginKind>(d->kind);
@@ -166,9 +170,10 @@ PluginRegistry::PluginRegistry(std::vector<fs::path> search_path,
       auto key = std::make_pair(kind, name);
       if (auto found = seen.find(key); found != seen.end()) {
         if (logger_)
-          logger_->warn("plugin {}/{} found twice: using '{}', ignoring '{}' (earlier on the "
-                        "search path wins)",
-                        to_string(kind), name, found->second.string(), file.string());
+          logger_->warn(
+              "plugin {}/{} found twice: using '{}', ignoring '{}' (earlier on the "
+              "search path wins)",
+              to_string(kind), name, found->second.string(), file.string());
         continue;
       }
       seen.emplace(key, file);
@@ -185,7 +190,8 @@ PluginRegistry::PluginRegistry(std::vector<fs::path> search_path,
   });
 }
 
-std::vector<fs::path> PluginRegistry::default_search_path(const std::vector<fs::path>& config_dirs) {
+std::vector<fs::path> PluginRegistry::default_search_path(
+    const std::vector<fs::path>& config_dirs) {
   std::vector<fs::path> path(config_dirs.begin(), config_dirs.end());
   if (const char* env = std::getenv("DUCTILE_PLUGIN_PATH"); env && *env) {
     std::string_view rest(env);
@@ -247,8 +253,9 @@ const PluginInfo& PluginRegistry::find_any(std::string_view name) const {
     }
   }
   if (qualified.size() > 1)
-    throw Error(ErrorKind::invalid_argument,
-                fmt::format("plugin name '{}' is ambiguous; use one of: {}", name, join(qualified)));
+    throw Error(
+        ErrorKind::invalid_argument,
+        fmt::format("plugin name '{}' is ambiguous; use one of: {}", name, join(qualified)));
   if (match) return *match;
   std::sort(all.begin(), all.end());
   all.erase(std::unique(all.begin(), all.end()), all.end());
@@ -270,9 +277,10 @@ std::shared_ptr<Plugin> PluginRegistry::create(const PluginInfo& info,
   char error[2048] = {0};
   Plugin* object = info.factory(&context, error, sizeof error);
   if (object == nullptr) {
-    throw Error(ErrorKind::plugin, fmt::format("{} plugin '{}' ({}) failed to create an instance: {}",
-                                               to_string(info.kind), info.name, info.file.string(),
-                                               error[0] ? error : "no reason given"));
+    throw Error(
+        ErrorKind::plugin,
+        fmt::format("{} plugin '{}' ({}) failed to create an instance: {}", to_string(info.kind),
+                    info.name, info.file.string(), error[0] ? error : "no reason given"));
   }
   return std::shared_ptr<Plugin>(object, [library](Plugin* p) { delete p; });
 }

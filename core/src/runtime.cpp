@@ -44,14 +44,20 @@ class HostContextImpl final : public HostContext {
 
 bool same_type(const ParamValue& v, ParamType t) {
   switch (t) {
-    case ParamType::boolean: return std::holds_alternative<bool>(v);
-    case ParamType::integer: return std::holds_alternative<std::int64_t>(v);
+    case ParamType::boolean:
+      return std::holds_alternative<bool>(v);
+    case ParamType::integer:
+      return std::holds_alternative<std::int64_t>(v);
     case ParamType::floating:
       return std::holds_alternative<double>(v) || std::holds_alternative<std::int64_t>(v);
-    case ParamType::string: return std::holds_alternative<std::string>(v);
-    case ParamType::integer_list: return std::holds_alternative<std::vector<std::int64_t>>(v);
-    case ParamType::float_list: return std::holds_alternative<std::vector<double>>(v);
-    case ParamType::string_list: return std::holds_alternative<std::vector<std::string>>(v);
+    case ParamType::string:
+      return std::holds_alternative<std::string>(v);
+    case ParamType::integer_list:
+      return std::holds_alternative<std::vector<std::int64_t>>(v);
+    case ParamType::float_list:
+      return std::holds_alternative<std::vector<double>>(v);
+    case ParamType::string_list:
+      return std::holds_alternative<std::vector<std::string>>(v);
   }
   return false;
 }
@@ -110,8 +116,9 @@ std::shared_ptr<Plugin> Runtime::State::instance(PluginKind kind) {
   std::lock_guard lock(mutex);
   if (auto it = instances.find(kind); it != instances.end()) return it->second;
   if (std::find(creating.begin(), creating.end(), kind) != creating.end())
-    throw Error(ErrorKind::config,
-                fmt::format("the {} plugin requires itself (through other plugins)", to_string(kind)));
+    throw Error(
+        ErrorKind::config,
+        fmt::format("the {} plugin requires itself (through other plugins)", to_string(kind)));
   const PluginSection* section = config->section(kind);
   if (!section) {
     const SectionSpec* spec = nullptr;
@@ -162,19 +169,29 @@ Runtime Runtime::from_document(const ConfigDocument& document, RuntimeOptions op
   state->logger = options.logger ? options.logger : core::logger();
   auto dirs = options.extra_plugin_dirs;
   for (auto& d : document.plugin_dirs()) dirs.push_back(d);
-  state->registry = std::make_unique<PluginRegistry>(PluginRegistry::default_search_path(dirs),
-                                                     state->logger);
+  state->registry =
+      std::make_unique<PluginRegistry>(PluginRegistry::default_search_path(dirs), state->logger);
   state->config = std::make_unique<Config>(Config::validate(document, *state->registry));
   return Runtime(std::move(state));
 }
 
-const Config& Runtime::config() const { return *state_->config; }
-const PluginRegistry& Runtime::registry() const { return *state_->registry; }
-std::shared_ptr<spdlog::logger> Runtime::logger() const { return state_->logger; }
+const Config& Runtime::config() const {
+  return *state_->config;
+}
+const PluginRegistry& Runtime::registry() const {
+  return *state_->registry;
+}
+std::shared_ptr<spdlog::logger> Runtime::logger() const {
+  return state_->logger;
+}
 
-bool Runtime::has(PluginKind kind) const { return state_->config->section(kind) != nullptr; }
+bool Runtime::has(PluginKind kind) const {
+  return state_->config->section(kind) != nullptr;
+}
 
-std::shared_ptr<Plugin> Runtime::instance(PluginKind kind) { return state_->instance(kind); }
+std::shared_ptr<Plugin> Runtime::instance(PluginKind kind) {
+  return state_->instance(kind);
+}
 
 std::shared_ptr<Plugin> Runtime::create(PluginKind kind, std::string_view name,
                                         const Params& params) {

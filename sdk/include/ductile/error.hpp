@@ -32,15 +32,24 @@ enum class ErrorKind {
 
 DUCTILE_SDK_API inline const char* to_string(ErrorKind kind) noexcept {
   switch (kind) {
-    case ErrorKind::invalid_argument: return "invalid_argument";
-    case ErrorKind::config: return "config";
-    case ErrorKind::not_found: return "not_found";
-    case ErrorKind::plugin: return "plugin";
-    case ErrorKind::io: return "io";
-    case ErrorKind::incompatible: return "incompatible";
-    case ErrorKind::communication: return "communication";
-    case ErrorKind::unsupported: return "unsupported";
-    case ErrorKind::internal: return "internal";
+    case ErrorKind::invalid_argument:
+      return "invalid_argument";
+    case ErrorKind::config:
+      return "config";
+    case ErrorKind::not_found:
+      return "not_found";
+    case ErrorKind::plugin:
+      return "plugin";
+    case ErrorKind::io:
+      return "io";
+    case ErrorKind::incompatible:
+      return "incompatible";
+    case ErrorKind::communication:
+      return "communication";
+    case ErrorKind::unsupported:
+      return "unsupported";
+    case ErrorKind::internal:
+      return "internal";
   }
   return "internal";
 }

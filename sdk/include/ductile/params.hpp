@@ -24,23 +24,30 @@ namespace ductile {
 
 enum class ParamType : std::uint32_t {
   boolean = 0,
-  integer = 1,      // signed 64-bit
-  floating = 2,     // double; an integer literal is accepted too
+  integer = 1,   // signed 64-bit
+  floating = 2,  // double; an integer literal is accepted too
   string = 3,
-  integer_list = 4, // array of signed 64-bit integers
-  float_list = 5,   // array of doubles
+  integer_list = 4,  // array of signed 64-bit integers
+  float_list = 5,    // array of doubles
   string_list = 6,
 };
 
 DUCTILE_SDK_API inline const char* to_string(ParamType t) noexcept {
   switch (t) {
-    case ParamType::boolean: return "boolean";
-    case ParamType::integer: return "integer";
-    case ParamType::floating: return "float";
-    case ParamType::string: return "string";
-    case ParamType::integer_list: return "array of integers";
-    case ParamType::float_list: return "array of floats";
-    case ParamType::string_list: return "array of strings";
+    case ParamType::boolean:
+      return "boolean";
+    case ParamType::integer:
+      return "integer";
+    case ParamType::floating:
+      return "float";
+    case ParamType::string:
+      return "string";
+    case ParamType::integer_list:
+      return "array of integers";
+    case ParamType::float_list:
+      return "array of floats";
+    case ParamType::string_list:
+      return "array of strings";
   }
   return "unknown";
 }

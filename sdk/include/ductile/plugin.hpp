@@ -41,11 +41,16 @@ inline constexpr std::uint32_t kPluginKindCount = 5;
 
 DUCTILE_SDK_API inline const char* to_string(PluginKind kind) noexcept {
   switch (kind) {
-    case PluginKind::elasticity: return "elasticity";
-    case PluginKind::batching: return "batching";
-    case PluginKind::lr: return "lr";
-    case PluginKind::accelerator: return "accelerator";
-    case PluginKind::zero: return "zero";
+    case PluginKind::elasticity:
+      return "elasticity";
+    case PluginKind::batching:
+      return "batching";
+    case PluginKind::lr:
+      return "lr";
+    case PluginKind::accelerator:
+      return "accelerator";
+    case PluginKind::zero:
+      return "zero";
   }
   return "unknown";
 }
@@ -101,19 +106,19 @@ extern "C" {
 // the caller owns (deleted through the virtual destructor); on failure returns
 // nullptr and writes a NUL-terminated message into error[0..error_size).
 // Never throws.
-typedef ductile::Plugin* (*ductile_plugin_factory)(const ductile::HostContext* context,
-                                                   char* error, std::size_t error_size);
+typedef ductile::Plugin* (*ductile_plugin_factory)(const ductile::HostContext* context, char* error,
+                                                   std::size_t error_size);
 
 // What a plugin library exports. Layout frozen for an ABI major version;
 // minor versions only append fields.
 struct ductile_plugin_descriptor {
   std::uint32_t abi_major;
   std::uint32_t abi_minor;
-  const char* build_tag;        // DUCTILE_BUILD_TAG of the plugin's build
-  std::uint32_t kind;           // a ductile::PluginKind
-  const char* name;             // e.g. "v0.1"; [A-Za-z0-9_.-]+
-  const char* version;          // the plugin's own version, e.g. "1.0.0"
-  const char* description;      // one line
+  const char* build_tag;    // DUCTILE_BUILD_TAG of the plugin's build
+  std::uint32_t kind;       // a ductile::PluginKind
+  const char* name;         // e.g. "v0.1"; [A-Za-z0-9_.-]+
+  const char* version;      // the plugin's own version, e.g. "1.0.0"
+  const char* description;  // one line
   const ductile::ParamSpec* params;
   std::size_t param_count;
   ductile_plugin_factory create;
@@ -162,30 +167,29 @@ Plugin* create_guarded(const HostContext* context, char* error, std::size_t size
 //   Description  string literal, one line.
 //   Schema       a static array of ductile::ParamSpec (use
 //                DUCTILE_PLUGIN_NO_PARAMS when there is none).
-#define DUCTILE_PLUGIN(Class, Name, Version, Description, Schema)                              \
+#define DUCTILE_PLUGIN(Class, Name, Version, Description, Schema) \
   DUCTILE_PLUGIN_IMPL_(Class, Name, Version, Description, (Schema), std::size(Schema))
 
 #define DUCTILE_PLUGIN_NO_PARAMS(Class, Name, Version, Description) \
   DUCTILE_PLUGIN_IMPL_(Class, Name, Version, Description, nullptr, 0)
 
-#define DUCTILE_PLUGIN_IMPL_(Class, Name, Version, Description, SchemaPtr, SchemaCount)          \
+#define DUCTILE_PLUGIN_IMPL_(Class, Name, Version, Description, SchemaPtr, SchemaCount)        \
   static_assert(std::is_base_of_v<::ductile::Plugin, Class>,                                   \
-                "a plugin class must derive from a ductile kind interface");                  \
+                "a plugin class must derive from a ductile kind interface");                   \
   static ::ductile::Plugin* ductile_plugin_create_(const ::ductile::HostContext* context,      \
-                                                   char* error, std::size_t size) noexcept {  \
-    return ::ductile::detail::create_guarded<Class>(context, error, size);                    \
+                                                   char* error, std::size_t size) noexcept {   \
+    return ::ductile::detail::create_guarded<Class>(context, error, size);                     \
   }                                                                                            \
   extern "C" DUCTILE_SDK_API const ductile_plugin_descriptor* ductile_plugin_entry(void) {     \
-    static const ductile_plugin_descriptor descriptor{                                         \
-        DUCTILE_ABI_MAJOR,                                                                     \
-        DUCTILE_ABI_MINOR,                                                                     \
-        DUCTILE_BUILD_TAG,                                                                     \
-        static_cast<std::uint32_t>(Class::kind),                                               \
-        Name,                                                                                  \
-        Version,                                                                               \
-        Description,                                                                           \
-        SchemaPtr,                                                                             \
-        SchemaCount,                                                                           \
-        &ductile_plugin_create_};                                                              \
+    static const ductile_plugin_descriptor descriptor{DUCTILE_ABI_MAJOR,                       \
+                                                      DUCTILE_ABI_MINOR,                       \
+                                                      DUCTILE_BUILD_TAG,                       \
+                                                      static_cast<std::uint32_t>(Class::kind), \
+                                                      Name,                                    \
+                                                      Version,                                 \
+                                                      Description,                             \
+                                                      SchemaPtr,                               \
+                                                      SchemaCount,                             \
+                                                      &ductile_plugin_create_};                \
     return &descriptor;                                                                        \
   }

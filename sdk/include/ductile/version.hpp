@@ -13,8 +13,8 @@
 #define DUCTILE_SDK_VERSION_MAJOR 0
 #define DUCTILE_SDK_VERSION_MINOR 1
 #define DUCTILE_SDK_VERSION_PATCH 0
-#define DUCTILE_SDK_VERSION_STRING              \
-  DUCTILE_STRINGIFY(DUCTILE_SDK_VERSION_MAJOR)  \
+#define DUCTILE_SDK_VERSION_STRING             \
+  DUCTILE_STRINGIFY(DUCTILE_SDK_VERSION_MAJOR) \
   "." DUCTILE_STRINGIFY(DUCTILE_SDK_VERSION_MINOR) "." DUCTILE_STRINGIFY(DUCTILE_SDK_VERSION_PATCH)
 
 // The plugin ABI: the descriptor layout and the meaning of its fields. A new
@@ -41,6 +41,7 @@
 #endif
 
 // Example: "gcc-12/libstdc++-cxx11/c++202002/sdk-0.1"
-#define DUCTILE_BUILD_TAG                                                               \
-  DUCTILE_COMPILER_TAG "/" DUCTILE_STDLIB_TAG "/c++" DUCTILE_STRINGIFY(__cplusplus) "/sdk-" \
-      DUCTILE_STRINGIFY(DUCTILE_SDK_VERSION_MAJOR) "." DUCTILE_STRINGIFY(DUCTILE_SDK_VERSION_MINOR)
+#define DUCTILE_BUILD_TAG                                                                     \
+  DUCTILE_COMPILER_TAG                                                                        \
+      "/" DUCTILE_STDLIB_TAG "/c++" DUCTILE_STRINGIFY(__cplusplus) "/sdk-" DUCTILE_STRINGIFY( \
+          DUCTILE_SDK_VERSION_MAJOR) "." DUCTILE_STRINGIFY(DUCTILE_SDK_VERSION_MINOR)

@@ -14,8 +14,7 @@ namespace {
 const std::string kGood = (fs::path(FIXTURE_ROOT) / "good").string();
 const std::string kBad = (fs::path(FIXTURE_ROOT) / "bad").string();
 
-ductile::test::ProcessResult cli(std::vector<std::string> args,
-                                 std::vector<std::string> env = {}) {
+ductile::test::ProcessResult cli(std::vector<std::string> args, std::vector<std::string> env = {}) {
   args.insert(args.begin(), DUCTILE_CLI);
   env.push_back("DUCTILE_PLUGIN_PATH=");
   return run_process(args, env);
@@ -36,9 +35,12 @@ TEST_CASE("--help and --version exit 0; every subcommand has --help") {
   CHECK(version.exit_code == 0);
   CHECK(contains(version.out, "ductile 0.1.0"));
   CHECK(contains(version.out, "ABI 1.0"));
-  for (auto sub : std::vector<std::vector<std::string>>{
-           {"plugins", "--help"}, {"plugins", "list", "--help"}, {"plugins", "describe", "--help"},
-           {"config", "--help"}, {"config", "check", "--help"}, {"demo", "--help"}}) {
+  for (auto sub : std::vector<std::vector<std::string>>{{"plugins", "--help"},
+                                                        {"plugins", "list", "--help"},
+                                                        {"plugins", "describe", "--help"},
+                                                        {"config", "--help"},
+                                                        {"config", "check", "--help"},
+                                                        {"demo", "--help"}}) {
     auto r = cli(sub);
     CHECK_MESSAGE(r.exit_code == 0, sub[0]);
     CHECK(contains(r.out, "Usage"));
@@ -120,7 +122,8 @@ TEST_CASE("garbage input never crashes the CLI") {
   for (int i = 0; i < 4096; ++i) binary.push_back(static_cast<char>((i * 7919) % 256));
   auto garbage = dir.write("garbage.toml", binary);
   auto deep = dir.write("deep.toml", "x = " + std::string(5000, '[') + "\n");
-  auto huge = dir.write("huge.toml", "[lr]\nrule = \"fixture_good\"\nsteps = 99999999999999999999\n");
+  auto huge =
+      dir.write("huge.toml", "[lr]\nrule = \"fixture_good\"\nsteps = 99999999999999999999\n");
   for (const auto& file : {garbage, deep, huge, dir.path() / "missing.toml", dir.path()}) {
     auto r = cli({"--plugin-path", kGood, "config", "check", file.string()});
     CHECK_MESSAGE(r.exit_code == 2, file.string() << ": " << r.err);

@@ -66,7 +66,8 @@ TEST_CASE("every error of a file is reported together, in file order, with posit
       "[accelerator]\n"
       "backend = 7\n");
   REQUIRE(errors.size() == 7);
-  CHECK(errors[0] == "job.toml:1:1: [lr] is missing required key 'steps' (integer: Number of steps)");
+  CHECK(errors[0] ==
+        "job.toml:1:1: [lr] is missing required key 'steps' (integer: Number of steps)");
   CHECK(errors[1] ==
         "job.toml:3:1: unknown key 'stepz' in [lr] (did you mean 'steps'?); valid keys: steps, "
         "scale, enabled, mode, sizes, label");
@@ -84,8 +85,9 @@ TEST_CASE("every error of a file is reported together, in file order, with posit
 }
 
 TEST_CASE("wrong types and ranges name the key, the value and what is valid") {
-  auto errors = errors_of("[lr]\nrule = \"fixture_good\"\nsteps = 5000\nenabled = 1\n"
-                          "sizes = \"2,4\"\nlabel = [1]\n");
+  auto errors = errors_of(
+      "[lr]\nrule = \"fixture_good\"\nsteps = 5000\nenabled = 1\n"
+      "sizes = \"2,4\"\nlabel = [1]\n");
   REQUIRE(errors.size() == 4);
   CHECK(errors[0] == "job.toml:3:9: [lr] steps = 5000 is out of range: must be between 1 and 1000");
   CHECK(errors[1] == "job.toml:4:11: [lr] enabled must be a boolean, got integer 1");
@@ -152,8 +154,8 @@ TEST_CASE("[plugins] path is resolved against the config file's directory") {
 }
 
 TEST_CASE("the runtime creates the configured plugin once and shares it") {
-  std::string text = "[plugins]\npath = [\"" + kGood.string() +
-                     "\"]\n[lr]\nrule = \"fixture_good\"\nsteps = 2\n";
+  std::string text =
+      "[plugins]\npath = [\"" + kGood.string() + "\"]\n[lr]\nrule = \"fixture_good\"\nsteps = 2\n";
   auto runtime = Runtime::from_string(text, "inline.toml");
   CHECK(runtime.has(PluginKind::lr));
   CHECK_FALSE(runtime.has(PluginKind::elasticity));

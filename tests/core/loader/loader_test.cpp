@@ -113,7 +113,8 @@ TEST_CASE("the registry collects broken files as problems and reports them on lo
     FAIL("no error");
   } catch (const Error& e) {
     CHECK(e.kind() == ErrorKind::plugin);
-    CHECK(std::string(e.what()).find("lr plugin 'fixture_abi' cannot be used") != std::string::npos);
+    CHECK(std::string(e.what()).find("lr plugin 'fixture_abi' cannot be used") !=
+          std::string::npos);
     CHECK(std::string(e.what()).find("ABI 99.0") != std::string::npos);
   }
 }
@@ -142,8 +143,10 @@ TEST_CASE("the first of two plugins with the same kind and name wins, with a war
   REQUIRE(registry.plugins().size() == 1);
   CHECK(registry.plugins()[0].version == "1.0.0-a");
   std::string text = log.stream.str();
-  CHECK(text.find((kRoot / "dup_a" / "libductile_lr_fixture_dup.so").string()) != std::string::npos);
-  CHECK(text.find((kRoot / "dup_b" / "libductile_lr_fixture_dup.so").string()) != std::string::npos);
+  CHECK(text.find((kRoot / "dup_a" / "libductile_lr_fixture_dup.so").string()) !=
+        std::string::npos);
+  CHECK(text.find((kRoot / "dup_b" / "libductile_lr_fixture_dup.so").string()) !=
+        std::string::npos);
 
   PluginRegistry reversed({kRoot / "dup_b", kRoot / "dup_a"}, nullptr);
   CHECK(reversed.plugins()[0].version == "2.0.0-b");

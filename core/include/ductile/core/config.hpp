@@ -63,8 +63,8 @@ class ConfigError : public Error {
 struct SectionSpec {
   std::string name;
   std::optional<PluginKind> kind;
-  std::string selector;        // key naming the plugin ("policy", ...)
-  std::string default_plugin;  // used when the selector key is absent; "" = required
+  std::string selector;              // key naming the plugin ("policy", ...)
+  std::string default_plugin;        // used when the selector key is absent; "" = required
   std::vector<ParamSpec> host_keys;  // keys the core owns in this section
   std::string doc;
 };
@@ -77,10 +77,10 @@ const SectionSpec* find_section_spec(std::string_view name);
 struct PluginSection {
   std::string section;
   PluginKind kind;
-  std::string plugin;   // the selected plugin's name
-  Params params;        // the plugin's parameters, defaults filled in
-  Params host_params;   // the section's host keys, defaults filled in
-  SourcePosition where; // the section header
+  std::string plugin;    // the selected plugin's name
+  Params params;         // the plugin's parameters, defaults filled in
+  Params host_params;    // the section's host keys, defaults filled in
+  SourcePosition where;  // the section header
 };
 
 // A parsed, not yet validated file: enough to learn [plugins] path and
