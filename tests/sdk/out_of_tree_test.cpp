@@ -60,4 +60,21 @@ TEST_CASE("a sample plugin builds against the installed SDK and loads through th
   auto rule = runtime.get<ductile::LrScalingRule>();
   CHECK(rule->scale(0.1, 64, 16) == doctest::Approx(0.1 * std::pow(4.0, 0.75)));
   CHECK_THROWS_AS(rule->scale(0.1, 64, 0), ductile::Error);
+
+  // A program embedding the installed core, built out of tree too.
+  const fs::path embed_build = tmp / "embed";
+  auto embed_configure =
+      run_process({CMAKE_COMMAND_PATH, "-S", DUCTILE_SOURCE_DIR "/samples/embedding", "-B",
+                   embed_build.string(), "-DCMAKE_PREFIX_PATH=" + prefix.string(),
+                   "-DCMAKE_CXX_COMPILER=" CXX_COMPILER_PATH});
+  REQUIRE_MESSAGE(embed_configure.exit_code == 0, embed_configure.out << embed_configure.err);
+  auto embed_compile = run_process({CMAKE_COMMAND_PATH, "--build", embed_build.string()});
+  REQUIRE_MESSAGE(embed_compile.exit_code == 0, embed_compile.out << embed_compile.err);
+  auto embedded = run_process({(embed_build / "embed").string(), job.string(), "0.1", "16", "64"});
+  CHECK_MESSAGE(embedded.exit_code == 0, embedded.err);
+  double scaled = std::stod(embedded.out.substr(embedded.out.find(' ') + 1));
+  CHECK(scaled == doctest::Approx(0.1 * std::pow(4.0, 0.75)));
+  auto embedded_bad =
+      run_process({(embed_build / "embed").string(), bad.string(), "0.1", "16", "64"});
+  CHECK(embedded_bad.exit_code == 2);
 }
