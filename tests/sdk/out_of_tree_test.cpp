@@ -23,7 +23,8 @@ TEST_CASE("a sample plugin builds against the installed SDK and loads through th
 
   auto configure = run_process(
       {CMAKE_COMMAND_PATH, "-S", DUCTILE_SOURCE_DIR "/samples/power_lr_rule", "-B", build.string(),
-       "-DCMAKE_PREFIX_PATH=" + prefix.string(), "-DCMAKE_CXX_COMPILER=" CXX_COMPILER_PATH});
+       "-DCMAKE_PREFIX_PATH=" + prefix.string(), "-DCMAKE_CXX_COMPILER=" CXX_COMPILER_PATH,
+       "-DCMAKE_CXX_FLAGS=" OUT_OF_TREE_CXX_FLAGS});
   REQUIRE_MESSAGE(configure.exit_code == 0, configure.out << configure.err);
   auto compile = run_process({CMAKE_COMMAND_PATH, "--build", build.string()});
   REQUIRE_MESSAGE(compile.exit_code == 0, compile.out << compile.err);
@@ -63,10 +64,10 @@ TEST_CASE("a sample plugin builds against the installed SDK and loads through th
 
   // A program embedding the installed core, built out of tree too.
   const fs::path embed_build = tmp / "embed";
-  auto embed_configure =
-      run_process({CMAKE_COMMAND_PATH, "-S", DUCTILE_SOURCE_DIR "/samples/embedding", "-B",
-                   embed_build.string(), "-DCMAKE_PREFIX_PATH=" + prefix.string(),
-                   "-DCMAKE_CXX_COMPILER=" CXX_COMPILER_PATH});
+  auto embed_configure = run_process(
+      {CMAKE_COMMAND_PATH, "-S", DUCTILE_SOURCE_DIR "/samples/embedding", "-B",
+       embed_build.string(), "-DCMAKE_PREFIX_PATH=" + prefix.string(),
+       "-DCMAKE_CXX_COMPILER=" CXX_COMPILER_PATH, "-DCMAKE_CXX_FLAGS=" OUT_OF_TREE_CXX_FLAGS});
   REQUIRE_MESSAGE(embed_configure.exit_code == 0, embed_configure.out << embed_configure.err);
   auto embed_compile = run_process({CMAKE_COMMAND_PATH, "--build", embed_build.string()});
   REQUIRE_MESSAGE(embed_compile.exit_code == 0, embed_compile.out << embed_compile.err);
