@@ -12,3 +12,8 @@ echo
 echo "== build/bin/ductile demo --config samples/configs/demo.toml =="
 build/bin/ductile demo --config samples/configs/demo.toml
 # >>> later capabilities append their part of the main job below this line
+
+echo
+echo "== mpirun -np 2 build/bin/ductile zero --config samples/configs/demo.toml (ZeRO-3 coordinator) =="
+mpirun --allow-run-as-root --oversubscribe -np 2 \
+  build/bin/ductile zero --config samples/configs/demo.toml --steps 4 --compute-us 300

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <map>
+#include <mutex>
 #include <system_error>
 
 #include <fmt/format.h>
@@ -44,6 +45,18 @@ bool split_file_name(const fs::path& file, PluginKind& kind, std::string& name) 
 
 std::string kind_list() {
   return join(plugin_kind_names());
+}
+
+// Plugin libraries are never unloaded while the process runs (as LLVM does
+// with pass plugins): an exception thrown by a plugin method carries a vtable
+// from the plugin's code and may still be in flight after the last object and
+// registry are gone, and loggers may still format strings that live there.
+// The list is deliberately never destroyed.
+void keep_loaded(std::shared_ptr<LoadedLibrary> library) {
+  static auto* libraries = new std::vector<std::shared_ptr<LoadedLibrary>>();
+  static std::mutex mutex;
+  std::lock_guard lock(mutex);
+  libraries->push_back(std::move(library));
 }
 
 }  // namespace
@@ -143,6 +156,7 @@ PluginInfo load_plugin_file(const fs::path& file) {
   }
   info.factory = d->create;
   info.library = std::make_shared<LoadedLibrary>(std::move(library));
+  keep_loaded(info.library);
   return info;
 }
 
@@ -150,12 +164,18 @@ PluginRegistry::PluginRegistry(std::vector<fs::path> search_path,
                                std::shared_ptr<spdlog::logger> logger)
     : search_path_(std::move(search_path)), logger_(std::move(logger)) {
   std::map<std::pair<PluginKind, std::string>, fs::path> seen;
+  std::vector<fs::path> scanned;
   for (const auto& dir : search_path_) {
     std::error_code ec;
     if (!fs::is_directory(dir, ec)) {
       if (logger_) logger_->debug("plugin directory '{}' does not exist; skipped", dir.string());
       continue;
     }
+    // The same directory named twice (say, the built-in one in [plugins] path
+    // too) holds no competing plugins: scan it once.
+    fs::path canonical = fs::weakly_canonical(dir, ec);
+    if (std::find(scanned.begin(), scanned.end(), canonical) != scanned.end()) continue;
+    scanned.push_back(canonical);
     std::vector<fs::path> files;
     for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
       PluginKind kind;

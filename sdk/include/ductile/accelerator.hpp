@@ -25,6 +25,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <span>
 #include <string>
@@ -42,13 +43,20 @@ enum class DataType : std::uint32_t { f32, f64, f16, bf16, i32, i64, u8 };
 
 DUCTILE_SDK_API inline std::size_t size_of(DataType t) noexcept {
   switch (t) {
-    case DataType::f32: return 4;
-    case DataType::f64: return 8;
-    case DataType::f16: return 2;
-    case DataType::bf16: return 2;
-    case DataType::i32: return 4;
-    case DataType::i64: return 8;
-    case DataType::u8: return 1;
+    case DataType::f32:
+      return 4;
+    case DataType::f64:
+      return 8;
+    case DataType::f16:
+      return 2;
+    case DataType::bf16:
+      return 2;
+    case DataType::i32:
+      return 4;
+    case DataType::i64:
+      return 8;
+    case DataType::u8:
+      return 1;
   }
   return 0;
 }
@@ -60,7 +68,12 @@ enum class MemoryKind : std::uint32_t {
   pinned_host,  // page-locked host memory, fast to copy to and from the device
 };
 
-enum class CopyKind : std::uint32_t { host_to_device, device_to_host, device_to_device, host_to_host };
+enum class CopyKind : std::uint32_t {
+  host_to_device,
+  device_to_host,
+  device_to_device,
+  host_to_host
+};
 
 struct DeviceInfo {
   std::string name;
@@ -75,7 +88,9 @@ class DUCTILE_SDK_API Stream {
  public:
   virtual ~Stream() = default;
   // Blocks until all work enqueued so far has completed. Rethrows (as
-  // ductile::Error) the first failure of enqueued work.
+  // ductile::Error) the first failure of enqueued work. Host-executed
+  // streams (cpu) keep the failure: later work is skipped and every later
+  // synchronize() rethrows it; device streams follow their runtime.
   virtual void synchronize() = 0;
   // True when all work enqueued so far has completed. Non-blocking.
   virtual bool query() = 0;
@@ -119,6 +134,18 @@ struct GatherItem {
 };
 
 // Collectives over a fixed group of ranks.
+//
+// Every collective is enqueued on `stream` after the work already there;
+// later work on the stream sees its output. It returns at once with a handle.
+// In place: all_gather with send == recv + rank() * count elements, and
+// all_reduce with send == recv; reduce_scatter buffers must not overlap.
+// Counts are per rank; the cpu and level_zero backends (MPI) accept at most
+// 2^31-1 elements per rank (ErrorKind::unsupported beyond). A null buffer is
+// accepted only with a zero count. Argument errors are thrown before
+// anything is issued, so the ranks' issue order is not disturbed.
+// A collective that fails or exceeds the backend's timeout fails its handle
+// (ErrorKind::communication), fails its stream (sticky, see Stream) and
+// makes the communicator unusable: later collectives fail at once.
 class DUCTILE_SDK_API Communicator {
  public:
   virtual ~Communicator() = default;
@@ -142,9 +169,92 @@ class DUCTILE_SDK_API Communicator {
                                                        std::size_t count, DataType type,
                                                        ReduceOp op, Stream& stream) = 0;
   virtual std::shared_ptr<CollectiveHandle> broadcast(void* buffer, std::size_t count,
-                                                      DataType type, int root,
-                                                      Stream& stream) = 0;
+                                                      DataType type, int root, Stream& stream) = 0;
   virtual std::shared_ptr<CollectiveHandle> barrier(Stream& stream) = 0;
+};
+
+// Where this process sits in a job, as its launcher tells it through the
+// environment. Backends use it to decide whether to start MPI and which device
+// to pick; embedders may use it the same way.
+struct LaunchInfo {
+  int rank = 0;
+  int size = 1;
+  int local_rank = 0;
+  // Which variables were found: "OMPI_COMM_WORLD" (Open MPI's mpirun),
+  // "PMI" (MPICH/Hydra, Intel MPI), "RANK/WORLD_SIZE" (torchrun and similar),
+  // or "" when the process was started without a launcher.
+  std::string source;
+  bool from_launcher() const noexcept { return !source.empty(); }
+};
+
+namespace detail {
+inline bool read_env_int(const char* name, int& out) {
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0') return false;
+  char* end = nullptr;
+  long value = std::strtol(text, &end, 10);
+  if (*end != '\0' || value < 0 || value > 1L << 30)
+    throw Error(ErrorKind::invalid_argument, std::string("environment variable ") + name + "='" +
+                                                 text + "' is not a non-negative integer");
+  out = static_cast<int>(value);
+  return true;
+}
+}  // namespace detail
+
+// Reads, in order of preference, OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK,
+// PMI_RANK/PMI_SIZE (local rank from MPI_LOCALRANKID), RANK/WORLD_SIZE
+// (LOCAL_RANK). Throws ductile::Error (invalid_argument) naming the variable
+// when one is set but is not a number, or when the rank is not below the size.
+// Threading: reads the environment only; safe from any thread.
+inline LaunchInfo detect_launch() {
+  struct Scheme {
+    const char* source;
+    const char* rank;
+    const char* size;
+    const char* local_rank;
+  };
+  static constexpr Scheme kSchemes[] = {
+      {"OMPI_COMM_WORLD", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+       "OMPI_COMM_WORLD_LOCAL_RANK"},
+      {"PMI", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"},
+      {"RANK/WORLD_SIZE", "RANK", "WORLD_SIZE", "LOCAL_RANK"},
+  };
+  LaunchInfo info;
+  for (const Scheme& scheme : kSchemes) {
+    int rank = 0, size = 0;
+    bool has_rank = detail::read_env_int(scheme.rank, rank);
+    bool has_size = detail::read_env_int(scheme.size, size);
+    if (!has_rank || !has_size) continue;
+    if (size < 1 || rank >= size)
+      throw Error(ErrorKind::invalid_argument,
+                  std::string("launcher variables ") + scheme.rank + "=" + std::to_string(rank) +
+                      " and " + scheme.size + "=" + std::to_string(size) +
+                      " are inconsistent: the rank must be below the size");
+    info.rank = rank;
+    info.size = size;
+    info.source = scheme.source;
+    if (!detail::read_env_int(scheme.local_rank, info.local_rank)) info.local_rank = 0;
+    return info;
+  }
+  return info;
+}
+
+// Out-of-band exchange among the ranks of the job, for setting up transports:
+// an NCCL unique id, a Level Zero IPC handle, a host address.
+//
+// Threading: calls are collective and blocking; every rank makes the same
+// calls in the same order, from one thread at a time.
+// Errors: ductile::Error (communication) when a peer fails or times out;
+// invalid_argument for a root outside [0, size()).
+class DUCTILE_SDK_API Bootstrap {
+ public:
+  virtual ~Bootstrap() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // Returns rank `root`'s blob on every rank (the blob passed by other ranks
+  // is ignored; its size may differ).
+  virtual std::vector<std::byte> broadcast(std::span<const std::byte> blob, int root = 0) = 0;
+  virtual void barrier() = 0;
 };
 
 // A compute device with its memory, queues and communication.
@@ -177,6 +287,14 @@ class DUCTILE_SDK_API Accelerator : public Plugin {
   // every rank must make). Rank and size come from MPI or from the launcher's
   // variables; a single process without a launcher is rank 0 of 1.
   virtual std::shared_ptr<Communicator> world() = 0;
+
+  // Blocking out-of-band exchange over the same ranks as world() (created on
+  // first call, which every rank must make). Backends without one throw
+  // ErrorKind::unsupported.
+  virtual std::shared_ptr<Bootstrap> bootstrap() {
+    throw Error(ErrorKind::unsupported,
+                std::string("the ") + std::string(backend()) + " accelerator has no bootstrap");
+  }
 };
 
 }  // namespace ductile

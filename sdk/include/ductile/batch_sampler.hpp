@@ -52,9 +52,12 @@ DUCTILE_SDK_API inline const char* to_string(TokenBudget b) noexcept {
 }
 DUCTILE_SDK_API inline const char* to_string(PickingOrder o) noexcept {
   switch (o) {
-    case PickingOrder::dataloader: return "dataloader";
-    case PickingOrder::seqlen: return "seqlen";
-    case PickingOrder::random: return "random";
+    case PickingOrder::dataloader:
+      return "dataloader";
+    case PickingOrder::seqlen:
+      return "seqlen";
+    case PickingOrder::random:
+      return "random";
   }
   return "dataloader";
 }
@@ -68,7 +71,7 @@ struct PackOptions {
   bool same_size_microbatches = false;    // every micro-batch of a step has as many samples
   TokenBudget budget = TokenBudget::sum;
   PickingOrder order = PickingOrder::dataloader;  // greedy samplers only
-  std::uint64_t seed = 1234;                      // for PickingOrder::random
+  std::int64_t seed = 1234;                       // for PickingOrder::random (as Python: abs)
 };
 
 // What to pack.
@@ -114,12 +117,12 @@ struct PackResult {
 // repeating micro-batches from its start, then rank r takes r, r + ranks, ...
 // Pure function. Throws Error(invalid_argument) unless 0 <= rank < ranks.
 DUCTILE_SDK_API inline std::vector<std::size_t> microbatches_of_rank(std::size_t microbatch_count,
-                                                                    std::int64_t rank,
-                                                                    std::int64_t ranks) {
+                                                                     std::int64_t rank,
+                                                                     std::int64_t ranks) {
   if (ranks < 1 || rank < 0 || rank >= ranks)
-    throw Error(ErrorKind::invalid_argument,
-                "rank " + std::to_string(rank) + " of " + std::to_string(ranks) +
-                    " ranks: need ranks >= 1 and 0 <= rank < ranks");
+    throw Error(ErrorKind::invalid_argument, "rank " + std::to_string(rank) + " of " +
+                                                 std::to_string(ranks) +
+                                                 " ranks: need ranks >= 1 and 0 <= rank < ranks");
   std::vector<std::size_t> out;
   if (microbatch_count == 0) return out;
   const auto r = static_cast<std::size_t>(rank);

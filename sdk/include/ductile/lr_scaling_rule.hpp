@@ -33,9 +33,9 @@ class DUCTILE_SDK_API LrScalingRule : public Plugin {
 DUCTILE_SDK_API inline void check_lr_scaling_arguments(double lr, double batch_size,
                                                        double base_batch_size) {
   auto bad = [](const char* what, double v, const char* need) {
-    return Error(ErrorKind::invalid_argument,
-                 std::string("learning-rate scaling: ") + what + " = " + std::to_string(v) +
-                     " is invalid; need " + need);
+    return Error(ErrorKind::invalid_argument, std::string("learning-rate scaling: ") + what +
+                                                  " = " + std::to_string(v) + " is invalid; need " +
+                                                  need);
   };
   if (!std::isfinite(lr)) throw bad("lr", lr, "a finite number");
   if (!std::isfinite(base_batch_size) || base_batch_size <= 0.0)

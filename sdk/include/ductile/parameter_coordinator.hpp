@@ -25,7 +25,7 @@
 //   loop); it is not safe to call two methods concurrently. It may own an
 //   internal file-I/O thread (NVMe offload) that never calls back into the
 //   caller.
-// - Collectives: fetch(), end_step() and set_full() may issue collectives on
+// - Collectives: fetch() and end_step() may issue collectives on
 //   the accelerator's world communicator, so every rank must make the same
 //   calls with the same arguments in the same order. While a trace is being
 //   recorded, every fetch() and end_step() first checks that all ranks are at
@@ -70,9 +70,12 @@ enum class ParameterStatus : std::uint32_t {
 
 DUCTILE_SDK_API inline const char* to_string(ParameterStatus s) noexcept {
   switch (s) {
-    case ParameterStatus::not_available: return "not_available";
-    case ParameterStatus::inflight: return "inflight";
-    case ParameterStatus::available: return "available";
+    case ParameterStatus::not_available:
+      return "not_available";
+    case ParameterStatus::inflight:
+      return "inflight";
+    case ParameterStatus::available:
+      return "available";
   }
   return "unknown";
 }
@@ -89,8 +92,8 @@ DUCTILE_SDK_API inline const char* to_string(TraceMode m) noexcept {
 
 struct ParameterInfo {
   ParameterId id = 0;
-  std::size_t numel = 0;           // elements of the full parameter (> 0)
-  DataType type = DataType::f32;   // element type; its size is size_of(type)
+  std::size_t numel = 0;          // elements of the full parameter (> 0)
+  DataType type = DataType::f32;  // element type; its size is size_of(type)
 };
 
 // Counters and gauges of a coordinator, for tests, benchmarks and logs.
@@ -98,36 +101,36 @@ struct ParameterInfo {
 // or available; persistent parameters are counted separately.
 struct CoordinatorStats {
   TraceMode trace_mode = TraceMode::record;
-  std::size_t trace_length = 0;        // modules in the frozen trace (0 while recording)
-  std::uint64_t step = 0;              // fetches so far in the current pass
-  std::uint64_t passes = 0;            // end_step() calls so far
+  std::size_t trace_length = 0;  // modules in the frozen trace (0 while recording)
+  std::uint64_t step = 0;        // fetches so far in the current pass
+  std::uint64_t passes = 0;      // end_step() calls so far
 
-  std::size_t live_numel = 0;          // elements in flight or available (non-persistent)
-  std::size_t idle_numel = 0;          // live elements used by no fetched module
-  std::size_t active_numel = 0;        // live elements used by at least one fetched module
-  std::size_t persistent_numel = 0;    // elements of gathered persistent parameters
-  std::size_t peak_live_numel = 0;     // maximum of live_numel since creation
-  std::size_t peak_idle_numel = 0;     // maximum of idle_numel since creation
-  std::size_t max_live_numel = 0;      // the configured max_live_parameters
+  std::size_t live_numel = 0;            // elements in flight or available (non-persistent)
+  std::size_t idle_numel = 0;            // live elements used by no fetched module
+  std::size_t active_numel = 0;          // live elements used by at least one fetched module
+  std::size_t persistent_numel = 0;      // elements of gathered persistent parameters
+  std::size_t peak_live_numel = 0;       // maximum of live_numel since creation
+  std::size_t peak_idle_numel = 0;       // maximum of idle_numel since creation
+  std::size_t max_live_numel = 0;        // the configured max_live_parameters
   std::size_t largest_module_numel = 0;  // elements of the largest registered module
 
-  std::uint64_t gathers = 0;           // coalesced gathers issued
-  std::uint64_t demand_gathered_params = 0;    // parameters gathered by fetch() for its own module
-  std::uint64_t prefetched_params = 0;         // parameters gathered ahead by prefetch
-  std::uint64_t gathered_numel = 0;            // elements gathered in total
-  std::size_t inflight_gathers = 0;            // gathers issued and not waited for
-  std::size_t peak_inflight_gathers = 0;       // maximum of inflight_gathers
-  std::uint64_t released_params = 0;           // gathered copies freed
-  std::uint64_t retained_params = 0;           // release() decisions that kept a copy
-  std::uint64_t fetch_wait_ns = 0;             // time fetch() spent blocked on gathers and reads
+  std::uint64_t gathers = 0;                 // coalesced gathers issued
+  std::uint64_t demand_gathered_params = 0;  // parameters gathered by fetch() for its own module
+  std::uint64_t prefetched_params = 0;       // parameters gathered ahead by prefetch
+  std::uint64_t gathered_numel = 0;          // elements gathered in total
+  std::size_t inflight_gathers = 0;          // gathers issued and not yet retired by a call
+  std::size_t peak_inflight_gathers = 0;     // maximum of inflight_gathers
+  std::uint64_t released_params = 0;         // gathered copies freed
+  std::uint64_t retained_params = 0;         // release() decisions that kept a copy
+  std::uint64_t fetch_wait_ns = 0;           // time fetch() spent blocked on gathers and reads
 
-  std::uint64_t trace_invalidations = 0;       // deviations from a complete trace
-  std::uint64_t trace_warnings = 0;            // distinct deviations warned about
+  std::uint64_t trace_invalidations = 0;  // deviations from a complete trace
+  std::uint64_t trace_warnings = 0;       // distinct deviations warned about
 
-  std::uint64_t nvme_reads = 0;                // shard files read
-  std::uint64_t nvme_prefetch_reads = 0;       // of those, read ahead with the trace
-  std::uint64_t nvme_writes = 0;               // shard files written
-  std::size_t nvme_buffers_in_use = 0;         // read-ahead buffers holding or awaiting a shard
+  std::uint64_t nvme_reads = 0;           // shard files read
+  std::uint64_t nvme_prefetch_reads = 0;  // of those, read ahead with the trace
+  std::uint64_t nvme_writes = 0;          // shard files written
+  std::size_t nvme_buffers_in_use = 0;    // read-ahead buffers holding or awaiting a shard
 };
 
 class DUCTILE_SDK_API ParameterCoordinator : public Plugin {
@@ -180,22 +183,30 @@ class DUCTILE_SDK_API ParameterCoordinator : public Plugin {
 
   // Makes every parameter of `module` available and waits only for those;
   // with a complete trace, then prefetches the parameters of upcoming
-  // modules (up to min(max_live_parameters - live, prefetch_bucket_size)
-  // elements) and reads upcoming NVMe shards ahead. A module that deviates
-  // from a complete trace invalidates it: in-flight gathers are drained,
-  // one warning is logged per distinct deviation, and recording starts again
-  // from this module. If a compute stream was set, its later work waits for
-  // the gathers. Throws invalid_argument for an unknown module or one already
-  // fetched, io for an NVMe read failure, communication for a rank-order
-  // mismatch while recording (naming the step and the module of every rank).
+  // modules in trace order (up to min(max_live_parameters - live,
+  // prefetch_bucket_size) elements; a single parameter larger than the
+  // bucket may go alone if it fits the live limit) and reads upcoming NVMe
+  // shards ahead. At most max_ongoing_fetch_events gathers are outstanding
+  // (issued and not yet waited for by a fetch() of a module that needs
+  // them): a prefetch at the limit is left to a later fetch(), a gather this
+  // module needs first waits for the oldest. What is gathered depends only
+  // on the calls made, never on timing, so all ranks issue the same
+  // collectives. A module that deviates from a complete trace invalidates
+  // it: in-flight gathers are drained, one warning is logged per distinct
+  // deviation, and recording starts again from this module. If a compute
+  // stream was set, its later work waits for the gathers. Throws
+  // invalid_argument for an unknown module or one already fetched, io for
+  // an NVMe read failure, communication for a rank-order mismatch while
+  // recording (naming the step and the module of every rank).
   virtual void fetch(ModuleId module) = 0;
 
   // Ends the use of `module`'s parameters. Each gathered copy is freed unless
   // it is persistent, still used by another fetched module, or (complete
   // trace) needed again within max_reuse_distance elements of upcoming
   // trace or already prefetched for a later use; copies kept that way never
-  // push the idle elements above max_live_parameters (the ones needed last
-  // are freed first). Local, no communication. Throws invalid_argument when
+  // push the idle elements above max_live_parameters (of this module's
+  // parameters, the ones needed last are freed first; copies kept earlier
+  // are not reconsidered). Local, no communication. Throws invalid_argument when
   // the module is not fetched.
   virtual void release(ModuleId module) = 0;
 

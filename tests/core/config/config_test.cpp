@@ -70,7 +70,8 @@ TEST_CASE("every error of a file is reported together, in file order, with posit
         "job.toml:1:1: [lr] is missing required key 'steps' (integer: Number of steps)");
   CHECK(errors[1] ==
         "job.toml:3:1: unknown key 'stepz' in [lr] (did you mean 'steps'?); valid keys: steps, "
-        "scale, enabled, mode, sizes, label");
+        "scale, enabled, mode, sizes, label, base_lr, base_batch_size, schedule, warmup_steps, "
+        "total_steps, min_lr");
   CHECK(errors[2] == "job.toml:4:9: [lr] scale must be a float, got string 'big'");
   CHECK(errors[3] ==
         "job.toml:5:8: [lr] mode = \"exakt\" is not allowed (did you mean 'exact'?); valid values: "

@@ -167,7 +167,6 @@ TEST_CASE("a throwing factory becomes a plugin error with the plugin's message")
 
 TEST_CASE("objects keep their library loaded after the registry is gone") {
   const fs::path file = kRoot / "good" / "libductile_lr_fixture_good.so";
-  REQUIRE_FALSE(library_loaded(file));
   std::shared_ptr<Plugin> object;
   {
     auto runtime = Runtime::from_string("", "inline.toml", {{kRoot / "good"}, nullptr});
@@ -180,7 +179,8 @@ TEST_CASE("objects keep their library loaded after the registry is gone") {
   CHECK(library_loaded(file));
   REQUIRE(object);
   object.reset();
-  CHECK_FALSE(library_loaded(file));
+  // Never unloaded during the run (see registry.hpp).
+  CHECK(library_loaded(file));
 }
 
 TEST_CASE("explicit parameters are checked against the schema") {
@@ -211,4 +211,12 @@ TEST_CASE("the search path is config dirs, then DUCTILE_PLUGIN_PATH, then the bu
   CHECK(path[2] == "/opt/b");
   CHECK(path[3] == PluginRegistry::builtin_plugin_dir());
   CHECK(path[3] == fs::path(DUCTILE_PLUGIN_DIR));
+}
+
+TEST_CASE("a directory named twice on the search path is scanned once, without warnings") {
+  CapturedLog log;
+  PluginRegistry registry({kRoot / "good", kRoot / "good" / ".." / "good"}, log.logger);
+  CHECK(registry.plugins().size() == 2);
+  CHECK(registry.problems().empty());
+  CHECK(log.stream.str().find("found twice") == std::string::npos);
 }

@@ -47,7 +47,8 @@ bool is_json_config(const std::filesystem::path& file, std::string_view content)
 // Throws Error typed ElasticityConfigError for invalid JSON, a missing block,
 // a value of the wrong type (naming key and value), or an unknown or too new
 // version. Range checks are left to the policy.
-ElasticitySource elasticity_from_deepspeed_json(std::string_view json_text, std::string_view origin);
+ElasticitySource elasticity_from_deepspeed_json(std::string_view json_text,
+                                                std::string_view origin);
 
 // Reads the elasticity settings of a TOML text (an [elasticity] table, or
 // top-level keys) without plugin schemas: `policy` or `version` select the
@@ -94,7 +95,8 @@ inline constexpr const char* kDuctileElasticityConfigEnv = "DUCTILE_ELASTICITY_C
 // elasticity block or a whole config) or DUCTILE_ELASTICITY_CONFIG (TOML or
 // JSON) is set, compares every field of the fingerprint with the runtime's;
 // any difference is an Error typed ElasticityConfigError naming each field
-// with the scheduler's and the runtime's value. When neither is set, logs a
+// with the scheduler's and the runtime's value. When neither is set (an empty
+// value counts as unset), logs a
 // warning on `logger` (may be null) and returns false; true when checked.
 bool check_scheduler_elasticity(const ElasticityFingerprint& runtime,
                                 const std::shared_ptr<spdlog::logger>& logger);

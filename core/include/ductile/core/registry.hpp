@@ -2,10 +2,11 @@
 //
 // The registry scans a search path of directories (first match wins) for
 // files named libductile_<kind>_<name>.so, loads each one immediately
-// (RTLD_NOW | RTLD_LOCAL) and checks its descriptor. Libraries stay loaded for
-// the registry's lifetime and for as long as any object created from them
-// lives: every object is handed out as a shared_ptr whose deleter holds its
-// library.
+// (RTLD_NOW | RTLD_LOCAL) and checks its descriptor. Every object is handed out
+// as a shared_ptr whose deleter holds its library; beyond that, a library that
+// loaded successfully is never unloaded before the process exits, so that an
+// exception thrown by plugin code can still be caught and printed after the
+// objects and the registry are gone.
 //
 // Threading: a registry is built on one thread; afterwards its const methods
 // and create() may be called from any thread.

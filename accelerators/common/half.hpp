@@ -1,0 +1,22 @@
+// IEEE binary16 and bfloat16 conversions, and elementwise reduction of raw
+// buffers of any DataType (fp16/bf16 computed in fp32, rounded to nearest
+// even), used where a transport cannot reduce these types itself.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "ductile/accelerator.hpp"
+
+namespace ductile::accel {
+
+float half_to_float(std::uint16_t bits) noexcept;
+std::uint16_t float_to_half(float value) noexcept;
+float bf16_to_float(std::uint16_t bits) noexcept;
+std::uint16_t float_to_bf16(float value) noexcept;
+
+// inout[i] = op(in[i], inout[i]) for `count` elements of `type`.
+void reduce_into(const void* in, void* inout, std::size_t count, DataType type,
+                 ReduceOp op) noexcept;
+
+}  // namespace ductile::accel

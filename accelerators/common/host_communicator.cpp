@@ -1,0 +1,404 @@
+#include "host_communicator.hpp"
+
+#include <climits>
+#include <cstring>
+#include <vector>
+
+namespace ductile::accel {
+
+CommMode choose_comm_mode(std::string_view setting, std::string_view key) {
+  LaunchInfo launch = detect_launch();
+  if (setting == "mpi") return CommMode::mpi;
+  if (setting == "local") {
+    if (launch.size > 1)
+      throw Error(ErrorKind::config,
+                  std::string(key) +
+                      " = \"local\" gives a single-process world, but the launcher (" +
+                      launch.source + ") started " + std::to_string(launch.size) +
+                      " ranks; use \"auto\" or \"mpi\"");
+    return CommMode::local;
+  }
+  if (setting != "auto")
+    throw Error(ErrorKind::config, std::string(key) + " = \"" + std::string(setting) +
+                                       "\" is not valid; expected \"auto\", \"mpi\" or \"local\"");
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (initialized || launch.from_launcher()) return CommMode::mpi;
+  return CommMode::local;
+}
+
+void check_type(DataType type, const char* call) {
+  if (static_cast<std::uint32_t>(type) > static_cast<std::uint32_t>(DataType::u8))
+    throw Error(ErrorKind::invalid_argument,
+                std::string(call) + ": unknown DataType " +
+                    std::to_string(static_cast<std::uint32_t>(type)) + " (valid: 0.." +
+                    std::to_string(static_cast<std::uint32_t>(DataType::u8)) + ")");
+}
+
+void check_op(ReduceOp op, const char* call) {
+  if (static_cast<std::uint32_t>(op) > static_cast<std::uint32_t>(ReduceOp::max))
+    throw Error(ErrorKind::invalid_argument, std::string(call) + ": unknown ReduceOp " +
+                                                 std::to_string(static_cast<std::uint32_t>(op)) +
+                                                 " (valid: sum, prod, min, max)");
+}
+
+void check_buffer(const void* pointer, std::size_t count, const char* name, const char* call) {
+  if (pointer == nullptr && count > 0)
+    throw Error(ErrorKind::invalid_argument, std::string(call) + ": `" + name +
+                                                 "` is null but count is " + std::to_string(count));
+}
+
+void check_count(std::size_t count, const char* call) {
+  if (count > static_cast<std::size_t>(INT_MAX))
+    throw Error(ErrorKind::unsupported, std::string(call) + ": count " + std::to_string(count) +
+                                            " exceeds the largest MPI count (" +
+                                            std::to_string(INT_MAX) + " elements per rank)");
+}
+
+namespace {
+
+// The handle of a collective that completes when MPI does: waiting drives
+// progress from the waiting thread.
+class MpiHandle final : public CollectiveHandle {
+ public:
+  MpiHandle(std::shared_ptr<Completion> completion, MpiEngine* engine)
+      : completion_(std::move(completion)), engine_(engine) {}
+  bool query() override { return completion_->done(); }
+  void wait() override { engine_->wait_helping(*completion_); }
+
+ private:
+  std::shared_ptr<Completion> completion_;
+  MpiEngine* engine_;
+};
+
+int as_int(std::size_t count) {
+  return static_cast<int>(count);
+}
+
+const char* bytes_of(const void* p) {
+  return static_cast<const char*>(p);
+}
+
+void check_root(int root, int size, const char* call) {
+  if (root < 0 || root >= size)
+    throw Error(ErrorKind::invalid_argument, std::string(call) + ": root " + std::to_string(root) +
+                                                 " is not a rank of the communicator (0.." +
+                                                 std::to_string(size - 1) + ")");
+}
+
+std::size_t coalesced_bytes(std::span<const GatherItem> items, const char* call) {
+  std::size_t total = 0;
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    const GatherItem& item = items[i];
+    std::string name = "items[" + std::to_string(i) + "]";
+    check_type(item.type, call);
+    check_buffer(item.send, item.count, (name + ".send").c_str(), call);
+    check_buffer(item.recv, item.count, (name + ".recv").c_str(), call);
+    total += item.count * size_of(item.type);
+  }
+  return total;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- MPI
+
+MpiCommunicator::MpiCommunicator(std::string backend, double timeout_seconds)
+    : backend_(std::move(backend)) {
+  MpiEngine& engine = MpiEngine::get();
+  id_ = engine.create_comm(timeout_seconds);
+  rank_ = engine.world_rank();
+  size_ = engine.world_size();
+}
+
+MpiCommunicator::~MpiCommunicator() {
+  if (id_ >= 0) MpiEngine::get().release_comm(id_);
+}
+
+std::shared_ptr<CollectiveHandle> MpiCommunicator::post(
+    Stream& stream, const char* call, std::function<void()> prepare,
+    std::function<int(MPI_Comm, MPI_Request*)> start, std::function<void()> finish) {
+  HostStream& host_stream = as_host_stream(stream, call);
+  MpiEngine* engine = &MpiEngine::get();
+  auto posted = std::make_shared<Completion>();
+  // Without a finishing step the handle completes when MPI does, saving a
+  // thread hand-off.
+  auto handle = (prepare || finish) ? std::make_shared<Completion>() : posted;
+  std::uint64_t sequence = engine->next_sequence(id_);
+  std::string what = std::string(call) + " (" + backend_ + " communicator, collective #" +
+                     std::to_string(sequence) + ")";
+  if (!prepare && host_stream.idle_and_healthy()) {
+    // Fast path: nothing on the stream precedes this collective, so its
+    // inputs are ready now; post it from the caller's thread and let the
+    // stream only wait for its completion (saves a thread hand-off).
+    engine->submit(id_, sequence, what, std::move(start), posted);
+    host_stream.enqueue_lazy(
+        [posted, finish = std::move(finish), handle](bool) {
+          try {
+            posted->wait();
+            if (finish) finish();
+          } catch (const std::exception& e) {
+            handle->fail(e.what());
+            throw;
+          }
+          handle->complete();
+        },
+        posted);
+    if (handle == posted) return std::make_shared<MpiHandle>(handle, engine);
+    return std::make_shared<CompletionHandle>(handle);
+  }
+  host_stream.enqueue([engine, id = id_, sequence, what, prepare = std::move(prepare),
+                       start = std::move(start), finish = std::move(finish), posted,
+                       handle](bool failed) {
+    if (failed) {
+      engine->skip(id, sequence);
+      handle->fail(what + " was skipped: earlier work on its stream failed");
+      return;
+    }
+    try {
+      if (prepare) prepare();
+    } catch (const std::exception& e) {
+      engine->skip(id, sequence);
+      handle->fail(what + " failed: " + e.what());
+      throw;
+    }
+    engine->submit(id, sequence, what, start, posted);
+    try {
+      posted->wait();
+      if (finish) finish();
+    } catch (const std::exception& e) {
+      handle->fail(e.what());
+      throw;
+    }
+    handle->complete();
+  });
+  if (handle == posted) return std::make_shared<MpiHandle>(handle, engine);
+  return std::make_shared<CompletionHandle>(handle);
+}
+
+std::shared_ptr<CollectiveHandle> MpiCommunicator::all_gather(const void* send, void* recv,
+                                                              std::size_t count, DataType type,
+                                                              Stream& stream) {
+  const char* call = "all_gather";
+  check_type(type, call);
+  check_count(count, call);
+  check_buffer(send, count, "send", call);
+  check_buffer(recv, count, "recv", call);
+  std::size_t block = count * size_of(type);
+  // Rank r's input already in place in the output: MPI_IN_PLACE.
+  bool in_place = count > 0 && send == bytes_of(recv) + static_cast<std::size_t>(rank_) * block;
+  MPI_Datatype datatype = MpiEngine::datatype(type);
+  return post(
+      stream, call, nullptr,
+      [=](MPI_Comm comm, MPI_Request* request) {
+        return MPI_Iallgather(in_place ? MPI_IN_PLACE : send, as_int(count), datatype, recv,
+                              as_int(count), datatype, comm, request);
+      },
+      nullptr);
+}
+
+std::shared_ptr<CollectiveHandle> MpiCommunicator::all_gather_coalesced(
+    std::span<const GatherItem> items, Stream& stream) {
+  const char* call = "all_gather_coalesced";
+  std::size_t total = coalesced_bytes(items, call);
+  check_count(total, call);
+  if (items.size() == 1)
+    return all_gather(items[0].send, items[0].recv, items[0].count, items[0].type, stream);
+  // One gather of all tensors packed back to back; unpacked into each
+  // tensor's output afterwards (two host copies, one collective).
+  struct Buffers {
+    std::vector<GatherItem> items;
+    std::unique_ptr<char[]> send, recv;
+  };
+  auto buffers = std::make_shared<Buffers>();
+  buffers->items.assign(items.begin(), items.end());
+  int size = size_;
+  int rank = rank_;
+  auto prepare = [buffers, total, size]() {
+    buffers->send = std::make_unique_for_overwrite<char[]>(total + 1);
+    buffers->recv =
+        std::make_unique_for_overwrite<char[]>(total * static_cast<std::size_t>(size) + 1);
+    std::size_t offset = 0;
+    for (const GatherItem& item : buffers->items) {
+      std::size_t bytes = item.count * size_of(item.type);
+      if (bytes) std::memcpy(buffers->send.get() + offset, item.send, bytes);
+      offset += bytes;
+    }
+  };
+  auto finish = [buffers, total, size, rank]() {
+    (void)rank;
+    for (int r = 0; r < size; ++r) {
+      std::size_t offset = static_cast<std::size_t>(r) * total;
+      for (const GatherItem& item : buffers->items) {
+        std::size_t bytes = item.count * size_of(item.type);
+        if (bytes)
+          std::memcpy(static_cast<char*>(item.recv) + static_cast<std::size_t>(r) * bytes,
+                      buffers->recv.get() + offset, bytes);
+        offset += bytes;
+      }
+    }
+    buffers->send.reset();
+    buffers->recv.reset();
+  };
+  return post(
+      stream, call, prepare,
+      [buffers, total](MPI_Comm comm, MPI_Request* request) {
+        return MPI_Iallgather(buffers->send.get(), as_int(total), MPI_BYTE, buffers->recv.get(),
+                              as_int(total), MPI_BYTE, comm, request);
+      },
+      finish);
+}
+
+std::shared_ptr<CollectiveHandle> MpiCommunicator::reduce_scatter(const void* send, void* recv,
+                                                                  std::size_t count, DataType type,
+                                                                  ReduceOp op, Stream& stream) {
+  const char* call = "reduce_scatter";
+  check_type(type, call);
+  check_op(op, call);
+  check_count(count * static_cast<std::size_t>(size_), call);
+  check_buffer(send, count, "send", call);
+  check_buffer(recv, count, "recv", call);
+  MpiEngine& engine = MpiEngine::get();
+  MPI_Datatype datatype = MpiEngine::datatype(type);
+  MPI_Op mpi_op = engine.reduce_op(type, op);
+  return post(
+      stream, call, nullptr,
+      [=](MPI_Comm comm, MPI_Request* request) {
+        return MPI_Ireduce_scatter_block(send, recv, as_int(count), datatype, mpi_op, comm,
+                                         request);
+      },
+      nullptr);
+}
+
+std::shared_ptr<CollectiveHandle> MpiCommunicator::all_reduce(const void* send, void* recv,
+                                                              std::size_t count, DataType type,
+                                                              ReduceOp op, Stream& stream) {
+  const char* call = "all_reduce";
+  check_type(type, call);
+  check_op(op, call);
+  check_count(count, call);
+  check_buffer(send, count, "send", call);
+  check_buffer(recv, count, "recv", call);
+  MpiEngine& engine = MpiEngine::get();
+  MPI_Datatype datatype = MpiEngine::datatype(type);
+  MPI_Op mpi_op = engine.reduce_op(type, op);
+  bool in_place = send == recv;
+  return post(
+      stream, call, nullptr,
+      [=](MPI_Comm comm, MPI_Request* request) {
+        return MPI_Iallreduce(in_place ? MPI_IN_PLACE : send, recv, as_int(count), datatype, mpi_op,
+                              comm, request);
+      },
+      nullptr);
+}
+
+std::shared_ptr<CollectiveHandle> MpiCommunicator::broadcast(void* buffer, std::size_t count,
+                                                             DataType type, int root,
+                                                             Stream& stream) {
+  const char* call = "broadcast";
+  check_type(type, call);
+  check_count(count, call);
+  check_buffer(buffer, count, "buffer", call);
+  check_root(root, size_, call);
+  MPI_Datatype datatype = MpiEngine::datatype(type);
+  return post(
+      stream, call, nullptr,
+      [=](MPI_Comm comm, MPI_Request* request) {
+        return MPI_Ibcast(buffer, as_int(count), datatype, root, comm, request);
+      },
+      nullptr);
+}
+
+std::shared_ptr<CollectiveHandle> MpiCommunicator::barrier(Stream& stream) {
+  return post(
+      stream, "barrier", nullptr,
+      [](MPI_Comm comm, MPI_Request* request) { return MPI_Ibarrier(comm, request); }, nullptr);
+}
+
+// -------------------------------------------------------------- local
+
+std::shared_ptr<CollectiveHandle> LocalCommunicator::post(Stream& stream, const char* call,
+                                                          std::function<void()> work) {
+  HostStream& host_stream = as_host_stream(stream, call);
+  auto handle = std::make_shared<Completion>();
+  host_stream.enqueue([call, work = std::move(work), handle](bool failed) {
+    if (failed) {
+      handle->fail(std::string(call) + " was skipped: earlier work on its stream failed");
+      return;
+    }
+    if (work) work();
+    handle->complete();
+  });
+  return std::make_shared<CompletionHandle>(handle);
+}
+
+std::shared_ptr<CollectiveHandle> LocalCommunicator::all_gather(const void* send, void* recv,
+                                                                std::size_t count, DataType type,
+                                                                Stream& stream) {
+  const char* call = "all_gather";
+  check_type(type, call);
+  check_buffer(send, count, "send", call);
+  check_buffer(recv, count, "recv", call);
+  std::size_t bytes = count * size_of(type);
+  return post(stream, call, [=] {
+    if (bytes && send != recv) std::memmove(recv, send, bytes);
+  });
+}
+
+std::shared_ptr<CollectiveHandle> LocalCommunicator::all_gather_coalesced(
+    std::span<const GatherItem> items, Stream& stream) {
+  const char* call = "all_gather_coalesced";
+  coalesced_bytes(items, call);
+  std::vector<GatherItem> copy(items.begin(), items.end());
+  return post(stream, call, [copy = std::move(copy)] {
+    for (const GatherItem& item : copy) {
+      std::size_t bytes = item.count * size_of(item.type);
+      if (bytes && item.send != item.recv) std::memmove(item.recv, item.send, bytes);
+    }
+  });
+}
+
+std::shared_ptr<CollectiveHandle> LocalCommunicator::reduce_scatter(const void* send, void* recv,
+                                                                    std::size_t count,
+                                                                    DataType type, ReduceOp op,
+                                                                    Stream& stream) {
+  const char* call = "reduce_scatter";
+  check_type(type, call);
+  check_op(op, call);
+  check_buffer(send, count, "send", call);
+  check_buffer(recv, count, "recv", call);
+  std::size_t bytes = count * size_of(type);
+  return post(stream, call, [=] {
+    if (bytes && send != recv) std::memmove(recv, send, bytes);
+  });
+}
+
+std::shared_ptr<CollectiveHandle> LocalCommunicator::all_reduce(const void* send, void* recv,
+                                                                std::size_t count, DataType type,
+                                                                ReduceOp op, Stream& stream) {
+  const char* call = "all_reduce";
+  check_type(type, call);
+  check_op(op, call);
+  check_buffer(send, count, "send", call);
+  check_buffer(recv, count, "recv", call);
+  std::size_t bytes = count * size_of(type);
+  return post(stream, call, [=] {
+    if (bytes && send != recv) std::memmove(recv, send, bytes);
+  });
+}
+
+std::shared_ptr<CollectiveHandle> LocalCommunicator::broadcast(void* buffer, std::size_t count,
+                                                               DataType type, int root,
+                                                               Stream& stream) {
+  const char* call = "broadcast";
+  check_type(type, call);
+  check_buffer(buffer, count, "buffer", call);
+  check_root(root, 1, call);
+  return post(stream, call, nullptr);
+}
+
+std::shared_ptr<CollectiveHandle> LocalCommunicator::barrier(Stream& stream) {
+  return post(stream, "barrier", nullptr);
+}
+
+}  // namespace ductile::accel

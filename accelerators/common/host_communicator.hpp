@@ -1,0 +1,100 @@
+// Communicators over host memory: MpiCommunicator posts non-blocking MPI
+// collectives through the MpiEngine; LocalCommunicator is the single-process
+// world (no MPI at all) used when a program runs without a launcher.
+//
+// A collective is enqueued on a HostStream: when the stream reaches it, the
+// operation is handed to the engine (which posts it in issue order) and the
+// stream waits for it to complete before running later work, so later work on
+// the stream sees its output. The returned handle completes at the same time.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "completion.hpp"
+#include "ductile/accelerator.hpp"
+#include "host_stream.hpp"
+#include "mpi_engine.hpp"
+
+namespace ductile::accel {
+
+// How a backend's world communicator is made (the `communicator` key).
+enum class CommMode { local, mpi };
+
+// "auto": MPI when MPI is already initialised or a launcher started the
+// process (see detect_launch()), else local. "mpi" / "local" force it; a
+// local world under a launcher with more than one rank is refused. Throws
+// Error(config) naming `key` for an unknown value or that conflict.
+CommMode choose_comm_mode(std::string_view setting, std::string_view key);
+
+class MpiCommunicator final : public Communicator {
+ public:
+  // Collective over all ranks. `timeout_seconds` bounds each collective
+  // (0: no bound).
+  MpiCommunicator(std::string backend, double timeout_seconds);
+  ~MpiCommunicator() override;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::shared_ptr<CollectiveHandle> all_gather(const void* send, void* recv, std::size_t count,
+                                               DataType type, Stream& stream) override;
+  std::shared_ptr<CollectiveHandle> all_gather_coalesced(std::span<const GatherItem> items,
+                                                         Stream& stream) override;
+  std::shared_ptr<CollectiveHandle> reduce_scatter(const void* send, void* recv, std::size_t count,
+                                                   DataType type, ReduceOp op,
+                                                   Stream& stream) override;
+  std::shared_ptr<CollectiveHandle> all_reduce(const void* send, void* recv, std::size_t count,
+                                               DataType type, ReduceOp op, Stream& stream) override;
+  std::shared_ptr<CollectiveHandle> broadcast(void* buffer, std::size_t count, DataType type,
+                                              int root, Stream& stream) override;
+  std::shared_ptr<CollectiveHandle> barrier(Stream& stream) override;
+
+ private:
+  struct Staging;
+  // `prepare` runs on the stream before posting, `finish` after completion
+  // (both optional).
+  std::shared_ptr<CollectiveHandle> post(Stream& stream, const char* call,
+                                         std::function<void()> prepare,
+                                         std::function<int(MPI_Comm, MPI_Request*)> start,
+                                         std::function<void()> finish);
+
+  std::string backend_;
+  int id_ = -1;
+  int rank_ = 0, size_ = 1;
+};
+
+class LocalCommunicator final : public Communicator {
+ public:
+  explicit LocalCommunicator(std::string backend) : backend_(std::move(backend)) {}
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  std::shared_ptr<CollectiveHandle> all_gather(const void* send, void* recv, std::size_t count,
+                                               DataType type, Stream& stream) override;
+  std::shared_ptr<CollectiveHandle> all_gather_coalesced(std::span<const GatherItem> items,
+                                                         Stream& stream) override;
+  std::shared_ptr<CollectiveHandle> reduce_scatter(const void* send, void* recv, std::size_t count,
+                                                   DataType type, ReduceOp op,
+                                                   Stream& stream) override;
+  std::shared_ptr<CollectiveHandle> all_reduce(const void* send, void* recv, std::size_t count,
+                                               DataType type, ReduceOp op, Stream& stream) override;
+  std::shared_ptr<CollectiveHandle> broadcast(void* buffer, std::size_t count, DataType type,
+                                              int root, Stream& stream) override;
+  std::shared_ptr<CollectiveHandle> barrier(Stream& stream) override;
+
+ private:
+  std::shared_ptr<CollectiveHandle> post(Stream& stream, const char* call,
+                                         std::function<void()> work);
+  std::string backend_;
+};
+
+// Argument checks shared by host-side implementations (also used by the
+// staged collectives of device backends). Throw Error(invalid_argument or
+// unsupported) naming `call`.
+void check_type(DataType type, const char* call);
+void check_op(ReduceOp op, const char* call);
+void check_buffer(const void* pointer, std::size_t count, const char* name, const char* call);
+void check_count(std::size_t count, const char* call);
+
+}  // namespace ductile::accel

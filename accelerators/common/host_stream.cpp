@@ -1,0 +1,162 @@
+#include "host_stream.hpp"
+
+#include <algorithm>
+
+namespace ductile::accel {
+
+HostStream::HostStream(std::string backend)
+    : backend_(std::move(backend)), worker_([this] { run(); }) {}
+
+HostStream::~HostStream() {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  work_cv_.notify_all();
+  worker_.join();
+}
+
+void HostStream::enqueue(StreamTask task) {
+  {
+    std::lock_guard lock(mutex_);
+    queue_.push_back({std::move(task), false, nullptr});
+    ++enqueued_;
+  }
+  work_cv_.notify_one();
+}
+
+void HostStream::enqueue_lazy(StreamTask task, std::shared_ptr<Completion> waits_for) {
+  std::lock_guard lock(mutex_);
+  queue_.push_back({std::move(task), false, std::move(waits_for)});
+  ++enqueued_;
+}
+
+void HostStream::enqueue_marker(StreamTask marker) {
+  {
+    std::lock_guard lock(mutex_);
+    queue_.push_back({std::move(marker), true, nullptr});
+    ++enqueued_;
+  }
+  work_cv_.notify_one();
+}
+
+void HostStream::run() {
+  std::unique_lock lock(mutex_);
+  for (;;) {
+    work_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stopping, and everything queued has run
+    StreamTask task = std::move(queue_.front().task);
+    bool marker = queue_.front().marker;
+    queue_.pop_front();
+    bool failed = error_ != nullptr;
+    if (marker) {
+      ++completed_;
+      done_cv_.notify_all();
+      lock.unlock();
+      task(failed);
+      task = nullptr;
+      lock.lock();
+      continue;
+    }
+    lock.unlock();
+    std::exception_ptr error;
+    try {
+      task(failed);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    task = nullptr;  // release captures outside the lock
+    lock.lock();
+    if (error && !error_) error_ = error;
+    ++completed_;
+    done_cv_.notify_all();
+  }
+}
+
+void HostStream::synchronize() {
+  work_cv_.notify_one();  // in case only lazy tasks are queued
+  std::unique_lock lock(mutex_);
+  std::uint64_t target = enqueued_;
+  done_cv_.wait(lock, [&] { return completed_ >= target; });
+  if (error_) std::rethrow_exception(error_);
+}
+
+bool HostStream::idle_and_healthy() {
+  std::lock_guard lock(mutex_);
+  if (error_) return false;
+  if (completed_ + queue_.size() != enqueued_) return false;  // a task is running
+  for (const Entry& entry : queue_)
+    if (!entry.waits_for || !entry.waits_for->done() || entry.waits_for->failed()) return false;
+  return true;
+}
+
+bool HostStream::query() {
+  bool idle;
+  {
+    std::lock_guard lock(mutex_);
+    idle = completed_ == enqueued_;
+  }
+  if (!idle) work_cv_.notify_one();  // in case only lazy tasks are queued
+  return idle;
+}
+
+void HostStream::wait_event(Event& event) {
+  HostEvent& host_event = as_host_event(event, "Stream::wait_event");
+  std::uint64_t generation = host_event.recorded_generation();
+  if (generation == 0) return;  // never recorded: nothing to wait for
+  enqueue([state = host_event.state(), generation](bool) {
+    std::unique_lock lock(state->mutex);
+    state->cv.wait(lock, [&] { return state->completed >= generation; });
+  });
+}
+
+void HostEvent::record(Stream& stream) {
+  HostStream& host_stream = as_host_stream(stream, "Event::record");
+  std::uint64_t generation;
+  {
+    std::lock_guard lock(state_->mutex);
+    generation = ++state_->recorded;
+  }
+  // Runs even after a failure on the stream, so that waiters are released.
+  host_stream.enqueue_marker([state = state_, generation](bool) {
+    {
+      std::lock_guard lock(state->mutex);
+      state->completed = std::max(state->completed, generation);
+    }
+    state->cv.notify_all();
+  });
+}
+
+std::uint64_t HostEvent::recorded_generation() {
+  std::lock_guard lock(state_->mutex);
+  return state_->recorded;
+}
+
+bool HostEvent::query() {
+  std::lock_guard lock(state_->mutex);
+  return state_->completed >= state_->recorded;
+}
+
+void HostEvent::synchronize() {
+  std::unique_lock lock(state_->mutex);
+  std::uint64_t target = state_->recorded;
+  state_->cv.wait(lock, [&] { return state_->completed >= target; });
+}
+
+HostStream& as_host_stream(Stream& stream, const char* call) {
+  auto* host = dynamic_cast<HostStream*>(&stream);
+  if (host == nullptr)
+    throw Error(ErrorKind::invalid_argument,
+                std::string(call) + ": the stream was not created by this accelerator");
+  return *host;
+}
+
+HostEvent& as_host_event(Event& event, const char* call) {
+  auto* host = dynamic_cast<HostEvent*>(&event);
+  if (host == nullptr)
+    throw Error(ErrorKind::invalid_argument,
+                std::string(call) + ": the event was not created by this accelerator");
+  return *host;
+}
+
+}  // namespace ductile::accel

@@ -1,0 +1,11 @@
+// Keeps a shared library loaded until the process exits.
+#pragma once
+
+namespace ductile::accel {
+
+// Pins the library containing `address` (RTLD_NODELETE), so that threads,
+// atexit handlers and objects created by it stay valid after the host
+// releases it. Returns false if the library could not be found.
+bool pin_library_of(const void* address) noexcept;
+
+}  // namespace ductile::accel

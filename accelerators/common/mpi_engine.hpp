@@ -1,0 +1,83 @@
+// The process's MPI engine: owns MPI's lifetime (when ductile started it)
+// and runs a progress thread that posts non-blocking collectives in each
+// communicator's issue order and polls them to completion. Open MPI does not
+// progress non-blocking collectives on its own; this thread is what lets a
+// posted collective complete while the caller computes. All of ductile's MPI
+// calls are serialised by one lock; besides the engine thread, a thread that
+// submits may post at once, and a thread blocked in wait_helping() polls
+// itself (as MPI_Wait would), both only when MPI's thread level allows.
+//
+// Initialisation: the first get() starts the thread, which calls
+// MPI_Init_thread(MPI_THREAD_MULTIPLE) unless MPI is already initialised (then
+// the host must have asked for MPI_THREAD_MULTIPLE, since its own MPI calls
+// run concurrently with the engine's).
+// Finalisation: when ductile initialised MPI, an atexit handler stops the
+// thread and calls MPI_Finalize, unless a collective is in flight or has
+// failed (finalize would then wait forever for the dead peer; mpirun instead
+// sees the process end without finalising and ends the job). A watchdog
+// bounds MPI_Finalize itself by the longest communicator timeout. When the
+// host initialised MPI, the engine stops from a delete callback on
+// MPI_COMM_SELF, which MPI_Finalize runs first.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "completion.hpp"
+#include "ductile/accelerator.hpp"
+
+namespace ductile::accel {
+
+// Posts one non-blocking MPI operation on `comm`; returns an MPI error code.
+using MpiStart = std::function<int(MPI_Comm comm, MPI_Request* request)>;
+
+class MpiEngine {
+ public:
+  // The engine, started on first call (MPI initialised if needed). Throws
+  // Error(communication) if MPI cannot be used. Thread-safe.
+  static MpiEngine& get();
+
+  virtual int world_rank() const noexcept = 0;
+  virtual int world_size() const noexcept = 0;
+  // True when ductile called MPI_Init_thread (and will finalise).
+  virtual bool owns_mpi() const noexcept = 0;
+
+  // Collective over MPI_COMM_WORLD: a duplicate communicator whose
+  // operations each fail after `timeout_seconds` (0: never). Blocking.
+  virtual int create_comm(double timeout_seconds) = 0;
+  // The communicator is freed once every sequence number handed out for it
+  // has been submitted or skipped and nothing is in flight.
+  virtual void release_comm(int comm) noexcept = 0;
+
+  // Issue order: operations of a communicator are posted in the order of
+  // their sequence numbers, whatever order they are submitted in.
+  virtual std::uint64_t next_sequence(int comm) = 0;
+  // `what` names the operation in error messages. `done` completes when
+  // the MPI request completes, or fails (timeout, MPI error, broken
+  // communicator, shutdown).
+  virtual void submit(int comm, std::uint64_t sequence, std::string what, MpiStart start,
+                      std::shared_ptr<Completion> done) = 0;
+  // Consumes a sequence number without posting anything.
+  virtual void skip(int comm, std::uint64_t sequence) = 0;
+
+  // Blocks until `done` completes (rethrowing its failure). While waiting,
+  // the calling thread drives MPI progress itself when MPI's thread level
+  // allows it, as MPI_Wait would: no hand-off to the engine thread.
+  virtual void wait_helping(Completion& done) = 0;
+
+  static MPI_Datatype datatype(DataType type);
+  // Valid after get(): fp16/bf16 use ops created by the engine.
+  virtual MPI_Op reduce_op(DataType type, ReduceOp op) const = 0;
+
+ protected:
+  virtual ~MpiEngine() = default;
+};
+
+// The MPI error string of `code`.
+std::string mpi_error_string(int code);
+
+}  // namespace ductile::accel

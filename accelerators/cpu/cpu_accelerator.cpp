@@ -1,0 +1,196 @@
+// The cpu accelerator: "device" memory is host memory, each stream is a
+// worker thread, and the world communicator runs on Open MPI through the
+// shared MpiEngine (or is a single-process world when no launcher started
+// the process).
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <mutex>
+#include <string>
+
+#include "bootstrap.hpp"
+#include "ductile/accelerator.hpp"
+#include "host_communicator.hpp"
+#include "host_stream.hpp"
+#include "library_pin.hpp"
+
+namespace ductile::accel {
+namespace {
+
+constexpr const char* kCommunicatorModes[] = {"auto", "mpi", "local", nullptr};
+
+constexpr ParamSpec kSchema[] = {
+    {"communicator", ParamType::string, 0, "\"auto\"", 0, 0, kCommunicatorModes,
+     "World communicator: \"mpi\" (Open MPI), \"local\" (single process, no MPI) or \"auto\" "
+     "(MPI when started by a launcher such as mpirun or when MPI is already initialised)"},
+    {"timeout", ParamType::floating, param_has_min, "600", 0, 0, nullptr,
+     "Seconds a collective (and MPI_Finalize at exit) may take before it fails with a "
+     "communication error, so that a dead peer ends the job instead of hanging it; 0 waits "
+     "forever"},
+};
+
+constexpr std::size_t kAlignment = 64;
+
+std::string read_cpu_model() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("model name", 0) == 0) {
+      auto colon = line.find(':');
+      if (colon != std::string::npos) {
+        auto start = line.find_first_not_of(' ', colon + 1);
+        if (start != std::string::npos) return line.substr(start);
+      }
+    }
+  }
+  return "host cpu";
+}
+
+std::size_t read_available_memory() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  std::size_t value = 0;
+  std::string unit;
+  while (in >> key >> value >> unit)
+    if (key == "MemAvailable:") return value * 1024;
+  return 0;
+}
+
+std::size_t total_memory() {
+  long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<std::size_t>(pages) * static_cast<std::size_t>(page)
+                               : 0;
+}
+
+class CpuAccelerator final : public Accelerator {
+ public:
+  explicit CpuAccelerator(const HostContext& context)
+      : logger_(context.logger()),
+        mode_(choose_comm_mode(context.params().get_string("communicator"),
+                               "[accelerator] communicator")),
+        timeout_(context.params().get_double("timeout")) {
+    // Streams and communicators own threads running this library's code and
+    // may outlive the host's handle on it: keep the library loaded.
+    pin_library_of(reinterpret_cast<const void*>(&read_cpu_model));
+    logger_->debug("cpu accelerator: {} world, collective timeout {} s",
+                   mode_ == CommMode::mpi ? "MPI" : "single-process", timeout_);
+  }
+
+  std::string_view backend() const override { return "cpu"; }
+  int device_count() const override { return 1; }
+  int current_device() const override { return 0; }
+
+  DeviceInfo device_info(int device) const override {
+    if (device != 0)
+      throw Error(ErrorKind::invalid_argument,
+                  "device_info: device " + std::to_string(device) +
+                      " does not exist (the cpu accelerator has one device: 0)");
+    DeviceInfo info;
+    info.name = read_cpu_model();
+    info.total_memory = total_memory();
+    info.free_memory = read_available_memory();
+    return info;
+  }
+
+  void* allocate(std::size_t bytes, MemoryKind kind) override {
+    check_kind(kind, "allocate");
+    std::size_t rounded =
+        bytes == 0 ? kAlignment : (bytes + kAlignment - 1) / kAlignment * kAlignment;
+    if (rounded < bytes)
+      throw Error(ErrorKind::invalid_argument,
+                  "allocate: " + std::to_string(bytes) + " bytes is not a valid size");
+    // Like a device, the cpu cannot hand out more than it has (and asking the
+    // allocator for absurd sizes aborts under AddressSanitizer).
+    std::size_t total = total_memory();
+    if (total > 0 && bytes > total)
+      throw Error(ErrorKind::incompatible, "allocate: " + std::to_string(bytes) +
+                                               " bytes exceed the host's memory (" +
+                                               std::to_string(total) + " bytes)");
+    void* pointer = std::aligned_alloc(kAlignment, rounded);
+    if (pointer == nullptr)
+      throw Error(ErrorKind::incompatible,
+                  "allocate: out of host memory allocating " + std::to_string(bytes) + " bytes");
+    return pointer;
+  }
+
+  void deallocate(void* pointer, MemoryKind) noexcept override { std::free(pointer); }
+
+  std::shared_ptr<Stream> create_stream() override { return std::make_shared<HostStream>("cpu"); }
+  std::shared_ptr<Event> create_event() override { return std::make_shared<HostEvent>("cpu"); }
+
+  void copy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind,
+                  Stream& stream) override {
+    const char* call = "copy_async";
+    if (static_cast<std::uint32_t>(kind) > static_cast<std::uint32_t>(CopyKind::host_to_host))
+      throw Error(ErrorKind::invalid_argument,
+                  std::string(call) + ": unknown CopyKind " +
+                      std::to_string(static_cast<std::uint32_t>(kind)));
+    check_buffer(dst, bytes, "dst", call);
+    check_buffer(src, bytes, "src", call);
+    as_host_stream(stream, call).enqueue([=](bool failed) {
+      if (!failed && bytes) std::memmove(dst, src, bytes);
+    });
+  }
+
+  void memset_async(void* dst, int value, std::size_t bytes, Stream& stream) override {
+    const char* call = "memset_async";
+    check_buffer(dst, bytes, "dst", call);
+    as_host_stream(stream, call).enqueue([=](bool failed) {
+      if (!failed && bytes) std::memset(dst, value, bytes);
+    });
+  }
+
+  std::shared_ptr<Communicator> world() override {
+    std::lock_guard lock(mutex_);
+    if (!world_) {
+      if (mode_ == CommMode::mpi) {
+        auto mpi = std::make_shared<MpiCommunicator>("cpu", timeout_);
+        LaunchInfo launch = detect_launch();
+        if (launch.from_launcher() && launch.size != mpi->size())
+          throw Error(ErrorKind::communication,
+                      "the launcher (" + launch.source + ") started " +
+                          std::to_string(launch.size) + " ranks but MPI sees " +
+                          std::to_string(mpi->size()) +
+                          ": start the job with an MPI launcher such as mpirun");
+        world_ = std::move(mpi);
+      } else {
+        world_ = std::make_shared<LocalCommunicator>("cpu");
+      }
+      logger_->debug("cpu accelerator: world communicator rank {} of {}", world_->rank(),
+                     world_->size());
+    }
+    return world_;
+  }
+
+  std::shared_ptr<Bootstrap> bootstrap() override {
+    auto communicator = world();
+    std::lock_guard lock(mutex_);
+    if (!bootstrap_) bootstrap_ = std::make_shared<CommunicatorBootstrap>(communicator, "cpu");
+    return bootstrap_;
+  }
+
+ private:
+  static void check_kind(MemoryKind kind, const char* call) {
+    if (kind != MemoryKind::device && kind != MemoryKind::pinned_host)
+      throw Error(ErrorKind::invalid_argument,
+                  std::string(call) + ": unknown MemoryKind " +
+                      std::to_string(static_cast<std::uint32_t>(kind)));
+  }
+
+  std::shared_ptr<spdlog::logger> logger_;
+  CommMode mode_;
+  double timeout_;
+  std::mutex mutex_;
+  std::shared_ptr<Communicator> world_;
+  std::shared_ptr<Bootstrap> bootstrap_;
+};
+
+}  // namespace
+}  // namespace ductile::accel
+
+DUCTILE_PLUGIN(ductile::accel::CpuAccelerator, "cpu", "1.0.0",
+               "Host memory, worker-thread streams and Open MPI collectives with background "
+               "progress",
+               ductile::accel::kSchema)

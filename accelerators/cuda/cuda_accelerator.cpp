@@ -1,0 +1,560 @@
+// The cuda accelerator: CUDA runtime for memory, streams and events; NCCL for
+// collectives, its unique id exchanged over the MPI bootstrap. Every runtime
+// and NCCL call is checked; nothing on the collective path synchronizes the
+// device (handles are CUDA events polled without blocking).
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "bootstrap.hpp"
+#include "ductile/accelerator.hpp"
+#include "host_communicator.hpp"
+#include "library_pin.hpp"
+
+namespace ductile::accel {
+namespace {
+
+constexpr const char* kCommunicatorModes[] = {"auto", "mpi", "local", nullptr};
+
+constexpr ParamSpec kSchema[] = {
+    {"device", ParamType::integer, param_has_min, "-1", -1, 0, nullptr,
+     "CUDA device ordinal; -1 picks the launcher's local rank modulo the number of devices"},
+    {"communicator", ParamType::string, 0, "\"auto\"", 0, 0, kCommunicatorModes,
+     "How ranks are found for the NCCL bootstrap: \"mpi\", \"local\" (one process) or \"auto\""},
+    {"timeout", ParamType::floating, param_has_min, "600", 0, 0, nullptr,
+     "Seconds a collective may take in wait() before the NCCL communicator is aborted and a "
+     "communication error thrown; 0 waits forever"},
+};
+
+std::string cuda_message(cudaError_t error) {
+  return std::string(cudaGetErrorName(error)) + ": " + cudaGetErrorString(error);
+}
+
+[[noreturn]] void throw_cuda(cudaError_t error, const char* call) {
+  ErrorKind kind =
+      error == cudaErrorMemoryAllocation ? ErrorKind::incompatible : ErrorKind::internal;
+  throw Error(kind, std::string("cuda accelerator: ") + call + " failed: " + cuda_message(error));
+}
+
+#define DUCTILE_CUDA_CHECK(call)                                          \
+  do {                                                                    \
+    cudaError_t ductile_error_ = (call);                                  \
+    if (ductile_error_ != cudaSuccess) throw_cuda(ductile_error_, #call); \
+  } while (0)
+
+[[noreturn]] void throw_nccl(ncclResult_t result, const char* call, ncclComm_t comm) {
+  std::string message =
+      std::string("cuda accelerator: ") + call + " failed: " + ncclGetErrorString(result);
+  const char* last = ncclGetLastError(comm);
+  if (last != nullptr && *last != '\0') message += std::string(" (") + last + ")";
+  throw Error(ErrorKind::communication, message);
+}
+
+#define DUCTILE_NCCL_CHECK(call, comm)                                            \
+  do {                                                                            \
+    ncclResult_t ductile_result_ = (call);                                        \
+    if (ductile_result_ != ncclSuccess) throw_nccl(ductile_result_, #call, comm); \
+  } while (0)
+
+ncclDataType_t nccl_type(DataType type) {
+  switch (type) {
+    case DataType::f32:
+      return ncclFloat32;
+    case DataType::f64:
+      return ncclFloat64;
+    case DataType::f16:
+      return ncclFloat16;
+    case DataType::bf16:
+      return ncclBfloat16;
+    case DataType::i32:
+      return ncclInt32;
+    case DataType::i64:
+      return ncclInt64;
+    case DataType::u8:
+      return ncclUint8;
+  }
+  throw Error(ErrorKind::invalid_argument, "unknown DataType");
+}
+
+ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum:
+      return ncclSum;
+    case ReduceOp::prod:
+      return ncclProd;
+    case ReduceOp::min:
+      return ncclMin;
+    case ReduceOp::max:
+      return ncclMax;
+  }
+  throw Error(ErrorKind::invalid_argument, "unknown ReduceOp");
+}
+
+// The runtime's current device is per host thread: set it on entry.
+void use_device(int device) {
+  DUCTILE_CUDA_CHECK(cudaSetDevice(device));
+}
+
+class CudaStream final : public Stream {
+ public:
+  explicit CudaStream(int device) : device_(device) {
+    use_device(device_);
+    DUCTILE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  }
+  ~CudaStream() override {
+    cudaSetDevice(device_);
+    cudaStreamDestroy(stream_);  // returns at once; pending work still completes
+  }
+  void synchronize() override {
+    use_device(device_);
+    DUCTILE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+  bool query() override {
+    cudaError_t status = cudaStreamQuery(stream_);
+    if (status == cudaErrorNotReady) return false;
+    if (status != cudaSuccess) throw_cuda(status, "cudaStreamQuery");
+    return true;
+  }
+  void wait_event(Event& event) override;
+  cudaStream_t get() const noexcept { return stream_; }
+  int device() const noexcept { return device_; }
+
+ private:
+  int device_;
+  cudaStream_t stream_ = nullptr;
+};
+
+class CudaEvent final : public Event {
+ public:
+  explicit CudaEvent(int device) : device_(device) {
+    use_device(device_);
+    DUCTILE_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+  }
+  ~CudaEvent() override { cudaEventDestroy(event_); }
+  void record(Stream& stream) override;
+  bool query() override {
+    cudaError_t status = cudaEventQuery(event_);
+    if (status == cudaErrorNotReady) return false;
+    if (status != cudaSuccess) throw_cuda(status, "cudaEventQuery");
+    return true;
+  }
+  void synchronize() override { DUCTILE_CUDA_CHECK(cudaEventSynchronize(event_)); }
+  cudaEvent_t get() const noexcept { return event_; }
+
+ private:
+  int device_;
+  cudaEvent_t event_ = nullptr;
+};
+
+CudaStream& as_cuda_stream(Stream& stream, const char* call) {
+  auto* cuda = dynamic_cast<CudaStream*>(&stream);
+  if (cuda == nullptr)
+    throw Error(ErrorKind::invalid_argument,
+                std::string(call) + ": the stream was not created by the cuda accelerator");
+  return *cuda;
+}
+
+CudaEvent& as_cuda_event(Event& event, const char* call) {
+  auto* cuda = dynamic_cast<CudaEvent*>(&event);
+  if (cuda == nullptr)
+    throw Error(ErrorKind::invalid_argument,
+                std::string(call) + ": the event was not created by the cuda accelerator");
+  return *cuda;
+}
+
+void CudaStream::wait_event(Event& event) {
+  CudaEvent& cuda_event = as_cuda_event(event, "Stream::wait_event");
+  DUCTILE_CUDA_CHECK(cudaStreamWaitEvent(stream_, cuda_event.get(), 0));
+}
+
+void CudaEvent::record(Stream& stream) {
+  CudaStream& cuda_stream = as_cuda_stream(stream, "Event::record");
+  DUCTILE_CUDA_CHECK(cudaEventRecord(event_, cuda_stream.get()));
+}
+
+// The NCCL communicator, shared by the Communicator and its handles so that
+// a handle can abort it on timeout.
+struct NcclState {
+  ncclComm_t comm = nullptr;
+  int device = 0;
+  double timeout = 0;
+  std::mutex mutex;  // NCCL calls on one communicator are not thread-safe
+  bool aborted = false;
+  std::string abort_reason;
+
+  ~NcclState() {
+    if (comm == nullptr) return;
+    cudaSetDevice(device);
+    if (!aborted) {
+      // Flushes what was issued (blocking comm), then frees.
+      ncclCommFinalize(comm);
+      ncclCommDestroy(comm);
+    }
+  }
+};
+
+class NcclHandle final : public CollectiveHandle {
+ public:
+  NcclHandle(std::shared_ptr<NcclState> state, int device, cudaStream_t stream, std::string what)
+      : state_(std::move(state)), what_(std::move(what)) {
+    use_device(device);
+    DUCTILE_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
+    DUCTILE_CUDA_CHECK(cudaEventRecord(done_, stream));
+    start_ = std::chrono::steady_clock::now();
+  }
+  ~NcclHandle() override { cudaEventDestroy(done_); }
+
+  bool query() override {
+    cudaError_t status = cudaEventQuery(done_);
+    if (status == cudaSuccess) return true;
+    if (status != cudaErrorNotReady) throw_cuda(status, "cudaEventQuery");
+    check_async();
+    return false;
+  }
+
+  // Polls rather than blocking in cudaEventSynchronize, so that a dead peer
+  // is noticed (NCCL's asynchronous error) and the timeout can abort.
+  void wait() override {
+    auto pause = std::chrono::microseconds(5);
+    while (!query()) {
+      if (state_->timeout > 0 && std::chrono::steady_clock::now() - start_ >
+                                     std::chrono::duration<double>(state_->timeout))
+        abort(what_ +
+              " did not complete within the collective timeout; the NCCL communicator "
+              "was aborted (a peer has failed or did not issue the same collectives)");
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::microseconds(200));
+    }
+  }
+
+ private:
+  void check_async() {
+    std::lock_guard lock(state_->mutex);
+    if (state_->aborted)
+      throw Error(ErrorKind::communication, what_ + " failed: " + state_->abort_reason);
+    ncclResult_t async = ncclSuccess;
+    DUCTILE_NCCL_CHECK(ncclCommGetAsyncError(state_->comm, &async), state_->comm);
+    if (async != ncclSuccess && async != ncclInProgress) {
+      std::string reason = std::string("NCCL reported ") + ncclGetErrorString(async);
+      state_->aborted = true;
+      state_->abort_reason = reason;
+      ncclCommAbort(state_->comm);
+      throw Error(ErrorKind::communication, what_ + " failed: " + reason);
+    }
+  }
+
+  [[noreturn]] void abort(const std::string& reason) {
+    std::lock_guard lock(state_->mutex);
+    if (!state_->aborted) {
+      state_->aborted = true;
+      state_->abort_reason = reason;
+      ncclCommAbort(state_->comm);
+    }
+    throw Error(ErrorKind::communication, reason);
+  }
+
+  std::shared_ptr<NcclState> state_;
+  std::string what_;
+  cudaEvent_t done_ = nullptr;
+  std::chrono::steady_clock::time_point start_;
+};
+
+class NcclCommunicator final : public Communicator {
+ public:
+  NcclCommunicator(Bootstrap& bootstrap, int device, double timeout)
+      : state_(std::make_shared<NcclState>()), rank_(bootstrap.rank()), size_(bootstrap.size()) {
+    state_->device = device;
+    state_->timeout = timeout;
+    ncclUniqueId id{};
+    if (rank_ == 0) DUCTILE_NCCL_CHECK(ncclGetUniqueId(&id), nullptr);
+    auto blob = bootstrap.broadcast(std::as_bytes(std::span(&id, 1)), 0);
+    if (blob.size() != sizeof(id))
+      throw Error(ErrorKind::communication,
+                  "cuda accelerator: the NCCL unique id from rank 0 has " +
+                      std::to_string(blob.size()) + " bytes, expected " +
+                      std::to_string(sizeof(id)));
+    std::memcpy(&id, blob.data(), sizeof(id));
+    use_device(device);
+    DUCTILE_NCCL_CHECK(ncclCommInitRank(&state_->comm, size_, id, rank_), nullptr);
+    DUCTILE_CUDA_CHECK(cudaMalloc(&scratch_, sizeof(float)));
+  }
+  ~NcclCommunicator() override {
+    cudaSetDevice(state_->device);
+    cudaFree(scratch_);
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+
+  std::shared_ptr<CollectiveHandle> all_gather(const void* send, void* recv, std::size_t count,
+                                               DataType type, Stream& stream) override {
+    const char* call = "all_gather";
+    check_type(type, call);
+    check_buffer(send, count, "send", call);
+    check_buffer(recv, count, "recv", call);
+    return issue(stream, call, [&](ncclComm_t comm, cudaStream_t s) {
+      DUCTILE_NCCL_CHECK(ncclAllGather(send, recv, count, nccl_type(type), comm, s), comm);
+    });
+  }
+
+  std::shared_ptr<CollectiveHandle> all_gather_coalesced(std::span<const GatherItem> items,
+                                                         Stream& stream) override {
+    const char* call = "all_gather_coalesced";
+    for (std::size_t i = 0; i < items.size(); ++i) {
+      std::string name = "items[" + std::to_string(i) + "]";
+      check_type(items[i].type, call);
+      check_buffer(items[i].send, items[i].count, (name + ".send").c_str(), call);
+      check_buffer(items[i].recv, items[i].count, (name + ".recv").c_str(), call);
+    }
+    // One NCCL group: the gathers are fused into one launch.
+    return issue(stream, call, [&](ncclComm_t comm, cudaStream_t s) {
+      DUCTILE_NCCL_CHECK(ncclGroupStart(), comm);
+      ncclResult_t first = ncclSuccess;
+      for (const GatherItem& item : items) {
+        ncclResult_t r =
+            ncclAllGather(item.send, item.recv, item.count, nccl_type(item.type), comm, s);
+        if (r != ncclSuccess && first == ncclSuccess) first = r;
+      }
+      ncclResult_t end = ncclGroupEnd();
+      if (first != ncclSuccess) throw_nccl(first, "ncclAllGather (in group)", comm);
+      if (end != ncclSuccess) throw_nccl(end, "ncclGroupEnd", comm);
+    });
+  }
+
+  std::shared_ptr<CollectiveHandle> reduce_scatter(const void* send, void* recv, std::size_t count,
+                                                   DataType type, ReduceOp op,
+                                                   Stream& stream) override {
+    const char* call = "reduce_scatter";
+    check_type(type, call);
+    check_op(op, call);
+    check_buffer(send, count, "send", call);
+    check_buffer(recv, count, "recv", call);
+    return issue(stream, call, [&](ncclComm_t comm, cudaStream_t s) {
+      DUCTILE_NCCL_CHECK(
+          ncclReduceScatter(send, recv, count, nccl_type(type), nccl_op(op), comm, s), comm);
+    });
+  }
+
+  std::shared_ptr<CollectiveHandle> all_reduce(const void* send, void* recv, std::size_t count,
+                                               DataType type, ReduceOp op,
+                                               Stream& stream) override {
+    const char* call = "all_reduce";
+    check_type(type, call);
+    check_op(op, call);
+    check_buffer(send, count, "send", call);
+    check_buffer(recv, count, "recv", call);
+    return issue(stream, call, [&](ncclComm_t comm, cudaStream_t s) {
+      DUCTILE_NCCL_CHECK(ncclAllReduce(send, recv, count, nccl_type(type), nccl_op(op), comm, s),
+                         comm);
+    });
+  }
+
+  std::shared_ptr<CollectiveHandle> broadcast(void* buffer, std::size_t count, DataType type,
+                                              int root, Stream& stream) override {
+    const char* call = "broadcast";
+    check_type(type, call);
+    check_buffer(buffer, count, "buffer", call);
+    if (root < 0 || root >= size_)
+      throw Error(ErrorKind::invalid_argument,
+                  std::string(call) + ": root " + std::to_string(root) +
+                      " is not a rank of the communicator (0.." + std::to_string(size_ - 1) + ")");
+    return issue(stream, call, [&](ncclComm_t comm, cudaStream_t s) {
+      DUCTILE_NCCL_CHECK(ncclBroadcast(buffer, buffer, count, nccl_type(type), root, comm, s),
+                         comm);
+    });
+  }
+
+  // NCCL has no barrier: a one-element all-reduce on device scratch memory.
+  std::shared_ptr<CollectiveHandle> barrier(Stream& stream) override {
+    return issue(stream, "barrier", [&](ncclComm_t comm, cudaStream_t s) {
+      DUCTILE_NCCL_CHECK(ncclAllReduce(scratch_, scratch_, 1, ncclFloat32, ncclSum, comm, s), comm);
+    });
+  }
+
+ private:
+  template <class Enqueue>
+  std::shared_ptr<CollectiveHandle> issue(Stream& stream, const char* call, Enqueue&& enqueue) {
+    CudaStream& cuda_stream = as_cuda_stream(stream, call);
+    std::lock_guard lock(state_->mutex);
+    if (state_->aborted)
+      throw Error(ErrorKind::communication, std::string(call) +
+                                                ": the NCCL communicator was aborted earlier (" +
+                                                state_->abort_reason + ")");
+    use_device(state_->device);
+    enqueue(state_->comm, cuda_stream.get());
+    std::string what = std::string(call) + " (nccl communicator, rank " + std::to_string(rank_) +
+                       " of " + std::to_string(size_) + ")";
+    return std::make_shared<NcclHandle>(state_, state_->device, cuda_stream.get(), std::move(what));
+  }
+
+  std::shared_ptr<NcclState> state_;
+  int rank_, size_;
+  void* scratch_ = nullptr;
+};
+
+class CudaAccelerator final : public Accelerator {
+ public:
+  explicit CudaAccelerator(const HostContext& context)
+      : logger_(context.logger()),
+        mode_(choose_comm_mode(context.params().get_string("communicator"),
+                               "[accelerator] communicator")),
+        timeout_(context.params().get_double("timeout")) {
+    int count = 0;
+    cudaError_t status = cudaGetDeviceCount(&count);
+    if (status != cudaSuccess || count == 0)
+      throw Error(ErrorKind::unsupported,
+                  "cuda accelerator: no usable CUDA device (cudaGetDeviceCount: " +
+                      (status != cudaSuccess ? cuda_message(status) : std::string("0 devices")) +
+                      "); a GPU and the NVIDIA driver are required");
+    count_ = count;
+    std::int64_t wanted = context.params().get_int("device");
+    if (wanted >= count)
+      throw Error(ErrorKind::config, "[accelerator] device = " + std::to_string(wanted) +
+                                         " but only " + std::to_string(count) +
+                                         " CUDA device(s) are visible (0.." +
+                                         std::to_string(count - 1) + ")");
+    device_ = wanted >= 0 ? static_cast<int>(wanted) : detect_launch().local_rank % count;
+    use_device(device_);
+    DUCTILE_CUDA_CHECK(cudaFree(nullptr));  // creates the primary context now, not mid-step
+    pin_library_of(reinterpret_cast<const void*>(&nccl_type));
+    logger_->debug("cuda accelerator: device {} of {}", device_, count_);
+  }
+
+  std::string_view backend() const override { return "cuda"; }
+  int device_count() const override { return count_; }
+  int current_device() const override { return device_; }
+
+  DeviceInfo device_info(int device) const override {
+    if (device < 0 || device >= count_)
+      throw Error(ErrorKind::invalid_argument, "device_info: device " + std::to_string(device) +
+                                                   " does not exist (0.." +
+                                                   std::to_string(count_ - 1) + ")");
+    cudaDeviceProp properties{};
+    DUCTILE_CUDA_CHECK(cudaGetDeviceProperties(&properties, device));
+    DeviceInfo info;
+    info.name = properties.name;
+    info.total_memory = properties.totalGlobalMem;
+    use_device(device);
+    std::size_t free_bytes = 0, total_bytes = 0;
+    cudaError_t status = cudaMemGetInfo(&free_bytes, &total_bytes);
+    use_device(device_);
+    if (status != cudaSuccess) throw_cuda(status, "cudaMemGetInfo");
+    info.free_memory = free_bytes;
+    return info;
+  }
+
+  void* allocate(std::size_t bytes, MemoryKind kind) override {
+    use_device(device_);
+    // cudaMalloc(0) gives nullptr; the interface promises a unique pointer.
+    std::size_t size = bytes == 0 ? 256 : bytes;
+    void* pointer = nullptr;
+    if (kind == MemoryKind::device) {
+      DUCTILE_CUDA_CHECK(cudaMalloc(&pointer, size));
+    } else if (kind == MemoryKind::pinned_host) {
+      DUCTILE_CUDA_CHECK(cudaMallocHost(&pointer, size));
+    } else {
+      throw Error(
+          ErrorKind::invalid_argument,
+          "allocate: unknown MemoryKind " + std::to_string(static_cast<std::uint32_t>(kind)));
+    }
+    return pointer;
+  }
+
+  void deallocate(void* pointer, MemoryKind kind) noexcept override {
+    if (pointer == nullptr) return;
+    cudaSetDevice(device_);
+    if (kind == MemoryKind::pinned_host) {
+      cudaFreeHost(pointer);
+    } else {
+      cudaFree(pointer);
+    }
+  }
+
+  std::shared_ptr<Stream> create_stream() override { return std::make_shared<CudaStream>(device_); }
+  std::shared_ptr<Event> create_event() override { return std::make_shared<CudaEvent>(device_); }
+
+  void copy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind,
+                  Stream& stream) override {
+    const char* call = "copy_async";
+    check_buffer(dst, bytes, "dst", call);
+    check_buffer(src, bytes, "src", call);
+    cudaMemcpyKind cuda_kind;
+    switch (kind) {
+      case CopyKind::host_to_device:
+        cuda_kind = cudaMemcpyHostToDevice;
+        break;
+      case CopyKind::device_to_host:
+        cuda_kind = cudaMemcpyDeviceToHost;
+        break;
+      case CopyKind::device_to_device:
+        cuda_kind = cudaMemcpyDeviceToDevice;
+        break;
+      case CopyKind::host_to_host:
+        cuda_kind = cudaMemcpyHostToHost;
+        break;
+      default:
+        throw Error(ErrorKind::invalid_argument,
+                    std::string(call) + ": unknown CopyKind " +
+                        std::to_string(static_cast<std::uint32_t>(kind)));
+    }
+    CudaStream& cuda_stream = as_cuda_stream(stream, call);
+    if (bytes == 0) return;
+    use_device(device_);
+    DUCTILE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cuda_kind, cuda_stream.get()));
+  }
+
+  void memset_async(void* dst, int value, std::size_t bytes, Stream& stream) override {
+    const char* call = "memset_async";
+    check_buffer(dst, bytes, "dst", call);
+    CudaStream& cuda_stream = as_cuda_stream(stream, call);
+    if (bytes == 0) return;
+    use_device(device_);
+    DUCTILE_CUDA_CHECK(cudaMemsetAsync(dst, value, bytes, cuda_stream.get()));
+  }
+
+  std::shared_ptr<Bootstrap> bootstrap() override {
+    std::lock_guard lock(mutex_);
+    return bootstrap_locked();
+  }
+
+  std::shared_ptr<Communicator> world() override {
+    std::lock_guard lock(mutex_);
+    if (!world_)
+      world_ = std::make_shared<NcclCommunicator>(*bootstrap_locked(), device_, timeout_);
+    return world_;
+  }
+
+ private:
+  std::shared_ptr<Bootstrap> bootstrap_locked() {
+    if (!bootstrap_) {
+      std::shared_ptr<Communicator> host;
+      if (mode_ == CommMode::mpi) {
+        host = std::make_shared<MpiCommunicator>("cuda bootstrap", timeout_);
+      } else {
+        host = std::make_shared<LocalCommunicator>("cuda bootstrap");
+      }
+      bootstrap_ = std::make_shared<CommunicatorBootstrap>(std::move(host), "cuda");
+    }
+    return bootstrap_;
+  }
+
+  std::shared_ptr<spdlog::logger> logger_;
+  CommMode mode_;
+  double timeout_;
+  int count_ = 0;
+  int device_ = 0;
+  std::mutex mutex_;
+  std::shared_ptr<Bootstrap> bootstrap_;
+  std::shared_ptr<Communicator> world_;
+};
+
+}  // namespace
+}  // namespace ductile::accel
+
+DUCTILE_PLUGIN(ductile::accel::CudaAccelerator, "cuda", "1.0.0",
+               "CUDA devices with NCCL collectives (bootstrap over MPI)", ductile::accel::kSchema)

@@ -1,0 +1,44 @@
+// DeepSpeed JSON configurations for dynamic batching: maps
+// data_efficiency.data_sampling.dynamic_batching (same keys and defaults as
+// DeepSpeed) onto the greedy sampler's parameters, the LR scaling rule and
+// the base learning-rate schedule.
+//
+// DeepSpeed keys read: dynamic_batching.{enabled (false), max_tokens
+// (required), lr_scaling_method ("linear"), sequence_picking_order
+// ("dataloader"; the older name sentence_picking_order is accepted),
+// min_batch_size (1), max_batch_size (null), metrics_path
+// ("./curriculum_output/"), verbose (false)}; data_efficiency.seed (1234);
+// train_batch_size (the micro-batches of one step and the LR's base batch
+// size, as DeepSpeed's engine passes them; else micro batch x gradient
+// accumulation; else 1); optimizer.params.lr; scheduler WarmupDecayLR with
+// warmup_type "linear" (others are refused with a clear error).
+//
+// Errors: ductile::Error(ErrorKind::config) naming the source, the key path
+// and the bad value. Threading: pure functions.
+#pragma once
+
+#include <filesystem>
+#include <string>
+#include <string_view>
+
+#include "ductile/core/lr_schedule.hpp"
+#include "ductile/params.hpp"
+
+namespace ductile::core {
+
+struct DeepSpeedBatching {
+  bool enabled = false;
+  std::string sampler = "greedy";
+  Params sampler_params;  // keys of the greedy sampler's schema
+  std::string lr_rule = "linear";
+  double base_batch_size = 1;
+  LrScheduleSpec schedule;               // constant at optimizer.params.lr unless a scheduler maps
+  std::filesystem::path lengths_prefix;  // <metrics_path>/seqlen/seqlen_sample_to_metric
+};
+
+// `source` names the text in messages; relative metrics paths resolve
+// against `base_dir`.
+DeepSpeedBatching parse_deepspeed_batching(std::string_view json_text, std::string_view source,
+                                           const std::filesystem::path& base_dir = {});
+
+}  // namespace ductile::core

@@ -1,0 +1,336 @@
+// DeepSpeed's elasticity v0.1 and v0.2, and the parts every built-in policy
+// shares (valid GPU counts, micro batch for a world size).
+//
+// Deliberate differences from DeepSpeed (all documented in the README):
+// - Integer arithmetic throughout; DeepSpeed divides in floating point in
+//   v0.2, which is identical for every value below 2^52.
+// - Where DeepSpeed crashes (TypeError on a None list, ZeroDivisionError,
+//   ValueError for a micro batch above the cap) we throw a typed error.
+// - v0.2 with model_parallel_size > 1: world size is the total GPU count and
+//   the data-parallel size is world size / model_parallel_size (DeepSpeed
+//   divides by it twice and rejects every world size).
+// - v0.2 fallback: reported (fallback = true and a warning), and candidates
+//   whose batch would be 0 (micro batch x data-parallel size above the cap)
+//   are skipped; when none is left the world size is rejected instead of
+//   returning DeepSpeed's batch size of 0.
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "elastic_policies.hpp"
+
+namespace ductile::elastic {
+
+MicroBatches::MicroBatches(const std::vector<u64>& micro) : values(micro) {
+  std::sort(values.begin(), values.end());
+  values.erase(std::unique(values.begin(), values.end()), values.end());
+  for (u64 m : values) factors.push_back(factorize(m));
+}
+
+std::vector<u64> valid_counts(u64 batch, const Factorization& batch_factors,
+                              const MicroBatches& micro, u64 lo, u64 hi) {
+  std::vector<u64> out;
+  for (std::size_t i = 0; i < micro.values.size(); ++i) {
+    if (batch % micro.values[i] != 0) continue;
+    auto quotient = divide(batch_factors, micro.factors[i]);
+    if (quotient) divisors_in_range(*quotient, lo, hi, out);
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+V01Outcome deepspeed_v01(const std::vector<u64>& micro_in_order, u64 cap, u64 min_gpus,
+                         u64 max_gpus, bool prefer_larger, const std::string& cap_name) {
+  MicroBatches micro(micro_in_order);
+  if (min_gpus == 0) min_gpus = 1;
+  if (max_gpus == 0) max_gpus = cap / micro.smallest();
+  for (u64 m : micro_in_order)
+    if (m > cap)
+      config_error(
+          fmt::format("micro batch size {} of micro_batch_sizes = {} is above {} = {}: "
+                      "every micro batch must be <= {}",
+                      m, format_list(micro_in_order), cap_name, cap, cap));
+
+  // Bases: each micro batch and their LCM; DeepSpeed's final code skips a
+  // base above the cap (only the LCM can be).
+  std::vector<Factorization> base_factors = micro.factors;
+  std::vector<u64> bases = micro.values;
+  Factorization lcm_factors;
+  for (const auto& f : micro.factors) lcm_factors = lcm(lcm_factors, f);
+  if (auto l = value_of(lcm_factors, cap)) {
+    bases.push_back(*l);
+    base_factors.push_back(lcm_factors);
+  }
+  struct Candidate {
+    u64 batch;
+    Factorization factors;
+  };
+  std::vector<Candidate> candidates;
+  for (std::size_t i = 0; i < bases.size(); ++i) {
+    u64 scale = deepspeed_hcn_scale(cap / bases[i]);
+    u64 batch = scale * bases[i];  // <= cap: scale <= cap / base
+    if (std::any_of(candidates.begin(), candidates.end(),
+                    [&](const Candidate& c) { return c.batch == batch; }))
+      continue;
+    candidates.push_back({batch, multiply(factorize(scale), base_factors[i])});
+  }
+
+  // DeepSpeed's get_best_candidates: most valid counts, ties by preference,
+  // starting from (0 counts, smallest micro batch, no list). The order of
+  // candidates does not matter: the comparison is a strict order on
+  // (count, batch) and the batches are distinct.
+  V01Outcome best;
+  best.batch = micro.smallest();
+  std::size_t best_count = 0;
+  for (const auto& c : candidates) {
+    auto valid = valid_counts(c.batch, c.factors, micro, min_gpus, max_gpus);
+    bool better_batch = prefer_larger ? c.batch > best.batch : c.batch < best.batch;
+    if (valid.size() > best_count || (valid.size() == best_count && better_batch)) {
+      best_count = valid.size();
+      best.batch = c.batch;
+      best.valid = std::move(valid);
+      best.has_list = true;
+    }
+  }
+  return best;
+}
+
+namespace {
+
+// A list for a one-line message: at most 12 values, then how many more.
+std::string format_list_short(const std::vector<u64>& values) {
+  constexpr std::size_t kShown = 12;
+  if (values.size() <= kShown) return format_list(values);
+  std::vector<u64> head(values.begin(), values.begin() + kShown);
+  std::string text = format_list(head);
+  text.insert(text.size() - 1,
+              fmt::format(", ... {} more up to {}", values.size() - kShown, values.back()));
+  return text;
+}
+
+// The largest distinct micro batch dividing batch / dp (DeepSpeed's choice
+// for a world size), and the resulting gradient accumulation steps.
+void set_micro_batch(ElasticityResult& r, const std::vector<u64>& micro, u64 dp) {
+  std::vector<u64> sorted = micro;
+  std::sort(sorted.rbegin(), sorted.rend());
+  const u64 per_rank = static_cast<u64>(r.final_batch_size) / dp;
+  for (u64 m : sorted) {
+    if (per_rank % m == 0) {
+      r.micro_batch_size = static_cast<std::int64_t>(m);
+      r.gradient_accumulation_steps = static_cast<std::int64_t>(per_rank / m);
+      return;
+    }
+  }
+  // Unreachable for a world size in the valid list (it divides batch / m
+  // for some m); DeepSpeed asserts here.
+  elasticity_error(ErrorKind::internal,
+                   fmt::format("no micro batch of {} divides the per-rank batch {} (batch {}, "
+                               "data-parallel size {})",
+                               format_list(micro), per_rank, r.final_batch_size, dp));
+}
+
+void require_world_size_for_micro_batch(const ElasticityRequest& request, u64 world_size,
+                                        const char* policy) {
+  if (request.require_micro_batch && world_size == 0)
+    elasticity_error(ErrorKind::invalid_argument,
+                     fmt::format("elasticity ({}): a micro batch size was requested without a "
+                                 "world size; give the world size (--world-size N) to get one",
+                                 policy));
+}
+
+std::string no_valid_count_message(const char* policy, const Settings& s, u64 batch) {
+  return fmt::format(
+      "elasticity ({}): no GPU count between min_gpus = {} and max_gpus = {} is "
+      "valid for any candidate batch size (best candidate {} with micro batches {} "
+      "and max_train_batch_size = {}); widen [min_gpus, max_gpus], raise "
+      "max_train_batch_size or add smaller micro batches",
+      policy, s.min_gpus, s.max_gpus, batch, format_list(s.micro_batch_sizes),
+      s.max_train_batch_size);
+}
+
+void check_world_size_in_list(const ElasticityResult& r, u64 world_size) {
+  if (std::find(r.valid_gpus.begin(), r.valid_gpus.end(), static_cast<std::int64_t>(world_size)) ==
+      r.valid_gpus.end()) {
+    std::vector<u64> valid(r.valid_gpus.begin(), r.valid_gpus.end());
+    incompatible_world_size(
+        fmt::format("World size ({}) is not valid with the current list of "
+                    "valid GPU counts: {}",
+                    world_size, format_list(valid)));
+  }
+}
+
+}  // namespace
+
+ElasticityResult compute_v01(const Settings& s, const ElasticityRequest& request) {
+  if (s.model_parallel_size > 1)
+    config_error(
+        fmt::format("elasticity (v0.1) does not support model-parallel training: given "
+                    "model_parallel_size = {}; use policy v0.2 (version = 0.2) or "
+                    "optimal, or set model_parallel_size = 1",
+                    s.model_parallel_size));
+  const u64 world_size = request_world_size(request);
+  require_world_size_for_micro_batch(request, world_size, "v0.1");
+  auto outcome = deepspeed_v01(s.micro_batch_sizes, s.max_train_batch_size, s.min_gpus, s.max_gpus,
+                               s.prefer_larger_batch, "max_train_batch_size");
+  if (!outcome.has_list)
+    elasticity_error(ErrorKind::incompatible, no_valid_count_message("v0.1", s, outcome.batch));
+  ElasticityResult r;
+  r.final_batch_size = static_cast<std::int64_t>(outcome.batch);
+  r.valid_gpus = to_signed(outcome.valid);
+  r.valid_dp_sizes = r.valid_gpus;
+  r.num_gpus_per_node = static_cast<std::int64_t>(s.num_gpus_per_node);
+  if (outcome.valid.empty())
+    r.warnings.push_back(fmt::format(
+        "no GPU count between min_gpus = {} and max_gpus = {} is valid for batch size {}: the job "
+        "cannot run at any size with this configuration",
+        s.min_gpus, s.max_gpus, outcome.batch));
+  if (world_size) {
+    check_world_size_in_list(r, world_size);
+    r.world_size = r.data_parallel_size = static_cast<std::int64_t>(world_size);
+    set_micro_batch(r, s.micro_batch_sizes, world_size);
+  }
+  return r;
+}
+
+ElasticityResult compute_v02(const Settings& s, const ElasticityRequest& request) {
+  const u64 world_size = request_world_size(request);
+  if (world_size == 0)
+    config_error(
+        "elasticity (v0.2) needs the world size (the total number of GPUs) to compute a "
+        "valid batch size: pass --world-size N (ElasticityRequest::world_size)");
+  const u64 gpn = s.num_gpus_per_node, mp = s.model_parallel_size;
+  if (gpn % mp != 0)
+    elasticity_error(ErrorKind::config,
+                     fmt::format("elasticity (v0.2): num_gpus_per_node = {} must be divisible by "
+                                 "model_parallel_size = {} (a model replica may not span nodes)",
+                                 gpn, mp));
+  const u64 dp_per_node = gpn / mp;
+  const u64 node_cap = s.max_train_batch_size / dp_per_node;
+  // DeepSpeed's node-level search: int(min_gpus / gpn) and int(max_gpus /
+  // gpn), where a 0 falls back to v0.1's defaults (1 and cap / micro).
+  auto outcome = deepspeed_v01(s.micro_batch_sizes, node_cap, s.min_gpus / gpn, s.max_gpus / gpn,
+                               s.prefer_larger_batch,
+                               fmt::format("max_train_batch_size = {} divided by the {} "
+                                           "data-parallel ranks per node",
+                                           s.max_train_batch_size, dp_per_node));
+  if (!outcome.has_list)
+    elasticity_error(ErrorKind::incompatible,
+                     no_valid_count_message("v0.2", s, outcome.batch * dp_per_node));
+
+  ElasticityResult r;
+  r.model_parallel_size = static_cast<std::int64_t>(mp);
+  r.num_gpus_per_node = static_cast<std::int64_t>(gpn);
+  r.final_batch_size = static_cast<std::int64_t>(outcome.batch * dp_per_node);
+  for (u64 nodes : outcome.valid) {
+    auto gpus = checked_mul(nodes, gpn);
+    if (!gpus)
+      elasticity_error(ErrorKind::incompatible,
+                       fmt::format("elasticity (v0.2): {} nodes of {} GPUs exceed 2^62 GPUs; "
+                                   "set max_gpus",
+                                   nodes, gpn));
+    r.valid_gpus.push_back(static_cast<std::int64_t>(*gpus));
+    r.valid_dp_sizes.push_back(static_cast<std::int64_t>(nodes * dp_per_node));
+  }
+  if (world_size % mp != 0)
+    incompatible_world_size(
+        fmt::format("World size ({}) is not a multiple of model_parallel_size "
+                    "= {}: the GPUs cannot be split into whole model replicas",
+                    world_size, mp));
+  const u64 dp = world_size / mp;
+  r.world_size = static_cast<std::int64_t>(world_size);
+  r.data_parallel_size = static_cast<std::int64_t>(dp);
+  if (std::find(r.valid_dp_sizes.begin(), r.valid_dp_sizes.end(), static_cast<std::int64_t>(dp)) ==
+      r.valid_dp_sizes.end()) {
+    // DeepSpeed's fallback: a batch valid for this data-parallel size only,
+    // the largest (or smallest) multiple of micro batch x dp within the cap.
+    std::vector<u64> feasible;
+    for (u64 m : s.micro_batch_sizes) {
+      auto unit = checked_mul(m, dp);
+      if (!unit || *unit > s.max_train_batch_size) continue;  // DeepSpeed: batch 0
+      feasible.push_back(s.max_train_batch_size / *unit * *unit);
+    }
+    std::vector<u64> valid(r.valid_gpus.begin(), r.valid_gpus.end());
+    if (feasible.empty())
+      incompatible_world_size(fmt::format(
+          "World size ({}) is not valid with the current list of valid GPU counts: {}, and too "
+          "large for a batch of its own: the smallest micro batch ({}) on {} data-parallel ranks "
+          "exceeds max_train_batch_size = {}",
+          world_size, format_list(valid),
+          *std::min_element(s.micro_batch_sizes.begin(), s.micro_batch_sizes.end()), dp,
+          s.max_train_batch_size));
+    const u64 batch = s.prefer_larger_batch ? *std::max_element(feasible.begin(), feasible.end())
+                                            : *std::min_element(feasible.begin(), feasible.end());
+    r.warnings.push_back(fmt::format(
+        "world size {} is not in the valid list {}: falling back to batch size {} (instead of "
+        "{}), valid for this world size only; the global batch changes when the job is rescaled{}",
+        world_size, format_list_short(valid), batch, r.final_batch_size,
+        world_size < s.min_gpus || world_size > s.max_gpus
+            ? fmt::format(" (and {} is outside [min_gpus, max_gpus] = [{}, {}])", world_size,
+                          s.min_gpus, s.max_gpus)
+            : std::string()));
+    r.fallback = true;
+    r.final_batch_size = static_cast<std::int64_t>(batch);
+    r.valid_gpus = {static_cast<std::int64_t>(world_size)};
+    r.valid_dp_sizes = {static_cast<std::int64_t>(dp)};
+  } else if (r.valid_gpus.empty()) {
+    r.warnings.push_back("no GPU count is valid for this configuration");
+  }
+  set_micro_batch(r, s.micro_batch_sizes, dp);
+  return r;
+}
+
+ElasticityResult compute_optimal(const Settings& s, const ElasticityRequest& request) {
+  const u64 world_size = request_world_size(request);
+  require_world_size_for_micro_batch(request, world_size, "optimal");
+  const u64 gpn = s.num_gpus_per_node, mp = s.model_parallel_size;
+  // GPU counts are whole nodes made of whole model replicas: multiples of
+  // lcm(gpn, mp) GPUs, each holding lcm / mp data-parallel ranks.
+  auto unit_value = value_of(lcm(factorize(gpn), factorize(mp)));
+  if (!unit_value)
+    config_error(
+        fmt::format("elasticity (optimal): lcm(num_gpus_per_node = {}, "
+                    "model_parallel_size = {}) exceeds 2^62",
+                    gpn, mp));
+  const u64 unit = *unit_value, dp_per_unit = unit / mp;
+  const u64 lo = (s.min_gpus + unit - 1) / unit, hi = s.max_gpus / unit;
+  if (lo > hi)
+    config_error(
+        fmt::format("elasticity (optimal): no GPU count between min_gpus = {} and "
+                    "max_gpus = {} is a multiple of {} (whole nodes of num_gpus_per_node "
+                    "= {} holding whole model replicas of model_parallel_size = {})",
+                    s.min_gpus, s.max_gpus, unit, gpn, mp));
+  for (u64 m : s.micro_batch_sizes)
+    if (m > s.max_train_batch_size)
+      config_error(fmt::format(
+          "micro batch size {} of micro_batch_sizes = {} is above "
+          "max_train_batch_size = {}: every micro batch must be <= {}",
+          m, format_list(s.micro_batch_sizes), s.max_train_batch_size, s.max_train_batch_size));
+  auto outcome = optimal_search(s.micro_batch_sizes, s.max_train_batch_size / dp_per_unit, lo, hi,
+                                s.prefer_larger_batch);
+  if (outcome.counts.empty())
+    elasticity_error(ErrorKind::incompatible,
+                     fmt::format("elasticity (optimal): no GPU count between min_gpus = {} and "
+                                 "max_gpus = {} (in steps of {}) is valid for any batch size up to "
+                                 "max_train_batch_size = {} with micro batches {}",
+                                 s.min_gpus, s.max_gpus, unit, s.max_train_batch_size,
+                                 format_list(s.micro_batch_sizes)));
+  ElasticityResult r;
+  r.model_parallel_size = static_cast<std::int64_t>(mp);
+  r.num_gpus_per_node = static_cast<std::int64_t>(gpn);
+  r.final_batch_size = static_cast<std::int64_t>(outcome.batch * dp_per_unit);
+  for (u64 n : outcome.counts) {
+    r.valid_gpus.push_back(static_cast<std::int64_t>(n * unit));  // n <= max_gpus / unit
+    r.valid_dp_sizes.push_back(static_cast<std::int64_t>(n * dp_per_unit));
+  }
+  if (world_size) {
+    check_world_size_in_list(r, world_size);
+    const u64 dp = world_size / mp;
+    r.world_size = static_cast<std::int64_t>(world_size);
+    r.data_parallel_size = static_cast<std::int64_t>(dp);
+    set_micro_batch(r, s.micro_batch_sizes, dp);
+  }
+  return r;
+}
+
+}  // namespace ductile::elastic

@@ -1,0 +1,117 @@
+#include "elastic_settings.hpp"
+
+#include <fmt/format.h>
+
+namespace ductile::elastic {
+
+void config_error(const std::string& message) {
+  throw Error(ErrorKind::config, message, kElasticityConfigError);
+}
+
+void incompatible_world_size(const std::string& message) {
+  throw Error(ErrorKind::incompatible, message, kElasticityIncompatibleWorldSize);
+}
+
+void elasticity_error(ErrorKind kind, const std::string& message) {
+  throw Error(kind, message, kElasticityError);
+}
+
+std::string format_list(const std::vector<u64>& values) {
+  return fmt::format("[{}]", fmt::join(values, ", "));
+}
+
+std::vector<std::int64_t> to_signed(const std::vector<u64>& values) {
+  return std::vector<std::int64_t>(values.begin(), values.end());
+}
+
+namespace {
+
+constexpr const char* kLimitText = "2^62 (4611686018427387904)";
+
+u64 bounded(std::string_view key, std::int64_t value, std::int64_t min, std::string_view policy) {
+  if (value < min)
+    config_error(
+        fmt::format("elasticity ({}): {} = {} is invalid: must be >= {}", policy, key, value, min));
+  if (static_cast<u64>(value) > kMaxValue)
+    config_error(fmt::format("elasticity ({}): {} = {} is too large: must be <= {}", policy, key,
+                             value, kLimitText));
+  return static_cast<u64>(value);
+}
+
+}  // namespace
+
+Settings read_settings(const Params& params, std::string_view policy) {
+  if (!params.get_bool_or("enabled", true))
+    config_error(
+        fmt::format("elasticity ({}): enabled = false: elasticity is disabled; set "
+                    "enabled = true to compute an elastic plan",
+                    policy));
+  if (!params.has("max_train_batch_size"))
+    config_error(
+        fmt::format("elasticity ({}): the configuration is missing max_train_batch_size "
+                    "(the largest acceptable global batch size, an integer >= 1)",
+                    policy));
+  if (!params.has("micro_batch_sizes"))
+    config_error(
+        fmt::format("elasticity ({}): the configuration is missing micro_batch_sizes "
+                    "(a list of positive integers such as [2, 4, 6])",
+                    policy));
+  Settings s;
+  const auto& micro = params.get_int_list("micro_batch_sizes");
+  if (micro.empty())
+    config_error(
+        fmt::format("elasticity ({}): micro_batch_sizes = [] is invalid: give at least "
+                    "one positive integer",
+                    policy));
+  for (std::size_t i = 0; i < micro.size(); ++i) {
+    if (micro[i] <= 0)
+      config_error(
+          fmt::format("elasticity ({}): micro_batch_sizes = [{}] is invalid: element {} "
+                      "({}) is not a positive integer; every micro batch must be >= 1",
+                      policy, fmt::join(micro, ", "), i, micro[i]));
+    if (static_cast<u64>(micro[i]) > kMaxValue)
+      config_error(
+          fmt::format("elasticity ({}): micro_batch_sizes element {} = {} is too large: "
+                      "must be <= {}",
+                      policy, i, micro[i], kLimitText));
+    s.micro_batch_sizes.push_back(static_cast<u64>(micro[i]));
+  }
+  std::int64_t min_gpus = params.get_int_or("min_gpus", 1);
+  std::int64_t max_gpus = params.get_int_or("max_gpus", 10000);
+  if (min_gpus < 1 || max_gpus < 1)
+    config_error(
+        fmt::format("elasticity ({}): min_gpus and max_gpus must be >= 1, given "
+                    "min_gpus = {}, max_gpus = {}",
+                    policy, min_gpus, max_gpus));
+  if (max_gpus < min_gpus)
+    config_error(
+        fmt::format("elasticity ({}): min_gpus = {} is greater than max_gpus = {}; "
+                    "min_gpus must be <= max_gpus",
+                    policy, min_gpus, max_gpus));
+  s.min_gpus = bounded("min_gpus", min_gpus, 1, policy);
+  s.max_gpus = bounded("max_gpus", max_gpus, 1, policy);
+  s.model_parallel_size =
+      bounded("model_parallel_size", params.get_int_or("model_parallel_size", 1), 1, policy);
+  s.num_gpus_per_node =
+      bounded("num_gpus_per_node", params.get_int_or("num_gpus_per_node", 1), 1, policy);
+  s.min_time = bounded("min_time", params.get_int_or("min_time", 0), 0, policy);
+  s.max_train_batch_size =
+      bounded("max_train_batch_size", params.get_int("max_train_batch_size"), 1, policy);
+  s.prefer_larger_batch = params.get_bool_or("prefer_larger_batch", true);
+  return s;
+}
+
+u64 request_world_size(const ElasticityRequest& request) {
+  if (request.world_size < 0)
+    elasticity_error(
+        ErrorKind::invalid_argument,
+        fmt::format("world size {} is invalid: give a positive GPU count (or 0 for none)",
+                    request.world_size));
+  if (static_cast<u64>(request.world_size) > kMaxValue)
+    elasticity_error(
+        ErrorKind::invalid_argument,
+        fmt::format("world size {} is too large: must be <= {}", request.world_size, kLimitText));
+  return static_cast<u64>(request.world_size);
+}
+
+}  // namespace ductile::elastic

@@ -1,0 +1,81 @@
+// The parameters shared by the built-in elasticity policies (DeepSpeed's
+// `elasticity` keys and defaults) and DeepSpeed's configuration checks.
+//
+// The schema bounds are deliberately loose (types only): every range check
+// is done here, when a plan is computed, so that a TOML file, a DeepSpeed
+// JSON file and the embedding API all report the same error class
+// (ElasticityConfigError) naming the key, the value and what is valid.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ductile/elasticity_policy.hpp"
+#include "ductile/params.hpp"
+#include "elastic_math.hpp"
+
+namespace ductile::elastic {
+
+// clang-format off
+inline constexpr ParamSpec kElasticitySchema[] = {
+    {"enabled", ParamType::boolean, 0, "true", 0, 0, nullptr,
+     "Elasticity on. A TOML section that selects a policy opts in; DeepSpeed JSON keeps "
+     "DeepSpeed's default (false)"},
+    {"max_train_batch_size", ParamType::integer, 0, nullptr, 0, 0, nullptr,
+     "Largest acceptable global train batch size; required (checked when the plan is computed, "
+     "as DeepSpeed does)"},
+    {"micro_batch_sizes", ParamType::integer_list, 0, nullptr, 0, 0, nullptr,
+     "Acceptable micro batch sizes per GPU, positive integers; required (checked when the "
+     "plan is computed)"},
+    {"min_gpus", ParamType::integer, 0, "1", 0, 0, nullptr, "Fewest GPUs to plan for (>= 1)"},
+    {"max_gpus", ParamType::integer, 0, "10000", 0, 0, nullptr, "Most GPUs to plan for (>= min_gpus)"},
+    {"min_time", ParamType::integer, 0, "0", 0, 0, nullptr,
+     "Minutes a scheduler should run the job before rescaling it (>= 0; 0 = unknown)"},
+    {"prefer_larger_batch", ParamType::boolean, 0, "true", 0, 0, nullptr,
+     "Break ties between equally elastic batch sizes towards the larger one"},
+    {"num_gpus_per_node", ParamType::integer, 0, "1", 0, 0, nullptr,
+     "GPUs per node (v0.2, optimal: plan whole nodes)"},
+    {"model_parallel_size", ParamType::integer, 0, "1", 0, 0, nullptr,
+     "GPUs per model replica (v0.2, optimal); data-parallel size = GPUs / this"},
+    {"ignore_non_elastic_batch_info", ParamType::boolean, 0, "false", 0, 0, nullptr,
+     "Accepted for DeepSpeed compatibility: batch settings outside the elastic block are ignored"},
+};
+// clang-format on
+
+// Throws ductile::Error typed ElasticityConfigError (ErrorKind::config).
+[[noreturn]] void config_error(const std::string& message);
+// Throws ductile::Error typed ElasticityIncompatibleWorldSize (ErrorKind::incompatible).
+[[noreturn]] void incompatible_world_size(const std::string& message);
+// Throws ductile::Error typed ElasticityError with the given kind.
+[[noreturn]] void elasticity_error(ErrorKind kind, const std::string& message);
+
+// Validated settings, all values in [1, 2^62] unless said otherwise.
+struct Settings {
+  u64 max_train_batch_size = 0;
+  std::vector<u64> micro_batch_sizes;  // as given: order kept, duplicates allowed
+  u64 min_gpus = 1;
+  u64 max_gpus = 10000;
+  u64 num_gpus_per_node = 1;
+  u64 model_parallel_size = 1;
+  u64 min_time = 0;  // may be 0
+  bool prefer_larger_batch = true;
+};
+
+// Reads the parameters and runs DeepSpeed's checks in DeepSpeed's order:
+// enabled, required keys present, micro batches positive, min/max GPUs, model
+// parallel size, GPUs per node, min_time; plus ours: the list is not empty and
+// no value exceeds 2^62. `policy` names the policy in messages.
+Settings read_settings(const Params& params, std::string_view policy);
+
+// The world size of a request, validated (0 = not given).
+u64 request_world_size(const ElasticityRequest& request);
+
+// Formats a list as DeepSpeed prints it: [1, 2, 3].
+std::string format_list(const std::vector<u64>& values);
+
+// Copies unsigned values into the SDK's signed result lists.
+std::vector<std::int64_t> to_signed(const std::vector<u64>& values);
+
+}  // namespace ductile::elastic

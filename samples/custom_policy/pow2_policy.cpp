@@ -1,0 +1,80 @@
+// "pow2": an elasticity policy where only power-of-two GPU counts are valid.
+// Built out of tree against the installed SDK (see README.md).
+#include <string>
+
+#include <fmt/format.h>
+
+#include "ductile/elasticity_policy.hpp"
+
+namespace {
+
+// clang-format off
+constexpr ductile::ParamSpec kSchema[] = {
+    {"max_train_batch_size", ductile::ParamType::integer, ductile::param_required, nullptr, 1, 0,
+     nullptr, "Largest acceptable global batch size"},
+    {"micro_batch_size", ductile::ParamType::integer, ductile::param_has_min, "1", 1, 0, nullptr,
+     "Micro batch size per GPU"},
+    {"min_gpus", ductile::ParamType::integer, ductile::param_has_min, "1", 1, 0, nullptr,
+     "Fewest GPUs"},
+    {"max_gpus", ductile::ParamType::integer, ductile::param_has_min, "1024", 1, 0, nullptr,
+     "Most GPUs"},
+};
+// clang-format on
+
+class PowerOfTwoPolicy final : public ductile::ElasticityPolicy {
+ public:
+  explicit PowerOfTwoPolicy(const ductile::HostContext& ctx)
+      : cap_(ctx.params().get_int("max_train_batch_size")),
+        micro_(ctx.params().get_int("micro_batch_size")),
+        min_gpus_(ctx.params().get_int("min_gpus")),
+        max_gpus_(ctx.params().get_int("max_gpus")) {}
+
+  ductile::ElasticityResult compute(const ductile::ElasticityRequest& request) const override {
+    if (min_gpus_ > max_gpus_)
+      fail_config(fmt::format("min_gpus = {} is greater than max_gpus = {}", min_gpus_, max_gpus_));
+    if (micro_ > cap_)
+      fail_config(
+          fmt::format("micro_batch_size = {} is above max_train_batch_size = {}", micro_, cap_));
+    // The largest power of two within max_gpus whose micro batches fit the cap.
+    std::int64_t largest = 0;
+    for (std::int64_t g = 1; g <= max_gpus_ && g <= cap_ / micro_; g *= 2) largest = g;
+    if (largest < min_gpus_)
+      fail_config(
+          fmt::format("no power-of-two GPU count between min_gpus = {} and max_gpus = {} "
+                      "fits micro_batch_size = {} within max_train_batch_size = {}",
+                      min_gpus_, max_gpus_, micro_, cap_));
+    ductile::ElasticityResult r;
+    r.final_batch_size = cap_ / (micro_ * largest) * micro_ * largest;
+    for (std::int64_t g = 1; g <= largest; g *= 2)
+      if (g >= min_gpus_) r.valid_gpus.push_back(g);
+    r.valid_dp_sizes = r.valid_gpus;
+    if (request.require_micro_batch && request.world_size == 0)
+      throw ductile::Error(ductile::ErrorKind::invalid_argument,
+                           "pow2: a micro batch size needs a world size",
+                           ductile::kElasticityError);
+    if (request.world_size != 0) {
+      const auto n = request.world_size;
+      if (n < 0 || (n & (n - 1)) != 0 || n < min_gpus_ || n > largest)
+        throw ductile::Error(ductile::ErrorKind::incompatible,
+                             fmt::format("pow2: world size {} is not a power of two in [{}, {}]", n,
+                                         min_gpus_, largest),
+                             ductile::kElasticityIncompatibleWorldSize);
+      r.world_size = r.data_parallel_size = n;
+      r.micro_batch_size = micro_;
+      r.gradient_accumulation_steps = r.final_batch_size / (micro_ * n);
+    }
+    return r;
+  }
+
+ private:
+  [[noreturn]] static void fail_config(const std::string& message) {
+    throw ductile::Error(ductile::ErrorKind::config, "pow2: " + message,
+                         ductile::kElasticityConfigError);
+  }
+
+  std::int64_t cap_, micro_, min_gpus_, max_gpus_;
+};
+
+}  // namespace
+
+DUCTILE_PLUGIN(PowerOfTwoPolicy, "pow2", "1.0.0", "Only power-of-two GPU counts are valid", kSchema)

@@ -1,0 +1,212 @@
+// All-gather through the cpu accelerator's communicator against plain
+// MPI_Allgather in the same run, and how much of a posted gather hides
+// behind computation. Run with 2 ranks under mpirun; prints two tables of
+// medians.
+//
+// Table 1: size is the gathered (output) size, as in nccl-tests; bus
+// bandwidth = size / time * (n - 1) / n. Each iteration starts after a
+// barrier and takes the slowest rank's time; the two variants alternate.
+// Table 2: G = gather alone, C = computation alone (calibrated to take G),
+// T = post the gather, compute, wait. Hidden = (G + C - T) / G. Two kinds of
+// computation: arithmetic on the host's cores ("cpu"), and the host waiting
+// for work elsewhere, as when a GPU computes ("idle": a timed sleep). With
+// two ranks on a two-core machine, the cpu kind leaves no core free for the
+// transfer (a memory copy done by the CPU), so there it cannot hide.
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "ductile/accelerator.hpp"
+#include "ductile/core/runtime.hpp"
+
+namespace {
+
+double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+double slowest(double seconds) {
+  double max = 0;
+  MPI_Allreduce(&seconds, &max, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  return max;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Arithmetic on a small array in cache: computation that does not compete
+// for memory bandwidth with the transfer.
+volatile double g_sink;
+void compute(long units) {
+  double a = 1.0, b = 0.999999, c = 1e-9;
+  for (long i = 0; i < units; ++i) {
+    for (int k = 0; k < 64; ++k) a = a * b + c;
+  }
+  g_sink = a;
+}
+
+long calibrate_units(double seconds) {
+  long units = 1000;
+  for (;;) {
+    double t0 = now();
+    compute(units);
+    double t = now() - t0;
+    if (t > 0.02 || units > (1L << 40)) return std::max(1L, static_cast<long>(units * seconds / t));
+    units *= 4;
+  }
+}
+
+int iterations_for(std::size_t bytes) {
+  if (bytes <= (256u << 10)) return 400;
+  if (bytes <= (4u << 20)) return 150;
+  return 21;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  {
+    auto runtime = ductile::core::Runtime::from_string(
+        std::string("[plugins]\npath = [\"") + DUCTILE_PLUGIN_DIR +
+            "\"]\n[log]\nlevel = \"warn\"\n[accelerator]\nbackend = \"cpu\"\n",
+        "bench.toml");
+    auto accel = runtime.get<ductile::Accelerator>();
+    auto world = accel->world();
+    auto stream = accel->create_stream();
+    if (rank == 0)
+      std::printf(
+          "all-gather, %d ranks (medians; size = gathered bytes; busbw = size/t*(n-1)/n)\n"
+          "%10s %12s %12s %12s %12s %8s\n",
+          size, "size", "plain us", "plain GB/s", "ductile us", "ductile GB/s", "ratio");
+    std::vector<std::size_t> sizes;
+    for (std::size_t s = 1024; s <= (64u << 20); s *= 2) sizes.push_back(s);
+    for (std::size_t total : sizes) {
+      std::size_t per_rank = total / static_cast<std::size_t>(size);
+      std::vector<char> send(per_rank, static_cast<char>(rank + 1)), recv(per_rank * size);
+      std::vector<double> plain, ours;
+      int iterations = iterations_for(total);
+      auto time_plain = [&] {
+        MPI_Barrier(MPI_COMM_WORLD);
+        double t0 = now();
+        MPI_Allgather(send.data(), static_cast<int>(per_rank), MPI_BYTE, recv.data(),
+                      static_cast<int>(per_rank), MPI_BYTE, MPI_COMM_WORLD);
+        return slowest(now() - t0);
+      };
+      auto time_ours = [&] {
+        MPI_Barrier(MPI_COMM_WORLD);
+        double t0 = now();
+        world->all_gather(send.data(), recv.data(), per_rank, ductile::DataType::u8, *stream)
+            ->wait();
+        return slowest(now() - t0);
+      };
+      for (int i = -2; i < iterations; ++i) {  // two warm-up rounds
+        // Alternating which goes first removes any bias of the order.
+        double t_plain, t_ours;
+        if (i % 2 == 0) {
+          t_plain = time_plain();
+          t_ours = time_ours();
+        } else {
+          t_ours = time_ours();
+          t_plain = time_plain();
+        }
+        if (i >= 0) {
+          plain.push_back(t_plain);
+          ours.push_back(t_ours);
+        }
+      }
+      double p = median(plain), o = median(ours);
+      double factor = static_cast<double>(size - 1) / size;
+      if (rank == 0)
+        std::printf("%10zu %12.1f %12.3f %12.1f %12.3f %7.1f%%\n", total, p * 1e6,
+                    total / p * factor / 1e9, o * 1e6, total / o * factor / 1e9, 100.0 * p / o);
+    }
+
+    if (rank == 0)
+      std::printf(
+          "\noverlap: gather posted, then computation for as long as the gather takes\n"
+          "%10s %10s | %10s %10s %9s | %10s %10s %9s\n",
+          "size", "gather us", "cpu us", "both us", "hidden", "idle us", "both us", "hidden");
+    for (std::size_t total : {std::size_t{1} << 20, std::size_t{4} << 20, std::size_t{16} << 20,
+                              std::size_t{64} << 20}) {
+      std::size_t per_rank = total / static_cast<std::size_t>(size);
+      std::vector<char> send(per_rank, static_cast<char>(rank + 1)), recv(per_rank * size);
+      // The gather alone, measured here (right before the overlap runs).
+      std::vector<double> alone;
+      for (int i = -1; i < 10; ++i) {
+        MPI_Barrier(MPI_COMM_WORLD);
+        double t0 = now();
+        world->all_gather(send.data(), recv.data(), per_rank, ductile::DataType::u8, *stream)
+            ->wait();
+        double t = slowest(now() - t0);
+        if (i >= 0) alone.push_back(t);
+      }
+      double gather_alone = median(alone);
+      // Same work on every rank: rank 0's calibration is broadcast.
+      long units = calibrate_units(gather_alone);
+      MPI_Bcast(&units, 1, MPI_LONG, 0, MPI_COMM_WORLD);
+      std::vector<double> g, c, both, idle, idle_both;
+      auto sleep_for = std::chrono::duration<double>(gather_alone);
+      int iterations = std::max(10, iterations_for(total) / 2);
+      for (int i = -1; i < iterations; ++i) {
+        MPI_Barrier(MPI_COMM_WORLD);
+        double t0 = now();
+        world->all_gather(send.data(), recv.data(), per_rank, ductile::DataType::u8, *stream)
+            ->wait();
+        double tg = slowest(now() - t0);
+        MPI_Barrier(MPI_COMM_WORLD);
+        t0 = now();
+        compute(units);
+        double tc = slowest(now() - t0);
+        MPI_Barrier(MPI_COMM_WORLD);
+        t0 = now();
+        auto handle =
+            world->all_gather(send.data(), recv.data(), per_rank, ductile::DataType::u8, *stream);
+        compute(units);
+        handle->wait();
+        double tb = slowest(now() - t0);
+        MPI_Barrier(MPI_COMM_WORLD);
+        t0 = now();
+        std::this_thread::sleep_for(sleep_for);
+        double ti = slowest(now() - t0);
+        MPI_Barrier(MPI_COMM_WORLD);
+        t0 = now();
+        handle =
+            world->all_gather(send.data(), recv.data(), per_rank, ductile::DataType::u8, *stream);
+        std::this_thread::sleep_for(sleep_for);
+        handle->wait();
+        double tib = slowest(now() - t0);
+        if (i >= 0) {
+          g.push_back(tg);
+          c.push_back(tc);
+          both.push_back(tb);
+          idle.push_back(ti);
+          idle_both.push_back(tib);
+        }
+      }
+      double mg = median(g), mc = median(c), mb = median(both);
+      double mi = median(idle), mib = median(idle_both);
+      double hidden = std::clamp((mg + mc - mb) / mg, 0.0, 1.0);
+      double hidden_idle = std::clamp((mg + mi - mib) / mg, 0.0, 1.0);
+      if (rank == 0)
+        std::printf("%10zu %10.1f | %10.1f %10.1f %8.1f%% | %10.1f %10.1f %8.1f%%\n", total,
+                    mg * 1e6, mc * 1e6, mb * 1e6, 100 * hidden, mi * 1e6, mib * 1e6,
+                    100 * hidden_idle);
+    }
+  }
+  MPI_Finalize();
+  return 0;
+}

@@ -1,0 +1,179 @@
+// `ductile elastic` run as a subprocess: DeepSpeed's unit cases through the
+// CLI with --json (results and exit code 2 with the error type), TOML
+// configs, argument errors, the scheduler contract, human output and demo.
+#include <doctest/doctest.h>
+
+#include <fstream>
+#include <map>
+
+#include <nlohmann/json.hpp>
+
+#include "process.hpp"
+#include "temp_dir.hpp"
+
+using json = nlohmann::json;
+using ductile::test::run_process;
+
+namespace {
+
+// The environment without the scheduler variables (an outer job might set them).
+const std::vector<std::string> kNoScheduler = {"DEEPSPEED_ELASTICITY_CONFIG=",
+                                               "DUCTILE_ELASTICITY_CONFIG="};
+
+ductile::test::ProcessResult elastic(const std::vector<std::string>& args,
+                                     const std::vector<std::string>& env = {}) {
+  std::vector<std::string> argv = {DUCTILE_CLI, "elastic"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return run_process(argv, env);
+}
+
+std::string ours_for(const std::string& deepspeed_error) {
+  static const std::map<std::string, std::string> mapping = {
+      {"ValueError", "ElasticityConfigError"},
+      {"TypeError", "ElasticityError"},
+      {"ZeroDivisionError", "ElasticityError"},
+      {"AssertionError", "ElasticityError"}};
+  auto it = mapping.find(deepspeed_error);
+  return it == mapping.end() ? deepspeed_error : it->second;
+}
+
+}  // namespace
+
+TEST_CASE("ductile elastic --json on every DeepSpeed unit case") {
+  ductile::test::TempDir dir;
+  std::ifstream in(DUCTILE_SHARED_DIR "/reference/elastic_deepspeed_unit_cases.jsonl");
+  REQUIRE(in.good());
+  std::string line;
+  int cases = 0;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    ++cases;
+    json vector = json::parse(line);
+    CAPTURE(line);
+    auto file = dir.write("case" + std::to_string(cases) + ".json", vector["ds_config"].dump());
+    std::vector<std::string> args = {"--config", file.string(), "--json"};
+    const auto world_size = vector["world_size"].get<std::int64_t>();
+    if (world_size > 0) {
+      args.push_back("--world-size");
+      args.push_back(std::to_string(world_size));
+    }
+    auto run = elastic(args, kNoScheduler);
+    const json& expect = vector["expect"];
+    json out = json::parse(run.out, nullptr, false);
+    REQUIRE_MESSAGE(!out.is_discarded(), "stdout is not one JSON object: " << run.out << run.err);
+    if (expect.contains("error")) {
+      CHECK(run.exit_code == 2);
+      REQUIRE(out.contains("error"));
+      CHECK(out["error"]["type"] == ours_for(expect["error"].get<std::string>()));
+      CHECK_FALSE(out["error"]["message"].get<std::string>().empty());
+    } else {
+      CHECK_MESSAGE(run.exit_code == 0, run.err);
+      CHECK(out["final_batch_size"] == expect["final_batch_size"]);
+      CHECK(out["valid_gpus"] == expect["valid_gpus"]);
+      if (world_size > 0) {
+        CHECK(out["micro_batch_size"] == expect["micro_batch_size"]);
+        CHECK(out["gradient_accumulation_steps"].get<std::int64_t>() *
+                  out["micro_batch_size"].get<std::int64_t>() * world_size ==
+              out["final_batch_size"].get<std::int64_t>());
+      } else {
+        CHECK(out["micro_batch_size"].is_null());
+        CHECK(out["gradient_accumulation_steps"].is_null());
+      }
+      CHECK(out["fallback"] == false);
+    }
+  }
+  CHECK(cases > 10);
+}
+
+TEST_CASE("ductile elastic on TOML: policy by name, fallback reported, argument errors") {
+  ductile::test::TempDir dir;
+  auto toml = dir.write("job.toml",
+                        "[elasticity]\npolicy = \"v0.2\"\nmax_train_batch_size = 89402\n"
+                        "micro_batch_sizes = [8]\nmin_gpus = 2\nnum_gpus_per_node = 4\n");
+  auto run = elastic({"--config", toml.string(), "--world-size", "156", "--json"}, kNoScheduler);
+  REQUIRE_MESSAGE(run.exit_code == 0, run.err);
+  json out = json::parse(run.out);
+  CHECK(out["policy"] == "v0.2");
+  CHECK(out["fallback"] == true);
+  CHECK(out["warnings"].size() == 1);
+  CHECK(out["valid_gpus"] == json::array({156}));
+  CHECK(run.err.find("falling back") != std::string::npos);  // also logged
+
+  auto optimal = dir.write("optimal.toml",
+                           "[elasticity]\npolicy = \"optimal\"\n"
+                           "max_train_batch_size = 10000\n"
+                           "micro_batch_sizes = [8, 12, 16, 17]\nmin_gpus = 32\n"
+                           "max_gpus = 1500\n");
+  auto opt = elastic({"--config", optimal.string(), "--json"}, kNoScheduler);
+  REQUIRE_MESSAGE(opt.exit_code == 0, opt.err);
+  json o = json::parse(opt.out);
+  CHECK(o["policy"] == "optimal");
+  CHECK(o["micro_batch_size"].is_null());
+  CHECK(o["valid_gpus"].size() >= 23);  // DeepSpeed v0.1 finds 23 on these settings
+
+  auto zero = elastic({"--config", optimal.string(), "--world-size", "0", "--json"}, kNoScheduler);
+  CHECK(zero.exit_code == 2);
+  CHECK(json::parse(zero.out)["error"]["type"] == "ElasticityError");
+
+  auto micro = elastic({"--config", optimal.string(), "--micro-batch", "--json"}, kNoScheduler);
+  CHECK(micro.exit_code == 2);
+  CHECK(json::parse(micro.out)["error"]["type"] == "ElasticityError");
+
+  auto bad = dir.write("bad.toml",
+                       "[elasticity]\npolicy = \"v0.1\"\nmax_train_batch_size = 100\n"
+                       "micro_batch_sizes = [4]\nmin_gpus = 0\n");
+  auto rejected = elastic({"--config", bad.string(), "--json"}, kNoScheduler);
+  CHECK(rejected.exit_code == 2);
+  json r = json::parse(rejected.out);
+  CHECK(r["error"]["type"] == "ElasticityConfigError");
+  CHECK(r["error"]["message"].get<std::string>().find("min_gpus = 0") != std::string::npos);
+
+  auto missing = elastic({"--config", (dir / "nope.toml").string(), "--json"}, kNoScheduler);
+  CHECK(missing.exit_code == 2);
+  CHECK(json::parse(missing.out).contains("error"));
+}
+
+TEST_CASE("ductile elastic: human output like ds_elastic, scheduler contract") {
+  ductile::test::TempDir dir;
+  auto file =
+      dir.write("ds.json", R"({"elasticity": {"enabled": true, "max_train_batch_size": 10000,
+      "micro_batch_sizes": [8, 12, 16, 17], "min_gpus": 32, "max_gpus": 1500, "version": 0.1}})");
+  auto human = elastic({"--config", file.string(), "--world-size", "64"}, kNoScheduler);
+  REQUIRE_MESSAGE(human.exit_code == 0, human.err);
+  CHECK(human.out.find("Calculated results for world size 64:") != std::string::npos);
+  CHECK(human.out.find("final_batch_size .... 9792") != std::string::npos);
+  CHECK(human.out.find("micro_batch_size .... 17") != std::string::npos);
+  CHECK(human.err.find("DEEPSPEED_ELASTICITY_CONFIG") != std::string::npos);  // unset: warned
+
+  auto same = elastic({"--config", file.string(), "--json"},
+                      {"DEEPSPEED_ELASTICITY_CONFIG={\"enabled\": true, \"max_train_batch_size\": "
+                       "10000, \"micro_batch_sizes\": [8, 12, 16, 17], \"min_gpus\": 32, "
+                       "\"max_gpus\": 1500, \"version\": 0.1}"});
+  CHECK_MESSAGE(same.exit_code == 0, same.out << same.err);
+  CHECK(same.err.find("DEEPSPEED_ELASTICITY_CONFIG") == std::string::npos);
+
+  auto differs = elastic({"--config", file.string(), "--json"},
+                         {"DUCTILE_ELASTICITY_CONFIG=version = 0.1\nmax_train_batch_size = 2000\n"
+                          "micro_batch_sizes = [8, 12, 16, 17]\nmin_gpus = 32\nmax_gpus = 1500\n"});
+  CHECK(differs.exit_code == 2);
+  json e = json::parse(differs.out);
+  CHECK(e["error"]["type"] == "ElasticityConfigError");
+  std::string message = e["error"]["message"];
+  CHECK(message.find("max_train_batch_size=2000") != std::string::npos);
+  CHECK(message.find("max_train_batch_size=10000") != std::string::npos);
+}
+
+TEST_CASE("ductile demo shows the elastic plan for a few world sizes") {
+  ductile::test::TempDir dir;
+  auto config = dir.write("demo.toml",
+                          "[elasticity]\npolicy = \"v0.1\"\nmax_train_batch_size = 10000\n"
+                          "micro_batch_sizes = [8, 12, 16, 17]\nmin_gpus = 32\n"
+                          "max_gpus = 1500\n");
+  auto run = run_process({DUCTILE_CLI, "demo", "--config", config.string()}, kNoScheduler);
+  REQUIRE_MESSAGE(run.exit_code == 0, run.err);
+  CHECK(run.out.find("-- elasticity: policy 'v0.1' --") != std::string::npos);
+  CHECK(run.out.find("world size    32: batch 9792") != std::string::npos);
+  CHECK(run.out.find("world size    33: rejected (ElasticityIncompatibleWorldSize)") !=
+        std::string::npos);
+  CHECK(run.out.find("optimal policy on the same settings") != std::string::npos);
+}

@@ -1,0 +1,743 @@
+// The partitioned ZeRO-3 coordinator on the real cpu backend under mpirun with
+// 1, 2 and 3 ranks. Every rank runs the same test cases in the same order.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <random>
+#include <set>
+#include <sstream>
+
+#include "temp_dir.hpp"
+#include "zero_support.hpp"
+
+using namespace zero_test;
+
+namespace {
+
+std::size_t count_of(const std::string& text, const std::string& needle) {
+  std::size_t n = 0;
+  for (auto at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
+  return n;
+}
+
+// Captures what this process writes to standard error (the core's log sink).
+class StderrCapture {
+ public:
+  StderrCapture() : file_(std::tmpfile()) {
+    std::fflush(stderr);
+    saved_ = ::dup(2);
+    ::dup2(::fileno(file_), 2);
+  }
+  std::string finish() {
+    std::fflush(stderr);
+    ::dup2(saved_, 2);
+    ::close(saved_);
+    std::string text;
+    std::rewind(file_);
+    char buffer[4096];
+    std::size_t n;
+    while ((n = std::fread(buffer, 1, sizeof buffer, file_)) > 0) text.append(buffer, n);
+    std::fclose(file_);
+    return text;
+  }
+
+ private:
+  std::FILE* file_;
+  int saved_ = -1;
+};
+
+}  // namespace
+
+TEST_CASE("gathered parameters equal the originals for sizes not divisible by the rank count") {
+  auto& e = env();
+  ZeroConfig config;
+  config.param_persistence_threshold = 3;  // sizes 1 and 2 stay gathered once fetched
+  auto zero = make_coordinator(config);
+  const std::vector<std::size_t> sizes = {1, 2, 5, 7, 13, 100, 1001, 4099};
+  const std::vector<DataType> types = {DataType::f32, DataType::f64, DataType::i32,  DataType::f16,
+                                       DataType::u8,  DataType::i64, DataType::bf16, DataType::f32};
+  std::vector<ParameterId> all;
+  for (std::size_t k = 0; k < sizes.size(); ++k) {
+    ParameterId id = 100 + k;
+    zero->register_parameter({id, sizes[k], types[k]});
+    auto bytes = param_bytes(id, sizes[k] * size_of(types[k]), 0);
+    zero->set_full(id, bytes.data(), bytes.size());
+    zero->register_module(k, std::vector<ParameterId>{id});
+    all.push_back(id);
+  }
+  zero->register_module(99, all);
+
+  // Each rank's shard is its slice, the last one zero-padded.
+  for (std::size_t k = 0; k < sizes.size(); ++k) {
+    const std::size_t esize = size_of(types[k]);
+    const std::size_t shard = zero->shard_numel(100 + k);
+    CHECK(shard == (sizes[k] + e.size - 1) / e.size);
+    std::vector<std::uint8_t> got(shard * esize), full = param_bytes(100 + k, sizes[k] * esize, 0),
+                                                  want(shard * esize, 0);
+    const std::size_t first = static_cast<std::size_t>(e.rank) * shard;
+    for (std::size_t i = first; i < std::min(first + shard, sizes[k]); ++i)
+      std::memcpy(want.data() + (i - first) * esize, full.data() + i * esize, esize);
+    zero->read_shard(100 + k, got.data(), got.size());
+    CHECK(got == want);
+  }
+
+  std::vector<ModuleId> order = {0, 1, 2, 3, 4, 5, 6, 7, 99, 7, 3};
+  for (int pass = 0; pass < 3; ++pass) {
+    for (ModuleId m : order) {
+      zero->fetch(m);
+      std::vector<ParameterId> ids = m == 99 ? all : std::vector<ParameterId>{100 + m};
+      for (ParameterId id : ids) {
+        const std::size_t k = id - 100, esize = size_of(types[k]);
+        CHECK(zero->status(id) == ParameterStatus::available);
+        CHECK(gathered_matches(*zero, id, sizes[k] * esize, 0));
+        // The device copy (host memory on the cpu backend): the parameter,
+        // then zero padding up to size * shard elements.
+        if (e.accel->backend() == "cpu") {
+          const auto* full = static_cast<const std::uint8_t*>(zero->full_data(id));
+          auto want = param_bytes(id, sizes[k] * esize, 0);
+          CHECK(std::memcmp(full, want.data(), want.size()) == 0);
+          const std::size_t padded =
+              zero->shard_numel(id) * static_cast<std::size_t>(e.size) * esize;
+          CHECK(std::all_of(full + want.size(), full + padded,
+                            [](std::uint8_t b) { return b == 0; }));
+        }
+      }
+      zero->release(m);
+      zero->check_invariants();
+    }
+    zero->end_step();
+    CHECK(zero->trace_mode() == TraceMode::complete);
+    CHECK(zero->stats().live_numel == 0);
+  }
+  CHECK(zero->is_persistent(100));
+  CHECK(zero->is_persistent(101));
+  CHECK_FALSE(zero->is_persistent(102));
+  CHECK(zero->status(100) == ParameterStatus::available);  // persistent
+  CHECK(zero->status(104) == ParameterStatus::not_available);
+  CHECK(zero->trace() == order);
+}
+
+// DeepSpeed's partitioning tests check the status of every parameter around
+// each module; here with a fixed model whose expected statuses follow from
+// the rules (see each case).
+namespace {
+
+// m_i uses a_i = 10 + i and b_i = 20 + i (100 elements each); m1 and m2 share
+// s = 30 (100 elements); m0 and m3 share the persistent t = 40 (4 elements).
+std::shared_ptr<ParameterCoordinator> status_model(ZeroConfig config) {
+  config.param_persistence_threshold = 10;
+  auto zero = make_coordinator(config);
+  for (int i = 0; i < 4; ++i) {
+    register_f32(*zero, 10 + i, 100);
+    register_f32(*zero, 20 + i, 100);
+  }
+  register_f32(*zero, 30, 100);
+  register_f32(*zero, 40, 4);
+  zero->register_module(0, std::vector<ParameterId>{10, 20, 40});
+  zero->register_module(1, std::vector<ParameterId>{11, 21, 30});
+  zero->register_module(2, std::vector<ParameterId>{12, 22, 30});
+  zero->register_module(3, std::vector<ParameterId>{13, 23, 40});
+  return zero;
+}
+
+const std::vector<ParameterId> kStatusParams = {10, 11, 12, 13, 20, 21, 22, 23, 30, 40};
+
+std::vector<ParameterId> params_of(ModuleId m) {
+  std::vector<ParameterId> p = {10 + m, 20 + m};
+  if (m == 1 || m == 2) p.push_back(30);
+  if (m == 0 || m == 3) p.push_back(40);
+  return p;
+}
+
+bool gathered(ParameterCoordinator& zero, ParameterId id) {
+  return zero.status(id) != ParameterStatus::not_available;
+}
+
+// Without prefetch and without reuse, only the fetched module's parameters
+// (and the persistent t once fetched) are gathered, in every pass.
+void check_plain_pass(ParameterCoordinator& zero, bool first_pass) {
+  for (ModuleId m = 0; m < 4; ++m) {
+    for (ParameterId id : kStatusParams) {
+      bool expect = id == 40 && !(first_pass && m == 0);
+      CHECK_MESSAGE(gathered(zero, id) == expect, "before fetch(" << m << ") parameter " << id);
+    }
+    zero.fetch(m);
+    auto mine = params_of(m);
+    for (ParameterId id : kStatusParams) {
+      bool in_module = std::find(mine.begin(), mine.end(), id) != mine.end();
+      if (in_module) {
+        CHECK(zero.status(id) == ParameterStatus::available);
+        CHECK(zero.active_modules(id) == std::vector<ModuleId>{m});
+      } else {
+        CHECK_MESSAGE(gathered(zero, id) == (id == 40),
+                      "after fetch(" << m << ") parameter " << id);
+        CHECK(zero.active_modules(id).empty());
+      }
+    }
+    zero.release(m);
+    zero.check_invariants();
+    for (ParameterId id : mine) {
+      CHECK_MESSAGE(gathered(zero, id) == (id == 40),
+                    "after release(" << m << ") parameter " << id);
+      CHECK(zero.active_modules(id).empty());
+    }
+  }
+  zero.end_step();
+}
+
+}  // namespace
+
+TEST_CASE("parameter status around each module: prefetch off, with and without a trace") {
+  ZeroConfig config;
+  config.prefetch_bucket_size = 0;
+  config.max_reuse_distance = 0;
+  auto zero = status_model(config);
+  check_plain_pass(*zero, true);  // recording
+  CHECK(zero->trace_mode() == TraceMode::complete);
+  check_plain_pass(*zero, false);  // complete trace, nothing gathered ahead
+  check_plain_pass(*zero, false);
+  CHECK(zero->stats().prefetched_params == 0);
+}
+
+TEST_CASE("parameter status around each module: prefetch on, with and without a trace") {
+  ZeroConfig config;
+  config.prefetch_bucket_size = 200;  // two parameters of 100 elements
+  config.max_reuse_distance = 0;
+  auto zero = status_model(config);
+  check_plain_pass(*zero, true);  // while recording nothing is prefetched
+  CHECK(zero->stats().prefetched_params == 0);
+
+  // Complete trace. Queue: m0 {10,20,40}, m1 {11,21,30}, m2 {12,22,30}, m3 {13,23,40}.
+  zero->fetch(0);  // prefetches 11 and 21 (200 elements); 30 would exceed the bucket
+  CHECK(gathered(*zero, 11));
+  CHECK(gathered(*zero, 21));
+  CHECK_FALSE(gathered(*zero, 30));
+  CHECK_FALSE(gathered(*zero, 12));
+  CHECK(zero->active_modules(11).empty());
+  zero->release(0);
+  CHECK_FALSE(gathered(*zero, 10));
+  CHECK_FALSE(gathered(*zero, 20));
+  CHECK(gathered(*zero, 40));  // persistent
+  zero->check_invariants();
+
+  zero->fetch(1);  // 30 on demand; prefetches 12 and 22; skips 30 (available) and stops at 13
+  for (ParameterId id : {11, 21, 30}) CHECK(zero->status(id) == ParameterStatus::available);
+  CHECK(gathered(*zero, 12));
+  CHECK(gathered(*zero, 22));
+  CHECK_FALSE(gathered(*zero, 13));
+  CHECK_FALSE(gathered(*zero, 23));
+  zero->release(1);
+  CHECK_FALSE(gathered(*zero, 11));
+  CHECK_FALSE(gathered(*zero, 21));
+  // Reuse distance 0, but the prefetch scan already passed 30's use in m2:
+  // freeing it would lose that use, so it is kept.
+  CHECK(zero->status(30) == ParameterStatus::available);
+  zero->check_invariants();
+
+  zero->fetch(2);  // prefetches 13 and 23
+  CHECK(gathered(*zero, 13));
+  CHECK(gathered(*zero, 23));
+  CHECK(zero->active_modules(30) == std::vector<ModuleId>{2});
+  zero->release(2);
+  for (ParameterId id : {12, 22, 30}) CHECK_FALSE(gathered(*zero, id));
+  zero->check_invariants();
+
+  zero->fetch(3);
+  zero->release(3);
+  for (ParameterId id : kStatusParams) CHECK(gathered(*zero, id) == (id == 40));
+  auto stats = zero->stats();
+  CHECK(stats.prefetched_params == 6);
+  CHECK(stats.demand_gathered_params >= 1);
+  zero->end_step();
+  CHECK(zero->stats().live_numel == 0);
+}
+
+TEST_CASE("parameter status: reuse distance keeps copies within max_live_parameters") {
+  // Forward then backward: every block is used again later.
+  const std::vector<ModuleId> order = {0, 1, 2, 3, 3, 2, 1, 0};
+  for (double max_live : {1e9, 100.0}) {
+    CAPTURE(max_live);
+    ZeroConfig config;
+    config.prefetch_bucket_size = 0;
+    config.max_reuse_distance = 1e9;
+    config.max_live_parameters = max_live;
+    auto zero = status_model(config);
+    for (int pass = 0; pass < 3; ++pass) {
+      for (std::size_t s = 0; s < order.size(); ++s) {
+        ModuleId m = order[s];
+        zero->fetch(m);
+        zero->release(m);
+        zero->check_invariants();
+        auto st = zero->stats();
+        CHECK(st.idle_numel <= st.max_live_numel);
+        bool used_later = std::find(order.begin() + static_cast<std::ptrdiff_t>(s) + 1, order.end(),
+                                    m) != order.end();
+        if (pass == 0) {
+          // Recording: nothing kept.
+          CHECK_FALSE(gathered(*zero, 10 + m));
+          CHECK_FALSE(gathered(*zero, 20 + m));
+        } else if (max_live >= 1e9) {
+          CHECK(gathered(*zero, 10 + m) == used_later);
+          CHECK(gathered(*zero, 20 + m) == used_later);
+        } else {
+          // Room for one 100-element copy not used by a fetched module.
+          int idle_copies = 0;
+          for (ParameterId id : kStatusParams)
+            idle_copies += id != 40 && gathered(*zero, id) && zero->active_modules(id).empty();
+          CHECK(idle_copies <= 1);
+          if (!used_later) {
+            CHECK_FALSE(gathered(*zero, 10 + m));
+            CHECK_FALSE(gathered(*zero, 20 + m));
+          }
+        }
+      }
+      zero->end_step();
+      CHECK(zero->stats().live_numel == 0);
+    }
+    CHECK(zero->stats().retained_params > 0);
+  }
+}
+
+TEST_CASE("an order change between steps invalidates the trace once per distinct deviation") {
+  auto& e = env();
+  ZeroConfig config;
+  config.prefetch_bucket_size = 150;
+  auto zero = make_coordinator(config);
+  for (ParameterId id = 0; id < 6; ++id) register_f32(*zero, id, 60 + 7 * id);
+  for (ModuleId m = 0; m < 4; ++m) zero->register_module(m, std::vector<ParameterId>{m, m + 1, 5});
+  const std::vector<ModuleId> x = {0, 1, 2, 3}, y = {0, 2, 1, 3};
+  const std::vector<const std::vector<ModuleId>*> passes = {&x, &x, &y, &y, &x, &y, &x, &y, &x, &x};
+  StderrCapture capture;
+  int version = 0;
+  for (const auto* order : passes) {
+    for (ModuleId m : *order) {
+      zero->fetch(m);
+      for (ParameterId id : {m, m + 1, ParameterId{5}})
+        CHECK(gathered_matches(*zero, id, (60 + 7 * id) * 4, version));
+      zero->release(m);
+      zero->check_invariants();
+    }
+    zero->end_step();
+    CHECK(zero->stats().live_numel == 0);
+    // New values each pass: a stale copy would show.
+    ++version;
+    for (ParameterId id = 0; id < 6; ++id) {
+      auto bytes = param_bytes(id, (60 + 7 * id) * 4, version);
+      zero->set_full(id, bytes.data(), bytes.size());
+    }
+  }
+  std::string log = capture.finish();
+  auto stats = zero->stats();
+  // Deviations: pass 3 (x -> y), 5 (y -> x), 6, 7, 8, 9: two distinct ones.
+  CHECK(stats.trace_invalidations == 6);
+  CHECK(stats.trace_warnings == 2);
+  CHECK(zero->trace() == x);
+  CHECK(stats.prefetched_params > 0);
+  const std::size_t warned = count_of(log, "deviates from the recorded trace");
+  if (e.rank == 0)
+    CHECK(warned == 2);
+  else
+    CHECK(warned == 0);
+  std::fputs(log.c_str(), stderr);
+}
+
+TEST_CASE("a rank-order mismatch while recording is an error on every rank, without a hang") {
+  auto& e = env();
+  if (e.size < 2) {
+    MESSAGE("needs at least 2 ranks: a single rank cannot disagree with itself");
+    return;
+  }
+  {
+    auto zero = make_coordinator({});
+    register_f32(*zero, 0, 100);
+    register_f32(*zero, 1, 37);
+    zero->register_module(0, std::vector<ParameterId>{0});
+    zero->register_module(1, std::vector<ParameterId>{1});
+    // Rank 0 runs 0 then 1; the others 1 then 0 (gathers of different sizes).
+    ModuleId first = e.rank == 0 ? 0 : 1;
+    try {
+      zero->fetch(first);
+      FAIL("fetch() with different modules on different ranks did not throw");
+    } catch (const Error& error) {
+      CHECK(error.kind() == ErrorKind::communication);
+      std::string what = error.what();
+      CHECK(what.find("rank-order mismatch") != std::string::npos);
+      CHECK(what.find("rank 0 fetch(module 0) at step 0") != std::string::npos);
+      CHECK(what.find("rank 1 fetch(module 1) at step 0") != std::string::npos);
+    }
+    CHECK(zero->active_modules(first).empty());
+  }
+  {
+    // Different pass lengths: rank 0 ends the pass while the others fetch more.
+    auto zero = make_coordinator({});
+    register_f32(*zero, 0, 10);
+    register_f32(*zero, 1, 11);
+    zero->register_module(0, std::vector<ParameterId>{0});
+    zero->register_module(1, std::vector<ParameterId>{1});
+    zero->fetch(0);
+    zero->release(0);
+    try {
+      if (e.rank == 0)
+        zero->end_step();
+      else
+        zero->fetch(1);
+      FAIL("a pass of different length on different ranks did not throw");
+    } catch (const Error& error) {
+      CHECK(error.kind() == ErrorKind::communication);
+      std::string what = error.what();
+      CHECK(what.find("rank 0 end_step() after 1 modules") != std::string::npos);
+      CHECK(what.find("rank 1 fetch(module 1) at step 1") != std::string::npos);
+    }
+  }
+  // The communicator is still in step on every rank.
+  std::int64_t mine = e.rank, all[3] = {};
+  auto stream = e.accel->create_stream();
+  e.world->all_gather(&mine, all, 1, DataType::i64, *stream)->wait();
+  for (int r = 0; r < e.size; ++r) CHECK(all[r] == r);
+}
+
+TEST_CASE("usage errors name the call, the id and what is valid") {
+  auto zero = make_coordinator({});
+  register_f32(*zero, 1, 8);
+  zero->register_module(1, std::vector<ParameterId>{1});
+  auto message_of = [](auto&& call, ErrorKind kind) {
+    try {
+      call();
+    } catch (const Error& e) {
+      CHECK(e.kind() == kind);
+      return std::string(e.what());
+    }
+    FAIL("no error");
+    return std::string();
+  };
+  CHECK(message_of(
+            [&] {
+              zero->register_parameter({1, 4, DataType::f32});
+            },
+            ErrorKind::invalid_argument)
+            .find("parameter 1 is already registered") != std::string::npos);
+  CHECK(message_of(
+            [&] {
+              zero->register_parameter({2, 0, DataType::f32});
+            },
+            ErrorKind::invalid_argument)
+            .find("0 elements") != std::string::npos);
+  CHECK(message_of([&] { zero->register_module(2, std::vector<ParameterId>{7}); },
+                   ErrorKind::invalid_argument)
+            .find("parameter 7, which is not registered") != std::string::npos);
+  CHECK(message_of([&] { zero->fetch(5); }, ErrorKind::invalid_argument)
+            .find("module 5 is not registered") != std::string::npos);
+  CHECK(message_of([&] { zero->release(1); }, ErrorKind::invalid_argument).find("not fetched") !=
+        std::string::npos);
+  float four[4] = {};
+  CHECK(message_of([&] { zero->read_full(1, four, sizeof four); }, ErrorKind::invalid_argument)
+            .find("got 16 bytes, expected 32") != std::string::npos);
+  float eight[8] = {};
+  CHECK(message_of([&] { zero->read_full(1, eight, sizeof eight); }, ErrorKind::incompatible)
+            .find("not_available") != std::string::npos);
+  CHECK(message_of([&] { zero->set_shard(1, four, 3); }, ErrorKind::invalid_argument)
+            .find("got 3 bytes") != std::string::npos);
+  zero->fetch(1);
+  CHECK(message_of([&] { zero->fetch(1); }, ErrorKind::invalid_argument).find("already fetched") !=
+        std::string::npos);
+  CHECK(message_of([&] { zero->set_full(1, eight, sizeof eight); }, ErrorKind::incompatible)
+            .find("in use by fetched module 1") != std::string::npos);
+  CHECK(message_of([&] { zero->end_step(); }, ErrorKind::invalid_argument)
+            .find("module(s) 1 are still fetched") != std::string::npos);
+  zero->release(1);
+  zero->end_step();
+}
+
+TEST_CASE("property: random module graphs and limits keep every invariant at every call") {
+  auto& e = env();
+  const int iterations = 24;
+  for (int iteration = 0; iteration < iterations; ++iteration) {
+    CAPTURE(iteration);
+    std::mt19937_64 rng(7000 + static_cast<std::uint64_t>(iteration));  // same on every rank
+    auto pick = [&](std::size_t lo, std::size_t hi) {
+      return std::uniform_int_distribution<std::size_t>(lo, hi)(rng);
+    };
+    // Every other iteration scales sizes and limits up, past the size at
+    // which prefetches of consecutive modules get separate gathers.
+    const std::size_t scale = iteration % 2 ? 1000 : 1;
+    const double dscale = static_cast<double>(scale);
+    ZeroConfig config;
+    config.prefetch_bucket_size =
+        pick(0, 2) == 0 ? 0.0 : dscale * static_cast<double>(pick(1, 150));
+    config.max_live_parameters = dscale * static_cast<double>(pick(0, 200));
+    config.max_reuse_distance = pick(0, 2) == 0 ? 1e9 : dscale * static_cast<double>(pick(0, 200));
+    config.param_persistence_threshold = static_cast<double>(pick(0, 8));
+    config.max_ongoing_fetch_events = static_cast<std::int64_t>(pick(1, 3));
+    auto zero = make_coordinator(config);
+
+    const std::size_t n_params = pick(3, 12);
+    std::vector<std::size_t> numel(n_params);
+    for (std::size_t p = 0; p < n_params; ++p) {
+      numel[p] = pick(1, 60) * (pick(0, 3) == 0 ? 1 : scale);  // small ones stay persistent
+      register_f32(*zero, p, numel[p], 0);
+    }
+    const std::size_t n_modules = pick(2, 6);
+    std::vector<std::vector<ParameterId>> modules(n_modules);
+    std::size_t largest = 0;
+    for (std::size_t m = 0; m < n_modules; ++m) {
+      std::size_t k = pick(1, 4);
+      for (std::size_t j = 0; j < k; ++j)
+        modules[m].push_back(pick(0, n_params - 1));  // may repeat
+      zero->register_module(m, modules[m]);
+      std::set<ParameterId> unique(modules[m].begin(), modules[m].end());
+      std::size_t total = 0;
+      for (auto p : unique) total += numel[p];
+      largest = std::max(largest, total);
+    }
+    std::vector<ModuleId> order(pick(3, 12));
+    for (auto& m : order) m = pick(0, n_modules - 1);  // repeated modules
+
+    for (int pass = 0; pass < 5; ++pass) {
+      std::vector<ModuleId> this_pass = order;
+      if (pass == 3 && this_pass.size() > 1) this_pass.pop_back();    // deviation: shorter
+      if (pass == 4) std::swap(this_pass.front(), this_pass.back());  // deviation or same
+      for (ModuleId m : this_pass) {
+        zero->fetch(m);
+        zero->check_invariants();
+        auto st = zero->stats();
+        CHECK(st.live_numel <= st.max_live_numel + largest);
+        CHECK(st.active_numel <= largest);
+        CHECK(st.inflight_gathers <= static_cast<std::size_t>(config.max_ongoing_fetch_events));
+        for (ParameterId p : modules[m]) {
+          CHECK(zero->status(p) == ParameterStatus::available);
+          CHECK(zero->active_modules(p) == std::vector<ModuleId>{m});
+          CHECK(gathered_matches(*zero, p, numel[p] * 4, pass));
+        }
+        if (pick(0, 3) == 0) zero->progress();
+        zero->release(m);
+        zero->check_invariants();
+        st = zero->stats();
+        CHECK(st.active_numel == 0);
+        CHECK(st.idle_numel <= st.max_live_numel);
+        for (ParameterId p : modules[m]) {
+          CHECK(zero->active_modules(p).empty());
+          if (zero->is_persistent(p))
+            CHECK(zero->status(p) == ParameterStatus::available);
+          else if (zero->trace_mode() == TraceMode::record)
+            CHECK(zero->status(p) == ParameterStatus::not_available);
+        }
+      }
+      zero->end_step();
+      zero->check_invariants();
+      auto st = zero->stats();
+      CHECK(st.live_numel == 0);
+      CHECK(st.inflight_gathers == 0);
+      for (std::size_t p = 0; p < n_params; ++p)
+        if (!zero->is_persistent(p)) CHECK(zero->status(p) == ParameterStatus::not_available);
+      for (std::size_t p = 0; p < n_params; ++p) {
+        auto bytes = param_bytes(p, numel[p] * 4, pass + 1);
+        zero->set_full(p, bytes.data(), bytes.size());
+      }
+    }
+    zero->release_all(true);
+    zero->check_invariants();
+    CHECK(zero->stats().persistent_numel == 0);
+    for (std::size_t p = 0; p < n_params; ++p)
+      CHECK(zero->status(p) == ParameterStatus::not_available);
+  }
+  (void)e;
+}
+
+TEST_CASE("NVMe offload: shards in real files, read ahead with the trace") {
+  auto& e = env();
+  ductile::test::TempDir dir;
+  ZeroConfig config;
+  config.nvme_path = dir.path().string();
+  config.nvme_buffer_count = 2;
+  config.param_persistence_threshold = 4;
+  config.prefetch_bucket_size = 400;
+  config.max_reuse_distance = 0;
+  auto zero = make_coordinator(config);
+  const std::vector<std::size_t> sizes = {50, 173, 300, 99, 251, 3, 120};
+  for (ParameterId p = 0; p < sizes.size(); ++p) register_f32(*zero, p, sizes[p], 0);
+  for (ModuleId m = 0; m + 1 < sizes.size(); ++m)
+    zero->register_module(m, std::vector<ParameterId>{m, m + 1});
+
+  // One file per non-persistent shard, of the shard's size.
+  for (ParameterId p = 0; p < sizes.size(); ++p) {
+    auto file =
+        dir.path() / ("rank" + std::to_string(e.rank)) / ("param_" + std::to_string(p) + ".shard");
+    CHECK(std::filesystem::exists(file) == (p != 5));
+    if (p != 5) CHECK(std::filesystem::file_size(file) == zero->shard_numel(p) * 4);
+  }
+  // read_shard reads the file back.
+  for (ParameterId p = 0; p < sizes.size(); ++p) {
+    std::vector<std::uint8_t> shard(zero->shard_numel(p) * 4);
+    zero->read_shard(p, shard.data(), shard.size());
+    auto full = param_bytes(p, sizes[p] * 4, 0);
+    const std::size_t first = static_cast<std::size_t>(e.rank) * shard.size();
+    for (std::size_t i = 0; i < shard.size(); ++i)
+      CHECK(shard[i] == (first + i < full.size() ? full[first + i] : 0));
+  }
+
+  const std::vector<ModuleId> order = {0, 1, 2, 3, 4, 5, 5, 4, 3, 2, 1, 0};
+  for (int pass = 0; pass < 4; ++pass) {
+    for (ModuleId m : order) {
+      zero->fetch(m);
+      for (ParameterId p : {m, m + 1}) CHECK(gathered_matches(*zero, p, sizes[p] * 4, pass));
+      zero->release(m);
+      zero->check_invariants();
+      CHECK(zero->stats().nvme_buffers_in_use <= 2);
+    }
+    zero->end_step();
+    for (ParameterId p = 0; p < sizes.size(); ++p) {
+      auto bytes = param_bytes(p, sizes[p] * 4, pass + 1);
+      zero->set_full(p, bytes.data(), bytes.size());
+    }
+  }
+  auto stats = zero->stats();
+  CHECK(stats.nvme_prefetch_reads > 0);
+  CHECK(stats.nvme_reads >= stats.nvme_prefetch_reads);
+  CHECK(stats.prefetched_params > 0);
+}
+
+TEST_CASE("NVMe offload: a missing, short or unreadable shard file is a clear error") {
+  auto& e = env();
+  ductile::test::TempDir dir;
+  ZeroConfig config;
+  config.nvme_path = dir.path().string();
+  auto zero = make_coordinator(config);
+  register_f32(*zero, 0, 100);
+  register_f32(*zero, 1, 64);
+  zero->register_module(0, std::vector<ParameterId>{0, 1});
+  auto file = dir.path() / ("rank" + std::to_string(e.rank)) / "param_0.shard";
+  const std::size_t bytes = zero->shard_numel(0) * 4;
+
+  auto fetch_error = [&]() -> std::string {
+    try {
+      zero->fetch(0);
+    } catch (const Error& error) {
+      CHECK(error.kind() == ErrorKind::io);
+      return error.what();
+    }
+    FAIL("fetch() did not report the broken shard file");
+    return {};
+  };
+  auto restore = [&] {
+    std::error_code ec;
+    std::filesystem::remove_all(file, ec);
+    auto values = param_bytes(0, 400, 0);
+    zero->set_full(0, values.data(), values.size());
+  };
+
+  // Every rank breaks its own file the same way, so every rank fails the
+  // same fetch before any gather.
+  std::filesystem::remove(file);
+  std::string missing = fetch_error();
+  CHECK(missing.find(file.string()) != std::string::npos);
+  CHECK(missing.find("is missing") != std::string::npos);
+  CHECK(missing.find("parameter 0") != std::string::npos);
+  CHECK(zero->active_modules(0).empty());
+  CHECK(zero->status(1) == ParameterStatus::not_available);
+  zero->check_invariants();
+
+  restore();
+  std::filesystem::resize_file(file, 3);
+  std::string short_file = fetch_error();
+  CHECK(short_file.find("has 3 bytes, expected " + std::to_string(bytes)) != std::string::npos);
+  CHECK(short_file.find("short file") != std::string::npos);
+
+  std::filesystem::remove(file);
+  std::filesystem::create_directory(file);
+  std::string not_regular = fetch_error();
+  CHECK(not_regular.find("not a regular file") != std::string::npos);
+  std::vector<std::uint8_t> shard(bytes);
+  try {
+    zero->read_shard(0, shard.data(), shard.size());
+    FAIL("read_shard() did not report the broken file");
+  } catch (const Error& error) {
+    CHECK(error.kind() == ErrorKind::io);
+  }
+
+  // Repaired: the same call now works (the failed fetches left nothing behind).
+  restore();
+  zero->fetch(0);
+  CHECK(gathered_matches(*zero, 0, 400, 0));
+  CHECK(gathered_matches(*zero, 1, 256, 0));
+  zero->release(0);
+  zero->end_step();
+  zero->check_invariants();
+}
+
+TEST_CASE("prefetch gives large upcoming modules a gather each, within max_ongoing_fetch_events") {
+  for (std::int64_t ongoing : {2, 3}) {
+    CAPTURE(ongoing);
+    ZeroConfig config;
+    config.max_ongoing_fetch_events = ongoing;
+    auto zero = make_coordinator(config);
+    for (ParameterId id = 0; id < 4; ++id) {
+      register_f32(*zero, id, 40000 + id);
+      zero->register_module(id, std::vector<ParameterId>{id});
+    }
+    for (int pass = 0; pass < 2; ++pass) {
+      const auto before = zero->stats();
+      zero->fetch(0);
+      auto after = zero->stats();
+      if (pass == 0) {
+        CHECK(after.gathers - before.gathers == 1);  // recording: no prefetch
+      } else {
+        // One demand gather, then one gather per upcoming module until the
+        // limit of outstanding gathers.
+        CHECK(after.gathers - before.gathers == static_cast<std::uint64_t>(1 + ongoing));
+        CHECK(after.inflight_gathers == static_cast<std::size_t>(ongoing));
+        CHECK(gathered(*zero, 1));
+        CHECK(gathered(*zero, 2));
+        CHECK(gathered(*zero, 3) == (ongoing == 3));
+      }
+      zero->release(0);
+      for (ModuleId m = 1; m < 4; ++m) {
+        zero->fetch(m);
+        CHECK(gathered_matches(*zero, m, (40000 + m) * 4, 0));
+        CHECK(zero->stats().inflight_gathers <= static_cast<std::size_t>(ongoing));
+        zero->release(m);
+        zero->check_invariants();
+      }
+      if (pass == 1)
+        CHECK(zero->stats().demand_gathered_params - before.demand_gathered_params == 1);
+      zero->end_step();
+    }
+  }
+}
+
+TEST_CASE("with a compute stream: gathers are ordered before compute, frees after it") {
+  auto& e = env();
+  ZeroConfig config;
+  config.prefetch_bucket_size = 300;
+  config.max_reuse_distance = 0;
+  auto zero = make_coordinator(config);
+  auto compute = e.accel->create_stream();
+  zero->set_compute_stream(compute);
+  for (ParameterId id = 0; id < 5; ++id) register_f32(*zero, id, 101 + 50 * id);
+  for (ModuleId m = 0; m < 4; ++m) zero->register_module(m, std::vector<ParameterId>{m, m + 1});
+  std::vector<std::uint8_t> copy;
+  for (int pass = 0; pass < 3; ++pass) {
+    for (ModuleId m : {0, 1, 2, 3, 3, 2, 1, 0}) {
+      zero->fetch(static_cast<ModuleId>(m));
+      for (ParameterId id : {static_cast<ParameterId>(m), static_cast<ParameterId>(m) + 1}) {
+        // Work on the compute stream reads the gathered copy.
+        const std::size_t bytes = (101 + 50 * id) * 4;
+        copy.assign(bytes, 0);
+        e.accel->copy_async(copy.data(), zero->full_data(id), bytes, CopyKind::device_to_host,
+                            *compute);
+        compute->synchronize();
+        CHECK(copy == param_bytes(id, bytes, 0));
+      }
+      zero->release(static_cast<ModuleId>(m));
+      zero->progress();
+      zero->check_invariants();
+    }
+    zero->end_step();
+  }
+  CHECK(zero->stats().prefetched_params > 0);
+  zero->set_compute_stream(nullptr);
+}
