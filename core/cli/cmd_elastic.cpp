@@ -196,7 +196,7 @@ void demo_elasticity(DemoContext& demo) {
     }
   } catch (const Error& e) {
     out << fmt::format("  without a world size: {}\n", e.what());
-    sizes = {8, 16, 24, 64};
+    sizes = std::vector<std::int64_t>{8, 16, 24, 64};
   }
   for (auto n : sizes) {
     auto r = plan(n);

@@ -64,9 +64,11 @@ ConfigDocument ConfigDocument::from_file(const fs::path& file) {
   std::ifstream in(file, std::ios::binary);
   std::error_code ec;
   if (!in || fs::is_directory(file, ec)) {
-    throw ConfigError({{{file.string(), 0, 0},
-                        fs::exists(file, ec) ? "cannot read the configuration file"
-                                             : "configuration file does not exist"}});
+    Diagnostic problem;
+    problem.where.file = file.string();
+    problem.message = fs::exists(file, ec) ? "cannot read the configuration file"
+                                           : "configuration file does not exist";
+    throw ConfigError(std::vector<Diagnostic>{std::move(problem)});
   }
   std::ostringstream buffer;
   buffer << in.rdbuf();

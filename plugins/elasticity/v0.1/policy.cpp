@@ -1,31 +1,7 @@
-// The "v0.1" elasticity policy: a thin wrapper over the shared implementation
-// in plugins/elasticity/common (see elastic_policies.hpp).
-#include "ductile/elasticity_policy.hpp"
-#include "elastic_policies.hpp"
-#include "elastic_settings.hpp"
+// The "v0.1" elasticity policy (the algorithm is in plugins/elasticity/common).
+#include "policy_plugin.hpp"
 
-namespace {
-
-class DeepSpeedV01Policy final : public ductile::ElasticityPolicy {
- public:
-  // Parameters are only checked by compute(), so that a bad value is reported
-  // as an ElasticityConfigError (a factory failure would lose the type).
-  explicit DeepSpeedV01Policy(const ductile::HostContext& ctx)
-      : params_(ctx.params()), logger_(ctx.logger()) {}
-
-  ductile::ElasticityResult compute(const ductile::ElasticityRequest& request) const override {
-    auto settings = ductile::elastic::read_settings(params_, "v0.1");
-    auto result = ductile::elastic::compute_v01(settings, request);
-    for (const auto& warning : result.warnings) logger_->warn("{}", warning);
-    return result;
-  }
-
- private:
-  ductile::Params params_;
-  std::shared_ptr<spdlog::logger> logger_;
-};
-
-}  // namespace
+using DeepSpeedV01Policy = ductile::elastic::PolicyPlugin<&ductile::elastic::compute_v01>;
 
 DUCTILE_PLUGIN(DeepSpeedV01Policy, "v0.1", "1.0.0",
                "DeepSpeed elasticity v0.1: HCN-scaled candidates, most valid GPU counts",

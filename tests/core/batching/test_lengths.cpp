@@ -85,7 +85,7 @@ TEST_CASE(
 }
 
 TEST_CASE("corrupt and truncated metric files are refused naming file and position") {
-  batching_test::TempDir dir;
+  ductile::test::TempDir dir;
   const std::string idx = slurp(kData + "/deepspeed_metric/azure_conv_seqlen_u16.idx");
   const std::string bin = slurp(kData + "/deepspeed_metric/azure_conv_seqlen_u16.bin");
   auto pair = [&](const std::string& name, const std::string& i, const std::string& b) {
@@ -120,7 +120,7 @@ TEST_CASE("text files: one integer a line, errors by line") {
   const auto fortunes = read_lengths(kData + "/debian_fortunes_word_lengths.txt");
   CHECK(fortunes.size() == 14397);
   CHECK(fortunes.front() == 44);
-  batching_test::TempDir dir;
+  ductile::test::TempDir dir;
   CHECK(read_lengths(dir.write("crlf.txt", "3\r\n5\r\n8\r\n")) ==
         std::vector<std::int64_t>{3, 5, 8});
   CHECK(read_lengths(dir.write("trailing.txt", "3\n5\n\n")) == std::vector<std::int64_t>{3, 5});
@@ -148,7 +148,7 @@ TEST_CASE("CSV columns and histograms") {
   CHECK(squad.size() == 88641);
   CHECK(std::is_sorted(squad.begin(), squad.end()));
 
-  batching_test::TempDir dir;
+  ductile::test::TempDir dir;
   LengthReadOptions typo;
   typo.column = "ContextToken";
   expect_error(kData + "/AzureLLMInferenceTrace_conv.csv", ErrorKind::invalid_argument,
@@ -172,7 +172,7 @@ TEST_CASE("CSV columns and histograms") {
 }
 
 TEST_CASE("npy arrays of every supported type and byte order") {
-  batching_test::TempDir dir;
+  ductile::test::TempDir dir;
   const std::vector<std::int64_t> want{7, 1, 300, 65535};
   CHECK(read_lengths(
             dir.write("a.npy", npy("<i4", "(4,)", raw<std::int32_t>({7, 1, 300, 65535})))) == want);

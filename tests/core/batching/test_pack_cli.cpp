@@ -96,7 +96,7 @@ TEST_CASE("bfd packs tighter than greedy and ranks split the micro-batches round
 }
 
 TEST_CASE("DeepSpeed metric files and a DeepSpeed JSON config are accepted") {
-  batching_test::TempDir dir;
+  ductile::test::TempDir dir;
   const auto seqlen = dir.path() / "metrics" / "seqlen";
   std::filesystem::create_directories(seqlen);
   for (const char* ext : {".bin", ".idx"})
@@ -117,7 +117,7 @@ TEST_CASE("DeepSpeed metric files and a DeepSpeed JSON config are accepted") {
 }
 
 TEST_CASE("a TOML config names sampler, lengths and LR; flags override it") {
-  batching_test::TempDir dir;
+  ductile::test::TempDir dir;
   std::filesystem::copy_file(kData + "/squad11_bert384_hist.csv", dir.path() / "squad.csv");
   dir.write("run.toml", R"([batching]
 sampler = "bfd"
@@ -139,7 +139,7 @@ base_batch_size = 8
 }
 
 TEST_CASE("user errors exit 2 with a JSON error naming the problem") {
-  batching_test::TempDir dir;
+  ductile::test::TempDir dir;
   const auto bad = dir.write("bad.txt", "5\n0\n");
   expect_user_error("--lengths " + bad.string() + " --max-tokens 10", "line 2");
   expect_user_error("--lengths " + (dir.path() / "nope.txt").string() + " --max-tokens 10",
@@ -170,7 +170,7 @@ TEST_CASE("user errors exit 2 with a JSON error naming the problem") {
 }
 
 TEST_CASE("the demo's batching part packs the sample data and shows steps with learning rates") {
-  batching_test::TempDir dir;
+  ductile::test::TempDir dir;
   const std::string source = std::string(DUCTILE_SOURCE_DIR);
   // The [batching] and [lr] sections of the shipped demo config, with the
   // sample data next to them.

@@ -71,10 +71,11 @@ inline std::shared_ptr<ParameterCoordinator> make_coordinator(const ZeroConfig& 
 // Bytes of parameter `id` in version `version`: differ per parameter,
 // element and version (element size independent).
 inline std::vector<std::uint8_t> param_bytes(ParameterId id, std::size_t bytes, int version) {
-  std::vector<std::uint8_t> out(bytes);
+  std::vector<std::uint8_t> out;
+  out.reserve(bytes);
   for (std::size_t i = 0; i < bytes; ++i)
-    out[i] = static_cast<std::uint8_t>(
-        (id * 151 + i * 13 + (i >> 8) * 7 + static_cast<std::size_t>(version) * 101 + 1) & 0xff);
+    out.push_back(static_cast<std::uint8_t>(
+        (id * 151 + i * 13 + (i >> 8) * 7 + static_cast<std::size_t>(version) * 101 + 1) & 0xff));
   return out;
 }
 
