@@ -40,8 +40,10 @@
 #define DUCTILE_STDLIB_TAG "unknown-stdlib"
 #endif
 
-// Example: "gcc-12/libstdc++-cxx11/c++202002/sdk-0.1"
+// Example: "gcc-12/libstdc++-cxx11/c++202002L/sdk-0.1"
+// clang-format off
 #define DUCTILE_BUILD_TAG                                                                     \
   DUCTILE_COMPILER_TAG                                                                        \
       "/" DUCTILE_STDLIB_TAG "/c++" DUCTILE_STRINGIFY(__cplusplus) "/sdk-" DUCTILE_STRINGIFY( \
           DUCTILE_SDK_VERSION_MAJOR) "." DUCTILE_STRINGIFY(DUCTILE_SDK_VERSION_MINOR)
+// clang-format on
