@@ -23,7 +23,7 @@ struct Run {
   std::string out;
 };
 
-Run ductile(const std::string& args) {
+Run run_ductile(const std::string& args) {
   const std::string command = std::string(DUCTILE_CLI) + " " + args + " 2>/dev/null";
   Run r;
   FILE* pipe = ::popen(command.c_str(), "r");
@@ -38,14 +38,14 @@ Run ductile(const std::string& args) {
 }
 
 json pack_json(const std::string& args) {
-  Run r = ductile("pack --json " + args);
+  Run r = run_ductile("pack --json " + args);
   INFO(args, "\n", r.out.substr(0, 800));
   REQUIRE(r.code == 0);
   return json::parse(r.out);
 }
 
 void expect_user_error(const std::string& args, const char* needle) {
-  Run r = ductile("pack --json " + args);
+  Run r = run_ductile("pack --json " + args);
   INFO(args, "\n", r.out.substr(0, 800));
   CHECK(r.code == 2);
   const json j = json::parse(r.out);
@@ -163,7 +163,7 @@ TEST_CASE("user errors exit 2 with a JSON error naming the problem") {
   expect_user_error("--lengths " + two.string() + " --max-tokens 5 --effective-batch-size 4",
                     "not enough samples");
   const auto toml = dir.write("bad.toml", "[batching]\nsampler = \"greedy\"\nmax_tokens = -3\n");
-  Run r = ductile("pack --json --config " + toml.string());
+  Run r = run_ductile("pack --json --config " + toml.string());
   CHECK(r.code == 2);
   CHECK(json::parse(r.out)["error"]["message"].get<std::string>().find("max_tokens") !=
         std::string::npos);
@@ -186,7 +186,7 @@ TEST_CASE("the demo's batching part packs the sample data and shows steps with l
   std::filesystem::create_directories(dir.path() / "configs");
   std::filesystem::copy(source + "/samples/data", dir.path() / "data");
   dir.write("configs/demo.toml", config);
-  Run r = ductile("demo --config " + (dir.path() / "configs" / "demo.toml").string());
+  Run r = run_ductile("demo --config " + (dir.path() / "configs" / "demo.toml").string());
   INFO(r.out.substr(0, 3000));
   CHECK(r.code == 0);
   CHECK(r.out.find("-- dynamic batching --") != std::string::npos);
