@@ -48,6 +48,12 @@ void check_buffer(const void* pointer, std::size_t count, const char* name, cons
                                                  "` is null but count is " + std::to_string(count));
 }
 
+void check_copy_kind(CopyKind kind, const char* call) {
+  if (static_cast<std::uint32_t>(kind) > static_cast<std::uint32_t>(CopyKind::host_to_host))
+    throw Error(ErrorKind::invalid_argument, std::string(call) + ": unknown CopyKind " +
+                                                 std::to_string(static_cast<std::uint32_t>(kind)));
+}
+
 void check_count(std::size_t count, const char* call) {
   if (count > static_cast<std::size_t>(INT_MAX))
     throw Error(ErrorKind::unsupported, std::string(call) + ": count " + std::to_string(count) +

@@ -96,5 +96,18 @@ void check_type(DataType type, const char* call);
 void check_op(ReduceOp op, const char* call);
 void check_buffer(const void* pointer, std::size_t count, const char* name, const char* call);
 void check_count(std::size_t count, const char* call);
+void check_copy_kind(CopyKind kind, const char* call);
+
+// `object` as the backend's own type, or Error(invalid_argument) saying that
+// the `what` ("stream", "event") was not created by `owner` ("this
+// accelerator", "the cuda accelerator").
+template <class Derived, class Base>
+Derived& backend_object(Base& object, const char* call, const char* what, const char* owner) {
+  auto* derived = dynamic_cast<Derived*>(&object);
+  if (derived == nullptr)
+    throw Error(ErrorKind::invalid_argument,
+                std::string(call) + ": the " + what + " was not created by " + owner);
+  return *derived;
+}
 
 }  // namespace ductile::accel

@@ -1,5 +1,7 @@
 #include "host_stream.hpp"
 
+#include "host_communicator.hpp"
+
 #include <algorithm>
 
 namespace ductile::accel {
@@ -144,19 +146,11 @@ void HostEvent::synchronize() {
 }
 
 HostStream& as_host_stream(Stream& stream, const char* call) {
-  auto* host = dynamic_cast<HostStream*>(&stream);
-  if (host == nullptr)
-    throw Error(ErrorKind::invalid_argument,
-                std::string(call) + ": the stream was not created by this accelerator");
-  return *host;
+  return backend_object<HostStream>(stream, call, "stream", "this accelerator");
 }
 
 HostEvent& as_host_event(Event& event, const char* call) {
-  auto* host = dynamic_cast<HostEvent*>(&event);
-  if (host == nullptr)
-    throw Error(ErrorKind::invalid_argument,
-                std::string(call) + ": the event was not created by this accelerator");
-  return *host;
+  return backend_object<HostEvent>(event, call, "event", "this accelerator");
 }
 
 }  // namespace ductile::accel

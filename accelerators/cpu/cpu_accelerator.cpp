@@ -123,10 +123,7 @@ class CpuAccelerator final : public Accelerator {
   void copy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind,
                   Stream& stream) override {
     const char* call = "copy_async";
-    if (static_cast<std::uint32_t>(kind) > static_cast<std::uint32_t>(CopyKind::host_to_host))
-      throw Error(ErrorKind::invalid_argument,
-                  std::string(call) + ": unknown CopyKind " +
-                      std::to_string(static_cast<std::uint32_t>(kind)));
+    check_copy_kind(kind, call);
     check_buffer(dst, bytes, "dst", call);
     check_buffer(src, bytes, "src", call);
     as_host_stream(stream, call).enqueue([=](bool failed) {

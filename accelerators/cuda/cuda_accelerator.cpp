@@ -152,19 +152,11 @@ class CudaEvent final : public Event {
 };
 
 CudaStream& as_cuda_stream(Stream& stream, const char* call) {
-  auto* cuda = dynamic_cast<CudaStream*>(&stream);
-  if (cuda == nullptr)
-    throw Error(ErrorKind::invalid_argument,
-                std::string(call) + ": the stream was not created by the cuda accelerator");
-  return *cuda;
+  return backend_object<CudaStream>(stream, call, "stream", "the cuda accelerator");
 }
 
 CudaEvent& as_cuda_event(Event& event, const char* call) {
-  auto* cuda = dynamic_cast<CudaEvent*>(&event);
-  if (cuda == nullptr)
-    throw Error(ErrorKind::invalid_argument,
-                std::string(call) + ": the event was not created by the cuda accelerator");
-  return *cuda;
+  return backend_object<CudaEvent>(event, call, "event", "the cuda accelerator");
 }
 
 void CudaStream::wait_event(Event& event) {

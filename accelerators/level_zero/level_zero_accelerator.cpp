@@ -211,20 +211,14 @@ class ZeEvent final : public Event {
 };
 
 ZeStream& as_ze_stream(Stream& stream, const char* call) {
-  auto* ze = dynamic_cast<ZeStream*>(&stream);
-  if (ze == nullptr)
-    throw Error(ErrorKind::invalid_argument,
-                std::string(call) + ": the stream was not created by the level_zero accelerator");
-  return *ze;
+  return backend_object<ZeStream>(stream, call, "stream", "the level_zero accelerator");
 }
 
 void ZeStream::wait_event(Event& event) {
-  auto* ze = dynamic_cast<ZeEvent*>(&event);
-  if (ze == nullptr)
-    throw Error(ErrorKind::invalid_argument,
-                "Stream::wait_event: the event was not created by the level_zero accelerator");
-  if (!ze->recorded()) return;
-  ze_event_handle_t handle = ze->get();
+  auto& ze =
+      backend_object<ZeEvent>(event, "Stream::wait_event", "event", "the level_zero accelerator");
+  if (!ze.recorded()) return;
+  ze_event_handle_t handle = ze.get();
   append([&](ze_command_list_handle_t list) {
     DUCTILE_ZE_CHECK(zeCommandListAppendWaitOnEvents(list, 1, &handle));
   });
@@ -575,10 +569,7 @@ class LevelZeroAccelerator final : public Accelerator {
   void copy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind,
                   Stream& stream) override {
     const char* call = "copy_async";
-    if (static_cast<std::uint32_t>(kind) > static_cast<std::uint32_t>(CopyKind::host_to_host))
-      throw Error(ErrorKind::invalid_argument,
-                  std::string(call) + ": unknown CopyKind " +
-                      std::to_string(static_cast<std::uint32_t>(kind)));
+    check_copy_kind(kind, call);
     check_buffer(dst, bytes, "dst", call);
     check_buffer(src, bytes, "src", call);
     ZeStream& ze = as_ze_stream(stream, call);
