@@ -95,19 +95,6 @@ void print_human(const core::LoadedElasticity& loaded, const ElasticityResult& r
   for (const auto& w : r.warnings) std::cout << "warning: " << w << "\n";
 }
 
-// Calls the policy and rethrows its errors as objects built here: an
-// exception object created by plugin code must not outlive the plugin's
-// library, which is unloaded when `loaded` goes out of scope during unwinding.
-ElasticityResult compute_in_host(const ElasticityPolicy& policy, const ElasticityRequest& request) {
-  try {
-    return policy.compute(request);
-  } catch (const Error& e) {
-    throw Error(e.kind(), e.what(), e.type());
-  } catch (const std::exception& e) {
-    throw Error(ErrorKind::internal, e.what());
-  }
-}
-
 int run_elastic(const CliContext& context, const ElasticOptions& options) {
   if (options.world_size_given && options.world_size < 1)
     throw Error(ErrorKind::invalid_argument,
@@ -120,7 +107,7 @@ int run_elastic(const CliContext& context, const ElasticOptions& options) {
   ElasticityRequest request;
   request.world_size = options.world_size_given ? options.world_size : 0;
   request.require_micro_batch = options.micro_batch;
-  auto result = compute_in_host(*loaded.policy, request);
+  auto result = loaded.policy->compute(request);
   if (options.json)
     print_json(loaded, result);
   else

@@ -78,21 +78,6 @@ std::string one_of(const std::string& flag, const std::string& value,
               fmt::format("{} '{}' is not valid; valid: {}", flag, value, fmt::join(names, ", ")));
 }
 
-// Runs `body`, which calls into plugins, and rethrows any ductile::Error as a
-// copy made here: an exception object created by a plugin must not outlive
-// the plugin's library, which is unloaded when the runtime goes away during
-// unwinding.
-template <class F>
-auto calling_plugins(F&& body) -> decltype(body()) {
-  try {
-    return body();
-  } catch (const Error& e) {
-    throw Error(e.kind(), e.what(), e.type());
-  } catch (const std::exception& e) {
-    throw std::runtime_error(e.what());
-  }
-}
-
 // Everything needed to pack, after merging config file and flags.
 struct PackSetup {
   std::string sampler = "greedy";
@@ -159,24 +144,23 @@ Packed pack_with(core::Runtime& runtime, PackSetup setup) {
   auto sampler = runtime.create<BatchSampler>(setup.sampler, setup.sampler_params);
   p.options = sampler->options();
   const auto start = std::chrono::steady_clock::now();
-  p.result = calling_plugins([&] { return sampler->pack(PackRequest{p.lengths, std::nullopt}); });
+  p.result = sampler->pack(PackRequest{p.lengths, std::nullopt});
   p.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  if (setup.lr_rule)
-    calling_plugins([&] {
-      if (!setup.base_batch_size)
-        throw Error(ErrorKind::invalid_argument,
-                    fmt::format("learning-rate rule '{}' needs the base batch size: give "
-                                "--base-batch-size B (or [lr] base_batch_size)",
-                                *setup.lr_rule));
-      auto rule = runtime.create<LrScalingRule>(*setup.lr_rule, Params{});
-      core::VariableBatchLrSchedule schedule(setup.schedule, rule, *setup.base_batch_size,
-                                             p.result.batch_sizes);
-      p.lrs.reserve(p.result.step_count());
-      for (std::size_t s = 0; s < p.result.step_count(); ++s) {
-        p.lrs.push_back(schedule.lr());
-        schedule.step();
-      }
-    });
+  if (setup.lr_rule) {
+    if (!setup.base_batch_size)
+      throw Error(ErrorKind::invalid_argument,
+                  fmt::format("learning-rate rule '{}' needs the base batch size: give "
+                              "--base-batch-size B (or [lr] base_batch_size)",
+                              *setup.lr_rule));
+    auto rule = runtime.create<LrScalingRule>(*setup.lr_rule, Params{});
+    core::VariableBatchLrSchedule schedule(setup.schedule, rule, *setup.base_batch_size,
+                                           p.result.batch_sizes);
+    p.lrs.reserve(p.result.step_count());
+    for (std::size_t s = 0; s < p.result.step_count(); ++s) {
+      p.lrs.push_back(schedule.lr());
+      schedule.step();
+    }
+  }
   p.setup = std::move(setup);
   return p;
 }
@@ -474,7 +458,7 @@ void run_batching_demo(DemoContext& demo) {
 
 void demo_batching(DemoContext& demo) {
   if (!demo.runtime.has(PluginKind::batching)) return;
-  calling_plugins([&] { run_batching_demo(demo); });
+  run_batching_demo(demo);
 }
 
 }  // namespace ductile::cli
