@@ -92,6 +92,47 @@ void check_root(int root, int size, const char* call) {
                                                  std::to_string(size - 1) + ")");
 }
 
+// An MpiStart for an MPI call that makes one request.
+template <class Call>
+MpiStart one_request(Call call) {
+  return [call = std::move(call)](MPI_Comm comm, std::vector<MPI_Request>& requests) {
+    return call(comm, &requests.emplace_back(MPI_REQUEST_NULL));
+  };
+}
+
+// Up to this many ranks an all-gather is posted as point-to-point messages;
+// beyond it, as MPI_Iallgather (whose algorithms scale in the rank count).
+constexpr int kExchangeMaxRanks = 32;
+constexpr int kExchangeTag = 1;  // the communicator is private to the engine
+
+// The all-gather as point-to-point messages: a receive from every peer into
+// its block, this rank's block sent to every peer, and its own block copied
+// into place (`send` null: already in place). Measured with Open MPI 4.1 on
+// shared memory, 2 ranks: MPI_Iallgather (libnbc) issued back to back takes
+// 1.5-6x as long as the blocking MPI_Allgather for 0.5-2 MiB, while this
+// exchange takes the same time (one single-copy transfer per block).
+int post_exchange(const void* send, char* recv, int count, MPI_Datatype type, std::size_t block,
+                  int rank, int size, MPI_Comm comm, std::vector<MPI_Request>& requests) {
+  requests.reserve(2 * static_cast<std::size_t>(size - 1));
+  for (int step = 1; step < size; ++step) {
+    int from = (rank - step + size) % size;
+    int rc = MPI_Irecv(recv + static_cast<std::size_t>(from) * block, count, type, from,
+                       kExchangeTag, comm, &requests.emplace_back(MPI_REQUEST_NULL));
+    if (rc != MPI_SUCCESS) return rc;
+  }
+  const void* mine = send != nullptr ? send : recv + static_cast<std::size_t>(rank) * block;
+  for (int step = 1; step < size; ++step) {
+    int to = (rank + step) % size;
+    int rc = MPI_Isend(mine, count, type, to, kExchangeTag, comm,
+                       &requests.emplace_back(MPI_REQUEST_NULL));
+    if (rc != MPI_SUCCESS) return rc;
+  }
+  // Copied while the peers read this rank's block.
+  if (send != nullptr && block > 0)
+    std::memcpy(recv + static_cast<std::size_t>(rank) * block, send, block);
+  return MPI_SUCCESS;
+}
+
 std::size_t coalesced_bytes(std::span<const GatherItem> items, const char* call) {
   std::size_t total = 0;
   for (std::size_t i = 0; i < items.size(); ++i) {
@@ -121,9 +162,10 @@ MpiCommunicator::~MpiCommunicator() {
   if (id_ >= 0) MpiEngine::get().release_comm(id_);
 }
 
-std::shared_ptr<CollectiveHandle> MpiCommunicator::post(
-    Stream& stream, const char* call, std::function<void()> prepare,
-    std::function<int(MPI_Comm, MPI_Request*)> start, std::function<void()> finish) {
+std::shared_ptr<CollectiveHandle> MpiCommunicator::post(Stream& stream, const char* call,
+                                                        std::function<void()> prepare,
+                                                        MpiStart start,
+                                                        std::function<void()> finish) {
   HostStream& host_stream = as_host_stream(stream, call);
   MpiEngine* engine = &MpiEngine::get();
   auto posted = std::make_shared<Completion>();
@@ -194,13 +236,20 @@ std::shared_ptr<CollectiveHandle> MpiCommunicator::all_gather(const void* send, 
   // Rank r's input already in place in the output: MPI_IN_PLACE.
   bool in_place = count > 0 && send == bytes_of(recv) + static_cast<std::size_t>(rank_) * block;
   MPI_Datatype datatype = MpiEngine::datatype(type);
-  return post(
-      stream, call, nullptr,
-      [=](MPI_Comm comm, MPI_Request* request) {
-        return MPI_Iallgather(in_place ? MPI_IN_PLACE : send, as_int(count), datatype, recv,
-                              as_int(count), datatype, comm, request);
-      },
-      nullptr);
+  int rank = rank_, size = size_;
+  if (size <= kExchangeMaxRanks)
+    return post(
+        stream, call, nullptr,
+        [=](MPI_Comm comm, std::vector<MPI_Request>& requests) {
+          return post_exchange(in_place ? nullptr : send, static_cast<char*>(recv), as_int(count),
+                               datatype, block, rank, size, comm, requests);
+        },
+        nullptr);
+  return post(stream, call, nullptr, one_request([=](MPI_Comm comm, MPI_Request* request) {
+                return MPI_Iallgather(in_place ? MPI_IN_PLACE : send, as_int(count), datatype, recv,
+                                      as_int(count), datatype, comm, request);
+              }),
+              nullptr);
 }
 
 std::shared_ptr<CollectiveHandle> MpiCommunicator::all_gather_coalesced(
@@ -246,13 +295,20 @@ std::shared_ptr<CollectiveHandle> MpiCommunicator::all_gather_coalesced(
     buffers->send.reset();
     buffers->recv.reset();
   };
-  return post(
-      stream, call, prepare,
-      [buffers, total](MPI_Comm comm, MPI_Request* request) {
-        return MPI_Iallgather(buffers->send.get(), as_int(total), MPI_BYTE, buffers->recv.get(),
-                              as_int(total), MPI_BYTE, comm, request);
-      },
-      finish);
+  if (size <= kExchangeMaxRanks)
+    return post(
+        stream, call, prepare,
+        [buffers, total, rank, size](MPI_Comm comm, std::vector<MPI_Request>& requests) {
+          return post_exchange(buffers->send.get(), buffers->recv.get(), as_int(total), MPI_BYTE,
+                               total, rank, size, comm, requests);
+        },
+        finish);
+  return post(stream, call, prepare,
+              one_request([buffers, total](MPI_Comm comm, MPI_Request* request) {
+                return MPI_Iallgather(buffers->send.get(), as_int(total), MPI_BYTE,
+                                      buffers->recv.get(), as_int(total), MPI_BYTE, comm, request);
+              }),
+              finish);
 }
 
 std::shared_ptr<CollectiveHandle> MpiCommunicator::reduce_scatter(const void* send, void* recv,
@@ -267,13 +323,11 @@ std::shared_ptr<CollectiveHandle> MpiCommunicator::reduce_scatter(const void* se
   MpiEngine& engine = MpiEngine::get();
   MPI_Datatype datatype = MpiEngine::datatype(type);
   MPI_Op mpi_op = engine.reduce_op(type, op);
-  return post(
-      stream, call, nullptr,
-      [=](MPI_Comm comm, MPI_Request* request) {
-        return MPI_Ireduce_scatter_block(send, recv, as_int(count), datatype, mpi_op, comm,
-                                         request);
-      },
-      nullptr);
+  return post(stream, call, nullptr, one_request([=](MPI_Comm comm, MPI_Request* request) {
+                return MPI_Ireduce_scatter_block(send, recv, as_int(count), datatype, mpi_op, comm,
+                                                 request);
+              }),
+              nullptr);
 }
 
 std::shared_ptr<CollectiveHandle> MpiCommunicator::all_reduce(const void* send, void* recv,
@@ -289,13 +343,11 @@ std::shared_ptr<CollectiveHandle> MpiCommunicator::all_reduce(const void* send, 
   MPI_Datatype datatype = MpiEngine::datatype(type);
   MPI_Op mpi_op = engine.reduce_op(type, op);
   bool in_place = send == recv;
-  return post(
-      stream, call, nullptr,
-      [=](MPI_Comm comm, MPI_Request* request) {
-        return MPI_Iallreduce(in_place ? MPI_IN_PLACE : send, recv, as_int(count), datatype, mpi_op,
-                              comm, request);
-      },
-      nullptr);
+  return post(stream, call, nullptr, one_request([=](MPI_Comm comm, MPI_Request* request) {
+                return MPI_Iallreduce(in_place ? MPI_IN_PLACE : send, recv, as_int(count), datatype,
+                                      mpi_op, comm, request);
+              }),
+              nullptr);
 }
 
 std::shared_ptr<CollectiveHandle> MpiCommunicator::broadcast(void* buffer, std::size_t count,
@@ -307,18 +359,17 @@ std::shared_ptr<CollectiveHandle> MpiCommunicator::broadcast(void* buffer, std::
   check_buffer(buffer, count, "buffer", call);
   check_root(root, size_, call);
   MPI_Datatype datatype = MpiEngine::datatype(type);
-  return post(
-      stream, call, nullptr,
-      [=](MPI_Comm comm, MPI_Request* request) {
-        return MPI_Ibcast(buffer, as_int(count), datatype, root, comm, request);
-      },
-      nullptr);
+  return post(stream, call, nullptr, one_request([=](MPI_Comm comm, MPI_Request* request) {
+                return MPI_Ibcast(buffer, as_int(count), datatype, root, comm, request);
+              }),
+              nullptr);
 }
 
 std::shared_ptr<CollectiveHandle> MpiCommunicator::barrier(Stream& stream) {
-  return post(
-      stream, "barrier", nullptr,
-      [](MPI_Comm comm, MPI_Request* request) { return MPI_Ibarrier(comm, request); }, nullptr);
+  return post(stream, "barrier", nullptr, one_request([](MPI_Comm comm, MPI_Request* request) {
+                return MPI_Ibarrier(comm, request);
+              }),
+              nullptr);
 }
 
 // -------------------------------------------------------------- local

@@ -56,8 +56,7 @@ class MpiCommunicator final : public Communicator {
   // `prepare` runs on the stream before posting, `finish` after completion
   // (both optional).
   std::shared_ptr<CollectiveHandle> post(Stream& stream, const char* call,
-                                         std::function<void()> prepare,
-                                         std::function<int(MPI_Comm, MPI_Request*)> start,
+                                         std::function<void()> prepare, MpiStart start,
                                          std::function<void()> finish);
 
   std::string backend_;

@@ -2,7 +2,10 @@
 
 #include "host_communicator.hpp"
 
+#include <sys/prctl.h>
+
 #include <algorithm>
+#include <vector>
 
 namespace ductile::accel {
 
@@ -43,6 +46,7 @@ void HostStream::enqueue_marker(StreamTask marker) {
 }
 
 void HostStream::run() {
+  prctl(PR_SET_NAME, "ductile-stream", 0, 0, 0);
   std::unique_lock lock(mutex_);
   for (;;) {
     work_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
@@ -84,12 +88,27 @@ void HostStream::synchronize() {
 }
 
 bool HostStream::idle_and_healthy() {
-  std::lock_guard lock(mutex_);
-  if (error_) return false;
-  if (completed_ + queue_.size() != enqueued_) return false;  // a task is running
-  for (const Entry& entry : queue_)
-    if (!entry.waits_for || !entry.waits_for->done() || entry.waits_for->failed()) return false;
-  return true;
+  std::vector<StreamTask> retired;
+  bool idle = true;
+  {
+    std::lock_guard lock(mutex_);
+    if (error_) return false;
+    if (completed_ + queue_.size() != enqueued_) return false;  // a task is running
+    // Lazy entries whose collective succeeded have nothing left to wait
+    // for: retire them here, so that a stream that is never synchronised
+    // does not accumulate them (and this check stays O(1)).
+    while (!queue_.empty() && queue_.front().waits_for && queue_.front().waits_for->done() &&
+           !queue_.front().waits_for->failed()) {
+      retired.push_back(std::move(queue_.front().task));
+      queue_.pop_front();
+      ++completed_;
+    }
+    idle = queue_.empty();
+    if (!retired.empty()) done_cv_.notify_all();
+  }
+  // Their collective is complete: each only marks its handle done.
+  for (StreamTask& task : retired) task(false);
+  return idle;
 }
 
 bool HostStream::query() {

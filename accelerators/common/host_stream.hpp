@@ -45,7 +45,8 @@ class HostStream final : public Stream {
   void enqueue_lazy(StreamTask task, std::shared_ptr<Completion> waits_for);
   // True when nothing has failed and everything queued is done or is a lazy
   // wait whose collective has completed: work issued now could start at
-  // once. Only meaningful to the stream's single issuing thread.
+  // once. Retires such completed lazy entries on the calling thread. Only
+  // meaningful to the stream's single issuing thread.
   bool idle_and_healthy();
   const std::string& backend() const noexcept { return backend_; }
 

@@ -1,6 +1,7 @@
 #include "mpi_engine.hpp"
 
 #include <dlfcn.h>
+#include <sched.h>
 #include <sys/prctl.h>
 #include <unistd.h>
 
@@ -77,7 +78,7 @@ struct PendingOp {
 struct ActiveOp {
   int comm;
   std::string what;
-  MPI_Request request = MPI_REQUEST_NULL;
+  std::vector<MPI_Request> requests;
   std::shared_ptr<Completion> done;
   Clock::time_point deadline;
   std::function<void()> after;  // runs on the engine thread on success
@@ -135,9 +136,13 @@ class Engine final : public MpiEngine {
   std::condition_variable cv_;
   std::map<int, CommEntry> comms_;
   int next_comm_id_ = 1;
-  bool work_ = false;  // something was submitted, skipped or released
+  // Something was submitted, skipped or released. Written under mutex_;
+  // read without it to skip an empty post_ready().
+  std::atomic<bool> work_{false};
   bool stopping_ = false;
-  std::atomic<bool> stopped_{false};  // MPI may no longer be called
+  std::atomic<bool> stop_requested_{false};  // mirrors stopping_ for lock-free checks
+  std::atomic<bool> hot_{false};             // the engine thread is polling, not parked
+  std::atomic<bool> stopped_{false};         // MPI may no longer be called
 
   // Every MPI call after initialisation is made by the holder of this
   // mutex: the engine thread, or a thread blocked in wait_helping() (which
@@ -273,6 +278,7 @@ void Engine::shutdown() noexcept {
     std::lock_guard lock(mutex_);
     if (stopping_ || !thread_.joinable()) return;
     stopping_ = true;
+    stop_requested_.store(true);
   }
   cv_.notify_all();
   if (std::this_thread::get_id() != thread_.get_id()) thread_.join();
@@ -293,8 +299,8 @@ int Engine::create_comm(double timeout_seconds) {
   auto done = std::make_shared<Completion>();
   submit(
       0, next_sequence(0), "creating a communicator (MPI_Comm_idup)",
-      [created](MPI_Comm world, MPI_Request* request) {
-        return MPI_Comm_idup(world, created.get(), request);
+      [created](MPI_Comm world, std::vector<MPI_Request>& requests) {
+        return MPI_Comm_idup(world, created.get(), &requests.emplace_back(MPI_REQUEST_NULL));
       },
       done);
   try {
@@ -340,18 +346,12 @@ void Engine::submit(int comm, std::uint64_t sequence, std::string what, MpiStart
     it->second.waiting[sequence] = PendingOp{std::move(what), std::move(start), std::move(done)};
     work_ = true;
   }
-  // Post from this thread when nobody else is in MPI: the collective starts
-  // without waiting for the engine thread to wake up.
-  // Only posted here, not tested: completion is observed by the engine
-  // thread or a waiting caller.
-  if (helping_ && progress_mutex_.try_lock()) {
-    if (!stopped_.load()) {
-      post_ready(active_);
-      active_count_.store(static_cast<int>(active_.size()));
-    }
-    progress_mutex_.unlock();
-  }
-  cv_.notify_all();
+  // Not posted here: posting copies the caller's own block into the output
+  // (a memcpy of the whole block), which belongs off the caller's thread.
+  // The engine thread posts it, or the caller itself once it waits.
+  // A polling engine thread sees the work itself; waking one is a system
+  // call and may cost this thread its core.
+  if (!hot_.load()) cv_.notify_all();
 }
 
 void Engine::skip(int comm, std::uint64_t sequence) {
@@ -374,6 +374,7 @@ void Engine::post_ready(std::vector<ActiveOp>& active) {
     double timeout;
     PendingOp op;
   };
+  if (!work_.load()) return;
   std::vector<ToPost> to_post;
   {
     std::lock_guard lock(mutex_);
@@ -404,7 +405,7 @@ void Engine::post_ready(std::vector<ActiveOp>& active) {
     op.deadline = item.timeout > 0 ? Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                                         std::chrono::duration<double>(item.timeout))
                                    : Clock::time_point::max();
-    int rc = item.op.start(item.mpi_comm, &op.request);
+    int rc = item.op.start(item.mpi_comm, op.requests);
     if (rc != MPI_SUCCESS) {
       std::string message = op.what + " failed" + where() + ": " + mpi_error_string(rc);
       op.done->fail(message);
@@ -439,7 +440,8 @@ bool Engine::poll(std::vector<ActiveOp>& active) {
   for (std::size_t i = 0; i < active.size();) {
     ActiveOp& op = active[i];
     int flag = 0;
-    int rc = MPI_Test(&op.request, &flag, MPI_STATUS_IGNORE);
+    int rc = MPI_Testall(static_cast<int>(op.requests.size()), op.requests.data(), &flag,
+                         MPI_STATUSES_IGNORE);
     std::string failure;
     if (rc != MPI_SUCCESS) {
       failure = op.what + " failed" + where() + ": " + mpi_error_string(rc);
@@ -580,29 +582,46 @@ void Engine::wait_helping(Completion& done) {
   // to other processes for a whole time slice. After a while (a long
   // transfer, or a peer that is late) yield now and then; when ranks
   // oversubscribe the cores, yield at every poll so the peers get to run.
+  // When the engine thread holds the progress lock (it is inside an MPI
+  // call, perhaps a long copy, and parks once that returns), yield: it
+  // may share this core, and spinning would only delay it.
   long polls = 0;
   while (!done.done()) {
-    if (progress_mutex_.try_lock()) {
+    bool progressing = progress_mutex_.try_lock();
+    if (progressing) {
       progress_locked();
       progress_mutex_.unlock();
     }
     if (done.done() || stopped_.load()) break;
     ++polls;
-    if (oversubscribed_ || (polls > 20000 && polls % 256 == 0)) {
+    if (!progressing || oversubscribed_ || (polls > 20000 && polls % 256 == 0)) {
       std::this_thread::yield();
     } else {
       cpu_relax();
     }
   }
-  // The engine thread notices within its back-off interval; not woken here.
-  waiters_.fetch_sub(1);
+  // The engine thread parks while a thread waits; wake it if work is left.
+  {
+    std::lock_guard lock(mutex_);
+    waiters_.fetch_sub(1);
+  }
+  if (active_count_.load() > 0 || work_.load()) cv_.notify_all();
   done.wait();  // blocks only if shutting down; rethrows a failure
 }
 
 void Engine::run() {
   thread_id_ = std::this_thread::get_id();
-  // Precise short sleeps while polling.
+  // Precise short sleeps while polling; a name for top/gdb.
   prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+  prctl(PR_SET_NAME, "ductile-mpi", 0, 0, 0);
+  // Being woken (work posted) must not preempt the thread that posted it:
+  // that thread is about to compute or block, and on a shared core an
+  // immediate switch would run the transfer before the computation
+  // instead of beside it. SCHED_BATCH keeps a fair share but no wake-up
+  // preemption; failure only costs overlap.
+  sched_param batch{};
+  batch.sched_priority = 0;
+  sched_setscheduler(0, SCHED_BATCH, &batch);
   bool ok = initialize();
   {
     std::lock_guard lock(mutex_);
@@ -615,44 +634,45 @@ void Engine::run() {
   cv_.notify_all();
   if (!ok) return;
 
-  int idle_polls = 0;
+  // While a collective is in flight and no thread waits for it, poll
+  // continuously: a transfer advances only inside MPI calls, and a caller
+  // that computes elsewhere (a GPU, another core) or blocks expects it to
+  // finish meanwhile. Between polls the thread yields, so that a thread
+  // woken on its core (the caller, a peer) gets to run at once. Only when
+  // nothing has completed for a while (a late peer) does it sleep between
+  // polls, so that it does not hold a core indefinitely.
+  using namespace std::chrono_literals;
+  Clock::time_point last_event = Clock::now();
+  hot_.store(true);
   for (;;) {
-    {
+    if (waiters_.load() > 0 || (active_count_.load() == 0 && !work_.load())) {
       std::unique_lock lock(mutex_);
-      if (!work_ && !stopping_ && active_count_.load() == 0) {
-        cv_.wait(lock, [&] { return work_ || stopping_ || active_count_.load() > 0; });
-        // New work: a thread about to wait for it usually drives it faster;
-        // give it a moment before competing for the progress lock (a
-        // preempted lock holder would stall that thread).
-        if (!stopping_)
-          cv_.wait_for(lock, std::chrono::microseconds(30), [&] { return stopping_; });
-      }
+      hot_.store(false);
+      cv_.wait(lock, [&] {
+        return stopping_ || (waiters_.load() == 0 && (work_.load() || active_count_.load() > 0));
+      });
+      hot_.store(true);
       if (stopping_) break;
-      if (waiters_.load() > 0) {
-        // A waiting thread drives progress; stay off the CPU meanwhile.
-        cv_.wait_for(lock, std::chrono::microseconds(200), [&] { return stopping_; });
-        continue;
-      }
+      last_event = Clock::now();
+    } else if (stop_requested_.load()) {
+      break;
     }
     bool progressed;
     {
       std::lock_guard progress(progress_mutex_);
       progressed = progress_locked();
     }
-    if (progressed || active_count_.load() == 0) {
-      idle_polls = 0;
-      continue;
-    }
-    // Spin briefly (latency of small messages), then poll at growing
-    // intervals so a computing caller keeps its core.
-    ++idle_polls;
-    if (idle_polls < 16) {
-      std::this_thread::yield();
-    } else {
-      int micros = std::min(2 << std::min((idle_polls - 16) / 8, 5), 50);
-      std::this_thread::sleep_for(std::chrono::microseconds(micros));
+    if (progressed) {
+      last_event = Clock::now();
+    } else if (active_count_.load() > 0) {
+      if (Clock::now() - last_event < 20ms) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(50us);
+      }
     }
   }
+  hot_.store(false);
 
   std::lock_guard progress(progress_mutex_);
   bool in_flight = !active_.empty();

@@ -26,14 +26,18 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "completion.hpp"
 #include "ductile/accelerator.hpp"
 
 namespace ductile::accel {
 
-// Posts one non-blocking MPI operation on `comm`; returns an MPI error code.
-using MpiStart = std::function<int(MPI_Comm comm, MPI_Request* request)>;
+// Posts the non-blocking MPI requests of one operation on `comm`,
+// appending them to `requests` (none is fine: the operation is then
+// complete once posted); returns an MPI error code. The operation completes
+// when all of its requests have.
+using MpiStart = std::function<int(MPI_Comm comm, std::vector<MPI_Request>& requests)>;
 
 class MpiEngine {
  public:
