@@ -177,8 +177,9 @@ std::shared_ptr<CollectiveHandle> MpiCommunicator::post(Stream& stream, const ch
                      std::to_string(sequence) + ")";
   if (!prepare && host_stream.idle_and_healthy()) {
     // Fast path: nothing on the stream precedes this collective, so its
-    // inputs are ready now; post it from the caller's thread and let the
-    // stream only wait for its completion (saves a thread hand-off).
+    // inputs are ready now; hand it to the engine at once (the engine
+    // thread or a waiting caller posts it) and let the stream only wait for
+    // its completion (saves a hand-off to the stream's worker).
     engine->submit(id_, sequence, what, std::move(start), posted);
     host_stream.enqueue_lazy(
         [posted, finish = std::move(finish), handle](bool) {

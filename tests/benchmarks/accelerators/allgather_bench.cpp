@@ -8,10 +8,12 @@
 // barrier and takes the slowest rank's time; the two variants alternate.
 // Table 2: G = gather alone, C = computation alone (calibrated to take G),
 // T = post the gather, compute, wait. Hidden = (G + C - T) / G. Two kinds of
-// computation: arithmetic on the host's cores ("cpu"), and the host waiting
-// for work elsewhere, as when a GPU computes ("idle": a timed sleep). With
-// two ranks on a two-core machine, the cpu kind leaves no core free for the
-// transfer (a memory copy done by the CPU), so there it cannot hide.
+// computation: the host waiting for work done elsewhere, as while a GPU
+// computes ("idle": the thread sleeps), and arithmetic on the host's own
+// core ("cpu"). Run with --bind-to core: each rank then owns one core, which
+// its helper threads share. With the cpu kind that core has no time left
+// for the transfer (a memory copy the CPU itself does), so there nothing
+// can hide; the column shows that limit.
 #include <mpi.h>
 
 #include <algorithm>
@@ -160,7 +162,7 @@ int main(int argc, char** argv) {
       MPI_Bcast(&units, 1, MPI_LONG, 0, MPI_COMM_WORLD);
       std::vector<double> g, c, both, idle, idle_both;
       auto sleep_for = std::chrono::duration<double>(gather_alone);
-      int iterations = std::max(10, iterations_for(total) / 2);
+      int iterations = std::max(31, iterations_for(total) / 2);
       for (int i = -1; i < iterations; ++i) {
         MPI_Barrier(MPI_COMM_WORLD);
         double t0 = now();
