@@ -78,7 +78,7 @@ struct PendingOp {
 struct ActiveOp {
   int comm;
   std::string what;
-  std::vector<MPI_Request> requests;
+  MpiPosting posting;
   std::shared_ptr<Completion> done;
   Clock::time_point deadline;
   std::function<void()> after;  // runs on the engine thread on success
@@ -299,8 +299,9 @@ int Engine::create_comm(double timeout_seconds) {
   auto done = std::make_shared<Completion>();
   submit(
       0, next_sequence(0), "creating a communicator (MPI_Comm_idup)",
-      [created](MPI_Comm world, std::vector<MPI_Request>& requests) {
-        return MPI_Comm_idup(world, created.get(), &requests.emplace_back(MPI_REQUEST_NULL));
+      [created](MPI_Comm world, MpiPosting& posting) {
+        return MPI_Comm_idup(world, created.get(),
+                             &posting.requests.emplace_back(MPI_REQUEST_NULL));
       },
       done);
   try {
@@ -346,9 +347,17 @@ void Engine::submit(int comm, std::uint64_t sequence, std::string what, MpiStart
     it->second.waiting[sequence] = PendingOp{std::move(what), std::move(start), std::move(done)};
     work_ = true;
   }
-  // Not posted here: posting copies the caller's own block into the output
-  // (a memcpy of the whole block), which belongs off the caller's thread.
-  // The engine thread posts it, or the caller itself once it waits.
+  // Post from this thread when nobody else is in MPI: the peers can start
+  // at once, without waiting for the engine thread to wake up. Only posted
+  // here: local work and completion are left to the engine thread or a
+  // waiting caller.
+  if (helping_ && progress_mutex_.try_lock()) {
+    if (!stopped_.load()) {
+      post_ready(active_);
+      active_count_.store(static_cast<int>(active_.size()));
+    }
+    progress_mutex_.unlock();
+  }
   // A polling engine thread sees the work itself; waking one is a system
   // call and may cost this thread its core.
   if (!hot_.load()) cv_.notify_all();
@@ -405,7 +414,7 @@ void Engine::post_ready(std::vector<ActiveOp>& active) {
     op.deadline = item.timeout > 0 ? Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                                         std::chrono::duration<double>(item.timeout))
                                    : Clock::time_point::max();
-    int rc = item.op.start(item.mpi_comm, op.requests);
+    int rc = item.op.start(item.mpi_comm, op.posting);
     if (rc != MPI_SUCCESS) {
       std::string message = op.what + " failed" + where() + ": " + mpi_error_string(rc);
       op.done->fail(message);
@@ -440,10 +449,21 @@ bool Engine::poll(std::vector<ActiveOp>& active) {
   for (std::size_t i = 0; i < active.size();) {
     ActiveOp& op = active[i];
     int flag = 0;
-    int rc = MPI_Testall(static_cast<int>(op.requests.size()), op.requests.data(), &flag,
-                         MPI_STATUSES_IGNORE);
     std::string failure;
-    if (rc != MPI_SUCCESS) {
+    if (op.posting.local_work) {
+      auto work = std::move(op.posting.local_work);
+      op.posting.local_work = nullptr;
+      try {
+        work();
+      } catch (const std::exception& e) {
+        failure = op.what + " failed" + where() + ": " + e.what();
+      }
+    }
+    int rc = MPI_Testall(static_cast<int>(op.posting.requests.size()), op.posting.requests.data(),
+                         &flag, MPI_STATUSES_IGNORE);
+    if (!failure.empty()) {
+      flag = 0;
+    } else if (rc != MPI_SUCCESS) {
       failure = op.what + " failed" + where() + ": " + mpi_error_string(rc);
     } else if (!flag && now >= op.deadline) {
       // Collectives cannot be cancelled: the request is abandoned and the

@@ -6,8 +6,9 @@
 // ductile's MPI calls are serialised by one lock. Besides the engine thread,
 // a thread blocked in wait_helping() posts and polls itself (as MPI_Wait
 // would), when MPI's thread level allows; the engine thread then parks.
-// Submitting never posts on the caller's thread: posting an all-gather
-// copies the caller's block, work that belongs beside its computation.
+// A submitting thread posts at once when no other thread is in MPI (the
+// peers can start transferring), leaving an operation's local work (the
+// copy of its own block) to the next progress round, off its thread.
 //
 // Scheduling: the engine thread runs as SCHED_BATCH, so being woken does
 // not preempt the thread that submitted (on a shared core that thread would
@@ -42,11 +43,19 @@
 
 namespace ductile::accel {
 
-// Posts the non-blocking MPI requests of one operation on `comm`,
-// appending them to `requests` (none is fine: the operation is then
-// complete once posted); returns an MPI error code. The operation completes
-// when all of its requests have.
-using MpiStart = std::function<int(MPI_Comm comm, std::vector<MPI_Request>& requests)>;
+// What posting one operation produced: its non-blocking MPI requests (none
+// is fine), and optionally host work that is part of the operation but need
+// not run on the posting thread (an all-gather's copy of the rank's own
+// block). The operation completes when the work has run and every request
+// has completed; the work runs in the next progress round, on the engine
+// thread or a thread waiting for completion.
+struct MpiPosting {
+  std::vector<MPI_Request> requests;
+  std::function<void()> local_work;
+};
+
+// Posts one operation on `comm` into `posting`; returns an MPI error code.
+using MpiStart = std::function<int(MPI_Comm comm, MpiPosting& posting)>;
 
 class MpiEngine {
  public:
