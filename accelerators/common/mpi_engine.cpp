@@ -360,7 +360,13 @@ void Engine::submit(int comm, std::uint64_t sequence, std::string what, MpiStart
   }
   // A polling engine thread sees the work itself; waking one is a system
   // call and may cost this thread its core.
-  if (!hot_.load()) cv_.notify_all();
+  if (!hot_.load()) {
+    // active_count_ changed outside mutex_: pass through it, so that the
+    // engine thread is either before its check (and sees the new state) or
+    // already waiting (and gets the notification).
+    { std::lock_guard lock(mutex_); }
+    cv_.notify_all();
+  }
 }
 
 void Engine::skip(int comm, std::uint64_t sequence) {
