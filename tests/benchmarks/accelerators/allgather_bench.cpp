@@ -162,7 +162,7 @@ int main(int argc, char** argv) {
       MPI_Bcast(&units, 1, MPI_LONG, 0, MPI_COMM_WORLD);
       std::vector<double> g, c, both, idle, idle_both;
       auto sleep_for = std::chrono::duration<double>(gather_alone);
-      int iterations = std::max(31, iterations_for(total) / 2);
+      int iterations = std::max(51, iterations_for(total) / 2);
       for (int i = -1; i < iterations; ++i) {
         MPI_Barrier(MPI_COMM_WORLD);
         double t0 = now();
