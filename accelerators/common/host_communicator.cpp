@@ -116,8 +116,10 @@ int post_exchange(const void* send, char* recv, int count, MPI_Datatype type, st
                   int rank, int size, MPI_Comm comm, MpiPosting& posting) {
   auto& requests = posting.requests;
   requests.reserve(2 * static_cast<std::size_t>(size - 1));
+  posting.receives.reserve(static_cast<std::size_t>(size - 1));
   for (int step = 1; step < size; ++step) {
     int from = (rank - step + size) % size;
+    posting.receives.push_back({requests.size(), from, count, type});
     int rc = MPI_Irecv(recv + static_cast<std::size_t>(from) * block, count, type, from,
                        kExchangeTag, comm, &requests.emplace_back(MPI_REQUEST_NULL));
     if (rc != MPI_SUCCESS) return rc;

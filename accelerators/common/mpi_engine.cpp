@@ -79,6 +79,7 @@ struct ActiveOp {
   int comm;
   std::string what;
   MpiPosting posting;
+  std::vector<MPI_Status> statuses;  // one per request
   std::shared_ptr<Completion> done;
   Clock::time_point deadline;
   std::function<void()> after;  // runs on the engine thread on success
@@ -125,6 +126,8 @@ class Engine final : public MpiEngine {
   bool progress_locked();
   void post_ready(std::vector<ActiveOp>& active);
   bool poll(std::vector<ActiveOp>& active);
+  static std::string request_error(int code, const std::vector<MPI_Status>& statuses);
+  std::string check_receives(const ActiveOp& op);
   void fail_everything(std::vector<ActiveOp>& active, const std::string& why);
   void finalize_owned(bool mpi_usable);
   void free_released_locked();
@@ -311,6 +314,12 @@ int Engine::create_comm(double timeout_seconds) {
     throw;
   }
   {
+    // Errors on ductile's communicators come back as codes (and become
+    // ductile::Error) instead of aborting the job.
+    std::lock_guard progress(progress_mutex_);
+    MPI_Comm_set_errhandler(*created, MPI_ERRORS_RETURN);
+  }
+  {
     std::lock_guard lock(mutex_);
     comms_.at(id).comm = *created;
   }
@@ -421,6 +430,7 @@ void Engine::post_ready(std::vector<ActiveOp>& active) {
                                                         std::chrono::duration<double>(item.timeout))
                                    : Clock::time_point::max();
     int rc = item.op.start(item.mpi_comm, op.posting);
+    op.statuses.resize(op.posting.requests.size());
     if (rc != MPI_SUCCESS) {
       std::string message = op.what + " failed" + where() + ": " + mpi_error_string(rc);
       op.done->fail(message);
@@ -466,12 +476,14 @@ bool Engine::poll(std::vector<ActiveOp>& active) {
       }
     }
     int rc = MPI_Testall(static_cast<int>(op.posting.requests.size()), op.posting.requests.data(),
-                         &flag, MPI_STATUSES_IGNORE);
+                         &flag, op.statuses.data());
     if (!failure.empty()) {
       flag = 0;
     } else if (rc != MPI_SUCCESS) {
-      failure = op.what + " failed" + where() + ": " + mpi_error_string(rc);
-    } else if (!flag && now >= op.deadline) {
+      failure = op.what + " failed" + where() + ": " + request_error(rc, op.statuses);
+    } else if (flag) {
+      failure = check_receives(op);
+    } else if (now >= op.deadline) {
       // Collectives cannot be cancelled: the request is abandoned and the
       // communicator marked broken.
       failure = op.what + " did not complete within the collective timeout" + where() +
@@ -497,6 +509,36 @@ bool Engine::poll(std::vector<ActiveOp>& active) {
     }
   }
   return progressed;
+}
+
+// The error of a completed request when MPI reports one in a status.
+std::string Engine::request_error(int code, const std::vector<MPI_Status>& statuses) {
+  if (code == MPI_ERR_IN_STATUS)
+    for (const MPI_Status& status : statuses)
+      if (status.MPI_ERROR != MPI_SUCCESS && status.MPI_ERROR != MPI_ERR_PENDING) {
+        std::string text = mpi_error_string(status.MPI_ERROR);
+        if (status.MPI_ERROR == MPI_ERR_TRUNCATE)
+          text += " (rank " + std::to_string(status.MPI_SOURCE) +
+                  " sent more than this rank expected: the ranks did not issue the same "
+                  "collectives with the same counts in the same order)";
+        return text;
+      }
+  return mpi_error_string(code);
+}
+
+// Empty, or why a receive of `op` got a message of the wrong size.
+std::string Engine::check_receives(const ActiveOp& op) {
+  for (const MpiPosting::Receive& receive : op.posting.receives) {
+    int got = 0;
+    MPI_Get_count(&op.statuses[receive.request], receive.type, &got);
+    if (got != receive.count)
+      return op.what + " failed" + where() + ": rank " + std::to_string(receive.source) +
+             " contributed " + std::to_string(got) + " elements where " +
+             std::to_string(receive.count) +
+             " were expected: the ranks did not issue the same collectives with the same counts "
+             "in the same order";
+  }
+  return {};
 }
 
 void Engine::fail_everything(std::vector<ActiveOp>& active, const std::string& why) {

@@ -52,6 +52,16 @@ namespace ductile::accel {
 struct MpiPosting {
   std::vector<MPI_Request> requests;
   std::function<void()> local_work;
+  // Point-to-point receives whose message must hold exactly `count`
+  // elements: a shorter one means the ranks issued different operations (a
+  // collective would not notice); the operation then fails saying so.
+  struct Receive {
+    std::size_t request;  // index into `requests`
+    int source;
+    int count;
+    MPI_Datatype type;
+  };
+  std::vector<Receive> receives;
 };
 
 // Posts one operation on `comm` into `posting`; returns an MPI error code.

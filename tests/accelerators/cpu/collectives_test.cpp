@@ -420,3 +420,37 @@ TEST_CASE("errors: bad arguments are refused before anything is posted") {
   // The communicator still works afterwards (nothing was posted).
   w.barrier(s)->wait();
 }
+
+TEST_CASE("errors: ranks that disagree on an all_gather's count get an error, never short data") {
+  Env& e = env();
+  if (e.world->size() < 2) {
+    MESSAGE("needs 2 or more ranks (a single rank has nobody to disagree with)");
+    return;
+  }
+  // The failure makes a communicator unusable: use one of its own.
+  ductile::Params params;
+  params.set("timeout", 30.0);
+  auto accel = e.runtime.create<ductile::Accelerator>("cpu", params);
+  auto world = accel->world();
+  int rank = world->rank(), size = world->size();
+  // Eager (small) and rendezvous (large) messages; every rank's count differs.
+  for (std::size_t base : {std::size_t{100}, std::size_t{300000}}) {
+    CAPTURE(base);
+    auto stream = accel->create_stream();
+    std::size_t count = base + static_cast<std::size_t>(rank);
+    std::vector<std::int32_t> send(count, rank), recv(count * static_cast<std::size_t>(size), -1);
+    try {
+      world->all_gather(send.data(), recv.data(), count, DataType::i32, *stream)->wait();
+      FAIL("the mismatched all_gather completed");
+    } catch (const ductile::Error& error) {
+      CHECK(error.kind() == ductile::ErrorKind::communication);
+      CHECK(std::string(error.what()).find("did not issue the same collectives") !=
+            std::string::npos);
+    }
+    // A new communicator for the second round (this one is broken now).
+    if (base == 100) {
+      accel = e.runtime.create<ductile::Accelerator>("cpu", params);
+      world = accel->world();
+    }
+  }
+}
