@@ -100,9 +100,6 @@ MpiStart one_request(Call call) {
   };
 }
 
-// Up to this many ranks an all-gather is posted as point-to-point messages;
-// beyond it, as MPI_Iallgather (whose algorithms scale in the rank count).
-constexpr int kExchangeMaxRanks = 32;
 constexpr int kExchangeTag = 1;  // the communicator is private to the engine
 
 // The all-gather as point-to-point messages: a receive from every peer into
@@ -154,8 +151,9 @@ std::size_t coalesced_bytes(std::span<const GatherItem> items, const char* call)
 
 // ---------------------------------------------------------------- MPI
 
-MpiCommunicator::MpiCommunicator(std::string backend, double timeout_seconds)
-    : backend_(std::move(backend)) {
+MpiCommunicator::MpiCommunicator(std::string backend, double timeout_seconds,
+                                 int exchange_max_ranks)
+    : backend_(std::move(backend)), exchange_max_ranks_(exchange_max_ranks) {
   MpiEngine& engine = MpiEngine::get();
   id_ = engine.create_comm(timeout_seconds);
   rank_ = engine.world_rank();
@@ -242,7 +240,7 @@ std::shared_ptr<CollectiveHandle> MpiCommunicator::all_gather(const void* send, 
   bool in_place = count > 0 && send == bytes_of(recv) + static_cast<std::size_t>(rank_) * block;
   MPI_Datatype datatype = MpiEngine::datatype(type);
   int rank = rank_, size = size_;
-  if (size <= kExchangeMaxRanks)
+  if (size <= exchange_max_ranks_)
     return post(
         stream, call, nullptr,
         [=](MPI_Comm comm, MpiPosting& posting) {
@@ -300,7 +298,7 @@ std::shared_ptr<CollectiveHandle> MpiCommunicator::all_gather_coalesced(
     buffers->send.reset();
     buffers->recv.reset();
   };
-  if (size <= kExchangeMaxRanks)
+  if (size <= exchange_max_ranks_)
     return post(
         stream, call, prepare,
         [buffers, total, rank, size](MPI_Comm comm, MpiPosting& posting) {

@@ -31,9 +31,14 @@ CommMode choose_comm_mode(std::string_view setting, std::string_view key);
 
 class MpiCommunicator final : public Communicator {
  public:
+  // Up to this many ranks an all-gather is a point-to-point exchange;
+  // beyond it, MPI_Iallgather (whose algorithms scale in the rank count).
+  static constexpr int kDefaultExchangeMaxRanks = 32;
+
   // Collective over all ranks. `timeout_seconds` bounds each collective
   // (0: no bound).
-  MpiCommunicator(std::string backend, double timeout_seconds);
+  MpiCommunicator(std::string backend, double timeout_seconds,
+                  int exchange_max_ranks = kDefaultExchangeMaxRanks);
   ~MpiCommunicator() override;
 
   int rank() const override { return rank_; }
@@ -62,6 +67,7 @@ class MpiCommunicator final : public Communicator {
   std::string backend_;
   int id_ = -1;
   int rank_ = 0, size_ = 1;
+  int exchange_max_ranks_;
 };
 
 class LocalCommunicator final : public Communicator {

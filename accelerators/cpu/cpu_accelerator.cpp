@@ -4,6 +4,8 @@
 // the process).
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -29,6 +31,9 @@ constexpr ParamSpec kSchema[] = {
      "Seconds a collective (and MPI_Finalize at exit) may take before it fails with a "
      "communication error, so that a dead peer ends the job instead of hanging it; 0 waits "
      "forever"},
+    {"exchange_max_ranks", ParamType::integer, param_has_min, "32", 0, 0, nullptr,
+     "Up to this many ranks all_gather is a point-to-point exchange (as fast as the blocking "
+     "MPI_Allgather); with more, MPI_Iallgather; 0 always uses MPI_Iallgather"},
 };
 
 constexpr std::size_t kAlignment = 64;
@@ -70,7 +75,9 @@ class CpuAccelerator final : public Accelerator {
       : logger_(context.logger()),
         mode_(choose_comm_mode(context.params().get_string("communicator"),
                                "[accelerator] communicator")),
-        timeout_(context.params().get_double("timeout")) {
+        timeout_(context.params().get_double("timeout")),
+        exchange_max_ranks_(static_cast<int>(
+            std::min<std::int64_t>(context.params().get_int("exchange_max_ranks"), 1 << 30))) {
     // Streams and communicators own threads running this library's code and
     // may outlive the host's handle on it: keep the library loaded.
     pin_library_of(reinterpret_cast<const void*>(&read_cpu_model));
@@ -143,7 +150,7 @@ class CpuAccelerator final : public Accelerator {
     std::lock_guard lock(mutex_);
     if (!world_) {
       if (mode_ == CommMode::mpi) {
-        auto mpi = std::make_shared<MpiCommunicator>("cpu", timeout_);
+        auto mpi = std::make_shared<MpiCommunicator>("cpu", timeout_, exchange_max_ranks_);
         LaunchInfo launch = detect_launch();
         if (launch.from_launcher() && launch.size != mpi->size())
           throw Error(ErrorKind::communication,
@@ -179,6 +186,7 @@ class CpuAccelerator final : public Accelerator {
   std::shared_ptr<spdlog::logger> logger_;
   CommMode mode_;
   double timeout_;
+  int exchange_max_ranks_;
   std::mutex mutex_;
   std::shared_ptr<Communicator> world_;
   std::shared_ptr<Bootstrap> bootstrap_;

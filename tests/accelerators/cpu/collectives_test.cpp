@@ -175,6 +175,39 @@ TEST_CASE("all_gather_coalesced: several tensors of different types and sizes, o
   e.world->all_gather_coalesced({}, *e.stream)->wait();
 }
 
+TEST_CASE("all_gather: MPI_Iallgather path (exchange_max_ranks = 0), plain, in place, coalesced") {
+  Env& e = env();
+  ductile::Params params;
+  params.set("exchange_max_ranks", std::int64_t{0});
+  auto accel = e.runtime.create<ductile::Accelerator>("cpu", params);
+  auto world = accel->world();
+  auto stream = accel->create_stream();
+  int size = world->size(), rank = world->rank();
+  for (std::size_t count : {std::size_t{0}, std::size_t{7}, std::size_t{300001}}) {
+    CAPTURE(count);
+    std::size_t block = count * 4;
+    Buffer send(*accel, block), recv(*accel, block * size);
+    fill_pattern(send.as(), block, rank, 11);
+    std::memset(recv.as(), 0xEE, recv.bytes());
+    world->all_gather(send.as(), recv.as(), count, DataType::f32, *stream)->wait();
+    for (int r = 0; r < size; ++r) CHECK(first_mismatch(recv.as() + r * block, block, r, 11) == -1);
+    std::memset(recv.as(), 0, recv.bytes());
+    fill_pattern(recv.as() + rank * block, block, rank, 12);
+    world->all_gather(recv.as() + rank * block, recv.as(), count, DataType::f32, *stream)->wait();
+    for (int r = 0; r < size; ++r) CHECK(first_mismatch(recv.as() + r * block, block, r, 12) == -1);
+  }
+  Buffer a(*accel, 12), b(*accel, 4099), ra(*accel, 12 * size), rb(*accel, 4099 * size);
+  fill_pattern(a.as(), 12, rank, 13);
+  fill_pattern(b.as(), 4099, rank, 14);
+  ductile::GatherItem items[] = {{a.as(), ra.as(), 3, DataType::i32},
+                                 {b.as(), rb.as(), 4099, DataType::u8}};
+  world->all_gather_coalesced(items, *stream)->wait();
+  for (int r = 0; r < size; ++r) {
+    CHECK(first_mismatch(ra.as() + r * 12, 12, r, 13) == -1);
+    CHECK(first_mismatch(rb.as() + r * 4099, 4099, r, 14) == -1);
+  }
+}
+
 TEST_CASE("reduce_scatter: every op and type, exact") {
   Env& e = env();
   int size = e.world->size(), rank = e.world->rank();
