@@ -127,7 +127,8 @@ class Engine final : public MpiEngine {
   void post_ready(std::vector<ActiveOp>& active);
   bool poll(std::vector<ActiveOp>& active);
   static std::string request_error(int code, const std::vector<MPI_Status>& statuses);
-  std::string check_receives(const ActiveOp& op);
+  std::string match_receives(ActiveOp& op, std::vector<std::pair<MPI_Comm, int>>& blocked);
+  std::vector<std::pair<MPI_Comm, int>> probing;  // sources with an unmatched receive (poll)
   void fail_everything(std::vector<ActiveOp>& active, const std::string& why);
   void finalize_owned(bool mpi_usable);
   void free_released_locked();
@@ -462,6 +463,7 @@ void Engine::free_released_locked() {
 bool Engine::poll(std::vector<ActiveOp>& active) {
   bool progressed = false;
   auto now = Clock::now();
+  probing.clear();
   for (std::size_t i = 0; i < active.size();) {
     ActiveOp& op = active[i];
     int flag = 0;
@@ -475,15 +477,21 @@ bool Engine::poll(std::vector<ActiveOp>& active) {
         failure = op.what + " failed" + where() + ": " + e.what();
       }
     }
+    bool all_matched = true;
+    if (failure.empty() && !op.posting.receives.empty()) {
+      failure = match_receives(op, probing);
+      all_matched =
+          failure.empty() && std::all_of(op.posting.receives.begin(), op.posting.receives.end(),
+                                         [](const auto& r) { return r.matched; });
+    }
     int rc = MPI_Testall(static_cast<int>(op.posting.requests.size()), op.posting.requests.data(),
                          &flag, op.statuses.data());
+    if (!all_matched) flag = 0;
     if (!failure.empty()) {
       flag = 0;
     } else if (rc != MPI_SUCCESS) {
       failure = op.what + " failed" + where() + ": " + request_error(rc, op.statuses);
-    } else if (flag) {
-      failure = check_receives(op);
-    } else if (now >= op.deadline) {
+    } else if (!flag && now >= op.deadline) {
       // Collectives cannot be cancelled: the request is abandoned and the
       // communicator marked broken.
       failure = op.what + " did not complete within the collective timeout" + where() +
@@ -526,17 +534,40 @@ std::string Engine::request_error(int code, const std::vector<MPI_Status>& statu
   return mpi_error_string(code);
 }
 
-// Empty, or why a receive of `op` got a message of the wrong size.
-std::string Engine::check_receives(const ActiveOp& op) {
-  for (const MpiPosting::Receive& receive : op.posting.receives) {
+// Posts the receives of `op` whose messages have arrived, after checking
+// their sizes; empty, or why one does not fit. A source that an earlier
+// operation still waits for (in `blocked`) is not probed: its next message
+// belongs to that operation.
+std::string Engine::match_receives(ActiveOp& op, std::vector<std::pair<MPI_Comm, int>>& blocked) {
+  MpiPosting& posting = op.posting;
+  for (MpiPosting::Receive& receive : posting.receives) {
+    if (receive.matched) continue;
+    std::pair<MPI_Comm, int> key{posting.comm, receive.source};
+    if (std::find(blocked.begin(), blocked.end(), key) != blocked.end()) continue;
+    int found = 0;
+    MPI_Message message = MPI_MESSAGE_NULL;
+    MPI_Status status{};
+    int rc = MPI_Improbe(receive.source, posting.tag, posting.comm, &found, &message, &status);
+    if (rc != MPI_SUCCESS) return op.what + " failed" + where() + ": " + mpi_error_string(rc);
+    if (!found) {
+      blocked.push_back(key);
+      continue;
+    }
     int got = 0;
-    MPI_Get_count(&op.statuses[receive.request], receive.type, &got);
+    MPI_Get_count(&status, receive.type, &got);
     if (got != receive.count)
       return op.what + " failed" + where() + ": rank " + std::to_string(receive.source) +
-             " contributed " + std::to_string(got) + " elements where " +
-             std::to_string(receive.count) +
+             " contributed " +
+             (got == MPI_UNDEFINED ? std::string("a message of another size")
+                                   : std::to_string(got) + " elements") +
+             " where " + std::to_string(receive.count) +
              " were expected: the ranks did not issue the same collectives with the same counts "
              "in the same order";
+    rc = MPI_Imrecv(receive.buffer, receive.count, receive.type, &message,
+                    &posting.requests.emplace_back(MPI_REQUEST_NULL));
+    op.statuses.resize(posting.requests.size());
+    if (rc != MPI_SUCCESS) return op.what + " failed" + where() + ": " + mpi_error_string(rc);
+    receive.matched = true;
   }
   return {};
 }

@@ -52,16 +52,22 @@ namespace ductile::accel {
 struct MpiPosting {
   std::vector<MPI_Request> requests;
   std::function<void()> local_work;
-  // Point-to-point receives whose message must hold exactly `count`
-  // elements: a shorter one means the ranks issued different operations (a
-  // collective would not notice); the operation then fails saying so.
+  // Point-to-point receives posted only once their message has arrived and
+  // holds exactly `count` elements (matched probe, then MPI_Imrecv). Ranks
+  // that issued different operations then fail cleanly: a pre-posted receive
+  // would silently take a shorter message, and Open MPI 4.1's shared-memory
+  // single-copy path writes a longer one past the end of the buffer. The
+  // engine probes receives from the same source in posting order.
   struct Receive {
-    std::size_t request;  // index into `requests`
+    void* buffer;
     int source;
     int count;
     MPI_Datatype type;
+    bool matched = false;
   };
   std::vector<Receive> receives;
+  MPI_Comm comm = MPI_COMM_NULL;
+  int tag = 0;
 };
 
 // Posts one operation on `comm` into `posting`; returns an MPI error code.
