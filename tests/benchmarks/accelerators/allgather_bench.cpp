@@ -6,14 +6,14 @@
 // Table 1: size is the gathered (output) size, as in nccl-tests; bus
 // bandwidth = size / time * (n - 1) / n. Each iteration starts after a
 // barrier and takes the slowest rank's time; the two variants alternate.
-// Table 2: G = gather alone, C = computation alone (calibrated to take G),
-// T = post the gather, compute, wait. Hidden = (G + C - T) / G. Two kinds of
-// computation: the host waiting for work done elsewhere, as while a GPU
-// computes ("idle": the thread sleeps), and arithmetic on the host's own
-// core ("cpu"). Run with --bind-to core: each rank then owns one core, which
-// its helper threads share. With the cpu kind that core has no time left
-// for the transfer (a memory copy the CPU itself does), so there nothing
-// can hide; the column shows that limit.
+// Table 2: per iteration, G = the gather alone, C = computation alone for
+// G, T = post the gather, compute for G, wait. Hidden = the median over
+// iterations of (G + C - T) / G; the table also shows the medians of G, C
+// and T. Two kinds of computation, in separate loops: the host waiting for work done elsewhere, as
+// while a GPU computes ("idle": the thread sleeps), and arithmetic on the host's own core ("cpu").
+// Run with --bind-to core: each rank then owns one core, which its helper threads share. With the
+// cpu kind that core has no time left for the transfer (a memory copy the CPU itself does), so
+// there nothing can hide; the column shows that limit.
 #include <mpi.h>
 
 #include <algorithm>
@@ -140,73 +140,74 @@ int main(int argc, char** argv) {
     if (rank == 0)
       std::printf(
           "\noverlap: gather posted, then computation for as long as the gather takes\n"
-          "%10s %10s | %10s %10s %9s | %10s %10s %9s\n",
-          "size", "gather us", "cpu us", "both us", "hidden", "idle us", "both us", "hidden");
+          "%10s | %10s %10s %10s %9s | %10s %10s %10s %9s\n",
+          "size", "gather us", "idle us", "both us", "hidden", "gather us", "cpu us", "both us",
+          "hidden");
     for (std::size_t total : {std::size_t{1} << 20, std::size_t{4} << 20, std::size_t{16} << 20,
                               std::size_t{64} << 20}) {
       std::size_t per_rank = total / static_cast<std::size_t>(size);
       std::vector<char> send(per_rank, static_cast<char>(rank + 1)), recv(per_rank * size);
-      // The gather alone, measured here (right before the overlap runs).
-      std::vector<double> alone;
-      for (int i = -1; i < 10; ++i) {
+      auto gather = [&] {
         MPI_Barrier(MPI_COMM_WORLD);
         double t0 = now();
         world->all_gather(send.data(), recv.data(), per_rank, ductile::DataType::u8, *stream)
             ->wait();
-        double t = slowest(now() - t0);
-        if (i >= 0) alone.push_back(t);
-      }
-      double gather_alone = median(alone);
-      // Same work on every rank: rank 0's calibration is broadcast.
-      long units = calibrate_units(gather_alone);
-      MPI_Bcast(&units, 1, MPI_LONG, 0, MPI_COMM_WORLD);
-      std::vector<double> g, c, both, idle, idle_both;
-      auto sleep_for = std::chrono::duration<double>(gather_alone);
+        return slowest(now() - t0);
+      };
+      // Each iteration measures the gather alone (G), then computes for
+      // that long alone (C) and with the gather posted (T): the computation
+      // always lasts as long as the gather takes at that moment (gathers
+      // right after a sleep or after arithmetic on both cores are slower
+      // than back-to-back ones). Hidden = median over iterations of
+      // (G + C - T) / G; the table shows the medians of G, C and T.
       int iterations = std::max(51, iterations_for(total) / 2);
-      for (int i = -1; i < iterations; ++i) {
-        MPI_Barrier(MPI_COMM_WORLD);
-        double t0 = now();
-        world->all_gather(send.data(), recv.data(), per_rank, ductile::DataType::u8, *stream)
-            ->wait();
-        double tg = slowest(now() - t0);
-        MPI_Barrier(MPI_COMM_WORLD);
-        t0 = now();
-        compute(units);
-        double tc = slowest(now() - t0);
-        MPI_Barrier(MPI_COMM_WORLD);
-        t0 = now();
-        auto handle =
-            world->all_gather(send.data(), recv.data(), per_rank, ductile::DataType::u8, *stream);
-        compute(units);
-        handle->wait();
-        double tb = slowest(now() - t0);
-        MPI_Barrier(MPI_COMM_WORLD);
-        t0 = now();
-        std::this_thread::sleep_for(sleep_for);
-        double ti = slowest(now() - t0);
-        MPI_Barrier(MPI_COMM_WORLD);
-        t0 = now();
-        handle =
-            world->all_gather(send.data(), recv.data(), per_rank, ductile::DataType::u8, *stream);
-        std::this_thread::sleep_for(sleep_for);
-        handle->wait();
-        double tib = slowest(now() - t0);
-        if (i >= 0) {
-          g.push_back(tg);
-          c.push_back(tc);
-          both.push_back(tb);
-          idle.push_back(ti);
-          idle_both.push_back(tib);
+      auto run = [&](auto&& work_for, double& mg, double& mw, double& mb) {
+        std::vector<double> g, w, b, hidden;
+        for (int i = -1; i < iterations; ++i) {
+          double tg = gather();
+          MPI_Barrier(MPI_COMM_WORLD);
+          double t0 = now();
+          work_for(tg);
+          double tw = slowest(now() - t0);
+          MPI_Barrier(MPI_COMM_WORLD);
+          t0 = now();
+          auto handle =
+              world->all_gather(send.data(), recv.data(), per_rank, ductile::DataType::u8, *stream);
+          work_for(tg);
+          handle->wait();
+          double tb = slowest(now() - t0);
+          if (i >= 0) {
+            g.push_back(tg);
+            w.push_back(tw);
+            b.push_back(tb);
+            hidden.push_back((tg + tw - tb) / tg);
+          }
         }
-      }
-      double mg = median(g), mc = median(c), mb = median(both);
-      double mi = median(idle), mib = median(idle_both);
-      double hidden = std::clamp((mg + mc - mb) / mg, 0.0, 1.0);
-      double hidden_idle = std::clamp((mg + mi - mib) / mg, 0.0, 1.0);
+        mg = median(g);
+        mw = median(w);
+        mb = median(b);
+        return std::clamp(median(hidden), 0.0, 1.0);
+      };
+      double gi, mi, mib;
+      double hidden_idle = run(
+          [](double seconds) {
+            std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+          },
+          gi, mi, mib);
+      // Same work on every rank: rank 0's calibration (units per second) is
+      // broadcast, and every rank scales it by the same (slowest-rank) G.
+      double units_per_second = static_cast<double>(calibrate_units(1.0));
+      MPI_Bcast(&units_per_second, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+      double gc, mc, mb;
+      double hidden_cpu = run(
+          [&](double seconds) {
+            compute(std::max(1L, static_cast<long>(units_per_second * seconds)));
+          },
+          gc, mc, mb);
       if (rank == 0)
-        std::printf("%10zu %10.1f | %10.1f %10.1f %8.1f%% | %10.1f %10.1f %8.1f%%\n", total,
-                    mg * 1e6, mc * 1e6, mb * 1e6, 100 * hidden, mi * 1e6, mib * 1e6,
-                    100 * hidden_idle);
+        std::printf("%10zu | %10.1f %10.1f %10.1f %8.1f%% | %10.1f %10.1f %10.1f %8.1f%%\n", total,
+                    gi * 1e6, mi * 1e6, mib * 1e6, 100 * hidden_idle, gc * 1e6, mc * 1e6, mb * 1e6,
+                    100 * hidden_cpu);
     }
   }
   MPI_Finalize();
