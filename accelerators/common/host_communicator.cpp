@@ -134,6 +134,17 @@ int post_exchange(const void* send, char* recv, int count, MPI_Datatype type, st
   return MPI_SUCCESS;
 }
 
+// Posts an all-gather (`send` null: in place): the point-to-point exchange
+// up to `exchange_max_ranks` ranks, else MPI_Iallgather.
+int start_all_gather(const void* send, char* recv, int count, MPI_Datatype type, std::size_t block,
+                     int rank, int size, int exchange_max_ranks, MPI_Comm comm,
+                     MpiPosting& posting) {
+  if (size <= exchange_max_ranks)
+    return post_exchange(send, recv, count, type, block, rank, size, comm, posting);
+  return MPI_Iallgather(send != nullptr ? send : MPI_IN_PLACE, count, type, recv, count, type, comm,
+                        &posting.requests.emplace_back(MPI_REQUEST_NULL));
+}
+
 std::size_t coalesced_bytes(std::span<const GatherItem> items, const char* call) {
   std::size_t total = 0;
   for (std::size_t i = 0; i < items.size(); ++i) {
@@ -239,20 +250,14 @@ std::shared_ptr<CollectiveHandle> MpiCommunicator::all_gather(const void* send, 
   // Rank r's input already in place in the output: MPI_IN_PLACE.
   bool in_place = count > 0 && send == bytes_of(recv) + static_cast<std::size_t>(rank_) * block;
   MPI_Datatype datatype = MpiEngine::datatype(type);
-  int rank = rank_, size = size_;
-  if (size <= exchange_max_ranks_)
-    return post(
-        stream, call, nullptr,
-        [=](MPI_Comm comm, MpiPosting& posting) {
-          return post_exchange(in_place ? nullptr : send, static_cast<char*>(recv), as_int(count),
-                               datatype, block, rank, size, comm, posting);
-        },
-        nullptr);
-  return post(stream, call, nullptr, one_request([=](MPI_Comm comm, MPI_Request* request) {
-                return MPI_Iallgather(in_place ? MPI_IN_PLACE : send, as_int(count), datatype, recv,
-                                      as_int(count), datatype, comm, request);
-              }),
-              nullptr);
+  return post(
+      stream, call, nullptr,
+      [=, rank = rank_, size = size_, max_ranks = exchange_max_ranks_](MPI_Comm comm,
+                                                                       MpiPosting& posting) {
+        return start_all_gather(in_place ? nullptr : send, static_cast<char*>(recv), as_int(count),
+                                datatype, block, rank, size, max_ranks, comm, posting);
+      },
+      nullptr);
 }
 
 std::shared_ptr<CollectiveHandle> MpiCommunicator::all_gather_coalesced(
@@ -271,7 +276,6 @@ std::shared_ptr<CollectiveHandle> MpiCommunicator::all_gather_coalesced(
   auto buffers = std::make_shared<Buffers>();
   buffers->items.assign(items.begin(), items.end());
   int size = size_;
-  int rank = rank_;
   auto prepare = [buffers, total, size]() {
     buffers->send = std::make_unique_for_overwrite<char[]>(total + 1);
     buffers->recv =
@@ -283,8 +287,7 @@ std::shared_ptr<CollectiveHandle> MpiCommunicator::all_gather_coalesced(
       offset += bytes;
     }
   };
-  auto finish = [buffers, total, size, rank]() {
-    (void)rank;
+  auto finish = [buffers, total, size]() {
     for (int r = 0; r < size; ++r) {
       std::size_t offset = static_cast<std::size_t>(r) * total;
       for (const GatherItem& item : buffers->items) {
@@ -298,20 +301,14 @@ std::shared_ptr<CollectiveHandle> MpiCommunicator::all_gather_coalesced(
     buffers->send.reset();
     buffers->recv.reset();
   };
-  if (size <= exchange_max_ranks_)
-    return post(
-        stream, call, prepare,
-        [buffers, total, rank, size](MPI_Comm comm, MpiPosting& posting) {
-          return post_exchange(buffers->send.get(), buffers->recv.get(), as_int(total), MPI_BYTE,
-                               total, rank, size, comm, posting);
-        },
-        finish);
-  return post(stream, call, prepare,
-              one_request([buffers, total](MPI_Comm comm, MPI_Request* request) {
-                return MPI_Iallgather(buffers->send.get(), as_int(total), MPI_BYTE,
-                                      buffers->recv.get(), as_int(total), MPI_BYTE, comm, request);
-              }),
-              finish);
+  return post(
+      stream, call, prepare,
+      [buffers, total, rank = rank_, size, max_ranks = exchange_max_ranks_](MPI_Comm comm,
+                                                                            MpiPosting& posting) {
+        return start_all_gather(buffers->send.get(), buffers->recv.get(), as_int(total), MPI_BYTE,
+                                total, rank, size, max_ranks, comm, posting);
+      },
+      finish);
 }
 
 std::shared_ptr<CollectiveHandle> MpiCommunicator::reduce_scatter(const void* send, void* recv,

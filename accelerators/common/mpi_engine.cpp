@@ -127,8 +127,10 @@ class Engine final : public MpiEngine {
   void post_ready(std::vector<ActiveOp>& active);
   bool poll(std::vector<ActiveOp>& active);
   static std::string request_error(int code, const std::vector<MPI_Status>& statuses);
-  std::string match_receives(ActiveOp& op, std::vector<std::pair<MPI_Comm, int>>& blocked);
-  std::vector<std::pair<MPI_Comm, int>> probing;  // sources with an unmatched receive (poll)
+  std::string match_receives(ActiveOp& op, bool& all_matched);
+  // Sources (per communicator) that an earlier operation in this poll()
+  // still waits for: their next message belongs to that operation.
+  std::vector<std::pair<MPI_Comm, int>> blocked_sources_;
   void fail_everything(std::vector<ActiveOp>& active, const std::string& why);
   void finalize_owned(bool mpi_usable);
   void free_released_locked();
@@ -463,7 +465,7 @@ void Engine::free_released_locked() {
 bool Engine::poll(std::vector<ActiveOp>& active) {
   bool progressed = false;
   auto now = Clock::now();
-  probing.clear();
+  blocked_sources_.clear();
   for (std::size_t i = 0; i < active.size();) {
     ActiveOp& op = active[i];
     int flag = 0;
@@ -478,12 +480,7 @@ bool Engine::poll(std::vector<ActiveOp>& active) {
       }
     }
     bool all_matched = true;
-    if (failure.empty() && !op.posting.receives.empty()) {
-      failure = match_receives(op, probing);
-      all_matched =
-          failure.empty() && std::all_of(op.posting.receives.begin(), op.posting.receives.end(),
-                                         [](const auto& r) { return r.matched; });
-    }
+    if (failure.empty() && !op.posting.receives.empty()) failure = match_receives(op, all_matched);
     int rc = MPI_Testall(static_cast<int>(op.posting.requests.size()), op.posting.requests.data(),
                          &flag, op.statuses.data());
     if (!all_matched) flag = 0;
@@ -535,22 +532,24 @@ std::string Engine::request_error(int code, const std::vector<MPI_Status>& statu
 }
 
 // Posts the receives of `op` whose messages have arrived, after checking
-// their sizes; empty, or why one does not fit. A source that an earlier
-// operation still waits for (in `blocked`) is not probed: its next message
-// belongs to that operation.
-std::string Engine::match_receives(ActiveOp& op, std::vector<std::pair<MPI_Comm, int>>& blocked) {
+// their sizes; empty, or why one does not fit. `all_matched` tells whether
+// every receive of `op` is posted now. A source in blocked_sources_ is not
+// probed (an earlier operation waits for its next message); a source probed
+// in vain joins it.
+std::string Engine::match_receives(ActiveOp& op, bool& all_matched) {
   MpiPosting& posting = op.posting;
   for (MpiPosting::Receive& receive : posting.receives) {
     if (receive.matched) continue;
     std::pair<MPI_Comm, int> key{posting.comm, receive.source};
-    if (std::find(blocked.begin(), blocked.end(), key) != blocked.end()) continue;
+    if (std::find(blocked_sources_.begin(), blocked_sources_.end(), key) != blocked_sources_.end())
+      continue;
     int found = 0;
     MPI_Message message = MPI_MESSAGE_NULL;
     MPI_Status status{};
     int rc = MPI_Improbe(receive.source, posting.tag, posting.comm, &found, &message, &status);
     if (rc != MPI_SUCCESS) return op.what + " failed" + where() + ": " + mpi_error_string(rc);
     if (!found) {
-      blocked.push_back(key);
+      blocked_sources_.push_back(key);
       continue;
     }
     int got = 0;
@@ -569,6 +568,8 @@ std::string Engine::match_receives(ActiveOp& op, std::vector<std::pair<MPI_Comm,
     if (rc != MPI_SUCCESS) return op.what + " failed" + where() + ": " + mpi_error_string(rc);
     receive.matched = true;
   }
+  all_matched = std::all_of(posting.receives.begin(), posting.receives.end(),
+                            [](const MpiPosting::Receive& r) { return r.matched; });
   return {};
 }
 
