@@ -89,55 +89,58 @@ def worker(kind, steps, out, port):
     windows = Windows(batch=BATCH, context=MODEL["context"])
     numel = sum(p.numel() for p in model.parameters())
     times, waits, grad_waits = [], [], []
-    cpu = {}
     if kind == "ddp":
         import torch.distributed as dist
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world)
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-3)
-        for s in range(WARMUP + steps):
-            if s == WARMUP:
-                cpu["start"] = thread_cpu_seconds()
-            x, y = windows.step(s, rank, world)
-            t0 = time.perf_counter()
-            loss = loss_of(ddp(x), y)
-            loss.backward()
+
+        def train_step(x, y):
+            loss_of(ddp(x), y).backward()
             optimizer.step()
             optimizer.zero_grad()
-            times.append(time.perf_counter() - t0)
-        parameter_bytes = numel * 4
-        optimizer_bytes = sum(t.numel() * t.element_size() for st in optimizer.state.values()
-                              for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
-        dist.destroy_process_group()
+
+        def after_step():
+            pass
     else:
         import ductile.torch.zero3 as zero3
         prefetch = 0 if kind == "zero3_noprefetch" else 100000
         engine = zero3.initialize(model, lambda ps: torch.optim.Adam(ps, lr=1e-3),
                                   ZERO_CONFIG.format(prefetch=prefetch))
-        before = engine.stats()
-        for s in range(WARMUP + steps):
-            if s == WARMUP:
-                cpu["start"] = thread_cpu_seconds()
-            x, y = windows.step(s, rank, world)
-            t0 = time.perf_counter()
-            loss = loss_of(engine(x), y)
-            engine.backward(loss)
+        optimizer = engine.optimizer
+        before = [engine.stats()]
+
+        def train_step(x, y):
+            engine.backward(loss_of(engine(x), y))
             engine.step()
-            times.append(time.perf_counter() - t0)
+
+        def after_step():
             after = engine.stats()
-            waits.append((after["fetch_wait_ns"] - before["fetch_wait_ns"]) / 1e9)
-            grad_waits.append((after["grad_wait_ns"] - before["grad_wait_ns"]) / 1e9)
-            before = after
+            waits.append((after["fetch_wait_ns"] - before[0]["fetch_wait_ns"]) / 1e9)
+            grad_waits.append((after["grad_wait_ns"] - before[0]["grad_wait_ns"]) / 1e9)
+            before[0] = after
+
+    for s in range(WARMUP + steps):
+        if s == WARMUP:
+            cpu_start = thread_cpu_seconds()
+        x, y = windows.step(s, rank, world)
+        t0 = time.perf_counter()
+        train_step(x, y)
+        times.append(time.perf_counter() - t0)
+        after_step()
+    optimizer_bytes = sum(t.numel() * t.element_size() for st in optimizer.state.values()
+                          for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
+    if kind == "ddp":
+        parameter_bytes = numel * 4
+        dist.destroy_process_group()
+    else:
         stats = engine.stats()
         parameter_bytes = stats["shard_bytes"] + 4 * (stats["peak_live_numel"] +
                                                       stats["persistent_numel"])
-        optimizer_bytes = sum(t.numel() * t.element_size()
-                              for st in engine.optimizer.state.values()
-                              for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
     end = thread_cpu_seconds()
-    cpu_main = (end[0] - cpu["start"][0]) / steps
-    cpu_others = (end[1] - cpu["start"][1]) / steps
+    cpu_main = (end[0] - cpu_start[0]) / steps
+    cpu_others = (end[1] - cpu_start[1]) / steps
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"times": times[WARMUP:], "waits": waits[WARMUP:],

@@ -1,43 +1,35 @@
 """The autograd pieces of the engine's module hooks, on the API torch 1.13
 and 2.x share (no backward pre-hooks, which came in 2.0):
 
-- ``_PreBackward`` wraps a module's outputs after its forward: its backward
-  runs before the module's own backward nodes, and fetches the module.
-- ``_PostBackward`` wraps a module's inputs before its forward: its backward
-  runs once gradients have reached the inputs, after the module's own
-  backward nodes (they were created later, so autograd runs them first),
-  and releases the module.
-- ``map_tensors`` applies one of them to every tensor that requires grad in
-  a (nested) tuple, list or dict, keeping the structure.
+- ``wrap_outputs`` passes a module's outputs through an identity autograd
+  node after its forward: the node's backward runs before the module's own
+  backward nodes, and fetches the module.
+- ``wrap_inputs`` does the same to a module's inputs before its forward: the
+  node's backward runs once gradients have reached the inputs, after the
+  module's own backward nodes (they were created later, so autograd runs
+  them first), and releases the module.
+Both find the tensors that require grad in a (nested) tuple, list or dict
+and keep the structure.
 """
+
+import functools
 
 import torch
 
 
-class _PreBackward(torch.autograd.Function):
+class _Boundary(torch.autograd.Function):
+    """Identity in forward; its backward runs `action` (a module's fetch or
+    release) once, when the gradients of all the tensors it wrapped are in."""
+
     @staticmethod
-    def forward(ctx, engine, module_id, *tensors):
-        ctx.engine = engine
-        ctx.module_id = module_id
+    def forward(ctx, action, *tensors):
+        ctx.action = action
         return tuple(t.detach() for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.engine._pre_backward(ctx.module_id)
-        return (None, None) + grads
-
-
-class _PostBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, engine, module_id, *tensors):
-        ctx.engine = engine
-        ctx.module_id = module_id
-        return tuple(t.detach() for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.engine._post_backward(ctx.module_id)
-        return (None, None) + grads
+        ctx.action()
+        return (None,) + grads
 
 
 def _collect(value, out):
@@ -69,22 +61,24 @@ def _rebuild(value, replaced):
     return value
 
 
-def wrap(function, engine, module_id, value):
-    """`value` with every tensor that requires grad passed through
-    `function` (one autograd node for all of them); None when there is none,
-    so the caller keeps `value` as it is."""
+def wrap(action, value):
+    """`value` with every tensor that requires grad passed through one
+    _Boundary node running `action` in backward; None when there is none, so
+    the caller keeps `value` as it is."""
     tensors = []
     _collect(value, tensors)
     if not tensors:
         return None
     unique = list({id(t): t for t in tensors}.values())
-    outputs = function.apply(engine, module_id, *unique)
+    outputs = _Boundary.apply(action, *unique)
     return _rebuild(value, {id(t): o for t, o in zip(unique, outputs)})
 
 
 def wrap_outputs(engine, module_id, output):
-    return wrap(_PreBackward, engine, module_id, output)
+    """Before the module's backward: fetch it again."""
+    return wrap(functools.partial(engine._pre_backward, module_id), output)
 
 
 def wrap_inputs(engine, module_id, inputs):
-    return wrap(_PostBackward, engine, module_id, inputs)
+    """After the module's backward (its inputs' gradients are in): release it."""
+    return wrap(functools.partial(engine._post_backward, module_id), inputs)
