@@ -264,8 +264,13 @@ std::string show(const toml::node& node) {
 std::string bounds_text(const ParamSpec& spec) {
   bool has_min = spec.flags & param_has_min, has_max = spec.flags & param_has_max;
   bool integral = spec.type == ParamType::integer || spec.type == ParamType::integer_list;
+  // A bound of an integer key prints as an integer when it is one; a plugin
+  // may declare any double (the descriptor check refuses only NaN).
   auto num = [&](double v) {
-    return integral ? fmt::format("{}", static_cast<long long>(v)) : fmt::format("{}", v);
+    const double limit = std::ldexp(1.0, 63);
+    if (integral && v >= -limit && v < limit && v == std::trunc(v))
+      return fmt::format("{}", static_cast<long long>(v));
+    return fmt::format("{}", v);
   };
   if (has_min && has_max)
     return fmt::format("between {} and {}", num(spec.min_value), num(spec.max_value));

@@ -4,6 +4,7 @@
 #include "ductile/core/registry.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdlib>
 #include <map>
@@ -175,6 +176,17 @@ PluginInfo check_plugin_descriptor(const ductile_plugin_descriptor* d, const fs:
                               "0 to {})",
                               shown, excerpt(p.key), static_cast<std::uint32_t>(p.type),
                               static_cast<std::uint32_t>(ParamType::string_list)));
+    const bool has_min = p.flags & param_has_min, has_max = p.flags & param_has_max;
+    if ((has_min && std::isnan(p.min_value)) || (has_max && std::isnan(p.max_value)))
+      throw Error(ErrorKind::plugin,
+                  fmt::format("'{}': parameter '{}' of its schema has a NaN bound (valid: any "
+                              "other number, or clear the param_has_min/param_has_max flag)",
+                              shown, excerpt(p.key)));
+    if (has_min && has_max && p.min_value > p.max_value)
+      throw Error(ErrorKind::plugin,
+                  fmt::format("'{}': parameter '{}' of its schema has min_value {} above "
+                              "max_value {} (valid: min_value <= max_value)",
+                              shown, excerpt(p.key), p.min_value, p.max_value));
     info.params.push_back(p);
   }
   PluginKind file_kind;
