@@ -59,7 +59,9 @@ std::shared_ptr<Communicator> AcceleratorBase::host_world_locked() {
         throw Error(ErrorKind::communication,
                     "the launcher (" + launch.source + ") started " + std::to_string(launch.size) +
                         " ranks but MPI sees " + std::to_string(mpi->size()) +
-                        ": start the job with an MPI launcher such as mpirun");
+                        ": start the job with an MPI launcher such as mpirun, or let the "
+                        "processes join one world (DUCTILE_MPI_JOIN, as `ductile agent "
+                        "--mpi-world` does)");
       host_world_ = std::move(mpi);
     } else {
       host_world_ = make_local_communicator();

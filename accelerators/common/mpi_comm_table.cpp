@@ -4,9 +4,9 @@
 
 namespace ductile::accel {
 
-void MpiCommTable::add_world() {
+void MpiCommTable::add_world(MPI_Comm comm) {
   Entry world;
-  world.comm = MPI_COMM_WORLD;
+  world.comm = comm;
   comms_.emplace(kWorld, std::move(world));
 }
 

@@ -35,10 +35,11 @@ struct ReadyOp {
 
 class MpiCommTable {
  public:
-  // Id 0: MPI_COMM_WORLD itself (the engine's own operations).
+  // Id 0: the process's world (MPI_COMM_WORLD or a joined one; the
+  // engine's own operations).
   static constexpr int kWorld = 0;
 
-  void add_world();
+  void add_world(MPI_Comm world);
   // A new communicator without its MPI communicator yet (set_comm()).
   int add(double timeout_seconds);
   void set_comm(int id, MPI_Comm comm);
@@ -62,7 +63,7 @@ class MpiCommTable {
   // Fails every operation still waiting for its turn (`suffix` ends each
   // message).
   void fail_waiting(const std::string& why, const std::string& suffix);
-  // Frees every communicator but MPI_COMM_WORLD and forgets them all; broken
+  // Frees every communicator but the world and forgets them all; broken
   // ones are left to MPI (they may have requests MPI still works on).
   void free_all();
 

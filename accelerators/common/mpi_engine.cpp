@@ -117,7 +117,7 @@ bool Engine::initialize() {
       MPI_SUCCESS)
     MPI_Comm_set_attr(MPI_COMM_SELF, keyval, this);
   ops_.create();
-  comms_.add_world();
+  comms_.add_world(process_.world);
   return true;
 }
 
@@ -325,7 +325,7 @@ void Engine::finalize_owned(bool mpi_usable) {
     comms_.free_all();
   }
   ops_.release();
-  finalize_mpi(process_.rank, max_timeout);
+  finalize_mpi(process_.world, process_.rank, max_timeout);
 }
 
 bool Engine::progress_locked() {

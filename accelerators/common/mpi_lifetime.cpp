@@ -8,7 +8,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
+#include <optional>
 #include <thread>
+
+#include "mpi_join.hpp"
 
 namespace ductile::accel {
 
@@ -75,8 +78,22 @@ bool start_mpi(MpiProcess& process, std::string& error) {
       break;
     }
   }
-  MPI_Comm_rank(MPI_COMM_WORLD, &process.rank);
   MPI_Comm_size(MPI_COMM_WORLD, &process.size);
+  if (process.owns && process.size == 1) {
+    std::optional<JoinRequest> join;
+    try {
+      if (!join_request_from_env(detect_launch(), join, error)) return false;
+    } catch (const Error& e) {
+      error = e.what();
+      return false;
+    }
+    if (join) {
+      process.world = join_world(*join, error);
+      if (process.world == MPI_COMM_NULL) return false;
+    }
+  }
+  MPI_Comm_rank(process.world, &process.rank);
+  MPI_Comm_size(process.world, &process.size);
   return true;
 }
 
@@ -88,7 +105,7 @@ void report_exit_without_finalize(int rank) {
                rank);
 }
 
-void finalize_mpi(int rank, double max_timeout) {
+void finalize_mpi(MPI_Comm world, int rank, double max_timeout) {
   // MPI_Finalize waits for every rank (a PMIx fence). A rank that leaves
   // mid-run (exit() between collectives) would wait there for peers that
   // are stuck waiting for it, and Open MPI 4.1's mpirun can deadlock when
@@ -98,7 +115,7 @@ void finalize_mpi(int rank, double max_timeout) {
   if (max_timeout > 0) {
     MPI_Request request = MPI_REQUEST_NULL;
     bool all_arrived = false;
-    if (MPI_Ibarrier(MPI_COMM_WORLD, &request) == MPI_SUCCESS) {
+    if (MPI_Ibarrier(world, &request) == MPI_SUCCESS) {
       auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                          std::chrono::duration<double>(max_timeout));
       while (Clock::now() < deadline) {
@@ -121,6 +138,7 @@ void finalize_mpi(int rank, double max_timeout) {
       return;
     }
   }
+  if (world != MPI_COMM_WORLD) MPI_Comm_free(&world);
   // Bounded like a collective too, in case a peer dies in between.
   std::mutex watchdog_mutex;
   std::condition_variable watchdog_cv;

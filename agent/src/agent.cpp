@@ -21,6 +21,7 @@
 #include "ductile/agent/workers.hpp"
 #include "ductile/error.hpp"
 #include "keep_alive.hpp"
+#include "ompi_server.hpp"
 
 extern char** environ;
 
@@ -116,6 +117,7 @@ class Agent {
   std::unique_ptr<EtcdStore> store_;
   std::int64_t lease_ = 0;
   std::unique_ptr<KeepAlive> keep_alive_;
+  std::unique_ptr<OmpiServer> mpi_server_;  // with --mpi-world
   WorkerGroup workers_;
   std::int64_t current_round_ = 0;
   bool member_ = false;
@@ -174,6 +176,7 @@ void Agent::setup() {
                             "address of a running one",
                             o_.rdzv, e.what()));
   }
+  if (o_.mpi_world) mpi_server_ = std::make_unique<OmpiServer>();
 }
 
 void Agent::register_node() {
@@ -183,6 +186,7 @@ void Agent::register_node() {
 void Agent::check_settings() {
   json mine = json::parse(policy_->settings_json());
   mine["nproc_per_node"] = o_.nproc_per_node;
+  mine["mpi_world"] = o_.mpi_world;
   settings_text_ = mine.dump();
   for (int attempt = 0; attempt < 5; ++attempt) {
     auto existing = store_->get(key("settings"));
@@ -207,6 +211,7 @@ void Agent::check_settings() {
       if (theirs.is_object()) {
         compare("policy", theirs.value("policy", json()), mine["policy"]);
         compare("nproc_per_node", theirs.value("nproc_per_node", json()), mine["nproc_per_node"]);
+        compare("--mpi-world", theirs.value("mpi_world", false), mine["mpi_world"]);
         json tp = theirs.value("params", json::object()), mp = mine["params"];
         for (auto it = mp.begin(); it != mp.end(); ++it)
           compare(it.key(), tp.value(it.key(), json()), it.value());
@@ -265,6 +270,9 @@ void Agent::lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& ro
     next.master_addr = d.members.empty() ? std::string() : d.members.front().addr;
     next.master_port = d.members.empty() ? 0 : free_port(last_port_);
     if (next.master_port) last_port_ = next.master_port;
+    bool mpi = mpi_server_ && !d.members.empty();
+    next.mpi_server_uri = mpi ? mpi_server_->uri() : std::string();
+    next.mpi_join_port = mpi ? free_port(next.master_port) : 0;
     if (d.counts_as_restart) next.restarts += 1;
     next.started_ms = seen.now.count();
     next.state = RoundState::running;
@@ -308,7 +316,9 @@ void Agent::start_workers(const RoundRecord& round, std::size_t group_rank) {
                                "DUCTILE_MICRO_BATCH",
                                "DUCTILE_GRADIENT_ACCUMULATION_STEPS",
                                "DUCTILE_ROUND",
-                               "DUCTILE_AGENT_NODE_ID"};
+                               "DUCTILE_AGENT_NODE_ID",
+                               "DUCTILE_MPI_JOIN",
+                               "OMPI_MCA_pmix_server_uri"};
   for (char** e = environ; *e; ++e) {
     std::string entry(*e);
     auto eq = entry.find('=');
@@ -342,15 +352,21 @@ void Agent::start_workers(const RoundRecord& round, std::size_t group_rank) {
     set("DUCTILE_GRADIENT_ACCUMULATION_STEPS", std::to_string(plan.gradient_accumulation_steps));
     set("DUCTILE_ROUND", std::to_string(round.round));
     set("DUCTILE_AGENT_NODE_ID", id_);
+    if (round.mpi_join_port != 0) {
+      set("DUCTILE_MPI_JOIN", round.master_addr + ":" + std::to_string(round.mpi_join_port));
+      set("OMPI_MCA_pmix_server_uri", round.mpi_server_uri);
+    }
     specs.push_back(std::move(spec));
   }
   log(fmt::format(
-      "round {} started: world size {} ({} nodes x {}), group rank {}, master {}:{}, "
+      "round {} started: world size {} ({} nodes x {}), group rank {}, master {}:{}{}, "
       "global batch {} = micro {} x accumulation {} x {}, restarts {}, "
       "started_ms={} ({})",
       round.round, round.world_size, nodes, o_.nproc_per_node, group_rank, round.master_addr,
-      round.master_port, plan.global_batch, plan.micro_batch, plan.gradient_accumulation_steps,
-      round.world_size, round.restarts, round.started_ms, round.reason));
+      round.master_port,
+      round.mpi_join_port ? fmt::format(", MPI world joined at port {}", round.mpi_join_port) : "",
+      plan.global_batch, plan.micro_batch, plan.gradient_accumulation_steps, round.world_size,
+      round.restarts, round.started_ms, round.reason));
   workers_.start(specs);
 }
 
@@ -423,6 +439,7 @@ void Agent::report_worker_exit() {
 
 int Agent::leave(int code) {
   workers_.stop(o_.stop_grace);
+  mpi_server_.reset();
   keep_alive_.reset();
   try {
     store_->revoke_lease(lease_);

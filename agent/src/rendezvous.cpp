@@ -57,6 +57,8 @@ std::string to_json(const RoundRecord& r) {
             {"members", r.members},
             {"master_addr", r.master_addr},
             {"master_port", r.master_port},
+            {"mpi_server_uri", r.mpi_server_uri},
+            {"mpi_join_port", r.mpi_join_port},
             {"world_size", r.world_size},
             {"restarts", r.restarts},
             {"started_ms", r.started_ms},
@@ -74,6 +76,8 @@ RoundRecord round_from_json(const std::string& text) {
     r.members = j.at("members").get<std::vector<std::string>>();
     r.master_addr = j.at("master_addr").get<std::string>();
     r.master_port = j.at("master_port").get<int>();
+    r.mpi_server_uri = j.value("mpi_server_uri", "");
+    r.mpi_join_port = j.value("mpi_join_port", 0);
     r.world_size = j.at("world_size").get<std::int64_t>();
     r.restarts = j.at("restarts").get<std::int64_t>();
     r.started_ms = j.at("started_ms").get<std::int64_t>();

@@ -106,6 +106,10 @@ void register_agent_command(CLI::App& app, CliContext& context) {
                   "Address other nodes reach this one at, published as MASTER_ADDR when this "
                   "node leads (default: the host name)");
   sub->add_option("--node-id", o->agent.node_id, "This agent's name (default: host-pid-random)");
+  sub->add_flag("--mpi-world", o->agent.mpi_world,
+                "Workers form one MPI world without mpirun (ductile's cpu backend, zero3): "
+                "each agent runs an ompi-server (Open MPI), workers get DUCTILE_MPI_JOIN and "
+                "OMPI_MCA_pmix_server_uri");
   sub->add_option("--lease-ttl", o->lease_ttl,
                   "Seconds after which a dead agent's registration expires (default 5, >= 2)");
   sub->add_option("--poll-interval", o->poll_interval,

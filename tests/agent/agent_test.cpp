@@ -3,10 +3,16 @@
 // signals. Every test ends by checking that no process of its job is left.
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <iostream>
+#include <sstream>
 
 #include "agent_support.hpp"
+#ifdef DUCTILE_ZERO3_WORKER_ENV
+#include <nlohmann/json.hpp>
+#endif
 #include "process.hpp"
 #include "temp_dir.hpp"
 
@@ -354,3 +360,90 @@ TEST_CASE("agent: SIGTERM and SIGINT stop an agent's workers and the others re-f
   CHECK(a.wait(60s) == std::optional<int>(0));
   CHECK(no_marked_processes(job.marker));
 }
+
+#ifdef DUCTILE_ZERO3_WORKER_ENV
+// ZeRO-3 workers (ductile.torch.zero3 on the cpu backend) whose MPI world the
+// agents form without mpirun (--mpi-world). The leader is killed in the
+// middle of training at world size 2; the other agent re-forms at world size
+// 1 and its worker resumes from the checkpoint the 2-rank round saved, with
+// the losses of an uninterrupted run of plain torch.
+TEST_CASE("agent: zero3 workers resume from their checkpoint at the new world size") {
+  Job job;
+  constexpr int kSteps = 12;
+  const std::filesystem::path train = job.dir / "train", reference = job.dir / "reference";
+  std::filesystem::create_directories(train);
+  std::filesystem::create_directories(reference);
+  std::vector<std::string> python = {"/usr/bin/env"};
+  std::string env_text = DUCTILE_ZERO3_WORKER_ENV;
+  for (std::size_t from = 0, bar; from <= env_text.size(); from = bar + 1) {
+    bar = std::min(env_text.find('|', from), env_text.size());
+    python.push_back(env_text.substr(from, bar - from));
+  }
+  python.push_back(DUCTILE_SYSTEM_PYTHON);
+  python.push_back(DUCTILE_AGENT_WORKERS "/zero3_resume.py");
+
+  // The reference: one process, torch alone, the same global batch (24, the
+  // plan of every valid world size of the job's configuration).
+  auto plain = python;
+  for (std::string arg :
+       {reference.string(), std::to_string(kSteps), std::string("--plain"), std::string("24")})
+    plain.push_back(arg);
+  ProcessResult ref = run_process(plain);
+  INFO(ref.out << ref.err);
+  REQUIRE(ref.exit_code == 0);
+  auto expected = nlohmann::json::parse(read_text(reference / "plain.json"));
+  REQUIRE(expected.size() == static_cast<std::size_t>(kSteps));
+
+  auto worker = python;
+  worker.insert(worker.begin() + 1, "ZERO3_STEP_PAUSE=0.4");
+  worker.push_back(train.string());
+  worker.push_back(std::to_string(kSteps));
+  std::vector<std::string> options = {
+      "--nproc-per-node", "1", "--mpi-world", "--min-nodes", "1", "--settle", "1",
+      "--stop-grace",     "2"};
+  Child& a = job.start("a", options, worker);
+  Child& b = job.start("b", options, worker);
+  auto lines = [&] { return count_of(read_text(train / "losses.jsonl"), "\n"); };
+  bool trained = wait_until(
+      [&] { return count_of(job.all_output(), "zero3 round=1 world=2 step=2 ") == 1; }, 240s);
+  if (!trained) job.dump();
+  REQUIRE(trained);
+  Child& leader = a.output().find("leader: round 1 formed") != std::string::npos ? a : b;
+  Child& survivor = &leader == &a ? b : a;
+  leader.signal(SIGKILL);
+  leader.wait(10s);
+  auto status = survivor.wait(240s);
+  if (status != std::optional<int>(0)) job.dump();
+  REQUIRE(status == std::optional<int>(0));
+  CHECK(survivor.output().find("started: world size 1") != std::string::npos);
+
+  // Every step trained, in either round, lost what plain torch lost; the
+  // 1-rank round went on from the step the 2-rank round last saved.
+  std::istringstream log(read_text(train / "losses.jsonl"));
+  int last_step = -1, resumed_at = -1, resumed_from_world = 0, rounds_seen = 0, previous = -1;
+  for (std::string line; std::getline(log, line);) {
+    auto entry = nlohmann::json::parse(line);
+    int step = entry["step"].get<int>(), world = entry["world"].get<int>();
+    double loss = entry["loss"].get<double>(), want = expected[step].get<double>();
+    INFO("step " << step << " world " << world << ": " << loss << " vs " << want);
+    CHECK(std::abs(loss - want) <= 1e-5 * std::abs(want));
+    if (world == 1 && resumed_at < 0 && !entry["resumed"].is_null()) {
+      resumed_at = entry["resumed"]["step"].get<int>();
+      resumed_from_world = entry["resumed"]["world"].get<int>();
+      CHECK(step == resumed_at);
+      CHECK(previous >= resumed_at - 1);  // nothing skipped
+    }
+    if (step == 0) ++rounds_seen;
+    previous = step;
+    last_step = step;
+  }
+  CHECK(lines() >= kSteps);
+  CHECK(rounds_seen == 1);  // round 1 started from scratch, round 2 did not
+  CHECK(resumed_at >= 3);
+  CHECK(resumed_from_world == 2);
+  CHECK(last_step == kSteps - 1);
+  CHECK(survivor.output().find("zero3 done round=2 rank=0 world=1") != std::string::npos);
+  if (!no_marked_processes(job.marker)) job.dump();
+  CHECK(marked_processes(job.marker).empty());
+}
+#endif

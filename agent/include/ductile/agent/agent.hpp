@@ -38,6 +38,11 @@ struct AgentOptions {
   std::vector<std::string> command;       // the worker command line
   std::string node_addr;                  // default: the host name
   std::string node_id;                    // default: <host>-<pid>-<random>
+  // Workers form one MPI world without mpirun: each agent runs an
+  // ompi-server, and each round's workers get the leader's
+  // (OMPI_MCA_pmix_server_uri) and DUCTILE_MPI_JOIN (see
+  // accelerators/common/mpi_join.hpp). The same on every agent of a job.
+  bool mpi_world = false;
 
   std::chrono::seconds lease_ttl{5};                       // a dead agent is noticed after this
   std::chrono::milliseconds poll_interval{250};            // rendezvous reads

@@ -45,6 +45,10 @@ struct RoundRecord {
   std::vector<std::string> members;  // node ids in group-rank order; empty: waiting
   std::string master_addr;
   int master_port = 0;
+  // With --mpi-world: the ompi-server the round's workers reach and the
+  // port at master_addr where rank 0 lets them join one MPI world.
+  std::string mpi_server_uri;
+  int mpi_join_port = 0;
   std::int64_t world_size = 0;
   std::int64_t restarts = 0;    // restarts caused by worker failures so far
   std::int64_t started_ms = 0;  // leader's clock (ms since the epoch) when written
