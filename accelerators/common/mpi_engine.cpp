@@ -4,7 +4,9 @@
 // reduction ops in mpi_reduce_ops.cpp.
 #include "mpi_engine.hpp"
 
+#include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <sys/prctl.h>
 
 #include <atomic>
@@ -383,6 +385,15 @@ void Engine::run() {
   sched_param batch{};
   batch.sched_priority = 0;
   sched_setscheduler(0, SCHED_BATCH, &batch);
+  // SIGPIPE blocked here, and so in the threads MPI_Init starts from here:
+  // in a joined world (mpi_join.hpp) a rank that finalises first closes
+  // sockets Open MPI's threads in the others still write to during their
+  // MPI_Finalize; that must be an EPIPE for MPI, not a signal that kills
+  // the process. The application's own threads keep their disposition.
+  sigset_t pipe_signal;
+  sigemptyset(&pipe_signal);
+  sigaddset(&pipe_signal, SIGPIPE);
+  pthread_sigmask(SIG_BLOCK, &pipe_signal, nullptr);
   bool ok = initialize();
   {
     std::lock_guard lock(mutex_);

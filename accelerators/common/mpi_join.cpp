@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "mpi_lifetime.hpp"
@@ -41,6 +42,7 @@ class Socket {
     if (fd_ >= 0) close(fd_);
   }
   int fd() const { return fd_; }
+  int release() { return std::exchange(fd_, -1); }
   explicit operator bool() const { return fd_ >= 0; }
 
  private:
@@ -118,21 +120,10 @@ int accept_one(const char* port, MPI_Comm& group) {
 }
 
 // Rank 0: waits for the hello of every other rank; their sockets by rank.
-bool gather_joiners(const JoinRequest& r, Clock::time_point deadline, std::vector<Socket>& peers,
+bool gather_joiners(JoinRequest& r, Clock::time_point deadline, std::vector<Socket>& peers,
                     std::string& error) {
-  Socket listener(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  int one = 1;
-  setsockopt(listener.fd(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
-  addr.sin_port = htons(static_cast<std::uint16_t>(r.port));
-  if (!listener || bind(listener.fd(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-      listen(listener.fd(), 128) != 0) {
-    error = "rank 0 cannot listen on port " + std::to_string(r.port) +
-            " (DUCTILE_MPI_JOIN): " + errno_text() + "; give a free port";
-    return false;
-  }
+  if (r.listener < 0 && !listen_for_joiners(r, error)) return false;
+  Socket listener(std::exchange(r.listener, -1));
   peers.resize(static_cast<std::size_t>(r.size));
   int joined = 1;
   auto refuse_all = [&](const std::string& why) {
@@ -171,7 +162,7 @@ bool gather_joiners(const JoinRequest& r, Clock::time_point deadline, std::vecto
   return true;
 }
 
-MPI_Comm join_as_root(const JoinRequest& r, Clock::time_point deadline, std::string& error) {
+MPI_Comm join_as_root(JoinRequest& r, Clock::time_point deadline, std::string& error) {
   std::vector<Socket> peers;
   if (!gather_joiners(r, deadline, peers, error)) return MPI_COMM_NULL;
   char port[MPI_MAX_PORT_NAME] = {};
@@ -308,7 +299,25 @@ bool join_request_from_env(const LaunchInfo& launch, std::optional<JoinRequest>&
   return true;
 }
 
-MPI_Comm join_world(const JoinRequest& r, std::string& error) {
+bool listen_for_joiners(JoinRequest& r, std::string& error) {
+  Socket listener(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  int one = 1;
+  setsockopt(listener.fd(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_port = htons(static_cast<std::uint16_t>(r.port));
+  if (!listener || bind(listener.fd(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+      listen(listener.fd(), 128) != 0) {
+    error = "rank 0 cannot listen on port " + std::to_string(r.port) +
+            " (DUCTILE_MPI_JOIN): " + errno_text() + "; give a free port";
+    return false;
+  }
+  r.listener = listener.release();
+  return true;
+}
+
+MPI_Comm join_world(JoinRequest& r, std::string& error) {
   // Errors of the dynamic-process calls made on MPI_COMM_SELF come back as
   // codes rather than aborting the process.
   MPI_Comm_set_errhandler(MPI_COMM_SELF, MPI_ERRORS_RETURN);

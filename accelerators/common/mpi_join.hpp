@@ -15,7 +15,7 @@
 // joiner that cannot reach rank 0, or a rank 0 that does not hear from every
 // joiner in time, fails instead of hanging.
 //
-// Called only from the engine thread, right after MPI_Init_thread.
+// Called only from the engine thread, around MPI_Init_thread (mpi_lifetime.cpp).
 #pragma once
 
 #include <mpi.h>
@@ -32,6 +32,7 @@ struct JoinRequest {
   std::string host;
   int port = 0;
   double timeout_seconds = 300;
+  int listener = -1;  // rank 0: its listening socket (listen_for_joiners)
 };
 
 // The join this process is asked to make: nullopt when DUCTILE_MPI_JOIN is
@@ -41,9 +42,16 @@ struct JoinRequest {
 bool join_request_from_env(const LaunchInfo& launch, std::optional<JoinRequest>& request,
                            std::string& error);
 
+// Rank 0: binds and listens on the request's port. Called before
+// MPI_Init_thread, so that nothing started meanwhile (MPI's own daemons
+// open ports too) can take the port the other ranks were given. False
+// with `error` set when the port cannot be bound.
+bool listen_for_joiners(JoinRequest& request, std::string& error);
+
 // Collective over the `size` processes of the request: the world
 // communicator, ranks ordered as RANK, errors returned as codes. On failure
 // MPI_COMM_NULL with `error` set (naming the peer or the variable at fault).
-MPI_Comm join_world(const JoinRequest& request, std::string& error);
+// Closes the request's listener.
+MPI_Comm join_world(JoinRequest& request, std::string& error);
 
 }  // namespace ductile::accel

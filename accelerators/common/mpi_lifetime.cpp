@@ -57,10 +57,22 @@ bool start_mpi(MpiProcess& process, std::string& error) {
           "MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...) or let ductile initialise it";
       return false;
     }
-  } else {
+  }
+  // A process that DUCTILE_MPI_JOIN asks to join others: read the request
+  // (and bind rank 0's port) before MPI starts its own daemons.
+  std::optional<JoinRequest> join;
+  if (!initialized) {
+    try {
+      if (!join_request_from_env(detect_launch(), join, error)) return false;
+    } catch (const Error& e) {
+      error = e.what();
+      return false;
+    }
+    if (join && join->rank == 0 && !listen_for_joiners(*join, error)) return false;
     promote_libmpi();
     int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
     if (rc != MPI_SUCCESS) {
+      if (join && join->listener >= 0) close(join->listener);
       error = "MPI_Init_thread failed: " + mpi_error_string(rc);
       return false;
     }
@@ -79,18 +91,11 @@ bool start_mpi(MpiProcess& process, std::string& error) {
     }
   }
   MPI_Comm_size(MPI_COMM_WORLD, &process.size);
-  if (process.owns && process.size == 1) {
-    std::optional<JoinRequest> join;
-    try {
-      if (!join_request_from_env(detect_launch(), join, error)) return false;
-    } catch (const Error& e) {
-      error = e.what();
-      return false;
-    }
-    if (join) {
-      process.world = join_world(*join, error);
-      if (process.world == MPI_COMM_NULL) return false;
-    }
+  if (join && process.size == 1) {
+    process.world = join_world(*join, error);
+    if (process.world == MPI_COMM_NULL) return false;
+  } else if (join && join->listener >= 0) {
+    close(join->listener);  // MPI's launcher made the world after all
   }
   MPI_Comm_rank(process.world, &process.rank);
   MPI_Comm_size(process.world, &process.size);

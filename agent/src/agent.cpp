@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <fstream>
 #include <map>
 #include <random>
 
@@ -42,22 +43,37 @@ std::string host_name() {
   return buffer;
 }
 
-// A TCP port nobody listens on now, other than `avoid` (the last round's).
+// The port `port` (0: any) when it can be bound now, else 0.
+int bindable_port(int port) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return 0;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_port = htons(static_cast<std::uint16_t>(port));
+  socklen_t len = sizeof addr;
+  int got = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
+                    getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0
+                ? ntohs(addr.sin_port)
+                : 0;
+  close(fd);
+  return got;
+}
+
+// A TCP port nobody holds now, other than `avoid` (the last round's). Taken
+// below the kernel's ephemeral range when it can be: the workers bind it
+// some time after the leader chose it, and meanwhile sockets bound to port
+// 0 (MPI's daemons, a gloo store's clients) are never given such a port.
 int free_port(int avoid) {
-  for (int attempt = 0; attempt < 16; ++attempt) {
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) break;
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_ANY);
-    socklen_t len = sizeof addr;
-    int port = 0;
-    if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
-        getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0)
-      port = ntohs(addr.sin_port);
-    close(fd);
+  int low = 32768;
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> low;
+  static std::mt19937 random(std::random_device{}());
+  for (int attempt = 0; attempt < 200 && low > 10001; ++attempt) {
+    int port = bindable_port(std::uniform_int_distribution<int>(10000, low - 1)(random));
     if (port != 0 && port != avoid) return port;
   }
+  for (int attempt = 0; attempt < 16; ++attempt)
+    if (int port = bindable_port(0); port != 0 && port != avoid) return port;
   throw std::runtime_error("cannot find a free TCP port for MASTER_PORT");
 }
 

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "ductile/agent/etcd_store.hpp"
+#include "ports.hpp"
 
 extern char** environ;
 
@@ -33,18 +34,6 @@ namespace ductile::test {
 
 using Clock = std::chrono::steady_clock;
 using namespace std::chrono_literals;
-
-inline int free_tcp_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof addr;
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
 
 // Waits until `done()` or `limit` passed; true when done. A liveness bound,
 // not a timing assertion: limits are generous.

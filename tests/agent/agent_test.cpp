@@ -315,6 +315,12 @@ TEST_CASE("agent: bad input exits 2 with a message naming it") {
                    job.etcd.url(), "--job-id", "j", "--nproc-per-node", "2", "--", "true"});
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("missing.toml") != std::string::npos);
+  // --mpi-world without Open MPI's ompi-server to run.
+  r = run_process({DUCTILE_CLI, "agent", "--config", job.config.string(), "--rdzv", job.etcd.url(),
+                   "--job-id", "j", "--nproc-per-node", "2", "--mpi-world", "--", "true"},
+                  {"PATH=/nonexistent"});
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("--mpi-world: 'ompi-server' was not found on PATH") != std::string::npos);
 
   // The job id is in use with another configuration.
   Child& a = job.start("a", options, worker);
@@ -326,6 +332,11 @@ TEST_CASE("agent: bad input exits 2 with a message naming it") {
   CHECK(r.err.find("job id 'job' is in use on etcd at " + job.etcd.endpoint() +
                    " with another configuration: prefer_larger_batch is true there, false "
                    "here") != std::string::npos);
+  r = run_process({DUCTILE_CLI, "agent", "--config", job.config.string(), "--rdzv", job.etcd.url(),
+                   "--job-id", "job", "--nproc-per-node", "2", "--mpi-world", "--", "true"});
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("with another configuration: --mpi-world is false there, true here") !=
+        std::string::npos);
   a.signal(SIGTERM);
   CHECK(a.wait(30s) == std::optional<int>(128 + SIGTERM));
   CHECK(no_marked_processes(job.marker));

@@ -11,10 +11,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -23,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "ports.hpp"
 #include "temp_dir.hpp"
 
 extern char** environ;
@@ -38,18 +35,6 @@ std::string read_text(const fs::path& file) {
   std::stringstream s;
   s << in.rdbuf();
   return s.str();
-}
-
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof addr;
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
 }
 
 // A child in its own process group with its output in `log`; killed (with
@@ -150,11 +135,13 @@ struct RankRun {
 std::vector<RankRun> run_ranks(const ductile::test::TempDir& dir, const std::string& program,
                                const std::vector<std::vector<std::string>>& envs,
                                std::chrono::seconds bound = 240s) {
+  static int runs_started = 0;  // log names stay unique within a test
+  ++runs_started;
   std::vector<std::unique_ptr<Spawned>> ranks;
   for (std::size_t i = 0; i < envs.size(); ++i)
     ranks.push_back(std::make_unique<Spawned>(
         std::vector<std::string>{program}, envs[i],
-        dir / ("rank-" + std::to_string(i) + "-" + std::to_string(free_port()) + ".log")));
+        dir / ("run-" + std::to_string(runs_started) + "-" + std::to_string(i) + ".log")));
   auto deadline = Clock::now() + bound;
   std::vector<RankRun> runs;
   for (auto& rank : ranks) {
@@ -180,7 +167,7 @@ std::vector<std::string> rank_env(int rank, int size, const std::string& join,
 }
 
 std::string join_address() {
-  return "127.0.0.1:" + std::to_string(free_port());
+  return "127.0.0.1:" + std::to_string(ductile::test::free_tcp_port());
 }
 
 }  // namespace

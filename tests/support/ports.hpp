@@ -1,0 +1,42 @@
+// Free TCP ports for servers a test starts (etcd, a rank's join listener).
+#pragma once
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <random>
+
+namespace ductile::test {
+
+// A TCP port nobody holds now, below the kernel's ephemeral range: sockets
+// bound to port 0 (MPI's and etcd's own) are never given it, so it stays
+// free until the server the test starts binds it. From the ephemeral range
+// only when nothing below is free.
+inline int free_tcp_port() {
+  auto bindable = [](int port) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_ANY);
+    addr.sin_port = htons(static_cast<std::uint16_t>(port));
+    socklen_t len = sizeof addr;
+    int got = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
+                      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0
+                  ? ntohs(addr.sin_port)
+                  : 0;
+    close(fd);
+    return got;
+  };
+  int low = 32768;
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> low;
+  static std::mt19937 random(std::random_device{}());
+  for (int attempt = 0; attempt < 200 && low > 10001; ++attempt)
+    if (int port = bindable(std::uniform_int_distribution<int>(10000, low - 1)(random)))
+      return port;
+  return bindable(0);
+}
+
+}  // namespace ductile::test
