@@ -13,7 +13,10 @@
 // (`ductile agent --mpi-world` starts one and sets both variables).
 // DUCTILE_MPI_JOIN_TIMEOUT (seconds, default 300) bounds the TCP part: a
 // joiner that cannot reach rank 0, or a rank 0 that does not hear from every
-// joiner in time, fails instead of hanging.
+// joiner in time, fails instead of hanging. The MPI part is not bounded: a
+// process that dies between its connect and the end of the join leaves the
+// others waiting in MPI_Comm_accept, as a dead peer does in a collective
+// without timeout (the agent stops such a round's workers).
 //
 // Called only from the engine thread, around MPI_Init_thread (mpi_lifetime.cpp).
 #pragma once
