@@ -21,10 +21,6 @@
 namespace ductile::pipeline {
 namespace {
 
-// The most samples a histogram may expand to (8 GiB of lengths).
-constexpr std::int64_t kMaxExpandedSamples = std::int64_t{1} << 30;
-
-
 namespace fs = std::filesystem;
 
 Error io_error(const fs::path& file, const std::string& what) {
@@ -236,11 +232,12 @@ std::vector<std::int64_t> read_csv(const fs::path& file, const LengthReadOptions
       if (count == 0) return;
       // A histogram expands to one entry per sample: refuse counts that no
       // memory could hold before allocating them.
-      if (count > kMaxExpandedSamples - static_cast<std::int64_t>(out.size()))
+      const std::int64_t most = options.max_histogram_samples;
+      if (count > most - static_cast<std::int64_t>(out.size()))
         throw value_error(
             file, fmt::format("line {}, column '{}': count {} makes more than {} samples in all, "
                               "the most a lengths file may expand to",
-                              line, header[count_col], count, kMaxExpandedSamples));
+                              line, header[count_col], count, most));
     }
     check_length(file, v, fmt::format("line {}, column '{}'", line, header[length_col]));
     out.insert(out.end(), static_cast<std::size_t>(count), v);
@@ -356,11 +353,13 @@ std::vector<std::int64_t> read_npy(const fs::path& file) {
       inner.remove_prefix(comma + 1);
     }
   }
+  // At most one dimension above 1, so the count is that dimension (or 0):
+  // never a product that could overflow.
   std::int64_t count = 1;
   int big = 0;
   for (auto v : dims) {
-    count *= v;
     if (v > 1) ++big;
+    count = v == 0 || count == 0 ? 0 : std::max(count, v);
   }
   if (dims.empty() || big > 1)
     throw value_error(file, fmt::format("array of shape {}: expected a 1-D array of lengths",
@@ -382,12 +381,11 @@ std::vector<std::int64_t> read_npy(const fs::path& file) {
                                   "uint16 or uint32 ('<i4', '<i8', '<u2', '<u4')",
                                   descr));
   const std::size_t data_start = header_start + header_len;
+  if (static_cast<std::uint64_t>(count) > (size - data_start) / item)
+    throw io_error(file, fmt::format("truncated: the header announces {} values of {} bytes "
+                                     "from byte {}, the file holds {} bytes of data",
+                                     count, item, data_start, size - data_start));
   const std::size_t need = static_cast<std::size_t>(count) * item;
-  if (size - data_start < need)
-    throw io_error(file,
-                   fmt::format("truncated: the header announces {} values ({} bytes from byte "
-                               "{}), the file holds {} bytes of data",
-                               count, need, data_start, size - data_start));
   if (size - data_start > need)
     throw io_error(file, fmt::format("corrupt: {} bytes after the {} values the header announces",
                                      size - data_start - need, count));

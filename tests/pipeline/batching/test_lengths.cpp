@@ -169,6 +169,14 @@ TEST_CASE("CSV columns and histograms") {
         std::vector<std::int64_t>{3, 3, 7});
   expect_error(dir.write("hneg.csv", "len,n\n3,-2\n"), ErrorKind::invalid_argument,
                {"line 2", "column 'n'", "count"}, counted);
+  // The expansion is capped (default 2^30 samples) before anything is
+  // allocated; the cap is an option.
+  expect_error(dir.write("huge.csv", "len,n\n3,1073741825\n"), ErrorKind::invalid_argument,
+               {"line 2", "count 1073741825 makes more than 1073741824 samples"}, counted);
+  counted.max_histogram_samples = 4;
+  CHECK(read_lengths(dir.write("h4.csv", "len,n\n3,2\n7,2\n"), counted).size() == 4);
+  expect_error(dir.write("h5.csv", "len,n\n3,2\n7,3\n"), ErrorKind::invalid_argument,
+               {"line 3", "count 3 makes more than 4 samples"}, counted);
 }
 
 TEST_CASE("npy arrays of every supported type and byte order") {
@@ -194,6 +202,13 @@ TEST_CASE("npy arrays of every supported type and byte order") {
                ErrorKind::invalid_argument, {"element 1", "length -3"});
   expect_error(dir.write("matrix.npy", npy("<i4", "(2, 2)", raw<std::int32_t>({1, 2, 3, 4}))),
                ErrorKind::invalid_argument, {"1-D"});
+  // Shapes whose element count overflows 64 bits (fuzz findings): refused
+  // without computing it.
+  expect_error(
+      dir.write("wide.npy", npy("<i8", "(49, 999999999999499959)", raw<std::int64_t>({1}))),
+      ErrorKind::invalid_argument, {"1-D"});
+  expect_error(dir.write("long.npy", npy("<i8", "(2305843009213693953,)", raw<std::int64_t>({1}))),
+               ErrorKind::io, {"long.npy", "truncated", "2305843009213693953 values of 8 bytes"});
   expect_error(dir.write("junk.npy", "not numpy at all"), ErrorKind::io, {"junk.npy", "NUMPY"});
   expect_error(dir.write("empty.npy", npy("<i4", "(0,)", "")), ErrorKind::invalid_argument,
                {"empty"});

@@ -36,6 +36,9 @@ struct LengthReadOptions {
   LengthFormat format = LengthFormat::automatic;
   std::string column;        // csv: the lengths column (empty: the only column)
   std::string count_column;  // csv: histogram counts column (empty: one sample a row)
+  // csv histograms: the most samples the rows may expand to (default 2^30,
+  // 8 GiB of lengths); more is Error(invalid_argument) before allocating.
+  std::int64_t max_histogram_samples = std::int64_t{1} << 30;
 };
 
 // Parses "auto", "text", "csv", "npy", "mmidx". Throws Error(invalid_argument).
