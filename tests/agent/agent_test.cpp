@@ -192,10 +192,18 @@ TEST_CASE("agent: 3 x 2 workers all-reduce - SIGKILL re-form - min_time admissio
 
 TEST_CASE("agent: a failing worker restarts the group - the second failure ends the job") {
   Job job;
+  // Rank 1 fails only once rank 0 has printed its line of the round (else a
+  // loaded machine may stop rank 0 before its shell got to the echo).
+  const std::string printed = (job.dir / "rank0-printed-round").string();
   auto worker =
       sh("echo \"rank $RANK round $DUCTILE_ROUND restarts $TORCHELASTIC_RESTART_COUNT\"; "
-         "if [ \"$RANK\" = 1 ]; then echo \"rank 1 gives up in round $DUCTILE_ROUND\"; "
-         "exit 3; fi; sleep 60");
+         "if [ \"$RANK\" = 0 ]; then touch " +
+         printed +
+         "$DUCTILE_ROUND; fi; "
+         "if [ \"$RANK\" = 1 ]; then while [ ! -e " +
+         printed +
+         "$DUCTILE_ROUND ]; do sleep 0.05; done; "
+         "echo \"rank 1 gives up in round $DUCTILE_ROUND\"; exit 3; fi; sleep 60");
   std::vector<std::string> options = {"--nproc-per-node", "2", "--lease-ttl", "2",
                                       "--max-restarts",   "1", "--settle",    "1",
                                       "--stop-grace",     "1", "--min-nodes", "2"};
