@@ -4,8 +4,8 @@
 #include <cstdint>
 
 #include "ductile/core/config.hpp"
-#include "ductile/pipeline/elasticity.hpp"
 #include "ductile/core/registry.hpp"
+#include "ductile/pipeline/elasticity.hpp"
 #include "fuzz_support.hpp"
 
 namespace {
@@ -31,6 +31,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       for (const auto& [key, value] : section.params.values())
         (void)ductile::core::format_param_value(value);
   });
-  fuzz::expect_clean([&] { (void)ductile::pipeline::elasticity_from_toml_text(text, "fuzz.toml"); });
+  fuzz::expect_clean(
+      [&] { (void)ductile::pipeline::elasticity_from_toml_text(text, "fuzz.toml"); });
   return 0;
 }

@@ -4,9 +4,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "ductile/pipeline/deepspeed_batching.hpp"
 #include "ductile/batch_sampler.hpp"
 #include "ductile/core/runtime.hpp"
+#include "ductile/pipeline/deepspeed_batching.hpp"
 #include "fuzz_support.hpp"
 
 namespace batching_api = ductile::pipeline;

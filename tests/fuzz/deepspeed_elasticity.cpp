@@ -4,9 +4,9 @@
 // the input's last byte, and one above 2^40.
 #include <cstdint>
 
-#include "ductile/pipeline/elasticity.hpp"
 #include "ductile/core/runtime.hpp"
 #include "ductile/elasticity_policy.hpp"
+#include "ductile/pipeline/elasticity.hpp"
 #include "fuzz_support.hpp"
 
 namespace elasticity_api = ductile::pipeline;

@@ -24,8 +24,9 @@ test::Thrown toml_error(const std::string& policy, const std::string& keys,
                                             "errors.toml");
   // The checks that need only the parameters fail at creation (the plugin's
   // validate hook), the others at compute(): the same typed error either way.
-  return thrown_by(
-      [&] { runtime.get<ElasticityPolicy>()->compute(ElasticityRequest{world_size, false}); });
+  return thrown_by([&] {
+    runtime.get<ElasticityPolicy>()->compute(ElasticityRequest{world_size, false});
+  });
 }
 
 const char* kValid = "max_train_batch_size = 2000\nmicro_batch_sizes = [2, 4, 6]\n";
