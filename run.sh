@@ -8,6 +8,7 @@ cd "$(dirname "$0")"
 source .ci/setup.sh
 
 ductile_install_packages
+ductile_python_env
 ductile_configure_and_build build Release OFF -DDUCTILE_BUILD_TESTS=OFF
 
 echo

@@ -1,6 +1,7 @@
 # Shared set-up of run.sh and test.sh (sourced). Idempotent: installs only
-# what is missing, runs `apt-get update` at most once, reconfigures only when
-# the build type or sanitizer setting changes.
+# what is missing, runs `apt-get update` at most once, reinstalls the Python
+# environment only when requirements.txt changes, reconfigures only when the
+# build type or sanitizer setting changes.
 
 DUCTILE_DEBIAN_PACKAGES=(
   build-essential cmake ninja-build pkg-config
@@ -8,9 +9,9 @@ DUCTILE_DEBIAN_PACKAGES=(
   libtomlplusplus-dev libfmt-dev libspdlog-dev doctest-dev libcli11-dev nlohmann-json3-dev
   libopenmpi-dev openmpi-bin
   libze-dev
-  # Python package (pybind11 extension for Debian's /usr/bin/python3) and its tests
-  pybind11-dev python3-dev python3-pybind11 python3-pytest python3-numpy python3-torch
-  python3-matplotlib
+  # Python: the interpreter of .venv/ when python3 on PATH has no venv module or
+  # headers (torch, pybind11, the tests' packages come from PyPI: requirements.txt)
+  python3-dev python3-venv
   # elastic agent: etcd as the rendezvous store, libcurl for its HTTP/JSON gateway
   etcd-server etcd-client libcurl4-openssl-dev
   # fuzz targets (libFuzzer)
@@ -20,6 +21,57 @@ DUCTILE_DEBIAN_PACKAGES=(
 )
 
 ductile_jobs() { nproc 2>/dev/null || echo 2; }
+
+# The virtual environment of the build, the tests and the benchmarks, inside
+# the repository (git-ignored).
+DUCTILE_VENV="$(pwd)/.venv"
+
+# A Python 3.11+ with venv and its headers: $DUCTILE_PYTHON, else python3 on
+# PATH, else Debian's.
+ductile_python_interpreter() {
+  local candidate
+  for candidate in "${DUCTILE_PYTHON:-}" python3 /usr/bin/python3; do
+    [ -n "$candidate" ] && command -v "$candidate" >/dev/null || continue
+    if "$candidate" - <<'PY' 2>/dev/null; then
+import ensurepip, os, sys, sysconfig, venv
+sys.exit(sys.version_info < (3, 11)
+         or not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))
+PY
+      command -v "$candidate"
+      return 0
+    fi
+  done
+  echo "error: no Python 3.11 or newer with the venv module and its headers" \
+       "(tried \$DUCTILE_PYTHON='${DUCTILE_PYTHON:-}', python3, /usr/bin/python3);" \
+       "set DUCTILE_PYTHON to one" >&2
+  exit 2
+}
+
+# Makes .venv/ and installs requirements.txt into it (see that file for the
+# two steps); skipped when the last install was of the same file by the same
+# interpreter.
+ductile_python_env() {
+  local python stamp want
+  python=$(ductile_python_interpreter)
+  stamp="$DUCTILE_VENV/.ductile-requirements"
+  want="$(sha256sum requirements.txt | cut -d' ' -f1) $("$python" -c 'import sys; print(sys.version)' | head -1)"
+  if [ -x "$DUCTILE_VENV/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+    return 0
+  fi
+  if [ -x "$DUCTILE_VENV/bin/python" ] && \
+     [ "$("$DUCTILE_VENV/bin/python" -c 'import sys; print(sys.version)' | head -1)" != \
+       "$("$python" -c 'import sys; print(sys.version)' | head -1)" ]; then
+    rm -rf "$DUCTILE_VENV"  # made by another interpreter
+  fi
+  echo "Installing the Python environment (.venv/, requirements.txt) for $python"
+  [ -x "$DUCTILE_VENV/bin/python" ] || "$python" -m venv "$DUCTILE_VENV"
+  local pip=("$DUCTILE_VENV/bin/python" -m pip install --disable-pip-version-check --no-input -q)
+  export PIP_ROOT_USER_ACTION=ignore
+  grep -v -E '^deepspeed==' requirements.txt > "$DUCTILE_VENV/.requirements-without-deepspeed.txt"
+  "${pip[@]}" -r "$DUCTILE_VENV/.requirements-without-deepspeed.txt"
+  DS_BUILD_OPS=0 "${pip[@]}" --no-build-isolation --no-deps "$(grep -E '^deepspeed==' requirements.txt)"
+  echo "$want" > "$stamp"
+}
 
 ductile_install_packages() {
   local missing=()
@@ -50,6 +102,9 @@ ductile_configure_and_build() {
   local dir=$1 type=$2 sanitize=$3
   shift 3
   local extra=("$@")
+  if [ -x "$DUCTILE_VENV/bin/python" ]; then
+    extra+=(-DDUCTILE_BUILD_PYTHON=ON -DDUCTILE_PYTHON_EXECUTABLE="$DUCTILE_VENV/bin/python")
+  fi
   if command -v ccache >/dev/null; then
     extra+=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
   fi

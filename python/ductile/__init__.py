@@ -6,7 +6,7 @@ scaling from ductile's C++ core and plugins.
     plan = ductile.batching.pack(lengths, max_tokens=4096)   # numpy in, numpy out
     import ductile.torch                                      # samplers, LR scheduler (needs torch)
 
-``import ductile`` needs numpy only; ``ductile.torch`` needs PyTorch (1.13 or 2.x).
+``import ductile`` needs numpy only; ``ductile.torch`` needs PyTorch 2.13 or newer.
 Every C++ error arrives as a subclass of :class:`ductile.Error` carrying the
 message the ``ductile`` CLI prints for the same input.
 """

@@ -150,8 +150,9 @@ def compute_elastic_config(ds_config, target_deepspeed_version, world_size=0,
 
     Returns ``(final_batch_size, valid_gpus)``; with ``world_size > 0`` or
     ``return_microbatch``: ``(final_batch_size, valid_gpus, micro_batch_size)``.
-    ``world_size`` is the total GPU count; for v0.2 without it, the
-    WORLD_SIZE environment variable is used as DeepSpeed does.
+    ``world_size`` is the total GPU count; for v0.2 without it, and for a
+    micro batch asked for without it, the WORLD_SIZE environment variable is
+    used as DeepSpeed does.
 
     Raises ElasticityConfigError (missing, disabled or invalid elasticity
     block), ElasticityIncompatibleWorldSize (world size not valid),
@@ -171,10 +172,17 @@ def compute_elastic_config(ds_config, target_deepspeed_version, world_size=0,
     handle = _policy_from_json(text, "ds_config", plugin_path)
     _check_target_version(target_deepspeed_version)
     requested = int(world_size)
-    if requested == 0 and handle.name == "v0.2":
-        env = os.environ.get("WORLD_SIZE", "")
-        if env.isnumeric():
+    if requested == 0 and (handle.name == "v0.2" or return_microbatch):
+        # DeepSpeed reads WORLD_SIZE for v0.2, and (since 0.19.7) for a
+        # micro batch asked for without a world size.
+        env = os.environ.get("WORLD_SIZE")
+        if env is not None and env.isnumeric():
             requested = int(env)
+        elif return_microbatch:
+            raise ElasticityConfigError(
+                f"Elasticity {handle.name} needs WORLD_SIZE to compute a micro batch size: give "
+                "it as the argument world_size of compute_elastic_config or in the environment "
+                f"variable WORLD_SIZE (an integer; it is {env!r})")
     result = handle.compute(requested, bool(return_microbatch))
     final_batch_size, valid_gpus = result["final_batch_size"], result["valid_gpus"]
     if world_size > 0 or return_microbatch:

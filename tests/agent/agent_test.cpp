@@ -96,7 +96,7 @@ double seconds_since(Clock::time_point t) {
 TEST_CASE("agent: 3 x 2 workers all-reduce - SIGKILL re-form - min_time admission") {
   Job job;
   std::string stop = (job.dir / "stop").string();
-  std::vector<std::string> worker = {DUCTILE_SYSTEM_PYTHON, DUCTILE_AGENT_WORKERS "/collective.py",
+  std::vector<std::string> worker = {DUCTILE_PYTHON, DUCTILE_AGENT_WORKERS "/collective.py",
                                      DUCTILE_CLI, job.config.string(), stop};
   // Default lease TTL, poll interval and stop grace; the scale-up delay is
   // shortened from the configuration's minutes to 20 s.
@@ -398,7 +398,7 @@ TEST_CASE("agent: zero3 workers resume from their checkpoint at the new world si
     bar = std::min(env_text.find('|', from), env_text.size());
     python.push_back(env_text.substr(from, bar - from));
   }
-  python.push_back(DUCTILE_SYSTEM_PYTHON);
+  python.push_back(DUCTILE_PYTHON);
   python.push_back(DUCTILE_AGENT_WORKERS "/zero3_resume.py");
 
   // The reference: one process, torch alone, the same global batch (24, the

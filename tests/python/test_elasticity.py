@@ -105,12 +105,25 @@ def test_return_shapes_follow_deepspeed():
     final, valid = compute_elastic_config(BASIC, "0.3.8")
     assert (final, valid[:3]) == (9792, [32, 34, 36])
     assert compute_elastic_config(BASIC, "0.9.0", world_size=64) == (9792, valid, 17)
-    # v0.1 with return_microbatch and no world size: DeepSpeed divides by 0.
-    with pytest.raises(ElasticityError):
+    # v0.1 with return_microbatch and no world size: WORLD_SIZE, as DeepSpeed
+    # 0.19.7 reads it (older releases divided by 0).
+    with pytest.raises(ElasticityConfigError, match="needs WORLD_SIZE"):
         compute_elastic_config(BASIC, "0.9.0", return_microbatch=True)
     v2 = {"elasticity": dict(BASIC["elasticity"], version=0.2, num_gpus_per_node=4)}
     final, valid, micro = compute_elastic_config(v2, "0.9.0", world_size=64, return_microbatch=True)
     assert final % (micro * 64) == 0
+
+
+def test_a_micro_batch_without_a_world_size_reads_world_size(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "64")
+    assert compute_elastic_config(BASIC, "0.9.0", return_microbatch=True) == \
+        compute_elastic_config(BASIC, "0.9.0", world_size=64)
+    monkeypatch.setenv("WORLD_SIZE", "33")
+    with pytest.raises(ElasticityIncompatibleWorldSize):
+        compute_elastic_config(BASIC, "0.9.0", return_microbatch=True)
+    monkeypatch.setenv("WORLD_SIZE", "lots")
+    with pytest.raises(ElasticityConfigError, match="it is 'lots'"):
+        compute_elastic_config(BASIC, "0.9.0", return_microbatch=True)
 
 
 def test_v02_reads_world_size_from_the_environment(monkeypatch):

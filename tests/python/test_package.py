@@ -1,6 +1,7 @@
 """The package itself: `import ductile` without torch (and without importing
-matplotlib), the README one-liner, and `cmake --install` giving an importable
-package that finds its plugins from the install prefix."""
+matplotlib), the README one-liner, `python -m ductile` running the CLI, and
+`cmake --install` giving an importable package that finds its plugins from
+the install prefix. (`pip install .`: test_pip_install.py.)"""
 
 import os
 import subprocess
@@ -35,10 +36,22 @@ def test_import_without_torch_and_without_matplotlib():
 
 def test_readme_one_liner():
     env = dict(os.environ, PYTHONPATH=os.path.join(BUILD, "python"))
-    proc = subprocess.run(["/usr/bin/python3", "-c", "import ductile; print(ductile.plugins())"],
+    proc = subprocess.run([sys.executable, "-c", "import ductile; print(ductile.plugins())"],
                           capture_output=True, text=True, timeout=120, env=env, cwd=SOURCE)
     assert proc.returncode == 0, proc.stderr
     assert "'greedy'" in proc.stdout and "'v0.1'" in proc.stdout
+
+
+def test_python_m_ductile_is_the_cli():
+    env = dict(os.environ, PYTHONPATH=os.path.join(BUILD, "python"))
+    ours = subprocess.run([sys.executable, "-m", "ductile", "plugins", "list"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    cli = subprocess.run([os.path.join(BUILD, "bin", "ductile"), "plugins", "list"],
+                         capture_output=True, text=True, timeout=120)
+    assert (ours.returncode, ours.stdout) == (0, cli.stdout)
+    bad = subprocess.run([sys.executable, "-m", "ductile", "elastic", "--world-size", "x"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert bad.returncode == 2 and "--world-size" in bad.stderr
 
 
 def test_cmake_install_gives_an_importable_package(tmp_path):

@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+import torch
 
-import ductile  # noqa: E402
-import ductile.torch as dt  # noqa: E402
-from ductile import batching  # noqa: E402
+import ductile
+import ductile.torch as dt
+from ductile import batching
 
 
 class Ramp(torch.utils.data.Dataset):

@@ -17,10 +17,10 @@ import sys
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+import torch
 
-from ductile import batching  # noqa: E402
-from conftest import data  # noqa: E402
+from ductile import batching
+from conftest import data
 
 WORKER = os.path.join(os.path.dirname(__file__), "train_worker.py")
 WORLD = 2

@@ -12,10 +12,10 @@ import sys
 
 import pytest
 
-torch = pytest.importorskip("torch")
+import torch
 
-import ductile  # noqa: E402
-import ductile.torch.zero3 as zero3  # noqa: E402
+import ductile
+import ductile.torch.zero3 as zero3
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -95,6 +95,17 @@ def features(tmp_path_factory):
     plain = run(tmp, "plain", dict(spec, mode="plain"))
     zero = run(tmp, "np2", dict(spec, mode="zero3", eval_after=8), ranks=2)
     return plain, zero
+
+
+@pytest.fixture(scope="module")
+def backward_variants(tmp_path_factory):
+    """2 ranks, 8 steps, of the model whose blocks run under non-reentrant
+    activation checkpointing, and of the one whose layers get their input by
+    keyword."""
+    tmp = tmp_path_factory.mktemp("zero3_backward")
+    return {option: run(tmp, option, {"mode": "zero3", "steps": 8, "model": {option: True}},
+                        ranks=2)
+            for option in ("checkpoint", "keyword_calls")}
 
 
 def relative(a, b):
@@ -178,6 +189,31 @@ def test_shared_modules_external_and_frozen_parameters_match_plain_torch(feature
     assert_losses_match(zero["losses"], plain["losses"], range(8))
     assert torch.equal(zero_params["lm.pos.weight"], plain_params["lm.pos.weight"])
     assert_params_match(zero_params, plain_params)
+
+
+def test_activation_checkpointing_trains_as_plain_torch(runs, backward_variants):
+    """Blocks under torch.utils.checkpoint(use_reentrant=False): their forward
+    runs again inside backward, over parameters the engine keeps gathered
+    until each module's backward is done."""
+    result = backward_variants["checkpoint"][0]
+    assert_losses_match(result["losses"], runs["plain"][0]["losses"], range(8))
+    for counts in result["per_step"][1:]:
+        assert counts["trace_invalidations"] == 0
+        assert counts["prefetched_params"] > counts["demand_gathered_params"]
+
+
+def test_a_module_is_released_when_its_backward_is_done(runs, backward_variants):
+    """The release after a module's backward waits for the gradients of its
+    inputs, positional or keyword; a module whose inputs need no gradient
+    (the embeddings: token ids) is released at the end of backward."""
+    layers = [f"blocks.{i}.{m}" for i in range(4) for m in ("ln1", "qkv", "proj", "ln2", "up",
+                                                            "down")]
+    baseline = set(runs["np2"][0]["released_in_backward"])
+    assert set(layers + ["ln_f", "head"]) <= baseline
+    assert not {"embed", "pos"} & baseline
+    keywords = backward_variants["keyword_calls"][0]
+    assert set(keywords["released_in_backward"]) == baseline
+    assert_losses_match(keywords["losses"], runs["plain"][0]["losses"], range(8))
 
 
 def test_an_eval_pass_invalidates_the_trace_once_and_training_goes_on(features):

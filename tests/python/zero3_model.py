@@ -11,15 +11,20 @@ import os
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 CORPUS = os.path.join(os.environ.get("DUCTILE_TEST_DATA_DIR", os.path.join(
     os.path.dirname(__file__), "..", "data")), "text", "gpl-3.0.txt")
 
 
 class Block(nn.Module):
-    def __init__(self, d, heads):
+    """`keyword_calls`: the block's layers get their input by keyword
+    (`self.up(input=h)`), as a module's hooks see kwargs, not args."""
+
+    def __init__(self, d, heads, keyword_calls=False):
         super().__init__()
         self.heads = heads
+        self.keyword_calls = keyword_calls
         self.ln1 = nn.LayerNorm(d)
         # No bias: a key bias cannot change attention (softmax is shift-
         # invariant), so its gradient is rounding noise, which Adam would
@@ -30,28 +35,36 @@ class Block(nn.Module):
         self.up = nn.Linear(d, 4 * d)
         self.down = nn.Linear(4 * d, d)
 
+    def call(self, layer, h):
+        return layer(input=h) if self.keyword_calls else layer(h)
+
     def forward(self, x):
         b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = self.call(self.qkv, self.call(self.ln1, x)).split(d, dim=-1)
         shape = (b, t, self.heads, d // self.heads)
         q, k, v = (z.reshape(shape).transpose(1, 2) for z in (q, k, v))
         scores = q @ k.transpose(-2, -1) / math.sqrt(d // self.heads)
         causal = torch.ones(t, t, dtype=torch.bool).triu(1)
         att = scores.masked_fill(causal, float("-inf")).softmax(-1)
         y = (att @ v).transpose(1, 2).reshape(b, t, d)
-        x = x + self.proj(y)
-        return x + self.down(F.gelu(self.up(self.ln2(x))))
+        x = x + self.call(self.proj, y)
+        up = self.call(self.up, self.call(self.ln2, x))
+        return x + self.call(self.down, F.gelu(up))
 
 
 class TiedLM(nn.Module):
     """Embedding tied to the head; `reuse_first_block` runs blocks[0] again
-    after the last block (a module called twice per pass)."""
+    after the last block (a module called twice per pass); `checkpoint` runs
+    each block under non-reentrant activation checkpointing (its forward is
+    computed again in backward)."""
 
-    def __init__(self, vocab=256, d=64, heads=4, layers=4, context=32, reuse_first_block=False):
+    def __init__(self, vocab=256, d=64, heads=4, layers=4, context=32, reuse_first_block=False,
+                 checkpoint=False, keyword_calls=False):
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
         self.pos = nn.Embedding(context, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(d, heads, keyword_calls) for _ in range(layers))
+        self.checkpoint = checkpoint
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.embed.weight
@@ -61,7 +74,10 @@ class TiedLM(nn.Module):
         t = tokens.shape[1]
         x = self.embed(tokens) + self.pos(torch.arange(t))
         for block in self.blocks:
-            x = block(x)
+            if self.checkpoint and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         if self.reuse_first_block:
             x = self.blocks[0](x)
         return self.head(self.ln_f(x))

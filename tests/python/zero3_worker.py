@@ -9,8 +9,9 @@ save_at (steps after which to save to out/step<k>), zero_config (TOML path),
 model (TiedLM keyword arguments), external (declare the root's use of
 blocks[-1].up.weight), frozen (parameter names that get no gradient),
 eval_after (after this many steps: one no_grad pass, then two more steps),
-lr. Rank 0 writes out/result.json (per-step losses and coordinator
-counters) and out/params.pt (the final parameters, whole).
+lr. Rank 0 writes out/result.json (per-step losses, coordinator counters,
+the modules released while backward ran) and out/params.pt (the final
+parameters, whole).
 """
 
 import json
@@ -86,11 +87,14 @@ def run_zero3(spec):
         "shard_numel": sum(p.numel() for p in engine.shard_parameters()),
     }
     bound = {"worst": 0, "checks": 0}
+    released_in_backward = set()
 
     def check_live(event, module, s):
         bound["checks"] += 1
         over = s["live_numel"] - (s["max_live_numel"] + s["largest_module_numel"])
         bound["worst"] = max(bound["worst"], over)
+        if event == "release" and engine._backward_active:
+            released_in_backward.add(module)
 
     engine.module_callback = check_live
     client = engine.load(spec["load"]) if spec.get("load") else None
@@ -143,6 +147,7 @@ def run_zero3(spec):
             json.dump({"losses": losses, "per_step": per_step, "memory": memory,
                        "bound": bound, "world": world, "client_state": client,
                        "evaluation": evaluation, "trace": engine.trace(),
+                       "released_in_backward": sorted(released_in_backward),
                        "stats": {k: v for k, v in final.items()}}, f)
 
 

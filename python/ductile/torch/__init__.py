@@ -16,8 +16,7 @@ packing pipeline (``ductile.batching.pack``) and the lr plugins.
             if (i + 1) % sampler.gradient_accumulation_steps == 0:
                 optimizer.step(); scheduler.step(); optimizer.zero_grad()
 
-Written against the API torch 1.13 and 2.x share. Nothing here computes a
-packing or a learning rate: both come from C++.
+Nothing here computes a packing or a learning rate: both come from C++.
 """
 
 import numpy as np

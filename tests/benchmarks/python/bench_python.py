@@ -6,8 +6,11 @@
    the goal is under 1 % of a step.
 2. ductile.elasticity.compute_elastic_config per call, against the figures
    of plugins/elasticity/README.md ("well under 1 ms per call up to 2^40").
+3. The rival in the same run: DeepSpeed's own compute_elastic_config and
+   batch_by_seqlens (the release of requirements.txt) on the same inputs,
+   with the ratio.
 
-  PYTHONPATH=build/python /usr/bin/python3 tests/benchmarks/python/bench_python.py
+  PYTHONPATH=build/python .venv/bin/python tests/benchmarks/python/bench_python.py
 """
 
 import os
@@ -116,7 +119,42 @@ def bench_elasticity():
         print(f"  {name:40s} {repeat * 1e6:10.1f} us  (first call {first * 1e6:.0f} us)")
 
 
+def bench_against_deepspeed():
+    import logging
+    import warnings
+
+    import numpy as np
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import deepspeed
+        from deepspeed.elasticity import compute_elastic_config as deepspeed_elastic
+        from deepspeed.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr import \
+            batch_by_seqlens
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    print(f"against DeepSpeed {deepspeed.__version__}, same process, same inputs (medians):")
+    for name, config in CONFIGS.items():
+        if "policy" in config["elasticity"]:
+            continue  # DeepSpeed has no such policy
+        world = 64 if "world size" in name else 0
+        if config["elasticity"]["max_gpus"] > 10 ** 6:
+            print(f"  {name:40s} DeepSpeed not run: its GPU-count scan is linear in max_gpus")
+            continue
+        ours = median_time(lambda: compute_elastic_config(config, "0.9.0", world), 200)
+        theirs = median_time(lambda: deepspeed_elastic(config, "0.9.0", world), 20)
+        print(f"  {name:40s} ductile {ours * 1e6:9.1f} us  DeepSpeed {theirs * 1e6:9.1f} us"
+              f"  {theirs / ours:7.1f}x")
+    path = os.path.join(ROOT, "tests", "data", "lengths", "sharegpt_opt_first_turn_lengths.csv")
+    lengths = np.loadtxt(path, delimiter=",", skiprows=1, usecols=0, dtype=np.int64)[:2000]
+    kwargs = dict(max_tokens=4096, effective_batch_size=2)
+    ours = median_time(lambda: ductile.batching.pack(lengths, **kwargs), 50)
+    listed = lengths.tolist()
+    theirs = median_time(lambda: batch_by_seqlens(listed, **kwargs), 3)
+    print(f"  {'pack 2,000 ShareGPT lengths, 4,096 tokens':40s} ductile {ours * 1e3:9.2f} ms"
+          f"  DeepSpeed {theirs * 1e3:9.1f} ms  {theirs / ours:7.0f}x")
+
+
 if __name__ == "__main__":
     print(f"ductile {ductile.__version__}, Python {sys.version.split()[0]}")
     bench_elasticity()
+    bench_against_deepspeed()
     bench_sampler_and_scheduler()

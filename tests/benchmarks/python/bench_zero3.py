@@ -10,7 +10,7 @@ gather wait that prefetch hides, and peak parameter bytes per rank:
 - zero3 without prefetch (prefetch_bucket_size = 0): every gather waited;
 - zero3 with prefetch (the coordinator's trace drives it).
 
-  PYTHONPATH=build/python /usr/bin/python3 tests/benchmarks/python/bench_zero3.py [STEPS [ROUNDS]]
+  PYTHONPATH=build/python .venv/bin/python tests/benchmarks/python/bench_zero3.py [STEPS [ROUNDS]]
 
 Hidden = 1 - (fetch wait with prefetch) / (fetch wait without), per step.
 CPU ms per step of rank 0's threads: the training thread ("main") and all

@@ -19,11 +19,10 @@ reduce-scattered (averaged over ranks) into a gradient shard as soon as
 autograd has produced it; the optimizer, built by ``optimizer_factory`` over
 the shards, steps on shards.
 
-Runs on torch 1.13 and 2.x with the same hooks (forward pre/post hooks and
-autograd functions; no backward pre-hooks). Limits: tensors passed to a
-module by keyword do not delay its release in backward (the release then
-happens at the end of backward); a parameter used by a module it does not
-belong to must be declared with ``register_external_parameter``;
+Backward uses torch 2's multi-gradient hooks on each module's outputs
+(fetch) and inputs, positional and keyword (release); non-reentrant
+activation checkpointing works. Limits: a parameter used by a module it
+does not belong to must be declared with ``register_external_parameter``;
 ``model.state_dict()`` sees the empty placeholders: use
 ``engine.full_parameters()`` or ``engine.save()``.
 """

@@ -19,6 +19,7 @@ in between can never leave autograd reading freed memory.
 
 import bisect
 import collections
+import functools
 
 import torch
 
@@ -163,6 +164,11 @@ class Zero3Engine:
         self._make_shards()
 
         self._fetched = [0] * len(self._module_params)
+        # Fetches of modules run again inside backward (activation
+        # checkpointing recomputes them): held until the module's backward
+        # is done, since the recomputed saved tensors point into the copy.
+        self._recompute_holds = [0] * len(self._module_params)
+        self._grad_hooks = []      # this pass's backward hook handles
         self._live_starts = []     # sorted addresses of materialized copies
         self._live = []            # their _Param, same order
         self._pass_open = False
@@ -263,8 +269,10 @@ class Zero3Engine:
                 guarded = _GuardedParameters(module._parameters)
                 guarded.engine = self
                 module.__dict__["_parameters"] = guarded
-            self._handles.append(module.register_forward_pre_hook(_pre_forward_hook(self, mid)))
-            self._handles.append(module.register_forward_hook(_post_forward_hook(self, mid)))
+            self._handles.append(module.register_forward_pre_hook(
+                _pre_forward_hook(self, mid), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(
+                _post_forward_hook(self, mid), with_kwargs=True))
 
     def _placeholder(self, dtype):
         t = self._placeholders.get(dtype)
@@ -290,10 +298,7 @@ class Zero3Engine:
             self._session.shard_written(info.id)
 
     def _end_pass(self):
-        for mid, count in enumerate(self._fetched):
-            if count:
-                self._fetched[mid] = 1
-                self._release(mid)
+        self._release_everything()
         self._gradients.drain()
         self._session.end_step()
         self._pass_open = False
@@ -413,20 +418,38 @@ class Zero3Engine:
         other ranks may not have failed), so the next pass starts clean."""
         self._module_stack.clear()
         self._backward_active = False
+        self._release_everything()
+        self._gradients.abandon()
+
+    def _release_everything(self):
+        """The end of a pass: every module still fetched is released, and the
+        backward hooks of modules whose backward did not run are dropped (a
+        hook on a tensor that outlives the pass would fire in a later one)."""
+        for handle in self._grad_hooks:
+            handle.remove()
+        self._grad_hooks = []
         for mid, count in enumerate(self._fetched):
+            self._recompute_holds[mid] = 0
             if count:
                 self._fetched[mid] = 1
                 self._release(mid)
-        self._gradients.abandon()
 
-    def _pre_backward(self, mid):
+    def _enter_backward(self):
+        """Called from inside autograd's backward: the first call of a pass
+        queues the end of the pass for when the backward is done."""
         if not self._backward_active:
             self._backward_active = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _pre_backward(self, mid):
+        self._enter_backward()
         self._fetch(mid)
 
     def _post_backward(self, mid):
         self._release(mid)
+        holds, self._recompute_holds[mid] = self._recompute_holds[mid], 0
+        for _ in range(holds):
+            self._release(mid)
 
     def _end_backward(self):
         self._backward_active = False
@@ -544,21 +567,46 @@ class Zero3Engine:
         return _checkpoint.load(self, directory)
 
 
+def _inside_backward():
+    """True while autograd's engine runs a backward on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _pre_forward_hook(engine, mid):
-    def hook(module, inputs):
+    post_backward = functools.partial(engine._post_backward, mid)
+
+    def hook(module, args, kwargs):
+        if _inside_backward():
+            engine._enter_backward()
+            # A recomputation inside backward (non-reentrant activation
+            # checkpointing): autograd keeps what it recomputes, views of the
+            # gathered copy among them, until this module's backward, so the
+            # module stays fetched until then (counted now: a recomputation
+            # that torch stops early never reaches the forward hook).
+            engine._fetch(mid)
+            engine._recompute_holds[mid] += 1
+            return None
         engine._module_stack.append(engine._module_names[mid])
         engine._fetch(mid)
         if torch.is_grad_enabled():
-            return _hooks.wrap_inputs(engine, mid, inputs)
+            handle = _hooks.after_backward(post_backward, args, kwargs)
+            if handle is not None:
+                engine._grad_hooks.append(handle)
         return None
     return hook
 
 
 def _post_forward_hook(engine, mid):
-    def hook(module, inputs, output):
+    pre_backward = functools.partial(engine._pre_backward, mid)
+
+    def hook(module, args, kwargs, output):
+        if _inside_backward():
+            return None  # a recomputation: released after the module's backward
         engine._module_stack.pop()
         engine._release(mid)
         if torch.is_grad_enabled():
-            return _hooks.wrap_outputs(engine, mid, output)
+            handle = _hooks.before_backward(pre_backward, output)
+            if handle is not None:
+                engine._grad_hooks.append(handle)
         return None
     return hook

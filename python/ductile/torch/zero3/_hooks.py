@@ -1,84 +1,60 @@
-"""The autograd pieces of the engine's module hooks, on the API torch 1.13
-and 2.x share (no backward pre-hooks, which came in 2.0):
+"""The backward half of the engine's module hooks, on torch 2.x's
+``torch.autograd.graph.register_multi_grad_hook``:
 
-- ``wrap_outputs`` passes a module's outputs through an identity autograd
-  node after its forward: the node's backward runs before the module's own
-  backward nodes, and fetches the module.
-- ``wrap_inputs`` does the same to a module's inputs before its forward: the
-  node's backward runs once gradients have reached the inputs, after the
-  module's own backward nodes (they were created later, so autograd runs
-  them first), and releases the module.
-Both find the tensors that require grad in a (nested) tuple, list or dict
-and keep the structure.
+- ``before_backward`` hooks a module's outputs: the first gradient that
+  reaches any of them (mode "any") fetches the module again, right before
+  autograd runs the module's own backward nodes;
+- ``after_backward`` hooks a module's inputs, positional and keyword: once
+  the gradients of all of them that take part in this backward are in (mode
+  "all"), the module's backward is done and it is released.
+
+Nothing is inserted into the graph and no tensor is replaced: the module's
+outputs reach the caller as the module returned them (no identity autograd
+node, no rebuilt containers), so in-place operations on them and custom
+output types behave as without ductile. ``register_full_backward_pre_hook``
+would wrap inputs and outputs in a ``BackwardHookFunction`` node (which
+refuses in-place changes of a module's output views) and, for a module whose
+inputs need no gradient, would call its backward hook before the module's
+backward has run.
 """
-
-import functools
 
 import torch
 
-
-class _Boundary(torch.autograd.Function):
-    """Identity in forward; its backward runs `action` (a module's fetch or
-    release) once, when the gradients of all the tensors it wrapped are in."""
-
-    @staticmethod
-    def forward(ctx, action, *tensors):
-        ctx.action = action
-        return tuple(t.detach() for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.action()
-        return (None,) + grads
+_register_multi_grad_hook = torch.autograd.graph.register_multi_grad_hook
 
 
-def _collect(value, out):
-    if isinstance(value, torch.Tensor):
-        if value.requires_grad:
-            out.append(value)
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            _collect(v, out)
-    elif isinstance(value, dict):
-        for v in value.values():
-            _collect(v, out)
+def tensors_requiring_grad(*values):
+    """The distinct tensors that require grad in (nested) tuples, lists and
+    dicts (a ModelOutput is a dict), in order of appearance."""
+    found = {}
+    stack = list(reversed(values))
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            if value.requires_grad:
+                found.setdefault(id(value), value)
+        elif isinstance(value, (tuple, list)):
+            stack.extend(reversed(value))
+        elif isinstance(value, dict):
+            stack.extend(reversed(list(value.values())))
+    return list(found.values())
 
 
-def _rebuild(value, replaced):
-    if isinstance(value, torch.Tensor):
-        return replaced.get(id(value), value)
-    if isinstance(value, tuple):
-        items = [_rebuild(v, replaced) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    if isinstance(value, list):
-        return type(value)(_rebuild(v, replaced) for v in value)
-    if isinstance(value, dict):
-        rebuilt = {k: _rebuild(v, replaced) for k, v in value.items()}
-        try:
-            return type(value)(rebuilt)
-        except TypeError:
-            return rebuilt
-    return value
-
-
-def wrap(action, value):
-    """`value` with every tensor that requires grad passed through one
-    _Boundary node running `action` in backward; None when there is none, so
-    the caller keeps `value` as it is."""
-    tensors = []
-    _collect(value, tensors)
+def before_backward(action, outputs):
+    """Runs ``action()`` when the first gradient with respect to one of
+    ``outputs`` is computed; returns the hook handle, or None when no output
+    requires grad (no backward will reach the module)."""
+    tensors = tensors_requiring_grad(outputs)
     if not tensors:
         return None
-    unique = list({id(t): t for t in tensors}.values())
-    outputs = _Boundary.apply(action, *unique)
-    return _rebuild(value, {id(t): o for t, o in zip(unique, outputs)})
+    return _register_multi_grad_hook(tensors, lambda grad: action(), mode="any")
 
 
-def wrap_outputs(engine, module_id, output):
-    """Before the module's backward: fetch it again."""
-    return wrap(functools.partial(engine._pre_backward, module_id), output)
-
-
-def wrap_inputs(engine, module_id, inputs):
-    """After the module's backward (its inputs' gradients are in): release it."""
-    return wrap(functools.partial(engine._post_backward, module_id), inputs)
+def after_backward(action, inputs, kwargs):
+    """Runs ``action()`` when the gradients with respect to every input that
+    this backward computes are in; returns the hook handle, or None when no
+    input requires grad (the release then waits for the end of the pass)."""
+    tensors = tensors_requiring_grad(inputs, kwargs)
+    if not tensors:
+        return None
+    return _register_multi_grad_hook(tensors, lambda grads: action(), mode="all")

@@ -1,0 +1,118 @@
+"""`pip install .` from the source tree into a new virtual environment (the
+PEP 517 build through scikit-build-core, Release), as a user does it:
+
+    python3 -m venv v && v/bin/pip install . && v/bin/ductile --version
+    v/bin/python -c "import ductile.torch.zero3"
+
+with requirements.txt as pip's constraints (PIP_CONSTRAINT, which the
+isolated build environment inherits too), so that torch resolves to the CPU
+wheel this machine keeps on disk and the build tools to the pinned ones.
+Then the installed package, with no environment variable pointing anywhere,
+finds its plugins inside itself and trains a model with zero3.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import SOURCE
+
+BUILD = os.environ["DUCTILE_BINARY_DIR"]
+
+
+def clean_environment(tmp_path):
+    """This process's environment without what the test tree sets: no
+    sanitizer runtime preloaded, no package or plugin path, no ductile
+    variable."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("DUCTILE_", "ASAN_", "UBSAN_", "PYTHON"))
+           and k not in ("LD_PRELOAD", "DEEPSPEED_ELASTICITY_CONFIG", "PIP_CONSTRAINT")}
+    env.update(PIP_CONSTRAINT=os.path.join(SOURCE, "requirements.txt"),
+               PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1",
+               PIP_ROOT_USER_ACTION="ignore", HOME=str(tmp_path))
+    return env
+
+
+def run(command, env, cwd, timeout=120):
+    proc = subprocess.run([str(c) for c in command], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=cwd)
+    assert proc.returncode == 0, (
+        f"{command} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc.stdout
+
+
+ZERO3_CHECK = r"""
+import json, os, sys
+import torch
+import ductile, ductile.torch.zero3 as zero3
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+plain = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+plain.load_state_dict(model.state_dict())
+config = {"accelerator": {"backend": "cpu"}, "zero": {"coordinator": "partitioned"}}
+engine = zero3.initialize(model, lambda ps: torch.optim.SGD(ps, lr=0.1), config)
+reference = torch.optim.SGD(plain.parameters(), lr=0.1)
+x, y = torch.randn(32, 8), torch.randn(32, 1)
+losses = []
+for _ in range(3):
+    loss = torch.nn.functional.mse_loss(engine(x), y)
+    engine.backward(loss)
+    engine.step()
+    ref = torch.nn.functional.mse_loss(plain(x), y)
+    ref.backward()
+    reference.step()
+    reference.zero_grad()
+    losses.append([loss.item(), ref.item()])
+print(json.dumps({"file": ductile.__file__, "version": ductile.__version__,
+                  "torch": torch.__version__, "losses": losses,
+                  "plugins": sorted(p["file"] for p in ductile.plugins())}))
+"""
+
+
+def test_pip_install_gives_the_cli_and_the_package_with_its_plugins(tmp_path):
+    env = clean_environment(tmp_path)
+    venv = tmp_path / "v"
+    run([sys.executable, "-m", "venv", venv], env, tmp_path)
+    run([venv / "bin" / "pip", "install", SOURCE], env, tmp_path, timeout=1500)
+
+    # The command on PATH is the C++ CLI of this build.
+    version = run([venv / "bin" / "ductile", "--version"], env, tmp_path)
+    built = run([os.path.join(BUILD, "bin", "ductile"), "--version"], env, tmp_path)
+    assert version == built and version.strip()
+    job = tmp_path / "ds.json"
+    job.write_text(json.dumps({"elasticity": {"enabled": True, "max_train_batch_size": 2000,
+                                              "micro_batch_sizes": [2, 4, 6], "version": 0.1}}))
+    answer = json.loads(run([venv / "bin" / "ductile", "elastic", "--config", job,
+                             "--world-size", 8, "--json"], env, tmp_path))
+    assert answer["final_batch_size"] == 1680 and answer["micro_batch_size"] == 6
+
+    # The package: imported from the venv, plugins from inside it, zero3 trains.
+    out = json.loads(run([venv / "bin" / "python", "-c", ZERO3_CHECK], env, tmp_path))
+    site = run([venv / "bin" / "python", "-c",
+                "import sysconfig; print(sysconfig.get_paths()['platlib'])"], env,
+               tmp_path).strip()
+    package = os.path.join(site, "ductile")
+    assert out["file"] == os.path.join(package, "__init__.py")
+    assert out["version"] == version.split()[1]
+    assert out["torch"].startswith("2.")
+    assert out["plugins"] and all(
+        f.startswith(os.path.join(package, "lib", "ductile", "plugins") + os.sep)
+        for f in out["plugins"])
+    names = {os.path.basename(f) for f in out["plugins"]}
+    assert {"libductile_elasticity_v0.1.so", "libductile_batching_greedy.so",
+            "libductile_zero_partitioned.so", "libductile_accelerator_cpu.so"} <= names
+    for ours, reference in out["losses"]:
+        assert abs(ours - reference) <= 1e-6 * abs(reference), out["losses"]
+    # Relocatable: every library and program finds the others through
+    # $ORIGIN, never through a path of the build that made them.
+    binaries = [os.path.join(root, f) for root, _, files in os.walk(package) for f in files
+                if ".so" in f or root.endswith(os.path.join("ductile", "bin"))]
+    assert len(binaries) > 10
+    for binary in binaries:
+        dynamic = run(["readelf", "-d", binary], env, tmp_path)
+        for line in dynamic.splitlines():
+            if "(RUNPATH)" in line or "(RPATH)" in line:
+                paths = line.split("[", 1)[1].rstrip("]").split(":")
+                assert all(p.startswith("$ORIGIN") for p in paths), (binary, line)
