@@ -288,6 +288,42 @@ def test_one_rank_trains_and_close_gives_the_parameters_back():
     loss_of(model(x), y).backward()  # a plain model again
 
 
+def test_module_outputs_reach_the_caller_untouched():
+    """A Hugging Face ModelOutput returned by a hooked module is the object
+    the module made, and in-place changes of its tensors train as in plain
+    torch."""
+    from transformers.modeling_outputs import CausalLMOutput
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            self.made = CausalLMOutput(logits=self.proj(x))
+            return self.made
+
+    torch.manual_seed(0)
+    model, plain = Head(), Head()
+    plain.load_state_dict(model.state_dict())
+    engine = zero3.initialize(model, lambda ps: torch.optim.SGD(ps, lr=0.5), CONFIG)
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.5)
+    x = torch.randn(5, 4)
+    for _ in range(3):
+        out = engine(x)
+        assert out is model.made and type(out) is CausalLMOutput
+        out.logits.mul_(2)
+        engine.backward(out.logits.square().mean())
+        engine.step()
+        ref = plain(x)
+        ref.logits.mul_(2)
+        ref.logits.square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for name, value in engine.full_parameters().items():
+        assert torch.allclose(value, dict(plain.named_parameters())[name], rtol=1e-6, atol=1e-7)
+
+
 def test_all_reduce_refuses_bad_arguments():
     engine = local_engine(optimizer=False)
     with pytest.raises(ductile.InvalidArgumentError, match="op 'avg' is unknown"):

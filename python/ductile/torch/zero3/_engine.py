@@ -589,9 +589,7 @@ def _pre_forward_hook(engine, mid):
         engine._module_stack.append(engine._module_names[mid])
         engine._fetch(mid)
         if torch.is_grad_enabled():
-            handle = _hooks.after_backward(post_backward, args, kwargs)
-            if handle is not None:
-                engine._grad_hooks.append(handle)
+            engine._grad_hooks.extend(_hooks.after_backward(post_backward, args, kwargs))
         return None
     return hook
 
@@ -605,8 +603,6 @@ def _post_forward_hook(engine, mid):
         engine._module_stack.pop()
         engine._release(mid)
         if torch.is_grad_enabled():
-            handle = _hooks.before_backward(pre_backward, output)
-            if handle is not None:
-                engine._grad_hooks.append(handle)
+            engine._grad_hooks.extend(_hooks.before_backward(pre_backward, output))
         return None
     return hook

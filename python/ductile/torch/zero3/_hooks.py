@@ -1,21 +1,24 @@
-"""The backward half of the engine's module hooks, on torch 2.x's
-``torch.autograd.graph.register_multi_grad_hook``:
+"""The backward half of the engine's module hooks, on torch 2's tensor
+hooks:
 
 - ``before_backward`` hooks a module's outputs: the first gradient that
-  reaches any of them (mode "any") fetches the module again, right before
-  autograd runs the module's own backward nodes;
+  reaches any of them fetches the module again, right before autograd runs
+  the module's own backward nodes;
 - ``after_backward`` hooks a module's inputs, positional and keyword: once
-  the gradients of all of them that take part in this backward are in (mode
-  "all"), the module's backward is done and it is released.
+  the gradients of all of them that take part in this backward are in
+  (``torch.autograd.graph.register_multi_grad_hook``, mode "all", for more
+  than one), the module's backward is done and it is released.
 
 Nothing is inserted into the graph and no tensor is replaced: the module's
-outputs reach the caller as the module returned them (no identity autograd
-node, no rebuilt containers), so in-place operations on them and custom
-output types behave as without ductile. ``register_full_backward_pre_hook``
-would wrap inputs and outputs in a ``BackwardHookFunction`` node (which
-refuses in-place changes of a module's output views) and, for a module whose
-inputs need no gradient, would call its backward hook before the module's
-backward has run.
+outputs reach the caller as the module returned them, so a custom output
+type (a Hugging Face ``ModelOutput``), tensor identity and in-place changes
+behave as without ductile. Before torch 2 the engine passed inputs and
+outputs through an identity autograd function, which rebuilt the output
+containers and saw positional inputs only. ``register_full_backward_pre_hook``
+wraps them in a ``BackwardHookFunction`` node, which refuses in-place changes
+of a module's output, and calls a module's backward hook before its backward
+when no input needs a gradient. tests/benchmarks/python/bench_hooks.py
+measures all of them.
 """
 
 import torch
@@ -40,21 +43,39 @@ def tensors_requiring_grad(*values):
     return list(found.values())
 
 
+def _once_per_backward(action):
+    """A tensor hook running ``action()`` at its first call in each backward
+    (a retained graph may be differentiated again)."""
+    last = [None]
+
+    def hook(grad):
+        task = torch._C._current_graph_task_id()
+        if last[0] != task:
+            last[0] = task
+            action()
+    return hook
+
+
 def before_backward(action, outputs):
     """Runs ``action()`` when the first gradient with respect to one of
-    ``outputs`` is computed; returns the hook handle, or None when no output
-    requires grad (no backward will reach the module)."""
-    tensors = tensors_requiring_grad(outputs)
-    if not tensors:
-        return None
-    return _register_multi_grad_hook(tensors, lambda grad: action(), mode="any")
+    ``outputs`` is computed; returns the hook handles (none when no output
+    requires grad: no backward will reach the module).
+
+    The same as ``register_multi_grad_hook(outputs, ..., mode="any")``, with
+    a plain tensor hook per output: a third of the cost per module and pass
+    (tests/benchmarks/python/bench_hooks.py)."""
+    hook = _once_per_backward(action)
+    return [t.register_hook(hook) for t in tensors_requiring_grad(outputs)]
 
 
 def after_backward(action, inputs, kwargs):
     """Runs ``action()`` when the gradients with respect to every input that
-    this backward computes are in; returns the hook handle, or None when no
-    input requires grad (the release then waits for the end of the pass)."""
+    this backward computes are in; returns the hook handles (none when no
+    input requires grad: the release then waits for the end of the pass).
+    One input, the usual case, needs only its own tensor hook."""
     tensors = tensors_requiring_grad(inputs, kwargs)
+    if len(tensors) == 1:
+        return [tensors[0].register_hook(_once_per_backward(action))]
     if not tensors:
-        return None
-    return _register_multi_grad_hook(tensors, lambda grads: action(), mode="all")
+        return []
+    return [_register_multi_grad_hook(tensors, lambda grads: action(), mode="all")]
