@@ -65,12 +65,20 @@ ductile_python_env() {
   fi
   echo "Installing the Python environment (.venv/, requirements.txt) for $python"
   [ -x "$DUCTILE_VENV/bin/python" ] || "$python" -m venv "$DUCTILE_VENV"
-  local pip=("$DUCTILE_VENV/bin/python" -m pip install --disable-pip-version-check --no-input -q)
+  local pip=(ductile_pip "$DUCTILE_VENV/bin/python" -m pip install --disable-pip-version-check
+             --no-input -q)
   export PIP_ROOT_USER_ACTION=ignore
   grep -v -E '^deepspeed==' requirements.txt > "$DUCTILE_VENV/.requirements-without-deepspeed.txt"
   "${pip[@]}" -r "$DUCTILE_VENV/.requirements-without-deepspeed.txt"
   DS_BUILD_OPS=0 "${pip[@]}" --no-build-isolation --no-deps "$(grep -E '^deepspeed==' requirements.txt)"
   echo "$want" > "$stamp"
+}
+
+# Runs pip without the line it prints for every package that an
+# extra-index-url folder of this machine's pip configuration lacks; pip's
+# exit status is kept (pipefail).
+ductile_pip() {
+  "$@" 2>&1 | { grep -v -e "is ignored: it is neither a file nor a directory" || true; }
 }
 
 ductile_install_packages() {

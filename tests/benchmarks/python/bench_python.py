@@ -103,6 +103,14 @@ CONFIGS = {
     "v0.1, cap 2^40, max_gpus 2^40": {"elasticity": {
         "enabled": True, "max_train_batch_size": 2 ** 40, "micro_batch_sizes": [2, 3, 5, 7],
         "min_gpus": 1, "max_gpus": 2 ** 40, "version": 0.1}},
+    "v0.1, cap 10^6, 9 micro batches, GPUs 32..4,096": {"elasticity": {
+        "enabled": True, "max_train_batch_size": 10 ** 6,
+        "micro_batch_sizes": [2, 4, 6, 8, 12, 16, 17, 24, 32], "min_gpus": 32, "max_gpus": 4096,
+        "version": 0.1}},
+    "v0.1, cap 10^6, 9 micro batches, GPUs 1..100,000": {"elasticity": {
+        "enabled": True, "max_train_batch_size": 10 ** 6,
+        "micro_batch_sizes": [2, 4, 6, 8, 12, 16, 17, 24, 32], "min_gpus": 1,
+        "max_gpus": 100000, "version": 0.1}},
     "optimal, cap 100000": {"elasticity": {
         "enabled": True, "policy": "optimal", "max_train_batch_size": 100000,
         "micro_batch_sizes": [2, 4, 6], "min_gpus": 1, "max_gpus": 10000}},
@@ -116,7 +124,7 @@ def bench_elasticity():
         world = 64 if "world size" in name else 0
         first = median_time(lambda: compute_elastic_config(dict(config), "0.9.0", world), 1)
         repeat = median_time(lambda: compute_elastic_config(config, "0.9.0", world), 200)
-        print(f"  {name:40s} {repeat * 1e6:10.1f} us  (first call {first * 1e6:.0f} us)")
+        print(f"  {name:50s} {repeat * 1e6:10.1f} us  (first call {first * 1e6:.0f} us)")
 
 
 def bench_against_deepspeed():
@@ -137,11 +145,11 @@ def bench_against_deepspeed():
             continue  # DeepSpeed has no such policy
         world = 64 if "world size" in name else 0
         if config["elasticity"]["max_gpus"] > 10 ** 6:
-            print(f"  {name:40s} DeepSpeed not run: its GPU-count scan is linear in max_gpus")
+            print(f"  {name:50s} DeepSpeed not run: its GPU-count scan is linear in max_gpus")
             continue
         ours = median_time(lambda: compute_elastic_config(config, "0.9.0", world), 200)
         theirs = median_time(lambda: deepspeed_elastic(config, "0.9.0", world), 20)
-        print(f"  {name:40s} ductile {ours * 1e6:9.1f} us  DeepSpeed {theirs * 1e6:9.1f} us"
+        print(f"  {name:50s} ductile {ours * 1e6:9.1f} us  DeepSpeed {theirs * 1e6:9.1f} us"
               f"  {theirs / ours:7.1f}x")
     path = os.path.join(ROOT, "tests", "data", "lengths", "sharegpt_opt_first_turn_lengths.csv")
     lengths = np.loadtxt(path, delimiter=",", skiprows=1, usecols=0, dtype=np.int64)[:2000]
@@ -149,7 +157,7 @@ def bench_against_deepspeed():
     ours = median_time(lambda: ductile.batching.pack(lengths, **kwargs), 50)
     listed = lengths.tolist()
     theirs = median_time(lambda: batch_by_seqlens(listed, **kwargs), 3)
-    print(f"  {'pack 2,000 ShareGPT lengths, 4,096 tokens':40s} ductile {ours * 1e3:9.2f} ms"
+    print(f"  {'pack 2,000 ShareGPT lengths, 4,096 tokens':50s} ductile {ours * 1e3:9.2f} ms"
           f"  DeepSpeed {theirs * 1e3:9.1f} ms  {theirs / ours:7.0f}x")
 
 
