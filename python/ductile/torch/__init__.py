@@ -25,8 +25,10 @@ import torch
 from .. import batching as _batching
 from .. import metrics as _metrics
 from .._errors import InvalidArgumentError
+from ._collate import FlattenCollate, PadCollate, PaddedSamples
 
-__all__ = ["DynamicBatchSampler", "PadCollate", "PaddedSamples", "VariableBatchLRScheduler",
+__all__ = ["DynamicBatchSampler", "FlattenCollate", "PadCollate", "PaddedSamples",
+           "VariableBatchLRScheduler",
            "variable_batch_dataloader", "get_dataloader_and_lr_scheduler_for_variable_batch_size"]
 
 
@@ -173,70 +175,6 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
                     f"{mine!r}: it was saved with another configuration")
         self.epoch = int(state["epoch"])
         self._position = int(state["position"])
-
-
-def _pad_stack(tensors, pad_value, pad_to=None):
-    longest = max(t.shape[0] for t in tensors) if tensors else 0
-    if pad_to is not None:
-        longest = max(longest, int(pad_to))
-    out = tensors[0].new_full((len(tensors), longest) + tuple(tensors[0].shape[1:]), pad_value)
-    for i, t in enumerate(tensors):
-        out[i, :t.shape[0]] = t
-    return out
-
-
-class PadCollate:
-    """Collates a micro-batch, padding to its longest sample (dimension 0 of
-    each sample) with ``pad_value``.
-
-    Samples that are tensors (or sequences of numbers) give ``(padded,
-    lengths)``: a ``[batch, longest, ...]`` tensor and the int64 lengths.
-    Samples that are dicts give a dict with each tensor field padded the same
-    way plus ``"lengths"`` (of the first field, or ``length_key``).
-    """
-
-    def __init__(self, pad_value=0, length_key=None):
-        self.pad_value = pad_value
-        self.length_key = length_key
-
-    def __call__(self, samples):
-        if not samples:
-            raise InvalidArgumentError("PadCollate: an empty micro-batch")
-        first = samples[0]
-        if isinstance(first, dict):
-            out = {}
-            for key in first:
-                values = [s[key] for s in samples]
-                if torch.is_tensor(values[0]) and values[0].dim() > 0:
-                    out[key] = _pad_stack(values, self.pad_value)
-                else:
-                    out[key] = torch.as_tensor(values)
-            key = self.length_key or next(k for k in first if torch.is_tensor(first[k]))
-            out["lengths"] = torch.tensor([s[key].shape[0] for s in samples], dtype=torch.int64)
-            return out
-        tensors = [s if torch.is_tensor(s) else torch.as_tensor(s) for s in samples]
-        lengths = torch.tensor([t.shape[0] for t in tensors], dtype=torch.int64)
-        return _pad_stack(tensors, self.pad_value), lengths
-
-
-class PaddedSamples(torch.utils.data.Dataset):
-    """Wraps a map-style dataset for ``DynamicBatchSampler(pad_to_step_max=True)``:
-    index ``(i, length)`` returns ``sample_padding_fn(dataset[i], length)``, so
-    every micro-batch of a step has the same sequence length (pipeline
-    parallelism, DeepSpeed's required_microbatches_of_same_lengths)."""
-
-    def __init__(self, dataset, sample_padding_fn):
-        self.dataset = dataset
-        self.sample_padding_fn = sample_padding_fn
-
-    def __len__(self):
-        return len(self.dataset)
-
-    def __getitem__(self, index):
-        if isinstance(index, tuple):
-            i, length = index
-            return self.sample_padding_fn(self.dataset[i], length)
-        return self.dataset[index]
 
 
 class VariableBatchLRScheduler:

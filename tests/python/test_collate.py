@@ -1,0 +1,163 @@
+"""ductile.torch.FlattenCollate: Hugging Face's DataCollatorWithFlattening
+contract, checked against the installed transformers in the same process, and
+a flattened micro-batch through real transformers models (Llama and GPT-2
+configurations, eager and sdpa attention) giving the loss of the same samples
+padded."""
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import (DataCollatorWithFlattening, GPT2Config, GPT2LMHeadModel, LlamaConfig,
+                          LlamaForCausalLM)
+
+import ductile
+from ductile.torch import DynamicBatchSampler, FlattenCollate
+
+VOCAB = 97
+
+
+def same_batch(ours, theirs):
+    assert list(ours) == list(theirs)
+    for key, value in theirs.items():
+        mine = ours[key]
+        if torch.is_tensor(value):
+            assert torch.is_tensor(mine) and mine.dtype == value.dtype, key
+            assert torch.equal(mine, value), key
+        else:
+            assert type(mine) is type(value) and mine == value, key
+
+
+samples_strategy = st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=30),
+                            min_size=1, max_size=8)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(samples=samples_strategy, with_labels=st.booleans(), flash=st.booleans(),
+       seq_idx=st.booleans(), positions=st.booleans(), start=st.integers(0, 3),
+       separator=st.sampled_from([-100, -1, 0]), as_tensors=st.booleans())
+def test_the_batch_equals_transformers_data_collator_with_flattening(
+        samples, with_labels, flash, seq_idx, positions, start, separator, as_tensors):
+    features = []
+    for ids in samples:
+        f = {"input_ids": torch.tensor(ids) if as_tensors else list(ids)}
+        if with_labels:
+            f["labels"] = [(t * 7 + 3) % VOCAB for t in ids]
+        features.append(f)
+    options = dict(return_position_ids=positions, separator_id=separator,
+                   return_flash_attn_kwargs=flash, return_seq_idx=seq_idx,
+                   position_ids_start=start)
+    theirs = DataCollatorWithFlattening(**options)([dict(f) for f in features])
+    ours = FlattenCollate(**options)([dict(f) for f in features])
+    same_batch(ours, theirs)
+
+
+def test_plain_token_sequences_are_samples_too():
+    batch = FlattenCollate(return_flash_attn_kwargs=True)([torch.tensor([5, 6, 7]), [8, 9]])
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9]]
+    assert batch["labels"].tolist() == [[-100, 6, 7, -100, 9]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
+    assert batch["cu_seq_lens_q"].tolist() == [0, 3, 5]
+    assert batch["max_length_k"] == 3
+
+
+@pytest.mark.parametrize("samples, message", [
+    ([], "an empty micro-batch"),
+    ([{"input_ids": []}], "sample 0's input_ids has no tokens"),
+    ([[1, 2], {"tokens": [1]}], "sample 1 of the micro-batch has no 'input_ids' \\(its keys: "
+                                "tokens\\)"),
+    ([{"input_ids": [1, 2], "labels": [1]}], "sample 0 has 2 input_ids but 1 labels"),
+    ([[[1, 2], [3, 4]]], "sample 0 has shape \\(2, 2\\)"),
+    ([[0.5, 1.5]], "sample 0 has dtype torch.float32; token ids must be integers"),
+])
+def test_bad_samples_are_refused_by_name(samples, message):
+    with pytest.raises(ductile.InvalidArgumentError, match=message):
+        FlattenCollate()(samples)
+
+
+def tiny_model(family, attention):
+    torch.manual_seed(0)
+    if family == "llama":
+        config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=128, attn_implementation=attention)
+        model = LlamaForCausalLM(config)
+    else:
+        config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128,
+                            attn_implementation=attention)
+        model = GPT2LMHeadModel(config)
+    return model.eval()
+
+
+def padded_loss(model, samples):
+    """The token-weighted loss of the samples padded to the longest: the
+    mean over every predicted token of every sample."""
+    longest = max(len(s) for s in samples)
+    ids = torch.zeros(len(samples), longest, dtype=torch.int64)
+    mask = torch.zeros(len(samples), longest, dtype=torch.int64)
+    labels = torch.full((len(samples), longest), -100, dtype=torch.int64)
+    for i, s in enumerate(samples):
+        ids[i, :len(s)] = torch.tensor(s)
+        mask[i, :len(s)] = 1
+        labels[i, :len(s)] = torch.tensor(s)
+    return model(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+
+def random_samples(seed, count, longest):
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(2, longest))] for _ in range(count)]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_a_flattened_micro_batch_has_the_loss_of_the_padded_samples(family, attention):
+    model = tiny_model(family, attention)
+    with torch.no_grad():
+        for seed in range(5):
+            samples = random_samples(seed, count=5, longest=40)
+            batch = FlattenCollate()(samples)
+            flat = model(**batch, use_cache=False).loss
+            padded = padded_loss(model, samples)
+            assert abs(flat.item() - padded.item()) <= 1e-5, (seed, flat.item(), padded.item())
+            # The check can fail: without restarting positions the samples
+            # attend to each other and the loss moves.
+            leaky = dict(batch, position_ids=torch.arange(batch["input_ids"].shape[1])[None])
+            assert abs(model(**leaky, use_cache=False).loss.item() - padded.item()) > 1e-4
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_gradients_of_a_flattened_micro_batch_equal_the_padded_ones(family):
+    samples = random_samples(11, count=4, longest=30)
+    flat_model, padded_model = tiny_model(family, "sdpa"), tiny_model(family, "sdpa")
+    flat_model(**FlattenCollate()(samples), use_cache=False).loss.backward()
+    padded_loss(padded_model, samples).backward()
+    for (name, a), b in zip(flat_model.named_parameters(), padded_model.parameters()):
+        if b.grad is None:
+            assert a.grad is None or not a.grad.any(), name
+            continue
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_sampler_and_flatten_collate_feed_every_token_once():
+    rng = random.Random(3)
+    dataset = [{"input_ids": torch.randint(0, VOCAB, (rng.randint(1, 60),))} for _ in range(200)]
+    lengths = [len(d["input_ids"]) for d in dataset]
+    sampler = DynamicBatchSampler(lengths, max_tokens=128, order="random", seed=5, rank=0,
+                                  world_size=1)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler,
+                                         collate_fn=FlattenCollate(return_flash_attn_kwargs=True))
+    micro_batches = list(sampler)  # epoch 0; a finished pass moves the sampler on
+    sampler.set_epoch(0)
+    batches = list(loader)
+    assert len(batches) == len(micro_batches) > 0
+    seen = 0
+    for micro_batch, batch in zip(micro_batches, batches):
+        ids = batch["input_ids"][0]
+        assert ids.numel() <= 128
+        assert torch.equal(ids, torch.cat([dataset[i]["input_ids"] for i in micro_batch]))
+        assert batch["cu_seq_lens_k"].tolist()[-1] == ids.numel()
+        seen += len(micro_batch)
+    plan = sampler.plan(0)
+    assert seen == len(dataset) - len(plan.leftover_ids) - len(plan.dropped_ids)
