@@ -86,6 +86,7 @@ def tiny_model(family, attention):
         model = LlamaForCausalLM(config)
     else:
         config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128,
+                            bos_token_id=0, eos_token_id=0,
                             attn_implementation=attention)
         model = GPT2LMHeadModel(config)
     return model.eval()
