@@ -1,0 +1,98 @@
+"""DataLoader, sampler and LR scheduler built together: from keyword
+arguments, or from a DeepSpeed config (DeepSpeed's entry point)."""
+
+import numpy as np
+import torch
+
+from .. import batching as _batching
+from .. import metrics as _metrics
+from .._errors import InvalidArgumentError
+from ._collate import PadCollate, PaddedSamples
+from ._lr_scheduler import VariableBatchLRScheduler
+from ._sampler import DynamicBatchSampler, _distributed_rank_and_size
+
+
+def variable_batch_dataloader(dataset, *, lengths=None, metrics_path=None, length_fn=len,
+                              optimizer=None, max_tokens, gradient_accumulation_steps=1,
+                              order="random", seed=1234, rank=None, world_size=None,
+                              lr_rule=None, base_batch_size=None, lr_scheduler=None,
+                              lr_options=None, collate_fn=None, sample_padding_fn=None,
+                              num_workers=0, pin_memory=False, **pack_options):
+    """DataLoader + LR scheduler for variable-size batches of a map-style dataset.
+
+    Lengths: ``lengths`` (one per sample), or DeepSpeed's ``metrics_path``
+    contract (read ``{metrics_path}/seqlen/seqlen_sample_to_metric``, else
+    computed with ``length_fn`` and written there), else computed with
+    ``length_fn``. ``sample_padding_fn(sample, length)``: pad every sample of
+    a step to the step's longest (pipeline parallelism; use with
+    ``same_size_microbatches=True`` for equal micro-batch sizes). With an
+    ``optimizer`` and ``lr_rule``, a :class:`VariableBatchLRScheduler`
+    (``base_batch_size``, ``lr_scheduler`` and ``lr_options``: its other
+    keyword arguments). Returns ``(loader, scheduler or None, sampler)``.
+    """
+    if lengths is None:
+        if metrics_path is not None:
+            lengths = _metrics.lengths_from_metrics_path(metrics_path, dataset, length_fn)
+        else:
+            lengths = np.fromiter((length_fn(dataset[i]) for i in range(len(dataset))),
+                                  dtype=np.int64, count=len(dataset))
+    if len(lengths) != len(dataset):
+        raise InvalidArgumentError(f"lengths has {len(lengths)} entries but the dataset has "
+                                   f"{len(dataset)} samples")
+    sampler = DynamicBatchSampler(lengths, max_tokens=max_tokens,
+                                  gradient_accumulation_steps=gradient_accumulation_steps,
+                                  rank=rank, world_size=world_size, order=order, seed=seed,
+                                  pad_to_step_max=sample_padding_fn is not None, **pack_options)
+    if sample_padding_fn is not None:
+        dataset = PaddedSamples(dataset, sample_padding_fn)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler,
+                                         collate_fn=collate_fn or PadCollate(),
+                                         num_workers=num_workers, pin_memory=pin_memory)
+    scheduler = None
+    if optimizer is not None and lr_rule is not None:
+        if base_batch_size is None:
+            raise InvalidArgumentError(f"lr_rule '{lr_rule}' needs base_batch_size (the batch "
+                                       "size the optimizer's learning rate is tuned for)")
+        scheduler = VariableBatchLRScheduler(optimizer, sampler, lr_rule=lr_rule,
+                                             base_batch_size=base_batch_size,
+                                             lr_scheduler=lr_scheduler, **(lr_options or {}))
+    return loader, scheduler, sampler
+
+
+def get_dataloader_and_lr_scheduler_for_variable_batch_size(
+        dataset, ds_config, optimizer=None, *, lr_scheduler=None, rank=None, world_size=None,
+        collate_fn=None, sample_padding_fn=None, length_fn=len, num_workers=0,
+        pin_memory=False):
+    """DeepSpeed's entry point, from a DeepSpeed config (dict, JSON text or
+    file): data_efficiency.data_sampling.dynamic_batching (max_tokens,
+    lr_scaling_method, sequence_picking_order, min/max_batch_size,
+    metrics_path), data_efficiency.seed, train_batch_size (micro-batches per
+    step over all ranks, the LR's base batch size), optimizer.params.lr and a
+    WarmupDecayLR scheduler, all read by the same C++ mapping as ``ductile
+    pack --config``. Returns ``(loader, scheduler, sampler)``."""
+    kwargs, lengths_spec = _batching.settings_from_config(ds_config)
+    params = dict(kwargs.pop("params"))
+    metrics_prefix = lengths_spec["file"]
+    metrics_path = metrics_prefix[:-len(_metrics.SEQLEN_PREFIX)] \
+        if metrics_prefix.endswith(_metrics.SEQLEN_PREFIX) else metrics_prefix
+    lengths = _metrics.lengths_from_metrics_path(metrics_path, dataset, length_fn)
+    rank, world_size = _distributed_rank_and_size(rank, world_size)
+    effective = int(params.pop("effective_batch_size", world_size))
+    if effective % world_size:
+        raise InvalidArgumentError(
+            f"train_batch_size {effective} is not a multiple of the world size {world_size}")
+    lr_options = {k: kwargs[k] for k in ("schedule", "warmup_steps", "total_steps", "min_lr",
+                                         "base_lr") if k in kwargs}
+    lr_options["lr_params"] = kwargs.get("lr_params")
+    if lr_scheduler is not None:
+        lr_options.pop("base_lr", None)
+    return variable_batch_dataloader(
+        dataset, lengths=lengths, optimizer=optimizer, max_tokens=params.pop("max_tokens"),
+        gradient_accumulation_steps=effective // world_size,
+        order=params.pop("order", "dataloader"), seed=params.pop("seed", 1234), rank=rank,
+        world_size=world_size, lr_rule=kwargs.get("lr_rule"),
+        base_batch_size=kwargs.get("base_batch_size"), lr_scheduler=lr_scheduler,
+        lr_options=lr_options, collate_fn=collate_fn, sample_padding_fn=sample_padding_fn,
+        num_workers=num_workers, pin_memory=pin_memory, sampler=kwargs.get("sampler", "greedy"),
+        params=params, runtime=kwargs.get("runtime"))
+
