@@ -8,15 +8,13 @@ import random
 
 import pytest
 import torch
+from hf_models import VOCAB, padded_loss, random_samples, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import (DataCollatorWithFlattening, GPT2Config, GPT2LMHeadModel, LlamaConfig,
-                          LlamaForCausalLM)
+from transformers import DataCollatorWithFlattening
 
 import ductile
 from ductile.torch import DynamicBatchSampler, FlattenCollate
-
-VOCAB = 97
 
 
 def same_batch(ours, theirs):
@@ -75,40 +73,6 @@ def test_plain_token_sequences_are_samples_too():
 def test_bad_samples_are_refused_by_name(samples, message):
     with pytest.raises(ductile.InvalidArgumentError, match=message):
         FlattenCollate()(samples)
-
-
-def tiny_model(family, attention):
-    torch.manual_seed(0)
-    if family == "llama":
-        config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                             max_position_embeddings=128, attn_implementation=attention)
-        model = LlamaForCausalLM(config)
-    else:
-        config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128,
-                            bos_token_id=0, eos_token_id=0,
-                            attn_implementation=attention)
-        model = GPT2LMHeadModel(config)
-    return model.eval()
-
-
-def padded_loss(model, samples):
-    """The token-weighted loss of the samples padded to the longest: the
-    mean over every predicted token of every sample."""
-    longest = max(len(s) for s in samples)
-    ids = torch.zeros(len(samples), longest, dtype=torch.int64)
-    mask = torch.zeros(len(samples), longest, dtype=torch.int64)
-    labels = torch.full((len(samples), longest), -100, dtype=torch.int64)
-    for i, s in enumerate(samples):
-        ids[i, :len(s)] = torch.tensor(s)
-        mask[i, :len(s)] = 1
-        labels[i, :len(s)] = torch.tensor(s)
-    return model(input_ids=ids, attention_mask=mask, labels=labels).loss
-
-
-def random_samples(seed, count, longest):
-    rng = random.Random(seed)
-    return [[rng.randrange(VOCAB) for _ in range(rng.randint(2, longest))] for _ in range(count)]
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

@@ -1,6 +1,8 @@
 """DynamicBatchSampler resumed at another world size (elastic re-forms 2 -> 3
 -> 1 ranks): every sample of the epoch reaches an optimizer step once, the
-learning rates follow the steps as they ran, and bad states are refused."""
+learning rates follow the steps as they ran, and bad states are refused.
+Its step totals normalise the loss of every micro-batch by the whole step:
+the gradients of one big batch."""
 
 import csv
 import os
@@ -8,9 +10,10 @@ import os
 import numpy as np
 import pytest
 import torch
+from hf_models import padded_loss, random_samples, tiny_model
 
 import ductile
-from ductile.torch import DynamicBatchSampler, VariableBatchLRScheduler
+from ductile.torch import DynamicBatchSampler, FlattenCollate, VariableBatchLRScheduler
 
 DATA = os.environ["DUCTILE_TEST_DATA_DIR"]
 MAX_TOKENS = 1024
@@ -207,3 +210,57 @@ def test_the_scheduler_needs_its_state_after_an_elastic_resume_in_a_later_epoch(
     assert scheduler.last_step == len(epoch0) + 2
     assert optimizer.param_groups[0]["lr"] == pytest.approx(
         BASE_LR * scheduler.batch_size() / BASE_BATCH)
+
+
+def grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_num_items_in_batch_from_the_sampler_gives_the_gradients_of_one_big_batch(family):
+    world, ga = 2, 2
+    samples = random_samples(5, count=48, longest=30)
+    lengths = [len(x) for x in samples]
+    samplers = [DynamicBatchSampler(lengths, max_tokens=64, order="random", seed=3, rank=r,
+                                    world_size=world, gradient_accumulation_steps=ga)
+                for r in range(world)]
+    collate = FlattenCollate()
+    iterators = [iter(s) for s in samplers]
+    for step in range(3):
+        split = tiny_model(family, "sdpa")
+        step_samples, counted = [], 0
+        for r, sampler in enumerate(samplers):
+            totals = sampler.step_totals()
+            for _ in range(ga):
+                position = sampler.position
+                ids = next(iterators[r])
+                assert sampler.step_of(position) == step
+                items = int(totals["labels"][step])
+                batch = collate([samples[i] for i in ids])
+                counted += int((batch["labels"][0, 1:] != -100).sum())
+                # DDP would scale rank r's loss by the world size and average
+                # the ranks' gradients: the same as summing them here.
+                split(**batch, use_cache=False, num_items_in_batch=items).loss.backward()
+                step_samples += [samples[i] for i in ids]
+        # Every rank knew the step's label count without communicating.
+        assert counted == items == sum(len(x) - 1 for x in step_samples)
+        assert int(totals["samples"][step]) == len(step_samples)
+        assert int(totals["tokens"][step]) == sum(len(x) for x in step_samples)
+        whole = tiny_model(family, "sdpa")
+        padded_loss(whole, step_samples).backward()
+        for a, b in zip(grads(split), grads(whole)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    # The check can fail: each micro-batch's own mean weights them wrongly.
+    per_batch = tiny_model(family, "sdpa")
+    sampler = DynamicBatchSampler(lengths, max_tokens=64, order="random", seed=3, rank=0,
+                                  world_size=1, gradient_accumulation_steps=4)
+    it = iter(sampler)
+    step_samples = []
+    for _ in range(4):
+        ids = next(it)
+        (per_batch(**collate([samples[i] for i in ids]), use_cache=False).loss / 4).backward()
+        step_samples += [samples[i] for i in ids]
+    whole = tiny_model(family, "sdpa")
+    padded_loss(whole, step_samples).backward()
+    assert any(not torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+               for a, b in zip(grads(per_batch), grads(whole)))

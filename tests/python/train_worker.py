@@ -83,7 +83,8 @@ def train(rank, world, stop_after=None, checkpoint=None, resume=None):
         start_epoch = state["sampler"]["epoch"]
     for epoch in range(start_epoch, EPOCHS):
         sampler.set_epoch(epoch)
-        for batch in loader:
+        step_labels = sampler.step_totals()["labels"]
+        for i, batch in enumerate(loader, start=sampler.position):
             tokens, lengths = batch["tokens"], batch["lengths"]
             step = scheduler.last_step
             lr = optimizer.param_groups[0]["lr"]
@@ -98,6 +99,11 @@ def train(rank, world, stop_after=None, checkpoint=None, resume=None):
             # summed over ranks and divided by the same token count.
             totals = torch.tensor([loss_sum.item(), float(valid.sum())], dtype=torch.float64)
             dist.all_reduce(totals)
+            # Every rank knew the step's label count from the packing alone.
+            if totals[1].item() != step_labels[sampler.step_of(i)]:
+                raise AssertionError(f"rank {rank} epoch {epoch} micro-batch {i}: the ranks "
+                                     f"count {totals[1].item()} labels, the sampler "
+                                     f"{step_labels[sampler.step_of(i)]}")
             for p in model.parameters():
                 dist.all_reduce(p.grad)
                 p.grad /= totals[1].item()

@@ -116,7 +116,7 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
         layout = self._layouts.get(epoch)
         if layout is not None:
             return layout
-        subset, done_sizes = None, []
+        subset, done_sizes, done_tokens = None, [], []
         if epoch == self._anchor_epoch:
             for effective_batch_size, steps in self._segments:
                 earlier = self._pack(epoch, subset, effective_batch_size, 0)
@@ -130,9 +130,10 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
                 for m in taken:
                     used[earlier.microbatch(m)] = True
                 done_sizes.extend(int(s) for s in earlier.batch_sizes[:steps])
+                done_tokens.extend(int(t) for t in _step_tokens(earlier)[:steps])
                 subset = np.flatnonzero(~used) if subset is None else subset[~used[subset]]
         layout = (self._pack(epoch, subset, self.effective_batch_size, self.world_size),
-                  done_sizes)
+                  done_sizes, done_tokens)
         if len(self._layouts) > 4:
             self._layouts.pop(min(self._layouts))
         self._layouts[epoch] = layout
@@ -147,8 +148,43 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
     def batch_sizes(self, epoch=None):
         """Samples per optimizer step (all ranks together) of an epoch, the
         steps run before an elastic resume included."""
-        plan, done_sizes = self._layout(self.epoch if epoch is None else int(epoch))
+        plan, done_sizes, _ = self._layout(self.epoch if epoch is None else int(epoch))
         return np.concatenate([np.asarray(done_sizes, dtype=np.int64), plan.batch_sizes])
+
+    def step_totals(self, epoch=None):
+        """Per optimizer step of an epoch, over every rank and micro-batch of
+        the step: ``tokens``, ``samples`` and ``labels`` (``tokens -
+        samples``: the next-token targets of a causal LM, whose first token
+        has none), as int64 arrays indexed like :meth:`batch_sizes`. Every
+        rank knows them from the packing, with no communication: pass
+        ``labels[step]`` as ``num_items_in_batch`` (Hugging Face's name) to
+        normalise the loss by the whole step, as one big batch would."""
+        epoch = self.epoch if epoch is None else int(epoch)
+        plan, _, done_tokens = self._layout(epoch)
+        tokens = np.concatenate([np.asarray(done_tokens, dtype=np.int64), _step_tokens(plan)])
+        samples = self.batch_sizes(epoch)
+        return {"tokens": tokens, "samples": samples, "labels": tokens - samples}
+
+    def step_of(self, position, epoch=None):
+        """The step (index into :meth:`step_totals`) of this rank's
+        micro-batch number ``position`` of the epoch, counted as
+        :attr:`position` counts: ``enumerate(loader, start=sampler.position)``
+        numbers the micro-batches of a loop, resumed or not."""
+        epoch = self.epoch if epoch is None else int(epoch)
+        plan, done_sizes, _ = self._layout(epoch)
+        mine = plan.rank_microbatches[self.rank]
+        position = int(position)
+        if not 0 <= position < len(mine):
+            raise InvalidArgumentError(
+                f"step_of: position {position} is out of range; rank {self.rank} has "
+                f"{len(mine)} micro-batches in epoch {epoch}")
+        return len(done_sizes) + int(plan.microbatch_steps[mine[position]])
+
+    @property
+    def position(self):
+        """Micro-batches of the current epoch this rank has handed out (where
+        the next iteration starts)."""
+        return self._position
 
     def first_step(self, epoch=None):
         """The global index of the epoch's first optimizer step (steps of the
@@ -287,6 +323,12 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
                 f"load_state_dict: position {position} is out of range; rank {self.rank} has "
                 f"{len(self)} micro-batches in epoch {epoch}")
         self._position = position
+
+
+def _step_tokens(plan):
+    tokens, _ = plan.microbatch_tokens()
+    per_step = np.bincount(plan.microbatch_steps, weights=tokens, minlength=plan.step_count)
+    return per_step.astype(np.int64)
 
 
 def _lengths_fingerprint(lengths):
