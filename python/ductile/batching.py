@@ -167,7 +167,7 @@ def pack(lengths, *, max_tokens=None, sampler="greedy", order=None, seed=None,
                    min_batch_size=min_batch_size, max_batch_size=max_batch_size,
                    effective_batch_size=effective_batch_size,
                    same_size_microbatches=same_size_microbatches, budget=budget, params=params,
-                   ranks=int(ranks or 0), lr_rule=lr_rule, lr_params=lr_params,
+                   ranks=0 if ranks is None else ranks, lr_rule=lr_rule, lr_params=lr_params,
                    base_batch_size=base_batch_size, schedule=schedule, base_lr=base_lr,
                    min_lr=min_lr, warmup_steps=warmup_steps, total_steps=total_steps)
     out = _ductile.batching.pack(lengths, options, runtime, plugin_path)

@@ -75,7 +75,8 @@ class ElasticPolicy:
         """The elastic plan; with a world size (total GPUs) also the micro
         batch and gradient accumulation steps. Raises ElasticityConfigError,
         ElasticityIncompatibleWorldSize, ElasticityError."""
-        return ElasticityResult(**self._handle.compute(int(world_size), bool(require_micro_batch)))
+        return ElasticityResult(**self._handle.compute(
+            _ductile.int_argument(world_size, "world_size"), bool(require_micro_batch)))
 
     def check_scheduler(self):
         """The scheduler contract: compares the settings with
@@ -171,7 +172,8 @@ def compute_elastic_config(ds_config, target_deepspeed_version, world_size=0,
         raise ElasticityConfigError(f"ds_config cannot be read as JSON: {e}") from e
     handle = _policy_from_json(text, "ds_config", plugin_path)
     _check_target_version(target_deepspeed_version)
-    requested = int(world_size)
+    world_size = _ductile.int_argument(world_size, "world_size")
+    requested = world_size
     if requested == 0 and (handle.name == "v0.2" or return_microbatch):
         # DeepSpeed reads WORLD_SIZE for v0.2, and (since 0.19.7) for a
         # micro batch asked for without a world size.

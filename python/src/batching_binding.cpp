@@ -3,6 +3,7 @@
 // through the variable-batch schedule and an lr plugin, and the DeepSpeed
 // JSON mapping of dynamic batching.
 #include <chrono>
+#include <type_traits>
 
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
@@ -93,10 +94,25 @@ struct ScheduleHandle {
   pipeline::VariableBatchLrSchedule schedule;
 };
 
+// A keyword argument of pack() converted strictly (bindings.hpp), named by
+// its keyword in errors.
+template <class T>
+T arg(const py::dict& d, const char* key) {
+  const py::handle value = d[key];
+  if constexpr (std::is_same_v<T, std::int64_t>)
+    return int_argument(value, key);
+  else if constexpr (std::is_same_v<T, double>)
+    return real_argument(value, key);
+  else if constexpr (std::is_same_v<T, bool>)
+    return bool_argument(value, key);
+  else
+    return text_argument(value, key);
+}
+
 template <class T>
 std::optional<T> opt(const py::dict& d, const char* key) {
   if (!d.contains(key) || d[key].is_none()) return std::nullopt;
-  return d[key].cast<T>();
+  return arg<T>(d, key);
 }
 
 // pipeline::pack_plan on a lengths buffer read in place. `options` holds the
@@ -107,7 +123,7 @@ py::dict pack(const py::buffer& lengths_buffer, const py::dict& o, const py::obj
   const py::buffer_info lengths_info = lengths_buffer.request();
   const auto lengths = int64_view(lengths_info, "lengths");
   pipeline::PackPlanOptions options;
-  options.sampler = o["sampler"].cast<std::string>();
+  options.sampler = arg<std::string>(o, "sampler");
   options.max_tokens = opt<std::int64_t>(o, "max_tokens");
   options.order = opt<std::string>(o, "order");
   options.seed = opt<std::int64_t>(o, "seed");
@@ -118,16 +134,16 @@ py::dict pack(const py::buffer& lengths_buffer, const py::dict& o, const py::obj
   options.budget = opt<std::string>(o, "budget");
   if (o.contains("params") && !o["params"].is_none())
     options.sampler_params = params_from_dict(o["params"].cast<py::dict>(), "params");
-  options.ranks = o["ranks"].cast<std::int64_t>();
+  options.ranks = arg<std::int64_t>(o, "ranks");
   options.lr_rule = opt<std::string>(o, "lr_rule");
   if (o.contains("lr_params") && !o["lr_params"].is_none())
     options.lr_params = params_from_dict(o["lr_params"].cast<py::dict>(), "lr_params");
   options.base_batch_size = opt<double>(o, "base_batch_size");
-  options.schedule.kind = pipeline::parse_lr_schedule_kind(o["schedule"].cast<std::string>());
-  options.schedule.base_lr = o["base_lr"].cast<double>();
-  options.schedule.min_lr = o["min_lr"].cast<double>();
-  options.schedule.warmup_steps = o["warmup_steps"].cast<std::int64_t>();
-  options.schedule.total_steps = o["total_steps"].cast<std::int64_t>();
+  options.schedule.kind = pipeline::parse_lr_schedule_kind(arg<std::string>(o, "schedule"));
+  options.schedule.base_lr = arg<double>(o, "base_lr");
+  options.schedule.min_lr = arg<double>(o, "min_lr");
+  options.schedule.warmup_steps = arg<std::int64_t>(o, "warmup_steps");
+  options.schedule.total_steps = arg<std::int64_t>(o, "total_steps");
   pipeline::PackPlan plan;
   {
     py::gil_scoped_release release;

@@ -11,6 +11,8 @@
 // module.cpp); nothing is caught and dropped here.
 #pragma once
 
+#include <limits>
+
 #include <filesystem>
 #include <memory>
 #include <mutex>
@@ -45,6 +47,20 @@ std::shared_ptr<RuntimeHandle> plain_runtime(const std::vector<std::filesystem::
 // ductile::Error(invalid_argument) naming the key and the value's type.
 Params params_from_dict(const py::dict& dict, const std::string& where);
 py::dict dict_from_params(const Params& params);
+
+// One argument of a Python call converted to C++, strictly: no bool for a
+// number, no float for an integer, no number for a string. An int is a
+// Python int or anything with __index__ (numpy integers), within
+// [low, high]; a real is an int or a float; text is a str that encodes to
+// UTF-8 (no lone surrogates). Errors are ductile::Error(invalid_argument):
+// "<name> = <repr> is not an integer (float); give an int" or "<name> = <repr>
+// is out of range; must be between <low> and <high>". Caller holds the GIL.
+std::int64_t int_argument(const py::handle& value, const std::string& name,
+                          std::int64_t low = std::numeric_limits<std::int64_t>::min(),
+                          std::int64_t high = std::numeric_limits<std::int64_t>::max());
+double real_argument(const py::handle& value, const std::string& name);
+bool bool_argument(const py::handle& value, const std::string& name);
+std::string text_argument(const py::handle& value, const std::string& name);
 
 // Converts a Python sequence of paths (str or os.PathLike) or None.
 std::vector<std::filesystem::path> paths_from(const py::object& paths);

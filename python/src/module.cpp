@@ -45,6 +45,70 @@ void register_errors(py::module_&) {
   });
 }
 
+namespace {
+
+std::string shown(const py::handle& value) {
+  std::string text = py::repr(value).cast<std::string>();
+  if (text.size() > 80) text = text.substr(0, 80) + "...";
+  return text;
+}
+
+std::string type_name(const py::handle& value) {
+  return py::str(py::type::of(value).attr("__name__")).cast<std::string>();
+}
+
+Error not_a(const py::handle& value, const std::string& name, const char* what, const char* hint) {
+  return Error(ErrorKind::invalid_argument, name + " = " + shown(value) + " is not " + what + " (" +
+                                                type_name(value) + "); " + hint);
+}
+
+}  // namespace
+
+std::int64_t int_argument(const py::handle& value, const std::string& name, std::int64_t low,
+                          std::int64_t high) {
+  if (PyBool_Check(value.ptr()) || !PyIndex_Check(value.ptr()))
+    throw not_a(value, name, "an integer", "give an int");
+  auto index = py::reinterpret_steal<py::object>(PyNumber_Index(value.ptr()));
+  if (!index) throw py::error_already_set();
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+  if (overflow != 0 || v < low || v > high)
+    throw Error(ErrorKind::invalid_argument,
+                name + " = " + shown(value) + " is out of range; must be between " +
+                    std::to_string(low) + " and " + std::to_string(high));
+  return static_cast<std::int64_t>(v);
+}
+
+double real_argument(const py::handle& value, const std::string& name) {
+  if (PyBool_Check(value.ptr()) || !(PyFloat_Check(value.ptr()) || PyIndex_Check(value.ptr())))
+    throw not_a(value, name, "a number", "give an int or a float");
+  const double v = PyFloat_AsDouble(value.ptr());
+  if (v == -1.0 && PyErr_Occurred()) {
+    PyErr_Clear();
+    throw Error(ErrorKind::invalid_argument,
+                name + " = " + shown(value) + " is out of range for a float");
+  }
+  return v;
+}
+
+bool bool_argument(const py::handle& value, const std::string& name) {
+  if (!PyBool_Check(value.ptr())) throw not_a(value, name, "a bool", "give True or False");
+  return value.ptr() == Py_True;
+}
+
+std::string text_argument(const py::handle& value, const std::string& name) {
+  if (!PyUnicode_Check(value.ptr())) throw not_a(value, name, "a string", "give a str");
+  Py_ssize_t size = 0;
+  const char* utf8 = PyUnicode_AsUTF8AndSize(value.ptr(), &size);
+  if (utf8 == nullptr) {
+    PyErr_Clear();
+    throw Error(ErrorKind::invalid_argument,
+                name + " = " + shown(value) +
+                    " is not valid text: it holds a lone surrogate, which UTF-8 cannot encode");
+  }
+  return std::string(utf8, static_cast<std::size_t>(size));
+}
+
 std::vector<std::filesystem::path> paths_from(const py::object& paths) {
   std::vector<std::filesystem::path> out;
   if (paths.is_none()) return out;
@@ -236,6 +300,15 @@ void register_runtime(py::module_& m) {
         return out;
       });
 
+  m.def(
+      "int_argument",
+      [](const py::object& value, const std::string& name, std::int64_t low, std::int64_t high) {
+        return int_argument(value, name, low, high);
+      },
+      py::arg("value"), py::arg("name"), py::arg("low") = std::numeric_limits<std::int64_t>::min(),
+      py::arg("high") = std::numeric_limits<std::int64_t>::max(),
+      "The value as an int64 within [low, high]: a Python int or an object with __index__, "
+      "never a bool or a float; otherwise InvalidArgumentError naming `name`.");
   m.def(
       "init_logging",
       [](const py::object& level) {

@@ -215,3 +215,28 @@ def test_plot_writes_a_picture(tmp_path):
     with open(out, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(out) > 10_000
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("max_tokens", 2 ** 63, "max_tokens = 9223372036854775808 is out of range; must be between "
+                            "-9223372036854775808 and 9223372036854775807"),
+    ("max_tokens", True, "max_tokens = True is not an integer \\(bool\\); give an int"),
+    ("max_tokens", 8.5, "max_tokens = 8.5 is not an integer \\(float\\); give an int"),
+    ("max_tokens", float("nan"), "max_tokens = nan is not an integer \\(float\\)"),
+    ("ranks", 0.9, "ranks = 0.9 is not an integer \\(float\\)"),
+    ("ranks", 2 ** 62, "ranks 4611686018427387904 is out of range; must be between 0 and "
+                       "1048576"),
+    ("order", "\udc80", "order = '\\\\udc80' is not valid text: it holds a lone surrogate"),
+    ("order", 3, "order = 3 is not a string \\(int\\); give a str"),
+    ("same_size_microbatches", 1, "same_size_microbatches = 1 is not a bool \\(int\\)"),
+    ("base_lr", "0.1", "base_lr = '0.1' is not a number \\(str\\)"),
+])
+def test_options_are_converted_strictly_and_named(option, value, message):
+    kwargs = {"max_tokens": 8, option: value}
+    with pytest.raises(ductile.InvalidArgumentError, match=message):
+        batching.pack([3, 4], **kwargs)
+
+
+def test_numpy_integers_are_integers():
+    plan = batching.pack(np.array([3, 4]), max_tokens=np.int64(8), ranks=np.int32(2))
+    assert plan.microbatch_count >= 1

@@ -227,3 +227,26 @@ def test_native_result_has_every_field():
     assert r.micro_batch_size * r.gradient_accumulation_steps * r.data_parallel_size == \
         r.final_batch_size
     assert r.valid_dp_sizes == r.valid_gpus and r.fallback is False
+
+
+@pytest.mark.parametrize("world_size, message", [
+    ("8", "world_size = '8' is not an integer \\(str\\); give an int"),
+    (True, "world_size = True is not an integer \\(bool\\)"),
+    (8.0, "world_size = 8.0 is not an integer \\(float\\)"),
+])
+def test_world_size_is_an_integer(world_size, message):
+    config = {"elasticity": {"enabled": True, "max_train_batch_size": 2000,
+                             "micro_batch_sizes": [2, 4], "min_gpus": 1, "max_gpus": 64}}
+    with pytest.raises(ductile.InvalidArgumentError, match=message):
+        compute_elastic_config(config, "0.9.0", world_size)
+
+
+def test_a_key_given_twice_in_a_deepspeed_json_is_refused(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{"elasticity": {"enabled": true, "max_train_batch_size": 2000, '
+                    '"micro_batch_sizes": [2, 4], "max_gpus": 64, "min_gpus": 1, '
+                    '"max_gpus": 8}}')
+    code, _, err = run_cli("elastic", "--config", str(path), check_json=False)
+    assert code == 2
+    assert (f'{path}: key "max_gpus" appears twice in one object; each key may be given once'
+            in err)

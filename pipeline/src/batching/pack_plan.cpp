@@ -164,9 +164,10 @@ void check_pack_plan_options(const core::Runtime& runtime, const PackPlanOptions
   check_at_least(o, "max_batch_size", o.max_batch_size, 0);
   check_at_least(o, "effective_batch_size", o.effective_batch_size, 1);
   if (o.budget) check_one_of(o, "budget", *o.budget, {"sum", "padded"});
-  if (o.ranks < 0)
-    throw bad_option(fmt::format("{} {} is out of range; must be >= 0 (0: no rank assignment)",
-                                 option_name(o, "ranks"), o.ranks));
+  if (o.ranks < 0 || o.ranks > kMaxPackRanks)
+    throw bad_option(
+        fmt::format("{} {} is out of range; must be between 0 and {} (0: no rank assignment)",
+                    option_name(o, "ranks"), o.ranks, kMaxPackRanks));
   if (!o.lr_rule) return;
   check_one_of(o, "lr_rule", *o.lr_rule, registry.names(PluginKind::lr));
   if (!o.base_batch_size) {

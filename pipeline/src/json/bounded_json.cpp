@@ -3,6 +3,10 @@
 
 #include <cmath>
 #include <limits>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -41,8 +45,24 @@ json parse_bounded_json(std::string_view text, std::string_view source, std::str
                             "at most {}",
                             source, kMaxJsonDepth, at, kMaxJsonDepth),
                 type);
+  // nlohmann keeps the last of duplicate keys; a config that says a key
+  // twice is refused instead, naming it, so no value is dropped unseen.
+  std::vector<std::set<std::string>> open_objects;
+  std::optional<std::string> duplicate;
+  const json::parser_callback_t check_keys = [&](int, json::parse_event_t event, json& parsed) {
+    if (event == json::parse_event_t::object_start) {
+      open_objects.emplace_back();
+    } else if (event == json::parse_event_t::object_end) {
+      open_objects.pop_back();
+    } else if (event == json::parse_event_t::key && !duplicate &&
+               !open_objects.back().insert(parsed.get<std::string>()).second) {
+      duplicate = parsed.get<std::string>();
+    }
+    return true;
+  };
+  json root;
   try {
-    return json::parse(text.begin(), text.end());
+    root = json::parse(text.begin(), text.end(), check_keys);
   } catch (const json::exception& e) {
     // Syntax errors, and numbers too large for a double (out_of_range),
     // whose message quotes the whole number: cut like any excerpt.
@@ -53,6 +73,12 @@ json parse_bounded_json(std::string_view text, std::string_view source, std::str
     }
     throw Error(kind, fmt::format("{}: {}: {}", source, what, message), type);
   }
+  if (duplicate)
+    throw Error(kind,
+                fmt::format("{}: key {} appears twice in one object; each key may be given once",
+                            source, json_excerpt(json(*duplicate))),
+                type);
+  return root;
 }
 
 namespace {

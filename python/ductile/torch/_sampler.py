@@ -7,8 +7,11 @@ import hashlib
 import numpy as np
 import torch
 
+from .. import _ductile
 from .. import batching as _batching
 from .._errors import InvalidArgumentError
+
+_int = _ductile.int_argument  # an int, strictly: no bool, no float (C++ conversion)
 
 
 def _distributed_rank_and_size(rank, world_size):
@@ -19,7 +22,7 @@ def _distributed_rank_and_size(rank, world_size):
             rank = dist.get_rank() if initialized else 0
         if world_size is None:
             world_size = dist.get_world_size() if initialized else 1
-    rank, world_size = int(rank), int(world_size)
+    rank, world_size = _int(rank, "rank"), _int(world_size, "world_size")
     if world_size < 1 or not 0 <= rank < world_size:
         raise InvalidArgumentError(
             f"rank {rank} of world_size {world_size}: need world_size >= 1 and "
@@ -67,21 +70,22 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
                  seed=1234, pad_to_step_max=False, **pack_options):
         self.rank, self.world_size = _distributed_rank_and_size(rank, world_size)
         if effective_batch_size is None:
-            ga = 1 if gradient_accumulation_steps is None else int(gradient_accumulation_steps)
+            ga = 1 if gradient_accumulation_steps is None else _int(
+                gradient_accumulation_steps, "gradient_accumulation_steps")
             if ga < 1:
                 raise InvalidArgumentError(
                     f"gradient_accumulation_steps {ga} is out of range; must be >= 1")
             effective_batch_size = ga * self.world_size
-        elif effective_batch_size % self.world_size != 0:
+        elif _int(effective_batch_size, "effective_batch_size") % self.world_size != 0:
             raise InvalidArgumentError(
                 f"effective_batch_size {effective_batch_size} is not a multiple of world_size "
                 f"{self.world_size}: every rank must process as many micro-batches per step")
-        self.effective_batch_size = int(effective_batch_size)
+        self.effective_batch_size = _int(effective_batch_size, "effective_batch_size")
         self.gradient_accumulation_steps = self.effective_batch_size // self.world_size
         self.lengths = np.ascontiguousarray(_batching._as_int64_buffer(lengths))
-        self.max_tokens = int(max_tokens)
+        self.max_tokens = _int(max_tokens, "max_tokens")
         self.order = order
-        self.seed = int(seed)
+        self.seed = _int(seed, "seed")
         self.pad_to_step_max = bool(pad_to_step_max)
         self._pack_options = pack_options
         self._fingerprint = _lengths_fingerprint(self.lengths)

@@ -351,7 +351,15 @@ TEST_CASE("options are checked, naming the option, the value and what is valid")
         x.ranks = -2;
         return x;
       }(),
-      "ranks -2 is out of range; must be >= 0 (0: no rank assignment)");
+      "ranks -2 is out of range; must be between 0 and 1048576 (0: no rank assignment)");
+  fails(
+      [&] {
+        auto x = o;
+        x.ranks = std::int64_t{1} << 62;
+        return x;
+      }(),
+      "ranks 4611686018427387904 is out of range; must be between 0 and 1048576 (0: no rank "
+      "assignment)");
   fails(
       [&] {
         auto x = o;

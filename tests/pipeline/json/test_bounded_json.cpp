@@ -79,6 +79,26 @@ TEST_CASE("64 levels parse, 65 are refused naming the source and the limit") {
         }).starts_with("y.json: invalid JSON: "));
 }
 
+TEST_CASE(
+    "a key given twice in one object is refused by name, the same key in two objects is not") {
+  const auto parse = [](const std::string& text) {
+    return bj::parse_bounded_json(text, "ds.json", "invalid JSON", ErrorKind::config, "SomeType");
+  };
+  CHECK(parse(R"({"a": {"x": 1}, "b": {"x": 2}, "x": [{"x": 3}, {"x": 4}]})")["b"]["x"] == 2);
+  CHECK(message_of([&] { (void)parse(R"({"enabled": true, "enabled": false})"); }) ==
+        "ds.json: key \"enabled\" appears twice in one object; each key may be given once");
+  CHECK(message_of([&] {
+          (void)parse(R"({"elasticity": {"max_gpus": 8, "min_gpus": 1, "max_gpus": 16}})");
+        }) == "ds.json: key \"max_gpus\" appears twice in one object; each key may be given once");
+  try {
+    (void)parse(R"([{"k": 1, "k": 1}])");
+    FAIL("expected an error");
+  } catch (const Error& e) {
+    CHECK(e.kind() == ErrorKind::config);
+    CHECK(e.type() == "SomeType");
+  }
+}
+
 TEST_CASE("excerpts are compact JSON, cut after 60 characters") {
   CHECK(bj::json_excerpt(json::parse(R"(["a", null, 0.5, {"k": true}])")) ==
         R"(["a",null,0.5,{"k":true}])");

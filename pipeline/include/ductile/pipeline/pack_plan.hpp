@@ -59,6 +59,11 @@ enum class OptionSpelling { api, cli };
 // Every option of `ductile pack`. An unset optional keeps the sampler's
 // schema default (or the value in `sampler_params`, which a set field
 // overrides).
+// The most data-parallel ranks a plan assigns micro-batches to: the
+// assignment holds a table per rank, so a bound keeps a typo (2**62) an
+// error, not an out-of-memory kill. 2^20 is far above any job's size.
+inline constexpr std::int64_t kMaxPackRanks = std::int64_t{1} << 20;
+
 struct PackPlanOptions {
   // Batching plugin name: any installed one ("greedy", DeepSpeed's algorithm;
   // "bfd", best-fit decreasing; or an out-of-tree sampler).
@@ -79,7 +84,8 @@ struct PackPlanOptions {
   // custom sampler, or a TOML [batching] section's); the fields above win.
   Params sampler_params;
 
-  // Data-parallel ranks to assign micro-batches to (>= 1); 0: no assignment.
+  // Data-parallel ranks to assign micro-batches to (1 .. kMaxPackRanks); 0:
+  // no assignment.
   std::int64_t ranks = 0;
 
   // Learning-rate scaling rule: any installed lr plugin ("linear", "sqrt",
