@@ -103,7 +103,7 @@ class VariableBatchLRScheduler:
         if self.lr_scheduler is None:
             rates = [s.lr_at(step) for s in self._schedules]
         else:
-            batch = float(self._sizes[step - self._first])
+            batch = float(self.batch_size(step))
             rates = [self.rule.scale(lr, batch, self.base_batch_size) for lr in self._unscaled]
         for group, lr in zip(self.optimizer.param_groups, rates):
             group["lr"] = lr

@@ -76,11 +76,12 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
                 raise InvalidArgumentError(
                     f"gradient_accumulation_steps {ga} is out of range; must be >= 1")
             effective_batch_size = ga * self.world_size
-        elif _int(effective_batch_size, "effective_batch_size") % self.world_size != 0:
+        effective_batch_size = _int(effective_batch_size, "effective_batch_size")
+        if effective_batch_size % self.world_size != 0:
             raise InvalidArgumentError(
                 f"effective_batch_size {effective_batch_size} is not a multiple of world_size "
                 f"{self.world_size}: every rank must process as many micro-batches per step")
-        self.effective_batch_size = _int(effective_batch_size, "effective_batch_size")
+        self.effective_batch_size = effective_batch_size
         self.gradient_accumulation_steps = self.effective_batch_size // self.world_size
         self.lengths = np.ascontiguousarray(_batching._as_int64_buffer(lengths))
         self.max_tokens = _int(max_tokens, "max_tokens")
@@ -129,10 +130,10 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
                         f"load_state_dict: the state ran {steps} steps of epoch {epoch} at "
                         f"effective_batch_size {effective_batch_size}, but that packing has "
                         f"{earlier.step_count}: it was saved for other data")
-                taken = np.flatnonzero(earlier.microbatch_steps < steps)
+                sample_steps = np.repeat(earlier.microbatch_steps,
+                                         np.diff(earlier.microbatch_offsets))
                 used = np.zeros(len(self.lengths), dtype=bool)
-                for m in taken:
-                    used[earlier.microbatch(m)] = True
+                used[earlier.sample_ids[sample_steps < steps]] = True
                 done_sizes.extend(int(s) for s in earlier.batch_sizes[:steps])
                 done_tokens.extend(int(t) for t in _step_tokens(earlier)[:steps])
                 subset = np.flatnonzero(~used) if subset is None else subset[~used[subset]]

@@ -56,14 +56,14 @@ namespace ductile::pipeline {
 // How messages name options: "max_tokens" (api) or "--max-tokens" (cli).
 enum class OptionSpelling { api, cli };
 
-// Every option of `ductile pack`. An unset optional keeps the sampler's
-// schema default (or the value in `sampler_params`, which a set field
-// overrides).
 // The most data-parallel ranks a plan assigns micro-batches to: the
 // assignment holds a table per rank, so a bound keeps a typo (2**62) an
 // error, not an out-of-memory kill. 2^20 is far above any job's size.
 inline constexpr std::int64_t kMaxPackRanks = std::int64_t{1} << 20;
 
+// Every option of `ductile pack`. An unset optional keeps the sampler's
+// schema default (or the value in `sampler_params`, which a set field
+// overrides).
 struct PackPlanOptions {
   // Batching plugin name: any installed one ("greedy", DeepSpeed's algorithm;
   // "bfd", best-fit decreasing; or an out-of-tree sampler).
