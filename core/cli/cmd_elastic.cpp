@@ -12,6 +12,7 @@
 
 #include "cli_common.hpp"
 #include "ductile/core/config.hpp"
+#include "ductile/core/files.hpp"
 #include "ductile/core/logging.hpp"
 #include "ductile/elasticity_policy.hpp"
 #include "ductile/pipeline/elasticity.hpp"
@@ -28,15 +29,10 @@ struct ElasticOptions {
 };
 
 pipeline::LoadedElasticity load(const CliContext& context, const std::string& file) {
-  std::ifstream in(file, std::ios::binary);
-  std::string head(4096, '\0');
-  in.read(head.data(), static_cast<std::streamsize>(head.size()));
-  head.resize(static_cast<std::size_t>(in.gcount()));
-  if (in.good() || in.eof()) {
-    if (pipeline::is_json_config(file, head))
-      return pipeline::load_elasticity(file, context.runtime_options());
-  }
-  // TOML (or a missing file, reported by the config loader).
+  // Checks the file (regular, within the cap) and tells JSON from TOML.
+  const std::string text = core::read_user_file(file, "configuration file");
+  if (pipeline::is_json_config(file, text))
+    return pipeline::load_elasticity(file, context.runtime_options());
   return pipeline::elasticity_from_runtime(context.load_runtime(file));
 }
 

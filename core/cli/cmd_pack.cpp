@@ -13,6 +13,7 @@
 #include "cli_common.hpp"
 #include "ductile/batch_sampler.hpp"
 #include "ductile/core/config.hpp"
+#include "ductile/core/files.hpp"
 #include "ductile/core/logging.hpp"
 #include "ductile/pipeline/deepspeed_batching.hpp"
 #include "ductile/pipeline/pack_plan.hpp"
@@ -82,14 +83,9 @@ int run_pack(const CliContext& context, const PackCliOptions& o) {
   if (!o.config.empty()) {
     const fs::path config = o.config;
     if (config.extension() == ".json") {
-      std::ifstream in(config);
-      if (!in)
-        throw Error(ErrorKind::not_found,
-                    fmt::format("{}: cannot open the DeepSpeed config", o.config));
-      std::stringstream text;
-      text << in.rdbuf();
+      const std::string text = core::read_user_file(config, "DeepSpeed config");
       runtime.emplace(core::Runtime::from_string("", "command line", context.runtime_options()));
-      auto ds = pipeline::parse_deepspeed_batching(text.str(), o.config, config.parent_path(),
+      auto ds = pipeline::parse_deepspeed_batching(text, o.config, config.parent_path(),
                                                    runtime->registry());
       if (!ds.enabled)
         core::logger()->warn(

@@ -9,6 +9,7 @@
 #include <toml++/toml.h>
 
 #include "config_internal.hpp"
+#include "ductile/core/files.hpp"
 #include "ductile/core/registry.hpp"
 #include "ductile/core/text.hpp"
 
@@ -61,19 +62,20 @@ SourcePosition position_of(const std::string& file, const toml::source_region& r
 }
 
 ConfigDocument ConfigDocument::from_file(const fs::path& file) {
-  std::ifstream in(file, std::ios::binary);
-  std::error_code ec;
-  if (!in || fs::is_directory(file, ec)) {
+  std::string text;
+  try {
+    text = read_user_file(file, "configuration file");
+  } catch (const Error& e) {
+    // read_user_file's message is "<file>: <problem>"; a ConfigError names
+    // the file in its diagnostic instead.
     Diagnostic problem;
     problem.where.file = file.string();
-    problem.message = fs::exists(file, ec) ? "cannot read the configuration file"
-                                           : "configuration file does not exist";
+    problem.message = std::string(e.what()).substr(file.string().size() + 2);
     throw ConfigError(std::vector<Diagnostic>{std::move(problem)});
   }
-  std::ostringstream buffer;
-  buffer << in.rdbuf();
+  std::error_code ec;
   fs::path base = file.has_parent_path() ? file.parent_path() : fs::path(".");
-  return from_string(buffer.str(), file.string(), fs::absolute(base, ec));
+  return from_string(text, file.string(), fs::absolute(base, ec));
 }
 
 namespace {

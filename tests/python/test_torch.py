@@ -72,6 +72,44 @@ def test_wrapped_torch_scheduler_is_scaled_by_the_rule():
     assert scheduler2.get_last_lr() == scheduler.get_last_lr()
 
 
+@pytest.mark.parametrize("change, message", [
+    (dict(version=2), "state version 2 is not supported; this ductile reads version 1"),
+    (dict(last_step=-4), "last_step = -4 must be an integer >= 0: the state is damaged"),
+    (dict(last_step=True), "last_step = True must be an integer >= 0"),
+    (dict(last_step="3"), "last_step = '3' must be an integer >= 0"),
+    (dict(unscaled=[0.1]), "unscaled = \\[0.1\\] must be 2 finite rates, one per param group"),
+    (dict(unscaled=[0.1, float("nan")]), "must be 2 finite rates"),
+    (dict(rule="sqrt"), "the state has rule = 'sqrt', this scheduler 'linear'"),
+    ("last_step", "the state lacks last_step: it is damaged"),
+    ("lr_scheduler", "the state lacks lr_scheduler: it is damaged"),
+])
+def test_a_damaged_or_foreign_scheduler_state_is_refused_by_name(change, message):
+    model = torch.nn.Linear(2, 1)
+
+    def make():
+        optimizer = torch.optim.SGD([{"params": [model.weight], "lr": 0.1},
+                                     {"params": [model.bias], "lr": 0.02}])
+        sampler = dt.DynamicBatchSampler([5, 7, 9, 11] * 10, max_tokens=40, rank=0,
+                                         world_size=1)
+        return dt.VariableBatchLRScheduler(
+            optimizer, sampler, lr_rule="linear", base_batch_size=4,
+            lr_scheduler=torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5))
+
+    saved = make()
+    for _ in range(3):
+        saved.step()
+    state = saved.state_dict()
+    if isinstance(change, dict):
+        state.update(change)
+    else:
+        del state[change]
+    fresh = make()
+    before = fresh.get_last_lr()
+    with pytest.raises(ductile.InvalidArgumentError, match=message):
+        fresh.load_state_dict(state)
+    assert fresh.get_last_lr() == before and fresh.last_step == 0
+
+
 def test_param_groups_follow_the_cpp_schedule():
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.Adam([{"params": [model.weight], "lr": 1e-3},

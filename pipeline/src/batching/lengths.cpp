@@ -15,6 +15,7 @@
 
 #include <fmt/format.h>
 
+#include "ductile/core/files.hpp"
 #include "ductile/core/text.hpp"
 #include "ductile/error.hpp"
 
@@ -37,13 +38,18 @@ class MappedFile {
     std::error_code ec;
     if (!fs::exists(file, ec))
       throw Error(ErrorKind::not_found, fmt::format("{}: no such file", file.string()));
-    if (fs::is_directory(file, ec)) throw io_error(file, "is a directory, not a file");
-    fd_ = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+    // Non-blocking open: a FIFO must not wait for a writer before it is refused.
+    fd_ = core::open_for_reading(file);
     if (fd_ < 0) throw io_error(file, fmt::format("cannot open: {}", std::strerror(errno)));
     struct stat st {};
     if (::fstat(fd_, &st) != 0) {
       ::close(fd_);
       throw io_error(file, fmt::format("cannot stat: {}", std::strerror(errno)));
+    }
+    if (auto problem = core::regular_file_problem(st, core::kMaxLengthsFileBytes, "lengths file");
+        !problem.empty()) {
+      ::close(fd_);
+      throw io_error(file, problem);
     }
     size_ = static_cast<std::size_t>(st.st_size);
     if (size_ > 0) {

@@ -153,7 +153,9 @@ std::span<const std::int64_t> PackPlan::microbatches_of_rank(std::size_t rank) c
 void check_pack_plan_options(const core::Runtime& runtime, const PackPlanOptions& o) {
   const auto& registry = runtime.registry();
   check_one_of(o, "sampler", o.sampler, registry.names(PluginKind::batching));
-  check_at_least(o, "max_tokens", o.max_tokens, 1);
+  if (o.max_tokens && (*o.max_tokens < 1 || *o.max_tokens > kMaxTokenBudget))
+    throw bad_option(fmt::format("{} {} is out of range; must be between 1 and {} (2^31 - 1)",
+                                 option_name(o, "max_tokens"), *o.max_tokens, kMaxTokenBudget));
   if (!o.max_tokens && !o.sampler_params.has("max_tokens")) {
     if (o.spelling == OptionSpelling::cli)
       throw bad_option("no token budget: give --max-tokens N (or max_tokens in the config)");

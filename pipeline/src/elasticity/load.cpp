@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "ductile/pipeline/elasticity.hpp"
+#include "ductile/core/files.hpp"
 #include "elasticity/elasticity_internal.hpp"
 
 namespace ductile::pipeline {
@@ -67,16 +68,7 @@ LoadedElasticity elasticity_from_runtime(Runtime runtime) {
 }
 
 LoadedElasticity load_elasticity(const fs::path& file, RuntimeOptions options) {
-  std::ifstream in(file, std::ios::binary);
-  std::error_code ec;
-  if (!in || fs::is_directory(file, ec))
-    throw Error(fs::exists(file, ec) ? ErrorKind::io : ErrorKind::not_found,
-                fmt::format("{}: {}", file.string(),
-                            fs::exists(file, ec) ? "cannot read the configuration file"
-                                                 : "configuration file does not exist"));
-  std::ostringstream buffer;
-  buffer << in.rdbuf();
-  const std::string text = buffer.str();
+  const std::string text = core::read_user_file(file, "configuration file");
   if (!is_json_config(file, text))
     return elasticity_from_runtime(Runtime::from_file(file, options));
   auto runtime = Runtime::from_string("", file.string(), std::move(options));

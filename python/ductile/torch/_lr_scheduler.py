@@ -1,6 +1,8 @@
 """VariableBatchLRScheduler: the learning rate of every optimizer step scaled
 by that step's real batch size, from the sampler's packing."""
 
+import math
+
 from .. import batching as _batching
 from .._errors import InvalidArgumentError
 
@@ -140,7 +142,28 @@ class VariableBatchLRScheduler:
         if not isinstance(state, dict) or state.get("format") != "ductile.VariableBatchLRScheduler":
             raise InvalidArgumentError(
                 "load_state_dict: not a VariableBatchLRScheduler state_dict")
+        if state.get("version") != 1:
+            raise InvalidArgumentError(
+                f"load_state_dict: state version {state.get('version')!r} is not supported; "
+                "this ductile reads version 1")
         mine = self.state_dict()
+        missing = [key for key in mine if key not in state]
+        if missing:
+            raise InvalidArgumentError(
+                f"load_state_dict: the state lacks {', '.join(missing)}: it is damaged")
+        last_step = state["last_step"]
+        if isinstance(last_step, bool) or not isinstance(last_step, int) or last_step < 0:
+            raise InvalidArgumentError(
+                f"load_state_dict: last_step = {last_step!r} must be an integer >= 0: the "
+                "state is damaged")
+        unscaled = state["unscaled"]
+        if self.lr_scheduler is not None and (
+                not isinstance(unscaled, list) or len(unscaled) != len(self.base_lrs)
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                        and math.isfinite(v) for v in unscaled)):
+            raise InvalidArgumentError(
+                f"load_state_dict: unscaled = {unscaled!r} must be {len(self.base_lrs)} finite "
+                "rates, one per param group: the state is damaged")
         for key in ("base_batch_size", "rule", "schedule", "base_lrs"):
             if state[key] != mine[key]:
                 raise InvalidArgumentError(

@@ -62,9 +62,16 @@ DUCTILE_SDK_API inline const char* to_string(PickingOrder o) noexcept {
   return "dataloader";
 }
 
+// The largest token budget of a micro-batch, 2^31 - 1. Samples longer than the
+// budget are dropped before packing, so every sum a sampler forms (a
+// micro-batch's tokens, its longest sample times its sample count) stays
+// below 2^62 and no int64 arithmetic on lengths can overflow. Checked by the
+// max_tokens key of the bundled samplers' schema and by pipeline::pack_plan.
+inline constexpr std::int64_t kMaxTokenBudget = (std::int64_t{1} << 31) - 1;
+
 // The validated configuration of a sampler, as given by its parameters.
 struct PackOptions {
-  std::int64_t max_tokens = 0;            // token budget of one micro-batch (> 0)
+  std::int64_t max_tokens = 0;            // token budget of one micro-batch (1..kMaxTokenBudget)
   std::int64_t min_batch_size = 1;        // fewest samples in a micro-batch (0 = no minimum)
   std::int64_t max_batch_size = 0;        // most samples in a micro-batch (0 = no maximum)
   std::int64_t effective_batch_size = 1;  // micro-batches per step (>= 1)

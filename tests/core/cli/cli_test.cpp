@@ -2,6 +2,9 @@
 #include <doctest/doctest.h>
 #include <nlohmann/json.hpp>
 
+#include <sys/stat.h>
+
+#include <fstream>
 #include <sstream>
 
 #include "ductile/version.hpp"
@@ -207,6 +210,45 @@ TEST_CASE("garbage input never crashes the CLI") {
   }
   auto self = cli({"config", "check", DUCTILE_CLI});
   CHECK(self.exit_code == 2);
+}
+
+TEST_CASE("config and lengths files must be regular files within their cap") {
+  // A FIFO is refused at once, not waited on; a device or an oversized file
+  // is refused before anything is read.
+  TempDir dir;
+  const std::string fifo = (dir / "job.toml").string();
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  const std::string json_fifo = (dir / "ds.json").string();
+  REQUIRE(::mkfifo(json_fifo.c_str(), 0600) == 0);
+  const std::string big = (dir / "big.toml").string();
+  std::ofstream(big).put('#');
+  fs::resize_file(big, (std::uintmax_t{16} << 20) + 1);  // sparse: no disk used
+  struct Case {
+    std::vector<std::string> args;
+    std::string message;
+  };
+  const std::string not_regular = ", not a regular file; give a regular ";
+  for (const auto& c : std::vector<Case>{
+           {{"config", "check", fifo}, fifo + ": is a FIFO" + not_regular + "configuration file"},
+           {{"config", "check", "/dev/zero"},
+            "/dev/zero: is a character device" + not_regular + "configuration file"},
+           {{"config", "check", big},
+            big + ": is 16777217 bytes, over the 16 MiB cap of a configuration file"},
+           {{"elastic", "--config", fifo}, fifo + ": is a FIFO" + not_regular + "configuration file"},
+           {{"elastic", "--config", "/dev/zero"},
+            "/dev/zero: is a character device" + not_regular + "configuration file"},
+           {{"pack", "--config", json_fifo},
+            json_fifo + ": is a FIFO" + not_regular + "DeepSpeed config"},
+           {{"pack", "--lengths", fifo, "--max-tokens", "8"},
+            fifo + ": is a FIFO" + not_regular + "lengths file"},
+           {{"pack", "--lengths", "/dev/zero", "--max-tokens", "8"},
+            "/dev/zero: is a character device" + not_regular + "lengths file"},
+       }) {
+    CAPTURE(c.message);
+    const auto r = cli(c.args);
+    CHECK(r.exit_code == 2);
+    CHECK(contains(r.err, c.message));
+  }
 }
 
 TEST_CASE("bad command lines are user errors") {

@@ -314,7 +314,15 @@ TEST_CASE("options are checked, naming the option, the value and what is valid")
         x.max_tokens = 0;
         return x;
       }(),
-      "max_tokens 0 is out of range; must be >= 1");
+      "max_tokens 0 is out of range; must be between 1 and 2147483647 (2^31 - 1)");
+  fails(
+      [&] {
+        auto x = o;
+        x.max_tokens = std::int64_t{1} << 62;
+        return x;
+      }(),
+      "max_tokens 4611686018427387904 is out of range; must be between 1 and 2147483647 "
+      "(2^31 - 1)");
   fails(pipeline::PackPlanOptions{},
         "no token budget: give max_tokens (the token budget of a micro-batch, >= 1)");
   fails(
@@ -392,7 +400,7 @@ TEST_CASE("options are checked, naming the option, the value and what is valid")
         x.max_tokens = 0;
         return x;
       }(),
-      "--max-tokens 0 is out of range; must be >= 1");
+      "--max-tokens 0 is out of range; must be between 1 and 2147483647 (2^31 - 1)");
   fails(
       [&] {
         auto x = o;
@@ -415,6 +423,41 @@ TEST_CASE("options are checked, naming the option, the value and what is valid")
   const std::vector<std::int64_t> bad = {3, 0, 5};
   CHECK_THROWS_WITH_AS((void)pipeline::pack_plan(runtime(), bad, o), doctest::Contains("sample 1"),
                        Error);
+}
+
+TEST_CASE("lengths near 2^62 are dropped, and sums at the largest budget do not overflow") {
+  // Under the sanitizer build a signed overflow anywhere aborts the test.
+  constexpr std::int64_t big = std::int64_t{1} << 62;
+  constexpr std::int64_t cap = kMaxTokenBudget;
+  const std::vector<std::int64_t> lengths = {big, cap, 5, big - 7, cap - 1, 1, big};
+  for (const char* sampler : {"greedy", "bfd"}) {
+    for (const char* budget : {"sum", "padded"}) {
+      CAPTURE(sampler);
+      CAPTURE(budget);
+      pipeline::PackPlanOptions o;
+      o.sampler = sampler;
+      o.budget = budget;
+      o.max_tokens = cap;
+      const auto plan = pipeline::pack_plan(runtime(), lengths, o);
+      CHECK(plan.dropped_ids == std::vector<std::int64_t>{0, 3, 6});
+      std::int64_t tokens = 0;
+      for (std::size_t m = 0; m < plan.microbatch_count(); ++m) {
+        std::int64_t sum = 0, longest = 0;
+        const auto ids = plan.microbatch(m);
+        for (const auto id : ids) {
+          sum += lengths[static_cast<std::size_t>(id)];
+          longest = std::max(longest, lengths[static_cast<std::size_t>(id)]);
+        }
+        CHECK(sum > 0);
+        CHECK((std::string(budget) == "sum" ? sum
+                                             : longest * static_cast<std::int64_t>(ids.size())) <=
+              cap);
+        tokens += sum;
+      }
+      CHECK(tokens == cap + 5 + (cap - 1) + 1);
+      CHECK(plan.stats.tokens == tokens);
+    }
+  }
 }
 
 TEST_CASE("pack_plan_configured uses the runtime's [batching] and [lr] instances") {

@@ -15,10 +15,10 @@ inline constexpr const char* kOrderValues[] = {"dataloader", "seqlen", "random",
 inline constexpr ParamSpec kMaxTokensParam{
     "max_tokens",
     ParamType::integer,
-    param_required | param_has_min,
+    param_required | param_has_min | param_has_max,
     nullptr,
     1,
-    0,
+    static_cast<double>(kMaxTokenBudget),
     nullptr,
     "Token budget of one micro-batch; longer samples are dropped"};
 inline constexpr ParamSpec kMinBatchSizeParam{"min_batch_size",
