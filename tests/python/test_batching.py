@@ -217,6 +217,27 @@ def test_plot_writes_a_picture(tmp_path):
     assert os.path.getsize(out) > 10_000
 
 
+def test_step_padding_share_is_the_padding_of_each_steps_padded_micro_batches():
+    lengths = batching.read_lengths(data("lengths", "debian_fortunes_word_lengths.txt"))
+    plan = batching.pack(lengths, max_tokens=400, order="random", effective_batch_size=4)
+    real, positions = [0] * plan.step_count, [0] * plan.step_count
+    for i, ids in enumerate(plan.microbatches()):
+        step = plan.microbatch_steps[i]
+        real[step] += sum(int(lengths[j]) for j in ids)
+        positions[step] += len(ids) * max(int(lengths[j]) for j in ids)
+    expect = [1 - r / p for r, p in zip(real, positions)]
+    assert plan.step_padding_share() == pytest.approx(expect, abs=1e-12)
+    assert max(expect) > 0.05  # random order: real padding, not a plan of equal lengths
+
+
+def test_plot_without_learning_rates_draws_the_padding_panels_too(tmp_path):
+    plan = batching.pack([5, 9, 3, 7, 7, 2, 8, 1], max_tokens=16, effective_batch_size=2)
+    out = batching.plot(plan, tmp_path / "plan.svg")
+    text = open(out).read()
+    for label in ("padding share (%)", "positions a micro-batch (all steps)", "batch size"):
+        assert label in text
+
+
 @pytest.mark.parametrize("option, value, message", [
     ("max_tokens", 2 ** 63, "max_tokens = 9223372036854775808 is out of range; must be between "
                             "-9223372036854775808 and 9223372036854775807"),

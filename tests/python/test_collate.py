@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from hf_models import VOCAB, padded_loss, random_samples, tiny_model
+from hf_models import VOCAB, padded_loss, random_samples, tiny_encoder, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import DataCollatorWithFlattening
@@ -90,6 +90,49 @@ def test_a_flattened_micro_batch_has_the_loss_of_the_padded_samples(family, atte
             # attend to each other and the loss moves.
             leaky = dict(batch, position_ids=torch.arange(batch["input_ids"].shape[1])[None])
             assert abs(model(**leaky, use_cache=False).loss.item() - padded.item()) > 1e-4
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_a_block_mask_keeps_the_flattened_samples_of_an_encoder_apart(attention):
+    model = tiny_encoder(attention)
+    samples = random_samples(3, count=4, longest=30)
+    with torch.no_grad():
+        alone = [model(input_ids=torch.tensor([s])).last_hidden_state[0] for s in samples]
+        batch = FlattenCollate(block_attention_mask="bidirectional")(samples)
+        assert batch["attention_mask"].shape == (1, 1, sum(map(len, samples)),
+                                                 sum(map(len, samples)))
+        flat = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                     attention_mask=batch["attention_mask"]).last_hidden_state[0]
+        torch.testing.assert_close(flat, torch.cat(alone), rtol=1e-5, atol=1e-5)
+        # Without the mask BERT ignores the restarted positions: every token
+        # attends to the whole row, and the states move.
+        leaky = model(input_ids=batch["input_ids"],
+                      position_ids=batch["position_ids"]).last_hidden_state[0]
+        assert (leaky - torch.cat(alone)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_a_causal_block_mask_gives_a_causal_lm_the_padded_loss(attention):
+    model = tiny_model("llama", attention)
+    samples = random_samples(5, count=5, longest=40)
+    with torch.no_grad():
+        batch = FlattenCollate(block_attention_mask="causal")(samples)
+        flat = model(**batch, use_cache=False).loss
+        assert abs(flat.item() - padded_loss(model, samples).item()) <= 1e-5
+        # With a block mask that is not causal the tokens see ahead.
+        ahead = FlattenCollate(block_attention_mask="bidirectional")(samples)
+        assert abs(model(**ahead, use_cache=False).loss.item() - flat.item()) > 1e-4
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(block_attention_mask="full"), "block_attention_mask='full' is not valid; use None, "
+                                        "'bidirectional' or 'causal'"),
+    (dict(block_attention_mask="causal", mask_dtype=torch.int64),
+     "mask_dtype=torch.int64 is not valid; use a floating-point torch.dtype"),
+])
+def test_bad_block_mask_options_are_refused_by_name(kwargs, message):
+    with pytest.raises(ductile.InvalidArgumentError, match=message):
+        FlattenCollate(**kwargs)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

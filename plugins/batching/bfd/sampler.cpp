@@ -258,7 +258,24 @@ class BfdSampler final : public ductile::BatchSampler {
   // among equally good fills: the longer of the pair is chosen closest to
   // balance x the room left for the pair (0.5: two similar samples, 1: one
   // long and one very short).
-  Plan plan_sum(const ductile::bfd::LengthClasses& h, double balance, bool two_fit) const {
+  // fit_from[room] = the first length index whose length is <= room, for
+  // every room up to max_tokens: one load instead of a binary search in the
+  // planner's innermost loops. Empty (binary search) above 2^20 tokens.
+  std::vector<std::uint32_t> fitting_table(const ductile::bfd::LengthClasses& h) const {
+    std::vector<std::uint32_t> fit_from;
+    const std::int64_t cap = options_.max_tokens;
+    if (cap > (std::int64_t{1} << 20)) return fit_from;
+    fit_from.resize(static_cast<std::size_t>(cap) + 1);
+    std::size_t index = h.length.size();
+    for (std::int64_t room = 0; room <= cap; ++room) {
+      while (index > 0 && h.length[index - 1] <= room) --index;
+      fit_from[static_cast<std::size_t>(room)] = static_cast<std::uint32_t>(index);
+    }
+    return fit_from;
+  }
+
+  Plan plan_sum(const ductile::bfd::LengthClasses& h, double balance, bool two_fit,
+                const std::vector<std::uint32_t>& fit_from) const {
     Plan plan;
     const std::size_t kinds = h.length.size();
     std::vector<std::int64_t> count(h.count);
@@ -284,6 +301,7 @@ class BfdSampler final : public ductile::BatchSampler {
     };
     // First length index whose length is <= room.
     auto first_fitting = [&](std::int64_t room) {
+      if (!fit_from.empty()) return static_cast<std::size_t>(fit_from[static_cast<std::size_t>(room)]);
       return static_cast<std::size_t>(
           std::lower_bound(h.length.begin(), h.length.end(), room, std::greater<>()) -
           h.length.begin());
@@ -401,10 +419,11 @@ class BfdSampler final : public ductile::BatchSampler {
     // helps most distributions but not all, so with and without are compared.
     const bool sweep = options_.max_batch_size > 2 && h.length.size() <= 1024;
     const bool try_two_fit = options_.max_batch_size == 0 || options_.max_batch_size > 3;
-    Plan best = plan_sum(h, 0.5, false);
+    const auto fit_from = fitting_table(h);
+    Plan best = plan_sum(h, 0.5, false, fit_from);
     for (int two_fit = 0; two_fit <= (try_two_fit ? 1 : 0); ++two_fit) {
       for (int step = two_fit ? 0 : 1; step <= (sweep ? 50 : 0); ++step) {
-        Plan candidate = plan_sum(h, 0.5 + 0.01 * step, two_fit == 1);
+        Plan candidate = plan_sum(h, 0.5 + 0.01 * step, two_fit == 1, fit_from);
         if (candidate.bins < best.bins) best = std::move(candidate);
       }
     }

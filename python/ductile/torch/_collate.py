@@ -107,7 +107,18 @@ class FlattenCollate:
       ``cu_seq_lens_k`` (int32 offsets ``[0, l0, l0 + l1, ...]``) and
       ``max_length_q``/``max_length_k`` (Python ints);
     - with ``return_seq_idx=True``: ``seq_idx``, the sample index of every
-      token (int32).
+      token (int32);
+    - with ``block_attention_mask="bidirectional"`` or ``"causal"``:
+      ``attention_mask`` of shape ``[1, 1, T, T]`` (``mask_dtype``, float32
+      by default), 0 where a token may attend and the dtype's minimum where
+      not: within its own sample only (and, for ``"causal"``, not ahead).
+      transformers passes a 4-D mask to the attention unchanged (eager adds
+      it, sdpa takes it as ``attn_mask``), so models whose mask builder
+      ignores ``position_ids`` keep the samples apart too: encoders such as
+      BERT (transformers 5.23 builds BERT's mask without ``position_ids``, so
+      without this its flattened samples attend to each other). It costs
+      ``T * T`` elements a micro-batch, and attention still runs over the
+      whole row.
 
     Run the model with ``use_cache=False`` (or ``config.use_cache = False``):
     transformers 5.23 builds the per-sample attention mask from
@@ -123,7 +134,18 @@ class FlattenCollate:
     """
 
     def __init__(self, *, return_position_ids=True, separator_id=-100,
-                 return_flash_attn_kwargs=False, return_seq_idx=False, position_ids_start=0):
+                 return_flash_attn_kwargs=False, return_seq_idx=False, position_ids_start=0,
+                 block_attention_mask=None, mask_dtype=torch.float32):
+        if block_attention_mask not in (None, "bidirectional", "causal"):
+            raise InvalidArgumentError(
+                f"FlattenCollate: block_attention_mask={block_attention_mask!r} is not valid; "
+                "use None, 'bidirectional' or 'causal'")
+        if not isinstance(mask_dtype, torch.dtype) or not mask_dtype.is_floating_point:
+            raise InvalidArgumentError(
+                f"FlattenCollate: mask_dtype={mask_dtype!r} is not valid; use a floating-point "
+                "torch.dtype (the mask is added to the attention scores)")
+        self.block_attention_mask = block_attention_mask
+        self.mask_dtype = mask_dtype
         self.return_position_ids = bool(return_position_ids)
         self.separator_id = int(separator_id)
         self.return_flash_attn_kwargs = bool(return_flash_attn_kwargs)
@@ -175,4 +197,15 @@ class FlattenCollate:
             batch["cu_seq_lens_q"] = offsets
             batch["cu_seq_lens_k"] = offsets.clone()
             batch["max_length_q"] = batch["max_length_k"] = int(lengths.max())
+        if self.block_attention_mask is not None:
+            batch["attention_mask"] = self._block_mask(lengths, total)
         return batch
+
+    def _block_mask(self, lengths, total):
+        sample = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+        allowed = sample.unsqueeze(1) == sample.unsqueeze(0)
+        if self.block_attention_mask == "causal":
+            allowed = torch.tril(allowed)
+        mask = torch.zeros((total, total), dtype=self.mask_dtype)
+        mask.masked_fill_(~allowed, torch.finfo(self.mask_dtype).min)
+        return mask.view(1, 1, total, total)

