@@ -291,10 +291,10 @@ def _plot_padding(ax, plan, steps):
     share = 100 * plan.step_padding_share()[:steps]
     ax.plot(np.arange(steps), share, marker=".", color="tab:orange", label="padded (PadCollate)")
     ax.plot(np.arange(steps), np.zeros(steps), color="tab:blue", label="flattened")
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, 100)
     ax.set_xlabel("step")
     ax.set_ylabel("padding share (%)")
-    ax.legend(loc="upper right", fontsize=8)
+    ax.legend(loc="center right", fontsize=8)
 
 
 def _plot_positions(ax, plan, tokens, padded):

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from transformers import DataCollatorWithFlattening
 
 import ductile
-from ductile.torch import DynamicBatchSampler, FlattenCollate
+from ductile.torch import DynamicBatchSampler, FlattenCollate, variable_batch_dataloader
 
 
 def same_batch(ours, theirs):
@@ -169,3 +169,32 @@ def test_sampler_and_flatten_collate_feed_every_token_once():
         seen += len(micro_batch)
     plan = sampler.plan(0)
     assert seen == len(dataset) - len(plan.leftover_ids) - len(plan.dropped_ids)
+
+
+def test_variable_batch_dataloader_flattens_with_collate_flatten():
+    rng = random.Random(4)
+    dataset = [{"input_ids": torch.randint(0, VOCAB, (rng.randint(1, 40),))} for _ in range(120)]
+    loader, _, sampler = variable_batch_dataloader(dataset, max_tokens=96, collate="flatten",
+                                                   rank=0, world_size=1, seed=2)
+    micro_batches = list(sampler)
+    sampler.set_epoch(0)
+    batches = list(loader)
+    assert len(batches) == len(micro_batches) > 0
+    for micro_batch, batch in zip(micro_batches, batches):
+        assert set(batch) == {"input_ids", "labels", "position_ids"}
+        assert torch.equal(batch["input_ids"][0],
+                           torch.cat([dataset[i]["input_ids"] for i in micro_batch]))
+    padded, _, _ = variable_batch_dataloader(dataset, max_tokens=96, collate="pad", rank=0,
+                                             world_size=1, seed=2)
+    assert "lengths" in next(iter(padded))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(collate="packed"), "collate='packed' is not valid; use 'pad' or 'flatten'"),
+    (dict(collate="flatten", collate_fn=FlattenCollate()),
+     "collate='flatten' and collate_fn are both given; give one of them"),
+])
+def test_bad_collate_choices_are_refused_by_name(kwargs, message):
+    dataset = [[1, 2, 3]] * 4
+    with pytest.raises(ductile.InvalidArgumentError, match=message):
+        variable_batch_dataloader(dataset, max_tokens=8, rank=0, world_size=1, **kwargs)

@@ -420,14 +420,37 @@ class BfdSampler final : public ductile::BatchSampler {
     const bool sweep = options_.max_batch_size > 2 && h.length.size() <= 1024;
     const bool try_two_fit = options_.max_batch_size == 0 || options_.max_batch_size > 3;
     const auto fit_from = fitting_table(h);
+    const std::int64_t fewest = fewest_bins(h);
     Plan best = plan_sum(h, 0.5, false, fit_from);
     for (int two_fit = 0; two_fit <= (try_two_fit ? 1 : 0); ++two_fit) {
       for (int step = two_fit ? 0 : 1; step <= (sweep ? 50 : 0); ++step) {
+        // No plan has fewer bins than the bound: stop once one reaches it.
+        if (best.bins <= fewest) return best;
         Plan candidate = plan_sum(h, 0.5 + 0.01 * step, two_fit == 1, fit_from);
         if (candidate.bins < best.bins) best = std::move(candidate);
       }
     }
     return best;
+  }
+
+  // A lower bound on the micro-batches of any packing: the tokens over the
+  // budget, and the samples over max_batch_size, rounded up. 128-bit sums:
+  // counts times lengths may pass 2^63 (lengths <= 2^31, any count).
+  std::int64_t fewest_bins(const ductile::bfd::LengthClasses& h) const {
+    unsigned __int128 tokens = 0, samples = 0;
+    for (std::size_t d = 0; d < h.length.size(); ++d) {
+      tokens += static_cast<unsigned __int128>(h.length[d]) *
+                static_cast<unsigned __int128>(h.count[d]);
+      samples += static_cast<unsigned __int128>(h.count[d]);
+    }
+    const auto cap = static_cast<unsigned __int128>(options_.max_tokens);
+    unsigned __int128 bound = (tokens + cap - 1) / cap;
+    if (options_.max_batch_size > 0) {
+      const auto most = static_cast<unsigned __int128>(options_.max_batch_size);
+      bound = std::max(bound, (samples + most - 1) / most);
+    }
+    // Every sample fits a bin on its own, so bound <= samples < 2^63.
+    return static_cast<std::int64_t>(bound);
   }
 
   void pack_sum(const Histogram& h, Microbatches& bins) const {

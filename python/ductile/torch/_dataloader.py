@@ -7,7 +7,7 @@ import torch
 from .. import batching as _batching
 from .. import metrics as _metrics
 from .._errors import InvalidArgumentError
-from ._collate import PadCollate, PaddedSamples
+from ._collate import FlattenCollate, PadCollate, PaddedSamples
 from ._lr_scheduler import VariableBatchLRScheduler
 from ._sampler import DynamicBatchSampler, _distributed_rank_and_size
 
@@ -16,8 +16,9 @@ def variable_batch_dataloader(dataset, *, lengths=None, metrics_path=None, lengt
                               optimizer=None, max_tokens, gradient_accumulation_steps=1,
                               order="random", seed=1234, rank=None, world_size=None,
                               lr_rule=None, base_batch_size=None, lr_scheduler=None,
-                              lr_options=None, collate_fn=None, sample_padding_fn=None,
-                              num_workers=0, pin_memory=False, **pack_options):
+                              lr_options=None, collate_fn=None, collate=None,
+                              sample_padding_fn=None, num_workers=0, pin_memory=False,
+                              **pack_options):
     """DataLoader + LR scheduler for variable-size batches of a map-style dataset.
 
     Lengths: ``lengths`` (one per sample), or DeepSpeed's ``metrics_path``
@@ -28,8 +29,12 @@ def variable_batch_dataloader(dataset, *, lengths=None, metrics_path=None, lengt
     ``same_size_microbatches=True`` for equal micro-batch sizes). With an
     ``optimizer`` and ``lr_rule``, a :class:`VariableBatchLRScheduler`
     (``base_batch_size``, ``lr_scheduler`` and ``lr_options``: its other
-    keyword arguments). Returns ``(loader, scheduler or None, sampler)``.
+    keyword arguments). Collation: ``collate_fn``, or ``collate="pad"``
+    (:class:`PadCollate`, the default) or ``"flatten"`` (:class:`FlattenCollate`:
+    padding-free rows in the contract of HF's ``DataCollatorWithFlattening``).
+    Returns ``(loader, scheduler or None, sampler)``.
     """
+    collate_fn = _collate_of(collate, collate_fn)
     if lengths is None:
         if metrics_path is not None:
             lengths = _metrics.lengths_from_metrics_path(metrics_path, dataset, length_fn)
@@ -46,7 +51,7 @@ def variable_batch_dataloader(dataset, *, lengths=None, metrics_path=None, lengt
     if sample_padding_fn is not None:
         dataset = PaddedSamples(dataset, sample_padding_fn)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler,
-                                         collate_fn=collate_fn or PadCollate(),
+                                         collate_fn=collate_fn,
                                          num_workers=num_workers, pin_memory=pin_memory)
     scheduler = None
     if optimizer is not None and lr_rule is not None:
@@ -59,9 +64,26 @@ def variable_batch_dataloader(dataset, *, lengths=None, metrics_path=None, lengt
     return loader, scheduler, sampler
 
 
+_COLLATES = {"pad": PadCollate, "flatten": FlattenCollate}
+
+
+def _collate_of(collate, collate_fn):
+    if collate is not None and collate_fn is not None:
+        raise InvalidArgumentError(
+            f"collate={collate!r} and collate_fn are both given; give one of them")
+    if collate_fn is not None:
+        return collate_fn
+    if collate is None:
+        return PadCollate()
+    if not isinstance(collate, str) or collate not in _COLLATES:
+        raise InvalidArgumentError(
+            f"collate={collate!r} is not valid; use 'pad' or 'flatten' (or a collate_fn)")
+    return _COLLATES[collate]()
+
+
 def get_dataloader_and_lr_scheduler_for_variable_batch_size(
         dataset, ds_config, optimizer=None, *, lr_scheduler=None, rank=None, world_size=None,
-        collate_fn=None, sample_padding_fn=None, length_fn=len, num_workers=0,
+        collate_fn=None, collate=None, sample_padding_fn=None, length_fn=len, num_workers=0,
         pin_memory=False):
     """DeepSpeed's entry point, from a DeepSpeed config (dict, JSON text or
     file): data_efficiency.data_sampling.dynamic_batching (max_tokens,
@@ -92,7 +114,8 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size(
         order=params.pop("order", "dataloader"), seed=params.pop("seed", 1234), rank=rank,
         world_size=world_size, lr_rule=kwargs.get("lr_rule"),
         base_batch_size=kwargs.get("base_batch_size"), lr_scheduler=lr_scheduler,
-        lr_options=lr_options, collate_fn=collate_fn, sample_padding_fn=sample_padding_fn,
+        lr_options=lr_options, collate_fn=collate_fn, collate=collate,
+        sample_padding_fn=sample_padding_fn,
         num_workers=num_workers, pin_memory=pin_memory, sampler=kwargs.get("sampler", "greedy"),
         params=params, runtime=kwargs.get("runtime"))
 
