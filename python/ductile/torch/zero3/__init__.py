@@ -28,21 +28,34 @@ does not belong to must be declared with ``register_external_parameter``;
 """
 
 from ._engine import Zero3Engine, register_external_parameter
+from ._full import GatheredParameters
+from ._init import init
+from ._precision import DynamicLossScaler, MixedPrecision
 
-__all__ = ["initialize", "Zero3Engine", "register_external_parameter"]
+__all__ = ["initialize", "init", "Zero3Engine", "register_external_parameter",
+           "GatheredParameters", "MixedPrecision", "DynamicLossScaler"]
 
 
-def initialize(model, optimizer_factory=None, config=None, *, plugin_path=None):
+def initialize(model, optimizer_factory=None, config=None, *, plugin_path=None,
+               mixed_precision=None, load_from=None, group=None):
     """Partitions ``model``'s parameters and installs the hooks; returns the
     engine. Collective: every rank calls it with the same model structure.
 
     ``optimizer_factory``: called with the list of shard parameters (one flat
-    tensor per parameter, in ``model.named_parameters()`` order), returns a
-    ``torch.optim`` optimizer (or None: no optimizer). ``config``: a ductile
-    TOML (path, text, or dict of sections) with a ``[zero]`` section (e.g.
-    ``coordinator = "partitioned"``) and an ``[accelerator]`` section.
-    Rank 0's parameter values are broadcast first, as
+    tensor per parameter, in ``model.named_parameters()`` order, fp32 masters
+    with mixed precision), returns a ``torch.optim`` optimizer (or None: no
+    optimizer). ``config``: a ductile TOML (path, text, or dict of sections)
+    with a ``[zero]`` section (e.g. ``coordinator = "partitioned"``) and an
+    ``[accelerator]`` section, or a DeepSpeed JSON config (ZeRO stage 3; its
+    bf16/fp16 and gradient_clipping keys are honoured). When
+    torch.distributed is initialised (torchrun) and ``[accelerator]
+    communicator`` is "auto" or "host", its process group (``group``, or the
+    default one) is the world: no MPI. ``mixed_precision``: a
+    ``MixedPrecision``, or "bf16"/"fp16" (fp32 masters and reduction).
+    Initial values: the slices ``zero3.init`` kept, safetensors files
+    (``load_from``), or rank 0's values, broadcast as
     DistributedDataParallel does. Raises ConfigError, InvalidArgumentError
     (a parameter of an unsupported dtype or on the wrong device).
     """
-    return Zero3Engine(model, optimizer_factory, config, plugin_path=plugin_path)
+    return Zero3Engine(model, optimizer_factory, config, plugin_path=plugin_path,
+                       mixed_precision=mixed_precision, load_from=load_from, group=group)
