@@ -52,14 +52,21 @@ def command(ranks, launcher, script, *args):
     raise ValueError(f"unknown launcher {launcher!r}")
 
 
-def environment():
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(
+def environment(sanitized=True):
+    """The test's environment for a job; without `sanitized`, without the
+    sanitizer runtime the build preloads (a job of plain torch whose
+    allocation failure is the point: AddressSanitizer would abort instead)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
         OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::FutureWarning")
+    if not sanitized:
+        env.pop("LD_PRELOAD", None)
+        env.pop("ASAN_OPTIONS", None)
+    return env
 
 
 def launch(tmp, name, spec, ranks=None, launcher="mpirun", config=CONFIG, all_ranks=False,
-           expect_failure=False, timeout=280, worker=WORKER):
+           expect_failure=False, timeout=280, worker=WORKER, sanitized=True, env=None):
     """Runs `worker` (zero3_worker.py); returns (result, params, stderr): rank 0's
     result.json (or every rank's, as a list, with all_ranks) and
     params.pt (None when absent)."""
@@ -71,7 +78,7 @@ def launch(tmp, name, spec, ranks=None, launcher="mpirun", config=CONFIG, all_ra
     spec_path = out / "spec.json"
     spec_path.write_text(json.dumps(spec))
     proc = subprocess.run(command(ranks, launcher, worker, str(spec_path)), capture_output=True,
-                          text=True, timeout=timeout, env=environment())
+                          text=True, timeout=timeout, env=dict(environment(sanitized), **(env or {})))
     if expect_failure:
         assert proc.returncode != 0, f"{name} succeeded:\n{proc.stdout}\n{proc.stderr}"
         return None, None, proc.stderr

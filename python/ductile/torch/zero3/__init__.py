@@ -37,7 +37,7 @@ __all__ = ["initialize", "init", "Zero3Engine", "register_external_parameter",
 
 
 def initialize(model, optimizer_factory=None, config=None, *, plugin_path=None,
-               mixed_precision=None, load_from=None, group=None):
+               mixed_precision=None, load_from=None, group=None, step_in_backward=False):
     """Partitions ``model``'s parameters and installs the hooks; returns the
     engine. Collective: every rank calls it with the same model structure.
 
@@ -54,8 +54,14 @@ def initialize(model, optimizer_factory=None, config=None, *, plugin_path=None,
     ``MixedPrecision``, or "bf16"/"fp16" (fp32 masters and reduction).
     Initial values: the slices ``zero3.init`` kept, safetensors files
     (``load_from``), or rank 0's values, broadcast as
-    DistributedDataParallel does. Raises ConfigError, InvalidArgumentError
-    (a parameter of an unsupported dtype or on the wrong device).
+    DistributedDataParallel does. ``step_in_backward``: one optimizer per
+    shard (``optimizer_factory([shard])``), stepped as soon as that shard's
+    gradient is reduce-scattered, so the gradient shards never all exist at
+    once (no global clipping or fp16 loss scaling then; accumulate with
+    ``no_sync()`` for all but the last micro-batch). Raises ConfigError,
+    InvalidArgumentError (a parameter of an unsupported dtype or on the
+    wrong device).
     """
     return Zero3Engine(model, optimizer_factory, config, plugin_path=plugin_path,
-                       mixed_precision=mixed_precision, load_from=load_from, group=group)
+                       mixed_precision=mixed_precision, load_from=load_from, group=group,
+                       step_in_backward=step_in_backward)

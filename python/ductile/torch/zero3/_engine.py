@@ -30,6 +30,7 @@ from ._gradients import GradientReducer
 from ._memory import DeviceMemory
 from ._param import ZeroParam
 from ._passes import ENGINE, EXTERNAL, Passes
+from ._per_parameter import PerParameterOptimizers
 
 
 def register_external_parameter(module, parameter):
@@ -69,7 +70,7 @@ class Zero3Engine:
     """See ``ductile.torch.zero3.initialize``."""
 
     def __init__(self, model, optimizer_factory=None, config=None, *, plugin_path=None,
-                 mixed_precision=None, load_from=None, group=None):
+                 mixed_precision=None, load_from=None, group=None, step_in_backward=False):
         if not isinstance(model, torch.nn.Module):
             raise InvalidArgumentError(
                 f"zero3.initialize: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -104,8 +105,11 @@ class Zero3Engine:
 
         self._params = self._collect(model)
         self._partition(model, load_from)
-        self._gradients = GradientReducer(
-            self.comm, precision.reduce_dtype if precision is not None else None)
+        reduce_dtype = precision.reduce_dtype if precision is not None else None
+        largest = max(zp.numel * torch.empty((), dtype=reduce_dtype or zp.dtype).element_size()
+                      for zp in self._params)
+        self._gradients = GradientReducer(self.comm, reduce_dtype,
+                                          max_inflight_bytes=max(2 * largest, 16 << 20))
         self._passes = Passes(self._session, self._memory, self.world_size, self._params,
                               self._gradients, self._begin_pass)
         self._passes.register_modules(model)
@@ -114,7 +118,23 @@ class Zero3Engine:
             _full.register_owner(self, zp)
         self._gradients.install(self._params)
         self.optimizer = None
-        if optimizer_factory is not None:
+        self.step_in_backward = bool(step_in_backward)
+        if self.step_in_backward:
+            if optimizer_factory is None:
+                raise InvalidArgumentError(
+                    "zero3.initialize: step_in_backward needs an optimizer_factory")
+            if self._scaler is not None or self.gradient_clipping:
+                raise IncompatibleError(
+                    "zero3.initialize: step_in_backward steps each parameter as soon as its "
+                    "gradient is reduced, before the whole gradient exists: it cannot clip "
+                    "the global norm (gradient_clipping) nor skip overflowing steps (fp16 "
+                    "loss scaling)")
+            trained = [zp for zp in self._params if zp.requires_grad]
+            self.optimizer = PerParameterOptimizers(optimizer_factory,
+                                                    [zp.shard for zp in trained])
+            by_id = dict(zip((zp.id for zp in trained), self.optimizer.optimizers))
+            self._gradients.on_shard_ready = lambda zp: self._step_shard(zp, by_id[zp.id])
+        elif optimizer_factory is not None:
             self.optimizer = optimizer_factory([zp.shard for zp in self._params])
             if self.optimizer is not None:
                 self.optimizer.register_step_post_hook(self._optimizer_stepped)
@@ -155,15 +175,17 @@ class Zero3Engine:
         for name, p in model.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(p), []).append(name)
         try:
+            # One parameter at a time: its shard is filled (and whatever held
+            # its initial values let go) before the next one is allocated.
             for zp in self._params:
                 session.register_parameter(zp.id, zp.numel, zp.type)
-            for zp in self._params:
                 self._make_shard(zp)
                 values = self._initial_values(zp, source, aliases[id(zp.param)])
                 if values is not None:
                     zp.store.copy_(values)
                     if zp.shard is not zp.store:
                         zp.shard.data.copy_(values)
+                del values
                 if zp.param.is_meta:
                     real = torch.nn.Parameter(torch.empty(0, dtype=zp.param.dtype,
                                                           device=self._memory.device),
@@ -242,6 +264,16 @@ class Zero3Engine:
     # --- shards and passes --------------------------------------------------------
 
     def _optimizer_stepped(self, optimizer, args, kwargs):
+        self._dirty = True
+
+    def _step_shard(self, zp, optimizer):
+        """step_in_backward: the shard's gradient is complete; step it now
+        and drop the gradient (the store is brought up to date before the
+        next pass)."""
+        if not self._gradients.sync:
+            return
+        optimizer.step()
+        zp.shard.grad = None
         self._dirty = True
 
     def shards_changed(self):
@@ -356,6 +388,9 @@ class Zero3Engine:
         first)."""
         if self._passes.backward_active:
             raise IncompatibleError("zero3: clip_grad_norm_() called during backward")
+        if self.step_in_backward:
+            raise IncompatibleError("zero3: clip_grad_norm_() with step_in_backward: the "
+                                    "parameters were stepped during backward already")
         max_norm, norm_type = float(max_norm), float(norm_type)
         self._unscale()
         grads = self._grad_shards()
@@ -388,6 +423,10 @@ class Zero3Engine:
                 "zero3: step() needs an optimizer; pass optimizer_factory to initialize()")
         if self._passes.backward_active:
             raise IncompatibleError("zero3: step() called during backward")
+        if self.step_in_backward:
+            self.global_step += 1  # every parameter was stepped during backward
+            self.zero_grad()
+            return
         if self.gradient_clipping:
             self.clip_grad_norm_(self.gradient_clipping)
         skip = False

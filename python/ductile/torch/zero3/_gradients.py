@@ -9,6 +9,11 @@ Reduce dtype: the full gradient is cast to ``reduce_dtype`` (fp32 unless
 configured) before the reduce-scatter, and the result is added to the
 gradient shard in the master dtype, so bf16 compute still sums in fp32.
 
+With ``on_shard_ready`` set (the engine's step_in_backward), each gradient
+shard is handed over as soon as its reduce-scatter completes, so the
+optimizer steps that parameter and drops the shard: no rank ever holds all
+gradient shards at once.
+
 Gradient accumulation, two ways (``sync``):
 - ``sync`` on (the default): every micro-batch's gradients are
   reduce-scattered and added to the gradient shards (fp32 with mixed
@@ -25,13 +30,22 @@ import torch
 
 
 class GradientReducer:
-    def __init__(self, comm, reduce_dtype=None):
+    """`max_inflight_bytes`: the full gradients handed to reduce-scatters
+    not yet complete are kept within it (the oldest is waited for first), so
+    that a transport slower than backward (gloo's one worker thread) cannot
+    pile up every full gradient of the model; one larger gradient may go
+    alone."""
+
+    def __init__(self, comm, reduce_dtype=None, max_inflight_bytes=64 << 20):
         self._comm = comm
         self._world = comm.size
         self._reduce_dtype = reduce_dtype
+        self._max_inflight = max_inflight_bytes
+        self._inflight = 0
         self._pending = []   # (param, send, recv, work) in issue order
         self._handles = []
         self.sync = True
+        self.on_shard_ready = None  # called with a parameter whose gradient shard is complete
         self.counters = {"reduce_scatters": 0, "reduced_numel": 0, "grad_wait_ns": 0,
                          "accumulated_grads": 0}
 
@@ -79,9 +93,13 @@ class GradientReducer:
             send = torch.empty(total, dtype=dtype, device=flat.device)
             send[:zp.numel].copy_(flat)
             send[zp.numel:].zero_()
+        nbytes = send.numel() * send.element_size()
+        while self._pending and self._inflight + nbytes > self._max_inflight:
+            self._finish(self._pending.pop(0))
         recv = torch.empty(zp.shard_numel, dtype=dtype, device=flat.device)
         work = self._comm.reduce_scatter(recv, send, "sum")
         self._pending.append((zp, send, recv, work))
+        self._inflight += nbytes
         self.counters["reduce_scatters"] += 1
         self.counters["reduced_numel"] += total
         # Completed ones give their full gradients back at once.
@@ -89,8 +107,9 @@ class GradientReducer:
             self._finish(self._pending.pop(0))
 
     def _finish(self, entry):
-        zp, _, recv, work = entry
+        zp, send, recv, work = entry
         work.wait()
+        self._inflight -= send.numel() * send.element_size()
         if self._world > 1:
             recv.div_(self._world)
         shard = zp.shard
@@ -98,6 +117,8 @@ class GradientReducer:
             shard.grad = recv if recv.dtype == shard.dtype else recv.to(shard.dtype)
         else:
             shard.grad.add_(recv)
+        if self.on_shard_ready is not None:
+            self.on_shard_ready(zp)
 
     def drain(self):
         """Waits for every reduce-scatter in flight and adds it to its shard's gradient."""
@@ -115,6 +136,7 @@ class GradientReducer:
         pending, self._pending = self._pending, []
         for entry in pending:
             entry[3].wait()
+        self._inflight = 0
 
     def discard_accumulated(self, params):
         for zp in params:

@@ -37,6 +37,8 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "int32": torch.int32, "int64": torch.int64,
     "uint8": torch.uint8,
 }
+_SIZES = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in _DTYPES.items()}
+_PACK_LIMIT = 256 << 10  # bytes of a tensor gathered alone rather than packed
 _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX,
         "prod": dist.ReduceOp.PRODUCT}
 
@@ -72,6 +74,22 @@ class Work:
             self._finish()
             self._finish = None
         self._done = True
+
+
+class _Works:
+    """Several collectives seen as one."""
+
+    __slots__ = ("_works",)
+
+    def __init__(self, works):
+        self._works = works
+
+    def query(self):
+        return all(w.query() for w in self._works)
+
+    def wait(self):
+        for w in self._works:
+            w.wait()
 
 
 class _Buffers:
@@ -132,8 +150,25 @@ class TorchWorld:
         return self.all_gather(out, inp)
 
     def all_gather_coalesced_at(self, items):
+        """Large tensors are gathered straight into their outputs (packing
+        them would copy each twice and hold a second copy of the result);
+        the small ones together, packed into one byte buffer."""
         if len(items) == 1:
             return self.all_gather_at(*items[0])
+        works, small = [], []
+        for item in items:
+            send, recv, count, dtype = item
+            if count * _SIZES[dtype] >= _PACK_LIMIT:
+                works.append(self.all_gather_at(*item))
+            else:
+                small.append(item)
+        if len(small) == 1:
+            works.append(self.all_gather_at(*small[0]))
+        elif small:
+            works.append(self._packed_gather(small))
+        return works[0] if len(works) == 1 else _Works(works)
+
+    def _packed_gather(self, items):
         pieces = [(self._at(send, count, dtype).view(torch.uint8),
                    self._at(recv, count * self.size, dtype).view(torch.uint8))
                   for send, recv, count, dtype in items]
