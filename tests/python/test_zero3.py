@@ -135,6 +135,10 @@ def test_trace_complete_after_the_first_step_then_prefetch(runs, name):
     for s, counts in enumerate(steps[1:], start=2):
         assert counts["prefetched_params"] > counts["demand_gathered_params"], (s, counts)
         assert counts["trace_invalidations"] == 0
+    # The gathered copies come from the pool: once the trace runs with
+    # prefetch (from the third pass), no gather allocates.
+    assert all(counts["gather_allocations"] == 0 for counts in steps[2:]), \
+        [counts["gather_allocations"] for counts in steps]
     # Every parameter that gets a gradient is reduce-scattered once per step
     # (the tied embedding/head weight once, not twice).
     n_params = len(runs["plain"][1])

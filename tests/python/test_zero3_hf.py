@@ -7,6 +7,8 @@ BERT from small configurations with random weights, 2 ranks under torchrun
 - bf16 (MixedPrecision: bf16 gathers and compute, fp32 masters, Adam state
   and reduction): every step's loss within BF16_TOLERANCE of plain torch
   under bf16 autocast;
+- with Hugging Face's (non-reentrant) gradient checkpointing, the fp32
+  losses again;
 - the 2-rank checkpoint resumed on 1 rank continues with the same losses;
 - the consolidated safetensors load into from_pretrained and give the
   logits the engine gave."""
@@ -62,6 +64,16 @@ def test_fp32_losses_equal_plain_torch(job, plain, family):
     for s, (a, b) in enumerate(zip(r["fp32"], plain[family]["fp32"])):
         assert relative(a, b) <= 1e-5, f"{family} step {s}: {a} vs {b}"
     assert r["fp32"][-1] < r["fp32"][0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gradient_checkpointing_trains_as_plain_torch(job, plain, family):
+    """Hugging Face's gradient checkpointing (non-reentrant): every layer's
+    forward runs again inside backward, over parameters the engine keeps
+    gathered until that layer's backward is done."""
+    r = job[2][family]
+    for s, (a, b) in enumerate(zip(r["checkpointing"], plain[family]["fp32"])):
+        assert relative(a, b) <= 1e-5, f"{family} step {s}: {a} vs {b}"
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -8,7 +8,9 @@ SPEC: out, zero_config, steps, save_at. For each family of zero3_hf.py:
   saving a checkpoint after `save_at` steps into out/<family>/ckpt, then
   write the consolidated safetensors to out/<family>/hf and the logits of
   the probe batch;
-- bf16: the same training with MixedPrecision("bf16").
+- bf16: the same training with MixedPrecision("bf16");
+- checkpointing: fp32 again, with Hugging Face's gradient checkpointing
+  (non-reentrant torch.utils.checkpoint in every layer).
 Rank 0 writes out/result.json: per family, the per-step mean losses of both
 runs, the probe logits, and the engine's counters.
 """
@@ -26,10 +28,14 @@ torch.use_deterministic_algorithms(True)
 torch.set_num_threads(1)
 
 
-def train(family, spec, precision):
+def train(family, spec, precision, checkpointing=False):
     import ductile.torch.zero3 as zero3
 
-    engine = zero3.initialize(build(family), lambda ps: torch.optim.Adam(ps, lr=LR),
+    model = build(family)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    engine = zero3.initialize(model, lambda ps: torch.optim.Adam(ps, lr=LR),
                               spec["zero_config"], mixed_precision=precision)
     losses = []
     for s in range(spec["steps"]):
@@ -37,7 +43,7 @@ def train(family, spec, precision):
         engine.backward(loss)
         engine.step()
         losses.append(engine.all_reduce(loss.detach().float().clone(), "mean").item())
-        if precision is None and s + 1 == spec["save_at"]:
+        if precision is None and not checkpointing and s + 1 == spec["save_at"]:
             engine.save(os.path.join(spec["out"], family, "ckpt"), client_state={"step": s + 1})
     return engine, losses
 
@@ -54,7 +60,9 @@ def main(spec):
             logits = engine(input_ids=probe()).logits
         stats = engine.stats()
         _, bf16 = train(family, spec, "bf16")
+        _, recomputed = train(family, spec, None, checkpointing=True)
         result[family] = {"fp32": losses, "bf16": bf16, "logits": logits.tolist(),
+                          "checkpointing": recomputed,
                           "world": engine.world_size, "kind": stats["world"],
                           "reduce_scatters": stats["reduce_scatters"]}
     if rank == 0:

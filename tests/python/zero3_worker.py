@@ -181,7 +181,7 @@ def run_zero3(spec):
         after = engine.stats()
         per_step.append({k: after[k] - before[k] for k in (
             "gathers", "demand_gathered_params", "prefetched_params", "trace_invalidations",
-            "trace_warnings", "reduce_scatters")})
+            "trace_warnings", "reduce_scatters", "gather_allocations")})
         per_step[-1]["trace_mode"] = after["trace_mode"]
         before = after
         if s + 1 in spec.get("dump_at", []):

@@ -10,17 +10,19 @@ CopyPool::~CopyPool() {
 }
 
 void* CopyPool::take(std::size_t bytes) {
+  SizeClass& size = sizes_[bytes];
   void* pointer = nullptr;
-  auto it = idle_.find(bytes);
-  if (it != idle_.end() && !it->second.empty()) {
-    pointer = it->second.back();
-    it->second.pop_back();
+  if (!size.idle.empty()) {
+    pointer = size.idle.back();
+    size.idle.pop_back();
     stats_.idle_bytes -= bytes;
     ++stats_.reuses;
   } else {
     pointer = accel_->allocate(bytes, MemoryKind::device);
     ++stats_.allocations;
   }
+  ++size.in_use;
+  size.most_in_use = std::max(size.most_in_use, size.in_use);
   stats_.in_use_bytes += bytes;
   stats_.high_water_bytes = std::max(stats_.high_water_bytes, stats_.in_use_bytes);
   return pointer;
@@ -28,31 +30,32 @@ void* CopyPool::take(std::size_t bytes) {
 
 void CopyPool::give(void* pointer, std::size_t bytes) noexcept {
   stats_.in_use_bytes -= bytes;
-  if (stats_.idle_bytes + bytes > stats_.high_water_bytes) {
-    accel_->deallocate(pointer, MemoryKind::device);
-    ++stats_.frees;
-    return;
+  auto it = sizes_.find(bytes);
+  SizeClass* size = it != sizes_.end() ? &it->second : nullptr;
+  if (size) --size->in_use;
+  const bool keep = size && size->in_use + size->idle.size() < size->most_in_use &&
+                    stats_.idle_bytes + bytes <= 4 * stats_.high_water_bytes;
+  if (keep) {
+    try {
+      size->idle.push_back(pointer);
+      stats_.idle_bytes += bytes;
+      return;
+    } catch (...) {  // no memory for the list: free it instead
+    }
   }
-  try {
-    idle_[bytes].push_back(pointer);
-  } catch (...) {  // no memory for the list: free it instead
-    accel_->deallocate(pointer, MemoryKind::device);
-    ++stats_.frees;
-    return;
-  }
-  stats_.idle_bytes += bytes;
+  accel_->deallocate(pointer, MemoryKind::device);
+  ++stats_.frees;
 }
 
 void CopyPool::trim() noexcept {
-  for (auto& [bytes, list] : idle_) {
-    for (void* p : list) {
+  for (auto& [bytes, size] : sizes_) {
+    for (void* p : size.idle) {
       accel_->deallocate(p, MemoryKind::device);
       ++stats_.frees;
     }
-    stats_.idle_bytes -= bytes * list.size();
-    list.clear();
+    stats_.idle_bytes -= bytes * size.idle.size();
+    size.idle.clear();
   }
-  idle_.clear();
 }
 
 }  // namespace ductile::zero

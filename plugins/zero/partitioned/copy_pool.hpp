@@ -5,10 +5,12 @@
 // buffers cost a page fault each (glibc maps them anew every time).
 //
 // A buffer given back is kept idle for a later request of the same size
-// while the idle bytes stay within the high-water mark of the bytes in use;
-// beyond it, it is freed at once. So the pool never holds more than twice
-// the largest set of copies alive at once, and in a steady trace no more
-// than that set.
+// while that size's buffers (in use and idle) stay within the most of that
+// size ever in use at once, and the idle bytes within four times the
+// high-water mark of the bytes in use; beyond either, it is freed at once.
+// In a trace that repeats, each size keeps the buffers its busiest moment
+// needs, so no gather allocates after the first pass; the extra memory is
+// at most one busiest set per size (a few layers' worth in a transformer).
 //
 // The caller gives a buffer back only once its last use has completed (the
 // gather pipeline defers that until the compute stream has passed the
@@ -46,8 +48,13 @@ class CopyPool {
   GatherMemoryStats stats() const { return stats_; }
 
  private:
+  struct SizeClass {
+    std::vector<void*> idle;
+    std::size_t in_use = 0;
+    std::size_t most_in_use = 0;
+  };
   std::shared_ptr<Accelerator> accel_;
-  std::unordered_map<std::size_t, std::vector<void*>> idle_;
+  std::unordered_map<std::size_t, SizeClass> sizes_;
   GatherMemoryStats stats_;
 };
 
