@@ -1,30 +1,37 @@
 """ZeRO-3 for torch.nn models through ductile's parameter coordinator.
 
     import ductile.torch.zero3 as zero3
+    dist.init_process_group("gloo")              # torchrun; or run under mpirun
+    with zero3.init():                           # optional: build straight into shards
+        model = MyModel()
     engine = zero3.initialize(model, lambda params: torch.optim.Adam(params, lr=1e-3),
-                              "zero.toml")       # [zero] and [accelerator] sections
+                              "zero.toml")       # [zero] and [accelerator], or DeepSpeed JSON
     for batch in loader:
         loss = loss_fn(engine(batch))
-        engine.backward(loss)                    # or loss.backward()
+        engine.backward(loss)                    # or loss.backward() (not with fp16)
         engine.step()                            # optimizer on shards, grads cleared
-    engine.save("ckpt/")                         # load on any world size: engine.load("ckpt/")
+    engine.save("ckpt/")                         # atomic; load on any world size
+    engine.save_consolidated("hf/")              # Hugging Face safetensors
 
-Every parameter is partitioned over the ranks of the configured accelerator
-(cpu over Open MPI under mpirun, cuda over NCCL); each rank keeps one shard,
-and ``param.data`` is an empty tensor except while a module using it runs.
-Module hooks fetch a module's parameters before its forward and its
-backward and release them after; the coordinator (C++) records the module
-order, prefetches along it and decides what to keep. Each full gradient is
-reduce-scattered (averaged over ranks) into a gradient shard as soon as
+Every parameter is partitioned over the ranks of the job's world:
+torch.distributed's process group when it is initialised (gloo on cpu,
+NCCL on cuda: torchrun, ``ductile agent``), else the accelerator's own
+(Open MPI under mpirun, NCCL over an MPI bootstrap, or one process). Each
+rank keeps one shard, and ``param.data`` is an empty tensor except while a
+module using it runs. Module hooks fetch a module's parameters before its
+forward and its backward and release them after; the coordinator (C++)
+records the module order, prefetches along it and decides what to keep.
+Each full gradient is reduce-scattered into a gradient shard as soon as
 autograd has produced it; the optimizer, built by ``optimizer_factory`` over
-the shards, steps on shards.
+the shards, steps on shards (fp32 masters with mixed precision).
 
-Backward uses torch 2's multi-gradient hooks on each module's outputs
-(fetch) and inputs, positional and keyword (release); non-reentrant
-activation checkpointing works. Limits: a parameter used by a module it
-does not belong to must be declared with ``register_external_parameter``;
+Also: gradient accumulation (``no_sync()``), ``clip_grad_norm_``, mixed
+precision (``MixedPrecision``, fp16 loss scaling), ``state_dict()``,
+``GatheredParameters``, non-reentrant activation checkpointing, and
+``step_in_backward``. Limits: a parameter used by a module it does not
+belong to must be declared with ``register_external_parameter``;
 ``model.state_dict()`` sees the empty placeholders: use
-``engine.full_parameters()`` or ``engine.save()``.
+``engine.state_dict()``. docs/python.md describes it all.
 """
 
 from ._engine import Zero3Engine, register_external_parameter
