@@ -12,6 +12,7 @@ AcceleratorBase::AcceleratorBase(const HostContext& context, std::string backend
       logger_(context.logger()),
       mode_(choose_comm_mode(context.params().get_string("communicator"),
                              "[accelerator] communicator")),
+      auto_mode_(context.params().get_string("communicator") == "auto"),
       timeout_(context.params().get_double("timeout")),
       exchange_max_ranks_(exchange_max_ranks) {}
 
@@ -52,6 +53,12 @@ int AcceleratorBase::choose_device(const HostContext& context, int count,
 
 std::shared_ptr<Communicator> AcceleratorBase::host_world_locked() {
   if (!host_world_) {
+    if (mode_ == CommMode::host)
+      throw Error(ErrorKind::config,
+                  "[accelerator] communicator = \"host\": the embedding program supplies the "
+                  "world communicator, and none was offered (ductile.torch.zero3 offers "
+                  "torch.distributed's process group once torch.distributed.init_process_group() "
+                  "has run); or use \"auto\", \"mpi\" or \"local\"");
     if (mode_ == CommMode::mpi) {
       auto mpi = std::make_shared<MpiCommunicator>(host_label_, timeout_, exchange_max_ranks_);
       LaunchInfo launch = detect_launch();
@@ -80,8 +87,25 @@ std::shared_ptr<Bootstrap> AcceleratorBase::bootstrap_locked() {
 
 std::shared_ptr<Communicator> AcceleratorBase::world() {
   std::lock_guard lock(mutex_);
-  if (!world_) world_ = make_world();
+  if (!world_) world_ = offered_ ? host_world_ : make_world();
   return world_;
+}
+
+bool AcceleratorBase::offer_world(std::shared_ptr<Communicator> world) {
+  if (!world) throw Error(ErrorKind::invalid_argument, "offer_world: a null communicator");
+  std::lock_guard lock(mutex_);
+  if (mode_ != CommMode::host && !auto_mode_) return false;
+  if (world_ || host_world_)
+    throw Error(ErrorKind::incompatible,
+                "offer_world: the " + backend_ +
+                    " accelerator's world communicator is made already; offer the host's "
+                    "before the first world() or bootstrap()");
+  host_world_ = std::move(world);
+  offered_ = true;
+  mode_ = CommMode::host;
+  logger_->debug("{} accelerator: the host's world communicator, rank {} of {}", backend_,
+                 host_world_->rank(), host_world_->size());
+  return true;
 }
 
 std::shared_ptr<Bootstrap> AcceleratorBase::bootstrap() {

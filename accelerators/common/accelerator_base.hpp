@@ -1,12 +1,14 @@
 // The base of every backend's Accelerator: the set-up they share and the
 // argument checks of the memory and copy calls.
 //
-// Set-up: the `communicator` ("auto", "mpi", "local") and `timeout` keys
-// every backend's schema has, and the host world made from them: an
-// MpiCommunicator over the process's one MPI engine (refused when the
-// launcher started another number of ranks than MPI sees) or a
-// the local communicator. bootstrap() runs over the host world; world() is the
-// backend's own communicator (make_world(); by default the host world).
+// Set-up: the `communicator` ("auto", "mpi", "local", "host") and `timeout`
+// keys every backend's schema has, and the host world made from them: the
+// communicator the embedding program offered (HostWorld, with "host" or
+// "auto"), an MpiCommunicator over the process's one MPI engine (refused
+// when the launcher started another number of ranks than MPI sees) or the
+// local communicator. bootstrap() runs over the host world; world() is the
+// backend's own communicator (make_world(); by default the host world), or
+// the offered one itself.
 //
 // Checks: allocate, device_info, copy_async and memset_async check their
 // arguments (memory and copy kinds, device numbers, null buffers) and then
@@ -28,9 +30,9 @@
 namespace ductile::accel {
 
 // The values of the `communicator` key, for the backends' schemas.
-inline constexpr const char* kCommunicatorModes[] = {"auto", "mpi", "local", nullptr};
+inline constexpr const char* kCommunicatorModes[] = {"auto", "mpi", "local", "host", nullptr};
 
-class DUCTILE_ACCEL_API AcceleratorBase : public Accelerator {
+class DUCTILE_ACCEL_API AcceleratorBase : public Accelerator, public HostWorld {
  public:
   std::string_view backend() const final { return backend_; }
 
@@ -40,9 +42,11 @@ class DUCTILE_ACCEL_API AcceleratorBase : public Accelerator {
                   Stream& stream) final;
   void memset_async(void* dst, int value, std::size_t bytes, Stream& stream) final;
 
-  // Created on first call (collective: every rank calls it).
+  // Created on first call (collective: every rank calls it). With a host
+  // world (offer_world), that communicator itself.
   std::shared_ptr<Communicator> world() final;
   std::shared_ptr<Bootstrap> bootstrap() final;
+  bool offer_world(std::shared_ptr<Communicator> world) final;
 
  protected:
   // Reads `communicator` and `timeout` from the context's parameters
@@ -79,10 +83,12 @@ class DUCTILE_ACCEL_API AcceleratorBase : public Accelerator {
   std::string host_label_;
   std::shared_ptr<spdlog::logger> logger_;
   CommMode mode_;
+  bool auto_mode_;  // `communicator = "auto"`: an offered host world replaces mode_
   double timeout_;
   int exchange_max_ranks_;
   std::mutex mutex_;
   std::shared_ptr<Communicator> host_world_;
+  bool offered_ = false;  // host_world_ is the host's (offer_world)
   std::shared_ptr<Bootstrap> bootstrap_;
   std::shared_ptr<Communicator> world_;
 };

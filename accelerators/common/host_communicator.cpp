@@ -11,6 +11,7 @@ namespace ductile::accel {
 CommMode choose_comm_mode(std::string_view setting, std::string_view key) {
   LaunchInfo launch = detect_launch();
   if (setting == "mpi") return CommMode::mpi;
+  if (setting == "host") return CommMode::host;
   if (setting == "local") {
     if (launch.size > 1)
       throw Error(ErrorKind::config,
@@ -21,8 +22,9 @@ CommMode choose_comm_mode(std::string_view setting, std::string_view key) {
     return CommMode::local;
   }
   if (setting != "auto")
-    throw Error(ErrorKind::config, std::string(key) + " = \"" + std::string(setting) +
-                                       "\" is not valid; expected \"auto\", \"mpi\" or \"local\"");
+    throw Error(ErrorKind::config,
+                std::string(key) + " = \"" + std::string(setting) +
+                    "\" is not valid; expected \"auto\", \"mpi\", \"local\" or \"host\"");
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (initialized || launch.from_launcher()) return CommMode::mpi;

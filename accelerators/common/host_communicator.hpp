@@ -25,12 +25,14 @@
 namespace ductile::accel {
 
 // How a backend's world communicator is made (the `communicator` key).
-enum class CommMode { local, mpi };
+// `host`: the embedding program supplies it (HostWorld::offer_world).
+enum class CommMode { local, mpi, host };
 
 // "auto": MPI when MPI is already initialised or a launcher started the
-// process (see detect_launch()), else local. "mpi" / "local" force it; a
-// local world under a launcher with more than one rank is refused. Throws
-// Error(config) naming `key` for an unknown value or that conflict.
+// process (see detect_launch()), else local (a communicator the host offers
+// before world() replaces either). "mpi" / "local" force it; a local world
+// under a launcher with more than one rank is refused. "host": the host's.
+// Throws Error(config) naming `key` for an unknown value or that conflict.
 DUCTILE_ACCEL_API CommMode choose_comm_mode(std::string_view setting, std::string_view key);
 
 class DUCTILE_ACCEL_API MpiCommunicator final : public CheckedCommunicator {

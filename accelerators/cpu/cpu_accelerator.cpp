@@ -21,8 +21,10 @@ namespace {
 
 constexpr ParamSpec kSchema[] = {
     {"communicator", ParamType::string, 0, "\"auto\"", 0, 0, kCommunicatorModes,
-     "World communicator: \"mpi\" (Open MPI), \"local\" (single process, no MPI) or \"auto\" "
-     "(MPI when started by a launcher such as mpirun or when MPI is already initialised)"},
+     "World communicator: \"mpi\" (Open MPI), \"local\" (single process, no MPI), \"host\" "
+     "(the embedding program's, e.g. torch.distributed's process group) or \"auto\" (the "
+     "host's when it offers one, else MPI when started by a launcher such as mpirun or when MPI "
+     "is already initialised)"},
     {"timeout", ParamType::floating, param_has_min, "600", 0, 0, nullptr,
      "Seconds a collective (and MPI_Finalize at exit) may take before it fails with a "
      "communication error, so that a dead peer ends the job instead of hanging it; 0 waits "
@@ -75,7 +77,10 @@ class CpuAccelerator final : public AcceleratorBase {
     // may outlive the host's handle on it: keep the library loaded.
     pin_library_of(reinterpret_cast<const void*>(&read_cpu_model));
     logger()->debug("cpu accelerator: {} world, collective timeout {} s",
-                    mode() == CommMode::mpi ? "MPI" : "single-process", timeout());
+                    mode() == CommMode::mpi    ? "MPI"
+                    : mode() == CommMode::host ? "host-supplied"
+                                               : "single-process",
+                    timeout());
   }
 
   int device_count() const override { return 1; }

@@ -24,7 +24,9 @@ constexpr ParamSpec kSchema[] = {
     {"device", ParamType::integer, param_has_min, "-1", -1, 0, nullptr,
      "CUDA device ordinal; -1 picks the launcher's local rank modulo the number of devices"},
     {"communicator", ParamType::string, 0, "\"auto\"", 0, 0, kCommunicatorModes,
-     "How ranks are found for the NCCL bootstrap: \"mpi\", \"local\" (one process) or \"auto\""},
+     "How ranks are found for the NCCL bootstrap: \"mpi\", \"local\" (one process) or \"auto\"; "
+     "\"host\" (or \"auto\" when the embedding program offers one): the host's communicator "
+     "(e.g. torch.distributed's NCCL process group) carries the collectives instead"},
     {"timeout", ParamType::floating, param_has_min, "600", 0, 0, nullptr,
      "Seconds a collective may take in wait() before the NCCL communicator is aborted and a "
      "communication error thrown; 0 waits forever"},
@@ -105,7 +107,11 @@ class CudaStream final : public Stream {
     use_device(device_);
     DUCTILE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   }
+  // A queue the embedder owns (NativeStreams): not destroyed here.
+  CudaStream(int device, cudaStream_t external)
+      : device_(device), stream_(external), owned_(false) {}
   ~CudaStream() override {
+    if (!owned_) return;
     cudaSetDevice(device_);
     cudaStreamDestroy(stream_);  // returns at once; pending work still completes
   }
@@ -126,6 +132,7 @@ class CudaStream final : public Stream {
  private:
   int device_;
   cudaStream_t stream_ = nullptr;
+  bool owned_ = true;
 };
 
 class CudaEvent final : public Event {
@@ -360,7 +367,7 @@ class NcclCommunicator final : public CheckedCommunicator {
   void* scratch_ = nullptr;
 };
 
-class CudaAccelerator final : public AcceleratorBase {
+class CudaAccelerator final : public AcceleratorBase, public NativeStreams {
  public:
   explicit CudaAccelerator(const HostContext& context)
       : AcceleratorBase(context, "cuda", "cuda bootstrap") {
@@ -394,6 +401,12 @@ class CudaAccelerator final : public AcceleratorBase {
 
   std::shared_ptr<Stream> create_stream() override { return std::make_shared<CudaStream>(device_); }
   std::shared_ptr<Event> create_event() override { return std::make_shared<CudaEvent>(device_); }
+
+  // A cudaStream_t of the embedder's (torch's current stream), on this
+  // device; null is the default stream (torch's unless it set another).
+  std::shared_ptr<Stream> wrap_native_stream(void* native) override {
+    return std::make_shared<CudaStream>(device_, static_cast<cudaStream_t>(native));
+  }
 
  private:
   DeviceInfo do_device_info(int device) const override {

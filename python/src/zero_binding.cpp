@@ -12,6 +12,7 @@
 #include "bindings.hpp"
 #include "ductile/accelerator.hpp"
 #include "ductile/parameter_coordinator.hpp"
+#include "host_world.hpp"
 
 namespace ductile::python {
 
@@ -94,10 +95,13 @@ py::dict stats_dict(const CoordinatorStats& s) {
 
 // The coordinator of a runtime's [zero] section, its accelerator, the
 // accelerator's world communicator and one stream for the collectives
-// issued from Python (gradient reduce-scatters, all-reduces).
+// issued from Python (gradient reduce-scatters, all-reduces). A host world
+// (a Python communicator, see host_world.hpp) is offered to the accelerator
+// before anything else uses it; host_world says whether it was taken.
 class ZeroSession {
  public:
-  explicit ZeroSession(std::shared_ptr<RuntimeHandle> runtime) : runtime_(std::move(runtime)) {
+  ZeroSession(std::shared_ptr<RuntimeHandle> runtime, py::object host_world)
+      : runtime_(std::move(runtime)) {
     std::lock_guard lock(runtime_->mutex);
     auto& rt = runtime_->runtime;
     const std::string& source = rt.config().source_name();
@@ -106,6 +110,15 @@ class ZeroSession {
                                          ": no [zero] section; add one (e.g. [zero] coordinator = "
                                          "\"partitioned\") and an [accelerator] section");
     accel_ = rt.get<Accelerator>();
+    if (!host_world.is_none()) {
+      auto* host = dynamic_cast<HostWorld*>(accel_.get());
+      if (host == nullptr)
+        throw Error(ErrorKind::unsupported,
+                    source + ": the " + std::string(accel_->backend()) +
+                        " accelerator takes no host communicator; set [accelerator] "
+                        "communicator = \"mpi\" or run without torch.distributed");
+      host_world_ = host->offer_world(make_host_world(std::move(host_world)));
+    }
     zero_ = rt.get<ParameterCoordinator>();
     storage_ = dynamic_cast<ShardStorage*>(zero_.get());
     world_ = accel_->world();
@@ -117,6 +130,7 @@ class ZeroSession {
   int rank() const { return world_->rank(); }
   int size() const { return world_->size(); }
   bool has_shard_storage() const { return storage_ != nullptr; }
+  bool host_world() const { return host_world_; }
 
   std::uintptr_t shard_data(ParameterId id) {
     if (!storage_)
@@ -131,22 +145,60 @@ class ZeroSession {
     storage_->shard_written(id);
   }
 
+  // The collectives below read tensors the framework wrote on its compute
+  // stream (a gradient): with one set, they start after its work so far.
   Pending reduce_scatter(std::uintptr_t send, std::uintptr_t recv, std::size_t count,
                          const std::string& type, const std::string& op) {
+    after_compute();
     return {world_->reduce_scatter(address(send), address(recv), count, data_type(type),
                                    reduce_op(op), *stream_)};
   }
   Pending all_reduce(std::uintptr_t send, std::uintptr_t recv, std::size_t count,
                      const std::string& type, const std::string& op) {
+    after_compute();
     return {world_->all_reduce(address(send), address(recv), count, data_type(type), reduce_op(op),
                                *stream_)};
   }
   Pending all_gather(std::uintptr_t send, std::uintptr_t recv, std::size_t count,
                      const std::string& type) {
+    after_compute();
     return {world_->all_gather(address(send), address(recv), count, data_type(type), *stream_)};
   }
   Pending broadcast(std::uintptr_t buffer, std::size_t count, const std::string& type, int root) {
+    after_compute();
     return {world_->broadcast(address(buffer), count, data_type(type), root, *stream_)};
+  }
+
+  // The framework's compute stream (a native handle: torch's current CUDA
+  // stream), given to the coordinator (gathers ordered with events, copies
+  // freed after its work) and used to order the collectives above.
+  void set_compute_stream(std::uintptr_t native) {
+    auto* streams = dynamic_cast<NativeStreams*>(accel_.get());
+    if (streams == nullptr)
+      throw Error(ErrorKind::unsupported, "zero: the " + std::string(accel_->backend()) +
+                                              " accelerator cannot wrap a framework's stream");
+    if (compute_stream_ && native == compute_native_) return;
+    compute_stream_ = streams->wrap_native_stream(reinterpret_cast<void*>(native));
+    compute_native_ = native;
+    zero_->set_compute_stream(compute_stream_);
+  }
+
+  py::object gather_memory() const {
+    auto* memory = dynamic_cast<GatherMemory*>(zero_.get());
+    if (memory == nullptr) return py::none();
+    GatherMemoryStats m = memory->gather_memory();
+    py::dict d;
+    d["allocations"] = m.allocations;
+    d["reuses"] = m.reuses;
+    d["frees"] = m.frees;
+    d["in_use_bytes"] = m.in_use_bytes;
+    d["idle_bytes"] = m.idle_bytes;
+    d["high_water_bytes"] = m.high_water_bytes;
+    return d;
+  }
+
+  void trim_gather_memory() {
+    if (auto* memory = dynamic_cast<GatherMemory*>(zero_.get())) memory->trim_gather_memory();
   }
   void barrier() {
     auto handle = world_->barrier(*stream_);
@@ -159,8 +211,19 @@ class ZeroSession {
   std::shared_ptr<Accelerator> accel_;
   std::shared_ptr<ParameterCoordinator> zero_;
   ShardStorage* storage_ = nullptr;  // zero_ itself, when it has the capability
+  bool host_world_ = false;          // the world is the host's communicator
+  void after_compute() {
+    if (!compute_stream_) return;
+    if (!compute_done_) compute_done_ = accel_->create_event();
+    compute_done_->record(*compute_stream_);
+    stream_->wait_event(*compute_done_);
+  }
+
   std::shared_ptr<Communicator> world_;
   std::shared_ptr<Stream> stream_;
+  std::shared_ptr<Stream> compute_stream_;  // the framework's (set_compute_stream)
+  std::uintptr_t compute_native_ = 0;
+  std::shared_ptr<Event> compute_done_;
 };
 
 // A writable memoryview over host memory the coordinator owns (cpu backend):
@@ -180,8 +243,10 @@ void register_zero(py::module_& m) {
   using Z = ZeroSession;
   py::class_<Z, std::shared_ptr<Z>>(
       m, "Session", "The [zero] coordinator of a runtime and its accelerator's world communicator.")
-      .def(py::init<std::shared_ptr<RuntimeHandle>>(), py::arg("runtime"))
+      .def(py::init<std::shared_ptr<RuntimeHandle>, py::object>(), py::arg("runtime"),
+           py::arg("host_world") = py::none())
       .def_property_readonly("backend", &Z::backend)
+      .def_property_readonly("host_world", &Z::host_world)
       .def_property_readonly("rank", &Z::rank)
       .def_property_readonly("size", &Z::size)
       .def_property_readonly("has_shard_storage", &Z::has_shard_storage)
@@ -238,7 +303,10 @@ void register_zero(py::module_& m) {
            py::arg("dtype"))
       .def("broadcast", &Z::broadcast, py::arg("buffer"), py::arg("count"), py::arg("dtype"),
            py::arg("root") = 0)
-      .def("barrier", &Z::barrier);
+      .def("barrier", &Z::barrier)
+      .def("set_compute_stream", &Z::set_compute_stream, py::arg("native"))
+      .def("gather_memory", &Z::gather_memory)
+      .def("trim_gather_memory", &Z::trim_gather_memory);
 
   m.def("host_view", &host_view, py::arg("address"), py::arg("bytes"),
         "A writable memoryview over host memory owned by the coordinator (cpu backend).");

@@ -1,13 +1,12 @@
 """ZeRO-3 on a real torch.nn model through ductile's coordinator
 (ductile.torch.zero3): a small causal LM with its embedding tied to the
 head, trained with Adam on 1 rank by plain torch and on 2 and 3 ranks
-(mpirun, cpu accelerator over Open MPI) through zero3 with the same global
-batch; checkpoints re-partitioned 2 -> 3 -> 1 ranks; the coordinator's
+through zero3 with the same global batch, under torchrun (torch.distributed
+over gloo as the world: no MPI) and under mpirun (the cpu accelerator over
+Open MPI); checkpoints re-partitioned 2 -> 3 -> 1 ranks; the coordinator's
 counters; bad input. The runs are separate processes (zero3_worker.py)."""
 
-import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -19,51 +18,17 @@ import ductile.torch.zero3 as zero3
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from zero3_launch import CONFIG, launch  # noqa: E402
 from zero3_model import Windows, loss_of, make_model  # noqa: E402
 
-WORKER = os.path.join(HERE, "zero3_worker.py")
-MPIEXEC = os.environ.get("DUCTILE_MPIEXEC") or "mpirun"
 STEPS = 30
-
-CONFIG = """
-[accelerator]
-backend = "cpu"
-communicator = "auto"
-timeout = 120
-
-[zero]
-coordinator = "partitioned"
-prefetch_bucket_size = 20000
-max_live_parameters = 40000
-max_reuse_distance = 10000
-param_persistence_threshold = 300
-max_ongoing_fetch_events = 2
-"""
-
 DEVIATION = "deviates from the recorded trace"
 
 
-def run(tmp, name, spec, ranks=None):
-    """Runs zero3_worker.py (one process, or `ranks` under mpirun);
-    returns (result.json, params.pt, stderr)."""
-    out = tmp / name
-    out.mkdir(parents=True, exist_ok=True)
-    config = tmp / "zero.toml"
-    config.write_text(CONFIG)
-    spec = dict(spec, out=str(out), zero_config=str(config))
-    spec_path = out / "spec.json"
-    spec_path.write_text(json.dumps(spec))
-    command = [sys.executable, WORKER, str(spec_path)]
-    if ranks is not None:
-        command = [MPIEXEC, "--allow-run-as-root", "--oversubscribe", "--mca", "btl",
-                   "self,vader", "--bind-to", "none", "-np", str(ranks)] + command
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=280, env=env)
-    assert proc.returncode == 0, f"{name} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-    with open(out / "result.json") as f:
-        result = json.load(f)
-    return result, torch.load(out / "params.pt"), proc.stderr
+def run(tmp, name, spec, ranks=None, launcher="torchrun"):
+    """zero3_worker.py (one process, or `ranks` under `launcher`):
+    (result.json, params.pt, stderr)."""
+    return launch(tmp, name, spec, ranks=ranks, launcher=launcher)
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +37,8 @@ def runs(tmp_path_factory):
     r = {}
     r["plain"] = run(tmp, "plain", {"mode": "plain", "steps": STEPS})
     r["np2"] = run(tmp, "np2", {"mode": "zero3", "steps": STEPS, "save_at": [10]}, ranks=2)
+    r["np2_mpirun"] = run(tmp, "np2_mpirun", {"mode": "zero3", "steps": STEPS}, ranks=2,
+                          launcher="mpirun")
     r["np3"] = run(tmp, "np3", {"mode": "zero3", "steps": STEPS}, ranks=3)
     # 2 -> 3 -> 1 ranks: resume the 2-rank run's step-10 checkpoint on 3
     # ranks, save at 20, resume that on 1 rank to the end.
@@ -125,11 +92,13 @@ def assert_params_match(params, reference):
         assert diff <= 1e-5 * ref.abs().max().item(), f"{name}: max difference {diff}"
 
 
-@pytest.mark.parametrize("name", ["np2", "np3"])
+@pytest.mark.parametrize("name", ["np2", "np2_mpirun", "np3"])
 def test_losses_and_final_parameters_equal_one_rank_without_ductile(runs, name):
     plain, _, _ = runs["plain"]
     result, params, _ = runs[name]
-    assert result["world"] == int(name[-1])
+    assert result["world"] == int(name[2])
+    assert result["stats"]["world"] == ("accelerator" if "mpirun" in name else
+                                         "torch.distributed (gloo)"), result["stats"]["world"]
     assert_losses_match(result["losses"], plain["losses"], range(STEPS))
     assert_params_match(params, runs["plain"][1])
     # The loss fell: the model learned.
@@ -166,6 +135,10 @@ def test_trace_complete_after_the_first_step_then_prefetch(runs, name):
     for s, counts in enumerate(steps[1:], start=2):
         assert counts["prefetched_params"] > counts["demand_gathered_params"], (s, counts)
         assert counts["trace_invalidations"] == 0
+    # The gathered copies come from the pool: once the trace runs with
+    # prefetch (from the third pass), no gather allocates.
+    assert all(counts["gather_allocations"] == 0 for counts in steps[2:]), \
+        [counts["gather_allocations"] for counts in steps]
     # Every parameter that gets a gradient is reduce-scattered once per step
     # (the tied embedding/head weight once, not twice).
     n_params = len(runs["plain"][1])
@@ -246,7 +219,7 @@ def train(engine, steps, start=0):
 def test_config_errors_name_what_is_missing():
     with pytest.raises(ductile.ConfigError, match=r"no \[zero\] section"):
         zero3.initialize(make_model(layers=1), None, '[accelerator]\nbackend = "cpu"\n')
-    with pytest.raises(ductile.ConfigError, match="DeepSpeed JSON"):
+    with pytest.raises(ductile.ConfigError, match=r"zero_optimization.stage = 0; .* set it to 3"):
         zero3.initialize(make_model(layers=1), None, '{"train_batch_size": 8}')
     with pytest.raises(ductile.InvalidArgumentError, match="config is required"):
         zero3.initialize(make_model(layers=1), None, None)
@@ -333,40 +306,6 @@ def test_all_reduce_refuses_bad_arguments():
     assert engine.all_reduce(torch.full((3,), 2.0), "mean").tolist() == [2.0, 2.0, 2.0]
     with pytest.raises(ductile.IncompatibleError, match="needs an optimizer"):
         engine.step()
-
-
-def test_checkpoint_errors_name_the_file(tmp_path):
-    engine = local_engine()
-    train(engine, 2)
-    ckpt = tmp_path / "ckpt"
-    engine.save(ckpt, client_state={"note": "x"})
-    assert sorted(os.listdir(ckpt)) == ["manifest.json", "rank0-of-1.bin", "rank0-of-1.json"]
-    assert engine.load(ckpt) == {"note": "x"}
-
-    other = zero3.initialize(make_model(layers=2), lambda ps: torch.optim.Adam(ps), CONFIG)
-    with pytest.raises(ductile.IncompatibleError, match=r"manifest.json: the checkpoint has"):
-        other.load(ckpt)
-    sgd = zero3.initialize(make_model(layers=1), lambda ps: torch.optim.SGD(ps, lr=0.1), CONFIG)
-    with pytest.raises(ductile.IncompatibleError, match="optimizer is Adam"):
-        sgd.load(ckpt)
-
-    shard = ckpt / "rank0-of-1.bin"
-    data = bytearray(shard.read_bytes())
-    data[100] ^= 0xFF
-    shard.write_bytes(bytes(data))
-    with pytest.raises(ductile.IoError, match=r"rank0-of-1.bin: CRC-32 .* corrupt"):
-        engine.load(ckpt)
-    shard.write_bytes(bytes(data[:-8]))
-    with pytest.raises(ductile.IoError, match=r"rank0-of-1.bin: \d+ bytes, expected"):
-        engine.load(ckpt)
-    shard.unlink()
-    with pytest.raises(ductile.IoError, match=r"rank0-of-1.bin: missing shard file"):
-        engine.load(ckpt)
-    (ckpt / "manifest.json").write_text("{not json")
-    with pytest.raises(ductile.IoError, match=r"manifest.json: .*not valid JSON"):
-        engine.load(ckpt)
-    with pytest.raises(ductile.IoError, match="no checkpoint manifest"):
-        engine.load(tmp_path / "nowhere")
 
 
 def test_shards_in_nvme_files_train_like_shards_in_memory(tmp_path):

@@ -9,14 +9,28 @@ save_at (steps after which to save to out/step<k>), zero_config (TOML path),
 model (TiedLM keyword arguments), external (declare the root's use of
 blocks[-1].up.weight), frozen (parameter names that get no gradient),
 eval_after (after this many steps: one no_grad pass, then two more steps),
-lr. Rank 0 writes out/result.json (per-step losses, coordinator counters,
-the modules released while backward ran) and out/params.pt (the final
-parameters, whole).
+lr, save_root (save every checkpoint into out/root instead of out/step<k>),
+kill_on_save and kill ("RANK:OPERATION:K": at the kill_on_save-th save,
+rank RANK sends itself SIGKILL before its K-th OPERATION of the save, see
+_checkpoint_files.fs), dump_at (steps after which rank 0 writes the whole
+parameters to out/params-step<k>.pt). Rank 0 writes out/result.json
+(per-step losses, coordinator counters, the modules released while backward
+ran) and out/params.pt (the final parameters, whole).
+
+Mode "load_error": load `load`, expecting an error; every rank writes
+out/result-rank<r>.json with the error's class and message, the seconds the
+load took and whether the parameters and optimizer state are unchanged.
+
+Started by torchrun (TORCHELASTIC_RUN_ID in the environment) or by
+`ductile agent` (MASTER_ADDR), the worker initialises torch.distributed
+(gloo) and zero3 runs over its process group; under mpirun, over Open MPI.
 """
 
 import json
 import os
+import signal
 import sys
+import time
 
 import torch
 import torch.nn as nn
@@ -71,8 +85,60 @@ def run_plain(spec):
         json.dump({"losses": losses}, f)
 
 
+def init_distributed():
+    """torch.distributed over gloo when a torch-style launcher started us."""
+    if "OMPI_COMM_WORLD_SIZE" in os.environ or "MASTER_ADDR" not in os.environ:
+        return
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+
+
+def kill_hook(spec, rank):
+    """The _checkpoint test hook of `kill` for this rank, or None."""
+    who, operation, k = spec["kill"].split(":")
+    if int(who) != rank:
+        return None
+    seen = [0]
+
+    def hook(op, path):
+        if op == operation:
+            seen[0] += 1
+            if seen[0] == int(k):
+                os.kill(os.getpid(), signal.SIGKILL)
+    return hook
+
+
+def run_load_error(spec):
+    import ductile.torch.zero3 as zero3
+
+    engine = zero3.initialize(build(spec), lambda ps: torch.optim.Adam(ps, lr=3e-3),
+                              spec["zero_config"])
+    windows = Windows()
+    x, y = windows.step(0, engine.rank, engine.world_size)
+    engine.backward(loss_of(engine(x), y))
+    engine.step()
+    before = engine.full_parameters()
+    state = [t.clone() for s in engine.optimizer.state.values() for t in s.values()]
+    start = time.monotonic()
+    error = None
+    try:
+        engine.load(spec["load"])
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        error = e
+    seconds = time.monotonic() - start
+    after = engine.full_parameters()
+    unchanged = all(torch.equal(before[n], after[n]) for n in before) and all(
+        torch.equal(a, b) for a, b in zip(state, [t for s in engine.optimizer.state.values()
+                                                  for t in s.values()]))
+    with open(os.path.join(spec["out"], f"result-rank{engine.rank}.json"), "w") as f:
+        json.dump({"rank": engine.rank, "class": type(error).__name__,
+                   "message": str(error), "seconds": seconds, "unchanged": unchanged}, f)
+
+
 def run_zero3(spec):
     import ductile.torch.zero3 as zero3
+    from ductile.torch.zero3 import _checkpoint_files as _checkpoint
 
     model = build(spec)
     if spec.get("external"):
@@ -101,6 +167,7 @@ def run_zero3(spec):
     windows = Windows()
     losses, per_step = {}, []
     before = engine.stats()
+    saves = 0
 
     def train_step(s):
         x, y = windows.step(s, rank, world)
@@ -114,11 +181,19 @@ def run_zero3(spec):
         after = engine.stats()
         per_step.append({k: after[k] - before[k] for k in (
             "gathers", "demand_gathered_params", "prefetched_params", "trace_invalidations",
-            "trace_warnings", "reduce_scatters")})
+            "trace_warnings", "reduce_scatters", "gather_allocations")})
         per_step[-1]["trace_mode"] = after["trace_mode"]
         before = after
+        if s + 1 in spec.get("dump_at", []):
+            dumped = engine.full_parameters()
+            if rank == 0:
+                torch.save(dumped, os.path.join(spec["out"], f"params-step{s + 1}.pt"))
         if s + 1 in spec.get("save_at", []):
-            engine.save(os.path.join(spec["out"], f"step{s + 1}"), client_state={"step": s + 1})
+            saves += 1
+            if spec.get("kill") and saves == spec.get("kill_on_save"):
+                _checkpoint._fault_hook = kill_hook(spec, rank)
+            where = "root" if spec.get("save_root") else f"step{s + 1}"
+            engine.save(os.path.join(spec["out"], where), client_state={"step": s + 1})
         engine.check_invariants()
 
     full = engine.full_parameters()
@@ -154,4 +229,6 @@ def run_zero3(spec):
 if __name__ == "__main__":
     with open(sys.argv[1]) as f:
         spec = json.load(f)
-    (run_plain if spec["mode"] == "plain" else run_zero3)(spec)
+    if spec["mode"] != "plain":
+        init_distributed()
+    {"plain": run_plain, "zero3": run_zero3, "load_error": run_load_error}[spec["mode"]](spec)

@@ -55,7 +55,9 @@ std::shared_ptr<Accelerator> required_accelerator(const HostContext& ctx) {
   return accel;
 }
 
-class PartitionedCoordinator final : public ParameterCoordinator, public ShardStorage {
+class PartitionedCoordinator final : public ParameterCoordinator,
+                                     public ShardStorage,
+                                     public GatherMemory {
  public:
   explicit PartitionedCoordinator(const HostContext& ctx)
       : logger_(ctx.logger()),
@@ -187,6 +189,11 @@ class PartitionedCoordinator final : public ParameterCoordinator, public ShardSt
     drop_copy("shard_written", planner_.parameter_index(id));
   }
 
+  // --- GatherMemory ---
+
+  GatherMemoryStats gather_memory() const override { return pipeline_->memory_stats(); }
+  void trim_gather_memory() override { pipeline_->trim(); }
+
   // --- The training loop ---
 
   void fetch(ModuleId module_id) override {
@@ -227,6 +234,7 @@ class PartitionedCoordinator final : public ParameterCoordinator, public ShardSt
     plan_.clear();
     planner_.end_step(plan_);
     pipeline_->execute(plan_, planner_, false);
+    pipeline_->after_shard_writes();
     if (recording && planner_.mode() == TraceMode::complete)
       logger_->debug("zero: trace recorded ({} modules, {} parameter uses)",
                      planner_.trace().size(), planner_.upcoming().size());
@@ -353,6 +361,7 @@ class PartitionedCoordinator final : public ParameterCoordinator, public ShardSt
     plan_.clear();
     planner_.drop_copy(call, pi, plan_);
     pipeline_->execute(plan_, planner_, false);
+    pipeline_->after_shard_writes();
     if (nvme_) nvme_->drop(pi);
   }
 

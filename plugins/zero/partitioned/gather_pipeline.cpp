@@ -21,7 +21,7 @@ std::uint64_t elapsed_ns(Clock::time_point since) {
 
 GatherPipeline::GatherPipeline(std::shared_ptr<Accelerator> accel,
                                std::shared_ptr<Communicator> comm, NvmeReadAhead* nvme)
-    : accel_(std::move(accel)), comm_(std::move(comm)), nvme_(nvme) {
+    : accel_(std::move(accel)), comm_(std::move(comm)), nvme_(nvme), pool_(accel_) {
   world_ = static_cast<std::size_t>(comm_->size());
   comm_stream_ = accel_->create_stream();
   copy_stream_ = accel_->create_stream();
@@ -43,11 +43,14 @@ GatherPipeline::~GatherPipeline() {
   }
   for (auto& b : batches_) unstage(b.staging);
   if (own_staged_) unstage(own_);
-  for (auto& f : pending_frees_) accel_->deallocate(f.pointer, MemoryKind::device);
-  for (auto& p : params_) {
-    if (p.full) accel_->deallocate(p.full, MemoryKind::device);
+  for (auto& f : pending_frees_) pool_.give(f.pointer, f.bytes);
+  pending_frees_.clear();
+  for (std::uint32_t pi = 0; pi < params_.size(); ++pi) {
+    auto& p = params_[pi];
+    if (p.full) pool_.give(p.full, shard_bytes(pi) * world_);
     if (p.shard) accel_->deallocate(p.shard, MemoryKind::device);
   }
+  pool_.trim();
 }
 
 void GatherPipeline::add_parameter(std::uint32_t pi, std::size_t shard_numel, DataType type,
@@ -188,8 +191,11 @@ void GatherPipeline::execute(const Plan& plan, Planner& planner, bool timed) {
   }
 }
 
-// Allocates the gathered copies and issues the coalesced gather (on failure
-// the copies allocated so far are freed again).
+// Takes the gathered copies from the pool and issues the coalesced gather
+// (on failure the copies taken so far go back). With a compute stream, the
+// first gather after a pass ended or a shard changed starts after the work
+// enqueued on it so far: the shards it reads may have been written there
+// (an optimizer step). Later gathers of the pass need not wait for it.
 void GatherPipeline::issue(const Plan& plan, const Step& step, Batch& b) {
   auto which = plan.gather_params(step);
   items_.clear();
@@ -197,13 +203,19 @@ void GatherPipeline::issue(const Plan& plan, const Step& step, Batch& b) {
   try {
     for (; k < which.size(); ++k) {
       DeviceParameter& p = params_[which[k]];
-      p.full = accel_->allocate(shard_bytes(which[k]) * world_, MemoryKind::device);
+      p.full = pool_.take(shard_bytes(which[k]) * world_);
       items_.push_back(GatherItem{b.staging.sources[k], p.full, p.shard_numel, p.type});
+    }
+    if (compute_stream_ && order_after_compute_) {
+      if (!compute_done_) compute_done_ = accel_->create_event();
+      compute_done_->record(*compute_stream_);
+      comm_stream_->wait_event(*compute_done_);
+      order_after_compute_ = false;
     }
     b.handle = comm_->all_gather_coalesced(items_, *comm_stream_);
   } catch (...) {
     for (std::size_t j = 0; j < k; ++j) {
-      accel_->deallocate(params_[which[j]].full, MemoryKind::device);
+      pool_.give(params_[which[j]].full, shard_bytes(which[j]) * world_);
       params_[which[j]].full = nullptr;
     }
     throw;
@@ -249,19 +261,28 @@ void GatherPipeline::free_copies(const Plan& plan) {
 
 void GatherPipeline::free_copy(std::uint32_t pi) {
   DeviceParameter& p = params_[pi];
+  const std::size_t bytes = shard_bytes(pi) * world_;
   if (compute_stream_) {
-    auto ev = accel_->create_event();
+    std::shared_ptr<Event> ev;
+    if (!spare_events_.empty()) {
+      ev = std::move(spare_events_.back());
+      spare_events_.pop_back();
+    } else {
+      ev = accel_->create_event();
+    }
     ev->record(*compute_stream_);
-    pending_frees_.push_back({p.full, std::move(ev)});
+    pending_frees_.push_back({p.full, bytes, std::move(ev)});
   } else {
-    accel_->deallocate(p.full, MemoryKind::device);
+    pool_.give(p.full, bytes);
   }
   p.full = nullptr;
 }
 
 void GatherPipeline::reap_frees() {
   while (!pending_frees_.empty() && pending_frees_.front().event->query()) {
-    accel_->deallocate(pending_frees_.front().pointer, MemoryKind::device);
+    PendingFree& f = pending_frees_.front();
+    pool_.give(f.pointer, f.bytes);
+    spare_events_.push_back(std::move(f.event));
     pending_frees_.pop_front();
   }
 }

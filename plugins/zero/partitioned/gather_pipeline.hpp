@@ -1,10 +1,15 @@
 // The machinery of the partitioned coordinator: executes the planner's
 // plans on an Accelerator. It owns every device buffer (shards and gathered
-// copies), issues coalesced all-gathers on its own communication stream,
-// keeps their handles until a retire step waits for them, orders the
-// gathers before work on an optional compute stream, and frees copies only
-// once that stream's earlier work is done. NVMe shards come from the
-// read-ahead (nvme_read_ahead.hpp) when one is given.
+// copies, the copies from a pool reused by size: copy_pool.hpp), issues
+// coalesced all-gathers on its own communication stream, keeps their
+// handles until a retire step waits for them, and, with a compute stream:
+// - a gather starts after the compute stream's work enqueued before it
+//   (an optimizer step writing the shards on that stream comes first);
+// - the compute stream's later work waits for the gather (an event);
+// - a released copy goes back to the pool only once the compute stream has
+//   passed the work enqueued before the release (record_stream semantics).
+// NVMe shards come from the read-ahead (nvme_read_ahead.hpp) when one is
+// given.
 //
 // Threading: the coordinator's thread. Errors: Error from the accelerator
 // (communication, ...) or from NVMe reads (io). A gather that cannot be
@@ -21,6 +26,7 @@
 #include <span>
 #include <vector>
 
+#include "copy_pool.hpp"
 #include "ductile/accelerator.hpp"
 #include "nvme_read_ahead.hpp"
 #include "planner.hpp"
@@ -68,6 +74,15 @@ class GatherPipeline {
   // Frees the copies whose compute-stream work has completed.
   void reap_frees();
   void set_compute_stream(std::shared_ptr<Stream> stream);
+  // The shards may be written on the compute stream before the next gather
+  // (a pass ended, or a shard was written): that gather waits for it.
+  void after_shard_writes() { order_after_compute_ = true; }
+  GatherMemoryStats memory_stats() const { return pool_.stats(); }
+  // Frees the pool's idle buffers (after the pending frees that completed).
+  void trim() {
+    reap_frees();
+    pool_.trim();
+  }
 
   std::size_t outstanding() const { return batches_.size(); }
   // Throws internal when a buffer disagrees with the planner's status.
@@ -105,6 +120,7 @@ class GatherPipeline {
   };
   struct PendingFree {
     void* pointer;
+    std::size_t bytes;
     std::shared_ptr<Event> event;
   };
 
@@ -123,10 +139,14 @@ class GatherPipeline {
   std::shared_ptr<Stream> copy_stream_;
   std::shared_ptr<Stream> compute_stream_;
 
+  CopyPool pool_;  // before params_ and pending_frees_: outlives what they give back
   std::vector<DeviceParameter> params_;
   std::deque<Batch> batches_;   // issued, not yet retired, oldest first
   std::vector<Staging> spare_;  // of retired gathers, kept for their vectors' capacity
   std::deque<PendingFree> pending_frees_;
+  std::vector<std::shared_ptr<Event>> spare_events_;  // of reaped frees, recorded again
+  std::shared_ptr<Event> compute_done_;               // the compute stream's end at a gather
+  bool order_after_compute_ = true;
   Staging own_;  // staged by stage_own() for the next own gather
   bool own_staged_ = false;
   std::vector<GatherItem> items_;  // scratch

@@ -257,6 +257,47 @@ class DUCTILE_SDK_API Bootstrap {
   virtual void barrier() = 0;
 };
 
+// Optional capability of an accelerator: a world communicator supplied by
+// the embedding program, so that a host framework's own communication
+// (torch.distributed's process group, through ductile.torch.zero3) carries
+// ductile's collectives instead of MPI or NCCL. Find it with
+// dynamic_cast<HostWorld*>(accelerator.get()); it is a separate interface
+// so that backends built against an SDK without it still load.
+//
+// Threading: call before the first world() or bootstrap(), from the thread
+// that sets the accelerator up. Errors: ductile::Error (incompatible) when
+// world() has already been made, invalid_argument for a null communicator.
+class DUCTILE_SDK_API HostWorld {
+ public:
+  virtual ~HostWorld() = default;
+  // Offers `world` as the world communicator. Taken (returns true) when the
+  // accelerator's `communicator` key is "host" or "auto": world() and
+  // bootstrap() then run over it, and MPI and NCCL are never started.
+  // Declined (returns false, nothing changes) for "mpi" and "local".
+  // The communicator must keep the Communicator contract, stream ordering
+  // included; the accelerator keeps a reference to it.
+  virtual bool offer_world(std::shared_ptr<Communicator> world) = 0;
+};
+
+// Optional capability of an accelerator: Streams over queues the embedding
+// framework owns (for cuda, a cudaStream_t such as torch's current stream),
+// so that ductile's work is ordered against the framework's with events
+// instead of host synchronisation. Find it with
+// dynamic_cast<NativeStreams*>(accelerator.get()).
+//
+// Ownership: the Stream does not own the native queue; the caller keeps it
+// alive as long as the Stream. Threading: as for Stream. Errors: none beyond
+// the backend's runtime errors; a null native handle is the backend's
+// default queue (cuda's default stream).
+class DUCTILE_SDK_API NativeStreams {
+ public:
+  virtual ~NativeStreams() = default;
+  // synchronize(), query() and wait_event() act on `native`, events recorded
+  // on the Stream mark its work, and work of this accelerator may be
+  // enqueued on it.
+  virtual std::shared_ptr<Stream> wrap_native_stream(void* native) = 0;
+};
+
 // A compute device with its memory, queues and communication.
 class DUCTILE_SDK_API Accelerator : public Plugin {
  public:

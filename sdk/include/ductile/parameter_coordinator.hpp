@@ -304,4 +304,27 @@ class DUCTILE_SDK_API ShardStorage {
   virtual void shard_written(ParameterId id) = 0;
 };
 
+// Counters of the memory a coordinator gathers into, for tests and
+// benchmarks (see GatherMemory).
+struct GatherMemoryStats {
+  std::uint64_t allocations = 0;     // device allocations made for gathered copies
+  std::uint64_t reuses = 0;          // copies placed in a buffer kept from an earlier one
+  std::uint64_t frees = 0;           // device buffers given back to the accelerator
+  std::size_t in_use_bytes = 0;      // bytes of gathered copies alive (in flight or used)
+  std::size_t idle_bytes = 0;        // bytes kept for reuse
+  std::size_t high_water_bytes = 0;  // maximum of in_use_bytes
+};
+
+// Optional capability of a coordinator: its gathered-copy memory, found
+// with dynamic_cast<GatherMemory*>(coordinator.get()). A separate interface
+// (like ShardStorage) so that coordinators without it still load.
+// Threading and errors as for ParameterCoordinator; no communication.
+class DUCTILE_SDK_API GatherMemory {
+ public:
+  virtual ~GatherMemory() = default;
+  virtual GatherMemoryStats gather_memory() const = 0;
+  // Frees the buffers kept for reuse (none is in use by a gathered copy).
+  virtual void trim_gather_memory() = 0;
+};
+
 }  // namespace ductile

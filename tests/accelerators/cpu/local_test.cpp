@@ -219,6 +219,40 @@ TEST_CASE("configuration: communicator modes and timeout are validated") {
   }
 }
 
+TEST_CASE("host world: a communicator the embedder offers is the world with auto and host") {
+  // A real communicator to offer: another accelerator's single-process world.
+  auto offered = make_cpu("communicator = \"local\"\n")->world();
+
+  auto automatic = make_cpu();
+  auto* host = dynamic_cast<ductile::HostWorld*>(automatic.get());
+  REQUIRE(host != nullptr);
+  CHECK(host->offer_world(offered));
+  CHECK(automatic->world() == offered);
+  CHECK(automatic->bootstrap()->size() == 1);  // the bootstrap runs over it too
+  auto refused = catch_error([&] { host->offer_world(offered); });
+  CHECK(refused.kind() == ductile::ErrorKind::incompatible);
+  CHECK(std::string(refused.what()).find("before the first world()") != std::string::npos);
+
+  auto forced = make_cpu("communicator = \"host\"\n");
+  CHECK(dynamic_cast<ductile::HostWorld*>(forced.get())->offer_world(offered));
+  CHECK(forced->world() == offered);
+
+  // "local" and "mpi" decline: the accelerator keeps its own world.
+  auto local = make_cpu("communicator = \"local\"\n");
+  CHECK_FALSE(dynamic_cast<ductile::HostWorld*>(local.get())->offer_world(offered));
+  CHECK(local->world() != offered);
+
+  // "host" with nothing offered names the key and what to do.
+  auto missing = make_cpu("communicator = \"host\"\n");
+  auto error = catch_error([&] { missing->world(); });
+  CHECK(error.kind() == ductile::ErrorKind::config);
+  CHECK(std::string(error.what()).find("communicator = \"host\"") != std::string::npos);
+  CHECK(std::string(error.what()).find("none was offered") != std::string::npos);
+
+  auto null = catch_error([&] { host->offer_world(nullptr); });
+  CHECK(null.kind() == ductile::ErrorKind::invalid_argument);
+}
+
 TEST_CASE("launch detection reads the launcher's variables and rejects malformed ones") {
   // Restored at the end: later cases must see no launcher.
   struct Restore {

@@ -1,30 +1,38 @@
-"""ZeRO-3 through ductile against torch's DistributedDataParallel (a program
-that prints figures, medians; not a test).
+"""The ZeRO-3 race (issue 22, item 7): one Hugging Face model, one batch,
+2 ranks on the cpu, engines one after another in one run (a program that
+prints figures, medians; not a test):
 
-One run starts three 2-rank jobs under mpirun, one after another, on the
-same model (tests/python/zero3_model.py's tied LM, scaled up) and the same
-batches, and prints per-step time, the ratio to DDP, the fraction of the
-gather wait that prefetch hides, and peak parameter bytes per rank:
+- ddp: torch DistributedDataParallel over gloo;
+- fsdp2: torch's fully_shard (FSDP2) over gloo, one unit per transformer
+  block plus the root;
+- deepspeed: DeepSpeed 0.19.7 ZeRO stage 3 on its cpu accelerator over gloo;
+- ductile: ductile.torch.zero3 under torchrun, torch.distributed's gloo
+  process group as its world (no MPI);
+- ductile-mpi: the same under mpirun, over Open MPI (a second transport,
+  for reference);
+- ductile-noprefetch: ductile with prefetch_bucket_size = 0 (every gather
+  waited): prefetch must never make the gather wait longer than this.
 
-- ddp: DistributedDataParallel over gloo (the peer a user would pick on CPU);
-- zero3 without prefetch (prefetch_bucket_size = 0): every gather waited;
-- zero3 with prefetch (the coordinator's trace drives it).
+ZeRO-3 engines get the same settings (prefetch bucket, live limit, reuse
+distance, persistence threshold); every engine trains fp32 with torch.optim.Adam.
 
-  PYTHONPATH=build/python .venv/bin/python tests/benchmarks/python/bench_zero3.py [STEPS [ROUNDS]]
+  PYTHONPATH=build/python .venv/bin/python tests/benchmarks/python/bench_zero3.py \\
+      [--steps N] [--engines a,b,...] [--size small|race]
 
-Hidden = 1 - (fetch wait with prefetch) / (fetch wait without), per step.
-CPU ms per step of rank 0's threads: the training thread ("main") and all
-others (gloo's, or ductile's MPI progress and stream threads): with each
-rank bound to one core, the others' CPU time is taken from the training
-thread's.
-Parameter bytes: DDP holds every parameter; zero3 its shards plus the
-gathered copies at their peak (persistent ones included). Optimizer state
-(Adam's two moments; zero3's shards are also the optimizer's parameters)
-is printed beside it.
+Per engine, one line exactly in the issue's shape:
+  engine <name>: step <ms> ms, x<ratio> DeepSpeed, x<ratio> FSDP2, peak <MiB> MiB/rank
+then the parameter and optimizer bytes per rank, the first losses (the
+engines agree), and for ductile the gather wait per step. Step: median over
+the measured steps of rank 0's forward + backward + optimizer step. Peak:
+the largest resident set of the two ranks during the run, above the one
+each had right before building its model (libraries and interpreter left
+out, as they differ between engines).
 """
 
+import argparse
 import json
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -34,119 +42,194 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
-TESTS = os.path.join(ROOT, "tests", "python")
-os.environ.setdefault("DUCTILE_TEST_DATA_DIR", os.path.join(ROOT, "tests", "data"))
-sys.path.insert(0, TESTS)
 
-# Deep and narrow, as the models ZeRO-3 is for: the gathered window (a few
-# layers) is small next to the whole.
-MODEL = dict(d=128, heads=4, layers=16, context=64)
-BATCH = 8  # global: 4 sequences per rank
+SIZES = {
+    # 44.9 M parameters (GPT-2 architecture, 8 layers of 512, 32k vocabulary).
+    "race": dict(n_embd=512, n_layer=8, n_head=8, vocab_size=32000, n_positions=256),
+    "small": dict(n_embd=128, n_layer=4, n_head=4, vocab_size=4096, n_positions=256),
+}
+CONTEXT = 128
+BATCH = 4      # global: 2 sequences per rank
 WARMUP = 3
+PREFETCH = 20_000_000
+MAX_LIVE = 60_000_000
+REUSE = 0
+PERSIST = 100_000
 
-ZERO_CONFIG = """
+DUCTILE_CONFIG = f"""
 [accelerator]
 backend = "cpu"
 communicator = "auto"
-timeout = 300
+timeout = 600
 
 [zero]
 coordinator = "partitioned"
-prefetch_bucket_size = {prefetch}
-max_live_parameters = 200000
-max_reuse_distance = 0
-param_persistence_threshold = 1000
+prefetch_bucket_size = {{prefetch}}
+max_live_parameters = {MAX_LIVE}
+max_reuse_distance = {REUSE}
+param_persistence_threshold = {PERSIST}
 max_ongoing_fetch_events = 2
 """
 
-
-def thread_cpu_seconds():
-    """(CPU seconds of the main thread, of every other thread) of this process."""
-    main = others = 0
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # a thread that ended
-        ticks = int(fields[11]) + int(fields[12])  # utime + stime
-        if int(tid) == os.getpid():
-            main += ticks
-        else:
-            others += ticks
-    hz = os.sysconf("SC_CLK_TCK")
-    return main / hz, others / hz
+ENGINES = ("ddp", "fsdp2", "deepspeed", "ductile", "ductile-mpi", "ductile-noprefetch")
 
 
-def worker(kind, steps, out, port):
+def rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def build_model(size):
     import torch
-    from zero3_model import Windows, loss_of, make_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    config = GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        attn_implementation="eager", **SIZES[size])
+    return GPT2LMHeadModel(config)
+
+
+def batch(step, rank, world, vocab):
+    import torch
+    g = torch.Generator().manual_seed(7000 + step)
+    ids = torch.randint(0, vocab, (BATCH, CONTEXT), generator=g)
+    per = BATCH // world
+    return ids[rank * per:(rank + 1) * per]
+
+
+def tensor_bytes(tensors):
+    import torch
+    seen, total = set(), 0
+    for t in tensors:
+        if not torch.is_tensor(t) or t.dim() == 0:
+            continue
+        local = getattr(t, "_local_tensor", t)  # a DTensor's shard
+        key = (local.data_ptr(), local.numel())
+        if key in seen:
+            continue
+        seen.add(key)
+        total += local.numel() * local.element_size()
+    return total
+
+
+def optimizer_bytes(optimizer):
+    return tensor_bytes([t for st in optimizer.state.values() for t in st.values()])
+
+
+def worker(engine_name, size, steps, out):
+    import torch
+    import torch.distributed as dist
+
+    import transformers  # noqa: F401  (before the baseline: every engine imports it)
 
     torch.set_num_threads(1)
-    rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
-    world = int(os.environ["OMPI_COMM_WORLD_SIZE"])
-    model = make_model(seed=0, **MODEL)
-    windows = Windows(batch=BATCH, context=MODEL["context"])
+    launched_by_mpi = "OMPI_COMM_WORLD_RANK" in os.environ
+    if not launched_by_mpi:
+        dist.init_process_group("gloo")
+    if engine_name == "deepspeed":
+        import deepspeed  # imported before the baseline: its own memory is not the model's
+    if engine_name.startswith("ductile"):
+        import ductile.torch.zero3 as zero3
+    baseline = rss_bytes()
+    model = build_model(size)
+    vocab = model.config.vocab_size
     numel = sum(p.numel() for p in model.parameters())
-    times, waits, grad_waits = [], [], []
-    if kind == "ddp":
-        import torch.distributed as dist
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
-        optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-3)
+    stats_of = None
+    if engine_name == "ddp":
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        optimizer = torch.optim.Adam(wrapped.parameters(), lr=1e-4)
+        rank, world = dist.get_rank(), dist.get_world_size()
 
-        def train_step(x, y):
-            loss_of(ddp(x), y).backward()
+        def train_step(ids):
+            loss = wrapped(input_ids=ids, labels=ids).loss
+            loss.backward()
             optimizer.step()
             optimizer.zero_grad()
+            return loss
 
-        def after_step():
-            pass
+        def param_bytes():
+            return tensor_bytes(list(model.parameters()))
+    elif engine_name == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        rank, world = dist.get_rank(), dist.get_world_size()
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.transformer.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+
+        def train_step(ids):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            return loss
+
+        def param_bytes():
+            return tensor_bytes(list(model.parameters()))
+    elif engine_name == "deepspeed":
+        rank, world = dist.get_rank(), dist.get_world_size()
+        config = {
+            "train_micro_batch_size_per_gpu": BATCH // world, "gradient_accumulation_steps": 1,
+            "zero_allow_untested_optimizer": True,
+            "zero_optimization": {
+                "stage": 3, "stage3_prefetch_bucket_size": PREFETCH,
+                "stage3_max_live_parameters": MAX_LIVE, "stage3_max_reuse_distance": REUSE,
+                "stage3_param_persistence_threshold": PERSIST, "overlap_comm": True,
+                "contiguous_gradients": True},
+        }
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+        ds_engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                                             config=config)
+
+        def train_step(ids):
+            loss = ds_engine(input_ids=ids, labels=ids).loss
+            ds_engine.backward(loss)
+            ds_engine.step()
+            return loss
+
+        def param_bytes():
+            return tensor_bytes([p.ds_tensor for p in model.parameters()])
+        optimizer = ds_optimizer.optimizer
     else:
-        import ductile.torch.zero3 as zero3
-        prefetch = 0 if kind == "zero3_noprefetch" else 100000
-        engine = zero3.initialize(model, lambda ps: torch.optim.Adam(ps, lr=1e-3),
-                                  ZERO_CONFIG.format(prefetch=prefetch))
+        prefetch = 0 if engine_name == "ductile-noprefetch" else PREFETCH
+        engine = zero3.initialize(model, lambda ps: torch.optim.Adam(ps, lr=1e-4),
+                                  DUCTILE_CONFIG.format(prefetch=prefetch))
         optimizer = engine.optimizer
-        before = [engine.stats()]
+        rank, world = engine.rank, engine.world_size
 
-        def train_step(x, y):
-            engine.backward(loss_of(engine(x), y))
+        def train_step(ids):
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
             engine.step()
+            return loss
 
-        def after_step():
-            after = engine.stats()
-            waits.append((after["fetch_wait_ns"] - before[0]["fetch_wait_ns"]) / 1e9)
-            grad_waits.append((after["grad_wait_ns"] - before[0]["grad_wait_ns"]) / 1e9)
-            before[0] = after
+        def param_bytes():
+            s = engine.stats()
+            return s["shard_bytes"] + s["master_bytes"]
+        stats_of = engine.stats
 
+    times, losses, waits = [], [], []
+    before = stats_of() if stats_of else None
     for s in range(WARMUP + steps):
-        if s == WARMUP:
-            cpu_start = thread_cpu_seconds()
-        x, y = windows.step(s, rank, world)
+        ids = batch(s, rank, world, vocab)
         t0 = time.perf_counter()
-        train_step(x, y)
+        loss = train_step(ids)
         times.append(time.perf_counter() - t0)
-        after_step()
-    optimizer_bytes = sum(t.numel() * t.element_size() for st in optimizer.state.values()
-                          for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
-    if kind == "ddp":
-        parameter_bytes = numel * 4
+        losses.append(loss.item())
+        if stats_of:
+            after = stats_of()
+            waits.append((after["fetch_wait_ns"] - before["fetch_wait_ns"]) / 1e9)
+            before = after
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
+    record = {"rank": rank, "times": times[WARMUP:], "losses": losses[:3], "numel": numel,
+              "peak": peak, "param_bytes": param_bytes(),
+              "optimizer_bytes": optimizer_bytes(optimizer), "waits": waits[WARMUP:]}
+    with open(f"{out}.rank{rank}", "w") as f:
+        json.dump(record, f)
+    if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
-    else:
-        stats = engine.stats()
-        parameter_bytes = stats["shard_bytes"] + 4 * (stats["peak_live_numel"] +
-                                                      stats["persistent_numel"])
-    end = thread_cpu_seconds()
-    cpu_main = (end[0] - cpu_start[0]) / steps
-    cpu_others = (end[1] - cpu_start[1]) / steps
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump({"times": times[WARMUP:], "waits": waits[WARMUP:],
-                       "grad_waits": grad_waits[WARMUP:], "numel": numel,
-                       "cpu_main": cpu_main, "cpu_others": cpu_others,
-                       "parameter_bytes": parameter_bytes, "optimizer_bytes": optimizer_bytes}, f)
 
 
 def free_port():
@@ -155,68 +238,78 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(kind, steps, folder):
-    out = os.path.join(folder, kind + ".json")
-    mpiexec = os.environ.get("DUCTILE_MPIEXEC", "mpirun")
-    command = [mpiexec, "--allow-run-as-root", "--oversubscribe", "--mca", "btl", "self,vader",
-               "--bind-to", "core", "-np", "2", sys.executable, os.path.abspath(__file__),
-               "--worker", kind, str(steps), out, str(free_port())]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [TESTS] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
-        OMP_NUM_THREADS="1")
-    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
+def launch(engine, size, steps, folder):
+    out = os.path.join(folder, engine + ".json")
+    script = [os.path.abspath(__file__), "--worker", engine, "--size", size, "--steps",
+              str(steps), "--out", out]
+    if engine == "ductile-mpi":
+        command = [os.environ.get("DUCTILE_MPIEXEC", "mpirun"), "--allow-run-as-root",
+                   "--oversubscribe", "--mca", "btl", "self,vader", "--bind-to", "none", "-np",
+                   "2", sys.executable] + script
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                   "--master-addr", "127.0.0.1", "--master-port", str(free_port())] + script
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+               PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
     if proc.returncode != 0:
-        sys.exit(f"{kind} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    with open(out) as f:
-        return json.load(f)
+        return None, (proc.stdout + proc.stderr)[-3000:]
+    ranks = []
+    for r in range(2):
+        with open(f"{out}.rank{r}") as f:
+            ranks.append(json.load(f))
+    return ranks, None
 
 
 def main():
-    steps = int(sys.argv[1]) if len(sys.argv) > 1 else 10
-    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 3
-    kinds = ("ddp", "zero3_noprefetch", "zero3")
-    runs = {}
-    # Rounds of the three jobs one after another, so that a slow spell of the
-    # machine falls on all of them alike; per-step figures are pooled.
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--size", default="race", choices=sorted(SIZES))
+    parser.add_argument("--worker")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.size, args.steps, args.out)
+        return
+    engines = args.engines.split(",")
+    results, failures = {}, {}
     with tempfile.TemporaryDirectory() as folder:
-        for _ in range(rounds):
-            for kind in kinds:
-                r = launch(kind, steps, folder)
-                if kind not in runs:
-                    runs[kind] = dict(r, cpu_main=[r["cpu_main"]], cpu_others=[r["cpu_others"]])
-                    continue
-                for key in ("times", "waits", "grad_waits"):
-                    runs[kind][key] += r[key]
-                runs[kind]["cpu_main"].append(r["cpu_main"])
-                runs[kind]["cpu_others"].append(r["cpu_others"])
-    for r in runs.values():
-        r["cpu_main"] = statistics.median(r["cpu_main"])
-        r["cpu_others"] = statistics.median(r["cpu_others"])
-    med = {k: statistics.median(r["times"]) for k, r in runs.items()}
-    wait_off = statistics.median(runs["zero3_noprefetch"]["waits"])
-    wait_on = statistics.median(runs["zero3"]["waits"])
-    print(f"model: tied LM {MODEL}, {runs['ddp']['numel']:,} parameters; global batch "
-          f"{BATCH} x {MODEL['context']} tokens, 2 ranks (1 thread each); {rounds} rounds of "
-          f"{steps} steps after {WARMUP} warm-up each, medians")
-    print(f"{'':24}{'step ms':>10}{'vs DDP':>9}{'param MiB/rank':>16}{'optim MiB/rank':>16}"
-          f"{'CPU ms: main':>14}{'others':>8}")
-    for kind, label in (("ddp", "DDP (gloo)"), ("zero3_noprefetch", "zero3, no prefetch"),
-                        ("zero3", "zero3")):
-        r = runs[kind]
-        print(f"{label:24}{med[kind] * 1e3:10.1f}{med[kind] / med['ddp']:9.2f}"
-              f"{r['parameter_bytes'] / 2**20:16.2f}{r['optimizer_bytes'] / 2**20:16.2f}"
-              f"{r['cpu_main'] * 1e3:14.0f}{r['cpu_others'] * 1e3:8.0f}")
-    hidden = 1 - wait_on / wait_off if wait_off > 0 else float("nan")
-    print(f"gather wait per step: {wait_off * 1e3:.2f} ms without prefetch, {wait_on * 1e3:.2f} "
-          f"ms with: {hidden:.1%} hidden by prefetch")
-    print(f"gradient reduce-scatter wait at the end of backward: "
-          f"{statistics.median(runs['zero3']['grad_waits']) * 1e3:.2f} ms per step")
-    print(f"parameter bytes per rank, zero3 / DDP: "
-          f"{runs['zero3']['parameter_bytes'] / runs['ddp']['parameter_bytes']:.2f}")
+        for engine in engines:
+            ranks, error = launch(engine, args.size, args.steps, folder)
+            if ranks is None:
+                failures[engine] = error
+            else:
+                results[engine] = ranks
+    first = next(iter(results.values()), None)
+    if first:
+        print(f"model: GPT-2 {SIZES[args.size]}, {first[0]['numel']:,} parameters; global batch "
+              f"{BATCH} x {CONTEXT} tokens on 2 ranks (1 thread each), fp32, Adam; medians of "
+              f"{args.steps} steps after {WARMUP} warm-up")
+    med = {e: statistics.median(r[0]["times"]) for e, r in results.items()}
+
+    def ratio(engine, rival):
+        return f"x{med[engine] / med[rival]:.2f}" if rival in med else "x-"
+    for engine in engines:
+        if engine in failures:
+            print(f"engine {engine}: did not run: {failures[engine].strip().splitlines()[-1]}")
+            continue
+        r = results[engine]
+        peak = max(x["peak"] for x in r) / 2**20
+        print(f"engine {engine}: step {med[engine] * 1e3:.0f} ms, {ratio(engine, 'deepspeed')} "
+              f"DeepSpeed, {ratio(engine, 'fsdp2')} FSDP2, peak {peak:.0f} MiB/rank")
+    print()
+    for engine, r in results.items():
+        print(f"  {engine:20} parameters {max(x['param_bytes'] for x in r) / 2**20:8.1f} MiB/rank"
+              f"  optimizer {max(x['optimizer_bytes'] for x in r) / 2**20:8.1f} MiB/rank"
+              f"  first losses {', '.join(f'{v:.5f}' for v in r[0]['losses'])}")
+    for engine in ("ductile", "ductile-noprefetch", "ductile-mpi"):
+        if engine in results and results[engine][0]["waits"]:
+            print(f"  {engine}: gather wait {statistics.median(results[engine][0]['waits']) * 1e3:.1f}"
+                  " ms per step (median)")
+    for engine, error in failures.items():
+        print(f"\n{engine} failed:\n{error}")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5]))
-    else:
-        main()
+    main()

@@ -1,48 +1,74 @@
 """ZeRO-3 for torch.nn models through ductile's parameter coordinator.
 
     import ductile.torch.zero3 as zero3
+    dist.init_process_group("gloo")              # torchrun; or run under mpirun
+    with zero3.init():                           # optional: build straight into shards
+        model = MyModel()
     engine = zero3.initialize(model, lambda params: torch.optim.Adam(params, lr=1e-3),
-                              "zero.toml")       # [zero] and [accelerator] sections
+                              "zero.toml")       # [zero] and [accelerator], or DeepSpeed JSON
     for batch in loader:
         loss = loss_fn(engine(batch))
-        engine.backward(loss)                    # or loss.backward()
+        engine.backward(loss)                    # or loss.backward() (not with fp16)
         engine.step()                            # optimizer on shards, grads cleared
-    engine.save("ckpt/")                         # load on any world size: engine.load("ckpt/")
+    engine.save("ckpt/")                         # atomic; load on any world size
+    engine.save_consolidated("hf/")              # Hugging Face safetensors
 
-Every parameter is partitioned over the ranks of the configured accelerator
-(cpu over Open MPI under mpirun, cuda over NCCL); each rank keeps one shard,
-and ``param.data`` is an empty tensor except while a module using it runs.
-Module hooks fetch a module's parameters before its forward and its
-backward and release them after; the coordinator (C++) records the module
-order, prefetches along it and decides what to keep. Each full gradient is
-reduce-scattered (averaged over ranks) into a gradient shard as soon as
+Every parameter is partitioned over the ranks of the job's world:
+torch.distributed's process group when it is initialised (gloo on cpu,
+NCCL on cuda: torchrun, ``ductile agent``), else the accelerator's own
+(Open MPI under mpirun, NCCL over an MPI bootstrap, or one process). Each
+rank keeps one shard, and ``param.data`` is an empty tensor except while a
+module using it runs. Module hooks fetch a module's parameters before its
+forward and its backward and release them after; the coordinator (C++)
+records the module order, prefetches along it and decides what to keep.
+Each full gradient is reduce-scattered into a gradient shard as soon as
 autograd has produced it; the optimizer, built by ``optimizer_factory`` over
-the shards, steps on shards.
+the shards, steps on shards (fp32 masters with mixed precision).
 
-Backward uses torch 2's multi-gradient hooks on each module's outputs
-(fetch) and inputs, positional and keyword (release); non-reentrant
-activation checkpointing works. Limits: a parameter used by a module it
-does not belong to must be declared with ``register_external_parameter``;
+Also: gradient accumulation (``no_sync()``), ``clip_grad_norm_``, mixed
+precision (``MixedPrecision``, fp16 loss scaling), ``state_dict()``,
+``GatheredParameters``, non-reentrant activation checkpointing, and
+``step_in_backward``. Limits: a parameter used by a module it does not
+belong to must be declared with ``register_external_parameter``;
 ``model.state_dict()`` sees the empty placeholders: use
-``engine.full_parameters()`` or ``engine.save()``.
+``engine.state_dict()``. docs/python.md describes it all.
 """
 
 from ._engine import Zero3Engine, register_external_parameter
+from ._full import GatheredParameters
+from ._init import init
+from ._precision import DynamicLossScaler, MixedPrecision
 
-__all__ = ["initialize", "Zero3Engine", "register_external_parameter"]
+__all__ = ["initialize", "init", "Zero3Engine", "register_external_parameter",
+           "GatheredParameters", "MixedPrecision", "DynamicLossScaler"]
 
 
-def initialize(model, optimizer_factory=None, config=None, *, plugin_path=None):
+def initialize(model, optimizer_factory=None, config=None, *, plugin_path=None,
+               mixed_precision=None, load_from=None, group=None, step_in_backward=False):
     """Partitions ``model``'s parameters and installs the hooks; returns the
     engine. Collective: every rank calls it with the same model structure.
 
     ``optimizer_factory``: called with the list of shard parameters (one flat
-    tensor per parameter, in ``model.named_parameters()`` order), returns a
-    ``torch.optim`` optimizer (or None: no optimizer). ``config``: a ductile
-    TOML (path, text, or dict of sections) with a ``[zero]`` section (e.g.
-    ``coordinator = "partitioned"``) and an ``[accelerator]`` section.
-    Rank 0's parameter values are broadcast first, as
-    DistributedDataParallel does. Raises ConfigError, InvalidArgumentError
-    (a parameter of an unsupported dtype or on the wrong device).
+    tensor per parameter, in ``model.named_parameters()`` order, fp32 masters
+    with mixed precision), returns a ``torch.optim`` optimizer (or None: no
+    optimizer). ``config``: a ductile TOML (path, text, or dict of sections)
+    with a ``[zero]`` section (e.g. ``coordinator = "partitioned"``) and an
+    ``[accelerator]`` section, or a DeepSpeed JSON config (ZeRO stage 3; its
+    bf16/fp16 and gradient_clipping keys are honoured). When
+    torch.distributed is initialised (torchrun) and ``[accelerator]
+    communicator`` is "auto" or "host", its process group (``group``, or the
+    default one) is the world: no MPI. ``mixed_precision``: a
+    ``MixedPrecision``, or "bf16"/"fp16" (fp32 masters and reduction).
+    Initial values: the slices ``zero3.init`` kept, safetensors files
+    (``load_from``), or rank 0's values, broadcast as
+    DistributedDataParallel does. ``step_in_backward``: one optimizer per
+    shard (``optimizer_factory([shard])``), stepped as soon as that shard's
+    gradient is reduce-scattered, so the gradient shards never all exist at
+    once (no global clipping or fp16 loss scaling then; accumulate with
+    ``no_sync()`` for all but the last micro-batch). Raises ConfigError,
+    InvalidArgumentError (a parameter of an unsupported dtype or on the
+    wrong device).
     """
-    return Zero3Engine(model, optimizer_factory, config, plugin_path=plugin_path)
+    return Zero3Engine(model, optimizer_factory, config, plugin_path=plugin_path,
+                       mixed_precision=mixed_precision, load_from=load_from, group=group,
+                       step_in_backward=step_in_backward)

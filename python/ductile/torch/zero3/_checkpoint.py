@@ -1,278 +1,175 @@
-"""Sharded checkpoints of a zero3 engine, loadable at any world size.
+"""Sharded checkpoints of a zero3 engine that commit atomically, loadable
+at any world size.
 
-A checkpoint directory holds, for a job of W ranks:
+``engine.save(root)`` writes, for a job of W ranks::
 
-- ``rank<r>-of-<W>.bin``: rank r's shards, parameter after parameter in
-  ``model.named_parameters()`` order; after each parameter's values, its
-  optimizer state tensors of shard shape (Adam's ``exp_avg``,
-  ``exp_avg_sq``, ...), keys sorted. Raw little-endian elements, no header:
-  every offset follows from the manifest.
-- ``rank<r>-of-<W>.json``: that file's size and CRC-32.
-- ``manifest.json`` (written last, by rank 0): the parameters (name, shape,
-  dtype, numel, shard size, state keys), the optimizer's class, parameter
-  groups and non-shard state (Adam's ``step``), and the client state.
+    root/latest                  the committed checkpoint's folder name (written last)
+    root/<tag>/manifest.json     by rank 0: save id, step, parameters, optimizer, client
+                                 state, and each shard file's size and CRC-32
+    root/<tag>/rank<r>-of-<W>.bin  rank r's shards: a header naming the save, then, parameter
+                                 after parameter in model.named_parameters() order, its
+                                 values and its optimizer state tensors of shard shape
+                                 (Adam's exp_avg, exp_avg_sq; keys sorted), raw
+                                 little-endian elements
 
-Loading on W' ranks: rank r' needs elements [r' s', (r'+1) s') of each
-flattened parameter, which lie in one or a few of the old ranks' shards; it
-checks the size and CRC of the files it reads and copies the pieces.
+The tag is ``step<N>`` (the engine's optimizer steps) unless given; a
+folder of that name that exists already gets a new one, ``<tag>.<k>``.
+
+How a save commits. Every file is written into ``root/<tag>.tmp`` and
+fsynced; rank 0 then writes the manifest, fsyncs the folder, renames it to
+its final name and fsyncs ``root``; last, ``latest`` is written beside
+(``latest.tmp``), fsynced and renamed over the old one, and ``root`` fsynced
+again. The rename of ``latest`` is the commit: a save stopped at any point
+before it leaves the old checkpoint as ``latest`` names it, whole; after it,
+the new one. After the commit, every other folder of the same tag (the
+superseded save, or one an interrupted save renamed but never committed) and
+the ``*.tmp`` folders of interrupted saves are removed; a save killed before
+that leaves them to the next save of the tag.
+
+Why files from two saves cannot mix. Every shard file's header carries its
+save id and step, and the manifest carries the save id, the step and every
+shard file's size and CRC-32: a shard of another save (a leftover, a copy)
+is an error naming the file and both saves.
+
+How a load fails. Each rank reads the manifest, checks the model and the
+optimizer against it, reads the pieces it needs from the old ranks' files,
+checking each file's header, size and CRC-32, and builds the new optimizer
+state, all without touching the engine. The ranks then agree
+(``_agreement.agree``): if any rank failed, every rank raises at once (the
+others name the failing rank and its message) and the model and optimizer
+are unchanged everywhere. Only then are shards and optimizer state replaced.
+
+Re-partitioning on W' ranks: rank r' needs elements [r' s', (r'+1) s') of
+each flattened parameter, which lie in one or a few of the old ranks' shards.
 """
 
+import copy
 import json
 import os
-import zlib
+import uuid
 
 import torch
 
 from ..._errors import IncompatibleError, InvalidArgumentError, IoError
+from ._agreement import agree
+from ._checkpoint_files import (FORMAT, LATEST, VERSION, RankFiles, check_model, check_tag,
+                                describe, dtype_of, element_size, final_name, from_json, fs,
+                                fsync_dir,
+                                header, io_error, optimizer_view, read_manifest,
+                                rank_stem, remove_tree, resolve, shard_chunks, write_file)
 
-FORMAT = "ductile-zero3-checkpoint"
-VERSION = 1
-_CHUNK = 1 << 22
-
-
-def _rank_stem(rank, world):
-    return f"rank{rank}-of-{world}"
-
-
-def _dtype_name(dtype):
-    return str(dtype).replace("torch.", "")
+# --- save --------------------------------------------------------------------------
 
 
-def _dtype(name, where):
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise IoError(f"{where}: unknown dtype '{name}'")
-    return dtype
-
-
-def _element_size(dtype):
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _bytes(tensor):
-    return tensor.detach().contiguous().cpu().view(torch.uint8).numpy()
-
-
-def _write_atomic(path, write):
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except OSError as e:
-        raise IoError(f"{path}: cannot write the checkpoint file: {e.strerror}") from e
-
-
-def _optimizer_view(engine):
-    """(optimizer, shard param -> param id, per-group lists of param ids)."""
-    optimizer = engine.optimizer
-    if optimizer is None:
-        return None, {}, []
-    pid_of = {id(info.shard): info.id for info in engine._params}
-    groups = []
-    for group in optimizer.param_groups:
-        ids = []
-        for p in group["params"]:
-            if id(p) not in pid_of:
-                raise IncompatibleError(
-                    "zero3 checkpoint: the optimizer holds a tensor that is not one of the "
-                    "engine's shards; build it over engine.shard_parameters()")
-            ids.append(pid_of[id(p)])
-        groups.append(ids)
-    return optimizer, pid_of, groups
-
-
-def _json_value(value, where):
-    if isinstance(value, torch.Tensor):
-        return {"tensor": value.detach().cpu().tolist(), "dtype": _dtype_name(value.dtype)}
-    if isinstance(value, (bool, int, float, str)) or value is None:
-        return value
-    if isinstance(value, (tuple, list)):
-        return [_json_value(v, where) for v in value]
-    raise InvalidArgumentError(
-        f"zero3 checkpoint: {where} has a value of type {type(value).__name__} that cannot be "
-        "saved")
-
-
-def _from_json(value, where):
-    if isinstance(value, dict) and "tensor" in value:
-        return torch.tensor(value["tensor"], dtype=_dtype(value["dtype"], where))
-    return value
-
-
-def save(engine, directory, client_state=None):
+def save(engine, root, client_state=None, tag=None):
     if engine._pass_open:
         raise IncompatibleError(
             "zero3: save() in the middle of a pass (a forward without its backward); save "
             "between steps")
-    directory = os.fspath(directory)
-    try:
-        os.makedirs(directory, exist_ok=True)
-    except OSError as e:
-        raise IoError(f"{directory}: cannot create the checkpoint directory: {e.strerror}") from e
-    optimizer, _, groups = _optimizer_view(engine)
-    parameters, scalars = [], {}
-    for info in engine._params:
-        state = optimizer.state.get(info.shard, {}) if optimizer is not None else {}
-        shard_keys, other = [], {}
-        for key in sorted(state):
-            value = state[key]
-            if isinstance(value, torch.Tensor) and tuple(value.shape) == (info.shard_numel,):
-                shard_keys.append({"key": key, "dtype": _dtype_name(value.dtype)})
-            else:
-                other[key] = _json_value(value, f"optimizer state '{key}' of '{info.name}'")
-        parameters.append({"name": info.name, "shape": list(info.shape),
-                           "dtype": _dtype_name(info.dtype), "numel": info.numel,
-                           "shard_numel": info.shard_numel, "state": shard_keys})
-        scalars[str(info.id)] = other
+    root = os.fspath(root)
+    step = engine.global_step
+    if tag is None:
+        tag = f"step{step}"
+    check_tag(tag)
+    rank, world = engine.rank, engine.world_size
+    what = "zero3 save"
+    staging = os.path.join(root, tag + ".tmp")
 
-    stem = os.path.join(directory, _rank_stem(engine.rank, engine.world_size))
-    crc, size = 0, 0
+    def prepare():
+        optimizer, groups = optimizer_view(engine)
+        parameters, opt = describe(engine, optimizer, groups)
+        manifest_text = None
+        if rank == 0:
+            try:
+                json.dumps(client_state)
+            except (TypeError, ValueError) as e:
+                raise InvalidArgumentError(
+                    f"zero3 checkpoint: client_state cannot be written as JSON: {e}") from e
+            try:
+                fs("mkdir", root)
+                os.makedirs(root, exist_ok=True)
+                if os.path.lexists(staging):
+                    remove_tree(staging)  # an interrupted save of this tag
+                fs("mkdir", staging)
+                os.mkdir(staging)
+            except OSError as e:
+                raise io_error(staging, "cannot create the checkpoint folder", e) from e
+            manifest_text = uuid.uuid4().hex
+        return optimizer, parameters, opt, manifest_text
 
-    def write_shards(f):
-        nonlocal crc, size
-        for info, meta in zip(engine._params, parameters):
-            pieces = [info.shard]
-            if optimizer is not None:
-                pieces += [optimizer.state[info.shard][k["key"]] for k in meta["state"]]
-            for t in pieces:
-                data = _bytes(t)
-                f.write(data)
-                crc = zlib.crc32(data, crc)
-                size += data.nbytes
+    first = agree(engine.comm, prepare,
+                  payload=lambda v: (v[3] or "").encode(), what=what)
+    optimizer, parameters, opt, _ = first.value
+    save_id = first.payloads[0].decode()
+    stem = rank_stem(rank, world) + ".bin"
 
-    _write_atomic(stem + ".bin", write_shards)
-    record = json.dumps({"rank": engine.rank, "world_size": engine.world_size, "bytes": size,
-                         "crc32": crc}).encode()
-    _write_atomic(stem + ".json", lambda f: f.write(record))
-    engine._session.barrier()
-    if engine.rank == 0:
-        manifest = {
-            "format": FORMAT, "version": VERSION, "world_size": engine.world_size,
-            "parameters": parameters,
-            "optimizer": None if optimizer is None else {
-                "class": type(optimizer).__name__,
-                "param_groups": [
-                    dict({k: _json_value(v, f"optimizer hyperparameter '{k}'")
-                          for k, v in group.items() if k != "params"}, params=ids)
-                    for group, ids in zip(optimizer.param_groups, groups)],
-                "state": scalars},
-            "client_state": client_state,
-        }
+    def write_shards():
+        path = os.path.join(staging, stem)
         try:
-            text = json.dumps(manifest, indent=1).encode()
-        except TypeError as e:
-            raise InvalidArgumentError(
-                f"zero3 checkpoint: client_state cannot be written as JSON: {e}") from e
-        _write_atomic(os.path.join(directory, "manifest.json"), lambda f: f.write(text))
-    engine._session.barrier()
-
-
-def _read_manifest(directory):
-    path = os.path.join(directory, "manifest.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
-    except FileNotFoundError as e:
-        raise IoError(f"{path}: no checkpoint manifest (was the checkpoint saved completely?)") \
-            from e
-    except OSError as e:
-        raise IoError(f"{path}: cannot read the checkpoint manifest: {e.strerror}") from e
-    except ValueError as e:
-        raise IoError(f"{path}: the checkpoint manifest is not valid JSON: {e}") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise IoError(f"{path}: not a ductile zero3 checkpoint manifest")
-    if manifest.get("version") != VERSION:
-        raise IoError(f"{path}: checkpoint version {manifest.get('version')!r}; this ductile "
-                      f"reads version {VERSION}")
-    world = manifest.get("world_size")
-    if not isinstance(world, int) or world < 1:
-        raise IoError(f"{path}: world_size {world!r} is not a positive integer")
-    return path, manifest
-
-
-def _check_model(engine, path, manifest):
-    saved = manifest.get("parameters")
-    if not isinstance(saved, list):
-        raise IoError(f"{path}: 'parameters' is missing")
-    ours = engine._params
-    if len(saved) != len(ours):
-        raise IncompatibleError(
-            f"{path}: the checkpoint has {len(saved)} parameters, the model {len(ours)}: it was "
-            "saved from another model")
-    for info, meta in zip(ours, saved):
-        mine = (info.name, list(info.shape), _dtype_name(info.dtype))
-        theirs = (meta.get("name"), meta.get("shape"), meta.get("dtype"))
-        if mine != theirs:
-            raise IncompatibleError(
-                f"{path}: parameter {info.id} is {theirs[0]} {theirs[1]} {theirs[2]} in the "
-                f"checkpoint but {mine[0]} {mine[1]} {mine[2]} in the model: it was saved from "
-                "another model")
-
-
-class _RankFiles:
-    """The old ranks' files, opened and checked on first use."""
-
-    def __init__(self, directory, world, layout_bytes):
-        self.directory = directory
-        self.world = world
-        self.layout_bytes = layout_bytes
-        self.files = {}
-
-    def close(self):
-        for f in self.files.values():
-            f.close()
-
-    def get(self, rank):
-        f = self.files.get(rank)
-        if f is not None:
-            return f
-        stem = os.path.join(self.directory, _rank_stem(rank, self.world))
-        bin_path, record_path = stem + ".bin", stem + ".json"
-        try:
-            with open(record_path, encoding="utf-8") as r:
-                record = json.load(r)
-            expected_bytes, expected_crc = int(record["bytes"]), int(record["crc32"])
-        except FileNotFoundError as e:
-            raise IoError(f"{record_path}: missing shard record of rank {rank}") from e
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise IoError(f"{record_path}: unreadable shard record of rank {rank}: {e}") from e
-        try:
-            f = open(bin_path, "rb")
-        except FileNotFoundError as e:
-            raise IoError(f"{bin_path}: missing shard file of rank {rank}") from e
+            return write_file(path, shard_chunks(engine, optimizer, parameters,
+                                                   header(save_id, step, rank, world)))
         except OSError as e:
-            raise IoError(f"{bin_path}: cannot open the shard file: {e.strerror}") from e
-        size = os.fstat(f.fileno()).st_size
-        if size != expected_bytes or size != self.layout_bytes:
-            f.close()
-            raise IoError(
-                f"{bin_path}: {size} bytes, expected {self.layout_bytes} (the manifest's layout) "
-                "and its record's size: the file is truncated or from another checkpoint")
-        crc = 0
-        while True:
-            chunk = f.read(_CHUNK)
-            if not chunk:
-                break
-            crc = zlib.crc32(chunk, crc)
-        if crc != expected_crc:
-            f.close()
-            raise IoError(f"{bin_path}: CRC-32 {crc:#010x} differs from the recorded "
-                          f"{expected_crc:#010x}: the shard file is corrupt")
-        self.files[rank] = f
-        return f
+            raise io_error(path, "cannot write the shard file", e) from e
+
+    written = agree(engine.comm, write_shards,
+                    payload=lambda v: json.dumps(v).encode(), what=what)
+    shards = [{"file": rank_stem(r, world) + ".bin", "bytes": s, "crc32": c}
+              for r, (s, c) in enumerate(json.loads(p.decode()) for p in written.payloads)]
+
+    def commit():
+        if rank != 0:
+            return None
+        manifest = {
+            "format": FORMAT, "version": VERSION, "save_id": save_id, "step": step,
+            "tag": tag, "world_size": world, "shards": shards, "parameters": parameters,
+            "optimizer": opt, "client_state": client_state,
+            "loss_scaler": engine._scaler.state_dict() if engine._scaler is not None else None,
+        }
+        text = json.dumps(manifest, indent=1).encode()
+        name = final_name(root, tag)
+        final = os.path.join(root, name)
+        try:
+            write_file(os.path.join(staging, "manifest.json"), [text])
+            fsync_dir(staging)
+            fs("rename", staging)
+            os.rename(staging, final)
+            fsync_dir(root)
+            pointer = os.path.join(root, LATEST + ".tmp")
+            if os.path.lexists(pointer):
+                fs("remove", pointer)
+                os.unlink(pointer)
+            write_file(pointer, [name.encode() + b"\n"])
+            fs("rename", pointer)
+            os.replace(pointer, os.path.join(root, LATEST))  # the commit
+            fsync_dir(root)
+        except OSError as e:
+            raise io_error(final, "cannot commit the checkpoint", e) from e
+        # Superseded: every other folder of this tag (the previous save, or
+        # one an interrupted save renamed but never committed). Stale: the
+        # staging folders of interrupted saves.
+        for entry in os.listdir(root):
+            if entry == name:
+                continue
+            same_tag = entry == tag or (entry.startswith(tag + ".") and
+                                        entry[len(tag) + 1:].isdigit())
+            if same_tag or (entry.endswith(".tmp") and entry != LATEST + ".tmp"):
+                remove_tree(os.path.join(root, entry))
+        return name
+
+    agree(engine.comm, commit, what=what)
 
 
-def load(engine, directory):
-    if engine._pass_open:
-        raise IncompatibleError(
-            "zero3: load() in the middle of a pass (a forward without its backward)")
-    directory = os.fspath(directory)
-    path, manifest = _read_manifest(directory)
-    _check_model(engine, path, manifest)
-    old_world = manifest["world_size"]
+# --- load --------------------------------------------------------------------------
+
+
+def _read(engine, root):
+    """Everything a load needs, read and checked; the engine is untouched.
+    Returns (manifest, shard values per parameter, optimizer state dict or None)."""
+    folder = resolve(root)
+    path, manifest = read_manifest(folder)
+    check_model(engine, path, manifest)
     saved = manifest["parameters"]
-    optimizer, _, groups = _optimizer_view(engine)
+    optimizer, groups = optimizer_view(engine)
     saved_opt = manifest.get("optimizer")
     if optimizer is not None and saved_opt is None:
         raise IncompatibleError(f"{path}: the checkpoint has no optimizer state, the engine has "
@@ -282,19 +179,20 @@ def load(engine, directory):
             f"{path}: the checkpoint's optimizer is {saved_opt.get('class')}, the engine's "
             f"{type(optimizer).__name__}")
 
-    # Byte layout of every old rank's file (the same for all of them).
+    # Byte layout of every old rank's payload (the same for all of them).
     offsets, layout = [], 0
     for meta in saved:
         old_shard = int(meta["shard_numel"])
-        pieces = [(None, _dtype(meta["dtype"], path))] + [
-            (k["key"], _dtype(k["dtype"], path)) for k in meta["state"]]
+        pieces = [(None, dtype_of(meta["dtype"], path))] + [
+            (k["key"], dtype_of(k["dtype"], path)) for k in meta["state"]]
         entry = []
         for key, dtype in pieces:
             entry.append((key, dtype, layout))
-            layout += old_shard * _element_size(dtype)
+            layout += old_shard * element_size(dtype)
         offsets.append((old_shard, entry))
 
-    files = _RankFiles(directory, old_world, layout)
+    old_world = manifest["world_size"]
+    files = RankFiles(folder, path, manifest, layout)
     try:
         values = []
         for info, meta, (old_shard, entry) in zip(engine._params, saved, offsets):
@@ -302,7 +200,7 @@ def load(engine, directory):
             last = min(first + info.shard_numel, info.numel)
             pieces = {}
             for key, dtype, base in entry:
-                esize = _element_size(dtype)
+                esize = element_size(dtype)
                 out = torch.zeros(info.shard_numel, dtype=dtype)
                 raw = out.view(torch.uint8).numpy()
                 q = first // old_shard if old_shard else 0
@@ -310,8 +208,8 @@ def load(engine, directory):
                     lo = max(first, q * old_shard)
                     hi = min(last, (q + 1) * old_shard)
                     if lo < hi:
-                        f = files.get(q)
-                        f.seek(base + (lo - q * old_shard) * esize)
+                        f, start = files.get(q)
+                        f.seek(start + base + (lo - q * old_shard) * esize)
                         want = (hi - lo) * esize
                         got = f.readinto(memoryview(raw)[(lo - first) * esize:][:want])
                         if got != want:
@@ -323,20 +221,13 @@ def load(engine, directory):
             values.append(pieces)
     finally:
         files.close()
-
-    with torch.no_grad():
-        for info, pieces in zip(engine._params, values):
-            info.shard.copy_(pieces[None].to(info.shard.device))
-            if info.direct:
-                engine._session.shard_written(info.id)
-            else:
-                engine._shard_changed(info)
+    state = None
     if optimizer is not None:
-        _load_optimizer(engine, path, optimizer, groups, saved_opt, saved, values)
-    return manifest.get("client_state")
+        state = _optimizer_state(engine, path, groups, saved_opt, saved, values)
+    return manifest, values, state
 
 
-def _load_optimizer(engine, path, optimizer, groups, saved_opt, saved, values):
+def _optimizer_state(engine, path, groups, saved_opt, saved, values):
     saved_groups = saved_opt.get("param_groups") or []
     if [g.get("params") for g in saved_groups] != groups:
         raise IncompatibleError(
@@ -349,16 +240,42 @@ def _load_optimizer(engine, path, optimizer, groups, saved_opt, saved, values):
     for info, meta, pieces in zip(engine._params, saved, values):
         if info.id not in index:
             continue
-        entry = {k: _from_json(v, path) for k, v in (scalars.get(str(info.id)) or {}).items()}
+        entry = {k: from_json(v, path) for k, v in (scalars.get(str(info.id)) or {}).items()}
         for k in meta["state"]:
             entry[k["key"]] = pieces[k["key"]].to(info.shard.device)
         if entry:
             state[index[info.id]] = entry
     param_groups = []
     for group, ids in zip(saved_groups, groups):
-        g = {k: _from_json(v, path) for k, v in group.items() if k != "params"}
+        g = {k: from_json(v, path) for k, v in group.items() if k != "params"}
         if "betas" in g and isinstance(g["betas"], list):
             g["betas"] = tuple(g["betas"])
         g["params"] = [index[p] for p in ids]
         param_groups.append(g)
-    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+    return {"state": state, "param_groups": param_groups}
+
+
+def load(engine, root):
+    if engine._pass_open:
+        raise IncompatibleError(
+            "zero3: load() in the middle of a pass (a forward without its backward)")
+    read = agree(engine.comm, lambda: _read(engine, root),
+                 what="zero3 load")
+    manifest, values, state = read.value
+    optimizer = engine.optimizer
+    if optimizer is not None:
+        before = copy.deepcopy(optimizer.state_dict())
+        try:
+            optimizer.load_state_dict(state)
+        except BaseException:
+            optimizer.load_state_dict(before)
+            raise
+    with torch.no_grad():
+        for info, pieces in zip(engine._params, values):
+            info.shard.copy_(pieces[None].to(info.shard.device))
+    engine.shards_changed()
+    engine.global_step = manifest["step"]
+    scaler = engine._scaler
+    if scaler is not None and manifest.get("loss_scaler") is not None:
+        scaler.load_state_dict(manifest["loss_scaler"])
+    return manifest.get("client_state")

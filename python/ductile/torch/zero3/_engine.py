@@ -1,37 +1,36 @@
 """The ZeRO-3 engine: a torch.nn.Module's parameters partitioned by the C++
-coordinator (the configured ``zero`` plugin) over the ranks of its
-accelerator, gathered just in time by module hooks.
+coordinator (the configured ``zero`` plugin) over the ranks of its world,
+gathered just in time by module hooks. It sits on three seams, as FSDP2's
+``fully_shard`` does:
 
-What lives where:
-- the coordinator owns every shard and every gathered copy, records the
-  module trace and decides what to prefetch and release (C++);
-- this engine tells it which module runs (fetch/release around each
-  module's forward and backward), points ``param.data`` at the gathered
-  copy while a module using it runs (an empty tensor otherwise),
-  reduce-scatters each full gradient into this rank's gradient shard as soon
-  as autograd has produced it, and lets an optimizer step on shards.
+- _param.py: per-parameter state (shards, master copies, materialisation,
+  saved-tensor packing);
+- _passes.py: pass and hook orchestration (fetch, release, backward);
+- this file: set-up (configuration, world, partitioning) and the training
+  API (backward, step, clipping, accumulation, checkpoints, full weights).
 
-Tensors autograd saves for backward that lie in a gathered copy (a weight,
-or a view of it such as ``weight.t()``) are saved as "parameter p, this
-view" and rebuilt over the copy gathered again for backward, so a release
-in between can never leave autograd reading freed memory.
+The world is torch.distributed's process group when it is initialised and
+the configuration allows it (``[accelerator] communicator = "auto"`` or
+``"host"``): the coordinator's gathers and the engine's reduce-scatters run
+on it (gloo on cpu, NCCL on cuda) and no MPI is started. Otherwise it is the
+accelerator's own (Open MPI under mpirun or ``ductile agent --mpi-world``,
+NCCL over an MPI bootstrap, or a single process).
 """
 
-import bisect
-import collections
-import functools
+import contextlib
+import math
 
 import torch
 
 from ... import _ductile
-from ..._config import load_config
-from ..._errors import ConfigError, IncompatibleError, InvalidArgumentError, UnsupportedError
-from . import _hooks
+from ..._errors import IncompatibleError, InvalidArgumentError, UnsupportedError
+from . import _config, _full, _init
+from ._collectives import SessionCollectives
 from ._gradients import GradientReducer
-from ._memory import DeviceMemory, type_name
-
-_EXTERNAL = "_ductile_zero3_external_parameters"
-_ENGINE = "_ductile_zero3_engine"
+from ._memory import DeviceMemory
+from ._param import ZeroParam
+from ._passes import ENGINE, EXTERNAL, Passes
+from ._per_parameter import PerParameterOptimizers
 
 
 def register_external_parameter(module, parameter):
@@ -47,415 +46,288 @@ def register_external_parameter(module, parameter):
         raise InvalidArgumentError(
             f"register_external_parameter: parameter must be a torch.nn.Parameter, got "
             f"{type(parameter).__name__}")
-    if module.__dict__.get(_ENGINE):
+    if module.__dict__.get(ENGINE):
         raise IncompatibleError(
             f"register_external_parameter: {type(module).__name__} is already managed by a "
             "zero3 engine; register external parameters before initialize()")
-    listed = module.__dict__.setdefault(_EXTERNAL, [])
+    listed = module.__dict__.setdefault(EXTERNAL, [])
     if not any(p is parameter for p in listed):
         listed.append(parameter)
 
 
-class _Param:
-    """One unique parameter of the model and what the engine knows of it."""
-
-    __slots__ = ("id", "name", "param", "shape", "numel", "dtype", "type", "element_size",
-                 "shard_numel", "shard", "direct", "full", "full_address", "full_bytes", "view",
-                 "users", "persistent")
-
-    def __init__(self, pid, name, param):
-        self.id = pid
-        self.name = name
-        self.param = param
-        self.shape = tuple(param.shape)
-        self.numel = param.numel()
-        self.dtype = param.dtype
-        self.type = type_name(param.dtype, f"parameter '{name}'")
-        self.element_size = param.element_size()
-        self.shard_numel = 0
-        self.shard = None         # this rank's shard, the optimizer's parameter
-        self.direct = False       # the shard is the coordinator's memory (else a copy)
-        self.full = None          # flat tensor over the gathered copy (while materialized)
-        self.full_address = 0
-        self.full_bytes = 0
-        self.view = None          # full[:numel].view(shape)
-        self.users = 0            # fetched modules (engine-side) materializing it
-        self.persistent = False
-
-
-class _GuardedParameters(collections.OrderedDict):
-    """A module's ``_parameters`` that refuses, during a forward, a
-    parameter no running module has gathered (its data is the empty
-    placeholder): the user sees which parameter to declare as external
-    instead of a shape error from deep inside torch."""
-
-    def __getitem__(self, key):
-        p = super().__getitem__(key)
-        engine = self.__dict__.get("engine")
-        if engine is not None and engine._in_forward and p is not None:
-            info = engine._info_of.get(id(p))
-            if info is not None and info.users == 0:
-                where = engine._module_stack[-1] if engine._module_stack else "<root>"
-                raise IncompatibleError(
-                    f"zero3: the forward of '{where}' uses parameter '{info.name}', which only "
-                    "the modules owning it gather; declare it with ductile.torch.zero3."
-                    "register_external_parameter(module, parameter) before initialize()")
-        return p
-
-
-class _SavedView:
-    """What the pack hook keeps instead of a view of a gathered copy."""
-
-    __slots__ = ("param", "offset", "size", "stride")
-
-    def __init__(self, param, offset, size, stride):
-        self.param = param
-        self.offset = offset
-        self.size = size
-        self.stride = stride
+def _replace_parameter(model, old, new):
+    """Every module slot holding `old` holds `new` (ties stay ties)."""
+    for module in model.modules():
+        for key, p in list(module._parameters.items()):
+            if p is old:
+                module._parameters[key] = new
+        listed = module.__dict__.get(EXTERNAL)
+        if listed:
+            module.__dict__[EXTERNAL] = [new if p is old else p for p in listed]
 
 
 class Zero3Engine:
     """See ``ductile.torch.zero3.initialize``."""
 
-    def __init__(self, model, optimizer_factory=None, config=None, *, plugin_path=None):
+    def __init__(self, model, optimizer_factory=None, config=None, *, plugin_path=None,
+                 mixed_precision=None, load_from=None, group=None, step_in_backward=False):
         if not isinstance(model, torch.nn.Module):
             raise InvalidArgumentError(
                 f"zero3.initialize: model must be a torch.nn.Module, got {type(model).__name__}")
         if config is None:
             raise InvalidArgumentError(
                 "zero3.initialize: config is required: a ductile TOML (path, text or dict) with "
-                "[zero] and [accelerator] sections")
-        loaded = load_config(config, format="toml" if isinstance(config, dict) else None,
-                             plugin_path=plugin_path)
-        if loaded.format != "toml":
-            raise ConfigError(
-                f"{loaded.origin}: zero3 needs a ductile TOML configuration with [zero] and "
-                "[accelerator] sections, got a DeepSpeed JSON config")
-        self.config = loaded
-        self._session = _ductile.zero.Session(loaded.runtime)
+                "[zero] and [accelerator] sections, or a DeepSpeed JSON config")
+        world = _config.torch_world(group)
+        settings = _config.resolve(config, plugin_path, mixed_precision, world)
+        self.config = settings.loaded
+        self.mixed_precision = settings.mixed_precision
+        self.gradient_clipping = settings.gradient_clipping
+        self._session = _ductile.zero.Session(settings.loaded.runtime, world)
+        self._memory = DeviceMemory(self._session.backend)
+        if self._session.host_world:
+            if world.device.type != self._memory.device.type:
+                raise IncompatibleError(
+                    f"zero3: torch.distributed's {world.backend} process group works on "
+                    f"{world.device.type}, the configured accelerator on {self._session.backend}; "
+                    "use gloo with backend = \"cpu\" or NCCL with backend = \"cuda\"")
+            self.comm = world
+        else:
+            self.comm = SessionCollectives(self._session, self._memory.device)
         self.rank = self._session.rank
         self.world_size = self._session.size
-        self._memory = DeviceMemory(self._session.backend)
         self.module = model
+        self.global_step = 0       # optimizer steps taken (saved in checkpoints)
+        self._dirty = True         # the optimizer's shards changed since the last sync
+        self._unscaled = False     # the gradient shards are unscaled for this step
+        precision = self.mixed_precision
+        self._scaler = precision.loss_scaler if precision is not None else None
 
-        self._params = []
-        by_tensor = {}
+        self._params = self._collect(model)
+        self._partition(model, load_from)
+        reduce_dtype = precision.reduce_dtype if precision is not None else None
+        largest = max(zp.numel * torch.empty((), dtype=reduce_dtype or zp.dtype).element_size()
+                      for zp in self._params)
+        self._gradients = GradientReducer(self.comm, reduce_dtype,
+                                          max_inflight_bytes=max(2 * largest, 16 << 20))
+        self._passes = Passes(self._session, self._memory, self.world_size, self._params,
+                              self._gradients, self._begin_pass)
+        self._passes.register_modules(model)
+        self._passes.install(model)
+        for zp in self._params:
+            _full.register_owner(self, zp)
+        self._gradients.install(self._params)
+        self.optimizer = None
+        self.step_in_backward = bool(step_in_backward)
+        if self.step_in_backward:
+            if optimizer_factory is None:
+                raise InvalidArgumentError(
+                    "zero3.initialize: step_in_backward needs an optimizer_factory")
+            if self._scaler is not None or self.gradient_clipping:
+                raise IncompatibleError(
+                    "zero3.initialize: step_in_backward steps each parameter as soon as its "
+                    "gradient is reduced, before the whole gradient exists: it cannot clip "
+                    "the global norm (gradient_clipping) nor skip overflowing steps (fp16 "
+                    "loss scaling)")
+            trained = [zp for zp in self._params if zp.requires_grad]
+            self.optimizer = PerParameterOptimizers(optimizer_factory,
+                                                    [zp.shard for zp in trained])
+            by_id = dict(zip((zp.id for zp in trained), self.optimizer.optimizers))
+            self._gradients.on_shard_ready = lambda zp: self._step_shard(zp, by_id[zp.id])
+        elif optimizer_factory is not None:
+            self.optimizer = optimizer_factory([zp.shard for zp in self._params])
+            if self.optimizer is not None:
+                self.optimizer.register_step_post_hook(self._optimizer_stepped)
+
+    # --- set-up ------------------------------------------------------------------
+
+    def _collect(self, model):
+        precision = self.mixed_precision
+        params, seen = [], set()
         for name, p in model.named_parameters():
-            if p.numel() == 0:
-                continue  # nothing to partition; it stays as it is
-            if p.device != self._memory.device:
+            if id(p) in seen or p.numel() == 0:
+                continue  # shared (tied), or nothing to partition
+            seen.add(id(p))
+            if not p.is_meta and p.device != self._memory.device:
                 raise InvalidArgumentError(
                     f"zero3.initialize: parameter '{name}' is on {p.device}, the "
                     f"{self._session.backend} accelerator needs {self._memory.device}; move the "
                     "model first")
-            info = _Param(len(self._params), name, p)
-            self._params.append(info)
-            by_tensor[id(p)] = info
-        if not self._params:
+            if not p.is_floating_point():
+                raise InvalidArgumentError(
+                    f"zero3: parameter '{name}' has dtype {p.dtype}, which cannot be "
+                    "partitioned; valid: torch.float32, torch.float64, torch.float16, "
+                    "torch.bfloat16")
+            dtype = precision.param_dtype if precision is not None and \
+                precision.param_dtype is not None else p.dtype
+            params.append(ZeroParam(len(params), name, p, dtype))
+        if not params:
             raise InvalidArgumentError("zero3.initialize: the model has no parameters")
+        return params
 
-        self._info_of = by_tensor  # id(param) -> _Param
-        self._partition()
-        self._module_ids = {}      # module -> coordinator module id
-        self._module_params = []   # module id -> [_Param]
-        self._module_names = []
-        self._register_modules(model, by_tensor)
-        self._make_shards()
-
-        self._fetched = [0] * len(self._module_params)
-        # Fetches of modules run again inside backward (activation
-        # checkpointing recomputes them): held until the module's backward
-        # is done, since the recomputed saved tensors point into the copy.
-        self._recompute_holds = [0] * len(self._module_params)
-        self._grad_hooks = []      # this pass's backward hook handles
-        self._live_starts = []     # sorted addresses of materialized copies
-        self._live = []            # their _Param, same order
-        self._pass_open = False
-        self._backward_active = False
-        self._module_stack = []    # names of the hooked modules in forward, innermost last
-        self._in_forward = False
-        self._gradients = GradientReducer(self._session, self.world_size)
-        self.module_callback = None
-        self._placeholders = {}
-        self._handles = []
-        with torch.no_grad():
-            self._gradients.install(self._params)
-            for info in self._params:
-                info.param.data = self._placeholder(info.dtype)
-        self._install_module_hooks(model)
-        self.optimizer = None
-        if optimizer_factory is not None:
-            self.optimizer = optimizer_factory([info.shard for info in self._params])
-
-    # --- set-up --------------------------------------------------------------
-
-    def _partition(self):
-        """Rank 0's values (as DistributedDataParallel does) become the shards."""
+    def _partition(self, model, load_from):
+        """Registers every parameter and fills this rank's shards: from the
+        slice zero3.init kept, from safetensors (load_from), or from rank
+        0's values (broadcast, as DistributedDataParallel does)."""
         session = self._session
-        with torch.no_grad():
-            for info in self._params:
-                data = info.param.data
-                if not data.is_contiguous():
-                    data = data.contiguous()
-                if self.world_size > 1:
-                    session.broadcast(data.data_ptr(), info.numel, info.type, 0).wait()
-                session.register_parameter(info.id, info.numel, info.type)
-                session.set_full(info.id, data.data_ptr(), info.numel * info.element_size)
+        source = _init.SafetensorsSource(load_from) if load_from is not None else None
+        aliases = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
+        try:
+            # One parameter at a time: its shard is filled (and whatever held
+            # its initial values let go) before the next one is allocated.
+            for zp in self._params:
+                session.register_parameter(zp.id, zp.numel, zp.type)
+                self._make_shard(zp)
+                values = self._initial_values(zp, source, aliases[id(zp.param)])
+                if values is not None:
+                    zp.store.copy_(values)
+                    if zp.shard is not zp.store:
+                        zp.shard.data.copy_(values)
+                del values
+                if zp.param.is_meta:
+                    real = torch.nn.Parameter(torch.empty(0, dtype=zp.param.dtype,
+                                                          device=self._memory.device),
+                                              requires_grad=zp.requires_grad)
+                    _replace_parameter(model, zp.param, real)
+                    zp.param = real
+        finally:
+            if source is not None:
+                source.close()
+        self._sync_shards()
 
-    def _register_modules(self, model, by_tensor):
-        for name, module in model.named_modules():
-            members = []
-            for p in module.parameters(recurse=False):
-                info = by_tensor.get(id(p))
-                if info is not None and info not in members:
-                    members.append(info)
-            for p in module.__dict__.get(_EXTERNAL, []):
-                info = by_tensor.get(id(p))
-                if info is None:
-                    raise InvalidArgumentError(
-                        f"zero3.initialize: an external parameter registered on module "
-                        f"'{name or type(module).__name__}' is not a parameter of the model")
-                if info not in members:
-                    members.append(info)
-            if not members:
-                continue
-            mid = len(self._module_params)
-            self._session.register_module(mid, [info.id for info in members])
-            self._module_ids[module] = mid
-            self._module_params.append(members)
-            self._module_names.append(name or "<root>")
-
-    def _make_shards(self):
-        """The optimizer's shard of each parameter: the coordinator's own
-        memory where it gives access to it (ShardStorage), else a copy that
-        is written back before each pass (a coordinator without the
-        capability, or a shard kept in a file under nvme_path)."""
+    def _make_shard(self, zp):
+        """The coordinator's shard (`store`) and the optimizer's (`shard`)."""
         session = self._session
-        for info in self._params:
-            info.shard_numel = session.shard_numel(info.id)
-            info.persistent = session.is_persistent(info.id)
-            shard = None
-            if session.has_shard_storage:
-                try:
-                    address = session.shard_data(info.id)
-                except UnsupportedError:
-                    address = None
-                if address is not None:
-                    shard = self._memory.tensor(address, info.shard_numel, info.dtype)
-            info.direct = shard is not None
-            if shard is None:
-                shard = torch.empty(info.shard_numel, dtype=info.dtype, device=self._memory.device)
-                session.read_shard(info.id, shard.data_ptr(), info.shard_numel * info.element_size)
-            info.shard = torch.nn.Parameter(shard, requires_grad=info.param.requires_grad)
-            if info.direct:
+        zp.shard_numel = session.shard_numel(zp.id)
+        zp.persistent = session.is_persistent(zp.id)
+        store = None
+        if session.has_shard_storage:
+            try:
+                address = session.shard_data(zp.id)
+            except UnsupportedError:
+                address = None
+            if address is not None:
+                store = self._memory.tensor(address, zp.shard_numel, zp.dtype)
+        zp.direct = store is not None
+        if store is None:
+            store = torch.zeros(zp.shard_numel, dtype=zp.dtype, device=self._memory.device)
+        zp.store = store
+        precision = self.mixed_precision
+        master = precision.master_dtype if precision is not None else None
+        if master is None or master == zp.dtype:
+            shard = torch.nn.Parameter(store, requires_grad=zp.requires_grad)
+            if zp.direct:
                 # The coordinator owns the memory: it lives as long as the shard.
-                info.shard._ductile_zero3_session = session
+                shard._ductile_zero3_session = session
+        else:
+            shard = torch.nn.Parameter(torch.zeros(zp.shard_numel, dtype=master,
+                                                   device=self._memory.device),
+                                       requires_grad=zp.requires_grad)
+        zp.shard = shard
 
-    def _install_module_hooks(self, model):
-        original = model.forward
-        engine = self
+    def _initial_values(self, zp, source, names):
+        """This rank's shard values (a flat tensor of shard_numel), or None
+        when the coordinator's zero-filled shard is already right."""
+        lo, hi = zp.slice_of(self.rank)
+        out = torch.zeros(zp.shard_numel, dtype=zp.param.dtype)
+        if source is not None:
+            key = source.key_for(names)
+            if key is None:
+                raise IncompatibleError(
+                    f"{source.path}: no tensor for parameter '{zp.name}' (looked for "
+                    f"{', '.join(repr(n) for n in names)})")
+            out[:hi - lo] = source.read(key, zp.shape, lo, hi)
+            return out.to(self._memory.device)
+        shard = _init.shard_of(zp.param)
+        if shard is not None:
+            if (shard.world, shard.rank) != (self.world_size, self.rank):
+                raise IncompatibleError(
+                    f"zero3.initialize: parameter '{zp.name}' was partitioned by zero3.init "
+                    f"for rank {shard.rank} of {shard.world}, the engine is rank {self.rank} of "
+                    f"{self.world_size}")
+            return shard.values.to(self._memory.device)
+        if zp.param.is_meta:
+            raise InvalidArgumentError(
+                f"zero3.initialize: parameter '{zp.name}' is on the meta device; build the "
+                "model under zero3.init() or give load_from= (safetensors)")
+        data = zp.param.data
+        if not data.is_contiguous():
+            data = data.contiguous()
+        if self.world_size > 1:
+            data = data.clone()
+            self.comm.broadcast(data.view(-1), 0).wait()
+        out[:hi - lo] = data.reshape(-1)[lo:hi]
+        return out.to(self._memory.device)
 
-        def forward(*args, **kwargs):
-            return engine._root_forward(original, args, kwargs)
-        model.__dict__["forward"] = forward
-        model.__dict__[_ENGINE] = True
-        for module in model.modules():
-            mid = self._module_ids.get(module)
-            if mid is None:
-                continue
-            module.__dict__[_ENGINE] = True
-            if any(id(p) in self._info_of for p in module.parameters(recurse=False)):
-                guarded = _GuardedParameters(module._parameters)
-                guarded.engine = self
-                module.__dict__["_parameters"] = guarded
-            self._handles.append(module.register_forward_pre_hook(
-                _pre_forward_hook(self, mid), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(
-                _post_forward_hook(self, mid), with_kwargs=True))
+    # --- shards and passes --------------------------------------------------------
 
-    def _placeholder(self, dtype):
-        t = self._placeholders.get(dtype)
-        if t is None:
-            t = self._placeholders[dtype] = torch.empty(0, dtype=dtype, device=self._memory.device)
-        return t
+    def _optimizer_stepped(self, optimizer, args, kwargs):
+        self._dirty = True
 
-    # --- passes, fetch and release --------------------------------------------
+    def _step_shard(self, zp, optimizer):
+        """step_in_backward: the shard's gradient is complete; step it now
+        and drop the gradient (the store is brought up to date before the
+        next pass)."""
+        if not self._gradients.sync:
+            return
+        optimizer.step()
+        zp.shard.grad = None
+        self._dirty = True
+
+    def shards_changed(self):
+        """Says that the optimizer's shards were written outside
+        optimizer.step() (which the engine sees by itself): the next pass
+        gathers the new values."""
+        self._dirty = True
 
     def _begin_pass(self):
-        """The optimizer may have changed the shards since the last pass: a
-        shard in the coordinator's memory needs only its copy that outlived
-        the pass (a persistent one) dropped; a copied shard is written back."""
-        for info in self._params:
-            self._shard_changed(info)
-        self._pass_open = True
+        """Before a pass: on cuda, torch's current stream becomes the
+        coordinator's compute stream (gathers ordered after the optimizer's
+        writes and before the kernels that read them, copies reused only
+        after those kernels: see docs/python.md, "Streams"); then the shards
+        are brought up to date."""
+        if self._memory.device.type == "cuda":
+            self._session.set_compute_stream(torch.cuda.current_stream(self._memory.device)
+                                             .cuda_stream)
+        self._sync_shards()
 
-    def _shard_changed(self, info):
-        if not info.direct:
-            self._session.set_shard(info.id, info.shard.data_ptr(),
-                                    info.shard_numel * info.element_size)
-        elif info.persistent:
-            self._session.shard_written(info.id)
+    def _sync_shards(self):
+        """Before a pass, after the shards changed: master copies are cast
+        into the coordinator's shards; a direct shard only needs its copy
+        that outlived the pass (a persistent one) dropped; a copied shard
+        is written back."""
+        if not self._dirty:
+            return
+        with torch.no_grad():
+            for zp in self._params:
+                if zp.shard is not zp.store and zp.shard.data_ptr() != zp.store.data_ptr():
+                    zp.store.copy_(zp.shard)
+                if not zp.direct:
+                    self._session.set_shard(zp.id, zp.store.data_ptr(),
+                                            zp.shard_numel * zp.element_size)
+                elif zp.persistent:
+                    self._session.shard_written(zp.id)
+        self._dirty = False
 
-    def _end_pass(self):
-        self._release_everything()
-        self._gradients.drain()
-        self._session.end_step()
-        self._pass_open = False
+    @property
+    def _pass_open(self):
+        return self._passes.pass_open
 
-    def _fetch(self, mid):
-        count = self._fetched[mid]
-        if count == 0:
-            if not self._pass_open:
-                self._begin_pass()
-            self._session.fetch(mid)
-            self._materialize(mid)
-        self._fetched[mid] = count + 1
-        if self.module_callback is not None:
-            self.module_callback("fetch", self._module_names[mid], self._session.stats())
+    @property
+    def _backward_active(self):
+        return self._passes.backward_active
 
-    def _release(self, mid):
-        count = self._fetched[mid]
-        if count == 0:
-            return  # released already, by the end of the pass
-        self._fetched[mid] = count - 1
-        # Drive the gathers in flight: on transports that progress only
-        # inside MPI calls, a peer's gather advances when this rank polls
-        # (its progress thread may not get the core while it computes).
-        self._session.progress()
-        if count == 1:
-            self._session.release(mid)
-            self._dematerialize(mid)
-            if self.module_callback is not None:
-                self.module_callback("release", self._module_names[mid], self._session.stats())
+    @property
+    def module_callback(self):
+        return self._passes.module_callback
 
-    def _materialize(self, mid):
-        session = self._session
-        for info in self._module_params[mid]:
-            if info.users == 0:
-                address = session.full_data(info.id)
-                if address != info.full_address or info.full is None:
-                    numel = self.world_size * info.shard_numel
-                    info.full = self._memory.tensor(address, numel, info.dtype)
-                    info.full_address = address
-                    info.full_bytes = numel * info.element_size
-                    info.view = info.full[:info.numel].view(info.shape)
-                info.param.data = info.view
-                i = bisect.bisect_left(self._live_starts, address)
-                self._live_starts.insert(i, address)
-                self._live.insert(i, info)
-            info.users += 1
+    @module_callback.setter
+    def module_callback(self, fn):
+        self._passes.module_callback = fn
 
-    def _dematerialize(self, mid):
-        for info in self._module_params[mid]:
-            info.users -= 1
-            if info.users == 0:
-                info.param.data = self._placeholder(info.dtype)
-                i = bisect.bisect_left(self._live_starts, info.full_address)
-                del self._live_starts[i]
-                del self._live[i]
-                # The copy may be freed now: never touch it again.
-                info.full = None
-                info.view = None
-                info.full_address = 0
-
-    def _owner(self, tensor):
-        """The materialized parameter whose gathered copy holds `tensor`'s data."""
-        if not self._live_starts or tensor.numel() == 0:
-            return None
-        address = tensor.data_ptr()
-        i = bisect.bisect_right(self._live_starts, address) - 1
-        if i < 0:
-            return None
-        info = self._live[i]
-        return info if address < info.full_address + info.full_bytes else None
-
-    # --- saved tensors --------------------------------------------------------
-
-    def _pack(self, tensor):
-        info = self._owner(tensor)
-        if info is None:
-            return tensor
-        if tensor.dtype != info.dtype or tensor.device != info.full.device:
-            return tensor.clone()  # a reinterpreting view: keep a private copy
-        return _SavedView(info, tensor.storage_offset(), tuple(tensor.size()),
-                          tuple(tensor.stride()))
-
-    def _unpack(self, packed):
-        if type(packed) is not _SavedView:
-            return packed
-        info = packed.param
-        if info.users == 0:
-            raise IncompatibleError(
-                f"zero3: backward needs parameter '{info.name}', which no running module has "
-                "gathered; if a module's forward uses a parameter of another module, declare "
-                "it with ductile.torch.zero3.register_external_parameter(module, parameter) "
-                "before initialize()")
-        return info.full.as_strided(packed.size, packed.stride, packed.offset)
-
-    # --- module hooks ------------------------------------------------------------
-
-    def _root_forward(self, forward, args, kwargs):
-        """The model's forward, with the saved-tensor hooks on."""
-        if self._backward_active:
-            self._abandon()  # the last backward raised before it ended
-        self._in_forward = True
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                output = forward(*args, **kwargs)
-        except BaseException:
-            self._abandon()
-            raise
-        finally:
-            self._in_forward = False
-        if not torch.is_grad_enabled() and self._pass_open:
-            self._end_pass()  # no backward follows a pass without grad
-        return output
-
-    def _abandon(self):
-        """After a forward or backward that raised: releases what it had
-        fetched and waits for its gradients, locally (no collective: the
-        other ranks may not have failed), so the next pass starts clean."""
-        self._module_stack.clear()
-        self._backward_active = False
-        self._release_everything()
-        self._gradients.abandon()
-
-    def _release_everything(self):
-        """The end of a pass: every module still fetched is released, and the
-        backward hooks of modules whose backward did not run are dropped (a
-        hook on a tensor that outlives the pass would fire in a later one)."""
-        for handle in self._grad_hooks:
-            handle.remove()
-        self._grad_hooks = []
-        for mid, count in enumerate(self._fetched):
-            self._recompute_holds[mid] = 0
-            if count:
-                self._fetched[mid] = 1
-                self._release(mid)
-
-    def _enter_backward(self):
-        """Called from inside autograd's backward: the first call of a pass
-        queues the end of the pass for when the backward is done."""
-        if not self._backward_active:
-            self._backward_active = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-
-    def _pre_backward(self, mid):
-        self._enter_backward()
-        self._fetch(mid)
-
-    def _post_backward(self, mid):
-        self._release(mid)
-        holds, self._recompute_holds[mid] = self._recompute_holds[mid], 0
-        for _ in range(holds):
-            self._release(mid)
-
-    def _end_backward(self):
-        self._backward_active = False
-        self._end_pass()
-
-    # --- public API --------------------------------------------------------------
+    # --- the training loop -----------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -464,30 +336,129 @@ class Zero3Engine:
         return self.module(*args, **kwargs)
 
     def backward(self, loss, **kwargs):
-        """``loss.backward(**kwargs)``; gradient shards are complete when it returns."""
+        """``loss.backward(**kwargs)`` (the loss scaled first with fp16 loss
+        scaling); gradient shards are complete when it returns."""
+        if self._scaler is not None:
+            loss = loss * self._scaler.scale
         loss.backward(**kwargs)
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside sum full gradients locally, with no
+        communication; the first backward after it reduce-scatters the sum
+        (gradient accumulation with one reduce-scatter per step)."""
+        previous = self._gradients.sync
+        self._gradients.sync = False
+        try:
+            yield
+        finally:
+            self._gradients.sync = previous
+
+    def set_requires_gradient_sync(self, sync):
+        """FSDP2's switch: False keeps full gradients locally (see no_sync)."""
+        self._gradients.sync = bool(sync)
+
+    def _grad_shards(self):
+        return [zp.shard.grad for zp in self._params if zp.shard.grad is not None]
+
+    def _unscale(self):
+        """Divides the gradient shards by the loss scale (once per step)."""
+        if self._scaler is None or self._unscaled:
+            return
+        inverse = 1.0 / self._scaler.scale
+        for g in self._grad_shards():
+            g.mul_(inverse)
+        self._unscaled = True
+
+    def _overflow(self):
+        """True when a gradient shard of any rank holds inf or NaN (collective)."""
+        flag = torch.zeros(1, dtype=torch.float32, device=self._memory.device)
+        for g in self._grad_shards():
+            if not torch.isfinite(g).all():
+                flag.fill_(1.0)
+                break
+        self.comm.all_reduce(flag, "max").wait()
+        return bool(flag.item())
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0):
+        """Scales the gradient shards so that the norm of the whole gradient
+        (over every rank's shards) is at most max_norm; returns that norm
+        (before clipping) as a tensor, the same on every rank. Collective;
+        call after backward, before step (fp16: the shards are unscaled
+        first)."""
+        if self._passes.backward_active:
+            raise IncompatibleError("zero3: clip_grad_norm_() called during backward")
+        if self.step_in_backward:
+            raise IncompatibleError("zero3: clip_grad_norm_() with step_in_backward: the "
+                                    "parameters were stepped during backward already")
+        max_norm, norm_type = float(max_norm), float(norm_type)
+        self._unscale()
+        grads = self._grad_shards()
+        device = self._memory.device
+        if math.isinf(norm_type):
+            local = torch.zeros((), dtype=torch.float32, device=device)
+            for g in grads:
+                local = torch.maximum(local, g.detach().abs().max().float())
+            self.comm.all_reduce(local.view(1), "max").wait()
+            total = local
+        else:
+            local = torch.zeros((), dtype=torch.float64, device=device)
+            for g in grads:
+                local += g.detach().double().abs().pow(norm_type).sum()
+            self.comm.all_reduce(local.view(1), "sum").wait()
+            total = local.pow(1.0 / norm_type).float()
+        coefficient = max_norm / (float(total) + 1e-6)
+        if coefficient < 1.0 and math.isfinite(float(total)):
+            for g in grads:
+                g.mul_(coefficient)
+        return total
+
     def step(self):
-        """Steps the optimizer on the shards, then clears the gradient shards."""
+        """Steps the optimizer on the shards, then clears the gradient shards.
+        With gradient_clipping (DeepSpeed config) the gradient is clipped
+        first; with fp16 loss scaling a step whose gradient overflowed on
+        any rank is skipped and the scale lowered."""
         if self.optimizer is None:
             raise IncompatibleError(
                 "zero3: step() needs an optimizer; pass optimizer_factory to initialize()")
-        if self._backward_active:
+        if self._passes.backward_active:
             raise IncompatibleError("zero3: step() called during backward")
-        self.optimizer.step()
+        if self.step_in_backward:
+            self.global_step += 1  # every parameter was stepped during backward
+            self.zero_grad()
+            return
+        if self.gradient_clipping:
+            self.clip_grad_norm_(self.gradient_clipping)
+        skip = False
+        if self._scaler is not None:
+            self._unscale()
+            skip = self._overflow()
+            self._scaler.update(skip)
+        if not skip:
+            self.optimizer.step()
+        self.global_step += 1
         self.zero_grad()
 
     def zero_grad(self):
-        for info in self._params:
-            info.shard.grad = None
+        for zp in self._params:
+            zp.shard.grad = None
+        self._unscaled = False
+
+    @property
+    def loss_scale(self):
+        """The current loss scale (1.0 without loss scaling)."""
+        return self._scaler.scale if self._scaler is not None else 1.0
+
+    # --- views and counters ----------------------------------------------------------
 
     def shard_parameters(self):
         """This rank's shards, one flat tensor per parameter, in
-        ``model.named_parameters()`` order: what the optimizer steps on."""
-        return [info.shard for info in self._params]
+        ``model.named_parameters()`` order: what the optimizer steps on
+        (fp32 masters with mixed precision)."""
+        return [zp.shard for zp in self._params]
 
     def named_shards(self):
-        return [(info.name, info.shard) for info in self._params]
+        return [(zp.name, zp.shard) for zp in self._params]
 
     def stats(self):
         """The coordinator's counters (gathers, prefetched, waited time, live
@@ -496,13 +467,19 @@ class Zero3Engine:
         s.update(self._gradients.counters)
         s["rank"] = self.rank
         s["world_size"] = self.world_size
-        s["shard_bytes"] = sum(i.shard_numel * i.element_size for i in self._params)
-        s["parameter_bytes"] = sum(i.numel * i.element_size for i in self._params)
+        s["world"] = self.comm.kind
+        s["shard_bytes"] = sum(zp.shard_numel * zp.element_size for zp in self._params)
+        s["master_bytes"] = sum(zp.shard.numel() * zp.shard.element_size() for zp in self._params
+                                if zp.shard.data_ptr() != zp.store.data_ptr())
+        s["parameter_bytes"] = sum(zp.numel * zp.element_size for zp in self._params)
+        memory = self._session.gather_memory()
+        if memory is not None:
+            s.update({f"gather_{k}": v for k, v in memory.items()})
         return s
 
     def trace(self):
         """The recorded module order, as module names (empty while recording)."""
-        return [self._module_names[mid] for mid in self._session.trace()]
+        return [self._passes.module_names[mid] for mid in self._session.trace()]
 
     def all_reduce(self, tensor, op="mean"):
         """All-reduces a contiguous tensor in place over the engine's ranks
@@ -512,97 +489,64 @@ class Zero3Engine:
         if op not in ("sum", "mean", "min", "max"):
             raise InvalidArgumentError(
                 f"zero3: all_reduce op '{op}' is unknown; valid: sum, mean, min, max")
-        kind = type_name(tensor.dtype, "the all_reduce tensor")
-        self._session.all_reduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), kind,
-                                 "sum" if op == "mean" else op).wait()
+        self.comm.all_reduce(tensor, "sum" if op == "mean" else op).wait()
         if op == "mean":
             tensor.div_(self.world_size)
         return tensor
 
-    def full_parameters(self):
-        """Every parameter, whole, on every rank (a dict name -> tensor, new
-        memory): the shards all-gathered. Collective."""
-        out = {}
-        for info in self._params:
-            full = torch.empty(self.world_size * info.shard_numel, dtype=info.dtype,
-                               device=self._memory.device)
-            shard = info.shard.detach()
-            self._session.all_gather(shard.data_ptr(), full.data_ptr(), info.shard_numel,
-                                     info.type).wait()
-            out[info.name] = full[:info.numel].view(info.shape).clone()
-        return out
-
     def check_invariants(self):
         self._session.check_invariants()
+
+    # --- full parameters, checkpoints ---------------------------------------------------
+
+    def full_parameters(self, dtype=None):
+        """Every parameter, whole, on every rank (a dict name -> tensor, new
+        memory), from the optimizer's shards (fp32 masters with mixed
+        precision) unless `dtype` says otherwise. Collective."""
+        return _full.full_parameters(self, dtype)
+
+    def state_dict(self, dtype=None, rank0_only=False):
+        """``model.state_dict()`` with every parameter whole (new memory, on
+        the cpu): the keys of the unwrapped model, tied parameters under each
+        of their names, buffers as they are. Collective; with rank0_only the
+        other ranks get an empty dict."""
+        return _full.state_dict(self, dtype, rank0_only)
+
+    def save_consolidated(self, path, dtype=None, max_shard_bytes=5 << 30):
+        """Writes the whole model as Hugging Face safetensors into the folder
+        `path` (``model.safetensors``, or numbered files with an index past
+        max_shard_bytes; plus ``config.json`` for a transformers model), so
+        that ``from_pretrained(path)`` loads it. Rank 0 writes, holding at
+        most one file's tensors at a time. Collective."""
+        _full.save_consolidated(self, path, dtype, max_shard_bytes)
 
     def close(self):
         """Removes the hooks and gives every parameter its full values back
         (all-gathered; collective). The engine is unusable afterwards."""
-        if self._pass_open:
-            self._end_pass()
-        full = self.full_parameters()
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        self.module.__dict__.pop("forward", None)
-        for module in self.module.modules():
-            module.__dict__.pop(_ENGINE, None)
-            if isinstance(module.__dict__.get("_parameters"), _GuardedParameters):
-                module.__dict__["_parameters"] = collections.OrderedDict(module._parameters)
+        if self._passes.pass_open:
+            self._passes.end_pass()
+        full = self.full_parameters(dtype="param")
+        self._passes.uninstall(self.module)
         self._gradients.remove()
         with torch.no_grad():
-            for info in self._params:
-                info.param.data = full[info.name]
+            for zp in self._params:
+                zp.param.data = full[zp.name]
 
-    def save(self, directory, client_state=None):
-        """Writes this rank's shards and optimizer state under `directory`
-        (rank 0 adds the manifest). Collective. See _checkpoint.py."""
+    def save(self, directory, client_state=None, tag=None):
+        """Writes a checkpoint into `directory`/<tag> (tag: "step<N>" by
+        default) and commits it atomically by pointing `directory`/latest
+        at it: an interrupted save leaves the previous checkpoint whole.
+        Collective; an error on any rank is raised on every rank. See
+        _checkpoint.py."""
         from . import _checkpoint
-        _checkpoint.save(self, directory, client_state)
+        _checkpoint.save(self, directory, client_state, tag)
 
     def load(self, directory):
-        """Restores shards and optimizer state saved at any world size;
-        returns the client_state given to save(). Collective."""
+        """Restores shards, optimizer state and global_step from the
+        checkpoint `directory`/latest names (or from `directory` itself
+        when it holds a manifest), saved at any world size; returns the
+        client_state given to save(). Everything is read and checked on
+        every rank first: on any error, every rank raises and the model
+        and optimizer are unchanged. Collective."""
         from . import _checkpoint
         return _checkpoint.load(self, directory)
-
-
-def _inside_backward():
-    """True while autograd's engine runs a backward on this thread."""
-    return torch._C._current_graph_task_id() != -1
-
-
-def _pre_forward_hook(engine, mid):
-    post_backward = functools.partial(engine._post_backward, mid)
-
-    def hook(module, args, kwargs):
-        if _inside_backward():
-            engine._enter_backward()
-            # A recomputation inside backward (non-reentrant activation
-            # checkpointing): autograd keeps what it recomputes, views of the
-            # gathered copy among them, until this module's backward, so the
-            # module stays fetched until then (counted now: a recomputation
-            # that torch stops early never reaches the forward hook).
-            engine._fetch(mid)
-            engine._recompute_holds[mid] += 1
-            return None
-        engine._module_stack.append(engine._module_names[mid])
-        engine._fetch(mid)
-        if torch.is_grad_enabled():
-            engine._grad_hooks.extend(_hooks.after_backward(post_backward, args, kwargs))
-        return None
-    return hook
-
-
-def _post_forward_hook(engine, mid):
-    pre_backward = functools.partial(engine._pre_backward, mid)
-
-    def hook(module, args, kwargs, output):
-        if _inside_backward():
-            return None  # a recomputation: released after the module's backward
-        engine._module_stack.pop()
-        engine._release(mid)
-        if torch.is_grad_enabled():
-            engine._grad_hooks.extend(_hooks.before_backward(pre_backward, output))
-        return None
-    return hook

@@ -19,6 +19,9 @@ _TYPES = {
     torch.float64: ("float64", "<f8"),
     torch.float16: ("float16", "<f2"),
     torch.bfloat16: ("bfloat16", "<u2"),  # no typestr for bf16: carried as raw 16-bit words
+    torch.int32: ("int32", "<i4"),
+    torch.int64: ("int64", "<i8"),
+    torch.uint8: ("uint8", "|u1"),
 }
 
 _ELEMENT_SIZE = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in _TYPES}
@@ -26,7 +29,7 @@ _ELEMENT_SIZE = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in
 
 def type_name(dtype, what):
     """ductile's name for a torch dtype; InvalidArgumentError naming `what`
-    for a type the coordinator cannot gather."""
+    for a type the collectives cannot carry."""
     entry = _TYPES.get(dtype)
     if entry is None:
         valid = ", ".join(str(t) for t in _TYPES)

@@ -1,0 +1,61 @@
+// Device buffers for gathered copies, reused by size. A trace gathers the
+// same parameters every pass, so after the first pass no gather allocates:
+// on cuda, cudaMalloc/cudaFree synchronise the device (and the memory is
+// invisible to torch's caching allocator); on the cpu, fresh pages of large
+// buffers cost a page fault each (glibc maps them anew every time).
+//
+// A buffer given back is kept idle for a later request of the same size
+// while that size's buffers (in use and idle) stay within the most of that
+// size ever in use at once, and the idle bytes within four times the
+// high-water mark of the bytes in use; beyond either, it is freed at once.
+// In a trace that repeats, each size keeps the buffers its busiest moment
+// needs, so no gather allocates after the first pass; the extra memory is
+// at most one busiest set per size (a few layers' worth in a transformer).
+//
+// The caller gives a buffer back only once its last use has completed (the
+// gather pipeline defers that until the compute stream has passed the
+// release: record_stream semantics).
+//
+// Threading: the coordinator's thread. Ownership: owns idle buffers; the
+// destructor frees them (buffers in use must have been given back).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#include "ductile/accelerator.hpp"
+#include "ductile/parameter_coordinator.hpp"
+
+namespace ductile::zero {
+
+class CopyPool {
+ public:
+  explicit CopyPool(std::shared_ptr<Accelerator> accel) : accel_(std::move(accel)) {}
+  ~CopyPool();
+  CopyPool(const CopyPool&) = delete;
+  CopyPool& operator=(const CopyPool&) = delete;
+
+  // A buffer of `bytes` bytes of device memory (an idle one when there is).
+  void* take(std::size_t bytes);
+  // `pointer` (from take(bytes)) is no longer used.
+  void give(void* pointer, std::size_t bytes) noexcept;
+  // Frees every idle buffer.
+  void trim() noexcept;
+
+  GatherMemoryStats stats() const { return stats_; }
+
+ private:
+  struct SizeClass {
+    std::vector<void*> idle;
+    std::size_t in_use = 0;
+    std::size_t most_in_use = 0;
+  };
+  std::shared_ptr<Accelerator> accel_;
+  std::unordered_map<std::size_t, SizeClass> sizes_;
+  GatherMemoryStats stats_;
+};
+
+}  // namespace ductile::zero

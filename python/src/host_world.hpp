@@ -1,0 +1,39 @@
+// A ductile::Communicator over a Python object: the host framework's
+// communicator (ductile.torch.zero3's TorchWorld, over torch.distributed's
+// process group), offered to the accelerator as its world
+// (ductile::HostWorld), so that the C++ coordinator's gathers run on it.
+//
+// The Python object provides `rank` and `size` (ints, read once), and
+// all_gather_at(send, recv, count, dtype), all_gather_coalesced_at([(send,
+// recv, count, dtype), ...]), reduce_scatter_at(send, recv, count, dtype,
+// op), all_reduce_at(send, recv, count, dtype, op), broadcast_at(buffer,
+// count, dtype, root) and barrier_async(), each issuing the collective and
+// returning a handle with query() (never blocks) and wait(). Buffers cross
+// as addresses (int); dtype and op are names ("float32", "sum").
+//
+// Stream ordering: a collective is issued after the work already on its
+// stream (the stream is synchronised first when busy); its output is
+// complete when its handle is (query() true or wait() returned). Work
+// enqueued on the stream later does not wait for it: callers order through
+// the handle (the partitioned coordinator waits on the handle before any
+// use of a gathered copy).
+//
+// Threading: any thread; every call takes the GIL for the Python part and
+// releases it while it synchronises a stream. Errors: a Python exception
+// becomes ductile::Error(communication) naming the call. Ownership: holds
+// a reference to the Python object; handles hold their work objects, and
+// both are dropped under the GIL (or leaked once the interpreter is
+// finalising).
+#pragma once
+
+#include <memory>
+
+#include <pybind11/pybind11.h>
+
+#include "ductile/accelerator.hpp"
+
+namespace ductile::python {
+
+std::shared_ptr<Communicator> make_host_world(pybind11::object world);
+
+}  // namespace ductile::python

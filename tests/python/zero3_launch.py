@@ -1,0 +1,95 @@
+"""Starting zero3 test jobs (not a test by itself): zero3_worker.py as one
+process, or as N ranks under torchrun (torch.distributed over gloo, the
+host's communicator) or under mpirun (Open MPI), with a JSON spec."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "zero3_worker.py")
+MPIEXEC = os.environ.get("DUCTILE_MPIEXEC") or "mpirun"
+LAUNCHERS = ("torchrun", "mpirun")
+
+CONFIG = """
+[accelerator]
+backend = "cpu"
+communicator = "auto"
+timeout = 120
+
+[zero]
+coordinator = "partitioned"
+prefetch_bucket_size = 20000
+max_live_parameters = 40000
+max_reuse_distance = 10000
+param_persistence_threshold = 300
+max_ongoing_fetch_events = 2
+"""
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command(ranks, launcher, script, *args):
+    """The command line running `script args` on `ranks` ranks."""
+    base = [sys.executable, script, *args]
+    if ranks is None:
+        return base
+    if launcher == "mpirun":
+        return [MPIEXEC, "--allow-run-as-root", "--oversubscribe", "--mca", "btl", "self,vader",
+                "--bind-to", "none", "-np", str(ranks)] + base
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+                "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                "--monitor-interval", "0.1"] + base[1:]
+    raise ValueError(f"unknown launcher {launcher!r}")
+
+
+def environment(sanitized=True):
+    """The test's environment for a job; without `sanitized`, without the
+    sanitizer runtime the build preloads (a job of plain torch whose
+    allocation failure is the point: AddressSanitizer would abort instead)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
+        OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::FutureWarning")
+    if not sanitized:
+        env.pop("LD_PRELOAD", None)
+        env.pop("ASAN_OPTIONS", None)
+    return env
+
+
+def launch(tmp, name, spec, ranks=None, launcher="mpirun", config=CONFIG, all_ranks=False,
+           expect_failure=False, timeout=280, worker=WORKER, sanitized=True, env=None):
+    """Runs `worker` (zero3_worker.py); returns (result, params, stderr): rank 0's
+    result.json (or every rank's, as a list, with all_ranks) and
+    params.pt (None when absent)."""
+    out = tmp / name
+    out.mkdir(parents=True, exist_ok=True)
+    config_path = tmp / f"{name}.toml"
+    config_path.write_text(config)
+    spec = dict(spec, out=str(out), zero_config=str(config_path))
+    spec_path = out / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    proc = subprocess.run(command(ranks, launcher, worker, str(spec_path)), capture_output=True,
+                          text=True, timeout=timeout, env=dict(environment(sanitized), **(env or {})))
+    if expect_failure:
+        assert proc.returncode != 0, f"{name} succeeded:\n{proc.stdout}\n{proc.stderr}"
+        return None, None, proc.stderr
+    assert proc.returncode == 0, f"{name} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    if all_ranks:
+        result = []
+        for r in range(ranks or 1):
+            with open(out / f"result-rank{r}.json") as f:
+                result.append(json.load(f))
+    else:
+        with open(out / "result.json") as f:
+            result = json.load(f)
+    params = torch.load(out / "params.pt") if (out / "params.pt").exists() else None
+    return result, params, proc.stderr
