@@ -13,6 +13,7 @@ namespace {
 
 struct CheckOptions {
   std::string file;
+  bool allow_config_plugins = false;
 };
 
 int check_config(const CliContext& context, const CheckOptions& options) {
@@ -23,9 +24,18 @@ int check_config(const CliContext& context, const CheckOptions& options) {
   // Every error a selected plugin can know from its parameters, with its position.
   auto runtime_options = context.runtime_options();
   runtime_options.plugin_checks = true;
+  // Checking a file runs no code from the directories it names itself: a
+  // bundle from elsewhere with `[plugins] path = ["."]` is only read.
+  runtime_options.search_config_plugin_dirs = options.allow_config_plugins;
+  runtime_options.config_dirs_note =
+      "named by the file's [plugins] path; `ductile config check` loads no plugin from there "
+      "unless given --allow-config-plugins";
   auto runtime = core::Runtime::from_document(document, runtime_options);
   const auto& config = runtime.config();
   std::cout << fmt::format("{}: valid\n", options.file);
+  for (const auto& skipped : runtime.registry().skipped())
+    std::cout << fmt::format("  not searched: '{}' ({})\n", skipped.directory.string(),
+                             skipped.reason);
   for (const auto& section : config.plugin_sections()) {
     std::cout << fmt::format("  [{}] {} plugin '{}'\n", section.section, to_string(section.kind),
                              section.plugin);
@@ -48,6 +58,10 @@ void register_config_command(CLI::App& app, CliContext& context) {
       "Validate a configuration file against the schemas of the plugins it selects "
       "(exit 0 if valid, 2 with every error otherwise)");
   check->add_option("FILE", options->file, "TOML configuration file")->required();
+  check->add_flag("--allow-config-plugins", options->allow_config_plugins,
+                  "Search the directories of the file's [plugins] path too, running the code of "
+                  "the plugins found there (off: a file is checked without running code it "
+                  "brings)");
   set_action(check, context, [&context, options] { return check_config(context, *options); });
 }
 

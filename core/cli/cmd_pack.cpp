@@ -116,7 +116,9 @@ int run_pack(const CliContext& context, const PackCliOptions& o) {
     options.sampler = o.sampler;
     choose(PluginKind::batching, o.sampler, options.sampler_params);
   }
-  if (!o.max_tokens.empty()) options.max_tokens = parse_int("--max-tokens", o.max_tokens, 1);
+  // The range (1 to 2^31 - 1) is the pipeline's check, worded as Python's.
+  if (!o.max_tokens.empty())
+    options.max_tokens = parse_int("--max-tokens", o.max_tokens, INT64_MIN);
   if (!o.order.empty()) options.order = o.order;
   if (!o.seed.empty()) options.seed = parse_int("--seed", o.seed, INT64_MIN);
   if (!o.min_batch_size.empty())

@@ -39,12 +39,6 @@ ConfigError::ConfigError(std::vector<Diagnostic> diagnostics)
     : Error(ErrorKind::config, join_diagnostics(diagnostics)),
       diagnostics_(std::move(diagnostics)) {}
 
-struct ConfigDocument::Impl {
-  std::string source_name;
-  fs::path base_dir;
-  toml::table root;
-};
-
 ConfigDocument::ConfigDocument() : impl_(std::make_unique<Impl>()) {}
 ConfigDocument::ConfigDocument(ConfigDocument&&) noexcept = default;
 ConfigDocument& ConfigDocument::operator=(ConfigDocument&&) noexcept = default;
@@ -162,26 +156,6 @@ ConfigDocument ConfigDocument::from_string(std::string_view text, std::string_vi
                         "invalid TOML: " + std::string(e.description())}});
   }
   return doc;
-}
-
-std::vector<fs::path> ConfigDocument::plugin_dirs() const {
-  std::vector<fs::path> dirs;
-  const auto* plugins = impl_->root.get("plugins");
-  if (!plugins) return dirs;
-  const auto* table = plugins->as_table();
-  if (!table) return dirs;  // reported by validate()
-  const auto* path = table->get("path");
-  if (!path) return dirs;
-  std::vector<Diagnostic> errors;
-  if (const auto* array = path->as_array()) {
-    for (const auto& element : *array) {
-      if (const auto* s = element.as_string()) {
-        fs::path p(s->get());
-        dirs.push_back(p.is_absolute() ? p : impl_->base_dir / p);
-      }
-    }
-  }
-  return dirs;
 }
 
 std::optional<std::string> ConfigDocument::log_level() const {
@@ -571,6 +545,7 @@ Config Config::validate(const ConfigDocument& document, const PluginRegistry& re
     if (!spec->kind) {
       Params host, unused;
       validate_keys(*table, file, name, {}, spec->host_keys, {}, header, unused, host, errors);
+      if (name == "plugins") check_plugins_section(*table, file, errors);
       config.host_[name] = std::move(host);
       continue;
     }

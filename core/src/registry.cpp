@@ -13,28 +13,21 @@
 
 #include <fmt/format.h>
 #include <boost/dll/runtime_symbol_info.hpp>
-#include <boost/dll/shared_library.hpp>
 
+#include "ductile/core/plugin_trust.hpp"
 #include "ductile/core/text.hpp"
-#include "ductile/version.hpp"
+#include "registry_internal.hpp"
 
 namespace ductile::core {
 
-class LoadedLibrary {
- public:
-  explicit LoadedLibrary(boost::dll::shared_library library) : library_(std::move(library)) {}
-
- private:
-  boost::dll::shared_library library_;
-};
+namespace fs = std::filesystem;
 
 namespace {
-
-namespace fs = std::filesystem;
 constexpr std::string_view kPrefix = "libductile_";
 constexpr std::string_view kSuffix = ".so";
+}  // namespace
 
-bool split_file_name(const fs::path& file, PluginKind& kind, std::string& name) {
+bool split_plugin_file_name(const fs::path& file, PluginKind& kind, std::string& name) {
   std::string base = file.filename().string();
   if (base.size() <= kPrefix.size() + kSuffix.size() || !base.starts_with(kPrefix) ||
       !base.ends_with(kSuffix))
@@ -48,14 +41,11 @@ bool split_file_name(const fs::path& file, PluginKind& kind, std::string& name) 
   return true;
 }
 
-// The size of the ABI x.0 descriptor: every field up to the factory.
-constexpr std::size_t kAbiBaseSize =
-    offsetof(ductile_plugin_descriptor, create) + sizeof(ductile_plugin_factory);
-
-// Whether a descriptor of `size` bytes has the field at [offset, offset + field_size).
-bool descriptor_has(std::size_t size, std::size_t offset, std::size_t field_size) {
-  return size >= offset + field_size;
+std::string plugin_kind_list() {
+  return join(plugin_kind_names());
 }
+
+namespace {
 
 // Collects what a plugin reports through ductile_plugin_error.
 struct ReportedError {
@@ -80,22 +70,6 @@ struct ReportedError {
   }
 };
 
-std::string kind_list() {
-  return join(plugin_kind_names());
-}
-
-// Plugin libraries are never unloaded while the process runs (as LLVM does
-// with pass plugins): an exception thrown by a plugin method carries a vtable
-// from the plugin's code and may still be in flight after the last object and
-// registry are gone, and loggers may still format strings that live there.
-// The list is deliberately never destroyed.
-void keep_loaded(std::shared_ptr<LoadedLibrary> library) {
-  static auto* libraries = new std::vector<std::shared_ptr<LoadedLibrary>>();
-  static std::mutex mutex;
-  std::lock_guard lock(mutex);
-  libraries->push_back(std::move(library));
-}
-
 }  // namespace
 
 bool parse_plugin_kind(std::string_view text, PluginKind& kind) {
@@ -109,6 +83,15 @@ bool parse_plugin_kind(std::string_view text, PluginKind& kind) {
   return false;
 }
 
+std::optional<PluginRef> parse_plugin_ref(std::string_view text) {
+  const auto slash = text.find('/');
+  if (slash == std::string_view::npos || slash + 1 >= text.size()) return std::nullopt;
+  PluginRef ref;
+  if (!parse_plugin_kind(text.substr(0, slash), ref.kind)) return std::nullopt;
+  ref.name = std::string(text.substr(slash + 1));
+  return ref;
+}
+
 std::vector<std::string> plugin_kind_names() {
   std::vector<std::string> out;
   for (std::uint32_t i = 0; i < kPluginKindCount; ++i)
@@ -116,135 +99,33 @@ std::vector<std::string> plugin_kind_names() {
   return out;
 }
 
-PluginInfo check_plugin_descriptor(const ductile_plugin_descriptor* d, const fs::path& file) {
-  const std::string shown = file.string();
-  if (d == nullptr)
-    throw Error(ErrorKind::plugin,
-                fmt::format("'{}': its entry point returned no descriptor", shown));
-  if (d->abi_major != DUCTILE_ABI_MAJOR) {
-    throw Error(
-        ErrorKind::plugin,
-        fmt::format("'{}' was built for plugin ABI {}.{} but this ductile uses ABI {}.{}; "
-                    "rebuild the plugin against this SDK",
-                    shown, d->abi_major, d->abi_minor, DUCTILE_ABI_MAJOR, DUCTILE_ABI_MINOR));
-  }
-  // Any minor version: read the fields the plugin's descriptor has (see the
-  // rule in plugin.hpp); the ABI 2.0 fields are required.
-  const std::size_t size = d->struct_size;
-  if (!descriptor_has(size, offsetof(ductile_plugin_descriptor, create),
-                      sizeof(ductile_plugin_factory))) {
-    throw Error(ErrorKind::plugin,
-                fmt::format("'{}' has a descriptor of {} bytes, smaller than the {} bytes of ABI "
-                            "{}.0; rebuild the plugin against this SDK",
-                            shown, size, kAbiBaseSize, DUCTILE_ABI_MAJOR));
-  }
-  std::string tag = d->build_tag ? d->build_tag : "";
-  if (tag != DUCTILE_BUILD_TAG) {
-    throw Error(ErrorKind::plugin,
-                fmt::format("'{}' was built with '{}' but this ductile was built with '{}'; "
-                            "rebuild the plugin with the same compiler, standard library, fmt "
-                            "and spdlog",
-                            shown, tag, DUCTILE_BUILD_TAG));
-  }
-  if (d->kind >= kPluginKindCount) {
-    throw Error(ErrorKind::plugin, fmt::format("'{}' declares unknown plugin kind {} (valid: {})",
-                                               shown, d->kind, kind_list()));
-  }
-  if (d->name == nullptr || *d->name == '\0' || d->create == nullptr ||
-      (d->param_count > 0 && d->params == nullptr)) {
-    throw Error(
-        ErrorKind::plugin,
-        fmt::format("'{}' has an incomplete descriptor (name, factory or schema missing)", shown));
-  }
-  PluginInfo info;
-  info.kind = static_cast<PluginKind>(d->kind);
-  info.name = d->name;
-  info.version = d->version ? d->version : "";
-  info.description = d->description ? d->description : "";
-  info.file = file;
-  info.build_tag = tag;
-  info.abi_major = d->abi_major;
-  info.abi_minor = d->abi_minor;
-  for (std::size_t i = 0; i < d->param_count; ++i) {
-    const ParamSpec& p = d->params[i];
-    if (p.key == nullptr || *p.key == '\0')
-      throw Error(ErrorKind::plugin,
-                  fmt::format("'{}': parameter {} of its schema has no key", shown, i));
-    if (static_cast<std::uint32_t>(p.type) > static_cast<std::uint32_t>(ParamType::string_list))
-      throw Error(ErrorKind::plugin,
-                  fmt::format("'{}': parameter '{}' of its schema has unknown type {} (valid: "
-                              "0 to {})",
-                              shown, excerpt(p.key), static_cast<std::uint32_t>(p.type),
-                              static_cast<std::uint32_t>(ParamType::string_list)));
-    const bool has_min = p.flags & param_has_min, has_max = p.flags & param_has_max;
-    if ((has_min && std::isnan(p.min_value)) || (has_max && std::isnan(p.max_value)))
-      throw Error(ErrorKind::plugin,
-                  fmt::format("'{}': parameter '{}' of its schema has a NaN bound (valid: any "
-                              "other number, or clear the param_has_min/param_has_max flag)",
-                              shown, excerpt(p.key)));
-    if (has_min && has_max && p.min_value > p.max_value)
-      throw Error(ErrorKind::plugin,
-                  fmt::format("'{}': parameter '{}' of its schema has min_value {} above "
-                              "max_value {} (valid: min_value <= max_value)",
-                              shown, excerpt(p.key), p.min_value, p.max_value));
-    info.params.push_back(p);
-  }
-  PluginKind file_kind;
-  std::string file_name;
-  if (split_file_name(file, file_kind, file_name) &&
-      (file_kind != info.kind || file_name != info.name)) {
-    throw Error(ErrorKind::plugin,
-                fmt::format("'{}' declares plugin {}/{} but its file name says {}/{}; name the "
-                            "file libductile_{}_{}.so",
-                            shown, to_string(info.kind), info.name, to_string(file_kind), file_name,
-                            to_string(info.kind), info.name));
-  }
-  info.factory = d->create;
-  if (descriptor_has(size, offsetof(ductile_plugin_descriptor, validate),
-                     sizeof(ductile_plugin_validate)))
-    info.validate = d->validate;
-  return info;
-}
-
-PluginInfo load_plugin_file(const fs::path& file) {
-  const std::string shown = file.string();
-  std::error_code exists_error;
-  if (!fs::is_regular_file(file, exists_error))
-    throw Error(ErrorKind::not_found, fmt::format("plugin file '{}' does not exist", shown));
-
-  boost::dll::shared_library library;
-  boost::dll::fs::error_code ec;
-  library.load(file, boost::dll::load_mode::rtld_now | boost::dll::load_mode::rtld_local, ec);
-  if (ec || !library.is_loaded()) {
-    throw Error(ErrorKind::plugin,
-                fmt::format("'{}' is not a loadable shared library: {}", shown, ec.message()));
-  }
-  if (!library.has(DUCTILE_PLUGIN_ENTRY_SYMBOL)) {
-    throw Error(ErrorKind::plugin,
-                fmt::format("'{}' is a shared library but not a ductile plugin: it does not "
-                            "export the entry symbol '{}' (define it with DUCTILE_PLUGIN)",
-                            shown, DUCTILE_PLUGIN_ENTRY_SYMBOL));
-  }
-  auto entry = library.get<const ductile_plugin_descriptor*()>(DUCTILE_PLUGIN_ENTRY_SYMBOL);
-  PluginInfo info = check_plugin_descriptor(entry(), file);
-  info.library = std::make_shared<LoadedLibrary>(std::move(library));
-  keep_loaded(info.library);
-  return info;
-}
-
 // A file on the search path whose name says libductile_<kind>_<name>.so,
-// with the later files of the same kind and name that it shadows.
+// with the later files of the same kind and name that it shadows, and the
+// files that named a built-in plugin without leave (when it is built in).
 struct Candidate {
   PluginKind kind;
   std::string name;
   fs::path file;
+  bool builtin = false;  // in the built-in plugin directory
   std::vector<fs::path> shadowed;
+  std::vector<fs::path> refused;
 };
+
+std::string refused_shadow_message(const Candidate& builtin, const fs::path& file) {
+  return fmt::format(
+      "'{}' is not used: it has the name of the built-in {} plugin '{}' ('{}'), which a plugin "
+      "found elsewhere replaces only when the configuration asks for it with [plugins] "
+      "override_builtin = [\"{}/{}\"]",
+      file.string(), to_string(builtin.kind), builtin.name, builtin.file.string(),
+      to_string(builtin.kind), builtin.name);
+}
 
 struct PluginRegistry::State {
   std::vector<fs::path> search_path;
   std::shared_ptr<spdlog::logger> logger;
-  std::vector<Candidate> candidates;  // search-path order, one per kind and name
+  std::vector<Candidate> candidates;      // search-path order, one per kind and name
+  std::vector<SkippedDirectory> skipped;  // unsearched (options) and refused directories
+  std::vector<LoadProblem> refused_dirs;  // the refused ones, for problems()
   std::mutex mutex;
   // Results of loading, by index into `candidates`: a loaded plugin (stable
   // address, handed out by find()) or the failure.
@@ -260,12 +141,14 @@ struct PluginRegistry::State {
     if (auto it = loaded.find(i); it != loaded.end()) return &it->second;
     if (failed.count(i)) return nullptr;
     const Candidate& c = candidates[i];
-    if (logger)
+    if (logger) {
       for (const auto& other : c.shadowed)
         logger->warn(
             "plugin {}/{} found twice: using '{}', ignoring '{}' (earlier on the "
             "search path wins)",
             to_string(c.kind), c.name, c.file.string(), other.string());
+      for (const auto& other : c.refused) logger->warn("{}", refused_shadow_message(c, other));
+    }
     try {
       return &loaded.emplace(i, load_plugin_file(c.file)).first->second;
     } catch (const std::exception& e) {
@@ -277,11 +160,14 @@ struct PluginRegistry::State {
 
   void load_all() {
     if (all_loaded) return;
+    problems = refused_dirs;
     for (std::size_t i = 0; i < candidates.size(); ++i) {
       if (const PluginInfo* info = load(i))
         all.push_back(*info);
       else
         problems.push_back({candidates[i].file, failed.at(i)});
+      for (const auto& other : candidates[i].refused)
+        problems.push_back({other, refused_shadow_message(candidates[i], other)});
     }
     std::stable_sort(all.begin(), all.end(), [](const PluginInfo& a, const PluginInfo& b) {
       return std::tie(a.kind, a.name) < std::tie(b.kind, b.name);
@@ -291,10 +177,14 @@ struct PluginRegistry::State {
 };
 
 PluginRegistry::PluginRegistry(std::vector<fs::path> search_path,
-                               std::shared_ptr<spdlog::logger> logger)
+                               std::shared_ptr<spdlog::logger> logger, RegistryOptions options)
     : state_(std::make_unique<State>()) {
   state_->search_path = std::move(search_path);
   state_->logger = std::move(logger);
+  state_->skipped = std::move(options.unsearched);
+  const auto& overrides = options.builtin_overrides;
+  std::error_code builtin_error;
+  const fs::path builtin = fs::weakly_canonical(builtin_plugin_dir(), builtin_error);
   std::map<std::pair<PluginKind, std::string>, std::size_t> seen;
   std::vector<fs::path> scanned;
   for (const auto& dir : state_->search_path) {
@@ -309,11 +199,21 @@ PluginRegistry::PluginRegistry(std::vector<fs::path> search_path,
     fs::path canonical = fs::weakly_canonical(dir, ec);
     if (std::find(scanned.begin(), scanned.end(), canonical) != scanned.end()) continue;
     scanned.push_back(canonical);
+    if (auto reason = untrusted_reason(dir)) {
+      std::string message = fmt::format("plugin directory '{}' is refused: it {}; {}", dir.string(),
+                                        *reason, kTrustRule);
+      if (state_->logger) state_->logger->warn("{}", message);
+      state_->refused_dirs.push_back({dir, message});
+      state_->skipped.push_back({dir, "refused: it " + *reason});
+      continue;
+    }
+    const bool in_builtin = !builtin_error && canonical == builtin;
     std::vector<Candidate> files;
     for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
       Candidate c;
-      if (split_file_name(it->path(), c.kind, c.name)) {
+      if (split_plugin_file_name(it->path(), c.kind, c.name)) {
         c.file = it->path();
+        c.builtin = in_builtin;
         files.push_back(std::move(c));
       }
     }
@@ -321,12 +221,27 @@ PluginRegistry::PluginRegistry(std::vector<fs::path> search_path,
               [](const Candidate& a, const Candidate& b) { return a.file < b.file; });
     for (auto& c : files) {
       auto key = std::make_pair(c.kind, c.name);
-      if (auto found = seen.find(key); found != seen.end()) {
-        state_->candidates[found->second].shadowed.push_back(c.file);
+      auto found = seen.find(key);
+      if (found == seen.end()) {
+        seen.emplace(key, state_->candidates.size());
+        state_->candidates.push_back(std::move(c));
         continue;
       }
-      seen.emplace(key, state_->candidates.size());
-      state_->candidates.push_back(std::move(c));
+      Candidate& first = state_->candidates[found->second];
+      const bool may_replace_builtin = std::find(overrides.begin(), overrides.end(),
+                                                 PluginRef{c.kind, c.name}) != overrides.end();
+      if (may_replace_builtin || first.builtin == c.builtin) {
+        first.shadowed.push_back(c.file);  // the first on the search path wins
+      } else if (c.builtin) {
+        // The built-in plugin wins over the files found before it.
+        first.refused.push_back(first.file);
+        first.refused.insert(first.refused.end(), first.shadowed.begin(), first.shadowed.end());
+        first.shadowed.clear();
+        first.file = c.file;
+        first.builtin = true;
+      } else {
+        first.refused.push_back(c.file);
+      }
     }
   }
 }
@@ -337,6 +252,10 @@ PluginRegistry::~PluginRegistry() = default;
 
 const std::vector<fs::path>& PluginRegistry::search_path() const {
   return state_->search_path;
+}
+
+const std::vector<SkippedDirectory>& PluginRegistry::skipped() const {
+  return state_->skipped;
 }
 
 const std::vector<PluginInfo>& PluginRegistry::plugins() const {
@@ -394,10 +313,13 @@ const PluginInfo& PluginRegistry::find(PluginKind kind, std::string_view name) c
   std::sort(available.begin(), available.end());
   std::vector<std::string> dirs;
   for (const auto& d : state_->search_path) dirs.push_back(d.string());
-  throw Error(
-      ErrorKind::not_found,
-      fmt::format("no {} plugin named '{}'{}; available: {}; searched: {}", to_string(kind),
-                  excerpt(name), did_you_mean(name, available), join(available), join(dirs)));
+  std::string skipped;
+  for (const auto& d : state_->skipped)
+    skipped += fmt::format("; not searched: '{}' ({})", d.directory.string(), d.reason);
+  throw Error(ErrorKind::not_found,
+              fmt::format("no {} plugin named '{}'{}; available: {}; searched: {}{}",
+                          to_string(kind), excerpt(name), did_you_mean(name, available),
+                          join(available), join(dirs), skipped));
 }
 
 const PluginInfo& PluginRegistry::find_any(std::string_view name) const {
@@ -407,7 +329,7 @@ const PluginInfo& PluginRegistry::find_any(std::string_view name) const {
     if (!parse_plugin_kind(name.substr(0, slash), kind))
       throw Error(ErrorKind::invalid_argument,
                   fmt::format("'{}': unknown plugin kind '{}'; valid kinds: {}", excerpt(name),
-                              excerpt(name.substr(0, slash)), kind_list()));
+                              excerpt(name.substr(0, slash)), plugin_kind_list()));
     return find(kind, name.substr(slash + 1));
   }
   std::vector<std::string> all;

@@ -173,9 +173,31 @@ Runtime Runtime::from_document(const ConfigDocument& document, RuntimeOptions op
   auto state = std::make_unique<State>();
   state->logger = options.logger ? options.logger : core::logger();
   auto dirs = options.extra_plugin_dirs;
-  for (auto& d : document.plugin_dirs()) dirs.push_back(d);
-  state->registry =
-      std::make_unique<PluginRegistry>(PluginRegistry::default_search_path(dirs), state->logger);
+  RegistryOptions registry_options;
+  registry_options.builtin_overrides = options.builtin_overrides;
+  for (auto& ref : document.builtin_overrides())
+    registry_options.builtin_overrides.push_back(std::move(ref));
+  if (options.search_config_plugin_dirs) {
+    for (auto& d : document.plugin_dirs()) dirs.push_back(d);
+  }
+  auto search_path = PluginRegistry::default_search_path(dirs);
+  if (!options.search_config_plugin_dirs) {
+    // Named by the file and not searched, unless on the path anyway (the
+    // built-in directory named again, say).
+    std::vector<std::filesystem::path> searched;
+    for (const auto& d : search_path) {
+      std::error_code ec;
+      searched.push_back(std::filesystem::weakly_canonical(d, ec));
+    }
+    for (auto& d : document.plugin_dirs()) {
+      std::error_code ec;
+      if (std::find(searched.begin(), searched.end(), std::filesystem::weakly_canonical(d, ec)) ==
+          searched.end())
+        registry_options.unsearched.push_back({d, options.config_dirs_note});
+    }
+  }
+  state->registry = std::make_unique<PluginRegistry>(std::move(search_path), state->logger,
+                                                     std::move(registry_options));
   state->config =
       std::make_unique<Config>(Config::validate(document, *state->registry, options.plugin_checks));
   return Runtime(std::move(state));

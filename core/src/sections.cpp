@@ -18,7 +18,10 @@ std::vector<SectionSpec> make_specs() {
                    "",
                    "",
                    {{"path", ParamType::string_list, 0, nullptr, 0, 0, nullptr,
-                     "Plugin directories searched first, relative to the config file"}},
+                     "Plugin directories searched first, relative to the config file"},
+                    {"override_builtin", ParamType::string_list, 0, nullptr, 0, 0, nullptr,
+                     "Built-in plugins (\"kind/name\") that a plugin of the same kind and name "
+                     "found on the search path replaces; without this, the built-in one is used"}},
                    "where to find plugins"});
   specs.push_back({"log",
                    std::nullopt,

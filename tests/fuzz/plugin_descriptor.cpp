@@ -2,7 +2,8 @@
 // (core::check_plugin_descriptor), then filling the schema's defaults
 // (core::complete_params) as config validation does. The input describes a
 // descriptor field by field; a flags byte lets the fuzzer use the host's own
-// ABI major, build tag and struct size so that it reaches the later checks.
+// ABI major, build tag and struct size so that it reaches the later checks;
+// a second one, at the end, the interface revision and shared layout.
 #include <cstdint>
 #include <cstring>
 #include <deque>
@@ -104,6 +105,12 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
                   : "libductile_" +
                         std::string(ductile::to_string(static_cast<ductile::PluginKind>(d.kind))) +
                         "_" + (d.name ? d.name : "") + ".so";
+  // ABI 2.2 fields, from the input's end (older inputs: the host's values).
+  const std::uint8_t later = in.byte();
+  d.interface_revision =
+      later & 1 ? in.u32()
+                : ductile::interface_revision(static_cast<ductile::PluginKind>(d.kind % 5));
+  d.layout_fingerprint = later & 2 ? in.u32() : ductile::detail::shared_layout_fingerprint();
   fuzz::expect_clean([&] {
     auto info = ductile::core::check_plugin_descriptor(&d, file);
     auto filled = ductile::core::complete_params(info, ductile::Params{});

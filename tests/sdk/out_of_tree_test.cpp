@@ -46,12 +46,17 @@ TEST_CASE("a sample plugin builds against the installed SDK and loads through th
   auto job = tmp.write("job.toml",
                        "[plugins]\npath = [\"build\"]\n[lr]\nrule = \"power\"\n"
                        "exponent = 0.75\n");
-  auto check = run_process({cli, "config", "check", job.string()});
+  // `config check` runs a plugin from the file's own [plugins] path only
+  // when told to.
+  auto unsearched = run_process({cli, "config", "check", job.string()});
+  CHECK(unsearched.exit_code == 2);
+  CHECK(unsearched.err.find("--allow-config-plugins") != std::string::npos);
+  auto check = run_process({cli, "config", "check", "--allow-config-plugins", job.string()});
   CHECK_MESSAGE(check.exit_code == 0, check.err);
   auto bad = tmp.write("bad.toml",
                        "[plugins]\npath = [\"build\"]\n[lr]\nrule = \"power\"\n"
                        "exponent = 3.0\n");
-  auto rejected = run_process({cli, "config", "check", bad.string()});
+  auto rejected = run_process({cli, "config", "check", "--allow-config-plugins", bad.string()});
   CHECK(rejected.exit_code == 2);
   CHECK(rejected.err.find(":5:12: [lr] exponent = 3.0 is out of range: must be between 0 and 2") !=
         std::string::npos);

@@ -128,7 +128,16 @@ DeepSpeedBatching parse_deepspeed_batching(std::string_view text, std::string_vi
     const json* micro = r.child(root, "train_micro_batch_size_per_gpu", "");
     const json* gas = r.child(root, "gradient_accumulation_steps", "");
     if (micro) steps_batch = r.integer(*micro, "train_micro_batch_size_per_gpu", 1);
-    if (gas) steps_batch *= r.integer(*gas, "gradient_accumulation_steps", 1);
+    if (gas) {
+      const std::int64_t steps = r.integer(*gas, "gradient_accumulation_steps", 1);
+      std::int64_t product = 0;
+      if (__builtin_mul_overflow(steps_batch, steps, &product))
+        throw r.fail("gradient_accumulation_steps",
+                     fmt::format("{} x train_micro_batch_size_per_gpu = {} exceeds 2^63 - 1 "
+                                 "micro-batches per step; give smaller values",
+                                 steps, steps_batch));
+      steps_batch = product;
+    }
   }
   out.sampler_params.set("effective_batch_size", steps_batch);
   out.base_batch_size = static_cast<double>(steps_batch);

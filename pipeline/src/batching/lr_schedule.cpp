@@ -1,6 +1,7 @@
 #include "ductile/pipeline/lr_schedule.hpp"
 
 #include <cmath>
+#include <limits>
 #include <numbers>
 
 #include <fmt/format.h>
@@ -96,6 +97,12 @@ double VariableBatchLrSchedule::lr_at(std::int64_t step) const {
 }
 
 double VariableBatchLrSchedule::step() {
+  // A restored state may stand at any step >= 0, the last one included.
+  if (step_ == std::numeric_limits<std::int64_t>::max())
+    throw bad(
+        fmt::format("variable-batch lr schedule: step {} is the last one an int64 counts "
+                    "(2^63 - 1); no step follows it",
+                    step_));
   ++step_;
   lr_ = lr_at(step_);
   return lr_;

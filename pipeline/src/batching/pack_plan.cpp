@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -55,17 +56,31 @@ Params sampler_params_of(const PackPlanOptions& o) {
   return p;
 }
 
+// Totals over every micro-batch: each sample is below 2^31, so a total
+// passes 2^63 - 1 only past 2^32 samples (a 32 GiB lengths file), and is
+// then an error rather than a wrapped count.
+void add_checked(std::int64_t& total, std::int64_t value, const char* what) {
+  if (__builtin_add_overflow(total, value, &total))
+    throw Error(
+        ErrorKind::invalid_argument,
+        fmt::format("the packing's {} exceed 2^63 - 1: pack fewer samples at a time", what));
+}
+
 void fill_stats(PackPlan& plan, std::span<const std::int64_t> lengths) {
   auto& s = plan.stats;
   for (std::size_t m = 0; m < plan.microbatch_count(); ++m) {
-    std::int64_t longest = 0;
+    std::int64_t longest = 0, tokens = 0;
     const auto ids = plan.microbatch(m);
     for (auto id : ids) {
       const auto len = lengths[static_cast<std::size_t>(id)];
-      s.tokens += len;
+      add_checked(tokens, len, "tokens");
       longest = std::max(longest, len);
     }
-    s.padded_tokens += longest * static_cast<std::int64_t>(ids.size());
+    add_checked(s.tokens, tokens, "tokens");
+    std::int64_t padded = 0;
+    if (__builtin_mul_overflow(longest, static_cast<std::int64_t>(ids.size()), &padded))
+      padded = std::numeric_limits<std::int64_t>::max();  // then the sum below fails
+    add_checked(s.padded_tokens, padded, "padded tokens");
   }
   s.sequences = static_cast<std::int64_t>(plan.sample_ids.size());
   const double budget =

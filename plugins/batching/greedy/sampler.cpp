@@ -124,6 +124,10 @@ class GreedySampler final : public ductile::BatchSampler {
       }
       return pos;
     }
+    // A group is `width` micro-batches of at least one sample: with fewer
+    // samples left there is none (and width, effective_batch_size, may be
+    // any int64: no table of that size is made).
+    if (pos >= end_limit || width > end_limit - pos) return pos;
     std::vector<std::int64_t> tokens(width), longest(width);
     while (pos < end_limit) {
       // k samples per micro-batch; micro-batch b takes c[pos + b], c[pos + b + width], ...

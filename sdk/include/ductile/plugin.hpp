@@ -11,12 +11,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <initializer_list>
 #include <iterator>
 #include <memory>
 #include <new>
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <vector>
 
 #include <spdlog/logger.h>
 
@@ -52,6 +54,24 @@ DUCTILE_SDK_API inline const char* to_string(PluginKind kind) noexcept {
       return "zero";
   }
   return "unknown";
+}
+
+// The revision of a kind's interface this code was compiled against
+// (DUCTILE_INTERFACE_REVISION_<KIND> in version.hpp).
+constexpr std::uint32_t interface_revision(PluginKind kind) noexcept {
+  switch (kind) {
+    case PluginKind::elasticity:
+      return DUCTILE_INTERFACE_REVISION_ELASTICITY;
+    case PluginKind::batching:
+      return DUCTILE_INTERFACE_REVISION_BATCHING;
+    case PluginKind::lr:
+      return DUCTILE_INTERFACE_REVISION_LR;
+    case PluginKind::accelerator:
+      return DUCTILE_INTERFACE_REVISION_ACCELERATOR;
+    case PluginKind::zero:
+      return DUCTILE_INTERFACE_REVISION_ZERO;
+  }
+  return 0;
 }
 
 // Base of every object a plugin creates. The host owns each instance through
@@ -137,7 +157,9 @@ typedef bool (*ductile_plugin_validate)(const ductile::Params* params, const cha
 // default (written next to it), a field the host does not know is ignored.
 // So a plugin built against SDK minor N loads into a host at minor N+1 and
 // the other way round. abi_major and abi_minor stay the first two fields in
-// every version. The SDK minor version is not part of the build tag.
+// every version. The SDK minor version is not part of the build tag. Beyond
+// the descriptor, the plugin's kind interface must be of the host's revision
+// and the shared types of the host's layout (see version.hpp).
 struct ductile_plugin_descriptor {
   // ABI 2.0
   std::uint32_t abi_major;
@@ -153,6 +175,9 @@ struct ductile_plugin_descriptor {
   ductile_plugin_factory create;
   // ABI 2.1
   ductile_plugin_validate validate;  // default: nullptr (parameters checked by the schema only)
+  // ABI 2.2
+  std::uint32_t interface_revision;  // interface_revision(kind) of the plugin's SDK; default: 1
+  std::uint32_t layout_fingerprint;  // detail::shared_layout_fingerprint(); default: not checked
 };
 
 // The one exported symbol.
@@ -162,6 +187,25 @@ typedef const ductile_plugin_descriptor* (*ductile_plugin_entry_fn)(void);
 #define DUCTILE_PLUGIN_ENTRY_SYMBOL "ductile_plugin_entry"
 
 namespace ductile::detail {
+
+// A digest of the sizes and alignments of the types every plugin shares with
+// the host, as this compiler and these flags lay them out: two builds that
+// disagree on any of them (a standard library in debug mode, another
+// std::string) cannot pass Params or errors to each other. Not a
+// substitute for the ABI version: a change of meaning keeps the sizes.
+constexpr std::uint32_t shared_layout_fingerprint() noexcept {
+  std::uint32_t hash = 2166136261u;  // FNV-1a over 8 bytes of each value
+  for (std::size_t value :
+       {sizeof(Params), alignof(Params), sizeof(ParamValue), alignof(ParamValue), sizeof(ParamSpec),
+        alignof(ParamSpec), sizeof(Error), alignof(Error), sizeof(std::string),
+        sizeof(std::vector<std::int64_t>), sizeof(std::shared_ptr<spdlog::logger>),
+        sizeof(std::string_view), sizeof(ductile_plugin_error), sizeof(ductile_plugin_descriptor)})
+    for (int byte = 0; byte < 8; ++byte) {
+      hash ^= static_cast<std::uint32_t>((static_cast<std::uint64_t>(value) >> (8 * byte)) & 0xff);
+      hash *= 16777619u;
+    }
+  return hash;
+}
 
 // Reports the exception being handled: its kind, type and message when it is
 // a ductile::Error (and key for a ParamError), else ErrorKind::plugin.
@@ -263,6 +307,8 @@ constexpr ductile_plugin_validate validate_entry() noexcept {
         SchemaPtr,                                                                         \
         SchemaCount,                                                                       \
         &ductile_plugin_create_,                                                           \
-        ::ductile::detail::validate_entry<Class>()};                                       \
+        ::ductile::detail::validate_entry<Class>(),                                        \
+        ::ductile::interface_revision(Class::kind),                                        \
+        ::ductile::detail::shared_layout_fingerprint()};                                   \
     return &descriptor;                                                                    \
   }

@@ -23,12 +23,52 @@
   DUCTILE_STRINGIFY(DUCTILE_SDK_VERSION_MAJOR) \
   "." DUCTILE_STRINGIFY(DUCTILE_SDK_VERSION_MINOR) "." DUCTILE_STRINGIFY(DUCTILE_SDK_VERSION_PATCH)
 
-// The plugin ABI: the descriptor layout and the meaning of its fields. A new
-// minor version only appends; a new major version breaks.
+// The plugin ABI. A plugin and the host share C++ classes, not just the
+// descriptor: the host calls a plugin object through the vtable of its kind
+// interface, and hands it a HostContext, Params and errors laid out as the
+// host's headers say. What a change to the SDK must bump:
+//
+// - DUCTILE_ABI_MAJOR, for any change to what every plugin shares: Plugin,
+//   HostContext (a virtual added anywhere, even last, removed, reordered or
+//   re-typed), Params, ParamValue, ParamSpec, ParamType, ParamFlags, Error
+//   and ErrorKind (a member, a layout, a meaning), the factory and validate
+//   signatures, ductile_plugin_error, or a descriptor field's place or
+//   meaning. The loader refuses every plugin of another major.
+// - DUCTILE_ABI_MINOR, for a field appended to the descriptor (only
+//   appended: see ductile_plugin_descriptor). Plugins of any minor load.
+// - DUCTILE_INTERFACE_REVISION_<KIND>, for a change to one kind's interface
+//   header: a virtual added to its interface class (at the end too: the host
+//   would call past the end of an older plugin's vtable), removed, reordered
+//   or re-typed, or the layout or meaning of a type passed through it
+//   (PackOptions, PackResult, ElasticityRequest, the accelerator's Stream,
+//   Communicator, ...). The loader refuses plugins of that kind built
+//   against another revision; plugins of the other kinds still load.
+//   parameter_coordinator.hpp uses accelerator.hpp's types, so a change
+//   there bumps both the accelerator and the zero revisions.
+//
+// Nothing bumps for a new free inline function, a comment, or a new kind of
+// interface. tests/sdk/interface_guard_test.cpp pins a fingerprint of each
+// header beside the revision it was last checked at, and fails when a header
+// changes until a person decides whether the change bumps and re-pins it.
+// The layout of the shared types as the compiler saw them (sizes and
+// alignments of Params, ParamSpec, Error, std::string, ...) is also in every
+// descriptor and checked at load, which catches a plugin built with other
+// flags (such as _GLIBCXX_DEBUG) under the same build tag.
+//
+// Descriptor history:
 //   2.0  struct_size; structured factory errors (ductile_plugin_error)
 //   2.1  validate hook
+//   2.2  interface_revision, layout_fingerprint
 #define DUCTILE_ABI_MAJOR 2
-#define DUCTILE_ABI_MINOR 1
+#define DUCTILE_ABI_MINOR 2
+
+// The revision of each kind's interface (see above). A plugin whose
+// descriptor predates ABI 2.2 was built against revision 1 of every one.
+#define DUCTILE_INTERFACE_REVISION_ELASTICITY 1   // elasticity_policy.hpp
+#define DUCTILE_INTERFACE_REVISION_BATCHING 1     // batch_sampler.hpp
+#define DUCTILE_INTERFACE_REVISION_LR 1           // lr_scaling_rule.hpp
+#define DUCTILE_INTERFACE_REVISION_ACCELERATOR 1  // accelerator.hpp
+#define DUCTILE_INTERFACE_REVISION_ZERO 1         // parameter_coordinator.hpp, accelerator.hpp
 
 #if defined(__clang__)
 #define DUCTILE_COMPILER_TAG "clang-" DUCTILE_STRINGIFY(__clang_major__)

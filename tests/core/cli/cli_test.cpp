@@ -32,7 +32,7 @@ bool contains(const std::string& text, const std::string& part) {
 
 }  // namespace
 
-TEST_CASE("--help and --version exit 0; every subcommand has --help") {
+TEST_CASE("--help and --version exit 0, and every subcommand has --help") {
   auto help = cli({"--help"});
   CHECK(help.exit_code == 0);
   CHECK(contains(help.out, "plugins"));
@@ -81,7 +81,7 @@ TEST_CASE("plugins list reports broken plugin files as problems, not crashes") {
   auto r = cli({"--plugin-path", kBad, "plugins", "list", "--json"});
   CHECK(r.exit_code == 0);
   auto doc = nlohmann::json::parse(r.out);
-  CHECK(doc["problems"].size() == 5);
+  CHECK(doc["problems"].size() == 6);
 }
 
 TEST_CASE("plugins describe prints the schema") {
@@ -121,6 +121,47 @@ TEST_CASE("config check: 0 for a valid file, 2 with every error otherwise") {
   CHECK(b.exit_code == 2);
   CHECK(contains(b.err, bad.string() + ":3:9: [lr] steps = 0 is out of range"));
   CHECK(contains(b.err, bad.string() + ":4:8: [lr] mode = \"slow\" is not allowed"));
+}
+
+TEST_CASE("config check runs no plugin of the file's own [plugins] path unless allowed") {
+  // A bundle from elsewhere: a file whose [plugins] path is its own
+  // directory, and a plugin there whose constructor leaves a marker.
+  TempDir bundle, markers;
+  fs::copy_file(fs::path(FIXTURE_ROOT) / "trust" / "libductile_lr_fixture_marked.so",
+                bundle / "libductile_lr_fixture_marked.so");
+  auto job =
+      bundle.write("job.toml", "[plugins]\npath = [\".\"]\n[lr]\nrule = \"fixture_marked\"\n");
+  const std::vector<std::string> env = {"DUCTILE_FIXTURE_MARKER_DIR=" + markers.path().string()};
+  const fs::path marker = markers / "fixture_marked.ran";
+  const std::string own_dir = (bundle.path() / ".").string();
+
+  auto refused = cli({"config", "check", job.string()}, env);
+  CHECK(refused.exit_code == 2);
+  CHECK(contains(refused.err, job.string() + ":4:8: [lr] rule = \"fixture_marked\": no lr plugin "
+                                             "named 'fixture_marked'"));
+  CHECK_MESSAGE(contains(refused.err, "not searched: '" + own_dir +
+                                          "' (named by the file's [plugins] path; `ductile config "
+                                          "check` loads no plugin from there unless given "
+                                          "--allow-config-plugins)"),
+                refused.err);
+  CHECK_FALSE(fs::exists(marker));
+
+  // A file of the same bundle that selects a built-in plugin is checked, and
+  // says what it did not search.
+  auto builtin =
+      bundle.write("builtin.toml", "[plugins]\npath = [\".\"]\n[lr]\nrule = \"linear\"\n");
+  auto checked = cli({"config", "check", builtin.string()}, env);
+  CHECK(checked.exit_code == 0);
+  CHECK(contains(checked.out, "  not searched: '" + own_dir +
+                                  "' (named by the file's [plugins] "
+                                  "path; `ductile config check`"));
+  CHECK_FALSE(fs::exists(marker));
+
+  auto allowed = cli({"config", "check", "--allow-config-plugins", job.string()}, env);
+  CHECK_MESSAGE(allowed.exit_code == 0, allowed.err);
+  CHECK(contains(allowed.out, "[lr] lr plugin 'fixture_marked'"));
+  CHECK_FALSE(contains(allowed.out, "not searched"));
+  CHECK(fs::exists(marker));
 }
 
 TEST_CASE("config check runs the plugins' own checks, at the key they name or the section") {
@@ -234,7 +275,8 @@ TEST_CASE("config and lengths files must be regular files within their cap") {
             "/dev/zero: is a character device" + not_regular + "configuration file"},
            {{"config", "check", big},
             big + ": is 16777217 bytes, over the 16 MiB cap of a configuration file"},
-           {{"elastic", "--config", fifo}, fifo + ": is a FIFO" + not_regular + "configuration file"},
+           {{"elastic", "--config", fifo},
+            fifo + ": is a FIFO" + not_regular + "configuration file"},
            {{"elastic", "--config", "/dev/zero"},
             "/dev/zero: is a character device" + not_regular + "configuration file"},
            {{"pack", "--config", json_fifo},

@@ -14,6 +14,7 @@
 #include "ductile/core/config.hpp"
 #include "ductile/core/registry.hpp"
 #include "ductile/core/runtime.hpp"
+#include "ductile/lr_scaling_rule.hpp"
 #include "fixtures/fixture_plugin.hpp"
 
 namespace fs = std::filesystem;
@@ -113,7 +114,7 @@ TEST_CASE("the registry collects broken files as problems and reports them on lo
   CapturedLog log;
   PluginRegistry registry({kRoot / "bad"}, log.logger);
   CHECK(registry.plugins().empty());
-  CHECK(registry.problems().size() == 5);
+  CHECK(registry.problems().size() == 6);
   CHECK(log.stream.str().find("[warning]") != std::string::npos);
   try {
     registry.find(PluginKind::lr, "fixture_abi");
@@ -180,6 +181,7 @@ TEST_CASE("a plugin built against an older SDK minor loads, without the fields i
   CHECK(info.abi_minor == 0);
   CHECK(DUCTILE_ABI_MINOR > info.abi_minor);
   CHECK_FALSE(static_cast<bool>(info.validate));  // appended in 2.1: the default
+  CHECK(info.interface_revision == 1);            // appended in 2.2: the default
   auto runtime = Runtime::from_string("[lr]\nrule = \"fixture_older\"\nscale = 2.5\n",
                                       "compat.toml", {{kRoot / "compat"}, nullptr});
   auto object = std::dynamic_pointer_cast<FixturePlugin>(runtime.instance(PluginKind::lr));
@@ -187,7 +189,7 @@ TEST_CASE("a plugin built against an older SDK minor loads, without the fields i
   CHECK(object->scale == 2.5);
 }
 
-TEST_CASE("a plugin built against a later SDK minor loads; the fields the host lacks are ignored") {
+TEST_CASE("a plugin built against a later SDK minor loads, the fields the host lacks ignored") {
   auto info = load_plugin_file(kRoot / "compat" / "libductile_lr_fixture_newer.so");
   CHECK(info.abi_minor == 99);
   CHECK_FALSE(static_cast<bool>(info.validate));
@@ -319,7 +321,7 @@ TEST_CASE("a directory named twice on the search path is scanned once, without w
   CHECK(log.stream.str().find("found twice") == std::string::npos);
 }
 
-TEST_CASE("schema bounds: NaN or min above max is refused; any other bound is printed as given") {
+TEST_CASE("schema bounds: NaN or min above max is refused, any other bound is printed as given") {
   ParamSpec spec{
       "steps", ParamType::integer, param_has_min | param_has_max, "-5", 0.0, 10.0, nullptr,
       "steps"};
@@ -329,6 +331,8 @@ TEST_CASE("schema bounds: NaN or min above max is refused; any other bound is pr
   d.struct_size = sizeof d;
   d.build_tag = DUCTILE_BUILD_TAG;
   d.kind = static_cast<std::uint32_t>(PluginKind::lr);
+  d.interface_revision = interface_revision(PluginKind::lr);
+  d.layout_fingerprint = detail::shared_layout_fingerprint();
   d.name = "bounds";
   d.create = [](const HostContext*, ductile_plugin_error*) -> Plugin* { return nullptr; };
   d.params = &spec;
@@ -367,4 +371,58 @@ TEST_CASE("schema bounds: NaN or min above max is refused; any other bound is pr
   spec.flags = param_has_max;
   spec.max_value = -std::numeric_limits<double>::infinity();
   CHECK(default_error().find("<= -inf") != std::string::npos);
+}
+
+TEST_CASE("a plugin built against a kind interface with an appended virtual is refused") {
+  // fixture_future: this SDK's lr_scaling_rule.hpp with one more virtual at
+  // the end of LrScalingRule and the next DUCTILE_INTERFACE_REVISION_LR, as
+  // the rule in version.hpp makes a later SDK (fixtures/CMakeLists.txt).
+  auto message = load_error(kRoot / "interface" / "libductile_lr_fixture_future.so");
+  CHECK(message.find(fmt::format("was built against revision {} of the lr interface "
+                                 "(LrScalingRule) but this ductile has revision {}",
+                                 DUCTILE_INTERFACE_REVISION_LR + 1,
+                                 DUCTILE_INTERFACE_REVISION_LR)) != std::string::npos);
+  CHECK(message.find("rebuild the plugin against this SDK") != std::string::npos);
+
+  // The same source built against this SDK loads and computes.
+  auto runtime = Runtime::from_string("", "inline.toml", {{kRoot / "interface"}, nullptr});
+  auto rule = runtime.create<LrScalingRule>("fixture_present");
+  CHECK(rule->scale(0.1, 8, 8) == doctest::Approx(0.3));
+  CHECK(runtime.registry().find(PluginKind::lr, "fixture_present").interface_revision ==
+        DUCTILE_INTERFACE_REVISION_LR);
+}
+
+TEST_CASE("a plugin whose shared types have another layout (_GLIBCXX_DEBUG) is refused") {
+  auto message = load_error(kRoot / "interface" / "libductile_lr_fixture_debug_layout.so");
+  CHECK(message.find("was compiled with another layout of the types plugins share with ductile") !=
+        std::string::npos);
+  CHECK(message.find(fmt::format("this ductile's {:#010x}", detail::shared_layout_fingerprint())) !=
+        std::string::npos);
+}
+
+TEST_CASE("descriptors before ABI 2.2 count as interface revision 1 with an unchecked layout") {
+  ductile_plugin_descriptor d{};
+  d.abi_major = DUCTILE_ABI_MAJOR;
+  d.abi_minor = 1;
+  d.struct_size = offsetof(ductile_plugin_descriptor, interface_revision);
+  d.build_tag = DUCTILE_BUILD_TAG;
+  d.kind = static_cast<std::uint32_t>(PluginKind::batching);
+  d.name = "old";
+  d.create = [](const HostContext*, ductile_plugin_error*) -> Plugin* { return nullptr; };
+  d.interface_revision = 77;  // beyond struct_size: never read
+  d.layout_fingerprint = 77;
+  auto info = check_plugin_descriptor(&d, "libductile_batching_old.so");
+  CHECK(info.interface_revision == 1);
+  CHECK(DUCTILE_INTERFACE_REVISION_BATCHING == 1);  // when it is bumped, 2.1 plugins are refused
+
+  d.struct_size = sizeof d;
+  d.abi_minor = DUCTILE_ABI_MINOR;
+  d.interface_revision = interface_revision(PluginKind::batching);
+  d.layout_fingerprint = detail::shared_layout_fingerprint() ^ 1;
+  CHECK_THROWS_WITH_AS(check_plugin_descriptor(&d, "libductile_batching_old.so"),
+                       doctest::Contains("another layout"), Error);
+  d.layout_fingerprint = detail::shared_layout_fingerprint();
+  d.interface_revision = interface_revision(PluginKind::batching) + 1;
+  CHECK_THROWS_WITH_AS(check_plugin_descriptor(&d, "libductile_batching_old.so"),
+                       doctest::Contains("of the batching interface (BatchSampler)"), Error);
 }

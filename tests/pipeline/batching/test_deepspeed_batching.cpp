@@ -56,7 +56,7 @@ TEST_CASE("the PR's example config maps key by key, with DeepSpeed's defaults") 
   CHECK(minimal.lr_rule == "none");
 }
 
-TEST_CASE("WarmupDecayLR with linear warm-up becomes warmup_linear; other schedulers are refused") {
+TEST_CASE("WarmupDecayLR with linear warm-up becomes warmup_linear, other schedulers are refused") {
   const std::string dyn =
       R"("data_efficiency": {"data_sampling": {"dynamic_batching": {"max_tokens": 64}}})";
   auto ds = parse_deepspeed_batching(
@@ -109,4 +109,30 @@ TEST_CASE("mistakes name the key path and the value") {
   fails_with(R"({"data_efficiency": {"data_sampling": {"dynamic_batching": {"max_tokens": 9,
              "max_tokenz": 3}}}})",
              "max_tokenz: unknown key");
+}
+
+TEST_CASE("micro batch x gradient accumulation past int64 is refused, naming both keys") {
+  const char* config = R"({
+    "train_micro_batch_size_per_gpu": 4294967296,
+    "gradient_accumulation_steps": 4294967296,
+    "data_efficiency": {"data_sampling": {"dynamic_batching": {"max_tokens": 64}}}
+  })";
+  try {
+    (void)parse_deepspeed_batching(config, "ds.json");
+    FAIL("accepted");
+  } catch (const ductile::Error& e) {
+    CHECK(e.kind() == ductile::ErrorKind::config);
+    const std::string message = e.what();
+    CHECK(message.find("ds.json: gradient_accumulation_steps") != std::string::npos);
+    CHECK(message.find("4294967296 x train_micro_batch_size_per_gpu = 4294967296 exceeds "
+                       "2^63 - 1") != std::string::npos);
+  }
+  // Up to the largest product it is the step's micro-batch count.
+  auto ds = parse_deepspeed_batching(R"({
+    "train_micro_batch_size_per_gpu": 3037000499,
+    "gradient_accumulation_steps": 3037000499,
+    "data_efficiency": {"data_sampling": {"dynamic_batching": {"max_tokens": 64}}}
+  })",
+                                     "ds.json");
+  CHECK(ds.sampler_params.get_int("effective_batch_size") == 3037000499LL * 3037000499LL);
 }

@@ -112,3 +112,22 @@ TEST_CASE("bad settings and states are refused, naming what is wrong") {
   CHECK(schedule.step_index() == 1);
   CHECK_THROWS_AS(ductile::pipeline::parse_lr_schedule_kind("cosine"), ductile::Error);
 }
+
+TEST_CASE("a state restored at the last int64 step refuses the next step, no overflow") {
+  LrScheduleSpec s;
+  s.kind = LrScheduleKind::warmup_linear;
+  s.warmup_steps = 10;
+  s.total_steps = 100;
+  VariableBatchLrSchedule schedule(s, rule("linear"), 4, {4, 8});
+  VariableBatchLrSchedule last(s, rule("linear"), 4, {4, 8});
+  std::string state = schedule.save_state();
+  const std::string step0 = "\"step\":0";
+  REQUIRE(state.find(step0) != std::string::npos);
+  state.replace(state.find(step0), step0.size(), "\"step\":9223372036854775807");
+  last.load_state(state);
+  CHECK(last.step_index() == INT64_MAX);
+  CHECK(last.lr() == doctest::Approx(s.min_lr * 2));  // past total_steps, batch 8 of base 4
+  CHECK_THROWS_WITH_AS(last.step(), doctest::Contains("step 9223372036854775807 is the last one"),
+                       ductile::Error);
+  CHECK(last.step_index() == INT64_MAX);
+}

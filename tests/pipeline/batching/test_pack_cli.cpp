@@ -116,7 +116,7 @@ TEST_CASE("DeepSpeed metric files and a DeepSpeed JSON config are accepted") {
   CHECK(direct["microbatch_ids"] == j["microbatch_ids"]);
 }
 
-TEST_CASE("a TOML config names sampler, lengths and LR; flags override it") {
+TEST_CASE("a TOML config names sampler, lengths and LR, and flags override it") {
   ductile::test::TempDir dir;
   std::filesystem::copy_file(kData + "/squad11_bert384_hist.csv", dir.path() / "squad.csv");
   dir.write("run.toml", R"([batching]

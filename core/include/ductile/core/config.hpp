@@ -5,6 +5,7 @@
 // key, plus host sections owned by the core:
 //
 //   [plugins]    path = ["dir", ...]     extra plugin directories (relative to the file)
+//                override_builtin = ["kind/name", ...]  built-in plugins those may replace
 //   [log]        level = "info"
 //   [elasticity] policy = "v0.1"         (or DeepSpeed's version = 0.1)
 //   [batching]   sampler = "greedy"
@@ -34,6 +35,7 @@
 namespace ductile::core {
 
 class PluginRegistry;
+struct PluginRef;
 
 // How deep tables, arrays and dotted keys may nest in a configuration file;
 // a deeper file is refused (ConfigError at the place it gets too deep) before
@@ -104,8 +106,12 @@ class ConfigDocument {
   const std::string& source_name() const;
   // Directory that relative paths in the file are resolved against.
   const std::filesystem::path& base_dir() const;
-  // [plugins] path, resolved against base_dir(). Throws ConfigError if malformed.
+  // [plugins] path, resolved against base_dir() (what is malformed is
+  // skipped here and reported by Config::validate).
   std::vector<std::filesystem::path> plugin_dirs() const;
+  // [plugins] override_builtin: the built-in plugins a plugin found on the
+  // search path may replace (malformed entries skipped, as above).
+  std::vector<PluginRef> builtin_overrides() const;
   // [log] level if present.
   std::optional<std::string> log_level() const;
 

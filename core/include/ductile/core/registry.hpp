@@ -5,6 +5,15 @@
 // loaded (RTLD_NOW | RTLD_LOCAL) and its descriptor checked only when its kind
 // and name are looked up, so a command that needs one plugin opens one
 // library. plugins() and problems() load every file (for `plugins list`).
+//
+// Trust (docs/architecture.md): a directory, and a file, is used only when it
+// and every directory above it are owned by root or the caller and writable
+// by no one else (plugin_trust.hpp); a file is opened only after its ELF
+// dynamic symbol table shows the entry symbol (elf_symbols.hpp), so no code
+// of a library that is not a plugin runs; a file named like a plugin of the
+// built-in directory is not used in its place unless RegistryOptions allows
+// that kind and name ([plugins] override_builtin in a configuration).
+//
 // Every object is handed out
 // as a shared_ptr whose deleter holds its library; beyond that, a library that
 // loaded successfully is never unloaded before the process exits, so that an
@@ -43,6 +52,7 @@ struct PluginInfo {
   std::string build_tag;
   std::uint32_t abi_major = 0;
   std::uint32_t abi_minor = 0;
+  std::uint32_t interface_revision = 1;  // of its kind's interface (version.hpp)
   // Points into the loaded library; valid while the registry lives.
   std::vector<ParamSpec> params;
   ductile_plugin_factory factory = nullptr;
@@ -63,16 +73,30 @@ struct LoadProblem {
 bool parse_plugin_kind(std::string_view text, PluginKind& kind);
 std::vector<std::string> plugin_kind_names();
 
+// A plugin's kind and name, as "kind/name" reads them.
+struct PluginRef {
+  PluginKind kind;
+  std::string name;
+  friend bool operator==(const PluginRef&, const PluginRef&) = default;
+};
+// Parses "kind/name" (a known kind, a non-empty name). nullopt otherwise.
+std::optional<PluginRef> parse_plugin_ref(std::string_view text);
+
 // Loads one plugin file and checks it. Throws ductile::Error
-// (ErrorKind::plugin) with a message naming the file for: a file that is not
-// a loadable shared library, a missing entry symbol, a null descriptor, an
-// ABI major or build tag mismatch (both sides named), a kind or name that
-// does not match the file name.
+// (ErrorKind::plugin) with a message naming the file, before any of the
+// file's code runs, for: a file or a directory above it that another user
+// owns or may write (plugin_trust.hpp); a file that is not an ELF shared
+// library for this machine, or does not export the entry symbol
+// (elf_symbols.hpp). After loading, for a null descriptor, an ABI major,
+// build tag, interface revision or shared-layout mismatch (both sides
+// named), a kind or name that does not match the file name. not_found when
+// the file does not exist.
 PluginInfo load_plugin_file(const std::filesystem::path& file);
 
 // The checks load_plugin_file() makes of the descriptor a plugin's entry
 // point returned, on their own (for tools and the fuzz tests): not null,
-// ABI major, struct_size, build tag, kind, name, factory, schema keys, and
+// ABI major, struct_size, build tag, kind, interface revision, shared
+// layout, name, factory, schema keys, and
 // that `file`'s name, when it has the libductile_<kind>_<name>.so form,
 // matches. Reads only the fields within the descriptor's struct_size.
 // Returns the plugin's information without a library (`library` is null).
@@ -101,15 +125,33 @@ std::optional<PluginParamError> check_plugin_params(const PluginInfo& info, cons
 // the plugin named a key) with the plugin's kind, type and message.
 void validate_plugin_params(const PluginInfo& info, const Params& params);
 
+// A directory of the search path that was not searched, and why.
+struct SkippedDirectory {
+  std::filesystem::path directory;
+  std::string reason;  // a phrase: "named by the file's [plugins] path; ..."
+};
+
+struct RegistryOptions {
+  // Built-in plugins that a file of the same kind and name found elsewhere on
+  // the search path may replace (when it comes first). Any other such file is
+  // not used: the built-in plugin is, and problems() names the file.
+  std::vector<PluginRef> builtin_overrides;
+  // Directories the caller chose not to search (not on the search path);
+  // named, with the reason, when a plugin is not found.
+  std::vector<SkippedDirectory> unsearched;
+};
+
 class PluginRegistry {
  public:
   // Lists `search_path` in order (directory entries only; no library is
-  // opened). Duplicates (same kind and name) keep the first; the warning
-  // naming both files is logged when that plugin is loaded. Problems of a
-  // file are collected (see problems()) and logged at warning level when it
-  // is loaded.
+  // opened). A directory that fails the trust rule is not searched: a
+  // warning and problems() name it and the reason. Duplicates (same kind and
+  // name) keep the first, except that the built-in directory's file wins
+  // unless options.builtin_overrides names it; the warning naming both files
+  // is logged when that plugin is loaded. Problems of a file are collected
+  // (see problems()) and logged at warning level when it is loaded.
   PluginRegistry(std::vector<std::filesystem::path> search_path,
-                 std::shared_ptr<spdlog::logger> logger);
+                 std::shared_ptr<spdlog::logger> logger, RegistryOptions options = {});
   PluginRegistry(PluginRegistry&&) noexcept;
   PluginRegistry& operator=(PluginRegistry&&) noexcept;
   ~PluginRegistry();
@@ -128,16 +170,22 @@ class PluginRegistry {
   static std::filesystem::path core_library_dir();
 
   const std::vector<std::filesystem::path>& search_path() const;
+  // The directories not searched: those the options named, then those the
+  // trust rule refused, each with the reason.
+  const std::vector<SkippedDirectory>& skipped() const;
   // Every plugin of the search path, sorted by kind and name: loads every
   // file not loaded yet.
   const std::vector<PluginInfo>& plugins() const;
-  // The files that failed to load, in search-path order: loads every file.
+  // What could not be used: the refused directories, then the files that
+  // failed to load and those that named a built-in plugin without leave, in
+  // search-path order. Loads every file.
   const std::vector<LoadProblem>& problems() const;
 
   // The plugin of this kind and name, loading only its file. Throws
   // ductile::Error: ErrorKind::plugin when the file exists but fails to load
   // (with that failure), else ErrorKind::not_found listing the plugins of
-  // that kind (from file names) and the closest name.
+  // that kind (from file names), the closest name, the directories searched
+  // and those not searched with the reason.
   const PluginInfo& find(PluginKind kind, std::string_view name) const;
 
   // Finds by name alone (any kind), loading only the matching file; throws

@@ -41,6 +41,15 @@ struct RuntimeOptions {
   // config check` does). Off: the hooks run before each instance is created
   // and throw the plugin's error unchanged.
   bool plugin_checks = false;
+  // Built-in plugins that a plugin found elsewhere may replace, besides
+  // those of the file's [plugins] override_builtin (registry.hpp).
+  std::vector<PluginRef> builtin_overrides{};
+  // Whether the directories of the file's [plugins] path are searched. Off,
+  // no code from a directory the file names runs (`ductile config check`
+  // of a file from elsewhere); a plugin not found names those directories
+  // with `config_dirs_note` as the reason.
+  bool search_config_plugin_dirs = true;
+  std::string config_dirs_note = "named by the file's [plugins] path, not searched here";
 };
 
 class Runtime {

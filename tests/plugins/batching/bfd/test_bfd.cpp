@@ -256,3 +256,24 @@ TEST_CASE("padded budget: runs of similar lengths, each as long as its longest a
   // 100 alone, 90 alone, four 30s (4 x 30 = 120), then 25 and 10.
   CHECK(r.microbatch_count() == 4);
 }
+
+TEST_CASE("an effective batch size beyond the samples is NotEnoughSamples on every path") {
+  std::vector<std::int64_t> lengths{1, 2, 3, 4, 5};
+  for (bool same_size : {true, false}) {
+    for (std::int64_t min_batch : {std::int64_t{1}, std::int64_t{2}}) {
+      for (std::int64_t steps : {std::int64_t{6}, std::int64_t{1} << 40, INT64_MAX}) {
+        auto p = params(10);
+        p.set("effective_batch_size", steps);
+        p.set("same_size_microbatches", same_size);
+        p.set("min_batch_size", min_batch);
+        auto sampler = batching_test::sampler("bfd", p);
+        try {
+          (void)sampler->pack({lengths, std::nullopt});
+          FAIL("packed " << steps << " micro-batches per step from 5 samples");
+        } catch (const ductile::Error& e) {
+          CHECK(e.type() == "NotEnoughSamples");
+        }
+      }
+    }
+  }
+}

@@ -62,7 +62,7 @@ TEST_CASE("padded budget bounds samples x longest, not the sum") {
                                sampler->options());
 }
 
-TEST_CASE("seqlen order sorts by length then id; random order is Python's shuffle") {
+TEST_CASE("seqlen order sorts by length then id, and random order is Python's shuffle") {
   std::vector<std::int64_t> lengths{3, 1, 3, 1, 2};
   auto p = params(100);
   p.set("order", std::string("seqlen"));
@@ -141,4 +141,25 @@ TEST_CASE("inconsistent batch size bounds are refused when the sampler is create
   CHECK_THROWS_WITH_AS(batching_test::sampler("greedy", p),
                        doctest::Contains("min_batch_size = 4 is larger than max_batch_size = 2"),
                        ductile::Error);
+}
+
+TEST_CASE(
+    "an effective batch size beyond the samples is NotEnoughSamples, with no table that big") {
+  // same_size_microbatches sizes a table by effective_batch_size: up to
+  // 2^63 - 1 by the schema, so it must not be made before the sizes agree.
+  std::vector<std::int64_t> lengths{1, 2, 3, 4, 5};
+  for (bool same_size : {true, false}) {
+    for (std::int64_t steps : {std::int64_t{6}, std::int64_t{1} << 40, INT64_MAX}) {
+      auto p = params(10);
+      p.set("effective_batch_size", steps);
+      p.set("same_size_microbatches", same_size);
+      auto sampler = batching_test::sampler("greedy", p);
+      try {
+        (void)sampler->pack({lengths, std::nullopt});
+        FAIL("packed " << steps << " micro-batches per step from 5 samples");
+      } catch (const ductile::Error& e) {
+        CHECK(e.type() == "NotEnoughSamples");
+      }
+    }
+  }
 }

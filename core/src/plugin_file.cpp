@@ -1,0 +1,239 @@
+// One plugin file: the checks before anything of it runs (trust, ELF), the
+// dlopen, and the checks of the descriptor it exports (registry.hpp).
+//
+// Boost.DLL on std::filesystem: the core then needs no Boost library at run
+// time (one shared object fewer to map and relocate at every start).
+#define BOOST_DLL_USE_STD_FS 1
+#include <cmath>
+#include <cstddef>
+#include <mutex>
+#include <system_error>
+
+#include <fmt/format.h>
+#include <boost/dll/shared_library.hpp>
+
+#include "ductile/core/elf_symbols.hpp"
+#include "ductile/core/plugin_trust.hpp"
+#include "ductile/core/registry.hpp"
+#include "ductile/core/text.hpp"
+#include "registry_internal.hpp"
+
+namespace ductile::core {
+
+class LoadedLibrary {
+ public:
+  explicit LoadedLibrary(boost::dll::shared_library library) : library_(std::move(library)) {}
+
+ private:
+  boost::dll::shared_library library_;
+};
+
+namespace {
+
+namespace fs = std::filesystem;
+
+// The size of the ABI x.0 descriptor: every field up to the factory.
+constexpr std::size_t kAbiBaseSize =
+    offsetof(ductile_plugin_descriptor, create) + sizeof(ductile_plugin_factory);
+
+// Whether a descriptor of `size` bytes has the field at [offset, offset + field_size).
+bool descriptor_has(std::size_t size, std::size_t offset, std::size_t field_size) {
+  return size >= offset + field_size;
+}
+
+const char* interface_name(PluginKind kind) {
+  switch (kind) {
+    case PluginKind::elasticity:
+      return "ElasticityPolicy";
+    case PluginKind::batching:
+      return "BatchSampler";
+    case PluginKind::lr:
+      return "LrScalingRule";
+    case PluginKind::accelerator:
+      return "Accelerator";
+    case PluginKind::zero:
+      return "ParameterCoordinator";
+  }
+  return "unknown";
+}
+
+// Plugin libraries are never unloaded while the process runs (as LLVM does
+// with pass plugins): an exception thrown by a plugin method carries a vtable
+// from the plugin's code and may still be in flight after the last object and
+// registry are gone, and loggers may still format strings that live there.
+// The list is deliberately never destroyed.
+void keep_loaded(std::shared_ptr<LoadedLibrary> library) {
+  static auto* libraries = new std::vector<std::shared_ptr<LoadedLibrary>>();
+  static std::mutex mutex;
+  std::lock_guard lock(mutex);
+  libraries->push_back(std::move(library));
+}
+
+}  // namespace
+
+PluginInfo check_plugin_descriptor(const ductile_plugin_descriptor* d, const fs::path& file) {
+  const std::string shown = file.string();
+  if (d == nullptr)
+    throw Error(ErrorKind::plugin,
+                fmt::format("'{}': its entry point returned no descriptor", shown));
+  if (d->abi_major != DUCTILE_ABI_MAJOR) {
+    throw Error(
+        ErrorKind::plugin,
+        fmt::format("'{}' was built for plugin ABI {}.{} but this ductile uses ABI {}.{}; "
+                    "rebuild the plugin against this SDK",
+                    shown, d->abi_major, d->abi_minor, DUCTILE_ABI_MAJOR, DUCTILE_ABI_MINOR));
+  }
+  // Any minor version: read the fields the plugin's descriptor has (see the
+  // rule in plugin.hpp); the ABI 2.0 fields are required.
+  const std::size_t size = d->struct_size;
+  if (!descriptor_has(size, offsetof(ductile_plugin_descriptor, create),
+                      sizeof(ductile_plugin_factory))) {
+    throw Error(ErrorKind::plugin,
+                fmt::format("'{}' has a descriptor of {} bytes, smaller than the {} bytes of ABI "
+                            "{}.0; rebuild the plugin against this SDK",
+                            shown, size, kAbiBaseSize, DUCTILE_ABI_MAJOR));
+  }
+  std::string tag = d->build_tag ? d->build_tag : "";
+  if (tag != DUCTILE_BUILD_TAG) {
+    throw Error(ErrorKind::plugin,
+                fmt::format("'{}' was built with '{}' but this ductile was built with '{}'; "
+                            "rebuild the plugin with the same compiler, standard library, fmt "
+                            "and spdlog",
+                            shown, tag, DUCTILE_BUILD_TAG));
+  }
+  if (d->kind >= kPluginKindCount) {
+    throw Error(ErrorKind::plugin, fmt::format("'{}' declares unknown plugin kind {} (valid: {})",
+                                               shown, d->kind, plugin_kind_list()));
+  }
+  const auto kind = static_cast<PluginKind>(d->kind);
+  // ABI 2.2: before it, every interface was at revision 1.
+  const std::uint32_t revision =
+      descriptor_has(size, offsetof(ductile_plugin_descriptor, interface_revision),
+                     sizeof(std::uint32_t))
+          ? d->interface_revision
+          : 1;
+  if (revision != interface_revision(kind)) {
+    throw Error(ErrorKind::plugin,
+                fmt::format("'{}' was built against revision {} of the {} interface ({}) but this "
+                            "ductile has revision {}; rebuild the plugin against this SDK",
+                            shown, revision, to_string(kind), interface_name(kind),
+                            interface_revision(kind)));
+  }
+  if (descriptor_has(size, offsetof(ductile_plugin_descriptor, layout_fingerprint),
+                     sizeof(std::uint32_t)) &&
+      d->layout_fingerprint != detail::shared_layout_fingerprint()) {
+    throw Error(ErrorKind::plugin,
+                fmt::format("'{}' was compiled with another layout of the types plugins share with "
+                            "ductile (Params, ParamSpec, Error, std::string; fingerprint {:#010x}, "
+                            "this ductile's {:#010x}); rebuild it with the same compiler flags "
+                            "(for example without _GLIBCXX_DEBUG)",
+                            shown, d->layout_fingerprint, detail::shared_layout_fingerprint()));
+  }
+  if (d->name == nullptr || *d->name == '\0' || d->create == nullptr ||
+      (d->param_count > 0 && d->params == nullptr)) {
+    throw Error(
+        ErrorKind::plugin,
+        fmt::format("'{}' has an incomplete descriptor (name, factory or schema missing)", shown));
+  }
+  PluginInfo info;
+  info.kind = kind;
+  info.name = d->name;
+  info.version = d->version ? d->version : "";
+  info.description = d->description ? d->description : "";
+  info.file = file;
+  info.build_tag = tag;
+  info.abi_major = d->abi_major;
+  info.abi_minor = d->abi_minor;
+  info.interface_revision = revision;
+  for (std::size_t i = 0; i < d->param_count; ++i) {
+    const ParamSpec& p = d->params[i];
+    if (p.key == nullptr || *p.key == '\0')
+      throw Error(ErrorKind::plugin,
+                  fmt::format("'{}': parameter {} of its schema has no key", shown, i));
+    if (static_cast<std::uint32_t>(p.type) > static_cast<std::uint32_t>(ParamType::string_list))
+      throw Error(ErrorKind::plugin,
+                  fmt::format("'{}': parameter '{}' of its schema has unknown type {} (valid: "
+                              "0 to {})",
+                              shown, excerpt(p.key), static_cast<std::uint32_t>(p.type),
+                              static_cast<std::uint32_t>(ParamType::string_list)));
+    const bool has_min = p.flags & param_has_min, has_max = p.flags & param_has_max;
+    if ((has_min && std::isnan(p.min_value)) || (has_max && std::isnan(p.max_value)))
+      throw Error(ErrorKind::plugin,
+                  fmt::format("'{}': parameter '{}' of its schema has a NaN bound (valid: any "
+                              "other number, or clear the param_has_min/param_has_max flag)",
+                              shown, excerpt(p.key)));
+    if (has_min && has_max && p.min_value > p.max_value)
+      throw Error(ErrorKind::plugin,
+                  fmt::format("'{}': parameter '{}' of its schema has min_value {} above "
+                              "max_value {} (valid: min_value <= max_value)",
+                              shown, excerpt(p.key), p.min_value, p.max_value));
+    info.params.push_back(p);
+  }
+  PluginKind file_kind;
+  std::string file_name;
+  if (split_plugin_file_name(file, file_kind, file_name) &&
+      (file_kind != info.kind || file_name != info.name)) {
+    throw Error(ErrorKind::plugin,
+                fmt::format("'{}' declares plugin {}/{} but its file name says {}/{}; name the "
+                            "file libductile_{}_{}.so",
+                            shown, to_string(info.kind), info.name, to_string(file_kind), file_name,
+                            to_string(info.kind), info.name));
+  }
+  info.factory = d->create;
+  if (descriptor_has(size, offsetof(ductile_plugin_descriptor, validate),
+                     sizeof(ductile_plugin_validate)))
+    info.validate = d->validate;
+  return info;
+}
+
+PluginInfo load_plugin_file(const fs::path& file) {
+  const std::string shown = file.string();
+  std::error_code exists_error;
+  if (!fs::is_regular_file(file, exists_error))
+    throw Error(ErrorKind::not_found, fmt::format("plugin file '{}' does not exist", shown));
+
+  // Nothing of the file runs before these checks: not the constructors of a
+  // file another user could have put there, nor those of a library that is
+  // not a plugin.
+  if (auto reason = untrusted_reason(file))
+    throw Error(ErrorKind::plugin,
+                fmt::format("'{}' is refused: it {}; {}", shown, *reason, kTrustRule));
+  // Loaded by the path checked: a link changed afterwards does not matter.
+  std::error_code resolve_error;
+  const fs::path real = fs::canonical(file, resolve_error);
+  if (resolve_error)
+    throw Error(ErrorKind::plugin,
+                fmt::format("'{}' cannot be resolved: {}", shown, resolve_error.message()));
+  const ElfExport elf = find_elf_export_in_file(real, DUCTILE_PLUGIN_ENTRY_SYMBOL);
+  if (!elf.loadable)
+    throw Error(ErrorKind::plugin,
+                fmt::format("'{}' is not a loadable shared library: it {}", shown, elf.problem));
+  if (!elf.exported) {
+    throw Error(ErrorKind::plugin,
+                fmt::format("'{}' is a shared library but not a ductile plugin: it does not "
+                            "export the entry symbol '{}' (define it with DUCTILE_PLUGIN); it was "
+                            "not loaded",
+                            shown, DUCTILE_PLUGIN_ENTRY_SYMBOL));
+  }
+
+  boost::dll::shared_library library;
+  boost::dll::fs::error_code ec;
+  library.load(real, boost::dll::load_mode::rtld_now | boost::dll::load_mode::rtld_local, ec);
+  if (ec || !library.is_loaded()) {
+    throw Error(ErrorKind::plugin,
+                fmt::format("'{}' is not a loadable shared library: {}", shown, ec.message()));
+  }
+  if (!library.has(DUCTILE_PLUGIN_ENTRY_SYMBOL)) {
+    throw Error(ErrorKind::plugin,
+                fmt::format("'{}' is a shared library but not a ductile plugin: it does not "
+                            "export the entry symbol '{}' (define it with DUCTILE_PLUGIN)",
+                            shown, DUCTILE_PLUGIN_ENTRY_SYMBOL));
+  }
+  auto entry = library.get<const ductile_plugin_descriptor*()>(DUCTILE_PLUGIN_ENTRY_SYMBOL);
+  PluginInfo info = check_plugin_descriptor(entry(), file);
+  info.library = std::make_shared<LoadedLibrary>(std::move(library));
+  keep_loaded(info.library);
+  return info;
+}
+
+}  // namespace ductile::core
