@@ -1,7 +1,5 @@
 // The agent's loop: register, read the rendezvous, lead when oldest, run this
 // node's workers for the current round. See agent.hpp and rendezvous.hpp.
-#include "ductile/agent/agent.hpp"
-
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -9,39 +7,20 @@
 
 #include <algorithm>
 #include <fstream>
-#include <map>
 #include <random>
 
-#include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <nlohmann/json.hpp>
 
-#include "ductile/agent/etcd_store.hpp"
-#include "ductile/agent/job_policy.hpp"
-#include "ductile/agent/rendezvous.hpp"
-#include "ductile/agent/workers.hpp"
+#include "agent_impl.hpp"
 #include "ductile/error.hpp"
-#include "keep_alive.hpp"
-#include "ompi_server.hpp"
 
 extern char** environ;
 
 namespace ductile::agent {
-namespace {
 
-using json = nlohmann::json;
 using std::chrono::milliseconds;
 
-milliseconds now_ms() {
-  return std::chrono::duration_cast<milliseconds>(
-      std::chrono::system_clock::now().time_since_epoch());
-}
-
-std::string host_name() {
-  char buffer[256] = {};
-  if (gethostname(buffer, sizeof buffer - 1) != 0) return "localhost";
-  return buffer;
-}
+namespace {
 
 // The port `port` (0: any) when it can be bound now, else 0.
 int bindable_port(int port) {
@@ -77,195 +56,97 @@ int free_port(int avoid) {
   throw std::runtime_error("cannot find a free TCP port for MASTER_PORT");
 }
 
-void check_options(const AgentOptions& o) {
-  auto bad = [](const std::string& message) { throw Error(ErrorKind::invalid_argument, message); };
-  if (o.job_id.empty() ||
-      o.job_id.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnop"
-                                 "qrstuvwxyz0123456789._-") != std::string::npos)
-    bad(fmt::format("--job-id '{}' is invalid: use letters, digits, '.', '_' and '-'", o.job_id));
-  if (o.node_id.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
-                                  "0123456789._-") != std::string::npos)
-    bad(fmt::format("--node-id '{}' is invalid: use letters, digits, '.', '_' and '-'", o.node_id));
-  if (o.nproc_per_node < 1)
-    bad(
-        fmt::format("--nproc-per-node {} is invalid: give the number of workers of this node "
-                    "(>= 1)",
-                    o.nproc_per_node));
-  if (o.min_nodes < 1) bad(fmt::format("--min-nodes {} is invalid: give 1 or more", o.min_nodes));
-  if (o.max_nodes && (*o.max_nodes < 1 || *o.max_nodes < o.min_nodes))
-    bad(fmt::format("--max-nodes {} is invalid: it must be at least --min-nodes ({})", *o.max_nodes,
-                    o.min_nodes));
-  if (o.max_restarts < 0)
-    bad(fmt::format("--max-restarts {} is invalid: give 0 or more", o.max_restarts));
-  if (o.command.empty())
-    bad("no worker command: give it after '--', e.g. ductile agent ... -- python3 train.py");
-  if (o.lease_ttl < std::chrono::seconds(2))
-    bad(fmt::format("--lease-ttl {} is invalid: etcd leases last at least 2 seconds",
-                    o.lease_ttl.count()));
-  if (o.poll_interval <= milliseconds(0) || o.stop_grace < milliseconds(0) ||
-      o.settle < milliseconds(0) || o.store_timeout <= milliseconds(0))
-    bad("--poll-interval and --store-timeout must be > 0, --settle and --stop-grace >= 0");
+}  // namespace
+
+void Agent::ignore_record(const KeyValue& kv, const std::string& problem,
+                          const std::string& outcome) {
+  auto [it, inserted] = ignored_.try_emplace(kv.key, kv.mod_revision);
+  if (!inserted && it->second == kv.mod_revision) return;
+  it->second = kv.mod_revision;
+  log(fmt::format("ignoring {} (revision {}): {}; {}", kv.key, kv.mod_revision, problem, outcome));
 }
 
-class Agent {
- public:
-  explicit Agent(const AgentOptions& o) : o_(o) {}
-  int run();
-
- private:
-  void log(const std::string& message) const {
-    write_line(true, fmt::format("ductile agent {}: {}", id_, message));
+std::vector<NodeInfo> Agent::live_nodes(const std::vector<KeyValue>& kvs, bool* own_ok) {
+  std::vector<NodeInfo> alive;
+  std::map<std::string, NodeInfo> known;
+  const std::string nodes = key("nodes/");
+  *own_ok = false;
+  for (const auto& kv : kvs) {
+    std::string id = kv.key.substr(nodes.size());
+    if (kv.lease == 0) {
+      ignore_record(kv, "it has no lease, so no agent keeps it alive",
+                    "not counted as a node (a stale or hand-written key?)");
+      continue;
+    }
+    try {
+      alive.push_back(node_from_json(kv.value, id, kv.create_revision));
+      known[kv.key] = alive.back();
+      if (id == id_) *own_ok = kv.lease == lease_ && alive.back().addr == addr_;
+    } catch (const MalformedRecord& e) {
+      // A key that held a node's valid record was overwritten (its create
+      // revision is the same): the node stays as it was; else it is not one.
+      auto it = known_nodes_.find(kv.key);
+      bool was_valid = it != known_nodes_.end() && it->second.create_revision == kv.create_revision;
+      ignore_record(kv, e.what(),
+                    was_valid ? "the node's last valid record stands" : "not counted as a node");
+      if (was_valid) {
+        alive.push_back(it->second);
+        known[kv.key] = it->second;
+      }
+    }
   }
-  std::string key(const std::string& name) const { return prefix_ + name; }
-  void setup();
-  void register_node();
-  void check_settings();
-  void lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& round_kv);
-  std::optional<int> apply(const RoundRecord& round);
-  void start_workers(const RoundRecord& round, std::size_t group_rank);
-  void report_worker_exit();
-  int leave(int code);
+  known_nodes_ = std::move(known);
+  std::sort(alive.begin(), alive.end(), [](const NodeInfo& a, const NodeInfo& b) {
+    return a.create_revision < b.create_revision;
+  });
+  return alive;
+}
 
-  const AgentOptions& o_;
-  std::optional<JobPolicy> policy_;
-  RendezvousSettings settings_;
-  std::string endpoint_, prefix_, id_, addr_;
-  std::unique_ptr<EtcdStore> store_;
-  std::int64_t lease_ = 0;
-  std::unique_ptr<KeepAlive> keep_alive_;
-  std::unique_ptr<OmpiServer> mpi_server_;  // with --mpi-world
-  WorkerGroup workers_;
-  std::int64_t current_round_ = 0;
-  bool member_ = false;
-  bool reported_ = false;  // this round's worker exit is in the store
-  std::optional<WorkerExit> local_failure_;
-  int last_port_ = 0;
-  std::vector<std::string> last_alive_;
-  milliseconds last_membership_change_{0};
-  std::map<std::int64_t, milliseconds> failure_seen_;
-  std::optional<milliseconds> outage_since_;
-  std::string settings_text_;
-};
-
-void Agent::setup() {
-  check_options(o_);
-  policy_ = JobPolicy::load(o_.config, o_.runtime);
-  const auto& valid = policy_->valid_gpus();
-  std::int64_t max_nodes = o_.max_nodes.value_or(
-      std::max<std::int64_t>(o_.min_nodes, valid.empty() ? 0 : valid.back() / o_.nproc_per_node));
-  if (admitted_nodes(valid, o_.nproc_per_node, o_.min_nodes, max_nodes, max_nodes) == 0) {
-    std::vector<std::int64_t> usable;
-    for (std::int64_t n = 1; n <= (valid.empty() ? 0 : valid.back()); ++n)
-      if (admitted_nodes(valid, n, o_.min_nodes, max_nodes, max_nodes) > 0) usable.push_back(n);
-    throw Error(ErrorKind::incompatible,
-                fmt::format("--nproc-per-node {}: no world size of {} to {} nodes x {} is valid "
-                            "for {} (policy '{}', valid GPU counts [{}]); nproc-per-node values "
-                            "that fit: [{}]",
-                            o_.nproc_per_node, o_.min_nodes, max_nodes, o_.nproc_per_node,
-                            policy_->origin(), policy_->policy_name(), fmt::join(valid, ", "),
-                            fmt::join(usable, ", ")));
-  }
-  settings_.valid_gpus = valid;
-  settings_.nproc_per_node = o_.nproc_per_node;
-  settings_.min_nodes = o_.min_nodes;
-  settings_.max_nodes = max_nodes;
-  settings_.max_restarts = o_.max_restarts;
-  settings_.min_time = o_.min_time.value_or(policy_->min_time());
-  settings_.settle = o_.settle;
-  settings_.failure_grace = o_.failure_grace.value_or(milliseconds(o_.lease_ttl));
-
-  endpoint_ = etcd_endpoint_from_url(o_.rdzv, "--rdzv");
-  prefix_ = "/ductile/agent/" + o_.job_id + "/";
-  addr_ = o_.node_addr.empty() ? host_name() : o_.node_addr;
-  if (o_.node_id.empty()) {
-    std::random_device random;
-    id_ = fmt::format("{}-{}-{:04x}", host_name(), getpid(), random() & 0xffff);
-  } else {
-    id_ = o_.node_id;
-  }
-  store_ = std::make_unique<EtcdStore>(endpoint_);
+std::optional<RoundRecord> Agent::read_round(const std::optional<KeyValue>& kv) {
+  if (!kv) return std::nullopt;
   try {
-    lease_ = store_->grant_lease(o_.lease_ttl.count());
-  } catch (const StoreError& e) {
-    throw Error(ErrorKind::communication,
-                fmt::format("cannot reach etcd for --rdzv {}: {}; start etcd there or give the "
-                            "address of a running one",
-                            o_.rdzv, e.what()));
+    RoundRecord round = round_from_json(kv->value);
+    check_round_fits(round, o_.nproc_per_node, settings_.valid_gpus);
+    highest_round_ = std::max(highest_round_, round.round);
+    last_good_round_ = round;
+    ignored_.erase(kv->key);
+    return round;
+  } catch (const MalformedRecord& e) {
+    ignore_record(*kv, e.what(),
+                  "this node keeps its round; the leader replaces the record with the last valid "
+                  "one");
+    return std::nullopt;
   }
-  if (o_.mpi_world) mpi_server_ = std::make_unique<OmpiServer>();
 }
 
-void Agent::register_node() {
-  store_->put(key("nodes/" + id_), to_json(NodeInfo{id_, addr_, 0}), lease_);
-}
-
-void Agent::check_settings() {
-  json mine = json::parse(policy_->settings_json());
-  mine["nproc_per_node"] = o_.nproc_per_node;
-  mine["mpi_world"] = o_.mpi_world;
-  settings_text_ = mine.dump();
-  for (int attempt = 0; attempt < 5; ++attempt) {
-    auto existing = store_->get(key("settings"));
-    auto nodes = store_->get_prefix(key("nodes/"));
-    bool others = std::any_of(nodes.begin(), nodes.end(),
-                              [&](const KeyValue& kv) { return kv.key != key("nodes/" + id_); });
-    if (!others) {
-      // First agent of a (new) run: state a finished or crashed run left
-      // behind is not this run's.
-      store_->erase(key("round"));
-      store_->erase_prefix(key("failure/"));
-      store_->erase_prefix(key("done/"));
+void Agent::lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& round_kv,
+                 std::optional<RoundRecord>& round) {
+  if (round_kv && !round && last_good_round_) {
+    // A record no agent wrote: put back the last valid one (the workers of
+    // every member go on in their round).
+    if (store_->compare_and_swap(key("round"), round_kv->mod_revision,
+                                 to_json(*last_good_round_))) {
+      log(fmt::format("leader: restored round {} in {}", last_good_round_->round, key("round")));
+      round_kv = store_->get(key("round"));
+      round = read_round(round_kv);
     }
-    if (existing && existing->value == settings_text_) return;
-    if (existing && others) {
-      json theirs = json::parse(existing->value, nullptr, false);
-      std::vector<std::string> differences;
-      auto compare = [&](const std::string& name, const json& a, const json& b) {
-        if (a != b)
-          differences.push_back(fmt::format("{} is {} there, {} here", name, a.dump(), b.dump()));
-      };
-      if (theirs.is_object()) {
-        compare("policy", theirs.value("policy", json()), mine["policy"]);
-        compare("nproc_per_node", theirs.value("nproc_per_node", json()), mine["nproc_per_node"]);
-        compare("--mpi-world", theirs.value("mpi_world", false), mine["mpi_world"]);
-        json tp = theirs.value("params", json::object()), mp = mine["params"];
-        for (auto it = mp.begin(); it != mp.end(); ++it)
-          compare(it.key(), tp.value(it.key(), json()), it.value());
-        for (auto it = tp.begin(); it != tp.end(); ++it)
-          if (!mp.contains(it.key())) compare(it.key(), it.value(), json());
-      }
-      if (differences.empty()) differences.push_back("the settings record differs");
-      try {
-        store_->revoke_lease(lease_);
-      } catch (const StoreError&) {
-      }
-      throw Error(ErrorKind::config,
-                  fmt::format("job id '{}' is in use on {} with another configuration: {} ({} "
-                              "here); give another --job-id or the job's configuration",
-                              o_.job_id, store_->describe(), fmt::join(differences, "; "),
-                              o_.config.string()));
-    }
-    if (store_->compare_and_swap(key("settings"), existing ? existing->mod_revision : 0,
-                                 settings_text_))
-      return;
+    return;
   }
-  throw std::runtime_error(
-      "the job's settings record keeps changing; is another job starting "
-      "with the same --job-id?");
-}
-
-void Agent::lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& round_kv) {
   Observation seen;
   seen.now = now_ms();
   seen.alive = alive;
   seen.last_membership_change = last_membership_change_;
-  if (round_kv) seen.round = round_from_json(round_kv->value);
+  seen.round = round;
   if (seen.round && !seen.round->members.empty()) {
     std::string r = std::to_string(seen.round->round);
     if (auto f = store_->get(key("failure/" + r))) {
-      seen.failure = failure_from_json(f->value);
-      auto [it, inserted] = failure_seen_.try_emplace(seen.round->round, seen.now);
-      seen.failure_seen = it->second;
+      try {
+        seen.failure = failure_from_json(f->value);
+        auto [it, inserted] = failure_seen_.try_emplace(seen.round->round, seen.now);
+        seen.failure_seen = it->second;
+      } catch (const MalformedRecord& e) {
+        ignore_record(*f, e.what(), "not counted as a failure");
+      }
     }
     auto done = store_->get_prefix(key("done/" + r + "/"));
     seen.all_done = std::all_of(
@@ -279,7 +160,7 @@ void Agent::lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& ro
   if (d.action == Action::keep) return;
   RoundRecord next = seen.round.value_or(RoundRecord{});
   if (d.action == Action::new_round) {
-    next.round += 1;
+    next.round = std::max(next.round, highest_round_) + 1;
     next.members.clear();
     for (const auto& n : d.members) next.members.push_back(n.id);
     next.world_size = static_cast<std::int64_t>(d.members.size()) * o_.nproc_per_node;
@@ -307,6 +188,7 @@ void Agent::lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& ro
     else
       log(fmt::format("leader: job {}: {}", to_string(next.state), d.reason));
     round_kv = store_->get(key("round"));
+    round = read_round(round_kv);
   }
 }
 
@@ -442,10 +324,29 @@ void Agent::report_worker_exit() {
                       failure->rank, failure->status));
       workers_.stop(o_.stop_grace);
     }
-    FailureReport report{id_, local_failure_->rank, local_failure_->local_rank,
-                         local_failure_->status, local_failure_->last_lines};
-    store_->compare_and_swap(key("failure/" + std::to_string(current_round_)), 0, to_json(report));
-    reported_ = true;
+    FailureReport report{id_,
+                         local_failure_->rank,
+                         local_failure_->local_rank,
+                         std::clamp(local_failure_->status, 1, 255),
+                         {},
+                         "",
+                         ""};
+    for (const auto& line : local_failure_->last_lines)
+      report.last_lines.push_back(excerpt(line, kMaxTextChars - 3));
+    if (report.last_lines.size() > kMaxReportLines)
+      report.last_lines.erase(report.last_lines.begin(), report.last_lines.end() - kMaxReportLines);
+    const std::string k = key("failure/" + std::to_string(current_round_));
+    if (store_->compare_and_swap(k, 0, to_json(report))) {
+      reported_ = true;
+    } else if (auto existing = store_->get(k)) {
+      try {
+        failure_from_json(existing->value);
+        reported_ = true;  // another worker's failure came first
+      } catch (const MalformedRecord& e) {
+        ignore_record(*existing, e.what(), "replaced by this node's failure report");
+        reported_ = store_->compare_and_swap(k, existing->mod_revision, to_json(report));
+      }
+    }
   } else if (workers_.all_succeeded()) {
     store_->put(key("done/" + std::to_string(current_round_) + "/" + id_), "{}");
     log(fmt::format("round {}: this node's workers finished", current_round_));
@@ -467,10 +368,17 @@ int Agent::leave(int code) {
 
 int Agent::run() {
   setup();
-  register_node();
-  check_settings();
+  // The lease is kept alive from now on: registering may wait for a
+  // previous run's registration to expire.
   keep_alive_ = std::make_unique<KeepAlive>(
       endpoint_, lease_, std::max(milliseconds(o_.lease_ttl) / 3, milliseconds(200)));
+  register_node();
+  {
+    bool own_ok = false;
+    auto others = live_nodes(store_->get_prefix(key("nodes/")), &own_ok);
+    std::erase_if(others, [&](const NodeInfo& n) { return n.id == id_; });
+    check_settings(others);
+  }
   log(fmt::format(
       "joined job '{}' on {} (address {}, {} worker(s), nodes {}..{}, valid GPU "
       "counts [{}], min_time {} ms)",
@@ -490,7 +398,7 @@ int Agent::run() {
         log("lease expired (etcd was unreachable too long?); registering again");
         lease_ = store_->grant_lease(o_.lease_ttl.count());
         keep_alive_->set_lease(lease_);
-        register_node();
+        reclaim_node_key("expired with its lease");
       }
       auto node_kvs = store_->get_prefix(key("nodes/"));
       auto round_kv = store_->get(key("round"));
@@ -499,21 +407,25 @@ int Agent::run() {
                         (now_ms() - *outage_since_).count()));
         outage_since_.reset();
       }
-      std::vector<NodeInfo> alive;
-      for (const auto& kv : node_kvs) alive.push_back(node_from_json(kv.value, kv.create_revision));
-      std::sort(alive.begin(), alive.end(), [](const NodeInfo& a, const NodeInfo& b) {
-        return a.create_revision < b.create_revision;
-      });
+      bool own_ok = false;
+      std::vector<NodeInfo> alive = live_nodes(node_kvs, &own_ok);
+      if (!own_ok) {
+        reclaim_node_key(fmt::format("{} is gone or is not this agent's", key("nodes/" + id_)));
+        continue;
+      }
       std::vector<std::string> ids;
       for (const auto& n : alive) ids.push_back(n.id);
       if (ids != last_alive_) {
         last_alive_ = ids;
         last_membership_change_ = now_ms();
       }
-      if (!alive.empty() && alive.front().id == id_) lead(alive, round_kv);
-      if (round_kv)
-        if (auto code = apply(round_from_json(round_kv->value))) return leave(*code);
-    } catch (const StoreUnavailable& e) {
+      std::optional<RoundRecord> round = read_round(round_kv);
+      if (alive.front().id == id_) lead(alive, round_kv, round);
+      if (round)
+        if (auto code = apply(*round)) return leave(*code);
+    } catch (const StoreError& e) {
+      // Unreachable, or an answer that is an error: the workers keep
+      // running while the store may come back.
       auto now = now_ms();
       if (!outage_since_) {
         outage_since_ = now;
@@ -525,11 +437,13 @@ int Agent::run() {
                         store_->describe(), (now - *outage_since_).count(), e.what()));
         return leave(kAgentStoreLost);
       }
+    } catch (const Error& e) {
+      // Another agent took this node's id while it was away.
+      log(fmt::format("error: {}", e.what()));
+      return leave(2);
     }
   }
 }
-
-}  // namespace
 
 int run_agent(const AgentOptions& options) {
   Agent agent(options);

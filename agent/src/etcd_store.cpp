@@ -6,6 +6,7 @@
 #include <curl/curl.h>
 
 #include <array>
+#include <charconv>
 #include <mutex>
 
 #include <fmt/format.h>
@@ -77,21 +78,50 @@ std::string prefix_end(std::string prefix) {
   return std::string(1, '\0');
 }
 
+// The gateway writes 64-bit integers as strings; anything else in their
+// place is an answer no etcd gives (StoreError, never a crash).
 std::int64_t as_int(const json& object, const char* field) {
+  if (!object.is_object())
+    throw StoreError("etcd answered with a non-object where one is expected");
   auto it = object.find(field);
   if (it == object.end()) return 0;
-  if (it->is_string()) return std::stoll(it->get<std::string>());
-  if (it->is_number_integer()) return it->get<std::int64_t>();
-  return 0;
+  if (it->is_number_integer() && !it->is_number_unsigned()) return it->get<std::int64_t>();
+  if (it->is_string()) {
+    const auto& s = it->get_ref<const std::string&>();
+    std::int64_t value = 0;
+    auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), value);
+    if (ec == std::errc() && end == s.data() + s.size() && !s.empty()) return value;
+  }
+  throw StoreError(fmt::format("etcd answered with {} = {}, not a 64-bit integer", field,
+                               it->dump(-1, ' ', false, json::error_handler_t::replace)));
+}
+
+std::string as_bytes(const json& kv, const char* field) {
+  auto it = kv.find(field);
+  if (it == kv.end()) return {};
+  if (!it->is_string())
+    throw StoreError(fmt::format("etcd answered with a {} that is not base64", field));
+  return base64_decode(it->get<std::string>());
 }
 
 KeyValue to_key_value(const json& kv) {
+  if (!kv.is_object()) throw StoreError("etcd answered with a key-value that is not an object");
   KeyValue out;
-  out.key = base64_decode(kv.value("key", ""));
-  out.value = base64_decode(kv.value("value", ""));
+  out.key = as_bytes(kv, "key");
+  out.value = as_bytes(kv, "value");
   out.create_revision = as_int(kv, "create_revision");
   out.mod_revision = as_int(kv, "mod_revision");
   out.lease = as_int(kv, "lease");
+  return out;
+}
+
+// The "kvs" of a range answer.
+std::vector<KeyValue> key_values(const json& reply) {
+  std::vector<KeyValue> out;
+  if (!reply.is_object() || !reply.contains("kvs")) return out;
+  const json& kvs = reply["kvs"];
+  if (!kvs.is_array()) throw StoreError("etcd answered a range request with kvs not a list");
+  for (const auto& kv : kvs) out.push_back(to_key_value(kv));
   return out;
 }
 
@@ -154,14 +184,22 @@ struct EtcdStore::Impl {
       throw StoreUnavailable(
           fmt::format("etcd at {}: {} failed: {}", endpoint, path, curl_easy_strerror(rc)));
     json reply = json::parse(answer, nullptr, false);
-    if (reply.is_discarded())
+    if (reply.is_discarded() || !reply.is_object())
       throw StoreError(
           fmt::format("etcd at {}: {} answered HTTP {} with a body that is not "
-                      "JSON: {}",
+                      "a JSON object: {}",
                       endpoint, path, status, answer.substr(0, 200)));
     if (status != 200 || reply.contains("error")) {
-      std::string message = reply.value("message", reply.value("error", answer));
-      int code = reply.value("code", 0);
+      auto text_of = [&](const char* field) -> std::string {
+        auto it = reply.find(field);
+        return it != reply.end() && it->is_string() ? it->get<std::string>() : std::string();
+      };
+      std::string message = text_of("message");
+      if (message.empty()) message = text_of("error");
+      if (message.empty()) message = answer.substr(0, 200);
+      auto code_it = reply.find("code");
+      std::int64_t code =
+          code_it != reply.end() && code_it->is_number_integer() ? code_it->get<std::int64_t>() : 0;
       // gRPC codes 4 (deadline exceeded), 14 (unavailable): no leader yet,
       // a restart in progress; retrying helps.
       if (status >= 500 || code == 4 || code == 14)
@@ -213,6 +251,12 @@ void EtcdStore::revoke_lease(std::int64_t lease) {
   }
 }
 
+std::int64_t EtcdStore::lease_remaining(std::int64_t lease) {
+  auto reply = impl_->call("/v3/lease/timetolive", {{"ID", std::to_string(lease)}});
+  // An expired or unknown lease: TTL -1.
+  return as_int(reply, "TTL");
+}
+
 void EtcdStore::put(const std::string& key, const std::string& value, std::int64_t lease) {
   json request = {{"key", base64_encode(key)}, {"value", base64_encode(value)}};
   if (lease != 0) request["lease"] = std::to_string(lease);
@@ -220,18 +264,15 @@ void EtcdStore::put(const std::string& key, const std::string& value, std::int64
 }
 
 std::optional<KeyValue> EtcdStore::get(const std::string& key) {
-  auto reply = impl_->call("/v3/kv/range", {{"key", base64_encode(key)}});
-  if (!reply.contains("kvs") || reply["kvs"].empty()) return std::nullopt;
-  return to_key_value(reply["kvs"][0]);
+  auto kvs = key_values(impl_->call("/v3/kv/range", {{"key", base64_encode(key)}}));
+  if (kvs.empty()) return std::nullopt;
+  return kvs.front();
 }
 
 std::vector<KeyValue> EtcdStore::get_prefix(const std::string& prefix) {
-  auto reply = impl_->call("/v3/kv/range", {{"key", base64_encode(prefix)},
-                                            {"range_end", base64_encode(prefix_end(prefix))}});
-  std::vector<KeyValue> out;
-  if (reply.contains("kvs"))
-    for (const auto& kv : reply["kvs"]) out.push_back(to_key_value(kv));
-  return out;
+  return key_values(impl_->call(
+      "/v3/kv/range",
+      {{"key", base64_encode(prefix)}, {"range_end", base64_encode(prefix_end(prefix))}}));
 }
 
 void EtcdStore::erase(const std::string& key) {
@@ -254,7 +295,8 @@ bool EtcdStore::compare_and_swap(const std::string& key, std::int64_t expected_m
                      {"mod_revision", std::to_string(expected_mod_revision)}}}},
                   {"success", {{{"request_put", put}}}}};
   auto reply = impl_->call("/v3/kv/txn", request);
-  return reply.value("succeeded", false);
+  auto it = reply.find("succeeded");
+  return it != reply.end() && it->is_boolean() && it->get<bool>();
 }
 
 std::string EtcdStore::describe() const {

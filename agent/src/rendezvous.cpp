@@ -1,4 +1,4 @@
-// Rendezvous records and the leader's decisions; see rendezvous.hpp.
+// The leader's decisions; see rendezvous.hpp (the records: records.cpp).
 #include "ductile/agent/rendezvous.hpp"
 
 #include <algorithm>
@@ -6,120 +6,8 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <nlohmann/json.hpp>
 
 namespace ductile::agent {
-namespace {
-
-using json = nlohmann::json;
-
-json failure_json(const FailureReport& f) {
-  return {{"node", f.node},
-          {"rank", f.rank},
-          {"local_rank", f.local_rank},
-          {"exit_status", f.exit_status},
-          {"last_lines", f.last_lines}};
-}
-
-FailureReport failure_of(const json& j) {
-  FailureReport f;
-  f.node = j.at("node").get<std::string>();
-  f.rank = j.at("rank").get<std::int64_t>();
-  f.local_rank = j.at("local_rank").get<std::int64_t>();
-  f.exit_status = j.at("exit_status").get<int>();
-  f.last_lines = j.at("last_lines").get<std::vector<std::string>>();
-  return f;
-}
-
-json parse(const std::string& text, const char* what) {
-  json j = json::parse(text, nullptr, false);
-  if (j.is_discarded() || !j.is_object())
-    throw std::runtime_error(fmt::format("malformed {} record: {}", what, text.substr(0, 200)));
-  return j;
-}
-
-}  // namespace
-
-const char* to_string(RoundState state) {
-  switch (state) {
-    case RoundState::running:
-      return "running";
-    case RoundState::succeeded:
-      return "succeeded";
-    case RoundState::failed:
-      return "failed";
-  }
-  return "running";
-}
-
-std::string to_json(const RoundRecord& r) {
-  json j = {{"round", r.round},
-            {"members", r.members},
-            {"master_addr", r.master_addr},
-            {"master_port", r.master_port},
-            {"mpi_server_uri", r.mpi_server_uri},
-            {"mpi_join_port", r.mpi_join_port},
-            {"world_size", r.world_size},
-            {"restarts", r.restarts},
-            {"started_ms", r.started_ms},
-            {"reason", r.reason},
-            {"state", to_string(r.state)}};
-  if (r.failure) j["failure"] = failure_json(*r.failure);
-  return j.dump();
-}
-
-RoundRecord round_from_json(const std::string& text) {
-  json j = parse(text, "round");
-  try {
-    RoundRecord r;
-    r.round = j.at("round").get<std::int64_t>();
-    r.members = j.at("members").get<std::vector<std::string>>();
-    r.master_addr = j.at("master_addr").get<std::string>();
-    r.master_port = j.at("master_port").get<int>();
-    r.mpi_server_uri = j.value("mpi_server_uri", "");
-    r.mpi_join_port = j.value("mpi_join_port", 0);
-    r.world_size = j.at("world_size").get<std::int64_t>();
-    r.restarts = j.at("restarts").get<std::int64_t>();
-    r.started_ms = j.at("started_ms").get<std::int64_t>();
-    r.reason = j.value("reason", "");
-    auto state = j.at("state").get<std::string>();
-    if (state == "succeeded")
-      r.state = RoundState::succeeded;
-    else if (state == "failed")
-      r.state = RoundState::failed;
-    else if (state == "running")
-      r.state = RoundState::running;
-    else
-      throw std::runtime_error("unknown state '" + state + "'");
-    if (j.contains("failure")) r.failure = failure_of(j["failure"]);
-    return r;
-  } catch (const json::exception& e) {
-    throw std::runtime_error(
-        fmt::format("malformed round record ({}): {}", e.what(), text.substr(0, 200)));
-  }
-}
-
-std::string to_json(const FailureReport& report) {
-  return failure_json(report).dump();
-}
-
-FailureReport failure_from_json(const std::string& text) {
-  try {
-    return failure_of(parse(text, "failure"));
-  } catch (const json::exception& e) {
-    throw std::runtime_error(
-        fmt::format("malformed failure record ({}): {}", e.what(), text.substr(0, 200)));
-  }
-}
-
-std::string to_json(const NodeInfo& node) {
-  return json{{"id", node.id}, {"addr", node.addr}}.dump();
-}
-
-NodeInfo node_from_json(const std::string& text, std::int64_t create_revision) {
-  json j = parse(text, "node");
-  return NodeInfo{j.value("id", ""), j.value("addr", ""), create_revision};
-}
 
 std::int64_t admitted_nodes(const std::vector<std::int64_t>& valid_gpus,
                             std::int64_t nproc_per_node, std::int64_t min_nodes,

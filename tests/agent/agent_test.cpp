@@ -9,87 +9,13 @@
 #include <iostream>
 #include <sstream>
 
-#include "agent_support.hpp"
+#include "agent_job.hpp"
 #ifdef DUCTILE_ZERO3_WORKER_ENV
 #include <nlohmann/json.hpp>
 #endif
 #include "process.hpp"
-#include "temp_dir.hpp"
 
 using namespace ductile::test;
-
-namespace {
-
-// Valid GPU counts [1, 2, 3, 4, 6]: with 2 workers per node 1, 2 or 3 nodes
-// (4 nodes = 8 GPUs is not valid).
-constexpr const char* kJobToml = R"([elasticity]
-policy = "v0.1"
-max_train_batch_size = 24
-micro_batch_sizes = [1, 2, 3]
-min_gpus = 1
-max_gpus = 6
-)";
-
-struct Job {
-  TempDir dir;
-  std::string marker = new_marker();
-  EtcdServer etcd{dir.path()};
-  std::filesystem::path config = dir.write("job.toml", kJobToml);
-  std::vector<std::unique_ptr<Child>> agents;
-
-  Child& start(const std::string& name, std::vector<std::string> options,
-               const std::vector<std::string>& command, const std::string& job_id = "job") {
-    std::vector<std::string> argv = {DUCTILE_CLI,   "agent",     "--config",  config.string(),
-                                     "--rdzv",      etcd.url(),  "--job-id",  job_id,
-                                     "--node-addr", "127.0.0.1", "--node-id", name};
-    argv.insert(argv.end(), options.begin(), options.end());
-    argv.push_back("--");
-    argv.insert(argv.end(), command.begin(), command.end());
-    agents.push_back(
-        std::make_unique<Child>(argv, std::vector<std::string>{marker}, dir / (name + ".log")));
-    return *agents.back();
-  }
-  std::string all_output() const {
-    std::string out;
-    for (const auto& a : agents) out += a->output();
-    return out;
-  }
-  void dump() const {
-    for (const auto& a : agents) std::cout << "---- agent " << a->pid() << "\n" << a->output();
-  }
-};
-
-std::vector<std::string> sh(const std::string& script) {
-  return {"/bin/sh", "-c", script};
-}
-
-// The text after `key` up to the next space or end of line, in the first
-// line of `text` that contains `line_part` (and `key` after it); "" if none.
-// (Plain string search: <regex> trips GCC 12's -Wmaybe-uninitialized in the
-// sanitizer build.)
-std::string field_after(const std::string& text, const std::string& line_part,
-                        const std::string& key) {
-  for (std::size_t at = text.find(line_part); at != std::string::npos;
-       at = text.find(line_part, at + 1)) {
-    const std::size_t eol = text.find('\n', at);
-    const std::size_t k = text.find(key, at);
-    if (k == std::string::npos || (eol != std::string::npos && k > eol)) continue;
-    const std::size_t from = k + key.size();
-    return text.substr(from, text.find_first_of(" \n", from) - from);
-  }
-  return "";
-}
-
-std::int64_t started_ms(const std::string& log, int round) {
-  std::string ms = field_after(log, "round " + std::to_string(round) + " started: ", "started_ms=");
-  return ms.empty() ? -1 : std::stoll(ms);
-}
-
-double seconds_since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
-
-}  // namespace
 
 // 3 agents x 2 workers run a gloo all-reduce, a SIGKILLed agent is replaced, a
 // new one waits for min_time and a valid size.

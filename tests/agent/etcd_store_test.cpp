@@ -40,9 +40,13 @@ TEST_CASE("etcd store: put prefix reads compare-and-swap leases that expire") {
   // A key on a lease that is not renewed disappears; a revoked lease at once.
   auto lease = store.grant_lease(2);
   store.put("/l/short", "v", lease);
+  CHECK(store.get("/l/short")->lease == lease);
   CHECK(store.keep_alive(lease));
+  CHECK(store.lease_remaining(lease) >= 0);  // whole seconds left: 1 or 0
+  CHECK(store.lease_remaining(lease) <= 2);
   CHECK(wait_until([&] { return !store.get("/l/short"); }, 20s));
   CHECK_FALSE(store.keep_alive(lease));
+  CHECK(store.lease_remaining(lease) == -1);
   auto second = store.grant_lease(30);
   store.put("/l/long", "v", second);
   store.revoke_lease(second);

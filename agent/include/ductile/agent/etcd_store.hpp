@@ -29,6 +29,7 @@ class EtcdStore final : public KeyValueStore {
   std::int64_t grant_lease(std::int64_t ttl_seconds) override;
   bool keep_alive(std::int64_t lease) override;
   void revoke_lease(std::int64_t lease) override;
+  std::int64_t lease_remaining(std::int64_t lease) override;
   void put(const std::string& key, const std::string& value, std::int64_t lease = 0) override;
   std::optional<KeyValue> get(const std::string& key) override;
   std::vector<KeyValue> get_prefix(const std::string& prefix) override;

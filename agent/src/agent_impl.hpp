@@ -1,0 +1,102 @@
+// The agent of one node, as a class shared by agent.cpp (the loop, the
+// leader's writes, the rounds' workers) and registration.cpp (start-up:
+// options, the node's key, the job's settings). Internal to
+// libductile_agent; see agent.hpp for the contract.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "ductile/agent/agent.hpp"
+#include "ductile/agent/etcd_store.hpp"
+#include "ductile/agent/job_policy.hpp"
+#include "ductile/agent/rendezvous.hpp"
+#include "ductile/agent/workers.hpp"
+#include "keep_alive.hpp"
+#include "ompi_server.hpp"
+
+namespace ductile::agent {
+
+std::chrono::milliseconds now_ms();
+std::string host_name();
+// Throws ductile::Error(invalid_argument) naming the first bad option.
+void check_options(const AgentOptions& options);
+
+class Agent {
+ public:
+  explicit Agent(const AgentOptions& o) : o_(o) {}
+  int run();
+
+ private:
+  void log(const std::string& message) const {
+    write_line(true, fmt::format("ductile agent {}: {}", id_, message));
+  }
+  std::string key(const std::string& name) const { return prefix_ + name; }
+
+  // registration.cpp
+  void setup();
+  enum class Claim { held, taken, retry };
+  // One attempt to hold nodes/<id> on this agent's lease: held (written),
+  // taken (a live registration of another lease; *holder set), retry (the
+  // key changed meanwhile). A key without a lease, or with a record no
+  // agent writes, is replaced.
+  Claim claim_node_key(std::optional<KeyValue>* holder);
+  // At start: claims the node's key, waiting for the registration of a
+  // previous run of this node to expire; throws ductile::Error when another
+  // live agent holds the id.
+  void register_node();
+  // In the loop: registers again when this node's key is gone or was
+  // overwritten (a lost lease, a deletion, a hostile write).
+  void reclaim_node_key(const std::string& why);
+  void check_settings(const std::vector<NodeInfo>& others);
+  [[noreturn]] void refuse_duplicate(const KeyValue& holder, const std::string& how);
+
+  // agent.cpp
+  // The live agents' registrations: leased keys holding valid records (or
+  // a valid record before it was overwritten), sorted by age. Sets *own_ok
+  // when this agent's own key holds its own record on its lease.
+  std::vector<NodeInfo> live_nodes(const std::vector<KeyValue>& kvs, bool* own_ok);
+  // The round record, when it is one that fits this job.
+  std::optional<RoundRecord> read_round(const std::optional<KeyValue>& kv);
+  // Logs a record that is ignored, once per key and revision.
+  void ignore_record(const KeyValue& kv, const std::string& problem, const std::string& outcome);
+  void lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& round_kv,
+            std::optional<RoundRecord>& round);
+  std::optional<int> apply(const RoundRecord& round);
+  void start_workers(const RoundRecord& round, std::size_t group_rank);
+  void report_worker_exit();
+  int leave(int code);
+
+  const AgentOptions& o_;
+  std::optional<JobPolicy> policy_;
+  RendezvousSettings settings_;
+  std::string endpoint_, prefix_, id_, addr_;
+  std::unique_ptr<EtcdStore> store_;
+  std::int64_t lease_ = 0;
+  std::unique_ptr<KeepAlive> keep_alive_;
+  std::unique_ptr<OmpiServer> mpi_server_;  // with --mpi-world
+  WorkerGroup workers_;
+  std::int64_t current_round_ = 0;
+  std::int64_t highest_round_ = 0;              // the highest round number seen
+  std::optional<RoundRecord> last_good_round_;  // the last valid round record seen
+  bool member_ = false;
+  bool reported_ = false;  // this round's worker exit is in the store
+  std::optional<WorkerExit> local_failure_;
+  int last_port_ = 0;
+  std::vector<std::string> last_alive_;
+  std::chrono::milliseconds last_membership_change_{0};
+  std::map<std::int64_t, std::chrono::milliseconds> failure_seen_;
+  std::optional<std::chrono::milliseconds> outage_since_;
+  std::map<std::string, std::int64_t> ignored_;  // key -> mod revision logged
+  std::map<std::string, NodeInfo> known_nodes_;  // key -> its last valid record
+  std::string settings_text_;
+};
+
+}  // namespace ductile::agent
