@@ -1,8 +1,10 @@
 // The agent's loop: register, read the rendezvous, lead when oldest, run this
 // node's workers for the current round. See agent.hpp and rendezvous.hpp.
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -180,7 +182,7 @@ void Agent::lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& ro
     next.state = RoundState::failed;
     next.failure = seen.failure;
   }
-  next.reason = d.reason;
+  next.reason = excerpt(d.reason, kMaxTextChars - 3);  // what every reader accepts
   std::string text = to_json(next);
   if (store_->compare_and_swap(key("round"), round_kv ? round_kv->mod_revision : 0, text)) {
     if (d.action == Action::new_round)
@@ -193,79 +195,51 @@ void Agent::lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& ro
 }
 
 void Agent::start_workers(const RoundRecord& round, std::size_t group_rank) {
-  BatchPlan plan = policy_->plan(round.world_size);
-  std::int64_t nodes = static_cast<std::int64_t>(round.members.size());
-  std::vector<std::string> base;
-  static const char* kSet[] = {"RANK",
-                               "LOCAL_RANK",
-                               "WORLD_SIZE",
-                               "LOCAL_WORLD_SIZE",
-                               "GROUP_RANK",
-                               "GROUP_WORLD_SIZE",
-                               "ROLE_RANK",
-                               "ROLE_WORLD_SIZE",
-                               "MASTER_ADDR",
-                               "MASTER_PORT",
-                               "TORCHELASTIC_RESTART_COUNT",
-                               "TORCHELASTIC_MAX_RESTARTS",
-                               "TORCHELASTIC_RUN_ID",
-                               "DEEPSPEED_ELASTICITY_CONFIG",
-                               "DUCTILE_GLOBAL_BATCH",
-                               "DUCTILE_MICRO_BATCH",
-                               "DUCTILE_GRADIENT_ACCUMULATION_STEPS",
-                               "DUCTILE_ROUND",
-                               "DUCTILE_AGENT_NODE_ID",
-                               "DUCTILE_MPI_JOIN",
-                               "OMPI_MCA_pmix_server_uri"};
-  for (char** e = environ; *e; ++e) {
-    std::string entry(*e);
-    auto eq = entry.find('=');
-    std::string name = entry.substr(0, eq);
-    if (std::none_of(std::begin(kSet), std::end(kSet), [&](const char* s) { return name == s; }))
-      base.push_back(entry);
-  }
-  std::vector<WorkerSpec> specs;
   for (std::int64_t local = 0; local < o_.nproc_per_node; ++local) {
-    std::int64_t rank = static_cast<std::int64_t>(group_rank) * o_.nproc_per_node + local;
-    WorkerSpec spec{rank, local, o_.command, base};
-    auto set = [&](const char* name, const std::string& value) {
-      spec.env.push_back(std::string(name) + "=" + value);
-    };
-    set("RANK", std::to_string(rank));
-    set("LOCAL_RANK", std::to_string(local));
-    set("WORLD_SIZE", std::to_string(round.world_size));
-    set("LOCAL_WORLD_SIZE", std::to_string(o_.nproc_per_node));
-    set("GROUP_RANK", std::to_string(group_rank));
-    set("GROUP_WORLD_SIZE", std::to_string(nodes));
-    set("ROLE_RANK", std::to_string(rank));
-    set("ROLE_WORLD_SIZE", std::to_string(round.world_size));
-    set("MASTER_ADDR", round.master_addr);
-    set("MASTER_PORT", std::to_string(round.master_port));
-    set("TORCHELASTIC_RESTART_COUNT", std::to_string(round.restarts));
-    set("TORCHELASTIC_MAX_RESTARTS", std::to_string(o_.max_restarts));
-    set("TORCHELASTIC_RUN_ID", o_.job_id);
-    set("DEEPSPEED_ELASTICITY_CONFIG", policy_->scheduler_config_json());
-    set("DUCTILE_GLOBAL_BATCH", std::to_string(plan.global_batch));
-    set("DUCTILE_MICRO_BATCH", std::to_string(plan.micro_batch));
-    set("DUCTILE_GRADIENT_ACCUMULATION_STEPS", std::to_string(plan.gradient_accumulation_steps));
-    set("DUCTILE_ROUND", std::to_string(round.round));
-    set("DUCTILE_AGENT_NODE_ID", id_);
-    if (round.mpi_join_port != 0) {
-      set("DUCTILE_MPI_JOIN", round.master_addr + ":" + std::to_string(round.mpi_join_port));
-      set("OMPI_MCA_pmix_server_uri", round.mpi_server_uri);
-    }
-    specs.push_back(std::move(spec));
+    auto file = error_file_of(run_dir_->path(), round.round, local);
+    std::error_code ignored;
+    std::filesystem::create_directories(file.parent_path(), ignored);
+    std::filesystem::remove(file, ignored);
   }
+  auto specs = worker_specs({o_, *policy_, round, group_rank, id_, run_dir_->path()});
+  BatchPlan plan = policy_->plan(round.world_size);
   log(fmt::format(
-      "round {} started: world size {} ({} nodes x {}), group rank {}, master {}:{}{}, "
-      "global batch {} = micro {} x accumulation {} x {}, restarts {}, "
-      "started_ms={} ({})",
-      round.round, round.world_size, nodes, o_.nproc_per_node, group_rank, round.master_addr,
-      round.master_port,
+      "round {} started: world size {} ({} nodes x {}), group rank {}, master {}:{}{}{}, "
+      "restarts {}, started_ms={} ({})",
+      round.round, round.world_size, round.members.size(), o_.nproc_per_node, group_rank,
+      round.master_addr, round.master_port,
       round.mpi_join_port ? fmt::format(", MPI world joined at port {}", round.mpi_join_port) : "",
-      plan.global_batch, plan.micro_batch, plan.gradient_accumulation_steps, round.world_size,
+      policy_->has_config()
+          ? fmt::format(", global batch {} = micro {} x accumulation {} x {}", plan.global_batch,
+                        plan.micro_batch, plan.gradient_accumulation_steps, round.world_size)
+          : "",
       round.restarts, round.started_ms, round.reason));
   workers_.start(specs);
+  joined_ = true;
+}
+
+std::optional<WorkerError> Agent::read_worker_error(std::int64_t local_rank) {
+  const auto file = error_file_of(run_dir_->path(), current_round_, local_rank);
+  // The worker's file: not followed if it is a link, never read past the
+  // cap, never blocked on (a FIFO).
+  int fd = ::open(file.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return std::nullopt;
+  struct stat info {};
+  std::string text;
+  if (fstat(fd, &info) == 0 && S_ISREG(info.st_mode)) {
+    char buffer[65536];
+    ssize_t n;
+    while (text.size() <= kMaxErrorFileBytes && (n = ::read(fd, buffer, sizeof buffer)) > 0)
+      text.append(buffer, static_cast<std::size_t>(n));
+  }
+  ::close(fd);
+  try {
+    return worker_error_from_json(text);
+  } catch (const MalformedRecord& e) {
+    log(fmt::format("the error file {} of local rank {} is not torch's: {}", file.string(),
+                    local_rank, e.what()));
+    return std::nullopt;
+  }
 }
 
 // Applies the round record; returns an exit code when the agent is done.
@@ -277,10 +251,23 @@ std::optional<int> Agent::apply(const RoundRecord& round) {
     if (f && f->node == id_) {
       std::string lines;
       for (const auto& l : f->last_lines) lines += "\n  | " + l;
+      std::string error;
+      if (!f->error_message.empty()) {
+        // torchrun's "Root Cause": the worker's exception, from its
+        // TORCHELASTIC_ERROR_FILE.
+        error = "\n  its error (TORCHELASTIC_ERROR_FILE): " + f->error_message;
+        std::size_t from = 0;
+        while (from < f->error_traceback.size()) {
+          auto eol = f->error_traceback.find('\n', from);
+          if (eol == std::string::npos) eol = f->error_traceback.size();
+          error += "\n  ! " + f->error_traceback.substr(from, eol - from);
+          from = eol + 1;
+        }
+      }
       log(fmt::format(
           "job failed: worker rank {} (local rank {}) exited with status {} after {} "
-          "restart(s) (max-restarts {}); its last lines:{}",
-          f->rank, f->local_rank, f->exit_status, round.restarts, o_.max_restarts, lines));
+          "restart(s) (max-restarts {}); its last lines:{}{}",
+          f->rank, f->local_rank, f->exit_status, round.restarts, o_.max_restarts, lines, error));
     } else {
       log(fmt::format("job failed: {}", round.reason));
     }
@@ -300,6 +287,7 @@ std::optional<int> Agent::apply(const RoundRecord& round) {
   current_round_ = round.round;
   reported_ = false;
   local_failure_.reset();
+  local_error_.reset();
   auto it = std::find(round.members.begin(), round.members.end(), id_);
   member_ = it != round.members.end();
   if (member_) {
@@ -320,8 +308,10 @@ void Agent::report_worker_exit() {
   if (auto failure = workers_.first_failure()) {
     if (!local_failure_) {
       local_failure_ = failure;
-      log(fmt::format("worker rank {} exited with status {}; stopping this node's workers",
-                      failure->rank, failure->status));
+      local_error_ = read_worker_error(failure->local_rank);
+      log(fmt::format("worker rank {} exited with status {}{}; stopping this node's workers",
+                      failure->rank, failure->status,
+                      local_error_ ? ": " + local_error_->message : ""));
       workers_.stop(o_.stop_grace);
     }
     FailureReport report{id_,
@@ -329,8 +319,8 @@ void Agent::report_worker_exit() {
                          local_failure_->local_rank,
                          std::clamp(local_failure_->status, 1, 255),
                          {},
-                         "",
-                         ""};
+                         local_error_ ? local_error_->message : "",
+                         local_error_ ? local_error_->traceback : ""};
     for (const auto& line : local_failure_->last_lines)
       report.last_lines.push_back(excerpt(line, kMaxTextChars - 3));
     if (report.last_lines.size() > kMaxReportLines)
@@ -384,7 +374,7 @@ int Agent::run() {
       "counts [{}], min_time {} ms)",
       o_.job_id, store_->describe(), addr_, o_.nproc_per_node, settings_.min_nodes,
       settings_.max_nodes, fmt::join(settings_.valid_gpus, ", "), settings_.min_time.count()));
-  last_membership_change_ = now_ms();
+  last_membership_change_ = joined_job_at_ = now_ms();
   for (;;) {
     if (o_.stop_signal && o_.stop_signal->load() != 0) {
       int sig = o_.stop_signal->load();
@@ -392,6 +382,11 @@ int Agent::run() {
       return leave(128 + sig);
     }
     workers_.pump(o_.poll_interval);
+    if (o_.join_timeout && !joined_ && now_ms() - joined_job_at_ >= *o_.join_timeout) {
+      log(fmt::format("error: no round took this node within the join timeout ({} ms); giving up",
+                      o_.join_timeout->count()));
+      return leave(kAgentJoinTimeout);
+    }
     try {
       report_worker_exit();
       if (keep_alive_->lost()) {

@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <optional>
@@ -24,10 +25,38 @@
 
 namespace ductile::agent {
 
+// What a round's workers are started with (worker_env.cpp).
+struct WorkerSetup {
+  const AgentOptions& options;
+  const JobPolicy& policy;
+  const RoundRecord& round;
+  std::size_t group_rank;
+  const std::string& node_id;
+  const std::filesystem::path& run_dir;  // the agent's directory of error files
+};
+std::vector<WorkerSpec> worker_specs(const WorkerSetup& setup);
+// TORCHELASTIC_ERROR_FILE of a worker: <run_dir>/attempt_<round>/<local rank>/error.json.
+std::filesystem::path error_file_of(const std::filesystem::path& run_dir, std::int64_t round,
+                                    std::int64_t local_rank);
+
 std::chrono::milliseconds now_ms();
 std::string host_name();
 // Throws ductile::Error(invalid_argument) naming the first bad option.
 void check_options(const AgentOptions& options);
+
+// A directory of the agent's own under $TMPDIR (error files of its
+// workers), removed with its contents when destroyed.
+class RunDir {
+ public:
+  explicit RunDir(const std::string& job_id);
+  ~RunDir();
+  RunDir(const RunDir&) = delete;
+  RunDir& operator=(const RunDir&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
 
 class Agent {
  public:
@@ -71,6 +100,9 @@ class Agent {
             std::optional<RoundRecord>& round);
   std::optional<int> apply(const RoundRecord& round);
   void start_workers(const RoundRecord& round, std::size_t group_rank);
+  // What the worker of `local_rank` wrote to its TORCHELASTIC_ERROR_FILE in
+  // the current round, if it wrote torch's format.
+  std::optional<WorkerError> read_worker_error(std::int64_t local_rank);
   void report_worker_exit();
   int leave(int code);
 
@@ -82,6 +114,7 @@ class Agent {
   std::int64_t lease_ = 0;
   std::unique_ptr<KeepAlive> keep_alive_;
   std::unique_ptr<OmpiServer> mpi_server_;  // with --mpi-world
+  std::optional<RunDir> run_dir_;           // before workers_: outlives them
   WorkerGroup workers_;
   std::int64_t current_round_ = 0;
   std::int64_t highest_round_ = 0;              // the highest round number seen
@@ -89,6 +122,9 @@ class Agent {
   bool member_ = false;
   bool reported_ = false;  // this round's worker exit is in the store
   std::optional<WorkerExit> local_failure_;
+  std::optional<WorkerError> local_error_;  // its TORCHELASTIC_ERROR_FILE
+  bool joined_ = false;                     // this node's workers ran in some round
+  std::chrono::milliseconds joined_job_at_{0};
   int last_port_ = 0;
   std::vector<std::string> last_alive_;
   std::chrono::milliseconds last_membership_change_{0};

@@ -1,6 +1,10 @@
 // The agent's start-up: options, the policy, this node's key (one agent per
 // node id) and the job's settings record. See agent_impl.hpp.
+#include <stdlib.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include <algorithm>
 #include <random>
@@ -54,8 +58,14 @@ void check_options(const AgentOptions& o) {
     bad(fmt::format("--lease-ttl {} is invalid: etcd leases last at least 2 seconds",
                     o.lease_ttl.count()));
   if (o.poll_interval <= milliseconds(0) || o.stop_grace < milliseconds(0) ||
-      o.settle < milliseconds(0) || o.store_timeout <= milliseconds(0))
-    bad("--poll-interval and --store-timeout must be > 0, --settle and --stop-grace >= 0");
+      o.settle < milliseconds(0) || o.store_timeout <= milliseconds(0) ||
+      o.request_timeout <= milliseconds(0) ||
+      (o.join_timeout && *o.join_timeout <= milliseconds(0)))
+    bad("--poll-interval, --store-timeout and the rendezvous' read_timeout and join_timeout must "
+        "be > 0, --settle and --stop-grace >= 0");
+  if (!valid_node_id(o.role))
+    bad(fmt::format("--role '{}' is invalid: use 1 to {} letters, digits, '.', '_' and '-'",
+                    excerpt(o.role), kMaxNodeIdChars));
   std::string addr = o.node_addr.empty() ? host_name() : o.node_addr;
   if (addr.empty() || addr.size() > kMaxAddrChars ||
       !std::all_of(addr.begin(), addr.end(), [](char c) {
@@ -64,9 +74,26 @@ void check_options(const AgentOptions& o) {
     bad(fmt::format("--node-addr '{}' is invalid: give a host name or address", excerpt(addr)));
 }
 
+RunDir::RunDir(const std::string& job_id) {
+  std::string pattern =
+      (std::filesystem::temp_directory_path() / ("ductile-agent-" + job_id + "-XXXXXX")).string();
+  if (!mkdtemp(pattern.data()))
+    throw Error(ErrorKind::io, fmt::format("cannot make a directory {} for the workers' error "
+                                           "files: {}; set TMPDIR to a writable directory",
+                                           pattern, strerror(errno)));
+  path_ = pattern;
+}
+
+RunDir::~RunDir() {
+  std::error_code ignored;
+  std::filesystem::remove_all(path_, ignored);
+}
+
 void Agent::setup() {
   check_options(o_);
-  policy_ = JobPolicy::load(o_.config, o_.runtime);
+  policy_ = o_.config.empty() ? JobPolicy::any_size(o_.nproc_per_node, o_.min_nodes,
+                                                    o_.max_nodes.value_or(o_.min_nodes))
+                              : JobPolicy::load(o_.config, o_.runtime);
   const auto& valid = policy_->valid_gpus();
   std::int64_t max_nodes = o_.max_nodes.value_or(
       std::max<std::int64_t>(o_.min_nodes, valid.empty() ? 0 : valid.back() / o_.nproc_per_node));
@@ -104,7 +131,8 @@ void Agent::setup() {
   } else {
     id_ = o_.node_id;
   }
-  store_ = std::make_unique<EtcdStore>(endpoint_);
+  run_dir_.emplace(o_.job_id);
+  store_ = std::make_unique<EtcdStore>(endpoint_, o_.request_timeout);
   try {
     lease_ = store_->grant_lease(o_.lease_ttl.count());
   } catch (const StoreError& e) {

@@ -54,9 +54,11 @@ Decision decide(const Observation& seen, const RendezvousSettings& s) {
   }
   if (seen.failure) {
     if (seen.now - seen.failure_seen < s.failure_grace) return {};
-    std::string reason =
-        fmt::format("worker rank {} on node {} exited with status {}", seen.failure->rank,
-                    seen.failure->node, seen.failure->exit_status);
+    std::string reason = fmt::format(
+        "worker rank {} on node {} exited with status {}{}", seen.failure->rank, seen.failure->node,
+        seen.failure->exit_status,
+        seen.failure->error_message.empty() ? ""
+                                            : ": " + excerpt(seen.failure->error_message, 300));
     if (round.restarts >= s.max_restarts)
       return Decision{
           Action::fail,

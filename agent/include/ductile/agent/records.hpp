@@ -27,7 +27,7 @@ class MalformedRecord : public std::runtime_error {
 };
 
 // Bounds of the records (an agent never writes more).
-inline constexpr std::size_t kMaxRecordBytes = 256 * 1024;  // etcd's own limit is 1.5 MiB
+inline constexpr std::size_t kMaxRecordBytes = 256 * 1024;          // etcd's own limit is 1.5 MiB
 inline constexpr std::size_t kMaxErrorFileBytes = 4 * 1024 * 1024;  // a worker's error file
 inline constexpr std::size_t kMaxNodeIdChars = 128;
 inline constexpr std::size_t kMaxAddrChars = 255;
