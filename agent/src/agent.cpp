@@ -361,7 +361,7 @@ int Agent::run() {
   // The lease is kept alive from now on: registering may wait for a
   // previous run's registration to expire.
   keep_alive_ = std::make_unique<KeepAlive>(
-      endpoint_, lease_, std::max(milliseconds(o_.lease_ttl) / 3, milliseconds(200)));
+      endpoint_, o_.tls, lease_, std::max(milliseconds(o_.lease_ttl) / 3, milliseconds(200)));
   register_node();
   {
     bool own_ok = false;

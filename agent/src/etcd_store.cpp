@@ -7,6 +7,8 @@
 
 #include <array>
 #include <charconv>
+#include <filesystem>
+#include <fstream>
 #include <mutex>
 
 #include <fmt/format.h>
@@ -133,9 +135,12 @@ std::size_t append_body(char* data, std::size_t size, std::size_t count, void* u
 }  // namespace
 
 std::string etcd_endpoint_from_url(const std::string& url, const std::string& what) {
-  std::string rest;
-  for (const char* scheme : {"etcd://", "http://"})
-    if (url.starts_with(scheme)) rest = url.substr(std::string(scheme).size());
+  std::string rest, scheme = "http://";
+  for (const char* prefix : {"etcd://", "http://", "https://"})
+    if (url.starts_with(prefix)) {
+      rest = url.substr(std::string(prefix).size());
+      if (std::string(prefix) == "https://") scheme = prefix;
+    }
   while (!rest.empty() && rest.back() == '/') rest.pop_back();
   auto colon = rest.rfind(':');
   bool valid = !rest.empty() && colon != std::string::npos && colon > 0 &&
@@ -149,14 +154,44 @@ std::string etcd_endpoint_from_url(const std::string& url, const std::string& wh
   if (!valid)
     throw Error(ErrorKind::invalid_argument,
                 fmt::format("{} '{}' is not an etcd address: give etcd://HOST:PORT (for example "
-                            "etcd://127.0.0.1:2379)",
+                            "etcd://127.0.0.1:2379), or https://HOST:PORT for TLS",
                             what, url));
-  return "http://" + rest;
+  return scheme + rest;
+}
+
+void check_etcd_tls(const std::string& url, const EtcdTls& tls,
+                    const std::vector<std::string>& options) {
+  auto bad = [](const std::string& message) { throw Error(ErrorKind::invalid_argument, message); };
+  const std::string endpoint = etcd_endpoint_from_url(url, options.at(0));
+  if (tls.configured() && !endpoint.starts_with("https://")) {
+    std::string given;
+    for (auto [file, option] :
+         {std::pair{&tls.ca_file, 1}, {&tls.cert_file, 2}, {&tls.key_file, 3}})
+      if (!file->empty()) given += (given.empty() ? "" : ", ") + options.at(option);
+    bad(
+        fmt::format("{} '{}' is plaintext HTTP but TLS is configured ({}): give the etcd's TLS "
+                    "endpoint as https://{}, or leave the TLS options out",
+                    options.at(0), url, given, endpoint.substr(endpoint.find("://") + 3)));
+  }
+  if (tls.cert_file.empty() != tls.key_file.empty())
+    bad(
+        fmt::format("{} and {} go together: give both (the client's certificate and its key) or "
+                    "neither",
+                    options.at(2), options.at(3)));
+  for (auto [file, option] :
+       {std::pair{&tls.ca_file, 1}, {&tls.cert_file, 2}, {&tls.key_file, 3}}) {
+    if (file->empty()) continue;
+    std::ifstream in(*file);
+    std::error_code ec;
+    if (!in || !std::filesystem::is_regular_file(*file, ec))
+      bad(fmt::format("{} '{}' cannot be read: give a PEM file", options.at(option), *file));
+  }
 }
 
 struct EtcdStore::Impl {
   std::string endpoint;
   std::chrono::milliseconds timeout;
+  EtcdTls tls;
   CURL* curl = nullptr;
 
   json call(const std::string& path, const json& request) {
@@ -172,6 +207,15 @@ struct EtcdStore::Impl {
     curl_easy_setopt(curl, CURLOPT_CONNECTTIMEOUT_MS, long(timeout.count()));
     curl_easy_setopt(curl, CURLOPT_NOSIGNAL, 1L);
     curl_easy_setopt(curl, CURLOPT_NOPROXY, "*");
+    if (endpoint.starts_with("https://")) {
+      curl_easy_setopt(curl, CURLOPT_SSL_VERIFYPEER, 1L);
+      curl_easy_setopt(curl, CURLOPT_SSL_VERIFYHOST, 2L);
+      if (!tls.ca_file.empty()) curl_easy_setopt(curl, CURLOPT_CAINFO, tls.ca_file.c_str());
+      if (!tls.cert_file.empty()) {
+        curl_easy_setopt(curl, CURLOPT_SSLCERT, tls.cert_file.c_str());
+        curl_easy_setopt(curl, CURLOPT_SSLKEY, tls.key_file.c_str());
+      }
+    }
     curl_easy_setopt(curl, CURLOPT_WRITEFUNCTION, append_body);
     curl_easy_setopt(curl, CURLOPT_WRITEDATA, &answer);
     struct curl_slist* headers = curl_slist_append(nullptr, "Content-Type: application/json");
@@ -212,12 +256,13 @@ struct EtcdStore::Impl {
   }
 };
 
-EtcdStore::EtcdStore(std::string endpoint, std::chrono::milliseconds timeout)
+EtcdStore::EtcdStore(std::string endpoint, std::chrono::milliseconds timeout, EtcdTls tls)
     : impl_(std::make_unique<Impl>()) {
   static std::once_flag once;
   std::call_once(once, [] { curl_global_init(CURL_GLOBAL_DEFAULT); });
   impl_->endpoint = std::move(endpoint);
   impl_->timeout = timeout;
+  impl_->tls = std::move(tls);
   impl_->curl = curl_easy_init();
   if (!impl_->curl) throw StoreError("curl_easy_init failed");
 }

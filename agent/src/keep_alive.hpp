@@ -18,8 +18,8 @@ namespace ductile::agent {
 // the lease no longer exists (the caller registers again).
 class KeepAlive {
  public:
-  KeepAlive(std::string endpoint, std::int64_t lease, std::chrono::milliseconds period)
-      : endpoint_(std::move(endpoint)), lease_(lease), period_(period) {
+  KeepAlive(std::string endpoint, EtcdTls tls, std::int64_t lease, std::chrono::milliseconds period)
+      : endpoint_(std::move(endpoint)), tls_(std::move(tls)), lease_(lease), period_(period) {
     thread_ = std::thread([this] { run(); });
   }
   ~KeepAlive() {
@@ -42,7 +42,7 @@ class KeepAlive {
 
  private:
   void run() {
-    EtcdStore store(endpoint_, std::min(period_, std::chrono::milliseconds(2000)));
+    EtcdStore store(endpoint_, std::min(period_, std::chrono::milliseconds(2000)), tls_);
     std::unique_lock lock(mutex_);
     while (!stopping_) {
       std::int64_t lease = lease_;
@@ -59,6 +59,7 @@ class KeepAlive {
     }
   }
   std::string endpoint_;
+  EtcdTls tls_;
   std::int64_t lease_;
   std::chrono::milliseconds period_;
   std::mutex mutex_;

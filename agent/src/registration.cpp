@@ -119,6 +119,7 @@ void Agent::setup() {
   settings_.failure_grace = o_.failure_grace.value_or(milliseconds(o_.lease_ttl));
 
   endpoint_ = etcd_endpoint_from_url(o_.rdzv, "--rdzv");
+  check_etcd_tls(o_.rdzv, o_.tls, {"--rdzv", "--rdzv-cacert", "--rdzv-cert", "--rdzv-key"});
   prefix_ = "/ductile/agent/" + o_.job_id + "/";
   addr_ = o_.node_addr.empty() ? host_name() : o_.node_addr;
   if (o_.node_id.empty()) {
@@ -132,14 +133,20 @@ void Agent::setup() {
     id_ = o_.node_id;
   }
   run_dir_.emplace(o_.job_id);
-  store_ = std::make_unique<EtcdStore>(endpoint_, o_.request_timeout);
+  store_ = std::make_unique<EtcdStore>(endpoint_, o_.request_timeout, o_.tls);
   try {
     lease_ = store_->grant_lease(o_.lease_ttl.count());
   } catch (const StoreError& e) {
+    std::string hint =
+        endpoint_.starts_with("https://")
+            ? "; over TLS, check that etcd serves TLS there, that --rdzv-cacert is the CA of "
+              "etcd's certificate, and that an etcd with --client-cert-auth gets a certificate of "
+              "its CA (--rdzv-cert, --rdzv-key)"
+            : "";
     throw Error(ErrorKind::communication,
                 fmt::format("cannot reach etcd for --rdzv {}: {}; start etcd there or give the "
-                            "address of a running one",
-                            o_.rdzv, e.what()));
+                            "address of a running one{}",
+                            o_.rdzv, e.what(), hint));
   }
   if (o_.mpi_world) mpi_server_ = std::make_unique<OmpiServer>();
 }

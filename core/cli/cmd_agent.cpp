@@ -47,6 +47,7 @@ struct AgentCliOptions {
   double min_time = -1, failure_grace = -1;
   // torchrun's options.
   std::string nnodes, rdzv_backend, rdzv_endpoint, rdzv_id, rdzv_conf;
+  std::string rdzv_protocol;  // --rdzv-conf protocol=http|https
   double monitor_interval = -1, shutdown_timeout = -1;
   bool no_python = false, module = false, run_path = false, standalone = false;
   std::int64_t node_rank = -1;
@@ -164,11 +165,23 @@ void apply_rdzv_conf(const std::string& text, AgentCliOptions& o) {
       keep_alive_interval = seconds_text(what, value);
     } else if (key == "keep_alive_max_attempt") {
       keep_alive_attempts = whole_number(what, value);
+    } else if (key == "protocol") {
+      if (value != "http" && value != "https")
+        bad(fmt::format("{}={} is invalid: give http or https", what, value));
+      o.rdzv_protocol = value;
+    } else if (key == "cacert" || key == "cert" || key == "key") {
+      // torch's etcd rendezvous' names for the TLS files.
+      std::string& file = key == "cacert" ? o.agent.tls.ca_file
+                          : key == "cert" ? o.agent.tls.cert_file
+                                          : o.agent.tls.key_file;
+      if (!file.empty() && file != value)
+        bad(fmt::format("{} and --rdzv-{} differ: give one of them", what, key));
+      file = value;
     } else {
       bad(
           fmt::format("--rdzv-conf key '{}' is not one ductile agent takes: give join_timeout "
                       "(or timeout), last_call_timeout, read_timeout, keep_alive_interval, "
-                      "keep_alive_max_attempt",
+                      "keep_alive_max_attempt, protocol, cacert, cert, key",
                       key));
     }
   }
@@ -212,9 +225,13 @@ void apply_rendezvous(AgentCliOptions& o) {
                     o.rdzv_backend));
   if (!o.rdzv_endpoint.empty()) {
     if (!a.rdzv.empty()) bad("--rdzv and --rdzv-endpoint say the same: give one of them");
-    a.rdzv = o.rdzv_endpoint.find("://") == std::string::npos ? "etcd://" + o.rdzv_endpoint
-                                                              : o.rdzv_endpoint;
+    a.rdzv = o.rdzv_endpoint.find("://") == std::string::npos
+                 ? (o.rdzv_protocol == "https" ? "https://" : "etcd://") + o.rdzv_endpoint
+                 : o.rdzv_endpoint;
   }
+  if (!o.rdzv_protocol.empty() && a.rdzv.starts_with("https://") != (o.rdzv_protocol == "https"))
+    bad(fmt::format("--rdzv-conf protocol={} and the endpoint {} differ: give one of them",
+                    o.rdzv_protocol, a.rdzv));
   if (a.rdzv.empty())
     bad("no rendezvous: give --rdzv etcd://HOST:PORT (or torchrun's --rdzv-endpoint HOST:PORT)");
   if (!o.rdzv_id.empty()) {
@@ -323,8 +340,15 @@ void register_agent_command(CLI::App& app, CliContext& context) {
                   "ductile TOML configuration with an [elasticity] section, or a DeepSpeed JSON "
                   "config with an \"elasticity\" block (without: any node count of --nnodes, "
                   "as torchrun)");
-  sub->add_option("--rdzv", o->agent.rdzv, "etcd of the rendezvous: etcd://HOST:PORT");
+  sub->add_option("--rdzv", o->agent.rdzv,
+                  "etcd of the rendezvous: etcd://HOST:PORT, or https://HOST:PORT (TLS)");
   sub->add_option("--job-id", o->agent.job_id, "The job's name in etcd, the same on every node");
+  sub->add_option("--rdzv-cacert", o->agent.tls.ca_file,
+                  "TLS to etcd (--rdzv https://HOST:PORT): the CA that signed etcd's certificate "
+                  "(PEM; default: the system's)");
+  sub->add_option("--rdzv-cert", o->agent.tls.cert_file,
+                  "TLS to etcd: this client's certificate (PEM), for etcd's --client-cert-auth");
+  sub->add_option("--rdzv-key", o->agent.tls.key_file, "TLS to etcd: the client certificate's key");
   sub->add_option("--nproc-per-node,--nproc_per_node", o->nproc_per_node,
                   "Workers on this node: a number, or cpu, gpu, auto (as torchrun)");
   sub->add_option("--min-nodes", o->min_nodes, "Fewest nodes the job runs on (default 1)");
@@ -366,7 +390,7 @@ void register_agent_command(CLI::App& app, CliContext& context) {
   sub->add_option("--rdzv-conf,--rdzv_conf", o->rdzv_conf,
                   "torchrun: key=value,...: join_timeout (or timeout), last_call_timeout (as "
                   "--settle), read_timeout, keep_alive_interval x keep_alive_max_attempt (as "
-                  "--lease-ttl)");
+                  "--lease-ttl), protocol=https, cacert, cert, key (as --rdzv-cacert ...)");
   sub->add_option("--monitor-interval,--monitor_interval", o->monitor_interval,
                   "torchrun: seconds between checks of the workers (as --poll-interval)");
   sub->add_option("--shutdown-timeout,--shutdown_timeout", o->shutdown_timeout,

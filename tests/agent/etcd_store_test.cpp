@@ -59,6 +59,8 @@ TEST_CASE("etcd store: an unreachable server and bad addresses") {
                          std::chrono::milliseconds(500));
   CHECK_THROWS_AS(store.get("/x"), agent::StoreUnavailable);
   CHECK(agent::etcd_endpoint_from_url("etcd://10.1.2.3:2379", "--rdzv") == "http://10.1.2.3:2379");
+  CHECK(agent::etcd_endpoint_from_url("https://etcd.example:2379/", "--rdzv") ==
+        "https://etcd.example:2379");
   CHECK_THROWS_WITH_AS(agent::etcd_endpoint_from_url("tcp://host", "--rdzv"),
                        doctest::Contains("--rdzv 'tcp://host' is not an etcd address"),
                        ductile::Error);

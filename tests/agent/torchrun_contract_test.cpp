@@ -97,8 +97,7 @@ TEST_CASE("agent: torchrun's worker contract - the same variables, ranks and siz
     launchers.push_back(std::make_unique<Child>(
         torchrun, extra_env, job.dir / ("torchrun-" + std::to_string(node) + ".log")));
     std::vector<std::string> ductile = {DUCTILE_CLI, "agent", "--local-addr", "127.0.0.1"};
-    for (auto& a : command_line("etcd", job.etcd.url().substr(7), ductile_out))
-      ductile.push_back(a);
+    for (auto& a : command_line("etcd", job.etcd.host_port(), ductile_out)) ductile.push_back(a);
     launchers.push_back(std::make_unique<Child>(
         ductile, extra_env, job.dir / ("ductile-" + std::to_string(node) + ".log")));
   }
@@ -158,7 +157,7 @@ TEST_CASE("agent: a worker's exception from TORCHELASTIC_ERROR_FILE is what the 
                                    "--nproc-per-node",
                                    "2",
                                    "--rdzv-endpoint",
-                                   job.etcd.url().substr(7),
+                                   job.etcd.host_port(),
                                    "--rdzv-id",
                                    "failing",
                                    "--max-restarts",

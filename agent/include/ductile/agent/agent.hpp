@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "ductile/agent/etcd_store.hpp"
 #include "ductile/core/runtime.hpp"
 
 namespace ductile::agent {
@@ -31,7 +32,8 @@ struct AgentOptions {
   // TOML with [elasticity], or DeepSpeed JSON; empty: any node count from
   // min_nodes to max_nodes is valid (torchrun's --nnodes MIN:MAX).
   std::filesystem::path config;
-  std::string rdzv;    // etcd://HOST:PORT
+  std::string rdzv;    // etcd://HOST:PORT, or https://HOST:PORT with `tls`
+  EtcdTls tls;         // --rdzv-cacert, --rdzv-cert, --rdzv-key
   std::string job_id;  // letters, digits, '.', '_', '-'
   std::int64_t nproc_per_node = 1;
   std::int64_t min_nodes = 1;
