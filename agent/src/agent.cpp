@@ -164,7 +164,11 @@ void Agent::lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& ro
   if (d.action == Action::new_round) {
     next.round = std::max(next.round, highest_round_) + 1;
     next.members.clear();
-    for (const auto& n : d.members) next.members.push_back(n.id);
+    next.member_revisions.clear();
+    for (const auto& n : d.members) {
+      next.members.push_back(n.id);
+      next.member_revisions.push_back(n.create_revision);
+    }
     next.world_size = static_cast<std::int64_t>(d.members.size()) * o_.nproc_per_node;
     next.master_addr = d.members.empty() ? std::string() : d.members.front().addr;
     next.master_port = d.members.empty() ? 0 : free_port(last_port_);
@@ -215,6 +219,7 @@ void Agent::start_workers(const RoundRecord& round, std::size_t group_rank) {
           : "",
       round.restarts, round.started_ms, round.reason));
   workers_.start(specs);
+  keep_alive_->fence_workers(workers_.guard_pids());
   joined_ = true;
 }
 
@@ -245,7 +250,7 @@ std::optional<WorkerError> Agent::read_worker_error(std::int64_t local_rank) {
 // Applies the round record; returns an exit code when the agent is done.
 std::optional<int> Agent::apply(const RoundRecord& round) {
   if (round.state == RoundState::failed) {
-    workers_.stop(o_.stop_grace);
+    stop_workers(o_.stop_grace);
     const auto& f = round.failure;
     int status = f && f->exit_status != 0 ? f->exit_status : 1;
     if (f && f->node == id_) {
@@ -282,7 +287,7 @@ std::optional<int> Agent::apply(const RoundRecord& round) {
   if (round.round == current_round_) return std::nullopt;
   if (!workers_.empty()) {
     log(fmt::format("stopping the workers of round {} for round {}", current_round_, round.round));
-    workers_.stop(o_.stop_grace);
+    stop_workers(o_.stop_grace);
   }
   current_round_ = round.round;
   reported_ = false;
@@ -312,7 +317,7 @@ void Agent::report_worker_exit() {
       log(fmt::format("worker rank {} exited with status {}{}; stopping this node's workers",
                       failure->rank, failure->status,
                       local_error_ ? ": " + local_error_->message : ""));
-      workers_.stop(o_.stop_grace);
+      stop_workers(o_.stop_grace);
     }
     FailureReport report{id_,
                          local_failure_->rank,
@@ -344,8 +349,27 @@ void Agent::report_worker_exit() {
   }
 }
 
+void Agent::stop_workers(std::chrono::milliseconds grace) {
+  workers_.stop(grace);
+  if (keep_alive_) keep_alive_->fence_workers({});
+}
+
+void Agent::rejoin_after_fence() {
+  // The lease may still be alive (the others then still count this node in
+  // its round): revoking it removes this node's key, and registering anew
+  // makes it a new node (another create revision) for the others, who
+  // re-form with it.
+  log("etcd reachable again after the fence: leaving with the old lease and registering anew");
+  store_->revoke_lease(lease_);
+  auto sent = KeepAlive::Clock::now();
+  lease_ = store_->grant_lease(o_.lease_ttl.count());
+  keep_alive_->set_lease(lease_, sent);
+  reclaim_node_key("was revoked after the fence");
+  fenced_ = false;
+}
+
 int Agent::leave(int code) {
-  workers_.stop(o_.stop_grace);
+  stop_workers(o_.stop_grace);
   mpi_server_.reset();
   keep_alive_.reset();
   try {
@@ -360,8 +384,8 @@ int Agent::run() {
   setup();
   // The lease is kept alive from now on: registering may wait for a
   // previous run's registration to expire.
-  keep_alive_ = std::make_unique<KeepAlive>(
-      endpoint_, o_.tls, lease_, std::max(milliseconds(o_.lease_ttl) / 3, milliseconds(200)));
+  keep_alive_ = std::make_unique<KeepAlive>(endpoint_, o_.tls, lease_, o_.lease_ttl, granted_at_,
+                                            [this](const std::string& line) { log(line); });
   register_node();
   {
     bool own_ok = false;
@@ -387,12 +411,21 @@ int Agent::run() {
                       o_.join_timeout->count()));
       return leave(kAgentJoinTimeout);
     }
+    if (!fenced_ && keep_alive_->fenced()) {
+      // The fence killed the workers (keep_alive.cpp): they are not a
+      // failure of the round, and this node rejoins once etcd answers.
+      fenced_ = true;
+      workers_.stop(milliseconds(0));
+      keep_alive_->fence_workers({});
+    }
     try {
+      if (fenced_) rejoin_after_fence();
       report_worker_exit();
       if (keep_alive_->lost()) {
         log("lease expired (etcd was unreachable too long?); registering again");
+        auto sent = KeepAlive::Clock::now();
         lease_ = store_->grant_lease(o_.lease_ttl.count());
-        keep_alive_->set_lease(lease_);
+        keep_alive_->set_lease(lease_, sent);
         reclaim_node_key("expired with its lease");
       }
       auto node_kvs = store_->get_prefix(key("nodes/"));

@@ -99,6 +99,10 @@ class Agent {
   void lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& round_kv,
             std::optional<RoundRecord>& round);
   std::optional<int> apply(const RoundRecord& round);
+  // Stops the workers and takes them off the fence.
+  void stop_workers(std::chrono::milliseconds grace);
+  // After the fence killed the workers: a new lease and a new registration.
+  void rejoin_after_fence();
   void start_workers(const RoundRecord& round, std::size_t group_rank);
   // What the worker of `local_rank` wrote to its TORCHELASTIC_ERROR_FILE in
   // the current round, if it wrote torch's format.
@@ -112,6 +116,8 @@ class Agent {
   std::string endpoint_, prefix_, id_, addr_;
   std::unique_ptr<EtcdStore> store_;
   std::int64_t lease_ = 0;
+  KeepAlive::Clock::time_point granted_at_;  // when the first lease's grant was sent
+  bool fenced_ = false;                      // the fence killed the workers
   std::unique_ptr<KeepAlive> keep_alive_;
   std::unique_ptr<OmpiServer> mpi_server_;  // with --mpi-world
   std::optional<RunDir> run_dir_;           // before workers_: outlives them

@@ -141,22 +141,33 @@ std::string etcd_endpoint_from_url(const std::string& url, const std::string& wh
       rest = url.substr(std::string(prefix).size());
       if (std::string(prefix) == "https://") scheme = prefix;
     }
-  while (!rest.empty() && rest.back() == '/') rest.pop_back();
-  auto colon = rest.rfind(':');
-  bool valid = !rest.empty() && colon != std::string::npos && colon > 0 &&
-               colon + 1 < rest.size() &&
-               rest.find_first_not_of("0123456789", colon + 1) == std::string::npos &&
-               rest.find('/') == std::string::npos;
-  if (valid) {
-    long port = std::stol(rest.substr(colon + 1));
-    valid = port > 0 && port < 65536;
+  // HOST:PORT, or several (the members of an etcd cluster) separated by
+  // commas.
+  std::string endpoints;
+  bool valid = !rest.empty();
+  for (std::size_t from = 0; valid && from <= rest.size();) {
+    auto comma = std::min(rest.find(',', from), rest.size());
+    std::string one = rest.substr(from, comma - from);
+    while (!one.empty() && one.back() == '/') one.pop_back();
+    auto colon = one.rfind(':');
+    valid = !one.empty() && colon != std::string::npos && colon > 0 && colon + 1 < one.size() &&
+            colon + 6 >= one.size() &&
+            one.find_first_not_of("0123456789", colon + 1) == std::string::npos &&
+            one.find_first_of("/,@ ") == std::string::npos;
+    if (valid) {
+      long port = std::stol(one.substr(colon + 1));
+      valid = port > 0 && port < 65536;
+    }
+    endpoints += (endpoints.empty() ? "" : ",") + scheme + one;
+    from = comma + 1;
   }
   if (!valid)
     throw Error(ErrorKind::invalid_argument,
                 fmt::format("{} '{}' is not an etcd address: give etcd://HOST:PORT (for example "
-                            "etcd://127.0.0.1:2379), or https://HOST:PORT for TLS",
+                            "etcd://127.0.0.1:2379; a cluster's members separated by commas, "
+                            "etcd://h1:2379,h2:2379,h3:2379), or https://HOST:PORT for TLS",
                             what, url));
-  return scheme + rest;
+  return endpoints;
 }
 
 void check_etcd_tls(const std::string& url, const EtcdTls& tls,
@@ -168,10 +179,15 @@ void check_etcd_tls(const std::string& url, const EtcdTls& tls,
     for (auto [file, option] :
          {std::pair{&tls.ca_file, 1}, {&tls.cert_file, 2}, {&tls.key_file, 3}})
       if (!file->empty()) given += (given.empty() ? "" : ", ") + options.at(option);
-    bad(
-        fmt::format("{} '{}' is plaintext HTTP but TLS is configured ({}): give the etcd's TLS "
-                    "endpoint as https://{}, or leave the TLS options out",
-                    options.at(0), url, given, endpoint.substr(endpoint.find("://") + 3)));
+    bad(fmt::format(
+        "{} '{}' is plaintext HTTP but TLS is configured ({}): give the etcd's TLS "
+        "endpoint as https://{}, or leave the TLS options out",
+        options.at(0), url, given, [&] {
+          std::string hosts = endpoint;
+          for (auto at = hosts.find("http://"); at != std::string::npos; at = hosts.find("http://"))
+            hosts.erase(at, 7);
+          return hosts;
+        }()));
   }
   if (tls.cert_file.empty() != tls.key_file.empty())
     bad(
@@ -189,12 +205,28 @@ void check_etcd_tls(const std::string& url, const EtcdTls& tls,
 }
 
 struct EtcdStore::Impl {
-  std::string endpoint;
+  std::string endpoints;             // as given, for messages
+  std::vector<std::string> members;  // one URL per cluster member
+  std::size_t current = 0;           // the member that answered last
   std::chrono::milliseconds timeout;
   EtcdTls tls;
   CURL* curl = nullptr;
 
+  // The request to the member that answered last, else to the others in
+  // turn: a member that is down, or cannot serve without a quorum, is
+  // skipped. StoreUnavailable when no member could serve it.
   json call(const std::string& path, const json& request) {
+    for (std::size_t tried = 0;; ++tried) {
+      try {
+        return call_one(members[current], path, request);
+      } catch (const StoreUnavailable&) {
+        if (tried + 1 >= members.size()) throw;
+        current = (current + 1) % members.size();
+      }
+    }
+  }
+
+  json call_one(const std::string& endpoint, const std::string& path, const json& request) {
     std::string body = request.dump();
     std::string answer;
     curl_easy_reset(curl);
@@ -260,7 +292,13 @@ EtcdStore::EtcdStore(std::string endpoint, std::chrono::milliseconds timeout, Et
     : impl_(std::make_unique<Impl>()) {
   static std::once_flag once;
   std::call_once(once, [] { curl_global_init(CURL_GLOBAL_DEFAULT); });
-  impl_->endpoint = std::move(endpoint);
+  impl_->endpoints = endpoint;
+  for (std::size_t from = 0; from <= endpoint.size();) {
+    auto comma = std::min(endpoint.find(',', from), endpoint.size());
+    if (comma > from) impl_->members.push_back(endpoint.substr(from, comma - from));
+    from = comma + 1;
+  }
+  if (impl_->members.empty()) impl_->members.push_back(endpoint);
   impl_->timeout = timeout;
   impl_->tls = std::move(tls);
   impl_->curl = curl_easy_init();
@@ -274,7 +312,7 @@ EtcdStore::~EtcdStore() {
 std::int64_t EtcdStore::grant_lease(std::int64_t ttl_seconds) {
   auto reply = impl_->call("/v3/lease/grant", {{"TTL", std::to_string(ttl_seconds)}});
   auto id = as_int(reply, "ID");
-  if (id == 0) throw StoreError("etcd at " + impl_->endpoint + ": lease grant returned no id");
+  if (id == 0) throw StoreError("etcd at " + impl_->endpoints + ": lease grant returned no id");
   return id;
 }
 
@@ -345,7 +383,7 @@ bool EtcdStore::compare_and_swap(const std::string& key, std::int64_t expected_m
 }
 
 std::string EtcdStore::describe() const {
-  return "etcd at " + impl_->endpoint;
+  return "etcd at " + impl_->endpoints;
 }
 
 }  // namespace ductile::agent

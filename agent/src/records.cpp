@@ -194,6 +194,7 @@ const char* to_string(RoundState state) {
 std::string to_json(const RoundRecord& r) {
   json j = {{"round", r.round},
             {"members", r.members},
+            {"member_revisions", r.member_revisions},
             {"master_addr", r.master_addr},
             {"master_port", r.master_port},
             {"mpi_server_uri", r.mpi_server_uri},
@@ -218,6 +219,17 @@ RoundRecord round_from_json(const std::string& text) {
     out.members.push_back(r.node_id(m, "members"));
     if (!seen.insert(out.members.back()).second)
       r.bad("members", members, "each node once (" + out.members.back() + " is listed twice)");
+  }
+  if (const json* revisions = r.find("member_revisions")) {
+    if (!revisions->is_array() || (!revisions->empty() && revisions->size() != out.members.size()))
+      r.bad("member_revisions", *revisions,
+            fmt::format("a list of {} revisions, one per member", out.members.size()));
+    for (const auto& v : *revisions) {
+      if (!v.is_number_unsigned() || v.get<std::uint64_t>() < 1 ||
+          v.get<std::uint64_t>() > static_cast<std::uint64_t>(kMaxRound))
+        r.bad("member_revisions", *revisions, fmt::format("revisions from 1 to {}", kMaxRound));
+      out.member_revisions.push_back(v.get<std::int64_t>());
+    }
   }
   bool waiting = out.members.empty();
   out.master_addr = r.address("master_addr", !waiting);

@@ -135,6 +135,7 @@ void Agent::setup() {
   run_dir_.emplace(o_.job_id);
   store_ = std::make_unique<EtcdStore>(endpoint_, o_.request_timeout, o_.tls);
   try {
+    granted_at_ = KeepAlive::Clock::now();
     lease_ = store_->grant_lease(o_.lease_ttl.count());
   } catch (const StoreError& e) {
     std::string hint =

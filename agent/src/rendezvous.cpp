@@ -40,13 +40,17 @@ Decision decide(const Observation& seen, const RendezvousSettings& s) {
   const RoundRecord& round = *seen.round;
   if (round.state != RoundState::running) return {};
 
-  auto is_alive = [&](const std::string& id) {
-    return std::any_of(seen.alive.begin(), seen.alive.end(),
-                       [&](const NodeInfo& n) { return n.id == id; });
+  // A member is alive while its key is the one it had when the round
+  // formed (a node that registered again has lost its workers).
+  auto is_alive = [&](std::size_t i) {
+    return std::any_of(seen.alive.begin(), seen.alive.end(), [&](const NodeInfo& n) {
+      return n.id == round.members[i] &&
+             (round.member_revisions.empty() || n.create_revision == round.member_revisions[i]);
+    });
   };
   std::vector<std::string> lost;
-  for (const auto& m : round.members)
-    if (!is_alive(m)) lost.push_back(m);
+  for (std::size_t i = 0; i < round.members.size(); ++i)
+    if (!is_alive(i)) lost.push_back(round.members[i]);
   if (!lost.empty()) {
     std::string reason = fmt::format("node(s) {} left", fmt::join(lost, ", "));
     if (k == 0) return Decision{Action::new_round, {}, false, reason + "; too few nodes, waiting"};

@@ -68,16 +68,19 @@ inline TlsFiles make_certificates(const std::filesystem::path& dir, const std::s
 // with `tls`, its clients must speak TLS and show a certificate of its CA.
 class EtcdServer {
  public:
-  explicit EtcdServer(std::filesystem::path dir, std::optional<TlsFiles> tls = std::nullopt)
+  // `host`: the address its clients reach it at (loopback by default).
+  explicit EtcdServer(std::filesystem::path dir, std::optional<TlsFiles> tls = std::nullopt,
+                      std::string host = "127.0.0.1")
       : dir_(std::move(dir)),
         tls_(std::move(tls)),
+        host_(std::move(host)),
         client_port_(free_tcp_port()),
         peer_port_(free_tcp_port()) {
     start();
   }
   ~EtcdServer() { stop(); }
 
-  std::string host_port() const { return "127.0.0.1:" + std::to_string(client_port_); }
+  std::string host_port() const { return host_ + ":" + std::to_string(client_port_); }
   std::string url() const { return (tls_ ? "https://" : "etcd://") + host_port(); }
   std::string endpoint() const { return (tls_ ? "https://" : "http://") + host_port(); }
   pid_t pid() const { return process_ ? process_->pid() : -1; }
@@ -135,8 +138,80 @@ class EtcdServer {
  private:
   std::filesystem::path dir_;
   std::optional<TlsFiles> tls_;
+  std::string host_;
   int client_port_, peer_port_;
   std::unique_ptr<Child> process_;
+};
+
+// An etcd cluster of `size` members on loopback, each with its own ports
+// and data dir; members can be killed and started again.
+class EtcdCluster {
+ public:
+  EtcdCluster(std::filesystem::path dir, int size) : dir_(std::move(dir)) {
+    for (int i = 0; i < size; ++i) {
+      client_ports_.push_back(free_tcp_port());
+      peer_ports_.push_back(free_tcp_port());
+    }
+    members_.resize(size);
+    for (int i = 0; i < size; ++i) start(i);
+    wait_ready();
+  }
+  ~EtcdCluster() {
+    for (int i = 0; i < static_cast<int>(members_.size()); ++i) kill(i);
+  }
+
+  std::string member(int i) const { return "127.0.0.1:" + std::to_string(client_ports_[i]); }
+  std::string url() const { return "etcd://" + joined(""); }
+  std::string endpoints() const { return joined("http://"); }
+
+  void start(int i) {
+    std::string initial;
+    for (std::size_t m = 0; m < members_.size(); ++m)
+      initial += (m ? "," : "") + name(static_cast<int>(m)) + "=" + peer(static_cast<int>(m));
+    std::string client = "http://" + member(i);
+    members_[i] = std::make_unique<Child>(
+        std::vector<std::string>{DUCTILE_ETCD, "--name", name(i), "--data-dir",
+                                 (dir_ / ("etcd-" + name(i))).string(), "--listen-client-urls",
+                                 client, "--advertise-client-urls", client, "--listen-peer-urls",
+                                 peer(i), "--initial-advertise-peer-urls", peer(i),
+                                 "--initial-cluster", initial, "--initial-cluster-state", "new"},
+        std::vector<std::string>{}, dir_ / ("etcd-" + name(i) + ".log"));
+  }
+  void kill(int i) {
+    if (!members_[i]) return;
+    members_[i]->signal(SIGKILL);
+    members_[i]->wait(10s);
+    members_[i].reset();
+  }
+  // Until the cluster has a leader and takes writes.
+  void wait_ready() {
+    agent::EtcdStore probe(endpoints(), 1000ms);
+    bool up = wait_until(
+        [&] {
+          try {
+            probe.put("/probe", "up");
+            return true;
+          } catch (const agent::StoreError&) {
+            return false;
+          }
+        },
+        60s);
+    if (!up)
+      throw std::runtime_error("the etcd cluster did not form: " + read_text(dir_ / "etcd-m0.log"));
+  }
+
+ private:
+  std::string name(int i) const { return "m" + std::to_string(i); }
+  std::string peer(int i) const { return "http://127.0.0.1:" + std::to_string(peer_ports_[i]); }
+  std::string joined(const std::string& scheme) const {
+    std::string out;
+    for (std::size_t i = 0; i < members_.size(); ++i)
+      out += (i ? "," : "") + scheme + member(static_cast<int>(i));
+    return out;
+  }
+  std::filesystem::path dir_;
+  std::vector<int> client_ports_, peer_ports_;
+  std::vector<std::unique_ptr<Child>> members_;
 };
 #endif
 

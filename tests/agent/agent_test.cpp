@@ -168,15 +168,16 @@ TEST_CASE("agent: a worker that fails once is restarted and the job then succeed
   CHECK(no_marked_processes(job.marker));
 }
 
-// etcd killed and restarted mid-job is ridden out; etcd gone for good stops the
-// job within --store-timeout.
+// etcd killed and restarted mid-job is ridden out while the agents' leases
+// cannot have expired (a lease TTL of 20 s: the fence is 15 s away); etcd
+// gone for good stops the job within --store-timeout.
 TEST_CASE("agent: etcd restarted mid-job is ridden out - etcd gone stops the job") {
   Job job;
   std::string stop = (job.dir / "stop").string();
   auto worker = sh("while [ ! -e " + stop +
                    " ]; do sleep 0.1; done; "
                    "echo \"finished round $DUCTILE_ROUND\"");
-  std::vector<std::string> options = {"--nproc-per-node", "1", "--lease-ttl",     "2",
+  std::vector<std::string> options = {"--nproc-per-node", "1", "--lease-ttl",     "20",
                                       "--settle",         "1", "--stop-grace",    "1",
                                       "--min-nodes",      "2", "--store-timeout", "20"};
   Child& a = job.start("a", options, worker);
@@ -185,7 +186,6 @@ TEST_CASE("agent: etcd restarted mid-job is ridden out - etcd gone stops the job
   REQUIRE(b.wait_for_output("round 1 started", 60s));
   job.etcd.kill_hard();
   CHECK(a.wait_for_output("giving up after 20000 ms", 30s));
-  std::this_thread::sleep_for(3s);
   job.etcd.start();
   CHECK(a.wait_for_output("reachable again", 30s));
   CHECK(b.wait_for_output("reachable again", 30s));
@@ -195,10 +195,12 @@ TEST_CASE("agent: etcd restarted mid-job is ridden out - etcd gone stops the job
   CHECK(sa == std::optional<int>(0));
   CHECK(sb == std::optional<int>(0));
   CHECK(count_of(job.all_output(), "finished round 1") == 2);
+  CHECK(job.all_output().find("fenced") == std::string::npos);
   CHECK(no_marked_processes(job.marker));
 
   // Now etcd goes away for good: the agents stop their workers and fail.
   std::filesystem::remove(stop);
+  options[3] = "2";      // --lease-ttl 2: the fence stops the workers
   options.back() = "3";  // --store-timeout 3
   Child& c = job.start("c", options, worker, "job2");
   Child& d = job.start("d", options, worker, "job2");
@@ -212,6 +214,10 @@ TEST_CASE("agent: etcd restarted mid-job is ridden out - etcd gone stops the job
   CHECK(sc == std::optional<int>(1));
   CHECK(sd == std::optional<int>(1));
   CHECK(c.output().find("unreachable for") != std::string::npos);
+  // The fence stopped the workers first, 3/4 of the TTL after the last
+  // renewal (the store timeout came later).
+  CHECK(c.output().find("fenced: no lease renewal for") != std::string::npos);
+  CHECK(c.output().find("fenced") < c.output().find("unreachable for"));
   CHECK(no_marked_processes(job.marker));
 }
 

@@ -13,6 +13,7 @@ RoundRecord two_nodes() {
   RoundRecord r;
   r.round = 4;
   r.members = {"a", "b"};
+  r.member_revisions = {17, 23};
   r.world_size = 4;
   r.master_addr = "10.0.0.1";
   r.master_port = 29500;
@@ -103,6 +104,10 @@ TEST_CASE("records: malformed rounds name the field and the value") {
   CHECK(with("members", "[\"a\", \"a\"]").find("a is listed twice") != std::string::npos);
   CHECK(with("members", "[\"a/b\", \"c\"]").find("expected a node id") != std::string::npos);
   CHECK(with("members", "{}").find("\"members\" is {}") != std::string::npos);
+  CHECK(with("member_revisions", "[1]").find("a list of 2 revisions, one per member") !=
+        std::string::npos);
+  CHECK(with("member_revisions", "[1, 0]").find("revisions from 1 to") != std::string::npos);
+  CHECK(with("member_revisions", "[1, -4]").find("revisions from 1 to") != std::string::npos);
   CHECK(with("master_port", "0").find("expected an integer from 1 to 65535") != std::string::npos);
   CHECK(with("master_port", "70000").find("\"master_port\" is 70000") != std::string::npos);
   CHECK(with("master_addr", "\"\"").find("host name or address") != std::string::npos);

@@ -1,6 +1,8 @@
 // The leader's decisions and the rendezvous records, without a store.
 #include <doctest/doctest.h>
 
+#include <algorithm>
+
 #include "ductile/agent/rendezvous.hpp"
 
 using namespace ductile::agent;
@@ -133,4 +135,29 @@ TEST_CASE("decide: too few nodes wait - all members done ends the job") {
   seen.alive = nodes(2);
   seen.all_done = true;
   CHECK(decide(seen, s).action == Action::succeed);
+}
+
+TEST_CASE("decide: a member that registered again (another create revision) has left") {
+  Observation seen;
+  seen.alive = nodes(3);
+  seen.round = running({"n0", "n1", "n2"}, 0);
+  seen.round->member_revisions = {10, 11, 12};
+  seen.now = milliseconds(100);
+  seen.last_membership_change = milliseconds(100);
+  auto s = settings();
+  CHECK(decide(seen, s).action == Action::keep);
+  // n1 was fenced and registered anew: its workers are gone.
+  seen.alive[1].create_revision = 40;
+  std::sort(seen.alive.begin(), seen.alive.end(), [](const NodeInfo& a, const NodeInfo& b) {
+    return a.create_revision < b.create_revision;
+  });
+  auto d = decide(seen, s);
+  REQUIRE(d.action == Action::new_round);
+  CHECK(d.reason == "node(s) n1 left");
+  CHECK_FALSE(d.counts_as_restart);
+  REQUIRE(d.members.size() == 3);  // n1 is back in the new round, as a new node
+  CHECK(d.members.back().id == "n1");
+  // Records of older agents carry no revisions: members are matched by id.
+  seen.round->member_revisions.clear();
+  CHECK(decide(seen, s).action == Action::keep);
 }

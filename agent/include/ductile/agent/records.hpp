@@ -65,6 +65,10 @@ struct FailureReport {
 struct RoundRecord {
   std::int64_t round = 0;
   std::vector<std::string> members;  // node ids in group-rank order; empty: waiting
+  // The create revision of each member's key when the round formed: a node
+  // that registered again since (a restart, a fenced node) is a new node.
+  // Empty in records of older agents: members are then matched by id.
+  std::vector<std::int64_t> member_revisions;
   std::string master_addr;
   int master_port = 0;
   // With --mpi-world: the ompi-server the round's workers reach and the
