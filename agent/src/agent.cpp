@@ -12,6 +12,7 @@
 #include <random>
 
 #include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
 
 #include "agent_impl.hpp"
 #include "ductile/error.hpp"
@@ -158,8 +159,32 @@ void Agent::lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& ro
           });
         });
   }
+  for (const auto& kv : store_->get_prefix(key("draining/")))
+    if (kv.lease != 0) seen.draining.push_back(kv.key.substr(key("draining/").size()));
+  if (settings_.checkpoint_timeout.count() > 0 && seen.round && !seen.round->members.empty()) {
+    std::string r = std::to_string(seen.round->round);
+    if (auto c = store_->get(key("checkpoint/" + r))) {
+      try {
+        seen.checkpoint = checkpoint_from_json(c->value);
+      } catch (const MalformedRecord& e) {
+        ignore_record(*c, e.what(), "no checkpoint asked");
+      }
+    }
+    for (const auto& kv : store_->get_prefix(key("saved/" + r + "/")))
+      seen.saved.push_back(kv.key.substr(key("saved/" + r + "/").size()));
+  }
   Decision d = decide(seen, settings_);
   if (d.action == Action::keep) return;
+  if (d.action == Action::request_checkpoint) {
+    CheckpointRequest request{id_, excerpt(d.reason, kMaxTextChars - 3), seen.now.count()};
+    if (store_->compare_and_swap(key("checkpoint/" + std::to_string(seen.round->round)), 0,
+                                 to_json(request)))
+      log(fmt::format(
+          "leader: asked the workers of round {} to checkpoint before re-forming ({}); waiting "
+          "up to {} ms",
+          seen.round->round, d.reason, settings_.checkpoint_timeout.count()));
+    return;
+  }
   RoundRecord next = seen.round.value_or(RoundRecord{});
   if (d.action == Action::new_round) {
     next.round = std::max(next.round, highest_round_) + 1;
@@ -293,6 +318,8 @@ std::optional<int> Agent::apply(const RoundRecord& round) {
   reported_ = false;
   local_failure_.reset();
   local_error_.reset();
+  checkpoint_asked_ = false;
+  saved_reported_ = false;
   auto it = std::find(round.members.begin(), round.members.end(), id_);
   member_ = it != round.members.end();
   if (member_) {
@@ -308,8 +335,53 @@ std::optional<int> Agent::apply(const RoundRecord& round) {
   return std::nullopt;
 }
 
+bool Agent::workers_saved() const {
+  for (std::int64_t local = 0; local < o_.nproc_per_node; ++local) {
+    std::error_code ec;
+    if (!std::filesystem::exists(checkpoint_saved_of(run_dir_->path(), current_round_, local), ec))
+      return false;
+  }
+  return true;
+}
+
+void Agent::follow_checkpoint() {
+  if (settings_.checkpoint_timeout.count() == 0 || !member_ || workers_.empty()) return;
+  const std::string r = std::to_string(current_round_);
+  if (!checkpoint_asked_) {
+    auto kv = store_->get(key("checkpoint/" + r));
+    if (!kv) return;
+    CheckpointRequest request;
+    try {
+      request = checkpoint_from_json(kv->value);
+    } catch (const MalformedRecord& e) {
+      ignore_record(*kv, e.what(), "no checkpoint asked");
+      return;
+    }
+    // The workers' signal: the file appears, whole (written aside, renamed).
+    auto file = checkpoint_request_of(run_dir_->path(), current_round_);
+    auto part = file;
+    part += ".part";
+    std::ofstream(part) << nlohmann::json{{"round", current_round_}, {"reason", request.reason}}
+                               .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)
+                        << "\n";
+    std::error_code ec;
+    std::filesystem::rename(part, file, ec);
+    checkpoint_asked_ = true;
+    log(fmt::format("round {}: the workers are asked to checkpoint ({}; asked by {})",
+                    current_round_, request.reason, request.by));
+  }
+  if (!saved_reported_ && workers_saved()) {
+    store_->put(key("saved/" + r + "/" + id_), "{}");
+    saved_reported_ = true;
+    log(fmt::format("round {}: this node's workers saved their checkpoint", current_round_));
+  }
+}
+
 void Agent::report_worker_exit() {
   if (reported_ || workers_.empty()) return;
+  // Workers that saved when asked may exit: neither a failure nor the end
+  // of the job.
+  if (checkpoint_asked_ && workers_saved()) return;
   if (auto failure = workers_.first_failure()) {
     if (!local_failure_) {
       local_failure_ = failure;
@@ -368,6 +440,40 @@ void Agent::rejoin_after_fence() {
   fenced_ = false;
 }
 
+std::optional<int> Agent::on_stop_signal(int sig) {
+  if (drain_) {
+    if (current_round_ == drain_->round && std::chrono::steady_clock::now() < drain_->deadline)
+      return std::nullopt;
+    log(fmt::format("signal {}: {}; leaving the job", sig,
+                    current_round_ != drain_->round ? "the round re-formed without this node"
+                                                    : "the checkpoint timeout passed"));
+    return 128 + sig;
+  }
+  if (settings_.checkpoint_timeout.count() > 0 && member_ && workers_.running()) {
+    // A drain: the round's workers save first (every rank: a save is
+    // collective), then the leader re-forms without this node.
+    try {
+      store_->put(key("draining/" + id_), "{}", lease_);
+      CheckpointRequest request{id_, fmt::format("node {} drains (signal {})", id_, sig),
+                                now_ms().count()};
+      store_->compare_and_swap(key("checkpoint/" + std::to_string(current_round_)), 0,
+                               to_json(request));
+      drain_ = Drain{current_round_, std::chrono::steady_clock::now() +
+                                         settings_.checkpoint_timeout + o_.lease_ttl};
+      log(fmt::format(
+          "signal {}: asking the workers of round {} to checkpoint before this node leaves "
+          "(up to {} ms)",
+          sig, current_round_, settings_.checkpoint_timeout.count()));
+      return std::nullopt;
+    } catch (const StoreError& e) {
+      log(fmt::format("signal {}: cannot ask for a checkpoint ({}); leaving now", sig, e.what()));
+      return 128 + sig;
+    }
+  }
+  log(fmt::format("signal {}: stopping the workers and leaving the job", sig));
+  return 128 + sig;
+}
+
 int Agent::leave(int code) {
   stop_workers(o_.stop_grace);
   mpi_server_.reset();
@@ -400,11 +506,8 @@ int Agent::run() {
       settings_.max_nodes, fmt::join(settings_.valid_gpus, ", "), settings_.min_time.count()));
   last_membership_change_ = joined_job_at_ = now_ms();
   for (;;) {
-    if (o_.stop_signal && o_.stop_signal->load() != 0) {
-      int sig = o_.stop_signal->load();
-      log(fmt::format("signal {}: stopping the workers and leaving the job", sig));
-      return leave(128 + sig);
-    }
+    if (o_.stop_signal && o_.stop_signal->load() != 0)
+      if (auto code = on_stop_signal(o_.stop_signal->load())) return leave(*code);
     workers_.pump(o_.poll_interval);
     if (o_.join_timeout && !joined_ && now_ms() - joined_job_at_ >= *o_.join_timeout) {
       log(fmt::format("error: no round took this node within the join timeout ({} ms); giving up",
@@ -421,6 +524,7 @@ int Agent::run() {
     try {
       if (fenced_) rejoin_after_fence();
       report_worker_exit();
+      follow_checkpoint();
       if (keep_alive_->lost()) {
         log("lease expired (etcd was unreachable too long?); registering again");
         auto sent = KeepAlive::Clock::now();

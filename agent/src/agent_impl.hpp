@@ -38,6 +38,13 @@ std::vector<WorkerSpec> worker_specs(const WorkerSetup& setup);
 // TORCHELASTIC_ERROR_FILE of a worker: <run_dir>/attempt_<round>/<local rank>/error.json.
 std::filesystem::path error_file_of(const std::filesystem::path& run_dir, std::int64_t round,
                                     std::int64_t local_rank);
+// DUCTILE_CHECKPOINT_REQUEST of a round's workers (the agent creates it when
+// it asks them to save) and DUCTILE_CHECKPOINT_SAVED of one (the worker
+// creates it when it saved).
+std::filesystem::path checkpoint_request_of(const std::filesystem::path& run_dir,
+                                            std::int64_t round);
+std::filesystem::path checkpoint_saved_of(const std::filesystem::path& run_dir, std::int64_t round,
+                                          std::int64_t local_rank);
 
 std::chrono::milliseconds now_ms();
 std::string host_name();
@@ -108,6 +115,13 @@ class Agent {
   // the current round, if it wrote torch's format.
   std::optional<WorkerError> read_worker_error(std::int64_t local_rank);
   void report_worker_exit();
+  // With checkpoints on: passes the round's checkpoint request to this
+  // node's workers and reports when all of them saved.
+  void follow_checkpoint();
+  bool workers_saved() const;  // every local worker of the round saved
+  // SIGTERM/SIGINT: leave now, or (a member, checkpoints on) ask the round
+  // to checkpoint first; the exit code once it is time to leave.
+  std::optional<int> on_stop_signal(int sig);
   int leave(int code);
 
   const AgentOptions& o_;
@@ -130,6 +144,13 @@ class Agent {
   std::optional<WorkerExit> local_failure_;
   std::optional<WorkerError> local_error_;  // its TORCHELASTIC_ERROR_FILE
   bool joined_ = false;                     // this node's workers ran in some round
+  bool checkpoint_asked_ = false;           // this round's workers were asked to save
+  bool saved_reported_ = false;             // ... and saved/<round>/<id> is written
+  struct Drain {
+    std::int64_t round;
+    std::chrono::steady_clock::time_point deadline;
+  };
+  std::optional<Drain> drain_;  // leaving after the round's checkpoint
   std::chrono::milliseconds joined_job_at_{0};
   int last_port_ = 0;
   std::vector<std::string> last_alive_;

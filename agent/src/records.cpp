@@ -191,6 +191,16 @@ const char* to_string(RoundState state) {
   return "running";
 }
 
+std::string to_json(const CheckpointRequest& c) {
+  return dump(json{{"by", c.by}, {"reason", c.reason}, {"requested_ms", c.requested_ms}});
+}
+
+CheckpointRequest checkpoint_from_json(const std::string& text) {
+  Reader r("checkpoint", text);
+  return CheckpointRequest{r.node_id(r.require("by"), "by"), r.text("reason", kMaxTextChars, ""),
+                           r.integer("requested_ms", 0, kMaxRound)};
+}
+
 std::string to_json(const RoundRecord& r) {
   json j = {{"round", r.round},
             {"members", r.members},

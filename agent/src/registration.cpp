@@ -59,10 +59,10 @@ void check_options(const AgentOptions& o) {
                     o.lease_ttl.count()));
   if (o.poll_interval <= milliseconds(0) || o.stop_grace < milliseconds(0) ||
       o.settle < milliseconds(0) || o.store_timeout <= milliseconds(0) ||
-      o.request_timeout <= milliseconds(0) ||
+      o.request_timeout <= milliseconds(0) || o.checkpoint_timeout < milliseconds(0) ||
       (o.join_timeout && *o.join_timeout <= milliseconds(0)))
     bad("--poll-interval, --store-timeout and the rendezvous' read_timeout and join_timeout must "
-        "be > 0, --settle and --stop-grace >= 0");
+        "be > 0, --settle, --stop-grace and --checkpoint-timeout >= 0");
   if (!valid_node_id(o.role))
     bad(fmt::format("--role '{}' is invalid: use 1 to {} letters, digits, '.', '_' and '-'",
                     excerpt(o.role), kMaxNodeIdChars));
@@ -117,6 +117,7 @@ void Agent::setup() {
   settings_.min_time = o_.min_time.value_or(policy_->min_time());
   settings_.settle = o_.settle;
   settings_.failure_grace = o_.failure_grace.value_or(milliseconds(o_.lease_ttl));
+  settings_.checkpoint_timeout = o_.checkpoint_timeout;
 
   endpoint_ = etcd_endpoint_from_url(o_.rdzv, "--rdzv");
   check_etcd_tls(o_.rdzv, o_.tls, {"--rdzv", "--rdzv-cacert", "--rdzv-cert", "--rdzv-key"});
@@ -258,6 +259,8 @@ void Agent::check_settings(const std::vector<NodeInfo>& others_alive) {
     store_->erase(key("round"));
     store_->erase_prefix(key("failure/"));
     store_->erase_prefix(key("done/"));
+    store_->erase_prefix(key("checkpoint/"));
+    store_->erase_prefix(key("saved/"));
   }
   for (int attempt = 0; attempt < 5; ++attempt) {
     auto existing = store_->get(key("settings"));

@@ -19,11 +19,18 @@ std::int64_t admitted_nodes(const std::vector<std::int64_t>& valid_gpus,
 }
 
 Decision decide(const Observation& seen, const RendezvousSettings& s) {
-  auto alive_count = static_cast<std::int64_t>(seen.alive.size());
+  auto draining = [&](const std::string& id) {
+    return std::find(seen.draining.begin(), seen.draining.end(), id) != seen.draining.end();
+  };
+  // Draining nodes are alive (their workers may still save) but not admitted.
+  std::vector<NodeInfo> admissible;
+  for (const auto& n : seen.alive)
+    if (!draining(n.id)) admissible.push_back(n);
+  auto alive_count = static_cast<std::int64_t>(admissible.size());
   std::int64_t k =
       admitted_nodes(s.valid_gpus, s.nproc_per_node, s.min_nodes, s.max_nodes, alive_count);
   auto first = [&](std::int64_t n) {
-    return std::vector<NodeInfo>(seen.alive.begin(), seen.alive.begin() + n);
+    return std::vector<NodeInfo>(admissible.begin(), admissible.begin() + n);
   };
   auto form = [&](std::string reason, bool counted) {
     Decision d{Action::new_round, first(k), counted, std::move(reason)};
@@ -71,11 +78,37 @@ Decision decide(const Observation& seen, const RendezvousSettings& s) {
           fmt::format("{}; no restarts left (max-restarts {})", reason, s.max_restarts)};
     return form(reason, true);
   }
+  if (seen.checkpoint) {
+    // Asked: the next round once every member saved, or at the timeout.
+    std::vector<std::string> missing;
+    for (const auto& m : round.members)
+      if (std::find(seen.saved.begin(), seen.saved.end(), m) == seen.saved.end())
+        missing.push_back(m);
+    if (missing.empty())
+      return form(fmt::format("{}; every member's workers saved", seen.checkpoint->reason), false);
+    if (seen.now.count() - seen.checkpoint->requested_ms >= s.checkpoint_timeout.count())
+      return form(fmt::format("{}; checkpoint timeout ({} ms): node(s) {} did not save",
+                              seen.checkpoint->reason, s.checkpoint_timeout.count(),
+                              fmt::join(missing, ", ")),
+                  false);
+    return {};
+  }
   if (seen.all_done) return Decision{Action::succeed, {}, false, "every node's workers finished"};
-  if (k * s.nproc_per_node > round.world_size && settled &&
-      seen.now.count() - round.started_ms >= s.min_time.count())
-    return form(fmt::format("scale-up: {} node(s) admitted of {} present", k, alive_count), false);
-  return {};
+  std::string planned;
+  std::vector<std::string> leaving;
+  for (const auto& m : round.members)
+    if (draining(m)) leaving.push_back(m);
+  if (!leaving.empty()) {
+    planned = fmt::format("node(s) {} drain", fmt::join(leaving, ", "));
+  } else if (k * s.nproc_per_node > round.world_size && settled &&
+             seen.now.count() - round.started_ms >= s.min_time.count()) {
+    planned = fmt::format("scale-up: {} node(s) admitted of {} present", k, alive_count);
+  }
+  if (planned.empty()) return {};
+  if (s.checkpoint_timeout.count() > 0)
+    return Decision{Action::request_checkpoint, {}, false, planned};
+  if (k == 0) return Decision{Action::new_round, {}, false, planned + "; too few nodes, waiting"};
+  return form(planned, false);
 }
 
 }  // namespace ductile::agent

@@ -40,6 +40,8 @@ constexpr const char* kWorkerVariables[] = {"RANK",
                                             "DUCTILE_ROUND",
                                             "DUCTILE_AGENT_NODE_ID",
                                             "DUCTILE_MPI_JOIN",
+                                            "DUCTILE_CHECKPOINT_REQUEST",
+                                            "DUCTILE_CHECKPOINT_SAVED",
                                             "OMPI_MCA_pmix_server_uri"};
 
 std::string env_or(const char* name, const std::string& fallback) {
@@ -52,6 +54,17 @@ std::string env_or(const char* name, const std::string& fallback) {
 std::filesystem::path error_file_of(const std::filesystem::path& run_dir, std::int64_t round,
                                     std::int64_t local_rank) {
   return run_dir / ("attempt_" + std::to_string(round)) / std::to_string(local_rank) / "error.json";
+}
+
+std::filesystem::path checkpoint_request_of(const std::filesystem::path& run_dir,
+                                            std::int64_t round) {
+  return run_dir / ("attempt_" + std::to_string(round)) / "checkpoint_request";
+}
+
+std::filesystem::path checkpoint_saved_of(const std::filesystem::path& run_dir, std::int64_t round,
+                                          std::int64_t local_rank) {
+  return run_dir / ("attempt_" + std::to_string(round)) / std::to_string(local_rank) /
+         "checkpoint_saved";
 }
 
 std::vector<WorkerSpec> worker_specs(const WorkerSetup& s) {
@@ -115,6 +128,10 @@ std::vector<WorkerSpec> worker_specs(const WorkerSetup& s) {
       set("DUCTILE_GLOBAL_BATCH", std::to_string(plan.global_batch));
       set("DUCTILE_MICRO_BATCH", std::to_string(plan.micro_batch));
       set("DUCTILE_GRADIENT_ACCUMULATION_STEPS", std::to_string(plan.gradient_accumulation_steps));
+    }
+    if (o.checkpoint_timeout.count() > 0) {
+      set("DUCTILE_CHECKPOINT_REQUEST", checkpoint_request_of(s.run_dir, round.round).string());
+      set("DUCTILE_CHECKPOINT_SAVED", checkpoint_saved_of(s.run_dir, round.round, local).string());
     }
     set("DUCTILE_ROUND", std::to_string(round.round));
     set("DUCTILE_AGENT_NODE_ID", s.node_id);

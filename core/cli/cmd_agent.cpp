@@ -44,7 +44,7 @@ struct AgentCliOptions {
   std::int64_t max_nodes = -1;
   std::int64_t lease_ttl = -1;
   double poll_interval = -1, settle = -1, stop_grace = 5, store_timeout = 30;
-  double min_time = -1, failure_grace = -1;
+  double min_time = -1, failure_grace = -1, checkpoint_timeout = 0;
   // torchrun's options.
   std::string nnodes, rdzv_backend, rdzv_endpoint, rdzv_id, rdzv_conf;
   std::string rdzv_protocol;  // --rdzv-conf protocol=http|https
@@ -316,6 +316,7 @@ int run_agent_command(const CliContext& context, AgentCliOptions& o,
   a.store_timeout = seconds_option("--store-timeout", o.store_timeout);
   if (o.min_time != -1) a.min_time = seconds_option("--min-time", o.min_time);
   if (o.failure_grace != -1) a.failure_grace = seconds_option("--failure-grace", o.failure_grace);
+  a.checkpoint_timeout = seconds_option("--checkpoint-timeout", o.checkpoint_timeout);
   a.runtime = context.runtime_options();
   a.stop_signal = &g_stop_signal;
   struct sigaction action {};
@@ -380,6 +381,10 @@ void register_agent_command(CLI::App& app, CliContext& context) {
   sub->add_option("--failure-grace", o->failure_grace,
                   "Seconds a worker failure waits for a lost node to explain it before it "
                   "counts as a restart (default: --lease-ttl)");
+  sub->add_option("--checkpoint-timeout", o->checkpoint_timeout,
+                  "Seconds the workers get to save before a planned re-form (a scale-up, a node "
+                  "drained with SIGTERM); 0 (default): re-form at once. Workers see the request "
+                  "with ductile.torch.elastic.should_checkpoint()");
   // torchrun's options (docs/elastic-agent.md, "torchrun's command line").
   sub->add_option("--nnodes", o->nnodes, "torchrun: N or MIN:MAX nodes");
   sub->add_option("--rdzv-backend,--rdzv_backend", o->rdzv_backend,

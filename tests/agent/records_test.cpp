@@ -219,3 +219,15 @@ TEST_CASE("records: a worker's TORCHELASTIC_ERROR_FILE, as torch writes it") {
   CHECK_THROWS_AS(worker_error_from_json(R"({"message": 3})"), MalformedRecord);
   CHECK_THROWS_AS(worker_error_from_json(R"({"message": {"extraInfo": {}}})"), MalformedRecord);
 }
+
+TEST_CASE("records: a checkpoint request") {
+  CheckpointRequest c{"n-1", "scale-up: 3 node(s) admitted of 3 present", 1764000000000};
+  auto back = checkpoint_from_json(to_json(c));
+  CHECK(back.by == c.by);
+  CHECK(back.reason == c.reason);
+  CHECK(back.requested_ms == c.requested_ms);
+  CHECK_THROWS_WITH_AS(checkpoint_from_json(R"({"by": "a b", "requested_ms": 1})"),
+                       doctest::Contains("checkpoint record: \"by\" is \"a b\""), MalformedRecord);
+  CHECK_THROWS_AS(checkpoint_from_json(R"({"by": "a", "requested_ms": -1})"), MalformedRecord);
+  CHECK_THROWS_AS(checkpoint_from_json("[]"), MalformedRecord);
+}

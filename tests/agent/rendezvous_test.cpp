@@ -161,3 +161,68 @@ TEST_CASE("decide: a member that registered again (another create revision) has 
   seen.round->member_revisions.clear();
   CHECK(decide(seen, s).action == Action::keep);
 }
+
+TEST_CASE("decide: a planned re-form asks for a checkpoint and waits for every member to save") {
+  auto s = settings();
+  s.min_time = milliseconds(0);
+  s.checkpoint_timeout = milliseconds(30000);
+  Observation seen;
+  seen.alive = nodes(3);
+  seen.round = running({"n0", "n1"}, 0);
+  seen.now = milliseconds(50000);
+  seen.last_membership_change = milliseconds(1000);
+  // A scale-up: first the request.
+  auto d = decide(seen, s);
+  REQUIRE(d.action == Action::request_checkpoint);
+  CHECK(d.reason == "scale-up: 3 node(s) admitted of 3 present");
+  // Asked: nothing until every member saved...
+  seen.checkpoint = CheckpointRequest{"n0", d.reason, 50000};
+  seen.saved = {"n0"};
+  CHECK(decide(seen, s).action == Action::keep);
+  seen.saved = {"n1", "n0"};
+  d = decide(seen, s);
+  REQUIRE(d.action == Action::new_round);
+  CHECK(d.members.size() == 3);
+  CHECK(d.reason == "scale-up: 3 node(s) admitted of 3 present; every member's workers saved");
+  CHECK_FALSE(d.counts_as_restart);
+  // ... or until the timeout.
+  seen.saved = {"n0"};
+  seen.now = milliseconds(80000);
+  d = decide(seen, s);
+  REQUIRE(d.action == Action::new_round);
+  CHECK(d.reason.find("checkpoint timeout (30000 ms): node(s) n1 did not save") !=
+        std::string::npos);
+  // A member lost meanwhile: at once, as any loss.
+  seen.now = milliseconds(60000);
+  seen.alive.erase(seen.alive.begin() + 1);
+  d = decide(seen, s);
+  REQUIRE(d.action == Action::new_round);
+  CHECK(d.reason == "node(s) n1 left");
+}
+
+TEST_CASE("decide: a draining member is checkpointed, then left out") {
+  auto s = settings();
+  s.checkpoint_timeout = milliseconds(30000);
+  Observation seen;
+  seen.alive = nodes(3);
+  seen.round = running({"n0", "n1", "n2"}, 0);
+  seen.now = milliseconds(5000);
+  seen.last_membership_change = milliseconds(1000);
+  seen.draining = {"n1"};
+  auto d = decide(seen, s);
+  REQUIRE(d.action == Action::request_checkpoint);
+  CHECK(d.reason == "node(s) n1 drain");
+  seen.checkpoint = CheckpointRequest{"n1", "node n1 drains (signal 15)", 5000};
+  seen.saved = {"n0", "n1", "n2"};
+  d = decide(seen, s);
+  REQUIRE(d.action == Action::new_round);
+  REQUIRE(d.members.size() == 2);
+  CHECK(d.members[0].id == "n0");
+  CHECK(d.members[1].id == "n2");
+  // Without checkpoints: the drained member is left out at once.
+  s.checkpoint_timeout = milliseconds(0);
+  seen.checkpoint.reset();
+  d = decide(seen, s);
+  REQUIRE(d.action == Action::new_round);
+  CHECK(d.members.size() == 2);
+}

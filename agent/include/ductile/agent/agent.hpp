@@ -64,6 +64,10 @@ struct AgentOptions {
   // this long after the agent started (torchrun's join_timeout); none: wait.
   std::optional<std::chrono::milliseconds> join_timeout;
   std::chrono::milliseconds request_timeout{2000};  // one etcd request
+  // > 0: before a planned re-form (a scale-up, a node drained with SIGTERM)
+  // the round's workers are asked to checkpoint (DUCTILE_CHECKPOINT_REQUEST,
+  // ductile.torch.elastic) and waited for this long at most.
+  std::chrono::milliseconds checkpoint_timeout{0};
 
   core::RuntimeOptions runtime;  // where the policy plugins are found
   // Set (to the signal number) by a signal handler to stop the agent.

@@ -83,6 +83,17 @@ struct RoundRecord {
   std::optional<FailureReport> failure;  // set when state is failed
 };
 
+// checkpoint/<round>: the round's workers are asked to save before a
+// planned re-form.
+struct CheckpointRequest {
+  std::string by;  // the node that asked (the leader, or a draining node)
+  std::string reason;
+  std::int64_t requested_ms = 0;  // the asker's clock, ms since the epoch
+};
+
+std::string to_json(const CheckpointRequest& request);
+CheckpointRequest checkpoint_from_json(const std::string& text);
+
 std::string to_json(const RoundRecord& record);
 RoundRecord round_from_json(const std::string& text);
 std::string to_json(const FailureReport& report);

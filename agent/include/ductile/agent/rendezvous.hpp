@@ -41,6 +41,9 @@ struct RendezvousSettings {
   std::chrono::milliseconds min_time{0};       // no scale-up sooner after a (re)start
   std::chrono::milliseconds settle{0};         // quiet time before a first or larger round
   std::chrono::milliseconds failure_grace{0};  // wait for a lost node before counting a failure
+  // > 0: before a planned re-form (scale-up, a drained node) the round's
+  // workers are asked to checkpoint, and waited for this long at most.
+  std::chrono::milliseconds checkpoint_timeout{0};
 };
 
 // What the leader sees on one pass.
@@ -52,9 +55,14 @@ struct Observation {
   bool all_done = false;  // every member of the current round reported its workers done
   std::chrono::milliseconds failure_seen{0};            // when the failure was first seen
   std::chrono::milliseconds last_membership_change{0};  // when `alive` last changed
+  // Nodes that drain (SIGTERM with checkpoints on): alive until they leave,
+  // but not in the next round.
+  std::vector<std::string> draining;
+  std::optional<CheckpointRequest> checkpoint;  // asked of the current round
+  std::vector<std::string> saved;               // members whose workers saved
 };
 
-enum class Action { keep, new_round, succeed, fail };
+enum class Action { keep, new_round, succeed, fail, request_checkpoint };
 
 struct Decision {
   Action action = Action::keep;
@@ -66,7 +74,10 @@ struct Decision {
 // The leader's decision. Scale-down (a member gone) is immediate; a failure is
 // counted against max_restarts only when every member is still alive
 // failure_grace after it; scale-up waits for min_time since the round started
-// and for `settle` without membership changes.
+// and for `settle` without membership changes. A planned re-form (scale-up,
+// a draining member) with checkpoint_timeout > 0 first asks for a checkpoint
+// (request_checkpoint) and forms the next round once every member saved or
+// the timeout passed.
 Decision decide(const Observation& seen, const RendezvousSettings& settings);
 
 }  // namespace ductile::agent
