@@ -14,6 +14,8 @@ DUCTILE_DEBIAN_PACKAGES=(
   python3-dev python3-venv
   # elastic agent: etcd as the rendezvous store, libcurl for its HTTP/JSON gateway
   etcd-server etcd-client libcurl4-openssl-dev
+  # agent tests: certificates for etcd over TLS, hosts as network namespaces
+  openssl iproute2
   # fuzz targets (libFuzzer)
   clang-14 libclang-rt-14-dev
   # start-up benchmark (tests/benchmarks/startup)

@@ -1,47 +1,29 @@
 // The agent's loop: register, read the rendezvous, lead when oldest, run this
 // node's workers for the current round. See agent.hpp and rendezvous.hpp.
-#include "ductile/agent/agent.hpp"
-
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <fstream>
-#include <map>
 #include <random>
 
-#include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
-#include "ductile/agent/etcd_store.hpp"
-#include "ductile/agent/job_policy.hpp"
-#include "ductile/agent/rendezvous.hpp"
-#include "ductile/agent/workers.hpp"
+#include "agent_impl.hpp"
 #include "ductile/error.hpp"
-#include "keep_alive.hpp"
-#include "ompi_server.hpp"
 
 extern char** environ;
 
 namespace ductile::agent {
-namespace {
 
-using json = nlohmann::json;
 using std::chrono::milliseconds;
 
-milliseconds now_ms() {
-  return std::chrono::duration_cast<milliseconds>(
-      std::chrono::system_clock::now().time_since_epoch());
-}
-
-std::string host_name() {
-  char buffer[256] = {};
-  if (gethostname(buffer, sizeof buffer - 1) != 0) return "localhost";
-  return buffer;
-}
+namespace {
 
 // The port `port` (0: any) when it can be bound now, else 0.
 int bindable_port(int port) {
@@ -77,195 +59,97 @@ int free_port(int avoid) {
   throw std::runtime_error("cannot find a free TCP port for MASTER_PORT");
 }
 
-void check_options(const AgentOptions& o) {
-  auto bad = [](const std::string& message) { throw Error(ErrorKind::invalid_argument, message); };
-  if (o.job_id.empty() ||
-      o.job_id.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnop"
-                                 "qrstuvwxyz0123456789._-") != std::string::npos)
-    bad(fmt::format("--job-id '{}' is invalid: use letters, digits, '.', '_' and '-'", o.job_id));
-  if (o.node_id.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
-                                  "0123456789._-") != std::string::npos)
-    bad(fmt::format("--node-id '{}' is invalid: use letters, digits, '.', '_' and '-'", o.node_id));
-  if (o.nproc_per_node < 1)
-    bad(
-        fmt::format("--nproc-per-node {} is invalid: give the number of workers of this node "
-                    "(>= 1)",
-                    o.nproc_per_node));
-  if (o.min_nodes < 1) bad(fmt::format("--min-nodes {} is invalid: give 1 or more", o.min_nodes));
-  if (o.max_nodes && (*o.max_nodes < 1 || *o.max_nodes < o.min_nodes))
-    bad(fmt::format("--max-nodes {} is invalid: it must be at least --min-nodes ({})", *o.max_nodes,
-                    o.min_nodes));
-  if (o.max_restarts < 0)
-    bad(fmt::format("--max-restarts {} is invalid: give 0 or more", o.max_restarts));
-  if (o.command.empty())
-    bad("no worker command: give it after '--', e.g. ductile agent ... -- python3 train.py");
-  if (o.lease_ttl < std::chrono::seconds(2))
-    bad(fmt::format("--lease-ttl {} is invalid: etcd leases last at least 2 seconds",
-                    o.lease_ttl.count()));
-  if (o.poll_interval <= milliseconds(0) || o.stop_grace < milliseconds(0) ||
-      o.settle < milliseconds(0) || o.store_timeout <= milliseconds(0))
-    bad("--poll-interval and --store-timeout must be > 0, --settle and --stop-grace >= 0");
+}  // namespace
+
+void Agent::ignore_record(const KeyValue& kv, const std::string& problem,
+                          const std::string& outcome) {
+  auto [it, inserted] = ignored_.try_emplace(kv.key, kv.mod_revision);
+  if (!inserted && it->second == kv.mod_revision) return;
+  it->second = kv.mod_revision;
+  log(fmt::format("ignoring {} (revision {}): {}; {}", kv.key, kv.mod_revision, problem, outcome));
 }
 
-class Agent {
- public:
-  explicit Agent(const AgentOptions& o) : o_(o) {}
-  int run();
-
- private:
-  void log(const std::string& message) const {
-    write_line(true, fmt::format("ductile agent {}: {}", id_, message));
+std::vector<NodeInfo> Agent::live_nodes(const std::vector<KeyValue>& kvs, bool* own_ok) {
+  std::vector<NodeInfo> alive;
+  std::map<std::string, NodeInfo> known;
+  const std::string nodes = key("nodes/");
+  *own_ok = false;
+  for (const auto& kv : kvs) {
+    std::string id = kv.key.substr(nodes.size());
+    if (kv.lease == 0) {
+      ignore_record(kv, "it has no lease, so no agent keeps it alive",
+                    "not counted as a node (a stale or hand-written key?)");
+      continue;
+    }
+    try {
+      alive.push_back(node_from_json(kv.value, id, kv.create_revision));
+      known[kv.key] = alive.back();
+      if (id == id_) *own_ok = kv.lease == lease_ && alive.back().addr == addr_;
+    } catch (const MalformedRecord& e) {
+      // A key that held a node's valid record was overwritten (its create
+      // revision is the same): the node stays as it was; else it is not one.
+      auto it = known_nodes_.find(kv.key);
+      bool was_valid = it != known_nodes_.end() && it->second.create_revision == kv.create_revision;
+      ignore_record(kv, e.what(),
+                    was_valid ? "the node's last valid record stands" : "not counted as a node");
+      if (was_valid) {
+        alive.push_back(it->second);
+        known[kv.key] = it->second;
+      }
+    }
   }
-  std::string key(const std::string& name) const { return prefix_ + name; }
-  void setup();
-  void register_node();
-  void check_settings();
-  void lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& round_kv);
-  std::optional<int> apply(const RoundRecord& round);
-  void start_workers(const RoundRecord& round, std::size_t group_rank);
-  void report_worker_exit();
-  int leave(int code);
+  known_nodes_ = std::move(known);
+  std::sort(alive.begin(), alive.end(), [](const NodeInfo& a, const NodeInfo& b) {
+    return a.create_revision < b.create_revision;
+  });
+  return alive;
+}
 
-  const AgentOptions& o_;
-  std::optional<JobPolicy> policy_;
-  RendezvousSettings settings_;
-  std::string endpoint_, prefix_, id_, addr_;
-  std::unique_ptr<EtcdStore> store_;
-  std::int64_t lease_ = 0;
-  std::unique_ptr<KeepAlive> keep_alive_;
-  std::unique_ptr<OmpiServer> mpi_server_;  // with --mpi-world
-  WorkerGroup workers_;
-  std::int64_t current_round_ = 0;
-  bool member_ = false;
-  bool reported_ = false;  // this round's worker exit is in the store
-  std::optional<WorkerExit> local_failure_;
-  int last_port_ = 0;
-  std::vector<std::string> last_alive_;
-  milliseconds last_membership_change_{0};
-  std::map<std::int64_t, milliseconds> failure_seen_;
-  std::optional<milliseconds> outage_since_;
-  std::string settings_text_;
-};
-
-void Agent::setup() {
-  check_options(o_);
-  policy_ = JobPolicy::load(o_.config, o_.runtime);
-  const auto& valid = policy_->valid_gpus();
-  std::int64_t max_nodes = o_.max_nodes.value_or(
-      std::max<std::int64_t>(o_.min_nodes, valid.empty() ? 0 : valid.back() / o_.nproc_per_node));
-  if (admitted_nodes(valid, o_.nproc_per_node, o_.min_nodes, max_nodes, max_nodes) == 0) {
-    std::vector<std::int64_t> usable;
-    for (std::int64_t n = 1; n <= (valid.empty() ? 0 : valid.back()); ++n)
-      if (admitted_nodes(valid, n, o_.min_nodes, max_nodes, max_nodes) > 0) usable.push_back(n);
-    throw Error(ErrorKind::incompatible,
-                fmt::format("--nproc-per-node {}: no world size of {} to {} nodes x {} is valid "
-                            "for {} (policy '{}', valid GPU counts [{}]); nproc-per-node values "
-                            "that fit: [{}]",
-                            o_.nproc_per_node, o_.min_nodes, max_nodes, o_.nproc_per_node,
-                            policy_->origin(), policy_->policy_name(), fmt::join(valid, ", "),
-                            fmt::join(usable, ", ")));
-  }
-  settings_.valid_gpus = valid;
-  settings_.nproc_per_node = o_.nproc_per_node;
-  settings_.min_nodes = o_.min_nodes;
-  settings_.max_nodes = max_nodes;
-  settings_.max_restarts = o_.max_restarts;
-  settings_.min_time = o_.min_time.value_or(policy_->min_time());
-  settings_.settle = o_.settle;
-  settings_.failure_grace = o_.failure_grace.value_or(milliseconds(o_.lease_ttl));
-
-  endpoint_ = etcd_endpoint_from_url(o_.rdzv, "--rdzv");
-  prefix_ = "/ductile/agent/" + o_.job_id + "/";
-  addr_ = o_.node_addr.empty() ? host_name() : o_.node_addr;
-  if (o_.node_id.empty()) {
-    std::random_device random;
-    id_ = fmt::format("{}-{}-{:04x}", host_name(), getpid(), random() & 0xffff);
-  } else {
-    id_ = o_.node_id;
-  }
-  store_ = std::make_unique<EtcdStore>(endpoint_);
+std::optional<RoundRecord> Agent::read_round(const std::optional<KeyValue>& kv) {
+  if (!kv) return std::nullopt;
   try {
-    lease_ = store_->grant_lease(o_.lease_ttl.count());
-  } catch (const StoreError& e) {
-    throw Error(ErrorKind::communication,
-                fmt::format("cannot reach etcd for --rdzv {}: {}; start etcd there or give the "
-                            "address of a running one",
-                            o_.rdzv, e.what()));
+    RoundRecord round = round_from_json(kv->value);
+    check_round_fits(round, o_.nproc_per_node, settings_.valid_gpus);
+    highest_round_ = std::max(highest_round_, round.round);
+    last_good_round_ = round;
+    ignored_.erase(kv->key);
+    return round;
+  } catch (const MalformedRecord& e) {
+    ignore_record(*kv, e.what(),
+                  "this node keeps its round; the leader replaces the record with the last valid "
+                  "one");
+    return std::nullopt;
   }
-  if (o_.mpi_world) mpi_server_ = std::make_unique<OmpiServer>();
 }
 
-void Agent::register_node() {
-  store_->put(key("nodes/" + id_), to_json(NodeInfo{id_, addr_, 0}), lease_);
-}
-
-void Agent::check_settings() {
-  json mine = json::parse(policy_->settings_json());
-  mine["nproc_per_node"] = o_.nproc_per_node;
-  mine["mpi_world"] = o_.mpi_world;
-  settings_text_ = mine.dump();
-  for (int attempt = 0; attempt < 5; ++attempt) {
-    auto existing = store_->get(key("settings"));
-    auto nodes = store_->get_prefix(key("nodes/"));
-    bool others = std::any_of(nodes.begin(), nodes.end(),
-                              [&](const KeyValue& kv) { return kv.key != key("nodes/" + id_); });
-    if (!others) {
-      // First agent of a (new) run: state a finished or crashed run left
-      // behind is not this run's.
-      store_->erase(key("round"));
-      store_->erase_prefix(key("failure/"));
-      store_->erase_prefix(key("done/"));
+void Agent::lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& round_kv,
+                 std::optional<RoundRecord>& round) {
+  if (round_kv && !round && last_good_round_) {
+    // A record no agent wrote: put back the last valid one (the workers of
+    // every member go on in their round).
+    if (store_->compare_and_swap(key("round"), round_kv->mod_revision,
+                                 to_json(*last_good_round_))) {
+      log(fmt::format("leader: restored round {} in {}", last_good_round_->round, key("round")));
+      round_kv = store_->get(key("round"));
+      round = read_round(round_kv);
     }
-    if (existing && existing->value == settings_text_) return;
-    if (existing && others) {
-      json theirs = json::parse(existing->value, nullptr, false);
-      std::vector<std::string> differences;
-      auto compare = [&](const std::string& name, const json& a, const json& b) {
-        if (a != b)
-          differences.push_back(fmt::format("{} is {} there, {} here", name, a.dump(), b.dump()));
-      };
-      if (theirs.is_object()) {
-        compare("policy", theirs.value("policy", json()), mine["policy"]);
-        compare("nproc_per_node", theirs.value("nproc_per_node", json()), mine["nproc_per_node"]);
-        compare("--mpi-world", theirs.value("mpi_world", false), mine["mpi_world"]);
-        json tp = theirs.value("params", json::object()), mp = mine["params"];
-        for (auto it = mp.begin(); it != mp.end(); ++it)
-          compare(it.key(), tp.value(it.key(), json()), it.value());
-        for (auto it = tp.begin(); it != tp.end(); ++it)
-          if (!mp.contains(it.key())) compare(it.key(), it.value(), json());
-      }
-      if (differences.empty()) differences.push_back("the settings record differs");
-      try {
-        store_->revoke_lease(lease_);
-      } catch (const StoreError&) {
-      }
-      throw Error(ErrorKind::config,
-                  fmt::format("job id '{}' is in use on {} with another configuration: {} ({} "
-                              "here); give another --job-id or the job's configuration",
-                              o_.job_id, store_->describe(), fmt::join(differences, "; "),
-                              o_.config.string()));
-    }
-    if (store_->compare_and_swap(key("settings"), existing ? existing->mod_revision : 0,
-                                 settings_text_))
-      return;
+    return;
   }
-  throw std::runtime_error(
-      "the job's settings record keeps changing; is another job starting "
-      "with the same --job-id?");
-}
-
-void Agent::lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& round_kv) {
   Observation seen;
   seen.now = now_ms();
   seen.alive = alive;
   seen.last_membership_change = last_membership_change_;
-  if (round_kv) seen.round = round_from_json(round_kv->value);
+  seen.round = round;
   if (seen.round && !seen.round->members.empty()) {
     std::string r = std::to_string(seen.round->round);
     if (auto f = store_->get(key("failure/" + r))) {
-      seen.failure = failure_from_json(f->value);
-      auto [it, inserted] = failure_seen_.try_emplace(seen.round->round, seen.now);
-      seen.failure_seen = it->second;
+      try {
+        seen.failure = failure_from_json(f->value);
+        auto [it, inserted] = failure_seen_.try_emplace(seen.round->round, seen.now);
+        seen.failure_seen = it->second;
+      } catch (const MalformedRecord& e) {
+        ignore_record(*f, e.what(), "not counted as a failure");
+      }
     }
     auto done = store_->get_prefix(key("done/" + r + "/"));
     seen.all_done = std::all_of(
@@ -275,13 +159,41 @@ void Agent::lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& ro
           });
         });
   }
+  for (const auto& kv : store_->get_prefix(key("draining/")))
+    if (kv.lease != 0) seen.draining.push_back(kv.key.substr(key("draining/").size()));
+  if (settings_.checkpoint_timeout.count() > 0 && seen.round && !seen.round->members.empty()) {
+    std::string r = std::to_string(seen.round->round);
+    if (auto c = store_->get(key("checkpoint/" + r))) {
+      try {
+        seen.checkpoint = checkpoint_from_json(c->value);
+      } catch (const MalformedRecord& e) {
+        ignore_record(*c, e.what(), "no checkpoint asked");
+      }
+    }
+    for (const auto& kv : store_->get_prefix(key("saved/" + r + "/")))
+      seen.saved.push_back(kv.key.substr(key("saved/" + r + "/").size()));
+  }
   Decision d = decide(seen, settings_);
   if (d.action == Action::keep) return;
+  if (d.action == Action::request_checkpoint) {
+    CheckpointRequest request{id_, excerpt(d.reason, kMaxTextChars - 3), seen.now.count()};
+    if (store_->compare_and_swap(key("checkpoint/" + std::to_string(seen.round->round)), 0,
+                                 to_json(request)))
+      log(fmt::format(
+          "leader: asked the workers of round {} to checkpoint before re-forming ({}); waiting "
+          "up to {} ms",
+          seen.round->round, d.reason, settings_.checkpoint_timeout.count()));
+    return;
+  }
   RoundRecord next = seen.round.value_or(RoundRecord{});
   if (d.action == Action::new_round) {
-    next.round += 1;
+    next.round = std::max(next.round, highest_round_) + 1;
     next.members.clear();
-    for (const auto& n : d.members) next.members.push_back(n.id);
+    next.member_revisions.clear();
+    for (const auto& n : d.members) {
+      next.members.push_back(n.id);
+      next.member_revisions.push_back(n.create_revision);
+    }
     next.world_size = static_cast<std::int64_t>(d.members.size()) * o_.nproc_per_node;
     next.master_addr = d.members.empty() ? std::string() : d.members.front().addr;
     next.master_port = d.members.empty() ? 0 : free_port(last_port_);
@@ -299,7 +211,7 @@ void Agent::lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& ro
     next.state = RoundState::failed;
     next.failure = seen.failure;
   }
-  next.reason = d.reason;
+  next.reason = excerpt(d.reason, kMaxTextChars - 3);  // what every reader accepts
   std::string text = to_json(next);
   if (store_->compare_and_swap(key("round"), round_kv ? round_kv->mod_revision : 0, text)) {
     if (d.action == Action::new_round)
@@ -307,98 +219,85 @@ void Agent::lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& ro
     else
       log(fmt::format("leader: job {}: {}", to_string(next.state), d.reason));
     round_kv = store_->get(key("round"));
+    round = read_round(round_kv);
   }
 }
 
 void Agent::start_workers(const RoundRecord& round, std::size_t group_rank) {
-  BatchPlan plan = policy_->plan(round.world_size);
-  std::int64_t nodes = static_cast<std::int64_t>(round.members.size());
-  std::vector<std::string> base;
-  static const char* kSet[] = {"RANK",
-                               "LOCAL_RANK",
-                               "WORLD_SIZE",
-                               "LOCAL_WORLD_SIZE",
-                               "GROUP_RANK",
-                               "GROUP_WORLD_SIZE",
-                               "ROLE_RANK",
-                               "ROLE_WORLD_SIZE",
-                               "MASTER_ADDR",
-                               "MASTER_PORT",
-                               "TORCHELASTIC_RESTART_COUNT",
-                               "TORCHELASTIC_MAX_RESTARTS",
-                               "TORCHELASTIC_RUN_ID",
-                               "DEEPSPEED_ELASTICITY_CONFIG",
-                               "DUCTILE_GLOBAL_BATCH",
-                               "DUCTILE_MICRO_BATCH",
-                               "DUCTILE_GRADIENT_ACCUMULATION_STEPS",
-                               "DUCTILE_ROUND",
-                               "DUCTILE_AGENT_NODE_ID",
-                               "DUCTILE_MPI_JOIN",
-                               "OMPI_MCA_pmix_server_uri"};
-  for (char** e = environ; *e; ++e) {
-    std::string entry(*e);
-    auto eq = entry.find('=');
-    std::string name = entry.substr(0, eq);
-    if (std::none_of(std::begin(kSet), std::end(kSet), [&](const char* s) { return name == s; }))
-      base.push_back(entry);
-  }
-  std::vector<WorkerSpec> specs;
   for (std::int64_t local = 0; local < o_.nproc_per_node; ++local) {
-    std::int64_t rank = static_cast<std::int64_t>(group_rank) * o_.nproc_per_node + local;
-    WorkerSpec spec{rank, local, o_.command, base};
-    auto set = [&](const char* name, const std::string& value) {
-      spec.env.push_back(std::string(name) + "=" + value);
-    };
-    set("RANK", std::to_string(rank));
-    set("LOCAL_RANK", std::to_string(local));
-    set("WORLD_SIZE", std::to_string(round.world_size));
-    set("LOCAL_WORLD_SIZE", std::to_string(o_.nproc_per_node));
-    set("GROUP_RANK", std::to_string(group_rank));
-    set("GROUP_WORLD_SIZE", std::to_string(nodes));
-    set("ROLE_RANK", std::to_string(rank));
-    set("ROLE_WORLD_SIZE", std::to_string(round.world_size));
-    set("MASTER_ADDR", round.master_addr);
-    set("MASTER_PORT", std::to_string(round.master_port));
-    set("TORCHELASTIC_RESTART_COUNT", std::to_string(round.restarts));
-    set("TORCHELASTIC_MAX_RESTARTS", std::to_string(o_.max_restarts));
-    set("TORCHELASTIC_RUN_ID", o_.job_id);
-    set("DEEPSPEED_ELASTICITY_CONFIG", policy_->scheduler_config_json());
-    set("DUCTILE_GLOBAL_BATCH", std::to_string(plan.global_batch));
-    set("DUCTILE_MICRO_BATCH", std::to_string(plan.micro_batch));
-    set("DUCTILE_GRADIENT_ACCUMULATION_STEPS", std::to_string(plan.gradient_accumulation_steps));
-    set("DUCTILE_ROUND", std::to_string(round.round));
-    set("DUCTILE_AGENT_NODE_ID", id_);
-    if (round.mpi_join_port != 0) {
-      set("DUCTILE_MPI_JOIN", round.master_addr + ":" + std::to_string(round.mpi_join_port));
-      set("OMPI_MCA_pmix_server_uri", round.mpi_server_uri);
-    }
-    specs.push_back(std::move(spec));
+    auto file = error_file_of(run_dir_->path(), round.round, local);
+    std::error_code ignored;
+    std::filesystem::create_directories(file.parent_path(), ignored);
+    std::filesystem::remove(file, ignored);
   }
+  auto specs = worker_specs({o_, *policy_, round, group_rank, id_, run_dir_->path()});
+  BatchPlan plan = policy_->plan(round.world_size);
   log(fmt::format(
-      "round {} started: world size {} ({} nodes x {}), group rank {}, master {}:{}{}, "
-      "global batch {} = micro {} x accumulation {} x {}, restarts {}, "
-      "started_ms={} ({})",
-      round.round, round.world_size, nodes, o_.nproc_per_node, group_rank, round.master_addr,
-      round.master_port,
+      "round {} started: world size {} ({} nodes x {}), group rank {}, master {}:{}{}{}, "
+      "restarts {}, started_ms={} ({})",
+      round.round, round.world_size, round.members.size(), o_.nproc_per_node, group_rank,
+      round.master_addr, round.master_port,
       round.mpi_join_port ? fmt::format(", MPI world joined at port {}", round.mpi_join_port) : "",
-      plan.global_batch, plan.micro_batch, plan.gradient_accumulation_steps, round.world_size,
+      policy_->has_config()
+          ? fmt::format(", global batch {} = micro {} x accumulation {} x {}", plan.global_batch,
+                        plan.micro_batch, plan.gradient_accumulation_steps, round.world_size)
+          : "",
       round.restarts, round.started_ms, round.reason));
   workers_.start(specs);
+  keep_alive_->fence_workers(workers_.guard_pids());
+  joined_ = true;
+}
+
+std::optional<WorkerError> Agent::read_worker_error(std::int64_t local_rank) {
+  const auto file = error_file_of(run_dir_->path(), current_round_, local_rank);
+  // The worker's file: not followed if it is a link, never read past the
+  // cap, never blocked on (a FIFO).
+  int fd = ::open(file.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return std::nullopt;
+  struct stat info {};
+  std::string text;
+  if (fstat(fd, &info) == 0 && S_ISREG(info.st_mode)) {
+    char buffer[65536];
+    ssize_t n;
+    while (text.size() <= kMaxErrorFileBytes && (n = ::read(fd, buffer, sizeof buffer)) > 0)
+      text.append(buffer, static_cast<std::size_t>(n));
+  }
+  ::close(fd);
+  try {
+    return worker_error_from_json(text);
+  } catch (const MalformedRecord& e) {
+    log(fmt::format("the error file {} of local rank {} is not torch's: {}", file.string(),
+                    local_rank, e.what()));
+    return std::nullopt;
+  }
 }
 
 // Applies the round record; returns an exit code when the agent is done.
 std::optional<int> Agent::apply(const RoundRecord& round) {
   if (round.state == RoundState::failed) {
-    workers_.stop(o_.stop_grace);
+    stop_workers(o_.stop_grace);
     const auto& f = round.failure;
     int status = f && f->exit_status != 0 ? f->exit_status : 1;
     if (f && f->node == id_) {
       std::string lines;
       for (const auto& l : f->last_lines) lines += "\n  | " + l;
+      std::string error;
+      if (!f->error_message.empty()) {
+        // torchrun's "Root Cause": the worker's exception, from its
+        // TORCHELASTIC_ERROR_FILE.
+        error = "\n  its error (TORCHELASTIC_ERROR_FILE): " + f->error_message;
+        std::size_t from = 0;
+        while (from < f->error_traceback.size()) {
+          auto eol = f->error_traceback.find('\n', from);
+          if (eol == std::string::npos) eol = f->error_traceback.size();
+          error += "\n  ! " + f->error_traceback.substr(from, eol - from);
+          from = eol + 1;
+        }
+      }
       log(fmt::format(
           "job failed: worker rank {} (local rank {}) exited with status {} after {} "
-          "restart(s) (max-restarts {}); its last lines:{}",
-          f->rank, f->local_rank, f->exit_status, round.restarts, o_.max_restarts, lines));
+          "restart(s) (max-restarts {}); its last lines:{}{}",
+          f->rank, f->local_rank, f->exit_status, round.restarts, o_.max_restarts, lines, error));
     } else {
       log(fmt::format("job failed: {}", round.reason));
     }
@@ -413,11 +312,14 @@ std::optional<int> Agent::apply(const RoundRecord& round) {
   if (round.round == current_round_) return std::nullopt;
   if (!workers_.empty()) {
     log(fmt::format("stopping the workers of round {} for round {}", current_round_, round.round));
-    workers_.stop(o_.stop_grace);
+    stop_workers(o_.stop_grace);
   }
   current_round_ = round.round;
   reported_ = false;
   local_failure_.reset();
+  local_error_.reset();
+  checkpoint_asked_ = false;
+  saved_reported_ = false;
   auto it = std::find(round.members.begin(), round.members.end(), id_);
   member_ = it != round.members.end();
   if (member_) {
@@ -433,19 +335,85 @@ std::optional<int> Agent::apply(const RoundRecord& round) {
   return std::nullopt;
 }
 
+bool Agent::workers_saved() const {
+  for (std::int64_t local = 0; local < o_.nproc_per_node; ++local) {
+    std::error_code ec;
+    if (!std::filesystem::exists(checkpoint_saved_of(run_dir_->path(), current_round_, local), ec))
+      return false;
+  }
+  return true;
+}
+
+void Agent::follow_checkpoint() {
+  if (settings_.checkpoint_timeout.count() == 0 || !member_ || workers_.empty()) return;
+  const std::string r = std::to_string(current_round_);
+  if (!checkpoint_asked_) {
+    auto kv = store_->get(key("checkpoint/" + r));
+    if (!kv) return;
+    CheckpointRequest request;
+    try {
+      request = checkpoint_from_json(kv->value);
+    } catch (const MalformedRecord& e) {
+      ignore_record(*kv, e.what(), "no checkpoint asked");
+      return;
+    }
+    // The workers' signal: the file appears, whole (written aside, renamed).
+    auto file = checkpoint_request_of(run_dir_->path(), current_round_);
+    auto part = file;
+    part += ".part";
+    std::ofstream(part) << nlohmann::json{{"round", current_round_}, {"reason", request.reason}}
+                               .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)
+                        << "\n";
+    std::error_code ec;
+    std::filesystem::rename(part, file, ec);
+    checkpoint_asked_ = true;
+    log(fmt::format("round {}: the workers are asked to checkpoint ({}; asked by {})",
+                    current_round_, request.reason, request.by));
+  }
+  if (!saved_reported_ && workers_saved()) {
+    store_->put(key("saved/" + r + "/" + id_), "{}");
+    saved_reported_ = true;
+    log(fmt::format("round {}: this node's workers saved their checkpoint", current_round_));
+  }
+}
+
 void Agent::report_worker_exit() {
   if (reported_ || workers_.empty()) return;
+  // Workers that saved when asked may exit: neither a failure nor the end
+  // of the job.
+  if (checkpoint_asked_ && workers_saved()) return;
   if (auto failure = workers_.first_failure()) {
     if (!local_failure_) {
       local_failure_ = failure;
-      log(fmt::format("worker rank {} exited with status {}; stopping this node's workers",
-                      failure->rank, failure->status));
-      workers_.stop(o_.stop_grace);
+      local_error_ = read_worker_error(failure->local_rank);
+      log(fmt::format("worker rank {} exited with status {}{}; stopping this node's workers",
+                      failure->rank, failure->status,
+                      local_error_ ? ": " + local_error_->message : ""));
+      stop_workers(o_.stop_grace);
     }
-    FailureReport report{id_, local_failure_->rank, local_failure_->local_rank,
-                         local_failure_->status, local_failure_->last_lines};
-    store_->compare_and_swap(key("failure/" + std::to_string(current_round_)), 0, to_json(report));
-    reported_ = true;
+    FailureReport report{id_,
+                         local_failure_->rank,
+                         local_failure_->local_rank,
+                         std::clamp(local_failure_->status, 1, 255),
+                         {},
+                         local_error_ ? local_error_->message : "",
+                         local_error_ ? local_error_->traceback : ""};
+    for (const auto& line : local_failure_->last_lines)
+      report.last_lines.push_back(excerpt(line, kMaxTextChars - 3));
+    if (report.last_lines.size() > kMaxReportLines)
+      report.last_lines.erase(report.last_lines.begin(), report.last_lines.end() - kMaxReportLines);
+    const std::string k = key("failure/" + std::to_string(current_round_));
+    if (store_->compare_and_swap(k, 0, to_json(report))) {
+      reported_ = true;
+    } else if (auto existing = store_->get(k)) {
+      try {
+        failure_from_json(existing->value);
+        reported_ = true;  // another worker's failure came first
+      } catch (const MalformedRecord& e) {
+        ignore_record(*existing, e.what(), "replaced by this node's failure report");
+        reported_ = store_->compare_and_swap(k, existing->mod_revision, to_json(report));
+      }
+    }
   } else if (workers_.all_succeeded()) {
     store_->put(key("done/" + std::to_string(current_round_) + "/" + id_), "{}");
     log(fmt::format("round {}: this node's workers finished", current_round_));
@@ -453,8 +421,61 @@ void Agent::report_worker_exit() {
   }
 }
 
+void Agent::stop_workers(std::chrono::milliseconds grace) {
+  workers_.stop(grace);
+  if (keep_alive_) keep_alive_->fence_workers({});
+}
+
+void Agent::rejoin_after_fence() {
+  // The lease may still be alive (the others then still count this node in
+  // its round): revoking it removes this node's key, and registering anew
+  // makes it a new node (another create revision) for the others, who
+  // re-form with it.
+  log("etcd reachable again after the fence: leaving with the old lease and registering anew");
+  store_->revoke_lease(lease_);
+  auto sent = KeepAlive::Clock::now();
+  lease_ = store_->grant_lease(o_.lease_ttl.count());
+  keep_alive_->set_lease(lease_, sent);
+  reclaim_node_key("was revoked after the fence");
+  fenced_ = false;
+}
+
+std::optional<int> Agent::on_stop_signal(int sig) {
+  if (drain_) {
+    if (current_round_ == drain_->round && std::chrono::steady_clock::now() < drain_->deadline)
+      return std::nullopt;
+    log(fmt::format("signal {}: {}; leaving the job", sig,
+                    current_round_ != drain_->round ? "the round re-formed without this node"
+                                                    : "the checkpoint timeout passed"));
+    return 128 + sig;
+  }
+  if (settings_.checkpoint_timeout.count() > 0 && member_ && workers_.running()) {
+    // A drain: the round's workers save first (every rank: a save is
+    // collective), then the leader re-forms without this node.
+    try {
+      store_->put(key("draining/" + id_), "{}", lease_);
+      CheckpointRequest request{id_, fmt::format("node {} drains (signal {})", id_, sig),
+                                now_ms().count()};
+      store_->compare_and_swap(key("checkpoint/" + std::to_string(current_round_)), 0,
+                               to_json(request));
+      drain_ = Drain{current_round_, std::chrono::steady_clock::now() +
+                                         settings_.checkpoint_timeout + o_.lease_ttl};
+      log(fmt::format(
+          "signal {}: asking the workers of round {} to checkpoint before this node leaves "
+          "(up to {} ms)",
+          sig, current_round_, settings_.checkpoint_timeout.count()));
+      return std::nullopt;
+    } catch (const StoreError& e) {
+      log(fmt::format("signal {}: cannot ask for a checkpoint ({}); leaving now", sig, e.what()));
+      return 128 + sig;
+    }
+  }
+  log(fmt::format("signal {}: stopping the workers and leaving the job", sig));
+  return 128 + sig;
+}
+
 int Agent::leave(int code) {
-  workers_.stop(o_.stop_grace);
+  stop_workers(o_.stop_grace);
   mpi_server_.reset();
   keep_alive_.reset();
   try {
@@ -467,30 +488,49 @@ int Agent::leave(int code) {
 
 int Agent::run() {
   setup();
+  // The lease is kept alive from now on: registering may wait for a
+  // previous run's registration to expire.
+  keep_alive_ = std::make_unique<KeepAlive>(endpoint_, o_.tls, lease_, o_.lease_ttl, granted_at_,
+                                            [this](const std::string& line) { log(line); });
   register_node();
-  check_settings();
-  keep_alive_ = std::make_unique<KeepAlive>(
-      endpoint_, lease_, std::max(milliseconds(o_.lease_ttl) / 3, milliseconds(200)));
+  {
+    bool own_ok = false;
+    auto others = live_nodes(store_->get_prefix(key("nodes/")), &own_ok);
+    std::erase_if(others, [&](const NodeInfo& n) { return n.id == id_; });
+    check_settings(others);
+  }
   log(fmt::format(
       "joined job '{}' on {} (address {}, {} worker(s), nodes {}..{}, valid GPU "
       "counts [{}], min_time {} ms)",
       o_.job_id, store_->describe(), addr_, o_.nproc_per_node, settings_.min_nodes,
       settings_.max_nodes, fmt::join(settings_.valid_gpus, ", "), settings_.min_time.count()));
-  last_membership_change_ = now_ms();
+  last_membership_change_ = joined_job_at_ = now_ms();
   for (;;) {
-    if (o_.stop_signal && o_.stop_signal->load() != 0) {
-      int sig = o_.stop_signal->load();
-      log(fmt::format("signal {}: stopping the workers and leaving the job", sig));
-      return leave(128 + sig);
-    }
+    if (o_.stop_signal && o_.stop_signal->load() != 0)
+      if (auto code = on_stop_signal(o_.stop_signal->load())) return leave(*code);
     workers_.pump(o_.poll_interval);
+    if (o_.join_timeout && !joined_ && now_ms() - joined_job_at_ >= *o_.join_timeout) {
+      log(fmt::format("error: no round took this node within the join timeout ({} ms); giving up",
+                      o_.join_timeout->count()));
+      return leave(kAgentJoinTimeout);
+    }
+    if (!fenced_ && keep_alive_->fenced()) {
+      // The fence killed the workers (keep_alive.cpp): they are not a
+      // failure of the round, and this node rejoins once etcd answers.
+      fenced_ = true;
+      workers_.stop(milliseconds(0));
+      keep_alive_->fence_workers({});
+    }
     try {
+      if (fenced_) rejoin_after_fence();
       report_worker_exit();
+      follow_checkpoint();
       if (keep_alive_->lost()) {
         log("lease expired (etcd was unreachable too long?); registering again");
+        auto sent = KeepAlive::Clock::now();
         lease_ = store_->grant_lease(o_.lease_ttl.count());
-        keep_alive_->set_lease(lease_);
-        register_node();
+        keep_alive_->set_lease(lease_, sent);
+        reclaim_node_key("expired with its lease");
       }
       auto node_kvs = store_->get_prefix(key("nodes/"));
       auto round_kv = store_->get(key("round"));
@@ -499,21 +539,25 @@ int Agent::run() {
                         (now_ms() - *outage_since_).count()));
         outage_since_.reset();
       }
-      std::vector<NodeInfo> alive;
-      for (const auto& kv : node_kvs) alive.push_back(node_from_json(kv.value, kv.create_revision));
-      std::sort(alive.begin(), alive.end(), [](const NodeInfo& a, const NodeInfo& b) {
-        return a.create_revision < b.create_revision;
-      });
+      bool own_ok = false;
+      std::vector<NodeInfo> alive = live_nodes(node_kvs, &own_ok);
+      if (!own_ok) {
+        reclaim_node_key(fmt::format("{} is gone or is not this agent's", key("nodes/" + id_)));
+        continue;
+      }
       std::vector<std::string> ids;
       for (const auto& n : alive) ids.push_back(n.id);
       if (ids != last_alive_) {
         last_alive_ = ids;
         last_membership_change_ = now_ms();
       }
-      if (!alive.empty() && alive.front().id == id_) lead(alive, round_kv);
-      if (round_kv)
-        if (auto code = apply(round_from_json(round_kv->value))) return leave(*code);
-    } catch (const StoreUnavailable& e) {
+      std::optional<RoundRecord> round = read_round(round_kv);
+      if (alive.front().id == id_) lead(alive, round_kv, round);
+      if (round)
+        if (auto code = apply(*round)) return leave(*code);
+    } catch (const StoreError& e) {
+      // Unreachable, or an answer that is an error: the workers keep
+      // running while the store may come back.
       auto now = now_ms();
       if (!outage_since_) {
         outage_since_ = now;
@@ -525,11 +569,13 @@ int Agent::run() {
                         store_->describe(), (now - *outage_since_).count(), e.what()));
         return leave(kAgentStoreLost);
       }
+    } catch (const Error& e) {
+      // Another agent took this node's id while it was away.
+      log(fmt::format("error: {}", e.what()));
+      return leave(2);
     }
   }
 }
-
-}  // namespace
 
 int run_agent(const AgentOptions& options) {
   Agent agent(options);

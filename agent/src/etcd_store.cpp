@@ -6,6 +6,9 @@
 #include <curl/curl.h>
 
 #include <array>
+#include <charconv>
+#include <filesystem>
+#include <fstream>
 #include <mutex>
 
 #include <fmt/format.h>
@@ -77,21 +80,50 @@ std::string prefix_end(std::string prefix) {
   return std::string(1, '\0');
 }
 
+// The gateway writes 64-bit integers as strings; anything else in their
+// place is an answer no etcd gives (StoreError, never a crash).
 std::int64_t as_int(const json& object, const char* field) {
+  if (!object.is_object())
+    throw StoreError("etcd answered with a non-object where one is expected");
   auto it = object.find(field);
   if (it == object.end()) return 0;
-  if (it->is_string()) return std::stoll(it->get<std::string>());
-  if (it->is_number_integer()) return it->get<std::int64_t>();
-  return 0;
+  if (it->is_number_integer() && !it->is_number_unsigned()) return it->get<std::int64_t>();
+  if (it->is_string()) {
+    const auto& s = it->get_ref<const std::string&>();
+    std::int64_t value = 0;
+    auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), value);
+    if (ec == std::errc() && end == s.data() + s.size() && !s.empty()) return value;
+  }
+  throw StoreError(fmt::format("etcd answered with {} = {}, not a 64-bit integer", field,
+                               it->dump(-1, ' ', false, json::error_handler_t::replace)));
+}
+
+std::string as_bytes(const json& kv, const char* field) {
+  auto it = kv.find(field);
+  if (it == kv.end()) return {};
+  if (!it->is_string())
+    throw StoreError(fmt::format("etcd answered with a {} that is not base64", field));
+  return base64_decode(it->get<std::string>());
 }
 
 KeyValue to_key_value(const json& kv) {
+  if (!kv.is_object()) throw StoreError("etcd answered with a key-value that is not an object");
   KeyValue out;
-  out.key = base64_decode(kv.value("key", ""));
-  out.value = base64_decode(kv.value("value", ""));
+  out.key = as_bytes(kv, "key");
+  out.value = as_bytes(kv, "value");
   out.create_revision = as_int(kv, "create_revision");
   out.mod_revision = as_int(kv, "mod_revision");
   out.lease = as_int(kv, "lease");
+  return out;
+}
+
+// The "kvs" of a range answer.
+std::vector<KeyValue> key_values(const json& reply) {
+  std::vector<KeyValue> out;
+  if (!reply.is_object() || !reply.contains("kvs")) return out;
+  const json& kvs = reply["kvs"];
+  if (!kvs.is_array()) throw StoreError("etcd answered a range request with kvs not a list");
+  for (const auto& kv : kvs) out.push_back(to_key_value(kv));
   return out;
 }
 
@@ -103,33 +135,98 @@ std::size_t append_body(char* data, std::size_t size, std::size_t count, void* u
 }  // namespace
 
 std::string etcd_endpoint_from_url(const std::string& url, const std::string& what) {
-  std::string rest;
-  for (const char* scheme : {"etcd://", "http://"})
-    if (url.starts_with(scheme)) rest = url.substr(std::string(scheme).size());
-  while (!rest.empty() && rest.back() == '/') rest.pop_back();
-  auto colon = rest.rfind(':');
-  bool valid = !rest.empty() && colon != std::string::npos && colon > 0 &&
-               colon + 1 < rest.size() &&
-               rest.find_first_not_of("0123456789", colon + 1) == std::string::npos &&
-               rest.find('/') == std::string::npos;
-  if (valid) {
-    long port = std::stol(rest.substr(colon + 1));
-    valid = port > 0 && port < 65536;
+  std::string rest, scheme = "http://";
+  for (const char* prefix : {"etcd://", "http://", "https://"})
+    if (url.starts_with(prefix)) {
+      rest = url.substr(std::string(prefix).size());
+      if (std::string(prefix) == "https://") scheme = prefix;
+    }
+  // HOST:PORT, or several (the members of an etcd cluster) separated by
+  // commas.
+  std::string endpoints;
+  bool valid = !rest.empty();
+  for (std::size_t from = 0; valid && from <= rest.size();) {
+    auto comma = std::min(rest.find(',', from), rest.size());
+    std::string one = rest.substr(from, comma - from);
+    while (!one.empty() && one.back() == '/') one.pop_back();
+    auto colon = one.rfind(':');
+    valid = !one.empty() && colon != std::string::npos && colon > 0 && colon + 1 < one.size() &&
+            colon + 6 >= one.size() &&
+            one.find_first_not_of("0123456789", colon + 1) == std::string::npos &&
+            one.find_first_of("/,@ ") == std::string::npos;
+    if (valid) {
+      long port = std::stol(one.substr(colon + 1));
+      valid = port > 0 && port < 65536;
+    }
+    endpoints += (endpoints.empty() ? "" : ",") + scheme + one;
+    from = comma + 1;
   }
   if (!valid)
     throw Error(ErrorKind::invalid_argument,
                 fmt::format("{} '{}' is not an etcd address: give etcd://HOST:PORT (for example "
-                            "etcd://127.0.0.1:2379)",
+                            "etcd://127.0.0.1:2379; a cluster's members separated by commas, "
+                            "etcd://h1:2379,h2:2379,h3:2379), or https://HOST:PORT for TLS",
                             what, url));
-  return "http://" + rest;
+  return endpoints;
+}
+
+void check_etcd_tls(const std::string& url, const EtcdTls& tls,
+                    const std::vector<std::string>& options) {
+  auto bad = [](const std::string& message) { throw Error(ErrorKind::invalid_argument, message); };
+  const std::string endpoint = etcd_endpoint_from_url(url, options.at(0));
+  if (tls.configured() && !endpoint.starts_with("https://")) {
+    std::string given;
+    for (auto [file, option] :
+         {std::pair{&tls.ca_file, 1}, {&tls.cert_file, 2}, {&tls.key_file, 3}})
+      if (!file->empty()) given += (given.empty() ? "" : ", ") + options.at(option);
+    bad(fmt::format(
+        "{} '{}' is plaintext HTTP but TLS is configured ({}): give the etcd's TLS "
+        "endpoint as https://{}, or leave the TLS options out",
+        options.at(0), url, given, [&] {
+          std::string hosts = endpoint;
+          for (auto at = hosts.find("http://"); at != std::string::npos; at = hosts.find("http://"))
+            hosts.erase(at, 7);
+          return hosts;
+        }()));
+  }
+  if (tls.cert_file.empty() != tls.key_file.empty())
+    bad(
+        fmt::format("{} and {} go together: give both (the client's certificate and its key) or "
+                    "neither",
+                    options.at(2), options.at(3)));
+  for (auto [file, option] :
+       {std::pair{&tls.ca_file, 1}, {&tls.cert_file, 2}, {&tls.key_file, 3}}) {
+    if (file->empty()) continue;
+    std::ifstream in(*file);
+    std::error_code ec;
+    if (!in || !std::filesystem::is_regular_file(*file, ec))
+      bad(fmt::format("{} '{}' cannot be read: give a PEM file", options.at(option), *file));
+  }
 }
 
 struct EtcdStore::Impl {
-  std::string endpoint;
+  std::string endpoints;             // as given, for messages
+  std::vector<std::string> members;  // one URL per cluster member
+  std::size_t current = 0;           // the member that answered last
   std::chrono::milliseconds timeout;
+  EtcdTls tls;
   CURL* curl = nullptr;
 
+  // The request to the member that answered last, else to the others in
+  // turn: a member that is down, or cannot serve without a quorum, is
+  // skipped. StoreUnavailable when no member could serve it.
   json call(const std::string& path, const json& request) {
+    for (std::size_t tried = 0;; ++tried) {
+      try {
+        return call_one(members[current], path, request);
+      } catch (const StoreUnavailable&) {
+        if (tried + 1 >= members.size()) throw;
+        current = (current + 1) % members.size();
+      }
+    }
+  }
+
+  json call_one(const std::string& endpoint, const std::string& path, const json& request) {
     std::string body = request.dump();
     std::string answer;
     curl_easy_reset(curl);
@@ -142,6 +239,15 @@ struct EtcdStore::Impl {
     curl_easy_setopt(curl, CURLOPT_CONNECTTIMEOUT_MS, long(timeout.count()));
     curl_easy_setopt(curl, CURLOPT_NOSIGNAL, 1L);
     curl_easy_setopt(curl, CURLOPT_NOPROXY, "*");
+    if (endpoint.starts_with("https://")) {
+      curl_easy_setopt(curl, CURLOPT_SSL_VERIFYPEER, 1L);
+      curl_easy_setopt(curl, CURLOPT_SSL_VERIFYHOST, 2L);
+      if (!tls.ca_file.empty()) curl_easy_setopt(curl, CURLOPT_CAINFO, tls.ca_file.c_str());
+      if (!tls.cert_file.empty()) {
+        curl_easy_setopt(curl, CURLOPT_SSLCERT, tls.cert_file.c_str());
+        curl_easy_setopt(curl, CURLOPT_SSLKEY, tls.key_file.c_str());
+      }
+    }
     curl_easy_setopt(curl, CURLOPT_WRITEFUNCTION, append_body);
     curl_easy_setopt(curl, CURLOPT_WRITEDATA, &answer);
     struct curl_slist* headers = curl_slist_append(nullptr, "Content-Type: application/json");
@@ -154,14 +260,22 @@ struct EtcdStore::Impl {
       throw StoreUnavailable(
           fmt::format("etcd at {}: {} failed: {}", endpoint, path, curl_easy_strerror(rc)));
     json reply = json::parse(answer, nullptr, false);
-    if (reply.is_discarded())
+    if (reply.is_discarded() || !reply.is_object())
       throw StoreError(
           fmt::format("etcd at {}: {} answered HTTP {} with a body that is not "
-                      "JSON: {}",
+                      "a JSON object: {}",
                       endpoint, path, status, answer.substr(0, 200)));
     if (status != 200 || reply.contains("error")) {
-      std::string message = reply.value("message", reply.value("error", answer));
-      int code = reply.value("code", 0);
+      auto text_of = [&](const char* field) -> std::string {
+        auto it = reply.find(field);
+        return it != reply.end() && it->is_string() ? it->get<std::string>() : std::string();
+      };
+      std::string message = text_of("message");
+      if (message.empty()) message = text_of("error");
+      if (message.empty()) message = answer.substr(0, 200);
+      auto code_it = reply.find("code");
+      std::int64_t code =
+          code_it != reply.end() && code_it->is_number_integer() ? code_it->get<std::int64_t>() : 0;
       // gRPC codes 4 (deadline exceeded), 14 (unavailable): no leader yet,
       // a restart in progress; retrying helps.
       if (status >= 500 || code == 4 || code == 14)
@@ -174,12 +288,19 @@ struct EtcdStore::Impl {
   }
 };
 
-EtcdStore::EtcdStore(std::string endpoint, std::chrono::milliseconds timeout)
+EtcdStore::EtcdStore(std::string endpoint, std::chrono::milliseconds timeout, EtcdTls tls)
     : impl_(std::make_unique<Impl>()) {
   static std::once_flag once;
   std::call_once(once, [] { curl_global_init(CURL_GLOBAL_DEFAULT); });
-  impl_->endpoint = std::move(endpoint);
+  impl_->endpoints = endpoint;
+  for (std::size_t from = 0; from <= endpoint.size();) {
+    auto comma = std::min(endpoint.find(',', from), endpoint.size());
+    if (comma > from) impl_->members.push_back(endpoint.substr(from, comma - from));
+    from = comma + 1;
+  }
+  if (impl_->members.empty()) impl_->members.push_back(endpoint);
   impl_->timeout = timeout;
+  impl_->tls = std::move(tls);
   impl_->curl = curl_easy_init();
   if (!impl_->curl) throw StoreError("curl_easy_init failed");
 }
@@ -191,7 +312,7 @@ EtcdStore::~EtcdStore() {
 std::int64_t EtcdStore::grant_lease(std::int64_t ttl_seconds) {
   auto reply = impl_->call("/v3/lease/grant", {{"TTL", std::to_string(ttl_seconds)}});
   auto id = as_int(reply, "ID");
-  if (id == 0) throw StoreError("etcd at " + impl_->endpoint + ": lease grant returned no id");
+  if (id == 0) throw StoreError("etcd at " + impl_->endpoints + ": lease grant returned no id");
   return id;
 }
 
@@ -213,6 +334,12 @@ void EtcdStore::revoke_lease(std::int64_t lease) {
   }
 }
 
+std::int64_t EtcdStore::lease_remaining(std::int64_t lease) {
+  auto reply = impl_->call("/v3/lease/timetolive", {{"ID", std::to_string(lease)}});
+  // An expired or unknown lease: TTL -1.
+  return as_int(reply, "TTL");
+}
+
 void EtcdStore::put(const std::string& key, const std::string& value, std::int64_t lease) {
   json request = {{"key", base64_encode(key)}, {"value", base64_encode(value)}};
   if (lease != 0) request["lease"] = std::to_string(lease);
@@ -220,18 +347,15 @@ void EtcdStore::put(const std::string& key, const std::string& value, std::int64
 }
 
 std::optional<KeyValue> EtcdStore::get(const std::string& key) {
-  auto reply = impl_->call("/v3/kv/range", {{"key", base64_encode(key)}});
-  if (!reply.contains("kvs") || reply["kvs"].empty()) return std::nullopt;
-  return to_key_value(reply["kvs"][0]);
+  auto kvs = key_values(impl_->call("/v3/kv/range", {{"key", base64_encode(key)}}));
+  if (kvs.empty()) return std::nullopt;
+  return kvs.front();
 }
 
 std::vector<KeyValue> EtcdStore::get_prefix(const std::string& prefix) {
-  auto reply = impl_->call("/v3/kv/range", {{"key", base64_encode(prefix)},
-                                            {"range_end", base64_encode(prefix_end(prefix))}});
-  std::vector<KeyValue> out;
-  if (reply.contains("kvs"))
-    for (const auto& kv : reply["kvs"]) out.push_back(to_key_value(kv));
-  return out;
+  return key_values(impl_->call(
+      "/v3/kv/range",
+      {{"key", base64_encode(prefix)}, {"range_end", base64_encode(prefix_end(prefix))}}));
 }
 
 void EtcdStore::erase(const std::string& key) {
@@ -254,11 +378,12 @@ bool EtcdStore::compare_and_swap(const std::string& key, std::int64_t expected_m
                      {"mod_revision", std::to_string(expected_mod_revision)}}}},
                   {"success", {{{"request_put", put}}}}};
   auto reply = impl_->call("/v3/kv/txn", request);
-  return reply.value("succeeded", false);
+  auto it = reply.find("succeeded");
+  return it != reply.end() && it->is_boolean() && it->get<bool>();
 }
 
 std::string EtcdStore::describe() const {
-  return "etcd at " + impl_->endpoint;
+  return "etcd at " + impl_->endpoints;
 }
 
 }  // namespace ductile::agent

@@ -3,6 +3,7 @@
 #include "ductile/agent/job_policy.hpp"
 
 #include <algorithm>
+#include <optional>
 #include <variant>
 
 #include <fmt/format.h>
@@ -16,27 +17,46 @@ namespace elasticity_host = ductile::pipeline;
 using json = nlohmann::json;
 
 struct JobPolicy::Impl {
-  elasticity_host::LoadedElasticity loaded;
+  std::optional<elasticity_host::LoadedElasticity> loaded;  // empty: any_size()
   std::vector<std::int64_t> valid_gpus;
   std::int64_t final_batch = 0;
+  std::string name, origin;
 };
 
 JobPolicy JobPolicy::load(const std::filesystem::path& config, core::RuntimeOptions options) {
-  auto impl = std::make_shared<Impl>(
-      Impl{elasticity_host::load_elasticity(config, std::move(options)), {}, 0});
-  auto result = impl->loaded.policy->compute(ElasticityRequest{});
+  auto impl = std::make_shared<Impl>();
+  impl->loaded = elasticity_host::load_elasticity(config, std::move(options));
+  auto result = impl->loaded->policy->compute(ElasticityRequest{});
   impl->valid_gpus = result.valid_gpus;
   impl->final_batch = result.final_batch_size;
+  impl->name = impl->loaded->source.policy;
+  impl->origin = impl->loaded->source.origin;
   JobPolicy policy;
   policy.impl_ = std::move(impl);
   return policy;
 }
 
+JobPolicy JobPolicy::any_size(std::int64_t nproc_per_node, std::int64_t min_nodes,
+                              std::int64_t max_nodes) {
+  auto impl = std::make_shared<Impl>();
+  for (std::int64_t n = std::max<std::int64_t>(min_nodes, 1); n <= max_nodes; ++n)
+    impl->valid_gpus.push_back(n * nproc_per_node);
+  impl->name = "none";
+  impl->origin = "no --config: any node count from --nnodes";
+  JobPolicy policy;
+  policy.impl_ = std::move(impl);
+  return policy;
+}
+
+bool JobPolicy::has_config() const {
+  return impl_->loaded.has_value();
+}
+
 const std::string& JobPolicy::policy_name() const {
-  return impl_->loaded.source.policy;
+  return impl_->name;
 }
 const std::string& JobPolicy::origin() const {
-  return impl_->loaded.source.origin;
+  return impl_->origin;
 }
 const std::vector<std::int64_t>& JobPolicy::valid_gpus() const {
   return impl_->valid_gpus;
@@ -47,25 +67,29 @@ bool JobPolicy::accepts(std::int64_t world_size) const {
 }
 
 BatchPlan JobPolicy::plan(std::int64_t world_size) const {
-  auto r = impl_->loaded.policy->compute(ElasticityRequest{world_size, true});
+  if (!impl_->loaded) return BatchPlan{world_size, 0, 0, 0};
+  auto r = impl_->loaded->policy->compute(ElasticityRequest{world_size, true});
   return BatchPlan{world_size, r.final_batch_size, r.micro_batch_size.value_or(0),
                    r.gradient_accumulation_steps.value_or(0)};
 }
 
 std::chrono::milliseconds JobPolicy::min_time() const {
-  return std::chrono::minutes(impl_->loaded.effective_params.get_int_or("min_time", 0));
+  if (!impl_->loaded) return std::chrono::milliseconds(0);
+  return std::chrono::minutes(impl_->loaded->effective_params.get_int_or("min_time", 0));
 }
 
 std::string JobPolicy::settings_json() const {
   json params = json::object();
-  for (const auto& [key, value] : impl_->loaded.effective_params.values())
+  if (!impl_->loaded) return json{{"policy", policy_name()}, {"params", params}}.dump();
+  for (const auto& [key, value] : impl_->loaded->effective_params.values())
     std::visit([&, &key = key](const auto& v) { params[key] = v; }, value);
   return json{{"policy", policy_name()}, {"params", params}}.dump();
 }
 
 std::string JobPolicy::scheduler_config_json() const {
-  auto f =
-      elasticity_host::fingerprint_of(impl_->loaded.source.policy, impl_->loaded.effective_params);
+  if (!impl_->loaded) return "";
+  const auto& loaded = *impl_->loaded;
+  auto f = elasticity_host::fingerprint_of(loaded.source.policy, loaded.effective_params);
   json block = {{"enabled", true}};
   // DeepSpeed knows its policies by version; other policies by name.
   if (f.policy == "v0.1")
@@ -81,9 +105,9 @@ std::string JobPolicy::scheduler_config_json() const {
   block["num_gpus_per_node"] = f.num_gpus_per_node;
   block["model_parallel_size"] = f.model_parallel_size;
   block["prefer_larger_batch"] = f.prefer_larger_batch;
-  const auto& values = impl_->loaded.effective_params.values();
+  const auto& values = loaded.effective_params.values();
   if (values.find("min_time") != values.end())
-    block["min_time"] = impl_->loaded.effective_params.get_int_or("min_time", 0);
+    block["min_time"] = loaded.effective_params.get_int_or("min_time", 0);
   // The bare block: DeepSpeed's ensure_immutable_elastic_config() reads the
   // variable with ElasticityConfig(json.loads(...)), which takes the block
   // itself (a wrapping {"elasticity": ...} would read as all defaults).

@@ -1,71 +1,74 @@
-// The agent's lease keep-alive: a helper thread on its own etcd connection,
-// so that a slow step of the main loop (stopping workers) never lets the
-// lease expire. Internal to libductile_agent.
+// The agent's lease keep-alive and its fence. Internal to libductile_agent.
+//
+// The keep-alive renews the lease every TTL/4 from a helper thread on its own
+// etcd connection, so that a slow step of the main loop (stopping workers, a
+// request to an unreachable etcd) never lets the lease expire.
+//
+// The fence: a second helper thread kills this node's workers (SIGUSR1 to
+// their guards, which SIGKILL each worker's process group) once no renewal
+// has succeeded for 3/4 of the TTL, counted from when the last successful
+// renewal was sent. By then the lease may expire within TTL/4 and the other
+// agents re-form without this node, so its workers must not train on: a
+// node cut off from etcd stops its workers before a new group can start.
+// Guards are held as pidfds: a guard the main thread has reaped is never
+// confused with a process that reuses its pid.
+//
+// Threading: every public member may be called from the main thread while
+// the helpers run; they synchronise on one mutex.
 #pragma once
 
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "ductile/agent/etcd_store.hpp"
 
 namespace ductile::agent {
 
-// Renews `lease` every `period` until destroyed; lost() tells when etcd said
-// the lease no longer exists (the caller registers again).
 class KeepAlive {
  public:
-  KeepAlive(std::string endpoint, std::int64_t lease, std::chrono::milliseconds period)
-      : endpoint_(std::move(endpoint)), lease_(lease), period_(period) {
-    thread_ = std::thread([this] { run(); });
-  }
-  ~KeepAlive() {
-    {
-      std::lock_guard lock(mutex_);
-      stopping_ = true;
-    }
-    wake_.notify_all();
-    thread_.join();
-  }
-  void set_lease(std::int64_t lease) {
-    std::lock_guard lock(mutex_);
-    lease_ = lease;
-    lost_ = false;
-  }
-  bool lost() {
-    std::lock_guard lock(mutex_);
-    return lost_;
-  }
+  using Clock = std::chrono::steady_clock;
+  // `granted_at`: when the request that granted `lease` was sent. `log`
+  // receives the fence's message (from the fence thread).
+  KeepAlive(std::string endpoint, EtcdTls tls, std::int64_t lease, std::chrono::seconds ttl,
+            Clock::time_point granted_at, std::function<void(const std::string&)> log);
+  ~KeepAlive();
+  KeepAlive(const KeepAlive&) = delete;
+  KeepAlive& operator=(const KeepAlive&) = delete;
+
+  // A new lease (after the old one was lost or revoked).
+  void set_lease(std::int64_t lease, Clock::time_point granted_at);
+  // etcd said the lease no longer exists (the caller registers again).
+  bool lost();
+  // The guards of the workers to kill at the fence (empty: none running).
+  void fence_workers(const std::vector<int>& guard_pids);
+  // True when the fence killed workers since the last fence_workers().
+  bool fenced();
 
  private:
-  void run() {
-    EtcdStore store(endpoint_, std::min(period_, std::chrono::milliseconds(2000)));
-    std::unique_lock lock(mutex_);
-    while (!stopping_) {
-      std::int64_t lease = lease_;
-      lock.unlock();
-      bool alive = true;
-      try {
-        alive = store.keep_alive(lease);
-      } catch (const StoreError&) {
-        // Unreachable: the main loop notices and reports it.
-      }
-      lock.lock();
-      if (!alive && lease == lease_) lost_ = true;
-      wake_.wait_for(lock, period_, [this] { return stopping_; });
-    }
-  }
+  void renew();
+  void watch();
+  void close_guards();  // with mutex_ held
+
   std::string endpoint_;
-  std::int64_t lease_;
-  std::chrono::milliseconds period_;
+  EtcdTls tls_;
+  std::chrono::milliseconds ttl_, period_, fence_after_;
+  std::function<void(const std::string&)> log_;
   std::mutex mutex_;
   std::condition_variable wake_;
+  std::int64_t lease_;
+  Clock::time_point last_renewal_sent_;
   bool stopping_ = false;
   bool lost_ = false;
-  std::thread thread_;
+  bool fenced_ = false;
+  std::vector<int> guards_;  // pidfds (or pids where pidfds are not available)
+  bool guards_are_pidfds_ = true;
+  std::thread renewer_, watcher_;
 };
 
 }  // namespace ductile::agent

@@ -250,6 +250,13 @@ bool WorkerGroup::running() const {
   return false;
 }
 
+std::vector<int> WorkerGroup::guard_pids() const {
+  std::vector<int> pids;
+  for (const auto& w : workers_)
+    if (!w.status) pids.push_back(w.guard_pid);
+  return pids;
+}
+
 std::optional<WorkerExit> WorkerGroup::first_failure() const {
   if (!first_failed_) return std::nullopt;
   const auto& w = workers_[*first_failed_];

@@ -1,5 +1,9 @@
-// ductile agent --config FILE --rdzv etcd://HOST:PORT --job-id ID --nproc-per-node N
+// ductile agent [--config FILE] --rdzv etcd://HOST:PORT --job-id ID --nproc-per-node N
 //               [--min-nodes A --max-nodes B] [--max-restarts R] -- CMD ARGS...
+// or, as torchrun takes it (the program name changed):
+// ductile agent --nnodes MIN:MAX --nproc-per-node N --rdzv-backend etcd
+//               --rdzv-endpoint HOST:PORT --rdzv-id ID [--rdzv-conf K=V,...]
+//               [--max-restarts R] [--monitor-interval S] SCRIPT.py ARGS...
 // The elastic agent of one node (the logic is in libductile_agent; see
 // docs/elastic-agent.md).
 // Boost.DLL on std::filesystem (no Boost.Filesystem library to link), as in
@@ -7,9 +11,16 @@
 #define BOOST_DLL_USE_STD_FS 1
 
 #include <signal.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <thread>
 
 #include <fmt/format.h>
 #include <boost/dll/shared_library.hpp>
@@ -28,18 +39,232 @@ void on_stop_signal(int sig) {
 
 struct AgentCliOptions {
   agent::AgentOptions agent;
-  std::vector<std::string> command;
-  std::int64_t max_nodes = -1;  // -1: not given
-  std::int64_t lease_ttl = 5;
-  double poll_interval = 0.25, settle = 2, stop_grace = 5, store_timeout = 30;
-  double min_time = -1, failure_grace = -1;
+  std::string nproc_per_node;   // N, or torchrun's cpu, gpu, auto
+  std::int64_t min_nodes = -1;  // -1: not given
+  std::int64_t max_nodes = -1;
+  std::int64_t lease_ttl = -1;
+  double poll_interval = -1, settle = -1, stop_grace = 5, store_timeout = 30;
+  double min_time = -1, failure_grace = -1, checkpoint_timeout = 0;
+  // torchrun's options.
+  std::string nnodes, rdzv_backend, rdzv_endpoint, rdzv_id, rdzv_conf;
+  std::string rdzv_protocol;  // --rdzv-conf protocol=http|https
+  double monitor_interval = -1, shutdown_timeout = -1;
+  bool no_python = false, module = false, run_path = false, standalone = false;
+  std::int64_t node_rank = -1;
+  std::string master_addr, local_addr;
+  std::int64_t master_port = -1;
 };
 
-std::chrono::milliseconds seconds_option(const char* name, double value) {
+[[noreturn]] void bad(const std::string& message) {
+  throw Error(ErrorKind::invalid_argument, message);
+}
+
+std::chrono::milliseconds seconds_option(const std::string& name, double value) {
   if (!std::isfinite(value) || value < 0 || value > 1e6)
-    throw Error(ErrorKind::invalid_argument,
-                fmt::format("{} {} is invalid: give seconds between 0 and 1000000", name, value));
+    bad(fmt::format("{} {} is invalid: give seconds between 0 and 1000000", name, value));
   return std::chrono::milliseconds(static_cast<std::int64_t>(std::llround(value * 1000)));
+}
+
+std::int64_t whole_number(const std::string& what, const std::string& text) {
+  std::size_t used = 0;
+  long long value = -1;
+  try {
+    value = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != text.size() || text.empty() || value < 0)
+    bad(fmt::format("{} '{}' is invalid: give a whole number", what, text));
+  return value;
+}
+
+double seconds_text(const std::string& what, const std::string& text) {
+  std::size_t used = 0;
+  double value = -1;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != text.size() || text.empty() || !std::isfinite(value) || value < 0 || value > 1e6)
+    bad(fmt::format("{} '{}' is invalid: give seconds between 0 and 1000000", what, text));
+  return value;
+}
+
+// GPUs this process may use: CUDA_VISIBLE_DEVICES's entries, else the
+// NVIDIA driver's.
+std::int64_t visible_gpus() {
+  if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES")) {
+    std::string list = visible;
+    if (list.empty()) return 0;
+    return 1 + static_cast<std::int64_t>(std::count(list.begin(), list.end(), ','));
+  }
+  std::error_code ec;
+  std::int64_t n = 0;
+  for (auto it = std::filesystem::directory_iterator("/proc/driver/nvidia/gpus", ec);
+       !ec && it != std::filesystem::directory_iterator(); it.increment(ec))
+    ++n;
+  return n;
+}
+
+// torchrun's --nproc-per-node: a number, cpu, gpu or auto.
+std::int64_t workers_per_node(const std::string& text) {
+  if (text == "cpu") return std::max<std::int64_t>(1, std::thread::hardware_concurrency());
+  if (text == "gpu") {
+    if (std::int64_t gpus = visible_gpus(); gpus > 0) return gpus;
+    bad("--nproc-per-node gpu: this node has no GPU (none in CUDA_VISIBLE_DEVICES or "
+        "/proc/driver/nvidia/gpus); give a number or cpu");
+  }
+  if (text == "auto") {
+    std::int64_t gpus = visible_gpus();
+    return gpus > 0 ? gpus : std::max<std::int64_t>(1, std::thread::hardware_concurrency());
+  }
+  std::size_t used = 0;
+  long long value = 0;
+  try {
+    value = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != text.size() || text.empty() || value < 1)
+    bad(
+        fmt::format("--nproc-per-node '{}' is invalid: give the number of workers of this node "
+                    "(>= 1), or cpu, gpu or auto",
+                    text));
+  return value;
+}
+
+// torchrun's --rdzv-conf: key=value pairs separated by commas.
+void apply_rdzv_conf(const std::string& text, AgentCliOptions& o) {
+  std::map<std::string, std::string> conf;
+  std::size_t from = 0;
+  while (from < text.size()) {
+    auto comma = text.find(',', from);
+    if (comma == std::string::npos) comma = text.size();
+    std::string pair = text.substr(from, comma - from);
+    from = comma + 1;
+    if (pair.empty()) continue;
+    auto eq = pair.find('=');
+    if (eq == std::string::npos || eq == 0)
+      bad(fmt::format("--rdzv-conf '{}': '{}' is not key=value", text, pair));
+    conf[pair.substr(0, eq)] = pair.substr(eq + 1);
+  }
+  double keep_alive_interval = -1;
+  std::int64_t keep_alive_attempts = -1;
+  for (const auto& [key, value] : conf) {
+    std::string what = "--rdzv-conf " + key;
+    if (key == "join_timeout" || key == "timeout") {
+      o.agent.join_timeout = seconds_option(what, seconds_text(what, value));
+    } else if (key == "last_call_timeout") {
+      o.settle = seconds_text(what, value);
+    } else if (key == "read_timeout") {
+      o.agent.request_timeout = seconds_option(what, seconds_text(what, value));
+      if (o.agent.request_timeout.count() == 0)
+        bad(fmt::format("{}={} is invalid: give seconds > 0", what, value));
+    } else if (key == "keep_alive_interval") {
+      keep_alive_interval = seconds_text(what, value);
+    } else if (key == "keep_alive_max_attempt") {
+      keep_alive_attempts = whole_number(what, value);
+    } else if (key == "protocol") {
+      if (value != "http" && value != "https")
+        bad(fmt::format("{}={} is invalid: give http or https", what, value));
+      o.rdzv_protocol = value;
+    } else if (key == "cacert" || key == "cert" || key == "key") {
+      // torch's etcd rendezvous' names for the TLS files.
+      std::string& file = key == "cacert" ? o.agent.tls.ca_file
+                          : key == "cert" ? o.agent.tls.cert_file
+                                          : o.agent.tls.key_file;
+      if (!file.empty() && file != value)
+        bad(fmt::format("{} and --rdzv-{} differ: give one of them", what, key));
+      file = value;
+    } else {
+      bad(
+          fmt::format("--rdzv-conf key '{}' is not one ductile agent takes: give join_timeout "
+                      "(or timeout), last_call_timeout, read_timeout, keep_alive_interval, "
+                      "keep_alive_max_attempt, protocol, cacert, cert, key",
+                      key));
+    }
+  }
+  if (keep_alive_interval >= 0 || keep_alive_attempts >= 0) {
+    // torchrun declares a node dead after interval x attempts without a
+    // heartbeat; the agent's lease TTL means the same.
+    double ttl = (keep_alive_interval >= 0 ? keep_alive_interval : 5) *
+                 static_cast<double>(keep_alive_attempts >= 0 ? keep_alive_attempts : 3);
+    if (o.lease_ttl == -1) o.lease_ttl = std::max<std::int64_t>(2, std::llround(std::ceil(ttl)));
+  }
+}
+
+// torchrun's --nnodes: N or MIN:MAX.
+void apply_nnodes(const std::string& text, AgentCliOptions& o) {
+  auto colon = text.find(':');
+  std::string low = text.substr(0, colon);
+  std::string high = colon == std::string::npos ? low : text.substr(colon + 1);
+  std::int64_t min = whole_number("--nnodes", low), max = whole_number("--nnodes", high);
+  if (min < 1 || max < min)
+    bad(fmt::format("--nnodes '{}' is invalid: give N or MIN:MAX with 1 <= MIN <= MAX", text));
+  if (o.min_nodes != -1 || o.max_nodes != -1)
+    bad("--nnodes and --min-nodes/--max-nodes say the same: give one of them");
+  o.min_nodes = min;
+  o.max_nodes = max;
+}
+
+// The rendezvous from either spelling: --rdzv etcd://HOST:PORT, or
+// torchrun's --rdzv-backend etcd --rdzv-endpoint HOST:PORT.
+void apply_rendezvous(AgentCliOptions& o) {
+  auto& a = o.agent;
+  if (o.standalone)
+    bad("--standalone is not available: ductile agent's rendezvous runs on etcd; start one "
+        "(etcd --listen-client-urls http://127.0.0.1:2379 --advertise-client-urls "
+        "http://127.0.0.1:2379) and give --rdzv-endpoint 127.0.0.1:2379");
+  if (!o.rdzv_backend.empty() && o.rdzv_backend != "etcd" && o.rdzv_backend != "etcd-v2" &&
+      o.rdzv_backend != "etcd-v3")
+    bad(
+        fmt::format("--rdzv-backend '{}' is not available: ductile agent's rendezvous runs on "
+                    "etcd (v3 API); give --rdzv-backend etcd (or etcd-v2) and the etcd's "
+                    "--rdzv-endpoint HOST:PORT",
+                    o.rdzv_backend));
+  if (!o.rdzv_endpoint.empty()) {
+    if (!a.rdzv.empty()) bad("--rdzv and --rdzv-endpoint say the same: give one of them");
+    a.rdzv = o.rdzv_endpoint.find("://") == std::string::npos
+                 ? (o.rdzv_protocol == "https" ? "https://" : "etcd://") + o.rdzv_endpoint
+                 : o.rdzv_endpoint;
+  }
+  if (!o.rdzv_protocol.empty() && a.rdzv.starts_with("https://") != (o.rdzv_protocol == "https"))
+    bad(fmt::format("--rdzv-conf protocol={} and the endpoint {} differ: give one of them",
+                    o.rdzv_protocol, a.rdzv));
+  if (a.rdzv.empty())
+    bad("no rendezvous: give --rdzv etcd://HOST:PORT (or torchrun's --rdzv-endpoint HOST:PORT)");
+  if (!o.rdzv_id.empty()) {
+    if (!a.job_id.empty() && a.job_id != o.rdzv_id)
+      bad(fmt::format("--job-id '{}' and --rdzv-id '{}' differ: give one of them", a.job_id,
+                      o.rdzv_id));
+    a.job_id = o.rdzv_id;
+  }
+  if (a.job_id.empty()) bad("no job id: give --job-id ID (or torchrun's --rdzv-id ID)");
+}
+
+// The worker command: after '--' as given; else torchrun's training script
+// and its arguments, run as torchrun runs them ($PYTHON_EXEC or python3,
+// -u, -m for --module; as given with --no-python).
+std::vector<std::string> worker_command(const std::vector<std::string>& rest,
+                                        const AgentCliOptions& o) {
+  if (!rest.empty() && rest.front() == "--")
+    return std::vector<std::string>(rest.begin() + 1, rest.end());
+  if (!rest.empty() && rest.front().starts_with("-"))
+    bad(
+        fmt::format("'{}' is not an option of ductile agent (run 'ductile agent --help'); the "
+                    "worker command goes after '--' or, as with torchrun, starts with the "
+                    "training script",
+                    rest.front()));
+  if (rest.empty() || o.no_python) {
+    if (o.module) bad("--no-python and --module cannot be given together (as with torchrun)");
+    return rest;
+  }
+  const char* python = std::getenv("PYTHON_EXEC");
+  std::vector<std::string> command = {python && *python ? python : "python3", "-u"};
+  if (o.module) command.push_back("-m");
+  command.insert(command.end(), rest.begin(), rest.end());
+  return command;
 }
 
 // libductile_agent, from the directory of libductile_core (build tree and
@@ -58,17 +283,40 @@ decltype(&ductile_agent_run) load_agent() {
   return &library.get<int(const agent::AgentOptions*)>(kDuctileAgentEntry);
 }
 
-int run_agent_command(const CliContext& context, AgentCliOptions& o) {
+int run_agent_command(const CliContext& context, AgentCliOptions& o,
+                      const std::vector<std::string>& rest) {
   auto& a = o.agent;
-  a.command = o.command;
+  if (!o.nnodes.empty()) apply_nnodes(o.nnodes, o);
+  if (!o.rdzv_conf.empty()) apply_rdzv_conf(o.rdzv_conf, o);
+  apply_rendezvous(o);
+  if (o.nproc_per_node.empty()) bad("no --nproc-per-node: give the number of workers of this node");
+  a.nproc_per_node = workers_per_node(o.nproc_per_node);
+  if (o.min_nodes != -1) a.min_nodes = o.min_nodes;
   if (o.max_nodes != -1) a.max_nodes = o.max_nodes;
-  a.lease_ttl = std::chrono::seconds(o.lease_ttl);
-  a.poll_interval = seconds_option("--poll-interval", o.poll_interval);
-  a.settle = seconds_option("--settle", o.settle);
-  a.stop_grace = seconds_option("--stop-grace", o.stop_grace);
+  if (!o.local_addr.empty()) {
+    if (!a.node_addr.empty() && a.node_addr != o.local_addr)
+      bad("--node-addr and --local-addr differ: give one of them");
+    a.node_addr = o.local_addr;
+  }
+  if (o.node_rank > 0 || !o.master_addr.empty() || o.master_port != -1)
+    std::fprintf(stderr,
+                 "ductile agent: --node-rank, --master-addr and --master-port are torchrun's "
+                 "static rendezvous; ignored (the rendezvous assigns ranks and the master)\n");
+  a.command = worker_command(rest, o);
+  a.lease_ttl = std::chrono::seconds(o.lease_ttl == -1 ? 5 : o.lease_ttl);
+  a.poll_interval =
+      seconds_option(o.monitor_interval >= 0 ? "--monitor-interval" : "--poll-interval",
+                     o.poll_interval >= 0      ? o.poll_interval
+                     : o.monitor_interval >= 0 ? o.monitor_interval
+                                               : 0.25);
+  if (a.poll_interval.count() == 0) bad("--poll-interval (--monitor-interval) must be > 0");
+  a.settle = seconds_option("--settle", o.settle >= 0 ? o.settle : 2);
+  a.stop_grace = seconds_option(o.shutdown_timeout >= 0 ? "--shutdown-timeout" : "--stop-grace",
+                                o.shutdown_timeout >= 0 ? o.shutdown_timeout : o.stop_grace);
   a.store_timeout = seconds_option("--store-timeout", o.store_timeout);
   if (o.min_time != -1) a.min_time = seconds_option("--min-time", o.min_time);
   if (o.failure_grace != -1) a.failure_grace = seconds_option("--failure-grace", o.failure_grace);
+  a.checkpoint_timeout = seconds_option("--checkpoint-timeout", o.checkpoint_timeout);
   a.runtime = context.runtime_options();
   a.stop_signal = &g_stop_signal;
   struct sigaction action {};
@@ -88,19 +336,26 @@ void register_agent_command(CLI::App& app, CliContext& context) {
       "agent",
       "Run this node's workers as part of an elastic job: rendezvous on etcd, world sizes "
       "chosen by the configuration's elasticity policy, restarts on membership changes and "
-      "failures");
+      "failures. Takes torchrun's command line too (program name changed)");
   sub->add_option("--config", o->agent.config,
                   "ductile TOML configuration with an [elasticity] section, or a DeepSpeed JSON "
-                  "config with an \"elasticity\" block")
-      ->required();
-  sub->add_option("--rdzv", o->agent.rdzv, "etcd of the rendezvous: etcd://HOST:PORT")->required();
-  sub->add_option("--job-id", o->agent.job_id, "The job's name in etcd, the same on every node")
-      ->required();
-  sub->add_option("--nproc-per-node", o->agent.nproc_per_node, "Workers on this node")->required();
-  sub->add_option("--min-nodes", o->agent.min_nodes, "Fewest nodes the job runs on (default 1)");
+                  "config with an \"elasticity\" block (without: any node count of --nnodes, "
+                  "as torchrun)");
+  sub->add_option("--rdzv", o->agent.rdzv,
+                  "etcd of the rendezvous: etcd://HOST:PORT, or https://HOST:PORT (TLS)");
+  sub->add_option("--job-id", o->agent.job_id, "The job's name in etcd, the same on every node");
+  sub->add_option("--rdzv-cacert", o->agent.tls.ca_file,
+                  "TLS to etcd (--rdzv https://HOST:PORT): the CA that signed etcd's certificate "
+                  "(PEM; default: the system's)");
+  sub->add_option("--rdzv-cert", o->agent.tls.cert_file,
+                  "TLS to etcd: this client's certificate (PEM), for etcd's --client-cert-auth");
+  sub->add_option("--rdzv-key", o->agent.tls.key_file, "TLS to etcd: the client certificate's key");
+  sub->add_option("--nproc-per-node,--nproc_per_node", o->nproc_per_node,
+                  "Workers on this node: a number, or cpu, gpu, auto (as torchrun)");
+  sub->add_option("--min-nodes", o->min_nodes, "Fewest nodes the job runs on (default 1)");
   sub->add_option("--max-nodes", o->max_nodes,
                   "Most nodes the job runs on (default: as many as a valid world size can use)");
-  sub->add_option("--max-restarts", o->agent.max_restarts,
+  sub->add_option("--max-restarts,--max_restarts", o->agent.max_restarts,
                   "Group restarts after worker failures before the job fails (default 3)");
   sub->add_option("--node-addr", o->agent.node_addr,
                   "Address other nodes reach this one at, published as MASTER_ADDR when this "
@@ -126,8 +381,54 @@ void register_agent_command(CLI::App& app, CliContext& context) {
   sub->add_option("--failure-grace", o->failure_grace,
                   "Seconds a worker failure waits for a lost node to explain it before it "
                   "counts as a restart (default: --lease-ttl)");
-  sub->add_option("command", o->command, "The worker command, after '--'");
-  set_action(sub, context, [&context, o] { return run_agent_command(context, *o); });
+  sub->add_option("--checkpoint-timeout", o->checkpoint_timeout,
+                  "Seconds the workers get to save before a planned re-form (a scale-up, a node "
+                  "drained with SIGTERM); 0 (default): re-form at once. Workers see the request "
+                  "with ductile.torch.elastic.should_checkpoint()");
+  // torchrun's options (docs/elastic-agent.md, "torchrun's command line").
+  sub->add_option("--nnodes", o->nnodes, "torchrun: N or MIN:MAX nodes");
+  sub->add_option("--rdzv-backend,--rdzv_backend", o->rdzv_backend,
+                  "torchrun: etcd (or etcd-v2, etcd-v3); the default with --rdzv-endpoint");
+  sub->add_option("--rdzv-endpoint,--rdzv_endpoint", o->rdzv_endpoint,
+                  "torchrun: the etcd's HOST:PORT (as --rdzv etcd://HOST:PORT)");
+  sub->add_option("--rdzv-id,--rdzv_id", o->rdzv_id, "torchrun: the job id (as --job-id)");
+  sub->add_option("--rdzv-conf,--rdzv_conf", o->rdzv_conf,
+                  "torchrun: key=value,...: join_timeout (or timeout), last_call_timeout (as "
+                  "--settle), read_timeout, keep_alive_interval x keep_alive_max_attempt (as "
+                  "--lease-ttl), protocol=https, cacert, cert, key (as --rdzv-cacert ...)");
+  sub->add_option("--monitor-interval,--monitor_interval", o->monitor_interval,
+                  "torchrun: seconds between checks of the workers (as --poll-interval)");
+  sub->add_option("--shutdown-timeout,--shutdown_timeout", o->shutdown_timeout,
+                  "torchrun: seconds between SIGTERM and SIGKILL (as --stop-grace)");
+  sub->add_option("--role", o->agent.role, "torchrun: the workers' ROLE_NAME (default 'default')");
+  sub->add_option("--local-addr,--local_addr", o->local_addr, "torchrun: as --node-addr");
+  sub->add_option("--signals-to-handle,--signals_to_handle", o->agent.signals_to_handle,
+                  "torchrun: the workers' TORCHELASTIC_SIGNALS_TO_HANDLE");
+  sub->add_flag("--no-python,--no_python", o->no_python,
+                "torchrun: run the training script as is, not with python");
+  sub->add_flag("-m,--module", o->module, "torchrun: the training script is a Python module");
+  sub->add_flag("--run-path,--run_path", o->run_path,
+                "torchrun: run the script with python (the default here)");
+  sub->add_flag("--standalone", o->standalone, "torchrun's local rendezvous: not available");
+  sub->add_option("--node-rank,--node_rank", o->node_rank, "torchrun's static rendezvous: ignored");
+  sub->add_option("--master-addr,--master_addr", o->master_addr,
+                  "torchrun's static rendezvous: ignored");
+  sub->add_option("--master-port,--master_port", o->master_port,
+                  "torchrun's static rendezvous: ignored");
+  // The worker command. CLI11 stops at the first word that is not an
+  // option (prefix_command): what follows is the command, untouched, even
+  // words that look like this command's options (a script's --config).
+  // The positional is never filled (its check refuses every value); it
+  // keeps '--' in this command, where remaining() shows it.
+  sub->add_option("command",
+                  "The worker command after '--', or the training script and its "
+                  "arguments (as torchrun)")
+      ->check(CLI::Validator([](std::string&) { return std::string("not an option"); }, "", ""));
+  sub->validate_positionals();
+  sub->prefix_command();
+  sub->fallthrough(false);
+  set_action(sub, context,
+             [&context, o, sub] { return run_agent_command(context, *o, sub->remaining()); });
 }
 
 }  // namespace ductile::cli

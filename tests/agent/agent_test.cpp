@@ -9,87 +9,13 @@
 #include <iostream>
 #include <sstream>
 
-#include "agent_support.hpp"
+#include "agent_job.hpp"
 #ifdef DUCTILE_ZERO3_WORKER_ENV
 #include <nlohmann/json.hpp>
 #endif
 #include "process.hpp"
-#include "temp_dir.hpp"
 
 using namespace ductile::test;
-
-namespace {
-
-// Valid GPU counts [1, 2, 3, 4, 6]: with 2 workers per node 1, 2 or 3 nodes
-// (4 nodes = 8 GPUs is not valid).
-constexpr const char* kJobToml = R"([elasticity]
-policy = "v0.1"
-max_train_batch_size = 24
-micro_batch_sizes = [1, 2, 3]
-min_gpus = 1
-max_gpus = 6
-)";
-
-struct Job {
-  TempDir dir;
-  std::string marker = new_marker();
-  EtcdServer etcd{dir.path()};
-  std::filesystem::path config = dir.write("job.toml", kJobToml);
-  std::vector<std::unique_ptr<Child>> agents;
-
-  Child& start(const std::string& name, std::vector<std::string> options,
-               const std::vector<std::string>& command, const std::string& job_id = "job") {
-    std::vector<std::string> argv = {DUCTILE_CLI,   "agent",     "--config",  config.string(),
-                                     "--rdzv",      etcd.url(),  "--job-id",  job_id,
-                                     "--node-addr", "127.0.0.1", "--node-id", name};
-    argv.insert(argv.end(), options.begin(), options.end());
-    argv.push_back("--");
-    argv.insert(argv.end(), command.begin(), command.end());
-    agents.push_back(
-        std::make_unique<Child>(argv, std::vector<std::string>{marker}, dir / (name + ".log")));
-    return *agents.back();
-  }
-  std::string all_output() const {
-    std::string out;
-    for (const auto& a : agents) out += a->output();
-    return out;
-  }
-  void dump() const {
-    for (const auto& a : agents) std::cout << "---- agent " << a->pid() << "\n" << a->output();
-  }
-};
-
-std::vector<std::string> sh(const std::string& script) {
-  return {"/bin/sh", "-c", script};
-}
-
-// The text after `key` up to the next space or end of line, in the first
-// line of `text` that contains `line_part` (and `key` after it); "" if none.
-// (Plain string search: <regex> trips GCC 12's -Wmaybe-uninitialized in the
-// sanitizer build.)
-std::string field_after(const std::string& text, const std::string& line_part,
-                        const std::string& key) {
-  for (std::size_t at = text.find(line_part); at != std::string::npos;
-       at = text.find(line_part, at + 1)) {
-    const std::size_t eol = text.find('\n', at);
-    const std::size_t k = text.find(key, at);
-    if (k == std::string::npos || (eol != std::string::npos && k > eol)) continue;
-    const std::size_t from = k + key.size();
-    return text.substr(from, text.find_first_of(" \n", from) - from);
-  }
-  return "";
-}
-
-std::int64_t started_ms(const std::string& log, int round) {
-  std::string ms = field_after(log, "round " + std::to_string(round) + " started: ", "started_ms=");
-  return ms.empty() ? -1 : std::stoll(ms);
-}
-
-double seconds_since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
-
-}  // namespace
 
 // 3 agents x 2 workers run a gloo all-reduce, a SIGKILLed agent is replaced, a
 // new one waits for min_time and a valid size.
@@ -242,15 +168,16 @@ TEST_CASE("agent: a worker that fails once is restarted and the job then succeed
   CHECK(no_marked_processes(job.marker));
 }
 
-// etcd killed and restarted mid-job is ridden out; etcd gone for good stops the
-// job within --store-timeout.
+// etcd killed and restarted mid-job is ridden out while the agents' leases
+// cannot have expired (a lease TTL of 20 s: the fence is 15 s away); etcd
+// gone for good stops the job within --store-timeout.
 TEST_CASE("agent: etcd restarted mid-job is ridden out - etcd gone stops the job") {
   Job job;
   std::string stop = (job.dir / "stop").string();
   auto worker = sh("while [ ! -e " + stop +
                    " ]; do sleep 0.1; done; "
                    "echo \"finished round $DUCTILE_ROUND\"");
-  std::vector<std::string> options = {"--nproc-per-node", "1", "--lease-ttl",     "2",
+  std::vector<std::string> options = {"--nproc-per-node", "1", "--lease-ttl",     "20",
                                       "--settle",         "1", "--stop-grace",    "1",
                                       "--min-nodes",      "2", "--store-timeout", "20"};
   Child& a = job.start("a", options, worker);
@@ -259,7 +186,6 @@ TEST_CASE("agent: etcd restarted mid-job is ridden out - etcd gone stops the job
   REQUIRE(b.wait_for_output("round 1 started", 60s));
   job.etcd.kill_hard();
   CHECK(a.wait_for_output("giving up after 20000 ms", 30s));
-  std::this_thread::sleep_for(3s);
   job.etcd.start();
   CHECK(a.wait_for_output("reachable again", 30s));
   CHECK(b.wait_for_output("reachable again", 30s));
@@ -269,10 +195,12 @@ TEST_CASE("agent: etcd restarted mid-job is ridden out - etcd gone stops the job
   CHECK(sa == std::optional<int>(0));
   CHECK(sb == std::optional<int>(0));
   CHECK(count_of(job.all_output(), "finished round 1") == 2);
+  CHECK(job.all_output().find("fenced") == std::string::npos);
   CHECK(no_marked_processes(job.marker));
 
   // Now etcd goes away for good: the agents stop their workers and fail.
   std::filesystem::remove(stop);
+  options[3] = "2";      // --lease-ttl 2: the fence stops the workers
   options.back() = "3";  // --store-timeout 3
   Child& c = job.start("c", options, worker, "job2");
   Child& d = job.start("d", options, worker, "job2");
@@ -286,6 +214,10 @@ TEST_CASE("agent: etcd restarted mid-job is ridden out - etcd gone stops the job
   CHECK(sc == std::optional<int>(1));
   CHECK(sd == std::optional<int>(1));
   CHECK(c.output().find("unreachable for") != std::string::npos);
+  // The fence stopped the workers first, 3/4 of the TTL after the last
+  // renewal (the store timeout came later).
+  CHECK(c.output().find("fenced: no lease renewal for") != std::string::npos);
+  CHECK(c.output().find("fenced") < c.output().find("unreachable for"));
   CHECK(no_marked_processes(job.marker));
 }
 
@@ -380,7 +312,103 @@ TEST_CASE("agent: SIGTERM and SIGINT stop an agent's workers and the others re-f
   CHECK(no_marked_processes(job.marker));
 }
 
+// A node drained with SIGTERM (--checkpoint-timeout): the round's workers
+// save first, the drained agent leaves once the others re-formed without
+// it, and round 2 goes on from the checkpoint: every step once.
+TEST_CASE("agent: a drained node's round checkpoints before it leaves") {
+  Job job;
+  const std::string stop = (job.dir / "stop").string();
+  auto worker = std::vector<std::string>{DUCTILE_PYTHON, DUCTILE_AGENT_WORKERS "/steps.py",
+                                         job.dir.path().string(), stop, "--on-request"};
+  std::vector<std::string> options = {
+      "--nproc-per-node", "1", "--lease-ttl",          "2", "--settle", "1",
+      "--stop-grace",     "1", "--checkpoint-timeout", "60"};
+  Child& a = job.start("a", options, worker);
+  Child& b = job.start("b", options, worker);
+  Child& c = job.start("c", options, worker);
+  auto steps = [&] { return count_of(read_text(job.dir / "steps.log"), "\n"); };
+  bool running = wait_until(
+      [&] {
+        return job.all_output().find("start round=1 world=3 at step 0") != std::string::npos &&
+               steps() >= 5;
+      },
+      120s);
+  if (!running) job.dump();
+  REQUIRE(running);
+  Child* drained = nullptr;
+  for (Child* agent : {&a, &b, &c})
+    if (agent->output().find("leader: round 1 formed") == std::string::npos &&
+        agent->output().find("group rank 0,") == std::string::npos)
+      drained = agent;
+  REQUIRE(drained);
+  drained->signal(SIGTERM);
+  auto status = drained->wait(120s);
+  if (status != std::optional<int>(128 + SIGTERM)) job.dump();
+  CHECK(status == std::optional<int>(128 + SIGTERM));
+  std::string out = drained->output();
+  CHECK(
+      out.find("signal 15: asking the workers of round 1 to checkpoint before this node leaves") !=
+      std::string::npos);
+  CHECK(out.find("round 1: this node's workers saved their checkpoint") != std::string::npos);
+  CHECK(out.find("signal 15: the round re-formed without this node; leaving the job") !=
+        std::string::npos);
+  bool resumed = wait_until(
+      [&] { return job.all_output().find("start round=2 world=2 at step ") != std::string::npos; },
+      120s);
+  if (!resumed) job.dump();
+  REQUIRE(resumed);
+  CHECK(count_of(job.all_output(), "saved round=1 rank=") == 3);
+  CHECK(job.all_output().find("every member's workers saved") != std::string::npos);
+  const std::string resumed_at = field_after(job.all_output(), "start round=2 world=2", "at step ");
+  CHECK(resumed_at == read_text(job.dir / "checkpoint"));
+  CHECK(wait_until([&] { return steps() >= std::stoul(resumed_at) + 5; }, 60s));
+  std::ofstream(stop) << "stop";
+  for (Child* agent : {&a, &b, &c})
+    if (agent != drained) CHECK(agent->wait(60s) == std::optional<int>(0));
+  // Every step once, in order, across the two rounds.
+  std::istringstream log(read_text(job.dir / "steps.log"));
+  std::size_t expected = 0;
+  for (std::size_t step; log >> step;) {
+    std::string round;
+    log >> round;
+    CHECK(step == expected);
+    ++expected;
+  }
+  if (!no_marked_processes(job.marker)) job.dump();
+  CHECK(marked_processes(job.marker).empty());
+}
+
 #ifdef DUCTILE_ZERO3_WORKER_ENV
+namespace {
+
+// The Python of the zero3 workers: `env` with the package's environment.
+std::vector<std::string> zero3_python() {
+  std::vector<std::string> python = {"/usr/bin/env"};
+  std::string env_text = DUCTILE_ZERO3_WORKER_ENV;
+  for (std::size_t from = 0, bar; from <= env_text.size(); from = bar + 1) {
+    bar = std::min(env_text.find('|', from), env_text.size());
+    python.push_back(env_text.substr(from, bar - from));
+  }
+  python.push_back(DUCTILE_PYTHON);
+  python.push_back(DUCTILE_AGENT_WORKERS "/zero3_resume.py");
+  return python;
+}
+
+// Plain torch's losses of `steps` steps at global batch 24 (every valid
+// world size's plan in kJobToml), written to dir/plain.json.
+nlohmann::json plain_losses(const std::filesystem::path& dir, int steps) {
+  auto plain = zero3_python();
+  for (std::string arg :
+       {dir.string(), std::to_string(steps), std::string("--plain"), std::string("24")})
+    plain.push_back(arg);
+  ProcessResult ref = run_process(plain);
+  INFO(ref.out << ref.err);
+  REQUIRE(ref.exit_code == 0);
+  return nlohmann::json::parse(read_text(dir / "plain.json"));
+}
+
+}  // namespace
+
 // ZeRO-3 workers (ductile.torch.zero3 on the cpu backend) whose MPI world the
 // agents form without mpirun (--mpi-world). The leader is killed in the
 // middle of training at world size 2; the other agent re-forms at world size
@@ -392,28 +420,12 @@ TEST_CASE("agent: zero3 workers resume from their checkpoint at the new world si
   const std::filesystem::path train = job.dir / "train", reference = job.dir / "reference";
   std::filesystem::create_directories(train);
   std::filesystem::create_directories(reference);
-  std::vector<std::string> python = {"/usr/bin/env"};
-  std::string env_text = DUCTILE_ZERO3_WORKER_ENV;
-  for (std::size_t from = 0, bar; from <= env_text.size(); from = bar + 1) {
-    bar = std::min(env_text.find('|', from), env_text.size());
-    python.push_back(env_text.substr(from, bar - from));
-  }
-  python.push_back(DUCTILE_PYTHON);
-  python.push_back(DUCTILE_AGENT_WORKERS "/zero3_resume.py");
-
   // The reference: one process, torch alone, the same global batch (24, the
   // plan of every valid world size of the job's configuration).
-  auto plain = python;
-  for (std::string arg :
-       {reference.string(), std::to_string(kSteps), std::string("--plain"), std::string("24")})
-    plain.push_back(arg);
-  ProcessResult ref = run_process(plain);
-  INFO(ref.out << ref.err);
-  REQUIRE(ref.exit_code == 0);
-  auto expected = nlohmann::json::parse(read_text(reference / "plain.json"));
+  auto expected = plain_losses(reference, kSteps);
   REQUIRE(expected.size() == static_cast<std::size_t>(kSteps));
 
-  auto worker = python;
+  auto worker = zero3_python();
   worker.insert(worker.begin() + 1, "ZERO3_STEP_PAUSE=0.4");
   worker.push_back(train.string());
   worker.push_back(std::to_string(kSteps));
@@ -462,6 +474,89 @@ TEST_CASE("agent: zero3 workers resume from their checkpoint at the new world si
   CHECK(resumed_from_world == 2);
   CHECK(last_step == kSteps - 1);
   CHECK(survivor.output().find("zero3 done round=2 rank=0 world=1") != std::string::npos);
+  if (!no_marked_processes(job.marker)) job.dump();
+  CHECK(marked_processes(job.marker).empty());
+}
+
+// A planned re-form loses no step (issue 24 item 2): two agents train zero3
+// workers at world size 2 and save nothing until asked; a third agent
+// arrives, the leader asks the round to checkpoint (--checkpoint-timeout),
+// the workers agree on a step (ductile.torch.elastic.should_checkpoint
+// through the engine), save and exit, and round 2 at world size 3 goes on
+// from exactly that step. Every step is trained once, with plain torch's
+// losses.
+TEST_CASE("agent: a scale-up from 2 to 3 zero3 nodes checkpoints first and loses no step") {
+  Job job;
+  constexpr int kSteps = 14;
+  const std::filesystem::path train = job.dir / "train", reference = job.dir / "reference";
+  std::filesystem::create_directories(train);
+  std::filesystem::create_directories(reference);
+  auto expected = plain_losses(reference, kSteps);
+  REQUIRE(expected.size() == static_cast<std::size_t>(kSteps));
+
+  auto worker = zero3_python();
+  worker.insert(worker.begin() + 1, "ZERO3_STEP_PAUSE=0.4");
+  for (std::string arg : {train.string(), std::to_string(kSteps), std::string("--on-request")})
+    worker.push_back(arg);
+  std::vector<std::string> options = {"--nproc-per-node",
+                                      "1",
+                                      "--mpi-world",
+                                      "--min-nodes",
+                                      "2",
+                                      "--settle",
+                                      "1",
+                                      "--stop-grace",
+                                      "2",
+                                      "--min-time",
+                                      "0",
+                                      "--checkpoint-timeout",
+                                      "120"};
+  Child& a = job.start("a", options, worker);
+  Child& b = job.start("b", options, worker);
+  bool trained = wait_until(
+      [&] { return count_of(job.all_output(), "zero3 round=1 world=2 step=2 ") == 1; }, 240s);
+  if (!trained) job.dump();
+  REQUIRE(trained);
+  Child& c = job.start("c", options, worker);
+  for (Child* agent : {&a, &b, &c}) {
+    auto status = agent->wait(300s);
+    if (status != std::optional<int>(0)) job.dump();
+    CHECK(status == std::optional<int>(0));
+  }
+  std::string out = job.all_output();
+  CHECK(out.find("leader: asked the workers of round 1 to checkpoint before re-forming (scale-up: "
+                 "3 node(s) admitted of 3 present)") != std::string::npos);
+  CHECK(count_of(out, "round 1: this node's workers saved their checkpoint") == 2);
+  CHECK(out.find("leader: round 2 formed: scale-up: 3 node(s) admitted of 3 present; every "
+                 "member's workers saved") != std::string::npos);
+  CHECK(count_of(out, "round 2 started: world size 3") == 3);
+
+  // Each step once, with plain torch's loss; round 2 starts where round 1
+  // saved.
+  std::istringstream log(read_text(train / "losses.jsonl"));
+  std::vector<int> trained_at(kSteps, 0);
+  int last_of_round1 = -1, first_of_round2 = -1;
+  for (std::string line; std::getline(log, line);) {
+    auto entry = nlohmann::json::parse(line);
+    int step = entry["step"].get<int>(), world = entry["world"].get<int>();
+    REQUIRE(step < kSteps);
+    double loss = entry["loss"].get<double>(), want = expected[step].get<double>();
+    INFO("step " << step << " world " << world << ": " << loss << " vs " << want);
+    CHECK(std::abs(loss - want) <= 1e-5 * std::abs(want));
+    ++trained_at[step];
+    if (world == 2) last_of_round1 = std::max(last_of_round1, step);
+    if (world == 3 && first_of_round2 < 0) {
+      first_of_round2 = step;
+      CHECK(entry["resumed"]["step"].get<int>() == step);
+      CHECK(entry["resumed"]["world"].get<int>() == 2);
+    }
+  }
+  for (int step = 0; step < kSteps; ++step) {
+    INFO("step " << step);
+    CHECK(trained_at[step] == 1);  // none lost, none repeated
+  }
+  CHECK(last_of_round1 >= 2);
+  CHECK(first_of_round2 == last_of_round1 + 1);
   if (!no_marked_processes(job.marker)) job.dump();
   CHECK(marked_processes(job.marker).empty());
 }

@@ -40,9 +40,13 @@ TEST_CASE("etcd store: put prefix reads compare-and-swap leases that expire") {
   // A key on a lease that is not renewed disappears; a revoked lease at once.
   auto lease = store.grant_lease(2);
   store.put("/l/short", "v", lease);
+  CHECK(store.get("/l/short")->lease == lease);
   CHECK(store.keep_alive(lease));
+  CHECK(store.lease_remaining(lease) >= 0);  // whole seconds left: 1 or 0
+  CHECK(store.lease_remaining(lease) <= 2);
   CHECK(wait_until([&] { return !store.get("/l/short"); }, 20s));
   CHECK_FALSE(store.keep_alive(lease));
+  CHECK(store.lease_remaining(lease) == -1);
   auto second = store.grant_lease(30);
   store.put("/l/long", "v", second);
   store.revoke_lease(second);
@@ -55,6 +59,8 @@ TEST_CASE("etcd store: an unreachable server and bad addresses") {
                          std::chrono::milliseconds(500));
   CHECK_THROWS_AS(store.get("/x"), agent::StoreUnavailable);
   CHECK(agent::etcd_endpoint_from_url("etcd://10.1.2.3:2379", "--rdzv") == "http://10.1.2.3:2379");
+  CHECK(agent::etcd_endpoint_from_url("https://etcd.example:2379/", "--rdzv") ==
+        "https://etcd.example:2379");
   CHECK_THROWS_WITH_AS(agent::etcd_endpoint_from_url("tcp://host", "--rdzv"),
                        doctest::Contains("--rdzv 'tcp://host' is not an etcd address"),
                        ductile::Error);

@@ -1,6 +1,8 @@
 // The leader's decisions and the rendezvous records, without a store.
 #include <doctest/doctest.h>
 
+#include <algorithm>
+
 #include "ductile/agent/rendezvous.hpp"
 
 using namespace ductile::agent;
@@ -78,7 +80,7 @@ TEST_CASE("decide: a lost member re-forms at once without counting a restart") {
   seen.round = running({"n0", "n1", "n2"}, 0);
   seen.now = milliseconds(100);
   seen.last_membership_change = milliseconds(100);
-  seen.failure = FailureReport{"n0", 0, 0, 1, {}};  // a peer of the lost node failed
+  seen.failure = FailureReport{"n0", 0, 0, 1, {}, "", ""};  // a peer of the lost node failed
   seen.failure_seen = milliseconds(100);
   auto d = decide(seen, settings());
   REQUIRE(d.action == Action::new_round);
@@ -91,7 +93,7 @@ TEST_CASE("decide: a failure waits failure_grace then restarts or fails the job"
   Observation seen;
   seen.alive = nodes(2);
   seen.round = running({"n0", "n1"}, 0);
-  seen.failure = FailureReport{"n1", 3, 1, 1, {"boom"}};
+  seen.failure = FailureReport{"n1", 3, 1, 1, {"boom"}, "", ""};
   seen.failure_seen = milliseconds(1000);
   seen.now = milliseconds(2500);
   CHECK(decide(seen, settings()).action == Action::keep);
@@ -135,19 +137,92 @@ TEST_CASE("decide: too few nodes wait - all members done ends the job") {
   CHECK(decide(seen, s).action == Action::succeed);
 }
 
-TEST_CASE("round records survive JSON and malformed ones are reported") {
-  RoundRecord r = running({"a", "b"}, 42);
-  r.master_addr = "10.0.0.1";
-  r.master_port = 29500;
-  r.state = RoundState::failed;
-  r.failure = FailureReport{"b", 3, 1, 7, {"x", "y"}};
-  auto back = round_from_json(to_json(r));
-  CHECK(back.members == r.members);
-  CHECK(back.master_port == 29500);
-  CHECK(back.state == RoundState::failed);
-  REQUIRE(back.failure);
-  CHECK(back.failure->last_lines == std::vector<std::string>{"x", "y"});
-  CHECK_THROWS_WITH_AS(round_from_json("{\"round\": 1}"), doctest::Contains("malformed round"),
-                       std::runtime_error);
-  CHECK_THROWS_AS(round_from_json("not json"), std::runtime_error);
+TEST_CASE("decide: a member that registered again (another create revision) has left") {
+  Observation seen;
+  seen.alive = nodes(3);
+  seen.round = running({"n0", "n1", "n2"}, 0);
+  seen.round->member_revisions = {10, 11, 12};
+  seen.now = milliseconds(100);
+  seen.last_membership_change = milliseconds(100);
+  auto s = settings();
+  CHECK(decide(seen, s).action == Action::keep);
+  // n1 was fenced and registered anew: its workers are gone.
+  seen.alive[1].create_revision = 40;
+  std::sort(seen.alive.begin(), seen.alive.end(), [](const NodeInfo& a, const NodeInfo& b) {
+    return a.create_revision < b.create_revision;
+  });
+  auto d = decide(seen, s);
+  REQUIRE(d.action == Action::new_round);
+  CHECK(d.reason == "node(s) n1 left");
+  CHECK_FALSE(d.counts_as_restart);
+  REQUIRE(d.members.size() == 3);  // n1 is back in the new round, as a new node
+  CHECK(d.members.back().id == "n1");
+  // Records of older agents carry no revisions: members are matched by id.
+  seen.round->member_revisions.clear();
+  CHECK(decide(seen, s).action == Action::keep);
+}
+
+TEST_CASE("decide: a planned re-form asks for a checkpoint and waits for every member to save") {
+  auto s = settings();
+  s.min_time = milliseconds(0);
+  s.checkpoint_timeout = milliseconds(30000);
+  Observation seen;
+  seen.alive = nodes(3);
+  seen.round = running({"n0", "n1"}, 0);
+  seen.now = milliseconds(50000);
+  seen.last_membership_change = milliseconds(1000);
+  // A scale-up: first the request.
+  auto d = decide(seen, s);
+  REQUIRE(d.action == Action::request_checkpoint);
+  CHECK(d.reason == "scale-up: 3 node(s) admitted of 3 present");
+  // Asked: nothing until every member saved...
+  seen.checkpoint = CheckpointRequest{"n0", d.reason, 50000};
+  seen.saved = {"n0"};
+  CHECK(decide(seen, s).action == Action::keep);
+  seen.saved = {"n1", "n0"};
+  d = decide(seen, s);
+  REQUIRE(d.action == Action::new_round);
+  CHECK(d.members.size() == 3);
+  CHECK(d.reason == "scale-up: 3 node(s) admitted of 3 present; every member's workers saved");
+  CHECK_FALSE(d.counts_as_restart);
+  // ... or until the timeout.
+  seen.saved = {"n0"};
+  seen.now = milliseconds(80000);
+  d = decide(seen, s);
+  REQUIRE(d.action == Action::new_round);
+  CHECK(d.reason.find("checkpoint timeout (30000 ms): node(s) n1 did not save") !=
+        std::string::npos);
+  // A member lost meanwhile: at once, as any loss.
+  seen.now = milliseconds(60000);
+  seen.alive.erase(seen.alive.begin() + 1);
+  d = decide(seen, s);
+  REQUIRE(d.action == Action::new_round);
+  CHECK(d.reason == "node(s) n1 left");
+}
+
+TEST_CASE("decide: a draining member is checkpointed, then left out") {
+  auto s = settings();
+  s.checkpoint_timeout = milliseconds(30000);
+  Observation seen;
+  seen.alive = nodes(3);
+  seen.round = running({"n0", "n1", "n2"}, 0);
+  seen.now = milliseconds(5000);
+  seen.last_membership_change = milliseconds(1000);
+  seen.draining = {"n1"};
+  auto d = decide(seen, s);
+  REQUIRE(d.action == Action::request_checkpoint);
+  CHECK(d.reason == "node(s) n1 drain");
+  seen.checkpoint = CheckpointRequest{"n1", "node n1 drains (signal 15)", 5000};
+  seen.saved = {"n0", "n1", "n2"};
+  d = decide(seen, s);
+  REQUIRE(d.action == Action::new_round);
+  REQUIRE(d.members.size() == 2);
+  CHECK(d.members[0].id == "n0");
+  CHECK(d.members[1].id == "n2");
+  // Without checkpoints: the drained member is left out at once.
+  s.checkpoint_timeout = milliseconds(0);
+  seen.checkpoint.reset();
+  d = decide(seen, s);
+  REQUIRE(d.action == Action::new_round);
+  CHECK(d.members.size() == 2);
 }

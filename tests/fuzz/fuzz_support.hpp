@@ -69,4 +69,15 @@ void expect_clean(F&& f) {
   }
 }
 
+// Runs `f`; an exception of type `Allowed` (with a message) is the expected
+// answer to bad input, any other escapes to libFuzzer as a finding.
+template <class Allowed, class F>
+void expect_only(F&& f) {
+  try {
+    f();
+  } catch (const Allowed& e) {
+    if (std::string_view(e.what()).empty()) __builtin_trap();
+  }
+}
+
 }  // namespace fuzz

@@ -20,7 +20,8 @@ shift
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
   targets=(config_toml deepspeed_elasticity deepspeed_batching lengths_text lengths_csv
-           lengths_npy lengths_mmidx plugin_descriptor elf_symbols)
+           lengths_npy lengths_mmidx plugin_descriptor elf_symbols agent_round agent_failure
+           agent_node agent_settings agent_error_file agent_checkpoint)
 fi
 jobs="${JOBS:-2}"
 tree="${FUZZ_BUILD_DIR:-$root/build-fuzz}"

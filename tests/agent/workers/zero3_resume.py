@@ -8,6 +8,9 @@ step, split over the ranks), saves a checkpoint after every step and
 appends a line a step to OUT/losses.jsonl (rank 0). Exits 0 after STEPS.
 
 usage: zero3_resume.py OUT STEPS                  (a worker)
+       zero3_resume.py OUT STEPS --on-request     (a worker that saves only when
+                                                   the agent asks, then exits:
+                                                   ductile.torch.elastic)
        zero3_resume.py OUT STEPS --plain BATCH    (one process, torch alone:
                                                    the reference, OUT/plain.json)
 """
@@ -51,8 +54,18 @@ def newest_checkpoint(out):
         return None
 
 
-def worker(out, steps):
+def save(engine, out, step, world, env):
+    name = f"step{step}-round{env['DUCTILE_ROUND']}"
+    engine.save(os.path.join(out, name), client_state={"step": step, "world": world})
+    if engine.rank == 0:
+        with open(os.path.join(out, "LATEST.part"), "w") as f:
+            f.write(name)
+        os.replace(os.path.join(out, "LATEST.part"), os.path.join(out, "LATEST"))
+
+
+def worker(out, steps, on_request):
     import ductile.torch.zero3 as zero3
+    from ductile.torch import elastic
 
     env = os.environ
     world = int(env["WORLD_SIZE"])
@@ -79,19 +92,23 @@ def worker(out, steps):
         engine.backward(loss)
         engine.step()
         mean = engine.all_reduce(loss.detach().clone(), "mean").item()
-        name = f"step{s + 1}-round{env['DUCTILE_ROUND']}"
-        engine.save(os.path.join(out, name), client_state={"step": s + 1, "world": world})
         if engine.rank == 0:
             # The loss first: a run stopped between the two lines resumes at
             # this step again rather than past an unlogged one.
             with open(os.path.join(out, "losses.jsonl"), "a") as f:
                 f.write(json.dumps({"round": int(env["DUCTILE_ROUND"]), "world": world,
                                     "step": s, "loss": mean, "resumed": resumed}) + "\n")
-            with open(os.path.join(out, "LATEST.part"), "w") as f:
-                f.write(name)
-            os.replace(os.path.join(out, "LATEST.part"), os.path.join(out, "LATEST"))
             print(f"zero3 round={env['DUCTILE_ROUND']} world={world} step={s} loss={mean:.6f}",
                   flush=True)
+        if not on_request:
+            save(engine, out, s + 1, world, env)
+        elif elastic.should_checkpoint(engine):
+            # Every rank sees the same answer: the save is collective.
+            save(engine, out, s + 1, world, env)
+            elastic.checkpoint_saved()
+            print(f"zero3 saved round={env['DUCTILE_ROUND']} rank={engine.rank} at step {s + 1} "
+                  f"({elastic.checkpoint_reason()})", flush=True)
+            return
         # Slow enough for the test to stop an agent in the middle of the run.
         time.sleep(float(env.get("ZERO3_STEP_PAUSE", "0")))
     print(f"zero3 done round={env['DUCTILE_ROUND']} rank={engine.rank} world={world}", flush=True)
@@ -102,4 +119,4 @@ if __name__ == "__main__":
     if "--plain" in sys.argv[3:]:
         plain(out, steps, int(sys.argv[sys.argv.index("--plain") + 1]))
     else:
-        worker(out, steps)
+        worker(out, steps, "--on-request" in sys.argv[3:])

@@ -23,21 +23,30 @@
 #include <string>
 #include <vector>
 
+#include "ductile/agent/etcd_store.hpp"
 #include "ductile/core/runtime.hpp"
 
 namespace ductile::agent {
 
 struct AgentOptions {
-  std::filesystem::path config;  // TOML with [elasticity], or DeepSpeed JSON
-  std::string rdzv;              // etcd://HOST:PORT
-  std::string job_id;            // letters, digits, '.', '_', '-'
+  // TOML with [elasticity], or DeepSpeed JSON; empty: any node count from
+  // min_nodes to max_nodes is valid (torchrun's --nnodes MIN:MAX).
+  std::filesystem::path config;
+  std::string rdzv;    // etcd://HOST:PORT, or https://HOST:PORT with `tls`
+  EtcdTls tls;         // --rdzv-cacert, --rdzv-cert, --rdzv-key
+  std::string job_id;  // letters, digits, '.', '_', '-'
   std::int64_t nproc_per_node = 1;
   std::int64_t min_nodes = 1;
-  std::optional<std::int64_t> max_nodes;  // default: the most nodes any valid size uses
-  std::int64_t max_restarts = 3;          // restarts after worker failures, job-wide
-  std::vector<std::string> command;       // the worker command line
-  std::string node_addr;                  // default: the host name
-  std::string node_id;                    // default: <host>-<pid>-<random>
+  // Default: the most nodes any valid size uses; min_nodes without a config.
+  std::optional<std::int64_t> max_nodes;
+  std::int64_t max_restarts = 3;     // restarts after worker failures, job-wide
+  std::vector<std::string> command;  // the worker command line
+  std::string role = "default";      // ROLE_NAME of the workers (torchrun's --role)
+  // TORCHELASTIC_SIGNALS_TO_HANDLE of the workers; empty: the agent's own
+  // environment's, else torchrun's default "SIGTERM,SIGINT,SIGHUP,SIGQUIT".
+  std::string signals_to_handle;
+  std::string node_addr;  // default: the host name
+  std::string node_id;    // default: <host>-<pid>-<random>
   // Workers form one MPI world without mpirun: each agent runs an
   // ompi-server, and each round's workers get the leader's
   // (OMPI_MCA_pmix_server_uri) and DUCTILE_MPI_JOIN (see
@@ -51,6 +60,14 @@ struct AgentOptions {
   std::chrono::milliseconds store_timeout{30000};          // give up when etcd is gone this long
   std::optional<std::chrono::milliseconds> min_time;       // overrides the config's min_time
   std::optional<std::chrono::milliseconds> failure_grace;  // default: lease_ttl
+  // Give up (exit 1) when this agent's workers have not started in a round
+  // this long after the agent started (torchrun's join_timeout); none: wait.
+  std::optional<std::chrono::milliseconds> join_timeout;
+  std::chrono::milliseconds request_timeout{2000};  // one etcd request
+  // > 0: before a planned re-form (a scale-up, a node drained with SIGTERM)
+  // the round's workers are asked to checkpoint (DUCTILE_CHECKPOINT_REQUEST,
+  // ductile.torch.elastic) and waited for this long at most.
+  std::chrono::milliseconds checkpoint_timeout{0};
 
   core::RuntimeOptions runtime;  // where the policy plugins are found
   // Set (to the signal number) by a signal handler to stop the agent.
@@ -60,6 +77,8 @@ struct AgentOptions {
 // Exit statuses of run_agent besides a worker's own status.
 inline constexpr int kAgentOk = 0;
 inline constexpr int kAgentStoreLost = 1;  // etcd unreachable for store_timeout
+
+inline constexpr int kAgentJoinTimeout = 1;  // no round within join_timeout
 
 // Runs the agent until the job ends. Returns 0 when the workers finished,
 // the failing worker's exit status (128 + signal for a signal) when restarts

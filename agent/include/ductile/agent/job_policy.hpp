@@ -33,13 +33,22 @@ class JobPolicy {
   // Loads a ductile TOML configuration with an [elasticity] section or a
   // DeepSpeed JSON config with an "elasticity" block.
   static JobPolicy load(const std::filesystem::path& config, core::RuntimeOptions options = {});
+  // No configuration (torchrun's semantics): every node count from
+  // `min_nodes` to `max_nodes` is valid; no batch plan, no min_time.
+  static JobPolicy any_size(std::int64_t nproc_per_node, std::int64_t min_nodes,
+                            std::int64_t max_nodes);
+
+  // False for any_size(): workers get no DEEPSPEED_ELASTICITY_CONFIG and no
+  // DUCTILE_* batch plan.
+  bool has_config() const;
 
   const std::string& policy_name() const;
   const std::string& origin() const;  // the file it came from
   // Sorted ascending; may be empty.
   const std::vector<std::int64_t>& valid_gpus() const;
   bool accepts(std::int64_t world_size) const;
-  // Throws ductile::Error when the policy rejects `world_size`.
+  // Throws ductile::Error when the policy rejects `world_size`. Without a
+  // configuration only world_size is set.
   BatchPlan plan(std::int64_t world_size) const;
   // The configuration's min_time (minutes) as a duration; 0 when absent.
   std::chrono::milliseconds min_time() const;

@@ -47,6 +47,9 @@ class KeyValueStore {
   virtual bool keep_alive(std::int64_t lease) = 0;
   // Revokes a lease, deleting its keys. A lease that does not exist is no error.
   virtual void revoke_lease(std::int64_t lease) = 0;
+  // Seconds the lease has left (the server rounds to whole seconds); -1
+  // when it no longer exists.
+  virtual std::int64_t lease_remaining(std::int64_t lease) = 0;
 
   // Writes `key` (attached to `lease` when not 0).
   virtual void put(const std::string& key, const std::string& value, std::int64_t lease = 0) = 0;

@@ -2,7 +2,8 @@
 // can be tested without a store or processes.
 //
 // Layout in the store, under the job's prefix "/ductile/agent/<job-id>/":
-//   nodes/<node-id>   one per live agent, on the agent's lease: {"id", "addr"}
+//   nodes/<node-id>   one per live agent, on the agent's lease: {"id", "addr"};
+//                     a key without a lease is not an agent's and is ignored
 //   settings          the job's settings (policy, parameters, nproc-per-node)
 //   round             the current round (RoundRecord as JSON), written by the
 //                     leader with compare-and-swap
@@ -21,49 +22,9 @@
 #include <string>
 #include <vector>
 
+#include "ductile/agent/records.hpp"
+
 namespace ductile::agent {
-
-struct NodeInfo {
-  std::string id;
-  std::string addr;  // address the other nodes reach this one at
-  std::int64_t create_revision = 0;
-};
-
-enum class RoundState { running, succeeded, failed };
-const char* to_string(RoundState state);
-
-struct FailureReport {
-  std::string node;
-  std::int64_t rank = -1;
-  std::int64_t local_rank = -1;
-  int exit_status = 0;  // exit code, or 128 + signal number
-  std::vector<std::string> last_lines;
-};
-
-struct RoundRecord {
-  std::int64_t round = 0;
-  std::vector<std::string> members;  // node ids in group-rank order; empty: waiting
-  std::string master_addr;
-  int master_port = 0;
-  // With --mpi-world: the ompi-server the round's workers reach and the
-  // port at master_addr where rank 0 lets them join one MPI world.
-  std::string mpi_server_uri;
-  int mpi_join_port = 0;
-  std::int64_t world_size = 0;
-  std::int64_t restarts = 0;    // restarts caused by worker failures so far
-  std::int64_t started_ms = 0;  // leader's clock (ms since the epoch) when written
-  std::string reason;           // why this round was formed
-  RoundState state = RoundState::running;
-  std::optional<FailureReport> failure;  // set when state is failed
-};
-
-std::string to_json(const RoundRecord& record);
-// Throws std::runtime_error naming the problem for a malformed record.
-RoundRecord round_from_json(const std::string& text);
-std::string to_json(const FailureReport& report);
-FailureReport failure_from_json(const std::string& text);
-std::string to_json(const NodeInfo& node);
-NodeInfo node_from_json(const std::string& text, std::int64_t create_revision);
 
 // The largest node count k in [min_nodes, min(max_nodes, available)] whose
 // world size k * nproc_per_node is in `valid_gpus` (sorted); 0 when none.
@@ -80,6 +41,9 @@ struct RendezvousSettings {
   std::chrono::milliseconds min_time{0};       // no scale-up sooner after a (re)start
   std::chrono::milliseconds settle{0};         // quiet time before a first or larger round
   std::chrono::milliseconds failure_grace{0};  // wait for a lost node before counting a failure
+  // > 0: before a planned re-form (scale-up, a drained node) the round's
+  // workers are asked to checkpoint, and waited for this long at most.
+  std::chrono::milliseconds checkpoint_timeout{0};
 };
 
 // What the leader sees on one pass.
@@ -91,9 +55,14 @@ struct Observation {
   bool all_done = false;  // every member of the current round reported its workers done
   std::chrono::milliseconds failure_seen{0};            // when the failure was first seen
   std::chrono::milliseconds last_membership_change{0};  // when `alive` last changed
+  // Nodes that drain (SIGTERM with checkpoints on): alive until they leave,
+  // but not in the next round.
+  std::vector<std::string> draining;
+  std::optional<CheckpointRequest> checkpoint;  // asked of the current round
+  std::vector<std::string> saved;               // members whose workers saved
 };
 
-enum class Action { keep, new_round, succeed, fail };
+enum class Action { keep, new_round, succeed, fail, request_checkpoint };
 
 struct Decision {
   Action action = Action::keep;
@@ -105,7 +74,10 @@ struct Decision {
 // The leader's decision. Scale-down (a member gone) is immediate; a failure is
 // counted against max_restarts only when every member is still alive
 // failure_grace after it; scale-up waits for min_time since the round started
-// and for `settle` without membership changes.
+// and for `settle` without membership changes. A planned re-form (scale-up,
+// a draining member) with checkpoint_timeout > 0 first asks for a checkpoint
+// (request_checkpoint) and forms the next round once every member saved or
+// the timeout passed.
 Decision decide(const Observation& seen, const RendezvousSettings& settings);
 
 }  // namespace ductile::agent

@@ -49,6 +49,9 @@ class WorkerGroup {
   // Copies output and reaps exited workers, waiting up to `wait` for output.
   void pump(std::chrono::milliseconds wait);
   bool running() const;  // some worker has not exited yet
+  // The guard processes of the workers not reaped yet (this process's
+  // children: their pids stay theirs until pump() or stop() reaps them).
+  std::vector<int> guard_pids() const;
   bool empty() const { return workers_.empty(); }
   // The first worker that exited with a non-zero status, if any.
   std::optional<WorkerExit> first_failure() const;

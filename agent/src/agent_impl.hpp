@@ -1,0 +1,165 @@
+// The agent of one node, as a class shared by agent.cpp (the loop, the
+// leader's writes, the rounds' workers) and registration.cpp (start-up:
+// options, the node's key, the job's settings). Internal to
+// libductile_agent; see agent.hpp for the contract.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "ductile/agent/agent.hpp"
+#include "ductile/agent/etcd_store.hpp"
+#include "ductile/agent/job_policy.hpp"
+#include "ductile/agent/rendezvous.hpp"
+#include "ductile/agent/workers.hpp"
+#include "keep_alive.hpp"
+#include "ompi_server.hpp"
+
+namespace ductile::agent {
+
+// What a round's workers are started with (worker_env.cpp).
+struct WorkerSetup {
+  const AgentOptions& options;
+  const JobPolicy& policy;
+  const RoundRecord& round;
+  std::size_t group_rank;
+  const std::string& node_id;
+  const std::filesystem::path& run_dir;  // the agent's directory of error files
+};
+std::vector<WorkerSpec> worker_specs(const WorkerSetup& setup);
+// TORCHELASTIC_ERROR_FILE of a worker: <run_dir>/attempt_<round>/<local rank>/error.json.
+std::filesystem::path error_file_of(const std::filesystem::path& run_dir, std::int64_t round,
+                                    std::int64_t local_rank);
+// DUCTILE_CHECKPOINT_REQUEST of a round's workers (the agent creates it when
+// it asks them to save) and DUCTILE_CHECKPOINT_SAVED of one (the worker
+// creates it when it saved).
+std::filesystem::path checkpoint_request_of(const std::filesystem::path& run_dir,
+                                            std::int64_t round);
+std::filesystem::path checkpoint_saved_of(const std::filesystem::path& run_dir, std::int64_t round,
+                                          std::int64_t local_rank);
+
+std::chrono::milliseconds now_ms();
+std::string host_name();
+// Throws ductile::Error(invalid_argument) naming the first bad option.
+void check_options(const AgentOptions& options);
+
+// A directory of the agent's own under $TMPDIR (error files of its
+// workers), removed with its contents when destroyed.
+class RunDir {
+ public:
+  explicit RunDir(const std::string& job_id);
+  ~RunDir();
+  RunDir(const RunDir&) = delete;
+  RunDir& operator=(const RunDir&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+class Agent {
+ public:
+  explicit Agent(const AgentOptions& o) : o_(o) {}
+  int run();
+
+ private:
+  void log(const std::string& message) const {
+    write_line(true, fmt::format("ductile agent {}: {}", id_, message));
+  }
+  std::string key(const std::string& name) const { return prefix_ + name; }
+
+  // registration.cpp
+  void setup();
+  enum class Claim { held, taken, retry };
+  // One attempt to hold nodes/<id> on this agent's lease: held (written),
+  // taken (a live registration of another lease; *holder set), retry (the
+  // key changed meanwhile). A key without a lease, or with a record no
+  // agent writes, is replaced.
+  Claim claim_node_key(std::optional<KeyValue>* holder);
+  // At start: claims the node's key, waiting for the registration of a
+  // previous run of this node to expire; throws ductile::Error when another
+  // live agent holds the id.
+  void register_node();
+  // In the loop: registers again when this node's key is gone or was
+  // overwritten (a lost lease, a deletion, a hostile write).
+  void reclaim_node_key(const std::string& why);
+  void check_settings(const std::vector<NodeInfo>& others);
+  [[noreturn]] void refuse_duplicate(const KeyValue& holder, const std::string& how);
+
+  // agent.cpp
+  // The live agents' registrations: leased keys holding valid records (or
+  // a valid record before it was overwritten), sorted by age. Sets *own_ok
+  // when this agent's own key holds its own record on its lease.
+  std::vector<NodeInfo> live_nodes(const std::vector<KeyValue>& kvs, bool* own_ok);
+  // The round record, when it is one that fits this job.
+  std::optional<RoundRecord> read_round(const std::optional<KeyValue>& kv);
+  // Logs a record that is ignored, once per key and revision.
+  void ignore_record(const KeyValue& kv, const std::string& problem, const std::string& outcome);
+  void lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& round_kv,
+            std::optional<RoundRecord>& round);
+  std::optional<int> apply(const RoundRecord& round);
+  // Stops the workers and takes them off the fence.
+  void stop_workers(std::chrono::milliseconds grace);
+  // After the fence killed the workers: a new lease and a new registration.
+  void rejoin_after_fence();
+  void start_workers(const RoundRecord& round, std::size_t group_rank);
+  // What the worker of `local_rank` wrote to its TORCHELASTIC_ERROR_FILE in
+  // the current round, if it wrote torch's format.
+  std::optional<WorkerError> read_worker_error(std::int64_t local_rank);
+  void report_worker_exit();
+  // With checkpoints on: passes the round's checkpoint request to this
+  // node's workers and reports when all of them saved.
+  void follow_checkpoint();
+  bool workers_saved() const;  // every local worker of the round saved
+  // SIGTERM/SIGINT: leave now, or (a member, checkpoints on) ask the round
+  // to checkpoint first; the exit code once it is time to leave.
+  std::optional<int> on_stop_signal(int sig);
+  int leave(int code);
+
+  const AgentOptions& o_;
+  std::optional<JobPolicy> policy_;
+  RendezvousSettings settings_;
+  std::string endpoint_, prefix_, id_, addr_;
+  std::unique_ptr<EtcdStore> store_;
+  std::int64_t lease_ = 0;
+  KeepAlive::Clock::time_point granted_at_;  // when the first lease's grant was sent
+  bool fenced_ = false;                      // the fence killed the workers
+  std::unique_ptr<KeepAlive> keep_alive_;
+  std::unique_ptr<OmpiServer> mpi_server_;  // with --mpi-world
+  std::optional<RunDir> run_dir_;           // before workers_: outlives them
+  WorkerGroup workers_;
+  std::int64_t current_round_ = 0;
+  std::int64_t highest_round_ = 0;              // the highest round number seen
+  std::optional<RoundRecord> last_good_round_;  // the last valid round record seen
+  bool member_ = false;
+  bool reported_ = false;  // this round's worker exit is in the store
+  std::optional<WorkerExit> local_failure_;
+  std::optional<WorkerError> local_error_;  // its TORCHELASTIC_ERROR_FILE
+  bool joined_ = false;                     // this node's workers ran in some round
+  bool checkpoint_asked_ = false;           // this round's workers were asked to save
+  bool saved_reported_ = false;             // ... and saved/<round>/<id> is written
+  struct Drain {
+    std::int64_t round;
+    std::chrono::steady_clock::time_point deadline;
+  };
+  std::optional<Drain> drain_;  // leaving after the round's checkpoint
+  std::chrono::milliseconds joined_job_at_{0};
+  int last_port_ = 0;
+  std::vector<std::string> last_alive_;
+  std::chrono::milliseconds last_membership_change_{0};
+  std::map<std::int64_t, std::chrono::milliseconds> failure_seen_;
+  std::optional<std::chrono::milliseconds> outage_since_;
+  std::map<std::string, std::int64_t> ignored_;  // key -> mod revision logged
+  std::map<std::string, NodeInfo> known_nodes_;  // key -> its last valid record
+  std::string settings_text_;
+};
+
+}  // namespace ductile::agent

@@ -1,0 +1,150 @@
+// The lease keep-alive and the fence; see keep_alive.hpp.
+#include "keep_alive.hpp"
+
+#include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <optional>
+
+#include <fmt/format.h>
+
+namespace ductile::agent {
+
+using std::chrono::milliseconds;
+
+namespace {
+
+// Through syscall(): glibc 2.36's <sys/pidfd.h> does not declare them for C++.
+int open_pidfd(int pid) {
+  return static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
+}
+int signal_pidfd(int fd, int sig) {
+  return static_cast<int>(syscall(SYS_pidfd_send_signal, fd, sig, nullptr, 0));
+}
+
+}  // namespace
+
+KeepAlive::KeepAlive(std::string endpoint, EtcdTls tls, std::int64_t lease,
+                     std::chrono::seconds ttl, Clock::time_point granted_at,
+                     std::function<void(const std::string&)> log)
+    : endpoint_(std::move(endpoint)),
+      tls_(std::move(tls)),
+      ttl_(ttl),
+      period_(std::max(milliseconds(ttl) / 4, milliseconds(200))),
+      fence_after_(milliseconds(ttl) * 3 / 4),
+      log_(std::move(log)),
+      lease_(lease),
+      last_renewal_sent_(granted_at) {
+  renewer_ = std::thread([this] { renew(); });
+  watcher_ = std::thread([this] { watch(); });
+}
+
+KeepAlive::~KeepAlive() {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  renewer_.join();
+  watcher_.join();
+  std::lock_guard lock(mutex_);
+  close_guards();
+}
+
+void KeepAlive::set_lease(std::int64_t lease, Clock::time_point granted_at) {
+  std::lock_guard lock(mutex_);
+  lease_ = lease;
+  lost_ = false;
+  last_renewal_sent_ = granted_at;
+  wake_.notify_all();
+}
+
+bool KeepAlive::lost() {
+  std::lock_guard lock(mutex_);
+  return lost_;
+}
+
+bool KeepAlive::fenced() {
+  std::lock_guard lock(mutex_);
+  return fenced_;
+}
+
+void KeepAlive::close_guards() {
+  if (guards_are_pidfds_)
+    for (int fd : guards_) close(fd);
+  guards_.clear();
+}
+
+void KeepAlive::fence_workers(const std::vector<int>& guard_pids) {
+  std::lock_guard lock(mutex_);
+  close_guards();
+  fenced_ = false;
+  // The guards are the caller's unreaped children: their pids are theirs
+  // while pidfd_open runs.
+  for (int pid : guard_pids) {
+    int fd = guards_are_pidfds_ ? open_pidfd(pid) : -1;
+    if (fd < 0 && guards_are_pidfds_ && errno == ENOSYS) {
+      close_guards();
+      guards_are_pidfds_ = false;
+    }
+    if (guards_are_pidfds_ && fd >= 0) guards_.push_back(fd);
+  }
+  if (!guards_are_pidfds_) guards_ = guard_pids;
+  wake_.notify_all();
+}
+
+void KeepAlive::renew() {
+  EtcdStore store(endpoint_, std::min(period_, milliseconds(2000)), tls_);
+  std::unique_lock lock(mutex_);
+  while (!stopping_) {
+    std::int64_t lease = lease_;
+    lock.unlock();
+    auto sent = Clock::now();
+    std::optional<bool> alive;
+    try {
+      alive = store.keep_alive(lease);
+    } catch (const StoreError&) {
+      // Unreachable: the main loop notices and reports it; the fence acts.
+    }
+    lock.lock();
+    if (alive && lease == lease_) {
+      if (*alive)
+        last_renewal_sent_ = std::max(last_renewal_sent_, sent);
+      else
+        lost_ = true;
+    }
+    wake_.wait_for(lock, period_, [this] { return stopping_; });
+  }
+}
+
+void KeepAlive::watch() {
+  std::unique_lock lock(mutex_);
+  while (!stopping_) {
+    auto deadline = last_renewal_sent_ + fence_after_;
+    auto now = Clock::now();
+    if (now >= deadline && !guards_.empty()) {
+      int signalled = 0;  // guards that had not exited yet
+      for (int guard : guards_) {
+        int rc = guards_are_pidfds_ ? signal_pidfd(guard, SIGUSR1) : kill(guard, SIGUSR1);
+        signalled += rc == 0;
+      }
+      close_guards();
+      fenced_ = signalled > 0;
+      if (fenced_)
+        log_(fmt::format(
+            "fenced: no lease renewal for {} ms (lease TTL {} s), so the lease may expire and "
+            "the others re-form without this node; killed this node's workers",
+            std::chrono::duration_cast<milliseconds>(now - last_renewal_sent_).count(),
+            std::chrono::duration_cast<std::chrono::seconds>(ttl_).count()));
+    }
+    if (guards_.empty())
+      wake_.wait(lock);
+    else
+      wake_.wait_until(lock, std::max(deadline, now + milliseconds(10)));
+  }
+}
+
+}  // namespace ductile::agent

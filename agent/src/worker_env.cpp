@@ -1,0 +1,147 @@
+// The environment of a round's workers: torchrun's worker contract (every
+// variable torchrun 2.13's LocalElasticAgent and its process context set,
+// with the same meaning) plus ductile's batch plan. See agent_impl.hpp.
+#include <algorithm>
+#include <cstdlib>
+#include <iterator>
+
+#include "agent_impl.hpp"
+
+extern char** environ;
+
+namespace ductile::agent {
+
+namespace {
+
+// Set for each worker; a value of the agent's own environment is replaced.
+constexpr const char* kWorkerVariables[] = {"RANK",
+                                            "LOCAL_RANK",
+                                            "WORLD_SIZE",
+                                            "LOCAL_WORLD_SIZE",
+                                            "GROUP_RANK",
+                                            "GROUP_WORLD_SIZE",
+                                            "ROLE_RANK",
+                                            "ROLE_WORLD_SIZE",
+                                            "ROLE_NAME",
+                                            "MASTER_ADDR",
+                                            "MASTER_PORT",
+                                            "TORCHELASTIC_RESTART_COUNT",
+                                            "TORCHELASTIC_MAX_RESTARTS",
+                                            "TORCHELASTIC_RUN_ID",
+                                            "TORCHELASTIC_USE_AGENT_STORE",
+                                            "TORCHELASTIC_ERROR_FILE",
+                                            "TORCHELASTIC_SIGNALS_TO_HANDLE",
+                                            "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                                            "OMP_NUM_THREADS",
+                                            "DEEPSPEED_ELASTICITY_CONFIG",
+                                            "DUCTILE_GLOBAL_BATCH",
+                                            "DUCTILE_MICRO_BATCH",
+                                            "DUCTILE_GRADIENT_ACCUMULATION_STEPS",
+                                            "DUCTILE_ROUND",
+                                            "DUCTILE_AGENT_NODE_ID",
+                                            "DUCTILE_MPI_JOIN",
+                                            "DUCTILE_CHECKPOINT_REQUEST",
+                                            "DUCTILE_CHECKPOINT_SAVED",
+                                            "OMPI_MCA_pmix_server_uri"};
+
+std::string env_or(const char* name, const std::string& fallback) {
+  const char* value = std::getenv(name);
+  return value ? std::string(value) : fallback;
+}
+
+}  // namespace
+
+std::filesystem::path error_file_of(const std::filesystem::path& run_dir, std::int64_t round,
+                                    std::int64_t local_rank) {
+  return run_dir / ("attempt_" + std::to_string(round)) / std::to_string(local_rank) / "error.json";
+}
+
+std::filesystem::path checkpoint_request_of(const std::filesystem::path& run_dir,
+                                            std::int64_t round) {
+  return run_dir / ("attempt_" + std::to_string(round)) / "checkpoint_request";
+}
+
+std::filesystem::path checkpoint_saved_of(const std::filesystem::path& run_dir, std::int64_t round,
+                                          std::int64_t local_rank) {
+  return run_dir / ("attempt_" + std::to_string(round)) / std::to_string(local_rank) /
+         "checkpoint_saved";
+}
+
+std::vector<WorkerSpec> worker_specs(const WorkerSetup& s) {
+  const AgentOptions& o = s.options;
+  const RoundRecord& round = s.round;
+  BatchPlan plan = s.policy.plan(round.world_size);
+  auto nodes = static_cast<std::int64_t>(round.members.size());
+  auto group_rank = static_cast<std::int64_t>(s.group_rank);
+
+  std::vector<std::string> base;
+  for (char** e = environ; *e; ++e) {
+    std::string entry(*e);
+    std::string name = entry.substr(0, entry.find('='));
+    if (std::none_of(std::begin(kWorkerVariables), std::end(kWorkerVariables),
+                     [&](const char* v) { return name == v; }))
+      base.push_back(std::move(entry));
+  }
+  // Values torchrun takes from its own environment (or sets there for its
+  // workers to inherit).
+  const std::string nccl_async = env_or("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1");
+  const std::string signals =
+      !o.signals_to_handle.empty()
+          ? o.signals_to_handle
+          : env_or("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT");
+  // torchrun sets OMP_NUM_THREADS=1 for more than one worker a node unless
+  // it is set.
+  const char* omp = std::getenv("OMP_NUM_THREADS");
+  const std::string omp_threads = omp ? omp : (o.nproc_per_node > 1 ? "1" : "");
+
+  std::vector<WorkerSpec> specs;
+  for (std::int64_t local = 0; local < o.nproc_per_node; ++local) {
+    std::int64_t rank = group_rank * o.nproc_per_node + local;
+    WorkerSpec spec{rank, local, o.command, base};
+    auto set = [&](const char* name, const std::string& value) {
+      spec.env.push_back(std::string(name) + "=" + value);
+    };
+    set("RANK", std::to_string(rank));
+    set("LOCAL_RANK", std::to_string(local));
+    set("WORLD_SIZE", std::to_string(round.world_size));
+    set("LOCAL_WORLD_SIZE", std::to_string(o.nproc_per_node));
+    set("GROUP_RANK", std::to_string(group_rank));
+    set("GROUP_WORLD_SIZE", std::to_string(nodes));
+    set("ROLE_RANK", std::to_string(rank));  // one role: its ranks are the global ranks
+    set("ROLE_WORLD_SIZE", std::to_string(round.world_size));
+    set("ROLE_NAME", o.role);
+    set("MASTER_ADDR", round.master_addr);
+    set("MASTER_PORT", std::to_string(round.master_port));
+    set("TORCHELASTIC_RESTART_COUNT", std::to_string(round.restarts));
+    set("TORCHELASTIC_MAX_RESTARTS", std::to_string(o.max_restarts));
+    set("TORCHELASTIC_RUN_ID", o.job_id);
+    // torchrun's c10d rendezvous hosts the workers' TCPStore in the agent
+    // ("True"); no ductile agent hosts one: rank 0 creates it at
+    // MASTER_ADDR:MASTER_PORT, as under torchrun's etcd rendezvous.
+    set("TORCHELASTIC_USE_AGENT_STORE", "False");
+    set("TORCHELASTIC_ERROR_FILE", error_file_of(s.run_dir, round.round, local).string());
+    set("TORCHELASTIC_SIGNALS_TO_HANDLE", signals);
+    set("TORCH_NCCL_ASYNC_ERROR_HANDLING", nccl_async);
+    if (!omp_threads.empty()) set("OMP_NUM_THREADS", omp_threads);
+    if (s.policy.has_config()) {
+      set("DEEPSPEED_ELASTICITY_CONFIG", s.policy.scheduler_config_json());
+      set("DUCTILE_GLOBAL_BATCH", std::to_string(plan.global_batch));
+      set("DUCTILE_MICRO_BATCH", std::to_string(plan.micro_batch));
+      set("DUCTILE_GRADIENT_ACCUMULATION_STEPS", std::to_string(plan.gradient_accumulation_steps));
+    }
+    if (o.checkpoint_timeout.count() > 0) {
+      set("DUCTILE_CHECKPOINT_REQUEST", checkpoint_request_of(s.run_dir, round.round).string());
+      set("DUCTILE_CHECKPOINT_SAVED", checkpoint_saved_of(s.run_dir, round.round, local).string());
+    }
+    set("DUCTILE_ROUND", std::to_string(round.round));
+    set("DUCTILE_AGENT_NODE_ID", s.node_id);
+    if (round.mpi_join_port != 0) {
+      set("DUCTILE_MPI_JOIN", round.master_addr + ":" + std::to_string(round.mpi_join_port));
+      set("OMPI_MCA_pmix_server_uri", round.mpi_server_uri);
+    }
+    specs.push_back(std::move(spec));
+  }
+  return specs;
+}
+
+}  // namespace ductile::agent
