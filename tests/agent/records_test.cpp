@@ -127,7 +127,7 @@ TEST_CASE("records: malformed rounds name the field and the value") {
   CHECK(with("reason", "[\"" + std::string(10000, 'r') + "\"]").size() < 300);
 }
 
-TEST_CASE("records: malformed failures and nodes; a round that does not fit the job") {
+TEST_CASE("records: malformed failures and nodes, and a round that does not fit the job") {
   std::string good = to_json(FailureReport{"b", 3, 1, 7, {"x"}, "", ""});
   CHECK(failure_problem(good).empty());
   CHECK(failure_problem("{}").find("failure record: \"node\" is missing") == 0);
