@@ -3,9 +3,9 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <fmt/format.h>
 #include <cerrno>
 #include <cstring>
-#include <fmt/format.h>
 
 #include "ductile/error.hpp"
 
@@ -38,8 +38,7 @@ std::string byte_size(std::uintmax_t bytes) {
 std::string regular_file_problem(const struct stat& st, std::uintmax_t max_bytes,
                                  std::string_view role) {
   if (!S_ISREG(st.st_mode))
-    return fmt::format("is {}, not a regular file; give a regular {}", file_type(st.st_mode),
-                       role);
+    return fmt::format("is {}, not a regular file; give a regular {}", file_type(st.st_mode), role);
   const auto size = static_cast<std::uintmax_t>(st.st_size);
   if (size > max_bytes)
     return fmt::format("is {} bytes, over the {} cap of a {}", size, byte_size(max_bytes), role);

@@ -6,8 +6,8 @@
 
 #include <fmt/format.h>
 
-#include "ductile/pipeline/elasticity.hpp"
 #include "ductile/core/files.hpp"
+#include "ductile/pipeline/elasticity.hpp"
 #include "elasticity/elasticity_internal.hpp"
 
 namespace ductile::pipeline {

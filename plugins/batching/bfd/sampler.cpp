@@ -301,7 +301,8 @@ class BfdSampler final : public ductile::BatchSampler {
     };
     // First length index whose length is <= room.
     auto first_fitting = [&](std::int64_t room) {
-      if (!fit_from.empty()) return static_cast<std::size_t>(fit_from[static_cast<std::size_t>(room)]);
+      if (!fit_from.empty())
+        return static_cast<std::size_t>(fit_from[static_cast<std::size_t>(room)]);
       return static_cast<std::size_t>(
           std::lower_bound(h.length.begin(), h.length.end(), room, std::greater<>()) -
           h.length.begin());
@@ -439,8 +440,8 @@ class BfdSampler final : public ductile::BatchSampler {
   std::int64_t fewest_bins(const ductile::bfd::LengthClasses& h) const {
     unsigned __int128 tokens = 0, samples = 0;
     for (std::size_t d = 0; d < h.length.size(); ++d) {
-      tokens += static_cast<unsigned __int128>(h.length[d]) *
-                static_cast<unsigned __int128>(h.count[d]);
+      tokens +=
+          static_cast<unsigned __int128>(h.length[d]) * static_cast<unsigned __int128>(h.count[d]);
       samples += static_cast<unsigned __int128>(h.count[d]);
     }
     const auto cap = static_cast<unsigned __int128>(options_.max_tokens);

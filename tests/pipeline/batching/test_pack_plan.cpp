@@ -449,9 +449,9 @@ TEST_CASE("lengths near 2^62 are dropped, and sums at the largest budget do not 
           longest = std::max(longest, lengths[static_cast<std::size_t>(id)]);
         }
         CHECK(sum > 0);
-        CHECK((std::string(budget) == "sum" ? sum
-                                             : longest * static_cast<std::int64_t>(ids.size())) <=
-              cap);
+        CHECK((std::string(budget) == "sum"
+                   ? sum
+                   : longest * static_cast<std::int64_t>(ids.size())) <= cap);
         tokens += sum;
       }
       CHECK(tokens == cap + 5 + (cap - 1) + 1);
