@@ -107,16 +107,20 @@ const std::vector<Pin> kPins = {
      DUCTILE_INTERFACE_REVISION_LR,
      1,
      0xaa2a53b79a416067ull},
+    // Re-pinned without a bump for HostWorld and NativeStreams: new
+    // optional interfaces found by dynamic_cast (a new kind of interface).
     {{"accelerator.hpp"},
      "DUCTILE_INTERFACE_REVISION_ACCELERATOR",
      DUCTILE_INTERFACE_REVISION_ACCELERATOR,
      1,
-     0x9cded57c72a1cc50ull},
+     0x3235762846899f78ull},
+    // Re-pinned without a bump for GatherMemory (and the two above), new
+    // optional interfaces; no existing class or type changed.
     {{"parameter_coordinator.hpp", "accelerator.hpp"},
      "DUCTILE_INTERFACE_REVISION_ZERO",
      DUCTILE_INTERFACE_REVISION_ZERO,
      1,
-     0x96cda3f67d446e9full},
+     0x99903785fdedb6bfull},
 };
 
 }  // namespace
