@@ -420,11 +420,14 @@ class BfdSampler final : public ductile::BatchSampler {
     // helps most distributions but not all, so with and without are compared.
     const bool sweep = options_.max_batch_size > 2 && h.length.size() <= 1024;
     const bool try_two_fit = options_.max_batch_size == 0 || options_.max_batch_size > 3;
+    // The balanced best-two-fit plan first: it is the one that most often
+    // reaches the lower bound, and then no other is made.
     const auto fit_from = fitting_table(h);
     const std::int64_t fewest = fewest_bins(h);
-    Plan best = plan_sum(h, 0.5, false, fit_from);
+    Plan best = plan_sum(h, 0.5, try_two_fit, fit_from);
     for (int two_fit = 0; two_fit <= (try_two_fit ? 1 : 0); ++two_fit) {
-      for (int step = two_fit ? 0 : 1; step <= (sweep ? 50 : 0); ++step) {
+      for (int step = 0; step <= (sweep ? 50 : 0); ++step) {
+        if (step == 0 && two_fit == (try_two_fit ? 1 : 0)) continue;  // made first
         // No plan has fewer bins than the bound: stop once one reaches it.
         if (best.bins <= fewest) return best;
         Plan candidate = plan_sum(h, 0.5 + 0.01 * step, two_fit == 1, fit_from);
