@@ -182,6 +182,7 @@ def main():
     # whole text is tokenized once before it is cut into windows: the load
     # report and the over-length warning say nothing about the figures.
     transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
     kind = MiniLM if model == "minilm" else Llama
     lengths = [min(n, kind.longest) for n in azure_lengths(count, scale, seed=1)]
     setup = kind(lengths)
