@@ -13,11 +13,10 @@
 
 namespace ductile::agent {
 
-namespace elasticity_host = ductile::pipeline;
 using json = nlohmann::json;
 
 struct JobPolicy::Impl {
-  std::optional<elasticity_host::LoadedElasticity> loaded;  // empty: any_size()
+  std::optional<pipeline::LoadedElasticity> loaded;  // empty: any_size()
   std::vector<std::int64_t> valid_gpus;
   std::int64_t final_batch = 0;
   std::string name, origin;
@@ -25,7 +24,7 @@ struct JobPolicy::Impl {
 
 JobPolicy JobPolicy::load(const std::filesystem::path& config, core::RuntimeOptions options) {
   auto impl = std::make_shared<Impl>();
-  impl->loaded = elasticity_host::load_elasticity(config, std::move(options));
+  impl->loaded = pipeline::load_elasticity(config, std::move(options));
   auto result = impl->loaded->policy->compute(ElasticityRequest{});
   impl->valid_gpus = result.valid_gpus;
   impl->final_batch = result.final_batch_size;
@@ -89,7 +88,7 @@ std::string JobPolicy::settings_json() const {
 std::string JobPolicy::scheduler_config_json() const {
   if (!impl_->loaded) return "";
   const auto& loaded = *impl_->loaded;
-  auto f = elasticity_host::fingerprint_of(loaded.source.policy, loaded.effective_params);
+  auto f = pipeline::fingerprint_of(loaded.source.policy, loaded.effective_params);
   json block = {{"enabled", true}};
   // DeepSpeed knows its policies by version; other policies by name.
   if (f.policy == "v0.1")
