@@ -24,7 +24,8 @@ their first all-reduce in the new group. Defaults on both sides but
 
 usage:
   bench_agent.py scale [--cli PATH] [--sizes 8,64,256] [--lease-ttl 5] [--scale-runs 3]
-  bench_agent.py race  [--cli PATH] [--python PATH] [--nodes 4] [--runs 3]
+                       [--quiet-file PATH]
+  bench_agent.py race  [--cli PATH] [--python PATH] [--nodes 4] [--runs 3] [--quiet-file PATH]
 
 --cli: the ductile CLI (default build/bin/ductile, a Release build);
 --python: the interpreter with torch for the race (default .venv/bin/python).
@@ -178,6 +179,15 @@ def stop_all(processes, logs):
         log.close()
 
 
+def may_start(args):
+    """--quiet-file: a run starts only while that file exists (a shared
+    machine's signal that it is quiet); a run under way finishes."""
+    if args.quiet_file and not os.path.exists(args.quiet_file):
+        print(f"{args.quiet_file} is gone: no further run started", flush=True)
+        return False
+    return True
+
+
 def scale_one(cli, n, ttl, directory):
     etcd = Etcd(directory)
     up = os.path.join(directory, "up.log")
@@ -246,6 +256,8 @@ def scale(args):
     for n in args.sizes:
         results = []
         for run in range(args.runs):
+            if not may_start(args):
+                break
             directory = tempfile.mkdtemp(prefix=f"ductile-bench-scale-{n}-")
             results.append(scale_one(args.cli, n, args.lease_ttl, directory))
             shutil.rmtree(directory, ignore_errors=True)  # kept when it failed: the logs
@@ -254,7 +266,8 @@ def scale(args):
                   f"after the last start (round {r['rounds']}), re-formed {r['reformed']:.2f} s "
                   f"after the SIGKILL, etcd {r['rate']:.0f} requests/s, {r['sent'] / 1e6:.2f} "
                   f"MB/s sent, {100 * r['cpu']:.0f}% CPU", flush=True)
-        rows.append((n, results))
+        if results:
+            rows.append((n, results))
     print()
     print("| agents | all started in (s) | formed, from the last start (s) | formed, from the "
           "first start (s) | rounds until formed | re-formed after a SIGKILL (s) | etcd "
@@ -353,6 +366,8 @@ def race_one(kind, args, directory):
 def race(args):
     results = {"torchrun": [], "ductile": []}
     for run in range(args.runs):
+        if not may_start(args):
+            break
         for kind in ("torchrun", "ductile"):
             directory = tempfile.mkdtemp(prefix=f"ductile-bench-race-{kind}-")
             try:
@@ -361,6 +376,8 @@ def race(args):
                 shutil.rmtree(directory, ignore_errors=True)
             print(f"run {run + 1} {kind}: workers started again {results[kind][-1][0]:.2f} s, "
                   f"first all-reduce {results[kind][-1][1]:.2f} s after the SIGKILL", flush=True)
+    if not results["ductile"]:
+        return
     print(f"\n{args.nodes} nodes x 2 gloo workers on loopback, one node SIGKILLed (launcher and "
           f"workers); medians (min-max) of {args.runs} runs; {os.cpu_count()} CPU(s)")
     print("| launcher | survivors' workers started again (s) | their first all-reduce (s) |")
@@ -385,6 +402,7 @@ def main():
     parser.add_argument("--lease-ttl", type=int, default=5)
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--quiet-file", help="start a run only while this file exists")
     parser.add_argument("--scale-runs", type=int, default=3, dest="scale_runs")
     args = parser.parse_args()
     if not os.access(args.cli, os.X_OK):
