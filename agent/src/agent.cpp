@@ -69,7 +69,8 @@ void Agent::ignore_record(const KeyValue& kv, const std::string& problem,
   log(fmt::format("ignoring {} (revision {}): {}; {}", kv.key, kv.mod_revision, problem, outcome));
 }
 
-std::vector<NodeInfo> Agent::live_nodes(const std::vector<KeyValue>& kvs, bool* own_ok) {
+std::vector<NodeInfo> Agent::live_nodes(const std::vector<KeyValue>& kvs, bool* own_ok,
+                                        bool every_key) {
   std::vector<NodeInfo> alive;
   std::map<std::string, NodeInfo> known;
   const std::string nodes = key("nodes/");
@@ -98,11 +99,26 @@ std::vector<NodeInfo> Agent::live_nodes(const std::vector<KeyValue>& kvs, bool* 
       }
     }
   }
-  known_nodes_ = std::move(known);
+  if (every_key) {
+    known_nodes_ = std::move(known);
+  } else {
+    // Some of the keys: what is known of the others stays.
+    for (auto& [k, node] : known) known_nodes_[k] = std::move(node);
+  }
   std::sort(alive.begin(), alive.end(), [](const NodeInfo& a, const NodeInfo& b) {
     return a.create_revision < b.create_revision;
   });
   return alive;
+}
+
+bool Agent::own_registration_ok(const std::vector<KeyValue>& own) {
+  if (own.size() != 1 || own.front().lease != lease_) return false;
+  try {
+    return node_from_json(own.front().value, id_, own.front().create_revision).addr == addr_;
+  } catch (const MalformedRecord& e) {
+    ignore_record(own.front(), e.what(), "this agent writes its registration again");
+    return false;
+  }
 }
 
 std::optional<RoundRecord> Agent::read_round(const std::optional<KeyValue>& kv) {
@@ -495,7 +511,7 @@ int Agent::run() {
   register_node();
   {
     bool own_ok = false;
-    auto others = live_nodes(store_->get_prefix(key("nodes/")), &own_ok);
+    auto others = live_nodes(store_->get_prefix(key("nodes/")), &own_ok, true);
     std::erase_if(others, [&](const NodeInfo& n) { return n.id == id_; });
     check_settings(others);
   }
@@ -532,27 +548,43 @@ int Agent::run() {
         keep_alive_->set_lease(lease_, sent);
         reclaim_node_key("expired with its lease");
       }
-      auto node_kvs = store_->get_prefix(key("nodes/"));
-      auto round_kv = store_->get(key("round"));
+      // One request a pass for most agents: the round, the oldest
+      // registrations (the leader is the oldest live one) and this node's
+      // own. Only the leader reads every registration.
+      auto reads = store_->read({RangeRead{key("round")},
+                                 RangeRead{key("nodes/"), true, kLeaderWindow, true},
+                                 RangeRead{key("nodes/" + id_)}});
+      std::optional<KeyValue> round_kv;
+      if (!reads[0].empty()) round_kv = reads[0].front();
       if (outage_since_) {
         log(fmt::format("{} reachable again after {} ms", store_->describe(),
                         (now_ms() - *outage_since_).count()));
         outage_since_.reset();
       }
-      bool own_ok = false;
-      std::vector<NodeInfo> alive = live_nodes(node_kvs, &own_ok);
-      if (!own_ok) {
+      bool ignored = false;
+      std::vector<NodeInfo> oldest = live_nodes(reads[1], &ignored, false);
+      if (!own_registration_ok(reads[2])) {
         reclaim_node_key(fmt::format("{} is gone or is not this agent's", key("nodes/" + id_)));
         continue;
       }
-      std::vector<std::string> ids;
-      for (const auto& n : alive) ids.push_back(n.id);
-      if (ids != last_alive_) {
-        last_alive_ = ids;
-        last_membership_change_ = now_ms();
+      std::vector<NodeInfo> alive;
+      if (oldest.empty() || oldest.front().id == id_) {
+        // Leading (or no live registration among the oldest keys): all of
+        // them; the leader tracks when the membership last changed.
+        alive = live_nodes(store_->get_prefix(key("nodes/")), &ignored, true);
+        std::vector<std::string> ids;
+        for (const auto& n : alive) ids.push_back(n.id);
+        if (ids != last_alive_) {
+          last_alive_ = ids;
+          last_membership_change_ = now_ms();
+        }
+      } else {
+        // Not leading: when this agent leads again (the leader gone), that
+        // is a change of membership, seen then.
+        last_alive_.clear();
       }
       std::optional<RoundRecord> round = read_round(round_kv);
-      if (alive.front().id == id_) lead(alive, round_kv, round);
+      if (!alive.empty() && alive.front().id == id_) lead(alive, round_kv, round);
       if (round)
         if (auto code = apply(*round)) return leave(*code);
     } catch (const StoreError& e) {

@@ -46,6 +46,10 @@ std::filesystem::path checkpoint_request_of(const std::filesystem::path& run_dir
 std::filesystem::path checkpoint_saved_of(const std::filesystem::path& run_dir, std::int64_t round,
                                           std::int64_t local_rank);
 
+// How many of the oldest registrations an agent reads each pass to find the
+// leader (the oldest live one); the leader reads them all.
+inline constexpr std::int64_t kLeaderWindow = 16;
+
 std::chrono::milliseconds now_ms();
 std::string host_name();
 // Throws ductile::Error(invalid_argument) naming the first bad option.
@@ -97,8 +101,12 @@ class Agent {
   // agent.cpp
   // The live agents' registrations: leased keys holding valid records (or
   // a valid record before it was overwritten), sorted by age. Sets *own_ok
-  // when this agent's own key holds its own record on its lease.
-  std::vector<NodeInfo> live_nodes(const std::vector<KeyValue>& kvs, bool* own_ok);
+  // when this agent's own key holds its own record on its lease. every_key:
+  // kvs are every registration (else some: the others' last valid records
+  // are kept).
+  std::vector<NodeInfo> live_nodes(const std::vector<KeyValue>& kvs, bool* own_ok, bool every_key);
+  // This agent's key holds its own record on its lease.
+  bool own_registration_ok(const std::vector<KeyValue>& own);
   // The round record, when it is one that fits this job.
   std::optional<RoundRecord> read_round(const std::optional<KeyValue>& kv);
   // Logs a record that is ignored, once per key and revision.

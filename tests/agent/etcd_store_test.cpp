@@ -33,6 +33,27 @@ TEST_CASE("etcd store: put prefix reads compare-and-swap leases that expire") {
   CHECK_FALSE(store.compare_and_swap("/t/new", current->mod_revision, "third"));
   CHECK(store.get("/t/new")->value == "second");
 
+  // Several reads in one: a key, the oldest keys of a prefix (by create
+  // revision, not key order), a key that is absent.
+  store.put("/o/z", "first");
+  store.put("/o/a", "second");
+  store.put("/o/m", "third");
+  store.put("/o/z", "first again");  // keeps its create revision
+  auto reads = store.read({agent::RangeRead{"/u/c"}, agent::RangeRead{"/o/", true, 2, true},
+                           agent::RangeRead{"/o/", true}, agent::RangeRead{"/o/absent"}});
+  REQUIRE(reads.size() == 4);
+  REQUIRE(reads[0].size() == 1);
+  CHECK(reads[0][0].value == "3");
+  REQUIRE(reads[1].size() == 2);
+  CHECK(reads[1][0].key == "/o/z");
+  CHECK(reads[1][0].value == "first again");
+  CHECK(reads[1][1].key == "/o/a");
+  REQUIRE(reads[2].size() == 3);
+  CHECK(reads[2][0].key == "/o/a");
+  CHECK(reads[2][2].key == "/o/z");
+  CHECK(reads[3].empty());
+  CHECK(store.read({}).empty());
+
   store.erase_prefix("/t/");
   CHECK(store.get_prefix("/t/").empty());
   CHECK(store.get("/u/c"));

@@ -56,6 +56,7 @@ class EtcdStore final : public KeyValueStore {
   void put(const std::string& key, const std::string& value, std::int64_t lease = 0) override;
   std::optional<KeyValue> get(const std::string& key) override;
   std::vector<KeyValue> get_prefix(const std::string& prefix) override;
+  std::vector<std::vector<KeyValue>> read(const std::vector<RangeRead>& reads) override;
   void erase(const std::string& key) override;
   void erase_prefix(const std::string& prefix) override;
   bool compare_and_swap(const std::string& key, std::int64_t expected_mod_revision,

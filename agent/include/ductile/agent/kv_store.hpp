@@ -37,6 +37,14 @@ struct KeyValue {
   std::int64_t lease = 0;            // 0: no lease
 };
 
+// One read of several (see KeyValueStore::read).
+struct RangeRead {
+  std::string key;
+  bool prefix = false;        // every key starting with `key`
+  std::int64_t limit = 0;     // at most this many (0: all)
+  bool oldest_first = false;  // by create revision (else key order)
+};
+
 class KeyValueStore {
  public:
   virtual ~KeyValueStore() = default;
@@ -56,6 +64,9 @@ class KeyValueStore {
   virtual std::optional<KeyValue> get(const std::string& key) = 0;
   // Every key starting with `prefix`, in key order.
   virtual std::vector<KeyValue> get_prefix(const std::string& prefix) = 0;
+  // Several reads in one request, from one revision of the store; one
+  // result per read, in order.
+  virtual std::vector<std::vector<KeyValue>> read(const std::vector<RangeRead>& reads) = 0;
   virtual void erase(const std::string& key) = 0;
   virtual void erase_prefix(const std::string& prefix) = 0;
 

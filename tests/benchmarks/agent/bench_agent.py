@@ -1,0 +1,437 @@
+"""Benchmarks of `ductile agent` (issue 24 items 5 and 6); they print tables,
+nothing asserts on time.
+
+scale: one etcd and N agents on loopback, each with one trivial worker (a
+shell that records its round, world size and start time, then sleeps). For
+each N, --scale-runs times:
+  formed     from the last agent's start (and from the first's) until every
+             worker of the first round of world size N ran;
+  re-formed  from the SIGKILL of one agent and its worker (the youngest that
+             does not lead) until every worker of the survivors' round (N-1)
+             ran;
+  etcd       at steady state, over 10 s: requests per second (gRPC messages
+             the server received, from its /metrics: the HTTP gateway's
+             requests and the lease keep-alives), bytes sent per second, and
+             the CPU the etcd process used.
+
+race: torchrun (torch's c10d rendezvous) and `ductile agent`, the same
+nodes as processes on loopback, the same worker (2 gloo ranks a node that
+all-reduce every 0.1 s). One node is killed (SIGKILL to its launcher and
+every process below it: the node is gone); the time until the survivors'
+workers run again (their first line, before torch is imported) and until
+their first all-reduce in the new group. Defaults on both sides but
+--max-restarts 3; torchrun and ductile alternate, --runs times.
+
+usage:
+  bench_agent.py scale [--cli PATH] [--sizes 8,64,256] [--lease-ttl 5] [--scale-runs 3]
+                       [--quiet-file PATH]
+  bench_agent.py race  [--cli PATH] [--python PATH] [--nodes 4] [--runs 3] [--quiet-file PATH]
+
+--cli: the ductile CLI (default build/bin/ductile, a Release build);
+--python: the interpreter with torch for the race (default .venv/bin/python).
+"""
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Etcd:
+    def __init__(self, directory):
+        self.client, peer = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.client}"
+        self.log = open(os.path.join(directory, "etcd.log"), "w")
+        self.process = subprocess.Popen(
+            ["etcd", "--name", "bench", "--data-dir", os.path.join(directory, "etcd-data"),
+             "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
+             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+             "--initial-cluster", f"bench=http://127.0.0.1:{peer}"],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=1).read()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("etcd did not start")
+                time.sleep(0.05)
+
+    def metric(self, name):
+        """A counter of etcd's /metrics, summed over its labels.
+        grpc_server_msg_received_total: the requests (unary calls and stream
+        messages: the HTTP gateway's requests arrive as these)."""
+        total = 0
+        for line in urllib.request.urlopen(self.url + "/metrics", timeout=5).read().decode() \
+                .splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def stop(self):
+        self.process.terminate()
+        self.process.wait(30)
+        self.log.close()
+
+
+def descendants(pid):
+    """pid and every process below it (from /proc), parents first."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop(0)
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def kill_node(process):
+    """SIGKILL a launcher and everything under it (its workers are in process
+    groups of their own): the node is gone. Returns when it was killed."""
+    pids = descendants(process.pid)
+    killed = time.time()
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    process.wait()
+    return killed
+
+
+def cpu_seconds(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_for(predicate, limit, what):
+    deadline = time.monotonic() + limit
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def started(path):
+    """(round, world size, node, s since the epoch) of each worker start."""
+    out = []
+    try:
+        with open(path) as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) == 4:
+                    out.append((int(parts[0]), int(parts[1]), parts[2], int(parts[3]) / 1e9))
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def full_round(path, world, after=0):
+    """(round, time its last worker started) of the first round after `after`
+    whose `world` workers all started, else None."""
+    rounds = {}
+    for r, w, _, t in started(path):
+        if r > after and w == world:
+            rounds.setdefault(r, []).append(t)
+    for r in sorted(rounds):
+        if len(rounds[r]) >= world:
+            return r, max(rounds[r])
+    return None
+
+
+def stop_all(processes, logs):
+    for p in processes:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in processes:
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            kill_node(p)
+    for log in logs:
+        log.close()
+
+
+def may_start(args):
+    """--quiet-file: a run starts only while that file exists (a shared
+    machine's signal that it is quiet); a run under way finishes."""
+    if args.quiet_file and not os.path.exists(args.quiet_file):
+        print(f"{args.quiet_file} is gone: no further run started", flush=True)
+        return False
+    return True
+
+
+def scale_one(cli, n, ttl, directory):
+    etcd = Etcd(directory)
+    up = os.path.join(directory, "up.log")
+    # One worker a node: records its round, world size, node and start time,
+    # then sleeps (exec: the recorded shell is the sleeping process).
+    worker = ["/bin/sh", "-c",
+              f'echo "$DUCTILE_ROUND $WORLD_SIZE $DUCTILE_AGENT_NODE_ID $(date +%s%N)" >> {up}; '
+              "exec sleep 1000000"]
+    agents, logs = [], []
+    first_start = time.time()
+    try:
+        for i in range(n):
+            log = open(os.path.join(directory, f"agent{i}.log"), "w")
+            logs.append(log)
+            agents.append(subprocess.Popen(
+                [cli, "agent", "--rdzv", etcd.url.replace("http", "etcd"), "--job-id", "scale",
+                 "--nnodes", f"1:{n}", "--nproc-per-node", "1", "--node-addr", "127.0.0.1",
+                 "--node-id", f"n{i:03d}", "--lease-ttl", str(ttl), "--stop-grace", "1", "--"]
+                + worker, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        last_start = time.time()
+        wait_for(lambda: full_round(up, n), 300, f"a round of {n} workers")
+        formed_round, formed_at = full_round(up, n)
+
+        # Steady state: every worker runs, nothing changes.
+        time.sleep(3)
+        before = (etcd.metric("grpc_server_msg_received_total"),
+                  etcd.metric("etcd_network_client_grpc_sent_bytes_total"),
+                  cpu_seconds(etcd.process.pid), time.monotonic())
+        time.sleep(10)
+        after = (etcd.metric("grpc_server_msg_received_total"),
+                 etcd.metric("etcd_network_client_grpc_sent_bytes_total"),
+                 cpu_seconds(etcd.process.pid), time.monotonic())
+        seconds = after[3] - before[3]
+        rate = (after[0] - before[0]) / seconds
+        sent = (after[1] - before[1]) / seconds
+        cpu = (after[2] - before[2]) / seconds
+
+        # SIGKILL one agent and its worker: the youngest, unless it leads.
+        victim = next(i for i in reversed(range(n)) if "leader:" not in open(
+            os.path.join(directory, f"agent{i}.log")).read())
+        killed = kill_node(agents[victim])
+        wait_for(lambda: full_round(up, n - 1, formed_round), 300,
+                 f"a round of the {n - 1} survivors' workers")
+        _, reformed_at = full_round(up, n - 1, formed_round)
+        return {"spawn": last_start - first_start, "formed": formed_at - last_start,
+                "from_first": formed_at - first_start, "rounds": formed_round,
+                "reformed": reformed_at - killed, "rate": rate, "sent": sent, "cpu": cpu}
+    finally:
+        stop_all(agents, logs)
+        etcd.stop()
+
+
+def spread(values, fmt):
+    values = sorted(values)
+    median = statistics.median(values)
+    if len(values) == 1:
+        return format(median, fmt)
+    return f"{format(median, fmt)} ({format(values[0], fmt)}-{format(values[-1], fmt)})"
+
+
+def scale(args):
+    print(f"ductile agent at scale: one etcd, N agents on loopback, 1 trivial worker each, "
+          f"lease TTL {args.lease_ttl} s, poll interval 0.25 s (defaults otherwise); medians "
+          f"(min-max) of {args.runs} run(s); {os.cpu_count()} CPU(s)", flush=True)
+    rows = []
+    for n in args.sizes:
+        results = []
+        for run in range(args.runs):
+            if not may_start(args):
+                break
+            directory = tempfile.mkdtemp(prefix=f"ductile-bench-scale-{n}-")
+            results.append(scale_one(args.cli, n, args.lease_ttl, directory))
+            shutil.rmtree(directory, ignore_errors=True)  # kept when it failed: the logs
+            r = results[-1]
+            print(f"N={n} run {run + 1}: started in {r['spawn']:.2f} s, formed {r['formed']:.2f} s "
+                  f"after the last start (round {r['rounds']}), re-formed {r['reformed']:.2f} s "
+                  f"after the SIGKILL, etcd {r['rate']:.0f} requests/s, {r['sent'] / 1e6:.2f} "
+                  f"MB/s sent, {100 * r['cpu']:.0f}% CPU", flush=True)
+        if results:
+            rows.append((n, results))
+    print()
+    print("| agents | all started in (s) | formed, from the last start (s) | formed, from the "
+          "first start (s) | rounds until formed | re-formed after a SIGKILL (s) | etcd "
+          "requests/s | etcd sent (MB/s) | etcd CPU (%) |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for n, results in rows:
+        col = lambda k, f, m=1: spread([m * r[k] for r in results], f)
+        print(f"| {n} | {col('spawn', '.2f')} | {col('formed', '.2f')} | "
+              f"{col('from_first', '.2f')} | {col('rounds', '.0f')} | {col('reformed', '.2f')} | "
+              f"{col('rate', '.0f')} | {col('sent', '.2f', 1e-6)} | {col('cpu', '.0f', 100)} |")
+    print(f"\ngoals (issue 24) at 256 agents: formed within 3 s, re-formed within TTL + 2 = "
+          f"{args.lease_ttl + 2} s")
+
+
+RACE_WORKER = r'''
+import os, sys, time
+out = sys.argv[1]
+def note(what):
+    with open(out, "a") as f:
+        f.write(f"{what} {os.environ['GROUP_RANK']}.{os.environ['LOCAL_RANK']} "
+                f"{os.environ.get('TORCHELASTIC_RESTART_COUNT')} {os.environ['WORLD_SIZE']} "
+                f"{time.time_ns()}\n")
+note("started")
+import datetime, torch, torch.distributed as dist
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+t = torch.ones(1)
+dist.all_reduce(t)
+note("reduced")
+while True:
+    dist.all_reduce(t)
+    time.sleep(0.1)
+'''
+
+
+def race_one(kind, args, directory):
+    out = os.path.join(directory, f"{kind}.log")
+    script = os.path.join(directory, "worker.py")
+    with open(script, "w") as f:
+        f.write(RACE_WORKER)
+    etcd = Etcd(directory) if kind == "ductile" else None
+    c10d = f"127.0.0.1:{free_port()}"
+    nodes, logs = [], []
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON_EXEC=args.python)
+    try:
+        for i in range(args.nodes):
+            log = open(os.path.join(directory, f"{kind}-node{i}.log"), "w")
+            logs.append(log)
+            common = ["--nnodes", f"2:{args.nodes}", "--nproc-per-node", "2",
+                      "--max-restarts", "3", "--rdzv-id", "race", "--local-addr", "127.0.0.1"]
+            if kind == "torchrun":
+                argv = [args.python, "-m", "torch.distributed.run", *common,
+                        "--rdzv-backend", "c10d", "--rdzv-endpoint", c10d]
+            else:
+                argv = [args.cli, "agent", *common, "--rdzv-backend", "etcd",
+                        "--rdzv-endpoint", etcd.url.replace("http://", "")]
+            nodes.append(subprocess.Popen(argv + [script, out], stdout=log,
+                                          stderr=subprocess.STDOUT, env=env,
+                                          start_new_session=True))
+            time.sleep(0.2)  # node 0 first: it hosts torchrun's store, it leads the agents
+
+        def lines(what, world):
+            """(what, group.local rank, restarts, world size, s since the epoch)"""
+            try:
+                with open(out) as f:
+                    rows = [line.split() for line in f]
+            except FileNotFoundError:
+                return []
+            return [r for r in rows if len(r) == 5 and r[0] == what and r[3] == str(world)]
+
+        full = 2 * args.nodes
+        wait_for(lambda: len(lines("reduced", full)) >= full, 600, f"{kind}: the first group")
+        time.sleep(2)
+        # The node to kill: the last started (not node 0: torchrun's store,
+        # the agents' leader).
+        killed = kill_node(nodes[-1])
+        survivors = 2 * (args.nodes - 1)
+        # Until the survivors' workers all-reduce, or every survivor's
+        # launcher gave up (the job failed: no recovery).
+        wait_for(lambda: len(lines("reduced", survivors)) >= survivors
+                 or all(p.poll() is not None for p in nodes[:-1]), 600,
+                 f"{kind}: the survivors' first all-reduce")
+        if len(lines("reduced", survivors)) < survivors:
+            codes = [p.returncode for p in nodes[:-1]]
+            print(f"{kind}: the survivors' launchers exited ({codes}) "
+                  f"{time.time() - killed:.1f} s after the SIGKILL without recovering",
+                  flush=True)
+            return None
+        restarted = max(int(x[4]) for x in lines("started", survivors)) / 1e9 - killed
+        reduced = max(int(x[4]) for x in lines("reduced", survivors)) / 1e9 - killed
+        return restarted, reduced
+    except Exception:
+        kept = tempfile.mkdtemp(prefix=f"ductile-bench-race-failed-{kind}-")
+        shutil.copytree(directory, kept, dirs_exist_ok=True)
+        print(f"{kind}: failed; its logs are in {kept}", file=sys.stderr)
+        raise
+    finally:
+        stop_all(nodes, logs)
+        for p in nodes:  # workers left behind (torchrun's, after a SIGTERM)
+            for pid in descendants(p.pid)[1:]:
+                os.kill(pid, signal.SIGKILL)
+        if etcd:
+            etcd.stop()
+
+
+def race(args):
+    results = {"torchrun": [], "ductile": []}
+    for run in range(args.runs):
+        if not may_start(args):
+            break
+        for kind in ("torchrun", "ductile"):
+            directory = tempfile.mkdtemp(prefix=f"ductile-bench-race-{kind}-")
+            try:
+                results[kind].append(race_one(kind, args, directory))
+            finally:
+                shutil.rmtree(directory, ignore_errors=True)
+            r = results[kind][-1]
+            print(f"run {run + 1} {kind}: " + ("did not recover" if r is None else
+                  f"workers started again {r[0]:.2f} s, first all-reduce {r[1]:.2f} s after "
+                  "the SIGKILL"), flush=True)
+    if not results["ductile"]:
+        return
+    print(f"\n{args.nodes} nodes x 2 gloo workers on loopback, one node SIGKILLed (launcher and "
+          f"workers); medians (min-max) of {args.runs} runs; {os.cpu_count()} CPU(s)")
+    print("| launcher | recovered | survivors' workers started again (s) | their first "
+          "all-reduce (s) |")
+    print("| --- | ---: | ---: | ---: |")
+    for kind, label in (("torchrun", "torchrun (c10d, defaults)"),
+                        ("ductile", "ductile agent (etcd, defaults)")):
+        ok = [r for r in results[kind] if r is not None]
+        print(f"| {label} | {len(ok)} of {len(results[kind])} | "
+              + (f"{spread([r[0] for r in ok], '.2f')} | {spread([r[1] for r in ok], '.2f')} |"
+                 if ok else "- | - |"))
+    t_ok = [r for r in results["torchrun"] if r is not None]
+    d_ok = [r for r in results["ductile"] if r is not None]
+    for i, what in ((0, "workers started again"), (1, "first all-reduce")):
+        if t_ok and d_ok:
+            t = statistics.median(r[i] for r in t_ok)
+            d = statistics.median(r[i] for r in d_ok)
+            print(f"ductile agent / torchrun ({what}, recovered runs): {d / t:.2f} "
+                  "(goal: at most 0.33)")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("what", choices=["scale", "race"])
+    parser.add_argument("--cli", default=os.path.join(ROOT, "build", "bin", "ductile"))
+    parser.add_argument("--python", default=os.path.join(ROOT, ".venv", "bin", "python"))
+    parser.add_argument("--sizes", default="8,64,256",
+                        type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--lease-ttl", type=int, default=5)
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--quiet-file", help="start a run only while this file exists")
+    parser.add_argument("--scale-runs", type=int, default=3, dest="scale_runs")
+    args = parser.parse_args()
+    if not os.access(args.cli, os.X_OK):
+        sys.exit(f"bench_agent.py: --cli {args.cli} is not an executable; build it (./run.sh, "
+                 "or cmake --build build --target ductile_cli ductile_agent)")
+    if args.what == "scale":
+        args.runs = args.scale_runs
+        scale(args)
+    else:
+        race(args)
+
+
+if __name__ == "__main__":
+    main()
