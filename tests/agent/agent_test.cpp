@@ -187,11 +187,13 @@ TEST_CASE("agent: etcd restarted mid-job is ridden out - etcd gone stops the job
   job.etcd.kill_hard();
   CHECK(a.wait_for_output("giving up after 20000 ms", 30s));
   job.etcd.start();
-  CHECK(a.wait_for_output("reachable again", 30s));
-  CHECK(b.wait_for_output("reachable again", 30s));
+  const bool a_back = a.wait_for_output("reachable again", 30s);
+  const bool b_back = b.wait_for_output("reachable again", 30s);
+  CHECK(a_back);
+  CHECK(b_back);
   std::ofstream(stop) << "stop";
   auto sa = a.wait(60s), sb = b.wait(60s);
-  if (sa != std::optional<int>(0) || sb != std::optional<int>(0)) job.dump();
+  if (!a_back || !b_back || sa != std::optional<int>(0) || sb != std::optional<int>(0)) job.dump();
   CHECK(sa == std::optional<int>(0));
   CHECK(sb == std::optional<int>(0));
   CHECK(count_of(job.all_output(), "finished round 1") == 2);
