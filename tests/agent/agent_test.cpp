@@ -185,7 +185,10 @@ TEST_CASE("agent: etcd restarted mid-job is ridden out - etcd gone stops the job
   REQUIRE(a.wait_for_output("round 1 started", 60s));
   REQUIRE(b.wait_for_output("round 1 started", 60s));
   job.etcd.kill_hard();
+  // Both must have met the outage before etcd is back: an agent that made
+  // no request while it was down has nothing to ride out.
   CHECK(a.wait_for_output("giving up after 20000 ms", 30s));
+  CHECK(b.wait_for_output("giving up after 20000 ms", 30s));
   job.etcd.start();
   const bool a_back = a.wait_for_output("reachable again", 30s);
   const bool b_back = b.wait_for_output("reachable again", 30s);
@@ -437,8 +440,10 @@ TEST_CASE("agent: zero3 workers resume from their checkpoint at the new world si
   Child& a = job.start("a", options, worker);
   Child& b = job.start("b", options, worker);
   auto lines = [&] { return count_of(read_text(train / "losses.jsonl"), "\n"); };
+  // Step 3's line comes after the checkpoint at step 3 is committed (step
+  // 2's line comes before it: a kill then resumes at 2).
   bool trained = wait_until(
-      [&] { return count_of(job.all_output(), "zero3 round=1 world=2 step=2 ") == 1; }, 240s);
+      [&] { return count_of(job.all_output(), "zero3 round=1 world=2 step=3 ") == 1; }, 240s);
   if (!trained) job.dump();
   REQUIRE(trained);
   Child& leader = a.output().find("leader: round 1 formed") != std::string::npos ? a : b;
