@@ -5,7 +5,7 @@
 
 DUCTILE_DEBIAN_PACKAGES=(
   build-essential cmake ninja-build pkg-config
-  libboost-dev libboost-filesystem-dev libboost-system-dev
+  libboost-dev
   libtomlplusplus-dev libfmt-dev libspdlog-dev doctest-dev libcli11-dev nlohmann-json3-dev
   libopenmpi-dev openmpi-bin
   libze-dev

@@ -44,7 +44,7 @@ class Block(nn.Module):
         shape = (b, t, self.heads, d // self.heads)
         q, k, v = (z.reshape(shape).transpose(1, 2) for z in (q, k, v))
         scores = q @ k.transpose(-2, -1) / math.sqrt(d // self.heads)
-        causal = torch.ones(t, t, dtype=torch.bool).triu(1)
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
         att = scores.masked_fill(causal, float("-inf")).softmax(-1)
         y = (att @ v).transpose(1, 2).reshape(b, t, d)
         x = x + self.call(self.proj, y)
@@ -72,7 +72,7 @@ class TiedLM(nn.Module):
 
     def forward(self, tokens):
         t = tokens.shape[1]
-        x = self.embed(tokens) + self.pos(torch.arange(t))
+        x = self.embed(tokens) + self.pos(torch.arange(t, device=tokens.device))
         for block in self.blocks:
             if self.checkpoint and torch.is_grad_enabled():
                 x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)

@@ -13,7 +13,8 @@ lr, save_root (save every checkpoint into out/root instead of out/step<k>),
 kill_on_save and kill ("RANK:OPERATION:K": at the kill_on_save-th save,
 rank RANK sends itself SIGKILL before its K-th OPERATION of the save, see
 _checkpoint_files.fs), dump_at (steps after which rank 0 writes the whole
-parameters to out/params-step<k>.pt). Rank 0 writes out/result.json
+parameters to out/params-step<k>.pt), device ("cpu", the default, or "cuda":
+the model and batches on the GPU, torch.distributed over NCCL). Rank 0 writes out/result.json
 (per-step losses, coordinator counters, the modules released while backward
 ran) and out/params.pt (the final parameters, whole).
 
@@ -56,7 +57,7 @@ class ExternalUse(nn.Module):
 
 
 def build(spec):
-    model = make_model(seed=0, **spec.get("model", {}))
+    model = make_model(seed=0, **spec.get("model", {})).to(spec.get("device", "cpu"))
     if spec.get("external"):
         model = ExternalUse(model)
     for name, p in model.named_parameters():
@@ -71,8 +72,9 @@ def run_plain(spec):
                                  lr=spec.get("lr", 3e-3))
     windows = Windows()
     losses = {}
+    device = spec.get("device", "cpu")
     for s in range(spec.get("start", 0), spec["steps"]):
-        x, y = windows.step(s)
+        x, y = (t.to(device) for t in windows.step(s))
         loss = loss_of(model(x), y)
         loss.backward()
         optimizer.step()
@@ -85,13 +87,14 @@ def run_plain(spec):
         json.dump({"losses": losses}, f)
 
 
-def init_distributed():
-    """torch.distributed over gloo when a torch-style launcher started us."""
+def init_distributed(device="cpu"):
+    """torch.distributed (gloo, NCCL on cuda) when a torch-style launcher
+    started us."""
     if "OMPI_COMM_WORLD_SIZE" in os.environ or "MASTER_ADDR" not in os.environ:
         return
     import torch.distributed as dist
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
 
 
 def kill_hook(spec, rank):
@@ -169,8 +172,10 @@ def run_zero3(spec):
     before = engine.stats()
     saves = 0
 
+    device = spec.get("device", "cpu")
+
     def train_step(s):
-        x, y = windows.step(s, rank, world)
+        x, y = (t.to(device) for t in windows.step(s, rank, world))
         loss = loss_of(engine(x), y)
         engine.backward(loss)
         engine.step()
@@ -199,7 +204,7 @@ def run_zero3(spec):
     full = engine.full_parameters()
     evaluation = None
     if spec.get("eval_after") is not None:
-        x, y = windows.step(10_000, rank, world)
+        x, y = (t.to(device) for t in windows.step(10_000, rank, world))
         start = engine.stats()
         with torch.no_grad():
             eval_loss = loss_of(engine(x), y)
@@ -229,6 +234,8 @@ def run_zero3(spec):
 if __name__ == "__main__":
     with open(sys.argv[1]) as f:
         spec = json.load(f)
+    if spec.get("device") == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if spec["mode"] != "plain":
-        init_distributed()
+        init_distributed(spec.get("device", "cpu"))
     {"plain": run_plain, "zero3": run_zero3, "load_error": run_load_error}[spec["mode"]](spec)

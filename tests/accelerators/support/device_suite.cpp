@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -32,6 +33,15 @@ Device& device() {
               "\"]\n[accelerator]\nbackend = \"" DUCTILE_TEST_BACKEND "\"\ntimeout = 60\n",
           "device.toml");
       d.accel = runtime.get<ductile::Accelerator>();
+      // NCCL refuses two ranks on one device ("Duplicate GPU detected"):
+      // more local ranks than devices is a machine this suite cannot run on.
+      const char* local_ranks = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+      if (local_ranks && std::atoi(local_ranks) > d.accel->device_count()) {
+        d.unavailable = std::string(local_ranks) + " ranks on this host but " +
+                        std::to_string(d.accel->device_count()) +
+                        " device(s): the collectives need one device per rank";
+        d.accel.reset();
+      }
     } catch (const ductile::Error& error) {
       d.unavailable = error.what();
     }

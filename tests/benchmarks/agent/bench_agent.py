@@ -20,12 +20,22 @@ all-reduce every 0.1 s). One node is killed (SIGKILL to its launcher and
 every process below it: the node is gone); the time until the survivors'
 workers run again (their first line, before torch is imported) and until
 their first all-reduce in the new group. Defaults on both sides but
---max-restarts 3; torchrun and ductile alternate, --runs times.
+--max-restarts 3; the launchers alternate, --runs times. Launchers
+(--launchers, all three by default):
+  torchrun            torchrun as it comes;
+  torchrun-own-store  torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: its
+                      workers get a store of their own each round instead of
+                      sharing the rendezvous store under a prefix made of the
+                      node's local restart count, which differs between nodes
+                      after a node is lost (pytorch/pytorch#135712; with it
+                      the survivors' workers never meet);
+  ductile             `ductile agent` on etcd.
 
 usage:
   bench_agent.py scale [--cli PATH] [--sizes 8,64,256] [--lease-ttl 5] [--scale-runs 3]
                        [--quiet-file PATH]
   bench_agent.py race  [--cli PATH] [--python PATH] [--nodes 4] [--runs 3] [--quiet-file PATH]
+                       [--launchers torchrun,torchrun-own-store,ductile]
 
 --cli: the ductile CLI (default build/bin/ductile, a Release build);
 --python: the interpreter with torch for the race (default .venv/bin/python).
@@ -311,13 +321,15 @@ def race_one(kind, args, directory):
     c10d = f"127.0.0.1:{free_port()}"
     nodes, logs = [], []
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON_EXEC=args.python)
+    if kind == "torchrun-own-store":
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     try:
         for i in range(args.nodes):
             log = open(os.path.join(directory, f"{kind}-node{i}.log"), "w")
             logs.append(log)
             common = ["--nnodes", f"2:{args.nodes}", "--nproc-per-node", "2",
                       "--max-restarts", "3", "--rdzv-id", "race", "--local-addr", "127.0.0.1"]
-            if kind == "torchrun":
+            if kind.startswith("torchrun"):
                 argv = [args.python, "-m", "torch.distributed.run", *common,
                         "--rdzv-backend", "c10d", "--rdzv-endpoint", c10d]
             else:
@@ -372,12 +384,17 @@ def race_one(kind, args, directory):
             etcd.stop()
 
 
+LAUNCHERS = {"torchrun": "torchrun (c10d, defaults)",
+             "torchrun-own-store": "torchrun (c10d, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)",
+             "ductile": "ductile agent (etcd, defaults)"}
+
+
 def race(args):
-    results = {"torchrun": [], "ductile": []}
+    results = {kind: [] for kind in args.launchers}
     for run in range(args.runs):
         if not may_start(args):
             break
-        for kind in ("torchrun", "ductile"):
+        for kind in args.launchers:
             directory = tempfile.mkdtemp(prefix=f"ductile-bench-race-{kind}-")
             try:
                 results[kind].append(race_one(kind, args, directory))
@@ -387,27 +404,25 @@ def race(args):
             print(f"run {run + 1} {kind}: " + ("did not recover" if r is None else
                   f"workers started again {r[0]:.2f} s, first all-reduce {r[1]:.2f} s after "
                   "the SIGKILL"), flush=True)
-    if not results["ductile"]:
-        return
     print(f"\n{args.nodes} nodes x 2 gloo workers on loopback, one node SIGKILLed (launcher and "
-          f"workers); medians (min-max) of {args.runs} runs; {os.cpu_count()} CPU(s)")
+          f"workers); medians (min-max) of the recovered runs; {os.cpu_count()} CPU(s)")
     print("| launcher | recovered | survivors' workers started again (s) | their first "
           "all-reduce (s) |")
     print("| --- | ---: | ---: | ---: |")
-    for kind, label in (("torchrun", "torchrun (c10d, defaults)"),
-                        ("ductile", "ductile agent (etcd, defaults)")):
-        ok = [r for r in results[kind] if r is not None]
-        print(f"| {label} | {len(ok)} of {len(results[kind])} | "
+    recovered = {kind: [r for r in runs if r is not None] for kind, runs in results.items()}
+    for kind, runs in results.items():
+        ok = recovered[kind]
+        print(f"| {LAUNCHERS[kind]} | {len(ok)} of {len(runs)} | "
               + (f"{spread([r[0] for r in ok], '.2f')} | {spread([r[1] for r in ok], '.2f')} |"
                  if ok else "- | - |"))
-    t_ok = [r for r in results["torchrun"] if r is not None]
-    d_ok = [r for r in results["ductile"] if r is not None]
-    for i, what in ((0, "workers started again"), (1, "first all-reduce")):
-        if t_ok and d_ok:
-            t = statistics.median(r[i] for r in t_ok)
-            d = statistics.median(r[i] for r in d_ok)
-            print(f"ductile agent / torchrun ({what}, recovered runs): {d / t:.2f} "
-                  "(goal: at most 0.33)")
+    ours = recovered.get("ductile")
+    for rival in ("torchrun", "torchrun-own-store"):
+        if not ours or not recovered.get(rival):
+            continue
+        for i, what in ((0, "workers started again"), (1, "first all-reduce")):
+            t = statistics.median(r[i] for r in recovered[rival])
+            d = statistics.median(r[i] for r in ours)
+            print(f"ductile agent / {rival} ({what}): {d / t:.2f} (goal: at most 0.33)")
 
 
 def main():
@@ -421,11 +436,17 @@ def main():
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--quiet-file", help="start a run only while this file exists")
+    parser.add_argument("--launchers", default=",".join(LAUNCHERS),
+                        type=lambda s: s.split(","))
     parser.add_argument("--scale-runs", type=int, default=3, dest="scale_runs")
     args = parser.parse_args()
     if not os.access(args.cli, os.X_OK):
         sys.exit(f"bench_agent.py: --cli {args.cli} is not an executable; build it (./run.sh, "
                  "or cmake --build build --target ductile_cli ductile_agent)")
+    bad = [k for k in args.launchers if k not in LAUNCHERS]
+    if bad:
+        sys.exit(f"bench_agent.py: --launchers {bad[0]!r} is not valid; use "
+                 f"{', '.join(LAUNCHERS)}")
     if args.what == "scale":
         args.runs = args.scale_runs
         scale(args)

@@ -25,6 +25,16 @@ Models (first argument):
   llama      a causal LM from a Llama configuration (4 layers, hidden 256,
              random weights and tokens, use_cache=False): the samples are
              kept apart by position_ids alone.
+  llama-gpu  on a GPU (tools/gpu/ runs it): a Llama configuration of 8
+             layers, hidden 1024, 16 heads, vocab 32000, bf16 weights, the
+             trace's lengths unscaled (SCALE 1, budget 8,192, cut at 8,192).
+             Two flattened set-ups: "flattened" runs attention through
+             torch.nn.attention.varlen.varlen_attn (PyTorch's flash-attention
+             varlen kernel) on FlattenCollate's cu_seq_lens, registered as a
+             Hugging Face attention function; "flattened-sdpa" leaves it to
+             sdpa, which builds the block-causal mask of the whole row from
+             position_ids. The first pack's loss under both is printed: the
+             two must agree.
 
 Throughput counts real tokens only, padding excluded. Lengths are drawn from
 the Azure LLM inference trace (conversation), divided by SCALE so that a pass
@@ -73,11 +83,11 @@ class Llama:
         self.dataset = [torch.randint(0, VOCAB, (n,), generator=rng) for n in lengths]
         self.flatten = FlattenCollate()
 
-    def make_model(self):
+    def make_model(self, attention="sdpa"):
         torch.manual_seed(0)
         config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=688,
                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-                             max_position_embeddings=self.longest, attn_implementation="sdpa",
+                             max_position_embeddings=self.longest, attn_implementation=attention,
                              use_cache=False)
         return LlamaForCausalLM(config)
 
@@ -86,6 +96,45 @@ class Llama:
         mask = (torch.arange(padded.shape[1])[None, :] < lengths[:, None]).long()
         labels = padded.masked_fill(mask == 0, -100)
         return {"input_ids": padded, "attention_mask": mask, "labels": labels}
+
+
+def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                     **kwargs):
+    """A Hugging Face attention function over PyTorch's varlen flash
+    attention: the samples of the row are kept apart by cu_seq_lens (from
+    FlattenCollate(return_flash_attn_kwargs=True)); no mask is built."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    if query.shape[0] != 1:
+        raise ValueError(f"varlen attention takes one flattened row, not {query.shape[0]}")
+    cu, longest = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, dim]
+    params = inspect.signature(varlen_attn).parameters
+    causal = getattr(module, "is_causal", True)
+    extra = ({"is_causal": causal} if "is_causal" in params
+             else {"window_size": (-1, 0) if causal else (-1, -1)})
+    out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, **extra)
+    return out.unsqueeze(0), None  # [1, tokens, heads, dim]
+
+
+class LlamaGPU(Llama):
+    name = ("Llama config (8 layers, hidden 1024, 16 heads, vocab 32000), bf16 weights, "
+            "random tokens, on cuda")
+    longest = 8192
+
+    def __init__(self, lengths):
+        super().__init__(lengths)
+        self.flatten = FlattenCollate(return_flash_attn_kwargs=True)
+
+    def make_model(self, attention="sdpa"):
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                             num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=16,
+                             max_position_embeddings=self.longest, attn_implementation=attention,
+                             use_cache=False)
+        return LlamaForCausalLM(config).to("cuda", torch.bfloat16)
 
 
 class MiniLM:
@@ -120,11 +169,11 @@ class MiniLM:
                 ids[i] = mask if roll < 0.8 else rng.randrange(vocab) if roll < 0.9 else ids[i]
         return {"input_ids": ids, "labels": labels}
 
-    def make_model(self):
+    def make_model(self, attention="sdpa"):
         torch.manual_seed(0)
         # The checkpoint is the encoder; the masked-LM head's transform is new
         # (its decoder is tied to the pretrained word embeddings).
-        return BertForMaskedLM.from_pretrained(self.path, attn_implementation="sdpa")
+        return BertForMaskedLM.from_pretrained(self.path, attn_implementation=attention)
 
     def padded(self, samples):
         longest = max(len(s["input_ids"]) for s in samples)
@@ -151,17 +200,29 @@ def ductile_batches(setup, lengths, budget, seed, collate):
         yield collate([setup.dataset[i] for i in ids])
 
 
-def one_pass(setup, batches):
+def on_device(batch, device):
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def one_pass(setup, batches, attention="sdpa"):
     """Trains one pass; returns (real tokens, padded positions, seconds)."""
-    model = setup.make_model().train()
+    model = setup.make_model(attention).train()
+    device = next(model.parameters()).device
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     real = positions = 0
     seconds = 0.0
     for batch in batches:
+        sync(device)
         start = time.perf_counter()
-        model(**batch).loss.backward()
+        model(**on_device(batch, device)).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        sync(device)
         seconds += time.perf_counter() - start
         ids = batch["input_ids"]
         positions += ids.numel()
@@ -172,38 +233,56 @@ def one_pass(setup, batches):
 
 def main():
     model = sys.argv[1] if len(sys.argv) > 1 else "minilm"
-    if model not in ("minilm", "llama"):
-        sys.exit(f"bench_flatten.py: model {model!r} is not valid; use minilm or llama")
+    kinds = {"minilm": MiniLM, "llama": Llama, "llama-gpu": LlamaGPU}
+    if model not in kinds:
+        sys.exit(f"bench_flatten.py: model {model!r} is not valid; use one of {', '.join(kinds)}")
+    if model == "llama-gpu" and not torch.cuda.is_available():
+        sys.exit("bench_flatten.py: llama-gpu needs a CUDA GPU; torch sees none")
     count = int(sys.argv[2]) if len(sys.argv) > 2 else 600
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 3
-    scale = int(sys.argv[4]) if len(sys.argv) > 4 else 8
+    scale = int(sys.argv[4]) if len(sys.argv) > 4 else (1 if model == "llama-gpu" else 8)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     # The masked-LM head is new on top of the pretrained encoder, and the
     # whole text is tokenized once before it is cut into windows: the load
     # report and the over-length warning say nothing about the figures.
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    kind = MiniLM if model == "minilm" else Llama
+    kind = kinds[model]
     lengths = [min(n, kind.longest) for n in azure_lengths(count, scale, seed=1)]
     setup = kind(lengths)
     lengths = [len(s["input_ids"]) if isinstance(s, dict) else len(s) for s in setup.dataset]
     budget = BUDGET // scale
     batch_size = max(1, round(budget / statistics.mean(lengths)))
     setups = {
-        "hf": lambda: hf_batches(setup, batch_size, seed=3),
-        "padded": lambda: ductile_batches(setup, lengths, budget, 3, setup.padded),
-        "flattened": lambda: ductile_batches(setup, lengths, budget, 3, setup.flatten),
+        "hf": (lambda: hf_batches(setup, batch_size, seed=3), "sdpa"),
+        "padded": (lambda: ductile_batches(setup, lengths, budget, 3, setup.padded), "sdpa"),
+        "flattened": (lambda: ductile_batches(setup, lengths, budget, 3, setup.flatten), "sdpa"),
     }
+    if kind is LlamaGPU:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register("ductile_varlen", varlen_attention)
+        setups["flattened"] = (setups["flattened"][0], "ductile_varlen")
+        setups["flattened-sdpa"] = (setups["flattened"][0], "sdpa")
+        first = next(iter(setups["flattened"][0]()))
+        with torch.no_grad():
+            losses = {a: setup.make_model(a)(**on_device(first, "cuda")).loss.item()
+                      for a in ("ductile_varlen", "sdpa")}
+        print(f"first pack ({first['input_ids'].shape[1]} tokens, "
+              f"{len(first['cu_seq_lens_q']) - 1} samples): loss {losses['ductile_varlen']:.5f} "
+              f"through varlen, {losses['sdpa']:.5f} through sdpa")
+    where = (torch.cuda.get_device_name() if kind is LlamaGPU
+             else f"{torch.get_num_threads()} threads")
     print(f"ductile {ductile.__version__}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; {setup.name}; {count} samples drawn from the "
+          f"{where}; {setup.name}; {count} samples drawn from the "
           f"Azure conversation trace / {scale} (mean {statistics.mean(lengths):.0f}, max "
           f"{max(lengths)} tokens), budget {budget} tokens a micro-batch, HF batch size "
           f"{batch_size}; median of {rounds} interleaved rounds")
     rates = {name: [] for name in setups}
     shape = {}
     for _ in range(rounds):
-        for name, batches in setups.items():
-            real, positions, seconds = one_pass(setup, batches())
+        for name, (batches, attention) in setups.items():
+            real, positions, seconds = one_pass(setup, batches(), attention)
             rates[name].append(real / seconds)
             shape[name] = (real, positions)
     for name in setups:

@@ -17,7 +17,14 @@ ZeRO-3 engines get the same settings (prefetch bucket, live limit, reuse
 distance, persistence threshold); every engine trains fp32 with torch.optim.Adam.
 
   PYTHONPATH=build/python .venv/bin/python tests/benchmarks/python/bench_zero3.py \\
-      [--steps N] [--engines a,b,...] [--size small|race]
+      [--steps N] [--engines a,b,...] [--size small|race|gpu] [--device cpu|cuda]
+      [--batch B]
+
+With --device cuda (tools/gpu/ runs it on a lent GPU): one rank on one GPU,
+torch.distributed over NCCL, the ductile config's backend "cuda" (its world is
+torch's NCCL process group; ductile-mpi: ductile's own NCCL communicator,
+bootstrapped by Open MPI); step times after torch.cuda.synchronize(), peak =
+torch.cuda.max_memory_allocated above what was allocated before the model.
 
 Per engine, one line exactly in the issue's shape:
   engine <name>: step <ms> ms, x<ratio> DeepSpeed, x<ratio> FSDP2, peak <MiB> MiB/rank
@@ -47,6 +54,8 @@ SIZES = {
     # 44.9 M parameters (GPT-2 architecture, 8 layers of 512, 32k vocabulary).
     "race": dict(n_embd=512, n_layer=8, n_head=8, vocab_size=32000, n_positions=256),
     "small": dict(n_embd=128, n_layer=4, n_head=4, vocab_size=4096, n_positions=256),
+    # 354 M parameters (GPT-2 medium's shape) for a GPU.
+    "gpu": dict(n_embd=1024, n_layer=24, n_head=16, vocab_size=50257, n_positions=1024),
 }
 CONTEXT = 128
 BATCH = 4      # global: 2 sequences per rank
@@ -58,7 +67,7 @@ PERSIST = 100_000
 
 DUCTILE_CONFIG = f"""
 [accelerator]
-backend = "cpu"
+backend = "{{backend}}"
 communicator = "auto"
 timeout = 600
 
@@ -88,11 +97,11 @@ def build_model(size):
     return GPT2LMHeadModel(config)
 
 
-def batch(step, rank, world, vocab):
+def batch(step, rank, world, vocab, size):
     import torch
     g = torch.Generator().manual_seed(7000 + step)
-    ids = torch.randint(0, vocab, (BATCH, CONTEXT), generator=g)
-    per = BATCH // world
+    ids = torch.randint(0, vocab, (size, CONTEXT), generator=g)
+    per = size // world
     return ids[rank * per:(rank + 1) * per]
 
 
@@ -115,27 +124,33 @@ def optimizer_bytes(optimizer):
     return tensor_bytes([t for st in optimizer.state.values() for t in st.values()])
 
 
-def worker(engine_name, size, steps, out):
+def worker(engine_name, size, steps, out, device, global_batch):
     import torch
     import torch.distributed as dist
 
     import transformers  # noqa: F401  (before the baseline: every engine imports it)
 
     torch.set_num_threads(1)
+    cuda = device == "cuda"
     launched_by_mpi = "OMPI_COMM_WORLD_RANK" in os.environ
+    if cuda:
+        torch.cuda.set_device(0)
     if not launched_by_mpi:
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if cuda else "gloo")
     if engine_name == "deepspeed":
         import deepspeed  # imported before the baseline: its own memory is not the model's
     if engine_name.startswith("ductile"):
         import ductile.torch.zero3 as zero3
-    baseline = rss_bytes()
+    baseline = torch.cuda.memory_allocated() if cuda else rss_bytes()
     model = build_model(size)
+    if cuda:
+        model = model.cuda()
     vocab = model.config.vocab_size
     numel = sum(p.numel() for p in model.parameters())
     stats_of = None
     if engine_name == "ddp":
-        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        wrapped = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[0] if cuda else None)
         optimizer = torch.optim.Adam(wrapped.parameters(), lr=1e-4)
         rank, world = dist.get_rank(), dist.get_world_size()
 
@@ -152,7 +167,7 @@ def worker(engine_name, size, steps, out):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         rank, world = dist.get_rank(), dist.get_world_size()
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device, (world,))
         for block in model.transformer.h:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -170,7 +185,7 @@ def worker(engine_name, size, steps, out):
     elif engine_name == "deepspeed":
         rank, world = dist.get_rank(), dist.get_world_size()
         config = {
-            "train_micro_batch_size_per_gpu": BATCH // world, "gradient_accumulation_steps": 1,
+            "train_micro_batch_size_per_gpu": global_batch // world, "gradient_accumulation_steps": 1,
             "zero_allow_untested_optimizer": True,
             "zero_optimization": {
                 "stage": 3, "stage3_prefetch_bucket_size": PREFETCH,
@@ -194,7 +209,7 @@ def worker(engine_name, size, steps, out):
     else:
         prefetch = 0 if engine_name == "ductile-noprefetch" else PREFETCH
         engine = zero3.initialize(model, lambda ps: torch.optim.Adam(ps, lr=1e-4),
-                                  DUCTILE_CONFIG.format(prefetch=prefetch))
+                                  DUCTILE_CONFIG.format(prefetch=prefetch, backend=device))
         optimizer = engine.optimizer
         rank, world = engine.rank, engine.world_size
 
@@ -211,17 +226,37 @@ def worker(engine_name, size, steps, out):
 
     times, losses, waits = [], [], []
     before = stats_of() if stats_of else None
+    # BENCH_ZERO3_PROFILE=<engine>:<file>: rank 0 of that engine writes the
+    # host-side profile (cProfile, by cumulative time) of its steps there.
+    profile_engine, _, profile_path = os.environ.get("BENCH_ZERO3_PROFILE", "").partition(":")
+    profiler = None
+    if profile_engine == engine_name and rank == 0:
+        import cProfile
+        profiler = cProfile.Profile()
+        profiler.enable()
     for s in range(WARMUP + steps):
-        ids = batch(s, rank, world, vocab)
+        ids = batch(s, rank, world, vocab, global_batch).to(device)
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         loss = train_step(ids)
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
         if stats_of:
             after = stats_of()
             waits.append((after["fetch_wait_ns"] - before["fetch_wait_ns"]) / 1e9)
             before = after
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
+    if profiler:
+        import pstats
+        profiler.disable()
+        with open(profile_path, "w") as f:
+            pstats.Stats(profiler, stream=f).sort_stats("cumulative").print_stats(40)
+    if cuda:
+        peak = torch.cuda.max_memory_allocated() - baseline
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
     record = {"rank": rank, "times": times[WARMUP:], "losses": losses[:3], "numel": numel,
               "peak": peak, "param_bytes": param_bytes(),
               "optimizer_bytes": optimizer_bytes(optimizer), "waits": waits[WARMUP:]}
@@ -238,27 +273,34 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(engine, size, steps, folder):
+def launch(engine, size, steps, folder, device, global_batch):
     out = os.path.join(folder, engine + ".json")
+    ranks = ranks_for(device)
     script = [os.path.abspath(__file__), "--worker", engine, "--size", size, "--steps",
-              str(steps), "--out", out]
+              str(steps), "--out", out, "--device", device, "--batch", str(global_batch)]
     if engine == "ductile-mpi":
         command = [os.environ.get("DUCTILE_MPIEXEC", "mpirun"), "--allow-run-as-root",
                    "--oversubscribe", "--mca", "btl", "self,vader", "--bind-to", "none", "-np",
-                   "2", sys.executable] + script
+                   str(ranks), sys.executable] + script
     else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
                    "--master-addr", "127.0.0.1", "--master-port", str(free_port())] + script
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR=device,
                PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
     if proc.returncode != 0:
         return None, (proc.stdout + proc.stderr)[-3000:]
-    ranks = []
-    for r in range(2):
+    records = []
+    for r in range(ranks):
         with open(f"{out}.rank{r}") as f:
-            ranks.append(json.load(f))
-    return ranks, None
+            records.append(json.load(f))
+    return records, None
+
+
+def ranks_for(device):
+    """2 ranks on the cpu; 1 on cuda (one GPU: NCCL refuses two ranks on one
+    device)."""
+    return 1 if device == "cuda" else 2
 
 
 def main():
@@ -266,25 +308,32 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--size", default="race", choices=sorted(SIZES))
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--batch", type=int, default=BATCH, help="global batch (sequences)")
     parser.add_argument("--worker")
     parser.add_argument("--out")
     args = parser.parse_args()
+    if args.batch < ranks_for(args.device) or args.batch % ranks_for(args.device):
+        parser.error(f"--batch {args.batch} must be a positive multiple of the "
+                     f"{ranks_for(args.device)} ranks")
     if args.worker:
-        worker(args.worker, args.size, args.steps, args.out)
+        worker(args.worker, args.size, args.steps, args.out, args.device, args.batch)
         return
     engines = args.engines.split(",")
     results, failures = {}, {}
     with tempfile.TemporaryDirectory() as folder:
         for engine in engines:
-            ranks, error = launch(engine, args.size, args.steps, folder)
+            ranks, error = launch(engine, args.size, args.steps, folder, args.device, args.batch)
             if ranks is None:
                 failures[engine] = error
             else:
                 results[engine] = ranks
     first = next(iter(results.values()), None)
     if first:
+        where = ("1 rank on one GPU (NCCL)" if args.device == "cuda"
+                 else "2 ranks (1 thread each)")
         print(f"model: GPT-2 {SIZES[args.size]}, {first[0]['numel']:,} parameters; global batch "
-              f"{BATCH} x {CONTEXT} tokens on 2 ranks (1 thread each), fp32, Adam; medians of "
+              f"{args.batch} x {CONTEXT} tokens on {where}, fp32, Adam; medians of "
               f"{args.steps} steps after {WARMUP} warm-up")
     med = {e: statistics.median(r[0]["times"]) for e, r in results.items()}
 

@@ -1,0 +1,70 @@
+"""ZeRO-3 on a GPU (tools/gpu/ runs it on a lent machine; without a CUDA
+device every case skips, and ctest reports the file skipped): the tests'
+causal LM trained on cuda by plain torch and through ductile.torch.zero3
+with the accelerator backend "cuda", on one GPU:
+
+- under torchrun, torch.distributed's NCCL process group is zero3's world
+  (ductile's HostWorld) and torch's current stream its compute stream;
+- under mpirun, the cuda accelerator's own NCCL communicator is the world
+  (bootstrapped by Open MPI).
+
+Both must give plain torch's losses and parameters, gather from a pool that
+stops allocating once the trace runs, and hold only their shard outside a
+fetch."""
+
+import os
+import sys
+
+import pytest
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from zero3_launch import CONFIG, launch  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="no CUDA device: torch.cuda.is_available() is False")
+
+STEPS = 20
+CUDA_CONFIG = CONFIG.replace('backend = "cpu"', 'backend = "cuda"')
+# Deterministic cuBLAS (torch.use_deterministic_algorithms in the worker).
+ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("zero3_cuda")
+    spec = {"steps": STEPS, "device": "cuda"}
+    r = {"plain": launch(tmp, "plain", dict(spec, mode="plain"), config=CUDA_CONFIG, env=ENV)}
+    for launcher in ("torchrun", "mpirun"):
+        r[launcher] = launch(tmp, launcher, dict(spec, mode="zero3"), ranks=1, launcher=launcher,
+                             config=CUDA_CONFIG, env=ENV)
+    return r
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])
+def test_one_gpu_trains_as_plain_torch(runs, launcher):
+    plain, plain_params, _ = runs["plain"]
+    result, params, _ = runs[launcher]
+    assert result["stats"]["world"] == ("torch.distributed (nccl)" if launcher == "torchrun"
+                                        else "accelerator"), result["stats"]["world"]
+    for s in range(STEPS):
+        a, b = result["losses"][str(s)], plain["losses"][str(s)]
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {s}: loss {a} vs {b}"
+    assert params.keys() == plain_params.keys()
+    for name, ref in plain_params.items():
+        assert params[name].device.type == "cuda"
+        diff = (params[name] - ref).abs().max().item()
+        assert diff <= 1e-5 * ref.abs().max().item(), f"{name}: max difference {diff}"
+    assert result["losses"][str(STEPS - 1)] < 0.8 * result["losses"]["0"]
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])
+def test_gathers_reuse_pooled_device_memory_once_the_trace_runs(runs, launcher):
+    result = runs[launcher][0]
+    assert result["memory"]["placeholder_numel"] == 0
+    steps = result["per_step"]
+    assert steps[0]["gather_allocations"] > 0
+    assert all(s["gather_allocations"] == 0 for s in steps[2:]), steps
+    assert all(s["prefetched_params"] > 0 for s in steps[1:]), steps
