@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Writes python_random_expected.txt: the expectations of the Python-random
-compatibility tests (tests/plugins/batching/test_python_random.cpp).
+compatibility tests (tests/plugins/batching/python_random_test.cpp).
 
 Run with Python 3 (3.2 or later; shuffle and getrandbits are unchanged since):
     python3 gen_python_random.py > python_random_expected.txt
