@@ -31,7 +31,6 @@ note() { echo "== $(date -u +%H:%M:%S) $*"; }
   "$python" -c "import torch, transformers; print('torch', torch.__version__, 'cuda',
 torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'transformers', transformers.__version__)"
   g++ --version | head -1
-  git log -1 --format='ductile %h %s' 2>/dev/null || true
 } >"$out/machine.txt" 2>&1
 cat "$out/machine.txt"
 
