@@ -28,6 +28,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 
 STEPS = 20
 CUDA_CONFIG = CONFIG.replace('backend = "cpu"', 'backend = "cuda"')
+assert CUDA_CONFIG != CONFIG, "zero3_launch.CONFIG no longer names backend = \"cpu\""
 # Deterministic cuBLAS (torch.use_deterministic_algorithms in the worker).
 ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 

@@ -46,6 +46,7 @@ samples are cut at its 512 positions).
 """
 
 import csv
+import functools
 import os
 import random
 import statistics
@@ -98,23 +99,31 @@ class Llama:
         return {"input_ids": padded, "attention_mask": mask, "labels": labels}
 
 
+@functools.lru_cache(maxsize=None)
+def varlen_causal_arguments(causal):
+    """How this torch's varlen_attn is told the mask: `is_causal` in some
+    releases, `window_size` in others (read once, not on every call)."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    if "is_causal" in inspect.signature(varlen_attn).parameters:
+        return {"is_causal": causal}
+    return {"window_size": (-1, 0) if causal else (-1, -1)}
+
+
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                      **kwargs):
     """A Hugging Face attention function over PyTorch's varlen flash
     attention: the samples of the row are kept apart by cu_seq_lens (from
     FlattenCollate(return_flash_attn_kwargs=True)); no mask is built."""
-    import inspect
-
     from torch.nn.attention.varlen import varlen_attn
 
     if query.shape[0] != 1:
         raise ValueError(f"varlen attention takes one flattened row, not {query.shape[0]}")
     cu, longest = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, dim]
-    params = inspect.signature(varlen_attn).parameters
-    causal = getattr(module, "is_causal", True)
-    extra = ({"is_causal": causal} if "is_causal" in params
-             else {"window_size": (-1, 0) if causal else (-1, -1)})
+    extra = varlen_causal_arguments(getattr(module, "is_causal", True))
     out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, **extra)
     return out.unsqueeze(0), None  # [1, tokens, heads, dim]
 
