@@ -1,9 +1,35 @@
 #include "accelerator_base.hpp"
 
+#include <mpi.h>
+
 #include "argument_checks.hpp"
 #include "bootstrap.hpp"
+#include "local_communicator.hpp"
 
 namespace ductile::accel {
+
+CommMode choose_comm_mode(std::string_view setting, std::string_view key) {
+  LaunchInfo launch = detect_launch();
+  if (setting == "mpi") return CommMode::mpi;
+  if (setting == "host") return CommMode::host;
+  if (setting == "local") {
+    if (launch.size > 1)
+      throw Error(ErrorKind::config,
+                  std::string(key) +
+                      " = \"local\" gives a single-process world, but the launcher (" +
+                      launch.source + ") started " + std::to_string(launch.size) +
+                      " ranks; use \"auto\" or \"mpi\"");
+    return CommMode::local;
+  }
+  if (setting != "auto")
+    throw Error(ErrorKind::config,
+                std::string(key) + " = \"" + std::string(setting) +
+                    "\" is not valid; expected \"auto\", \"mpi\", \"local\" or \"host\"");
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (initialized || launch.from_launcher()) return CommMode::mpi;
+  return CommMode::local;
+}
 
 AcceleratorBase::AcceleratorBase(const HostContext& context, std::string backend,
                                  std::string host_label, int exchange_max_ranks)

@@ -25,12 +25,23 @@
 
 #include "accel_export.hpp"
 #include "ductile/accelerator.hpp"
-#include "host_communicator.hpp"
+#include "mpi_communicator.hpp"
 
 namespace ductile::accel {
 
 // The values of the `communicator` key, for the backends' schemas.
 inline constexpr const char* kCommunicatorModes[] = {"auto", "mpi", "local", "host", nullptr};
+
+// How a backend's world communicator is made (the `communicator` key).
+// `host`: the embedding program supplies it (HostWorld::offer_world).
+enum class CommMode { local, mpi, host };
+
+// "auto": MPI when MPI is already initialised or a launcher started the
+// process (see detect_launch()), else local (a communicator the host offers
+// before world() replaces either). "mpi" / "local" force it; a local world
+// under a launcher with more than one rank is refused. "host": the host's.
+// Throws Error(config) naming `key` for an unknown value or that conflict.
+DUCTILE_ACCEL_API CommMode choose_comm_mode(std::string_view setting, std::string_view key);
 
 class DUCTILE_ACCEL_API AcceleratorBase : public Accelerator, public HostWorld {
  public:

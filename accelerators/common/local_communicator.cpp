@@ -1,9 +1,15 @@
 // The single-process world: every collective is a copy (or nothing) run on
 // the stream in order, with no MPI at all.
+#include "local_communicator.hpp"
+
 #include <cstring>
+#include <functional>
+#include <string>
 #include <vector>
 
-#include "host_communicator.hpp"
+#include "checked_communicator.hpp"
+#include "completion.hpp"
+#include "host_stream.hpp"
 
 namespace ductile::accel {
 namespace {

@@ -1,4 +1,4 @@
-// Internals of config.cpp shared with runtime.cpp and plugins_section.cpp.
+// Internals shared by the configuration sources of the core.
 #pragma once
 
 #include <optional>
@@ -24,6 +24,13 @@ SourcePosition position_of(const std::string& file, const toml::source_region& r
 void check_plugins_section(const toml::table& plugins, const std::string& file,
                            std::vector<Diagnostic>& errors);
 
+// TOML's name of a node's type ("integer", "array", ...), and a bounded
+// rendering of its value for messages (toml_values.cpp).
+const char* toml_type_name(const toml::node& node);
+std::string show(const toml::node& node);
+
+// The TOML edge: a node converted to the type `spec` declares, then checked
+// by check_param_value. Returns nullopt with `error` set ("<what> ...").
 std::optional<ParamValue> convert_node(const toml::node& node, const ParamSpec& spec,
                                        const std::string& what, std::string& error);
 

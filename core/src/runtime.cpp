@@ -42,26 +42,6 @@ class HostContextImpl final : public HostContext {
   std::shared_ptr<spdlog::logger> logger_;
 };
 
-bool same_type(const ParamValue& v, ParamType t) {
-  switch (t) {
-    case ParamType::boolean:
-      return std::holds_alternative<bool>(v);
-    case ParamType::integer:
-      return std::holds_alternative<std::int64_t>(v);
-    case ParamType::floating:
-      return std::holds_alternative<double>(v) || std::holds_alternative<std::int64_t>(v);
-    case ParamType::string:
-      return std::holds_alternative<std::string>(v);
-    case ParamType::integer_list:
-      return std::holds_alternative<std::vector<std::int64_t>>(v);
-    case ParamType::float_list:
-      return std::holds_alternative<std::vector<double>>(v);
-    case ParamType::string_list:
-      return std::holds_alternative<std::vector<std::string>>(v);
-  }
-  return false;
-}
-
 }  // namespace
 
 Params complete_params(const PluginInfo& info, const Params& given) {
@@ -79,22 +59,11 @@ Params complete_params(const PluginInfo& info, const Params& given) {
                                      did_you_mean(key, known), join(known)));
       continue;
     }
-    if (!same_type(value, spec->type)) {
-      problems.push_back(fmt::format("parameter '{}' = {} must be {}", key,
-                                     format_param_value(value), to_string(spec->type)));
-      continue;
-    }
-    // Re-check bounds and allowed values through the TOML path.
-    try {
-      ParamValue checked = parse_param_literal(*spec, format_param_value(value));
-      out.set(key, std::holds_alternative<std::int64_t>(value) && spec->type == ParamType::floating
-                       ? ParamValue(static_cast<double>(std::get<std::int64_t>(value)))
-                       : std::move(checked));
-    } catch (const Error& e) {
-      std::string what = e.what();
-      auto colon = what.find(": ");
-      problems.push_back(colon == std::string::npos ? what : what.substr(colon + 2));
-    }
+    std::string error;
+    if (auto checked = check_param_value(*spec, value, key, error))
+      out.set(key, std::move(*checked));
+    else
+      problems.push_back(std::move(error));
   }
   for (const auto& s : info.params) {
     if (out.has(s.key) || given.has(s.key)) continue;
@@ -126,9 +95,9 @@ std::shared_ptr<Plugin> Runtime::State::instance(PluginKind kind) {
         fmt::format("the {} plugin requires itself (through other plugins)", to_string(kind)));
   const PluginSection* section = config->section(kind);
   if (!section) {
-    const SectionSpec* spec = nullptr;
-    for (const auto& s : section_specs())
-      if (s.kind == kind) spec = &s;
+    std::optional<SectionSpec> spec;
+    for (auto& s : section_specs())
+      if (s.kind == kind) spec = std::move(s);
     if (!spec || spec->default_plugin.empty())
       throw Error(ErrorKind::config,
                   fmt::format("{}: no [{}] section; add one naming the {} plugin to use",

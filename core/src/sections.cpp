@@ -1,13 +1,17 @@
-// The sections a configuration file may have. Plugin sections name their
-// plugin with a selector key; host keys are keys of a section that the core
-// (or a CLI command) owns rather than the selected plugin.
+// The sections a configuration file may have. The core owns [plugins] and
+// [log] and knows one section per plugin kind with its selector key; the
+// keys a section's host reads beside the plugin's (a lengths file, a base
+// schedule) and aliases of a selector are added by the libraries above it
+// (extend_section), so that the core holds no pipeline or DeepSpeed word.
+#include <mutex>
+
+#include <fmt/format.h>
+
 #include "ductile/core/config.hpp"
 
 namespace ductile::core {
 namespace {
 
-constexpr const char* kLengthFormats[] = {"auto", "text", "csv", "npy", "mmidx", nullptr};
-constexpr const char* kLrSchedules[] = {"constant", "warmup_linear", "warmup_cosine", nullptr};
 constexpr const char* kLogLevels[] = {"trace", "debug",    "info", "warn",
                                       "error", "critical", "off",  nullptr};
 
@@ -22,66 +26,84 @@ std::vector<SectionSpec> make_specs() {
                     {"override_builtin", ParamType::string_list, 0, nullptr, 0, 0, nullptr,
                      "Built-in plugins (\"kind/name\") that a plugin of the same kind and name "
                      "found on the search path replaces; without this, the built-in one is used"}},
-                   "where to find plugins"});
+                   "where to find plugins",
+                   std::nullopt});
   specs.push_back({"log",
                    std::nullopt,
                    "",
                    "",
                    {{"level", ParamType::string, 0, "\"info\"", 0, 0, kLogLevels,
                      "Log level (overridden by --log-level and DUCTILE_LOG_LEVEL)"}},
-                   "logging"});
-  specs.push_back({"elasticity", PluginKind::elasticity, "policy", "", {}, "elasticity policy"});
-  // Host keys of [batching]: where the demo and `ductile pack --config` read lengths.
+                   "logging",
+                   std::nullopt});
   specs.push_back(
-      {"batching",
-       PluginKind::batching,
-       "sampler",
-       "",
-       {{"lengths", ParamType::string, 0, nullptr, 0, 0, nullptr,
-         "File of per-sample lengths (text, CSV, .npy or DeepSpeed metric prefix), "
-         "relative to the config file"},
-        {"column", ParamType::string, 0, nullptr, 0, 0, nullptr, "CSV column holding the lengths"},
-        {"count_column", ParamType::string, 0, nullptr, 0, 0, nullptr,
-         "CSV column of counts: the file is a histogram (length, count)"},
-        {"format", ParamType::string, 0, "\"auto\"", 0, 0, kLengthFormats,
-         "Format of the lengths file (auto: from the extension)"}},
-       "batch sampler"});
-  // Host keys of [lr]: the base schedule the scaling rule is applied to.
-  specs.push_back({"lr",
-                   PluginKind::lr,
-                   "rule",
-                   "",
-                   {{"base_lr", ParamType::floating, param_has_min, "0.001", 0, 0, nullptr,
-                     "Learning rate tuned for base_batch_size (peak of the schedule)"},
-                    {"base_batch_size", ParamType::floating, param_has_min, nullptr, 1, 0, nullptr,
-                     "Batch size (samples) that base_lr is tuned for"},
-                    {"schedule", ParamType::string, 0, "\"constant\"", 0, 0, kLrSchedules,
-                     "Base schedule: constant, warmup_linear or warmup_cosine"},
-                    {"warmup_steps", ParamType::integer, param_has_min, "0", 0, 0, nullptr,
-                     "Steps of linear warm-up from min_lr to base_lr"},
-                    {"total_steps", ParamType::integer, param_has_min, "0", 0, 0, nullptr,
-                     "Step at which the decay reaches min_lr"},
-                    {"min_lr", ParamType::floating, param_has_min, "0.0", 0, 0, nullptr,
-                     "Learning rate at the start of warm-up and the end of decay"}},
-                   "learning-rate scaling rule"});
+      {"elasticity", PluginKind::elasticity, "policy", "", {}, "elasticity policy", std::nullopt});
   specs.push_back(
-      {"accelerator", PluginKind::accelerator, "backend", "cpu", {}, "accelerator backend"});
+      {"batching", PluginKind::batching, "sampler", "", {}, "batch sampler", std::nullopt});
   specs.push_back(
-      {"zero", PluginKind::zero, "coordinator", "partitioned", {}, "ZeRO-3 parameter coordinator"});
+      {"lr", PluginKind::lr, "rule", "", {}, "learning-rate scaling rule", std::nullopt});
+  specs.push_back({"accelerator",
+                   PluginKind::accelerator,
+                   "backend",
+                   "cpu",
+                   {},
+                   "accelerator backend",
+                   std::nullopt});
+  specs.push_back({"zero",
+                   PluginKind::zero,
+                   "coordinator",
+                   "partitioned",
+                   {},
+                   "ZeRO-3 parameter coordinator",
+                   std::nullopt});
   return specs;
+}
+
+struct SectionTable {
+  std::mutex mutex;
+  std::vector<SectionSpec> specs = make_specs();
+};
+
+SectionTable& table() {
+  static SectionTable instance;
+  return instance;
 }
 
 }  // namespace
 
-const std::vector<SectionSpec>& section_specs() {
-  static const std::vector<SectionSpec> specs = make_specs();
-  return specs;
+std::vector<SectionSpec> section_specs() {
+  auto& t = table();
+  std::lock_guard lock(t.mutex);
+  return t.specs;
 }
 
-const SectionSpec* find_section_spec(std::string_view name) {
-  for (const auto& s : section_specs())
-    if (s.name == name) return &s;
-  return nullptr;
+std::optional<SectionSpec> find_section_spec(std::string_view name) {
+  auto& t = table();
+  std::lock_guard lock(t.mutex);
+  for (const auto& s : t.specs)
+    if (s.name == name) return s;
+  return std::nullopt;
+}
+
+void extend_section(std::string_view section, std::vector<ParamSpec> host_keys,
+                    std::optional<SelectorAlias> alias) {
+  auto& t = table();
+  std::lock_guard lock(t.mutex);
+  SectionSpec* spec = nullptr;
+  for (auto& s : t.specs)
+    if (s.name == section) spec = &s;
+  if (!spec)
+    throw Error(ErrorKind::internal, fmt::format("extend_section: no section [{}]", section));
+  for (const auto& key : host_keys)
+    for (const auto& have : spec->host_keys)
+      if (std::string_view(key.key) == have.key)
+        throw Error(ErrorKind::internal,
+                    fmt::format("extend_section: [{}] already has the key '{}'", section, key.key));
+  if (alias && spec->alias)
+    throw Error(ErrorKind::internal, fmt::format("extend_section: [{}] already has the alias '{}'",
+                                                 section, spec->alias->key));
+  spec->host_keys.insert(spec->host_keys.end(), host_keys.begin(), host_keys.end());
+  if (alias) spec->alias = std::move(alias);
 }
 
 }  // namespace ductile::core

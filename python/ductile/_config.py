@@ -66,8 +66,8 @@ def toml_from_dict(config):
     return "\n".join(lines) + "\n"
 
 
-def _looks_like_json(text):
-    return text.lstrip().startswith("{")
+def _looks_like_json(text, path=""):
+    return _ductile.elasticity.is_json_config(path, text)
 
 
 def load_config(source, *, format=None, plugin_path=None):
@@ -97,11 +97,11 @@ def load_config(source, *, format=None, plugin_path=None):
         path = os.fspath(source)
         is_json = format == "deepspeed"
         if format is None:
-            if path.lower().endswith(".json"):
-                is_json = True
-            elif not path.lower().endswith(".toml") and os.path.isfile(path):
+            head = ""
+            if os.path.isfile(path):
                 with open(path, "rb") as f:
-                    is_json = _looks_like_json(f.read(4096).decode("utf-8", "replace"))
+                    head = f.read(4096).decode("utf-8", "replace")
+            is_json = _looks_like_json(head, path)
         if is_json:
             try:
                 with open(path, encoding="utf-8") as f:

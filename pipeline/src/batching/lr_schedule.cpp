@@ -5,6 +5,7 @@
 #include <numbers>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "json/bounded_json.hpp"
@@ -19,25 +20,17 @@ Error bad(const std::string& what) {
 }  // namespace
 
 LrScheduleKind parse_lr_schedule_kind(std::string_view text) {
-  if (text == "constant") return LrScheduleKind::constant;
-  if (text == "warmup_linear") return LrScheduleKind::warmup_linear;
-  if (text == "warmup_cosine") return LrScheduleKind::warmup_cosine;
-  throw bad(
-      fmt::format("learning-rate schedule '{}' is unknown; valid: constant, warmup_linear, "
-                  "warmup_cosine",
-                  text));
+  std::vector<std::string> names;
+  for (int k = 0; kLrScheduleNames[k]; ++k) {
+    if (text == kLrScheduleNames[k]) return static_cast<LrScheduleKind>(k);
+    names.emplace_back(kLrScheduleNames[k]);
+  }
+  throw bad(fmt::format("learning-rate schedule '{}' is unknown; valid: {}", text,
+                        fmt::join(names, ", ")));
 }
 
 const char* to_string(LrScheduleKind kind) {
-  switch (kind) {
-    case LrScheduleKind::constant:
-      return "constant";
-    case LrScheduleKind::warmup_linear:
-      return "warmup_linear";
-    case LrScheduleKind::warmup_cosine:
-      return "warmup_cosine";
-  }
-  return "constant";
+  return kLrScheduleNames[static_cast<int>(kind)];
 }
 
 void check_lr_schedule(const LrScheduleSpec& s) {

@@ -19,18 +19,18 @@ PackSetup pack_setup_from_config(const core::Config& config) {
     }
     setup.read.column = host.get_string_or("column", "");
     setup.read.count_column = host.get_string_or("count_column", "");
-    setup.read.format = parse_length_format(host.get_string_or("format", "auto"));
+    setup.read.format = parse_length_format(host.get_string("format"));
   }
   if (const auto* l = config.section(PluginKind::lr)) {
     o.lr_rule = l->plugin;
     o.lr_params = l->params;
     const auto& host = l->host_params;
     if (host.has("base_batch_size")) o.base_batch_size = host.get_double("base_batch_size");
-    o.schedule.base_lr = host.get_double_or("base_lr", 1e-3);
-    o.schedule.min_lr = host.get_double_or("min_lr", 0.0);
-    o.schedule.kind = parse_lr_schedule_kind(host.get_string_or("schedule", "constant"));
-    o.schedule.warmup_steps = host.get_int_or("warmup_steps", 0);
-    o.schedule.total_steps = host.get_int_or("total_steps", 0);
+    o.schedule.base_lr = host.get_double("base_lr");
+    o.schedule.min_lr = host.get_double("min_lr");
+    o.schedule.kind = parse_lr_schedule_kind(host.get_string("schedule"));
+    o.schedule.warmup_steps = host.get_int("warmup_steps");
+    o.schedule.total_steps = host.get_int("total_steps");
   }
   return setup;
 }

@@ -141,9 +141,10 @@ std::string policy_for_elasticity_version(double version, std::string_view shown
         fmt::format("{}: attempting to run elasticity version {} but ductile supports up to {} "
                     "(valid: 0.1, 0.2)",
                     origin, shown, kLatestVersion));
-  // The naming rule ("0.1" -> "v0.1") is the core's, shared with TOML.
-  if (version == 0.1) return core::elasticity_policy_for_version("0.1");
-  if (version == 0.2) return core::elasticity_policy_for_version("0.2");
+  // The one mapping of versions to policies, for JSON and TOML alike (TOML's
+  // `version` key reaches it through config_sections.cpp).
+  if (version == 0.1) return "v0.1";
+  if (version == 0.2) return "v0.2";
   elasticity_config_error(
       fmt::format("{}: unknown elasticity version {}; valid versions: 0.1, 0.2", origin, shown));
 }

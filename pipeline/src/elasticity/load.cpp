@@ -16,9 +16,10 @@ namespace fs = std::filesystem;
 using core::Runtime;
 using core::RuntimeOptions;
 
-namespace {
-
-LoadedElasticity make_loaded(Runtime runtime, ElasticitySource source) {
+ElasticityPolicySetup elasticity_policy_from_deepspeed_json(Runtime& runtime,
+                                                            std::string_view json_text,
+                                                            std::string_view origin) {
+  ElasticitySource source = elasticity_from_deepspeed_json(json_text, origin, runtime.registry());
   const core::PluginInfo& info = runtime.registry().find(PluginKind::elasticity, source.policy);
   // A policy named by "policy" may not know every DeepSpeed key: keep the
   // keys of its schema, say which others are dropped, and honour `enabled`.
@@ -40,17 +41,12 @@ LoadedElasticity make_loaded(Runtime runtime, ElasticitySource source) {
                                             source.origin, source.policy, key));
   }
   source.params = std::move(kept);
-  for (const auto& w : source.warnings)
-    if (runtime.logger()) runtime.logger()->warn("{}", w);
   Params effective = core::complete_params(info, source.params);
   auto policy = runtime.create<ElasticityPolicy>(source.policy, source.params);
-  return LoadedElasticity{std::move(runtime), std::move(policy), std::move(source),
-                          std::move(effective)};
+  return {std::move(policy), std::move(source), std::move(effective)};
 }
 
-}  // namespace
-
-LoadedElasticity elasticity_from_runtime(Runtime runtime) {
+ElasticityPolicySetup elasticity_policy_from_runtime(Runtime& runtime) {
   const core::PluginSection* section = runtime.config().section(PluginKind::elasticity);
   if (!section)
     detail::elasticity_config_error(
@@ -61,10 +57,13 @@ LoadedElasticity elasticity_from_runtime(Runtime runtime) {
   source.policy = section->plugin;
   source.params = section->params;
   source.origin = runtime.config().source_name();
-  Params effective = section->params;
-  auto policy = runtime.get<ElasticityPolicy>();
-  return LoadedElasticity{std::move(runtime), std::move(policy), std::move(source),
-                          std::move(effective)};
+  return {runtime.get<ElasticityPolicy>(), std::move(source), section->params};
+}
+
+LoadedElasticity elasticity_from_runtime(Runtime runtime) {
+  auto setup = elasticity_policy_from_runtime(runtime);
+  return LoadedElasticity{std::move(runtime), std::move(setup.policy), std::move(setup.source),
+                          std::move(setup.effective_params)};
 }
 
 LoadedElasticity load_elasticity(const fs::path& file, RuntimeOptions options) {
@@ -72,8 +71,11 @@ LoadedElasticity load_elasticity(const fs::path& file, RuntimeOptions options) {
   if (!is_json_config(file, text))
     return elasticity_from_runtime(Runtime::from_file(file, options));
   auto runtime = Runtime::from_string("", file.string(), std::move(options));
-  auto source = elasticity_from_deepspeed_json(text, file.string(), runtime.registry());
-  return make_loaded(std::move(runtime), std::move(source));
+  auto setup = elasticity_policy_from_deepspeed_json(runtime, text, file.string());
+  for (const auto& w : setup.source.warnings)
+    if (runtime.logger()) runtime.logger()->warn("{}", w);
+  return LoadedElasticity{std::move(runtime), std::move(setup.policy), std::move(setup.source),
+                          std::move(setup.effective_params)};
 }
 
 }  // namespace ductile::pipeline

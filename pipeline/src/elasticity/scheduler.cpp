@@ -83,14 +83,6 @@ bool scheduler_config_set() {
   return false;
 }
 
-bool looks_like_json_text(std::string_view text) {
-  for (char c : text) {
-    if (std::isspace(static_cast<unsigned char>(c))) continue;
-    return c == '{';
-  }
-  return false;
-}
-
 }  // namespace
 
 bool check_scheduler_elasticity(const ElasticityFingerprint& runtime,
@@ -112,7 +104,7 @@ bool check_scheduler_elasticity(const ElasticityFingerprint& runtime,
     checked = true;
     std::string_view text(value);
     ElasticitySource scheduler;
-    if (std::string_view(name) == kDeepSpeedElasticityConfigEnv || looks_like_json_text(text))
+    if (std::string_view(name) == kDeepSpeedElasticityConfigEnv || is_json_config({}, text))
       scheduler = elasticity_from_deepspeed_json(text, name, registry);
     else
       scheduler = elasticity_from_toml_text(text, name, registry);

@@ -169,6 +169,38 @@ TEST_CASE("the runtime creates the configured plugin once and shares it") {
                        Error);
 }
 
+TEST_CASE("a library above the core adds host keys to a section, and mistakes are refused") {
+  static const char* const kModes[] = {"on", "off", nullptr};
+  // (Added last in this file's order: the tests above list [log]'s keys.)
+  extend_section("log", {{"test_host_mode", ParamType::string, 0, "\"on\"", 0, 0, kModes,
+                          "a key of this test's host"}});
+  auto config = Config::validate(ConfigDocument::from_string("[log]\n", "job.toml"), registry());
+  CHECK(config.host_section("log")->get_string("test_host_mode") == "on");
+  CHECK(errors_of("[log]\ntest_host_mode = \"of\"\n") ==
+        std::vector<std::string>{"job.toml:2:18: [log] test_host_mode = \"of\" is not allowed "
+                                 "(did you mean 'on'?); valid values: on, off"});
+  CHECK_THROWS_WITH_AS(
+      extend_section("log", {{"test_host_mode", ParamType::string, 0, nullptr, 0, 0, nullptr, ""}}),
+      "extend_section: [log] already has the key 'test_host_mode'", Error);
+  CHECK_THROWS_WITH_AS(extend_section("logs", {}), "extend_section: no section [logs]", Error);
+}
+
+TEST_CASE("a value built in C++ is checked against its spec as a TOML value is") {
+  const ParamSpec steps{
+      "steps", ParamType::integer, param_has_min | param_has_max, nullptr, 1, 1000, nullptr, ""};
+  std::string error;
+  CHECK_FALSE(check_param_value(steps, std::int64_t{5000}, "steps", error));
+  CHECK(error == "steps = 5000 is out of range: must be between 1 and 1000");
+  CHECK_FALSE(check_param_value(steps, std::string("x"), "steps", error));
+  CHECK(error == "steps must be an integer, got \"x\"");
+  const ParamSpec scale{"scale", ParamType::floating, param_has_min, nullptr, 0, 0, nullptr, ""};
+  auto widened = check_param_value(scale, std::int64_t{3}, "scale", error);
+  REQUIRE(widened);
+  CHECK(std::get<double>(*widened) == 3.0);
+  CHECK_FALSE(check_param_value(scale, std::int64_t{-3}, "scale", error));
+  CHECK(error == "scale = -3 is out of range: must be >= 0");
+}
+
 TEST_CASE("parameter literals round-trip through format_param_value") {
   ParamSpec list{"xs", ParamType::float_list, 0, nullptr, 0, 0, nullptr, ""};
   CHECK(format_param_value(parse_param_literal(list, "[1, 2.5]")) == "[1.0, 2.5]");

@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 
+#include "ductile/core/runtime.hpp"
 #include "ductile/pipeline/elasticity.hpp"
 #include "temp_dir.hpp"
 
@@ -124,6 +125,41 @@ TEST_CASE("files are read as JSON or TOML by extension, else by content") {
     CHECK(e.type() == "ElasticityConfigError");
     CHECK(std::string(e.what()).find("no [elasticity] section") != std::string::npos);
   }
+}
+
+TEST_CASE("the core validates DeepSpeed's version key with the pipeline's one mapping") {
+  // The pipeline registers [elasticity] version as a selector alias when its
+  // library loads; the core only looks it up.
+  auto errors_of = [](std::string_view text) -> std::string {
+    try {
+      core::Runtime::from_string(text, "job.toml");
+    } catch (const core::ConfigError& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  auto selected = [](std::string_view text) {
+    auto runtime = core::Runtime::from_string(text, "job.toml");
+    return runtime.config().section(PluginKind::elasticity)->plugin;
+  };
+  CHECK(selected("[elasticity]\nversion = 0.1\nmax_train_batch_size = 100\n"
+                 "micro_batch_sizes = [2]\n") == "v0.1");
+  CHECK(selected("[elasticity]\nversion = \"0.2\"\nmax_train_batch_size = 100\n"
+                 "micro_batch_sizes = [2]\n") == "v0.2");
+  // A file may keep DeepSpeed's version while naming another policy.
+  CHECK(selected("[elasticity]\npolicy = \"optimal\"\nversion = 0.1\n"
+                 "max_train_batch_size = 100\nmicro_batch_sizes = [2]\n") == "optimal");
+  CHECK(errors_of("[elasticity]\nversion = 0.15\n") ==
+        "job.toml:2:11: [elasticity] version: unknown elasticity version 0.15; valid versions: "
+        "0.1, 0.2");
+  CHECK(errors_of("[elasticity]\nversion = 0.3\n") ==
+        "job.toml:2:11: [elasticity] version: attempting to run elasticity version 0.3 but "
+        "ductile supports up to 0.2 (valid: 0.1, 0.2)");
+  CHECK(errors_of("[elasticity]\npolicy = \"v0.2\"\nversion = 0.1\n") ==
+        "job.toml:3:11: [elasticity] version = 0.1 contradicts policy = \"v0.2\"; give one of "
+        "them");
+  CHECK(errors_of("[elasticity]\nversion = [1]\n") ==
+        "job.toml:2:11: [elasticity] version must be a number such as 0.1 or 0.2, got array [ 1 ]");
 }
 
 TEST_CASE(

@@ -7,19 +7,21 @@
 //   [plugins]    path = ["dir", ...]     extra plugin directories (relative to the file)
 //                override_builtin = ["kind/name", ...]  built-in plugins those may replace
 //   [log]        level = "info"
-//   [elasticity] policy = "v0.1"         (or DeepSpeed's version = 0.1)
+//   [elasticity] policy = "v0.1"
 //   [batching]   sampler = "greedy"
 //   [lr]         rule = "linear"
 //   [accelerator] backend = "cpu"        (default "cpu")
 //   [zero]       coordinator = "partitioned" (default)
 //
 // Every other key of a plugin section must be in the selected plugin's schema
-// or in the section's host keys. All errors of a file are reported together,
+// or in the section's host keys, which libraries above the core add
+// (extend_section). All errors of a file are reported together,
 // sorted by position, as "file:line:col: message".
 #pragma once
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -65,6 +67,21 @@ class ConfigError : public Error {
   std::vector<Diagnostic> diagnostics_;
 };
 
+// A second key that may name a section's plugin, for files written in
+// another tool's words: the pipeline gives [elasticity] DeepSpeed's
+// `version = 0.1`. The core reads the key's value as text (a number as
+// written, or a string; `expected` says what else it may hold, for the
+// message about a value of another type) and asks `resolve` which plugin it
+// selects, given the selector key's value when the file has one too.
+// `resolve` returns the plugin to use or throws Error(config) with the
+// message to report at the key (a contradiction, say).
+struct SelectorAlias {
+  std::string key;
+  std::string expected;
+  std::function<std::string(std::string_view value, const std::optional<std::string>& selected)>
+      resolve;
+};
+
 // How a section of the file is interpreted. `kind` is set for plugin
 // sections; host-only sections have no selector.
 struct SectionSpec {
@@ -72,13 +89,29 @@ struct SectionSpec {
   std::optional<PluginKind> kind;
   std::string selector;              // key naming the plugin ("policy", ...)
   std::string default_plugin;        // used when the selector key is absent; "" = required
-  std::vector<ParamSpec> host_keys;  // keys the core owns in this section
+  std::vector<ParamSpec> host_keys;  // keys the section's host owns, beside the plugin's
   std::string doc;
+  std::optional<SelectorAlias> alias;
 };
 
-// The sections the core knows, in a fixed order.
-const std::vector<SectionSpec>& section_specs();
-const SectionSpec* find_section_spec(std::string_view name);
+// The sections a file may have, in a fixed order: [plugins] and [log], which
+// the core owns, and one section per plugin kind. A copy, so that it stays
+// valid while a library extends a section.
+std::vector<SectionSpec> section_specs();
+std::optional<SectionSpec> find_section_spec(std::string_view name);
+
+// Adds host keys (keys a library above the core reads from a plugin
+// section, beside the plugin's own) and optionally a selector alias to a
+// section. The pipeline calls it as its library loads, for [batching]'s
+// lengths file, [lr]'s base schedule and [elasticity]'s `version`; the core
+// holds none of those words.
+// Ownership: the ParamSpec strings must outlive the process (literals).
+// Threading: safe to call while other threads validate files; a file
+// validated before the call does not see the keys.
+// Errors: Error(internal) for an unknown section, a key the section already
+// has, or a second alias.
+void extend_section(std::string_view section, std::vector<ParamSpec> host_keys,
+                    std::optional<SelectorAlias> alias = std::nullopt);
 
 // A validated plugin section.
 struct PluginSection {
@@ -150,13 +183,18 @@ class Config {
   std::map<std::string, Params, std::less<>> host_;
 };
 
+// The one check of a parameter value against its schema entry, whatever edge
+// converted it (TOML, JSON, Python keyword arguments, Params built in C++):
+// type (an integer is accepted for a floating key and returned as a double),
+// bounds, allowed strings. Returns the checked value, or nullopt with `error`
+// set to "<what> = <value> is out of range: must be ..." or the like, where
+// `what` names the key as the caller's user wrote it.
+std::optional<ParamValue> check_param_value(const ParamSpec& spec, ParamValue value,
+                                            const std::string& what, std::string& error);
+
 // Validates `value` (a TOML value written as text, as in ParamSpec defaults)
 // against one spec. Used for defaults and by tests. Throws Error(config).
 ParamValue parse_param_literal(const ParamSpec& spec, std::string_view literal);
-
-// DeepSpeed names the elasticity algorithm by `version = 0.1`: the policy
-// plugin it selects ("0.1" -> "v0.1"). The one mapping, for every front end.
-std::string elasticity_policy_for_version(std::string_view version);
 
 // "1.5", "[2, 4]", "\"seqlen\"": a value formatted as TOML.
 std::string format_param_value(const ParamValue& value);

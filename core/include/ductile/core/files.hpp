@@ -1,4 +1,4 @@
-// Reading files that users name (configurations, lengths): never block on a
+// Reading files that users name (configurations, data files): never block on a
 // FIFO, never read a device or an unbounded file into memory.
 #pragma once
 
@@ -11,14 +11,10 @@
 
 namespace ductile::core {
 
-// The largest configuration file read (TOML, DeepSpeed JSON): 16 MiB. Real
+// The largest configuration file read (TOML or JSON): 16 MiB. Real
 // ones are a few KiB; the cap keeps `ductile config check /dev/zero`-like
 // mistakes from reading until the process is killed.
 inline constexpr std::uintmax_t kMaxConfigFileBytes = std::uintmax_t{16} << 20;
-
-// The largest lengths file (text or binary): 64 GiB, 8 G int64 lengths.
-// Lengths files are mapped, not read, so this bounds the address space only.
-inline constexpr std::uintmax_t kMaxLengthsFileBytes = std::uintmax_t{64} << 30;
 
 // Opens `file` read-only, close-on-exec and non-blocking, so that opening a
 // FIFO does not wait for a writer. Returns the descriptor (the caller closes
@@ -29,7 +25,7 @@ int open_for_reading(const std::filesystem::path& file);
 // what is wrong, for a message that the caller prefixes with the file name:
 // "is a FIFO, not a regular file; give a regular file", or
 // "is 20000000 bytes, over the 16 MiB cap of a configuration file".
-// `role` names the file's use ("configuration file", "lengths file").
+// `role` names the file's use ("configuration file", ...).
 std::string regular_file_problem(const struct stat& st, std::uintmax_t max_bytes,
                                  std::string_view role);
 

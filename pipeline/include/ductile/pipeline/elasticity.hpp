@@ -81,8 +81,30 @@ ElasticitySource elasticity_from_toml_text(std::string_view toml_text, std::stri
 ElasticitySource elasticity_from_toml_text(std::string_view toml_text, std::string_view origin,
                                            const core::PluginRegistry& registry);
 
-// A policy ready to use. `runtime` keeps the plugin registry alive;
-// `effective_params` are the policy's parameters with schema defaults filled.
+// A policy created from its settings: `effective_params` are its parameters
+// with schema defaults filled in.
+struct ElasticityPolicySetup {
+  std::shared_ptr<ElasticityPolicy> policy;
+  ElasticitySource source;
+  Params effective_params;
+};
+
+// A DeepSpeed JSON text's policy, created by `runtime` (whose registry also
+// types the keys): a policy named by "policy" keeps only its schema's keys,
+// the others becoming warnings in `source.warnings` (not logged here), and
+// `enabled` = false is refused unless the policy itself takes `enabled`.
+// Throws as elasticity_from_deepspeed_json does, and the policy's errors.
+// Threading: as runtime.create (callers sharing a runtime serialize).
+ElasticityPolicySetup elasticity_policy_from_deepspeed_json(core::Runtime& runtime,
+                                                            std::string_view json_text,
+                                                            std::string_view origin);
+
+// The policy of `runtime`'s [elasticity] section. Throws Error(config) typed
+// ElasticityConfigError when the configuration has none.
+ElasticityPolicySetup elasticity_policy_from_runtime(core::Runtime& runtime);
+
+// A policy ready to use, with the runtime that keeps its plugin registry
+// alive.
 struct LoadedElasticity {
   core::Runtime runtime;
   std::shared_ptr<ElasticityPolicy> policy;

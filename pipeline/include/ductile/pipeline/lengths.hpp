@@ -32,6 +32,15 @@ namespace ductile::pipeline {
 
 enum class LengthFormat { automatic, text, csv, npy, mmidx };
 
+// The names of the formats, in enum order, nullptr-terminated (as the
+// [batching] format key's allowed values are).
+inline constexpr const char* kLengthFormatNames[] = {"auto", "text",  "csv",
+                                                     "npy",  "mmidx", nullptr};
+
+// The largest lengths file (text or binary): 64 GiB, 8 G int64 lengths.
+// Lengths files are mapped, not read, so this bounds the address space only.
+inline constexpr std::uintmax_t kMaxLengthsFileBytes = std::uintmax_t{64} << 30;
+
 struct LengthReadOptions {
   LengthFormat format = LengthFormat::automatic;
   std::string column;        // csv: the lengths column (empty: the only column)
@@ -41,7 +50,7 @@ struct LengthReadOptions {
   std::int64_t max_histogram_samples = std::int64_t{1} << 30;
 };
 
-// Parses "auto", "text", "csv", "npy", "mmidx". Throws Error(invalid_argument).
+// One of kLengthFormatNames. Throws Error(invalid_argument).
 LengthFormat parse_length_format(const std::string& text);
 
 // The lengths in file order. Every length is >= 1 and the result is not empty.

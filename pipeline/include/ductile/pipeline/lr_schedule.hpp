@@ -28,7 +28,12 @@ namespace ductile::pipeline {
 
 enum class LrScheduleKind { constant, warmup_linear, warmup_cosine };
 
-// "constant", "warmup_linear", "warmup_cosine". Throws Error(invalid_argument).
+// The names of the kinds, in enum order, nullptr-terminated (as the [lr]
+// schedule key's allowed values are).
+inline constexpr const char* kLrScheduleNames[] = {"constant", "warmup_linear", "warmup_cosine",
+                                                   nullptr};
+
+// One of kLrScheduleNames. Throws Error(invalid_argument).
 LrScheduleKind parse_lr_schedule_kind(std::string_view text);
 const char* to_string(LrScheduleKind kind);
 

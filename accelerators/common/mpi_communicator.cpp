@@ -1,4 +1,4 @@
-#include "host_communicator.hpp"
+#include "mpi_communicator.hpp"
 
 #include "mpi_reduce_ops.hpp"
 
@@ -7,29 +7,6 @@
 #include <vector>
 
 namespace ductile::accel {
-
-CommMode choose_comm_mode(std::string_view setting, std::string_view key) {
-  LaunchInfo launch = detect_launch();
-  if (setting == "mpi") return CommMode::mpi;
-  if (setting == "host") return CommMode::host;
-  if (setting == "local") {
-    if (launch.size > 1)
-      throw Error(ErrorKind::config,
-                  std::string(key) +
-                      " = \"local\" gives a single-process world, but the launcher (" +
-                      launch.source + ") started " + std::to_string(launch.size) +
-                      " ranks; use \"auto\" or \"mpi\"");
-    return CommMode::local;
-  }
-  if (setting != "auto")
-    throw Error(ErrorKind::config,
-                std::string(key) + " = \"" + std::string(setting) +
-                    "\" is not valid; expected \"auto\", \"mpi\", \"local\" or \"host\"");
-  int initialized = 0;
-  MPI_Initialized(&initialized);
-  if (initialized || launch.from_launcher()) return CommMode::mpi;
-  return CommMode::local;
-}
 
 namespace {
 

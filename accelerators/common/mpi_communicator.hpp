@@ -1,7 +1,6 @@
-// Communicators over host memory: MpiCommunicator posts non-blocking MPI
-// collectives through the MpiEngine; the local communicator
-// (make_local_communicator, local_communicator.cpp) is the single-process
-// world (no MPI at all) used when a program runs without a launcher.
+// The MPI communicator over host memory: MpiCommunicator posts non-blocking
+// MPI collectives through the MpiEngine. (The single-process world, without
+// MPI, is the local communicator: local_communicator.hpp.)
 //
 // A collective is enqueued on a HostStream: when the stream reaches it, the
 // operation is handed to the engine (which posts it in issue order) and the
@@ -13,7 +12,6 @@
 #include <atomic>
 #include <memory>
 #include <string>
-#include <string_view>
 
 #include "accel_export.hpp"
 #include "checked_communicator.hpp"
@@ -23,17 +21,6 @@
 #include "mpi_engine.hpp"
 
 namespace ductile::accel {
-
-// How a backend's world communicator is made (the `communicator` key).
-// `host`: the embedding program supplies it (HostWorld::offer_world).
-enum class CommMode { local, mpi, host };
-
-// "auto": MPI when MPI is already initialised or a launcher started the
-// process (see detect_launch()), else local (a communicator the host offers
-// before world() replaces either). "mpi" / "local" force it; a local world
-// under a launcher with more than one rank is refused. "host": the host's.
-// Throws Error(config) naming `key` for an unknown value or that conflict.
-DUCTILE_ACCEL_API CommMode choose_comm_mode(std::string_view setting, std::string_view key);
 
 class DUCTILE_ACCEL_API MpiCommunicator final : public CheckedCommunicator {
  public:
@@ -79,9 +66,5 @@ class DUCTILE_ACCEL_API MpiCommunicator final : public CheckedCommunicator {
   int rank_ = 0, size_ = 1;
   int exchange_max_ranks_;
 };
-
-// The single-process world (rank 0 of 1, no MPI): collectives copy send to
-// recv where they differ, on the stream, in order.
-std::shared_ptr<Communicator> make_local_communicator();
 
 }  // namespace ductile::accel

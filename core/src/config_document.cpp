@@ -1,0 +1,161 @@
+// Configuration documents: a file or string read and parsed as TOML, after a
+// scan that refuses nesting deep enough to overflow TOML++'s recursion, plus
+// the diagnostics every configuration error is reported as.
+#include <fmt/format.h>
+#include <toml++/toml.h>
+
+#include "config_internal.hpp"
+#include "ductile/core/config.hpp"
+#include "ductile/core/files.hpp"
+
+namespace ductile::core {
+
+namespace fs = std::filesystem;
+
+std::string Diagnostic::format() const {
+  if (where.line == 0) return fmt::format("{}: {}", where.file, message);
+  return fmt::format("{}:{}:{}: {}", where.file, where.line, where.column, message);
+}
+
+namespace {
+
+std::string join_diagnostics(const std::vector<Diagnostic>& diagnostics) {
+  std::string out;
+  for (std::size_t i = 0; i < diagnostics.size(); ++i) {
+    if (i) out += '\n';
+    out += diagnostics[i].format();
+  }
+  return out;
+}
+
+}  // namespace
+
+ConfigError::ConfigError(std::vector<Diagnostic> diagnostics)
+    : Error(ErrorKind::config, join_diagnostics(diagnostics)),
+      diagnostics_(std::move(diagnostics)) {}
+
+ConfigDocument::ConfigDocument() : impl_(std::make_unique<Impl>()) {}
+ConfigDocument::ConfigDocument(ConfigDocument&&) noexcept = default;
+ConfigDocument& ConfigDocument::operator=(ConfigDocument&&) noexcept = default;
+ConfigDocument::~ConfigDocument() = default;
+
+const std::string& ConfigDocument::source_name() const {
+  return impl_->source_name;
+}
+const fs::path& ConfigDocument::base_dir() const {
+  return impl_->base_dir;
+}
+
+SourcePosition position_of(const std::string& file, const toml::source_region& region) {
+  return {file, region.begin.line, region.begin.column};
+}
+
+ConfigDocument ConfigDocument::from_file(const fs::path& file) {
+  std::string text;
+  try {
+    text = read_user_file(file, "configuration file");
+  } catch (const Error& e) {
+    // read_user_file's message is "<file>: <problem>"; a ConfigError names
+    // the file in its diagnostic instead.
+    Diagnostic problem;
+    problem.where.file = file.string();
+    problem.message = std::string(e.what()).substr(file.string().size() + 2);
+    throw ConfigError(std::vector<Diagnostic>{std::move(problem)});
+  }
+  std::error_code ec;
+  fs::path base = file.has_parent_path() ? file.parent_path() : fs::path(".");
+  return from_string(text, file.string(), fs::absolute(base, ec));
+}
+
+namespace {
+
+// TOML++ bounds the nesting of values (256) but walks nested tables built from
+// dotted keys and table headers recursively, both while parsing and when the
+// tree is destroyed: `[a.a.a....]` 100,000 deep overflows the stack. So the
+// text is scanned first (strings and comments skipped) for how deep any key
+// lies: the brackets open around it, plus the dots of the key path in each.
+// Numbers and times add at most one dot to a value, which only makes the
+// estimate conservative.
+void check_nesting(std::string_view text, const std::string& file) {
+  std::vector<std::size_t> open;  // for each open [ or {: the depth outside it
+  std::size_t dots = 0;           // dots of the current key path (or value)
+  std::uint32_t line = 1, column = 0;
+  auto fail = [&] {
+    throw ConfigError({{{file, line, column},
+                        fmt::format("tables, arrays and dotted keys nest deeper here than the "
+                                    "limit of {} levels",
+                                    kMaxConfigNesting)}});
+  };
+  auto depth = [&] { return (open.empty() ? 0 : open.back()) + dots; };
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    ++column;
+    if (c == '\n') {
+      ++line;
+      column = 0;
+      dots = 0;
+      continue;
+    }
+    if (c == '#') {  // comment: to the end of the line
+      while (i + 1 < text.size() && text[i + 1] != '\n') ++i;
+      continue;
+    }
+    if (c == '"' || c == '\'') {
+      const bool multi = text.substr(i, 3) == std::string_view(c == '"' ? "\"\"\"" : "\'\'\'");
+      const std::string_view end = multi ? text.substr(i, 3) : text.substr(i, 1);
+      i += end.size();
+      while (i < text.size() && text.substr(i, end.size()) != end) {
+        if (c == '"' && text[i] == '\\') ++i;  // escape: skip the next character
+        if (i < text.size() && text[i] == '\n') ++line, column = 0;
+        ++i;
+      }
+      i += end.size() - 1;
+      continue;
+    }
+    switch (c) {
+      case '.':
+        ++dots;
+        break;
+      case '[':
+      case '{':
+        open.push_back(depth() + 1);
+        dots = 0;
+        break;
+      case ']':
+      case '}':
+        if (!open.empty()) open.pop_back();
+        dots = 0;
+        break;
+      case ',':  // the next key or element (a value keeps its key's dots)
+        dots = 0;
+        break;
+      default:
+        break;
+    }
+    if (depth() > kMaxConfigNesting) fail();
+  }
+}
+
+}  // namespace
+
+ConfigDocument ConfigDocument::from_string(std::string_view text, std::string_view source_name,
+                                           const fs::path& base_dir) {
+  ConfigDocument doc;
+  doc.impl_->source_name = std::string(source_name);
+  doc.impl_->base_dir = base_dir.empty() ? fs::current_path() : base_dir;
+  check_nesting(text, doc.impl_->source_name);
+  try {
+    doc.impl_->root = toml::parse(text, std::string_view{doc.impl_->source_name});
+  } catch (const toml::parse_error& e) {
+    throw ConfigError({{position_of(doc.impl_->source_name, e.source()),
+                        "invalid TOML: " + std::string(e.description())}});
+  }
+  return doc;
+}
+
+std::optional<std::string> ConfigDocument::log_level() const {
+  if (auto level = impl_->root["log"]["level"].value<std::string>()) return level;
+  return std::nullopt;
+}
+
+}  // namespace ductile::core

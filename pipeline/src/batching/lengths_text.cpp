@@ -1,0 +1,36 @@
+// Reader of the text lengths format (see ductile/pipeline/lengths.hpp): one
+// integer length a line. A blank line is an error unless only blank lines
+// follow it; the error names the first blank line.
+#include <cstdint>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "batching/lengths_internal.hpp"
+
+namespace ductile::pipeline::detail {
+
+std::vector<std::int64_t> read_text(const std::filesystem::path& file) {
+  MappedFile mapped(file);
+  std::vector<std::int64_t> out;
+  std::size_t blank_line = 0;
+  for_each_line(mapped.text(), [&](std::size_t line, std::string_view s, bool) {
+    if (trim(s).empty()) {
+      if (!blank_line) blank_line = line;
+      return;
+    }
+    if (blank_line)
+      throw value_error(file, fmt::format("line {}: empty line; expected one integer length a "
+                                          "line",
+                                          blank_line));
+    std::int64_t v = 0;
+    if (!parse_int(s, v))
+      throw value_error(file,
+                        fmt::format("line {}: {} is not an integer length", line, shown(trim(s))));
+    check_length(file, v, fmt::format("line {}", line));
+    out.push_back(v);
+  });
+  return out;
+}
+
+}  // namespace ductile::pipeline::detail
