@@ -8,7 +8,6 @@
 #include <sstream>
 
 #include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include "cli_common.hpp"
 #include "ductile/batch_sampler.hpp"
@@ -16,6 +15,7 @@
 #include "ductile/core/files.hpp"
 #include "ductile/core/logging.hpp"
 #include "ductile/pipeline/deepspeed_batching.hpp"
+#include "ductile/pipeline/elasticity.hpp"
 #include "ductile/pipeline/pack_plan.hpp"
 
 namespace ductile::cli {
@@ -25,7 +25,7 @@ namespace fs = std::filesystem;
 
 // Options as given on the command line; numbers are kept as text so that bad
 // values are reported like every other error (also as JSON with --json).
-struct PackCliOptions {
+struct PackFlags {
   std::string config, lengths, column, count_column, format;
   std::string max_tokens, sampler, order, seed, min_batch_size, max_batch_size,
       effective_batch_size, budget, ranks;
@@ -67,23 +67,14 @@ double parse_double(const std::string& flag, const std::string& text, double min
   return v;
 }
 
-// Drops parameters that are not in the sampler's schema (a flag chose
-// another sampler than the config file).
-void keep_schema_keys(Params& params, const core::PluginInfo& info) {
-  Params kept;
-  for (const auto& [key, value] : params.values())
-    for (const auto& spec : info.params)
-      if (key == spec.key) kept.set(key, value);
-  params = kept;
-}
-
-int run_pack(const CliContext& context, const PackCliOptions& o) {
+int run_pack(const CliContext& context, const PackFlags& o) {
   pipeline::PackSetup setup;
   std::optional<core::Runtime> runtime;
   if (!o.config.empty()) {
     const fs::path config = o.config;
-    if (config.extension() == ".json") {
-      const std::string text = core::read_user_file(config, "DeepSpeed config");
+    const std::string text = core::read_user_file(
+        config, config.extension() == ".json" ? "DeepSpeed config" : "configuration file");
+    if (pipeline::is_json_config(config, text)) {
       runtime.emplace(core::Runtime::from_string("", "command line", context.runtime_options()));
       auto ds = pipeline::parse_deepspeed_batching(text, o.config, config.parent_path(),
                                                    runtime->registry());
@@ -110,7 +101,7 @@ int run_pack(const CliContext& context, const PackCliOptions& o) {
   auto choose = [&](PluginKind kind, const std::string& name, Params& params) {
     const auto installed = runtime->registry().names(kind);
     if (std::find(installed.begin(), installed.end(), name) != installed.end())
-      keep_schema_keys(params, runtime->registry().find(kind, name));
+      params = core::schema_params(runtime->registry().find(kind, name), params);
   };
   if (!o.sampler.empty()) {
     options.sampler = o.sampler;
@@ -162,36 +153,7 @@ int run_pack(const CliContext& context, const PackCliOptions& o) {
   const auto ranks = options.ranks;
 
   if (o.json) {
-    nlohmann::json out;
-    nlohmann::json mbs = nlohmann::json::array();
-    for (std::size_t m = 0; m < plan.microbatch_count(); ++m) {
-      auto ids = plan.microbatch(m);
-      mbs.push_back({plan.microbatch_steps[m], std::vector<std::int64_t>(ids.begin(), ids.end())});
-    }
-    out["microbatch_ids"] = std::move(mbs);
-    out["batch_sizes"] = plan.batch_sizes;
-    out["batch_max_seqlens"] = plan.batch_max_seqlens;
-    out["dropped_ids"] = plan.dropped_ids;
-    out["leftover_ids"] = plan.leftover_ids;
-    if (plan.lr_rule) out["lrs"] = plan.lrs;
-    if (ranks > 0) {
-      nlohmann::json per_rank = nlohmann::json::array();
-      for (std::int64_t rank = 0; rank < ranks; ++rank) {
-        auto mine = plan.microbatches_of_rank(static_cast<std::size_t>(rank));
-        per_rank.push_back(std::vector<std::int64_t>(mine.begin(), mine.end()));
-      }
-      out["ranks"] = std::move(per_rank);
-    }
-    out["stats"] = {{"sequences", s.sequences},
-                    {"tokens", s.tokens},
-                    {"microbatches", plan.microbatch_count()},
-                    {"steps", plan.step_count()},
-                    {"dropped", plan.dropped_ids.size()},
-                    {"leftover", plan.leftover_ids.size()},
-                    {"token_efficiency", s.token_efficiency},
-                    {"padded_efficiency", s.padded_efficiency},
-                    {"seconds", s.seconds}};
-    std::cout << out.dump() << "\n";
+    std::cout << pipeline::to_json(plan) << "\n";
     return kExitOk;
   }
 
@@ -235,7 +197,7 @@ int run_pack(const CliContext& context, const PackCliOptions& o) {
 }  // namespace
 
 void register_pack_command(CLI::App& app, CliContext& context) {
-  auto o = std::make_shared<PackCliOptions>();
+  auto o = std::make_shared<PackFlags>();
   auto* pack = app.add_subcommand(
       "pack", "Pack sample lengths into token-budget micro-batches and steps (dynamic batching)");
   pack->add_option("--lengths", o->lengths,

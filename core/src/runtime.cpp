@@ -78,6 +78,20 @@ Params complete_params(const PluginInfo& info, const Params& given) {
   return out;
 }
 
+Params schema_params(const PluginInfo& info, const Params& given,
+                     std::vector<std::string>* dropped) {
+  Params kept;
+  for (const auto& [key, value] : given.values()) {
+    const bool known = std::any_of(info.params.begin(), info.params.end(),
+                                   [&](const ParamSpec& s) { return key == s.key; });
+    if (known)
+      kept.set(key, value);
+    else if (dropped)
+      dropped->push_back(key);
+  }
+  return kept;
+}
+
 std::shared_ptr<Plugin> Runtime::State::create(const PluginInfo& info, Params params) {
   // Every error the plugin can know from its parameters, as it reported it
   // (kind, type and message), before its constructor runs.

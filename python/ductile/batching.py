@@ -16,6 +16,7 @@ converted once.
 """
 
 import dataclasses
+import json
 import os
 
 import numpy as np
@@ -90,6 +91,8 @@ class PackPlan:
     options: dict
     stats: dict
     lengths: np.ndarray = dataclasses.field(repr=False)
+    # The C++ plan the arrays are views of (its to_json writes the CLI's format).
+    _plan: object = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def microbatch_count(self):
@@ -128,27 +131,16 @@ class PackPlan:
         return np.divide(positions - real, positions, out=np.zeros(steps), where=positions > 0)
 
     def to_json(self):
-        """The fields of ``ductile pack --json`` (without stats)."""
-        out = {
-            "microbatch_ids": [[int(self.microbatch_steps[i]), self.microbatch(i).tolist()]
-                               for i in range(self.microbatch_count)],
-            "batch_sizes": self.batch_sizes.tolist(),
-            "batch_max_seqlens": self.batch_max_seqlens.tolist(),
-            "dropped_ids": self.dropped_ids.tolist(),
-            "leftover_ids": self.leftover_ids.tolist(),
-        }
-        if self.lrs is not None:
-            out["lrs"] = self.lrs.tolist()
-        if self.options["ranks"] > 0:
-            out["ranks"] = [r.tolist() for r in self.rank_microbatches]
-        return out
+        """The fields of ``ductile pack --json`` (without stats), written by the
+        same C++ function as the CLI's."""
+        return json.loads(self._plan.to_json(with_stats=False))
 
 
 def pack(lengths, *, max_tokens=None, sampler="greedy", order=None, seed=None,
          min_batch_size=None, max_batch_size=None, effective_batch_size=None,
          same_size_microbatches=None, budget=None, params=None, ranks=0, lr_rule=None,
-         lr_params=None, base_lr=1e-3, base_batch_size=None, schedule="constant",
-         warmup_steps=0, total_steps=0, min_lr=0.0, runtime=None, plugin_path=None):
+         lr_params=None, base_lr=None, base_batch_size=None, schedule=None,
+         warmup_steps=None, total_steps=None, min_lr=None, runtime=None, plugin_path=None):
     """Packs ``lengths`` into micro-batches and steps, assigns ranks and
     computes each step's learning rate: ``pipeline::pack_plan``, every option
     of ``ductile pack``.
@@ -177,14 +169,14 @@ def pack(lengths, *, max_tokens=None, sampler="greedy", order=None, seed=None,
                    min_batch_size=min_batch_size, max_batch_size=max_batch_size,
                    effective_batch_size=effective_batch_size,
                    same_size_microbatches=same_size_microbatches, budget=budget, params=params,
-                   ranks=0 if ranks is None else ranks, lr_rule=lr_rule, lr_params=lr_params,
+                   ranks=ranks, lr_rule=lr_rule, lr_params=lr_params,
                    base_batch_size=base_batch_size, schedule=schedule, base_lr=base_lr,
                    min_lr=min_lr, warmup_steps=warmup_steps, total_steps=total_steps)
     out = _ductile.batching.pack(lengths, options, runtime, plugin_path)
     offsets = out.pop("rank_offsets")
     flat = out.pop("rank_microbatches")
     out["rank_microbatches"] = [flat[offsets[r]:offsets[r + 1]] for r in range(len(offsets) - 1)]
-    return PackPlan(lengths=np.asarray(lengths), **out)
+    return PackPlan(lengths=np.asarray(lengths), _plan=out.pop("plan"), **out)
 
 
 def settings_from_config(config, *, plugin_path=None):
@@ -198,37 +190,12 @@ def settings_from_config(config, *, plugin_path=None):
     config names (DeepSpeed: ``{metrics_path}/seqlen/seqlen_sample_to_metric``)
     or None."""
     config = load_config(config, plugin_path=plugin_path)
-    kwargs = {"runtime": config.runtime}
     if config.format == "deepspeed":
-        ds = _ductile.batching.deepspeed_batching(config.deepspeed, config.origin,
-                                                  config.base_dir)
-        kwargs.update(sampler=ds["sampler"], params=dict(ds["sampler_params"]),
-                      lr_rule=ds["lr_rule"], lr_params=dict(ds["lr_params"]), base_batch_size=ds["base_batch_size"],
-                      schedule=ds["schedule"], base_lr=ds["base_lr"], min_lr=ds["min_lr"],
-                      warmup_steps=ds["warmup_steps"], total_steps=ds["total_steps"])
-        return kwargs, {"file": ds["lengths_prefix"], "format": "mmidx"}
-    runtime = config.runtime
-    lengths = None
-    section = runtime.section("batching")
-    if section is not None:
-        kwargs["sampler"] = section["plugin"]
-        kwargs["params"] = dict(section["params"])
-        host = section["host_params"]
-        if "lengths" in host:
-            path = host["lengths"]
-            lengths = {"file": path if os.path.isabs(path) else os.path.join(runtime.base_dir,
-                                                                           path)}
-            for key in ("format", "column", "count_column"):
-                if key in host:
-                    lengths[key] = host[key]
-    section = runtime.section("lr")
-    if section is not None:
-        kwargs["lr_rule"] = section["plugin"]
-        host = section["host_params"]
-        for key in ("base_batch_size", "base_lr", "min_lr", "schedule", "warmup_steps",
-                    "total_steps"):
-            if key in host:
-                kwargs[key] = host[key]
+        kwargs, lengths = _ductile.batching.settings_from_deepspeed(
+            config.deepspeed, config.origin, config.base_dir, config.runtime)
+    else:
+        kwargs, lengths = _ductile.batching.settings_from_config(config.runtime)
+    kwargs["runtime"] = config.runtime
     return kwargs, lengths
 
 

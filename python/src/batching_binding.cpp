@@ -94,73 +94,122 @@ struct ScheduleHandle {
   pipeline::VariableBatchLrSchedule schedule;
 };
 
-// A keyword argument of pack() converted strictly (bindings.hpp), named by
-// its keyword in errors.
-template <class T>
-T arg(const py::dict& d, const char* key) {
-  const py::handle value = d[key];
-  if constexpr (std::is_same_v<T, std::int64_t>)
-    return int_argument(value, key);
-  else if constexpr (std::is_same_v<T, double>)
-    return real_argument(value, key);
-  else if constexpr (std::is_same_v<T, bool>)
-    return bool_argument(value, key);
-  else
-    return text_argument(value, key);
+// The keyword arguments of ductile.batching.pack, each with the
+// PackPlanOptions field it fills: one table, read by pack() (Python -> C++,
+// in this order, so the first bad argument is the one reported) and by
+// settings() (C++ -> Python: the options a configuration gives).
+template <class Options, class Visit>
+void for_each_option(Options& o, Visit&& visit) {
+  visit("sampler", o.sampler);
+  visit("max_tokens", o.max_tokens);
+  visit("order", o.order);
+  visit("seed", o.seed);
+  visit("min_batch_size", o.min_batch_size);
+  visit("max_batch_size", o.max_batch_size);
+  visit("effective_batch_size", o.effective_batch_size);
+  visit("same_size_microbatches", o.same_size_microbatches);
+  visit("budget", o.budget);
+  visit("params", o.sampler_params);
+  visit("ranks", o.ranks);
+  visit("lr_rule", o.lr_rule);
+  visit("lr_params", o.lr_params);
+  visit("base_batch_size", o.base_batch_size);
+  visit("schedule", o.schedule.kind);
+  visit("base_lr", o.schedule.base_lr);
+  visit("min_lr", o.schedule.min_lr);
+  visit("warmup_steps", o.schedule.warmup_steps);
+  visit("total_steps", o.schedule.total_steps);
 }
 
+// The keys of for_each_option that mean nothing without an lr rule.
+constexpr const char* kScheduleKeys[] = {"lr_params", "base_batch_size", "schedule",   "base_lr",
+                                         "min_lr",    "warmup_steps",    "total_steps"};
+
+// One keyword argument converted strictly (bindings.hpp), named by its
+// keyword in errors; None (or absent) leaves the field as it is.
+struct ReadOption {
+  const py::dict& kwargs;
+
+  template <class T>
+  void operator()(const char* key, T& field) const {
+    if (!kwargs.contains(key) || kwargs[key].is_none()) return;
+    const py::handle value = kwargs[key];
+    if constexpr (std::is_same_v<T, std::int64_t>)
+      field = int_argument(value, key);
+    else if constexpr (std::is_same_v<T, double>)
+      field = real_argument(value, key);
+    else if constexpr (std::is_same_v<T, bool>)
+      field = bool_argument(value, key);
+    else if constexpr (std::is_same_v<T, std::string>)
+      field = text_argument(value, key);
+    else if constexpr (std::is_same_v<T, Params>)
+      field = params_from_dict(py::reinterpret_borrow<py::dict>(value), key);
+    else if constexpr (std::is_same_v<T, pipeline::LrScheduleKind>)
+      field = pipeline::parse_lr_schedule_kind(text_argument(value, key));
+    else
+      (*this)(key, field.emplace());  // a std::optional
+  }
+};
+
+// One field as a keyword argument; an unset optional is left out.
+struct WriteOption {
+  py::dict& kwargs;
+
+  template <class T>
+  void operator()(const char* key, const T& field) const {
+    if constexpr (std::is_same_v<T, Params>)
+      kwargs[key] = dict_from_params(field);
+    else if constexpr (std::is_same_v<T, pipeline::LrScheduleKind>)
+      kwargs[key] = pipeline::to_string(field);
+    else if constexpr (std::is_same_v<T, std::int64_t> || std::is_same_v<T, double> ||
+                       std::is_same_v<T, bool> || std::is_same_v<T, std::string>)
+      kwargs[key] = field;
+    else if (field)
+      (*this)(key, *field);
+  }
+};
+
+// A PackPlan kept whole for to_json(); the numpy arrays of the Python
+// PackPlan are views of its vectors, and each keeps it alive.
+struct PlanHandle {
+  pipeline::PackPlan plan;
+};
+
 template <class T>
-std::optional<T> opt(const py::dict& d, const char* key) {
-  if (!d.contains(key) || d[key].is_none()) return std::nullopt;
-  return arg<T>(d, key);
+py::array_t<T> view(std::vector<T>& values, const py::object& owner) {
+  return py::array_t<T>({static_cast<py::ssize_t>(values.size())},
+                        {static_cast<py::ssize_t>(sizeof(T))}, values.data(), owner);
 }
 
-// pipeline::pack_plan on a lengths buffer read in place. `options` holds the
+// pipeline::pack_plan on a lengths buffer read in place. `kwargs` holds the
 // keyword arguments of ductile.batching.pack (None: not given).
-py::dict pack(const py::buffer& lengths_buffer, const py::dict& o, const py::object& runtime_arg,
-              const py::object& plugin_path) {
+py::dict pack(const py::buffer& lengths_buffer, const py::dict& kwargs,
+              const py::object& runtime_arg, const py::object& plugin_path) {
   auto runtime = runtime_or_plain(runtime_arg, plugin_path);
   const py::buffer_info lengths_info = lengths_buffer.request();
   const auto lengths = int64_view(lengths_info, "lengths");
   pipeline::PackPlanOptions options;
-  options.sampler = arg<std::string>(o, "sampler");
-  options.max_tokens = opt<std::int64_t>(o, "max_tokens");
-  options.order = opt<std::string>(o, "order");
-  options.seed = opt<std::int64_t>(o, "seed");
-  options.min_batch_size = opt<std::int64_t>(o, "min_batch_size");
-  options.max_batch_size = opt<std::int64_t>(o, "max_batch_size");
-  options.effective_batch_size = opt<std::int64_t>(o, "effective_batch_size");
-  options.same_size_microbatches = opt<bool>(o, "same_size_microbatches");
-  options.budget = opt<std::string>(o, "budget");
-  if (o.contains("params") && !o["params"].is_none())
-    options.sampler_params = params_from_dict(o["params"].cast<py::dict>(), "params");
-  options.ranks = arg<std::int64_t>(o, "ranks");
-  options.lr_rule = opt<std::string>(o, "lr_rule");
-  if (o.contains("lr_params") && !o["lr_params"].is_none())
-    options.lr_params = params_from_dict(o["lr_params"].cast<py::dict>(), "lr_params");
-  options.base_batch_size = opt<double>(o, "base_batch_size");
-  options.schedule.kind = pipeline::parse_lr_schedule_kind(arg<std::string>(o, "schedule"));
-  options.schedule.base_lr = arg<double>(o, "base_lr");
-  options.schedule.min_lr = arg<double>(o, "min_lr");
-  options.schedule.warmup_steps = arg<std::int64_t>(o, "warmup_steps");
-  options.schedule.total_steps = arg<std::int64_t>(o, "total_steps");
-  pipeline::PackPlan plan;
+  for_each_option(options, ReadOption{kwargs});
+  auto handle = std::make_shared<PlanHandle>();
   {
     py::gil_scoped_release release;
-    plan = pipeline::pack_plan(runtime->runtime, lengths, options);
+    handle->plan = pipeline::pack_plan(runtime->runtime, lengths, options);
   }
+  auto& plan = handle->plan;
+  const py::object owner = py::cast(handle);
   py::dict out;
-  out["lrs"] = plan.lr_rule ? py::object(to_numpy(std::move(plan.lrs))) : py::none();
-  out["microbatch_ranks"] = to_numpy(std::move(plan.microbatch_ranks));
-  out["rank_microbatches"] = to_numpy(std::move(plan.rank_microbatches));
-  out["rank_offsets"] = to_numpy(std::move(plan.rank_offsets));
-  out["microbatch_offsets"] = to_numpy(std::move(plan.microbatch_offsets));
-  out["sample_ids"] = to_numpy(std::move(plan.sample_ids));
-  out["microbatch_steps"] = to_numpy(std::move(plan.microbatch_steps));
-  out["batch_sizes"] = to_numpy(std::move(plan.batch_sizes));
-  out["batch_max_seqlens"] = to_numpy(std::move(plan.batch_max_seqlens));
-  out["dropped_ids"] = to_numpy(std::move(plan.dropped_ids));
-  out["leftover_ids"] = to_numpy(std::move(plan.leftover_ids));
+  out["plan"] = owner;
+  out["lrs"] = plan.lr_rule ? py::object(view(plan.lrs, owner)) : py::none();
+  out["microbatch_ranks"] = view(plan.microbatch_ranks, owner);
+  out["rank_microbatches"] = view(plan.rank_microbatches, owner);
+  out["rank_offsets"] = view(plan.rank_offsets, owner);
+  out["microbatch_offsets"] = view(plan.microbatch_offsets, owner);
+  out["sample_ids"] = view(plan.sample_ids, owner);
+  out["microbatch_steps"] = view(plan.microbatch_steps, owner);
+  out["batch_sizes"] = view(plan.batch_sizes, owner);
+  out["batch_max_seqlens"] = view(plan.batch_max_seqlens, owner);
+  out["dropped_ids"] = view(plan.dropped_ids, owner);
+  out["leftover_ids"] = view(plan.leftover_ids, owner);
   py::dict stats;
   stats["sequences"] = plan.stats.sequences;
   stats["tokens"] = plan.stats.tokens;
@@ -186,25 +235,35 @@ py::dict pack(const py::buffer& lengths_buffer, const py::dict& o, const py::obj
   return out;
 }
 
-py::dict deepspeed_batching(const std::string& json_text, const std::string& origin,
-                            const std::filesystem::path& base_dir) {
-  auto runtime = plain_runtime({});
-  auto ds =
-      pipeline::parse_deepspeed_batching(json_text, origin, base_dir, runtime->runtime.registry());
-  py::dict out;
-  out["enabled"] = ds.enabled;
-  out["sampler"] = ds.sampler;
-  out["sampler_params"] = dict_from_params(ds.sampler_params);
-  out["lr_rule"] = ds.lr_rule;
-  out["lr_params"] = dict_from_params(ds.lr_params);
-  out["base_batch_size"] = ds.base_batch_size;
-  out["schedule"] = pipeline::to_string(ds.schedule.kind);
-  out["base_lr"] = ds.schedule.base_lr;
-  out["min_lr"] = ds.schedule.min_lr;
-  out["warmup_steps"] = ds.schedule.warmup_steps;
-  out["total_steps"] = ds.schedule.total_steps;
-  out["lengths_prefix"] = ds.lengths_prefix.string();
-  return out;
+// A configuration's packing settings (pipeline::PackSetup) as Python
+// arguments: (keyword arguments of pack, keyword arguments of read_lengths,
+// or None when the configuration names no lengths file).
+py::tuple settings(const pipeline::PackSetup& setup) {
+  py::dict kwargs;
+  for_each_option(setup.options, WriteOption{kwargs});
+  if (!setup.options.lr_rule)
+    for (const char* key : kScheduleKeys)
+      if (kwargs.contains(key)) PyDict_DelItemString(kwargs.ptr(), key);
+  if (setup.lengths.empty()) return py::make_tuple(kwargs, py::none());
+  py::dict read;
+  read["file"] = setup.lengths.string();
+  read["format"] = pipeline::kLengthFormatNames[static_cast<int>(setup.read.format)];
+  if (!setup.read.column.empty()) read["column"] = setup.read.column;
+  if (!setup.read.count_column.empty()) read["count_column"] = setup.read.count_column;
+  return py::make_tuple(kwargs, read);
+}
+
+py::tuple settings_from_deepspeed(const std::string& json_text, const std::string& origin,
+                                  const std::filesystem::path& base_dir,
+                                  const std::shared_ptr<RuntimeHandle>& runtime) {
+  std::lock_guard lock(runtime->mutex);
+  return settings(pipeline::pack_setup_from_deepspeed(pipeline::parse_deepspeed_batching(
+      json_text, origin, base_dir, runtime->runtime.registry())));
+}
+
+py::tuple settings_from_config(const std::shared_ptr<RuntimeHandle>& runtime) {
+  std::lock_guard lock(runtime->mutex);
+  return settings(pipeline::pack_setup_from_config(runtime->runtime.config()));
 }
 
 }  // namespace
@@ -228,11 +287,20 @@ void register_batching(py::module_& m) {
       py::arg("file"), py::arg("format") = "auto", py::arg("column") = "",
       py::arg("count_column") = "");
 
-  m.def("pack", &pack, py::arg("lengths"), py::arg("options"), py::arg("runtime") = py::none(),
+  m.def("pack", &pack, py::arg("lengths"), py::arg("kwargs"), py::arg("runtime") = py::none(),
         py::arg("plugin_path") = py::none());
 
-  m.def("deepspeed_batching", &deepspeed_batching, py::arg("json_text"), py::arg("origin"),
-        py::arg("base_dir") = std::filesystem::path());
+  m.def("settings_from_deepspeed", &settings_from_deepspeed, py::arg("json_text"),
+        py::arg("origin"), py::arg("base_dir"), py::arg("runtime"));
+  m.def("settings_from_config", &settings_from_config, py::arg("runtime"));
+
+  py::class_<PlanHandle, std::shared_ptr<PlanHandle>>(m, "PackPlan", "A pipeline::PackPlan.")
+      .def(
+          "to_json",
+          [](const PlanHandle& h, bool with_stats) {
+            return pipeline::to_json(h.plan, with_stats);
+          },
+          py::arg("with_stats") = true, "The plan as `ductile pack --json` writes it.");
 
   py::class_<RuleHandle, std::shared_ptr<RuleHandle>>(m, "LrRule",
                                                       "A learning-rate scaling rule plugin.")
@@ -269,8 +337,12 @@ void register_batching(py::module_& m) {
                            rule->rule, base_batch_size, std::move(batch_sizes))});
            }),
            py::arg("rule"), py::arg("base_batch_size"), py::arg("batch_sizes"),
-           py::arg("schedule") = "constant", py::arg("base_lr") = 1e-3, py::arg("min_lr") = 0.0,
-           py::arg("warmup_steps") = 0, py::arg("total_steps") = 0)
+           // The defaults are LrScheduleSpec's, stated there only.
+           py::arg("schedule") = pipeline::to_string(pipeline::LrScheduleSpec{}.kind),
+           py::arg("base_lr") = pipeline::LrScheduleSpec{}.base_lr,
+           py::arg("min_lr") = pipeline::LrScheduleSpec{}.min_lr,
+           py::arg("warmup_steps") = pipeline::LrScheduleSpec{}.warmup_steps,
+           py::arg("total_steps") = pipeline::LrScheduleSpec{}.total_steps)
       .def_property_readonly("lr", [](const ScheduleHandle& h) { return h.schedule.lr(); })
       .def_property_readonly("step_index",
                              [](const ScheduleHandle& h) { return h.schedule.step_index(); })

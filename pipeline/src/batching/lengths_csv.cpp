@@ -71,63 +71,61 @@ std::vector<std::int64_t> read_csv(const fs::path& file, const LengthReadOptions
   std::size_t length_col = 0, count_col = 0;
   bool histogram = !options.count_column.empty();
   std::vector<std::string> storage;
-  std::size_t blank_line = 0;
-  for_each_line(mapped.text(), [&](std::size_t line, std::string_view s, bool) {
-    if (trim(s).empty()) {
-      if (!blank_line) blank_line = line;
-      return;
-    }
-    if (blank_line)
-      throw value_error(file, fmt::format("line {}: empty line inside the table", blank_line));
-    auto fields = split_csv(s, storage);
-    if (header.empty()) {
-      for (auto f : fields) header.emplace_back(trim(f));
-      auto find = [&](const std::string& name, const char* what) {
-        auto it = std::find(header.begin(), header.end(), name);
-        if (it == header.end())
-          throw value_error(file,
-                            fmt::format("line 1: no {} column '{}'{}; columns: {}", what, name,
-                                        core::did_you_mean(name, header), core::join(header)));
-        return static_cast<std::size_t>(it - header.begin());
-      };
-      if (options.column.empty()) {
-        if (header.size() != 1)
-          throw value_error(file, fmt::format("line 1: {} columns ({}); name the lengths column "
-                                              "(--column NAME)",
-                                              header.size(), core::join(header)));
-        length_col = 0;
-      } else {
-        length_col = find(options.column, "lengths");
-      }
-      if (histogram) count_col = find(options.count_column, "count");
-      return;
-    }
-    if (fields.size() != header.size())
-      throw value_error(file, fmt::format("line {}: {} fields, but the header has {} columns", line,
-                                          fields.size(), header.size()));
-    std::int64_t v = 0;
-    if (!parse_int(fields[length_col], v))
-      throw value_error(file, fmt::format("line {}, column '{}': {} is not an integer length", line,
-                                          header[length_col], shown(fields[length_col])));
-    std::int64_t count = 1;
-    if (histogram) {
-      if (!parse_int(fields[count_col], count) || count < 0)
-        throw value_error(file, fmt::format("line {}, column '{}': {} is not a count (an integer "
-                                            ">= 0)",
-                                            line, header[count_col], shown(fields[count_col])));
-      if (count == 0) return;
-      // A histogram expands to one entry per sample: refuse counts that no
-      // memory could hold before allocating them.
-      const std::int64_t most = options.max_histogram_samples;
-      if (count > most - static_cast<std::int64_t>(out.size()))
-        throw value_error(
-            file, fmt::format("line {}, column '{}': count {} makes more than {} samples in all, "
-                              "the most a lengths file may expand to",
-                              line, header[count_col], count, most));
-    }
-    check_length(file, v, fmt::format("line {}, column '{}'", line, header[length_col]));
-    out.insert(out.end(), static_cast<std::size_t>(count), v);
-  });
+  for_each_row(
+      file, mapped.text(), "empty line inside the table",
+      [&](std::size_t line, std::string_view s) {
+        auto fields = split_csv(s, storage);
+        if (header.empty()) {
+          for (auto f : fields) header.emplace_back(trim(f));
+          auto find = [&](const std::string& name, const char* what) {
+            auto it = std::find(header.begin(), header.end(), name);
+            if (it == header.end())
+              throw value_error(file,
+                                fmt::format("line 1: no {} column '{}'{}; columns: {}", what, name,
+                                            core::did_you_mean(name, header), core::join(header)));
+            return static_cast<std::size_t>(it - header.begin());
+          };
+          if (options.column.empty()) {
+            if (header.size() != 1)
+              throw value_error(file,
+                                fmt::format("line 1: {} columns ({}); name the lengths column "
+                                            "(--column NAME)",
+                                            header.size(), core::join(header)));
+            length_col = 0;
+          } else {
+            length_col = find(options.column, "lengths");
+          }
+          if (histogram) count_col = find(options.count_column, "count");
+          return;
+        }
+        if (fields.size() != header.size())
+          throw value_error(file, fmt::format("line {}: {} fields, but the header has {} columns",
+                                              line, fields.size(), header.size()));
+        std::int64_t v = 0;
+        if (!parse_int(fields[length_col], v))
+          throw value_error(file, fmt::format("line {}, column '{}': {} is not an integer length",
+                                              line, header[length_col], shown(fields[length_col])));
+        std::int64_t count = 1;
+        if (histogram) {
+          if (!parse_int(fields[count_col], count) || count < 0)
+            throw value_error(file,
+                              fmt::format("line {}, column '{}': {} is not a count (an integer "
+                                          ">= 0)",
+                                          line, header[count_col], shown(fields[count_col])));
+          if (count == 0) return;
+          // A histogram expands to one entry per sample: refuse counts that no
+          // memory could hold before allocating them.
+          const std::int64_t most = options.max_histogram_samples;
+          if (count > most - static_cast<std::int64_t>(out.size()))
+            throw value_error(
+                file,
+                fmt::format("line {}, column '{}': count {} makes more than {} samples in all, "
+                            "the most a lengths file may expand to",
+                            line, header[count_col], count, most));
+        }
+        check_length(file, v, fmt::format("line {}, column '{}'", line, header[length_col]));
+        out.insert(out.end(), static_cast<std::size_t>(count), v);
+      });
   if (header.empty()) throw value_error(file, "empty file: expected a header row and data rows");
   return out;
 }

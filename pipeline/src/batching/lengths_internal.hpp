@@ -59,15 +59,25 @@ bool parse_int(std::string_view s, std::int64_t& out);
 // Throws value_error unless `v` >= 1; `where` is the position in the file.
 void check_length(const std::filesystem::path& file, std::int64_t v, const std::string& where);
 
-// Splits text into lines; the last line may lack '\n'.
-template <class F>
-void for_each_line(std::string_view text, F&& f) {
-  std::size_t line = 0, pos = 0;
+// Calls visit(line, text_of_line) for each line that is not blank (the last
+// line may lack '\n'). Blank lines may only trail: one followed by another
+// line is Error(value) "line N: <blank_problem>".
+template <class Visit>
+void for_each_row(const std::filesystem::path& file, std::string_view text,
+                  std::string_view blank_problem, Visit&& visit) {
+  std::size_t line = 0, pos = 0, blank_line = 0;
   while (pos < text.size()) {
     std::size_t end = text.find('\n', pos);
     if (end == std::string_view::npos) end = text.size();
-    f(++line, text.substr(pos, end - pos), end >= text.size() - 1);
+    const std::string_view s = text.substr(pos, end - pos);
     pos = end + 1;
+    ++line;
+    if (trim(s).empty()) {
+      if (!blank_line) blank_line = line;
+      continue;
+    }
+    if (blank_line) throw value_error(file, fmt::format("line {}: {}", blank_line, blank_problem));
+    visit(line, s);
   }
 }
 

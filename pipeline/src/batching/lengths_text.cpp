@@ -13,23 +13,15 @@ namespace ductile::pipeline::detail {
 std::vector<std::int64_t> read_text(const std::filesystem::path& file) {
   MappedFile mapped(file);
   std::vector<std::int64_t> out;
-  std::size_t blank_line = 0;
-  for_each_line(mapped.text(), [&](std::size_t line, std::string_view s, bool) {
-    if (trim(s).empty()) {
-      if (!blank_line) blank_line = line;
-      return;
-    }
-    if (blank_line)
-      throw value_error(file, fmt::format("line {}: empty line; expected one integer length a "
-                                          "line",
-                                          blank_line));
-    std::int64_t v = 0;
-    if (!parse_int(s, v))
-      throw value_error(file,
-                        fmt::format("line {}: {} is not an integer length", line, shown(trim(s))));
-    check_length(file, v, fmt::format("line {}", line));
-    out.push_back(v);
-  });
+  for_each_row(file, mapped.text(), "empty line; expected one integer length a line",
+               [&](std::size_t line, std::string_view s) {
+                 std::int64_t v = 0;
+                 if (!parse_int(s, v))
+                   throw value_error(file, fmt::format("line {}: {} is not an integer length", line,
+                                                       shown(trim(s))));
+                 check_length(file, v, fmt::format("line {}", line));
+                 out.push_back(v);
+               });
   return out;
 }
 

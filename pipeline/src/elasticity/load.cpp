@@ -23,23 +23,18 @@ ElasticityPolicySetup elasticity_policy_from_deepspeed_json(Runtime& runtime,
   const core::PluginInfo& info = runtime.registry().find(PluginKind::elasticity, source.policy);
   // A policy named by "policy" may not know every DeepSpeed key: keep the
   // keys of its schema, say which others are dropped, and honour `enabled`.
-  auto in_schema = [&](const std::string& key) {
-    return std::any_of(info.params.begin(), info.params.end(),
-                       [&](const ParamSpec& s) { return key == s.key; });
-  };
-  if (!in_schema("enabled") && source.params.has("enabled") && !source.params.get_bool("enabled"))
+  std::vector<std::string> dropped;
+  Params kept = core::schema_params(info, source.params, &dropped);
+  const bool takes_enabled = kept.has("enabled") || !source.params.has("enabled");
+  if (!takes_enabled && !source.params.get_bool("enabled"))
     detail::elasticity_config_error(
         fmt::format("{}: elasticity is disabled, please enable it (\"enabled\": true) "
                     "if running an elastic training job",
                     source.origin));
-  Params kept;
-  for (const auto& [key, value] : source.params.values()) {
-    if (in_schema(key))
-      kept.set(key, value);
-    else if (key != "enabled")
+  for (const auto& key : dropped)
+    if (key != "enabled")
       source.warnings.push_back(fmt::format("{}: policy '{}' has no parameter '{}'; ignored",
                                             source.origin, source.policy, key));
-  }
   source.params = std::move(kept);
   Params effective = core::complete_params(info, source.params);
   auto policy = runtime.create<ElasticityPolicy>(source.policy, source.params);

@@ -156,6 +156,9 @@ struct PackPlan {
   std::size_t step_count() const noexcept { return batch_sizes.size(); }
   std::span<const std::int64_t> microbatch(std::size_t i) const;
   std::span<const std::int64_t> microbatches_of_rank(std::size_t rank) const;
+  std::size_t rank_count() const noexcept {
+    return rank_offsets.empty() ? 0 : rank_offsets.size() - 1;
+  }
 };
 
 // Checks the options against the runtime's plugins without packing:
@@ -177,6 +180,13 @@ PackPlan pack_plan(core::Runtime& runtime, std::span<const std::int64_t> lengths
 // options from the config. Throws Error(config) when the config has no
 // [batching] section, or has [lr] without base_batch_size.
 PackPlan pack_plan_configured(core::Runtime& runtime, std::span<const std::int64_t> lengths);
+
+// The plan as `ductile pack --json` writes it, the one writer of that format
+// (the CLI and Python's PackPlan.to_json): microbatch_ids ([step, [sample
+// ids]] per micro-batch), batch_sizes, batch_max_seqlens, dropped_ids,
+// leftover_ids, lrs (with a rule), ranks (micro-batches per rank, when
+// assigned) and, `with_stats`, stats. One line of JSON, no newline.
+std::string to_json(const PackPlan& plan, bool with_stats = true);
 
 // Where a configuration says the lengths are, with the options it gives.
 struct PackSetup {

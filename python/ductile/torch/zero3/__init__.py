@@ -12,6 +12,7 @@
         engine.step()                            # optimizer on shards, grads cleared
     engine.save("ckpt/")                         # atomic; load on any world size
     engine.save_consolidated("hf/")              # Hugging Face safetensors
+    dist.destroy_process_group()                 # before exit (docs/python.md)
 
 Every parameter is partitioned over the ranks of the job's world:
 torch.distributed's process group when it is initialised (gloo on cpu,
