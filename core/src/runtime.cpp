@@ -92,6 +92,14 @@ Params schema_params(const PluginInfo& info, const Params& given,
   return kept;
 }
 
+std::vector<std::string> schema_allowed_values(const PluginInfo& info, std::string_view key) {
+  std::vector<std::string> out;
+  for (const auto& spec : info.params)
+    if (key == spec.key && spec.allowed_values)
+      for (auto p = spec.allowed_values; *p; ++p) out.emplace_back(*p);
+  return out;
+}
+
 std::shared_ptr<Plugin> Runtime::State::create(const PluginInfo& info, Params params) {
   // Every error the plugin can know from its parameters, as it reported it
   // (kind, type and message), before its constructor runs.

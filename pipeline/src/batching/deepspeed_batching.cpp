@@ -112,9 +112,12 @@ DeepSpeedBatching parse_deepspeed_batching(std::string_view text, std::string_vi
     order_key = base + ".sentence_picking_order";
   }
   if (order_value) order = r.string(*order_value, order_key);
-  if (order != "dataloader" && order != "seqlen" && order != "random")
+  // The valid orders are the sampler's schema's.
+  const auto orders =
+      core::schema_allowed_values(registry.find(PluginKind::batching, out.sampler), "order");
+  if (!orders.empty() && std::find(orders.begin(), orders.end(), order) == orders.end())
     throw r.fail(order_key,
-                 fmt::format("'{}' is not valid; valid: dataloader, seqlen, random", order));
+                 fmt::format("'{}' is not valid; valid: {}", order, fmt::join(orders, ", ")));
   out.sampler_params.set("order", order);
   std::int64_t seed = 1234;
   if (const json* v = r.child(*efficiency, "seed", ""))

@@ -35,16 +35,6 @@ void check_at_least(const PackPlanOptions& o, std::string_view name,
         fmt::format("{} {} is out of range; must be >= {}", option_name(o, name), *value, min));
 }
 
-// The allowed strings of a key of a plugin's schema; empty when the plugin
-// has no such key or takes any string.
-std::vector<std::string> allowed_values(const core::PluginInfo& info, std::string_view key) {
-  std::vector<std::string> out;
-  for (const auto& spec : info.params)
-    if (key == spec.key && spec.allowed_values)
-      for (auto p = spec.allowed_values; *p; ++p) out.emplace_back(*p);
-  return out;
-}
-
 // Nothing to check against when `valid` is empty.
 void check_one_of(const PackPlanOptions& o, std::string_view name, const std::string& value,
                   const std::vector<std::string>& valid) {
@@ -190,11 +180,12 @@ void check_pack_plan_options(const core::Runtime& runtime, const PackPlanOptions
   // The sampler's schema holds the valid orders and budgets (a sampler
   // without the key refuses it when its parameters are checked).
   const core::PluginInfo& sampler = registry.find(PluginKind::batching, o.sampler);
-  if (o.order) check_one_of(o, "order", *o.order, allowed_values(sampler, "order"));
+  if (o.order) check_one_of(o, "order", *o.order, core::schema_allowed_values(sampler, "order"));
   check_at_least(o, "min_batch_size", o.min_batch_size, 0);
   check_at_least(o, "max_batch_size", o.max_batch_size, 0);
   check_at_least(o, "effective_batch_size", o.effective_batch_size, 1);
-  if (o.budget) check_one_of(o, "budget", *o.budget, allowed_values(sampler, "budget"));
+  if (o.budget)
+    check_one_of(o, "budget", *o.budget, core::schema_allowed_values(sampler, "budget"));
   if (o.ranks < 0 || o.ranks > kMaxPackRanks)
     throw bad_option(
         fmt::format("{} {} is out of range; must be between 0 and {} (0: no rank assignment)",

@@ -111,7 +111,7 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size(
     return variable_batch_dataloader(
         dataset, lengths=lengths, optimizer=optimizer, max_tokens=params.pop("max_tokens"),
         gradient_accumulation_steps=effective // world_size,
-        order=params.pop("order", "dataloader"), seed=params.pop("seed", 1234), rank=rank,
+        order=params.pop("order"), seed=params.pop("seed"), rank=rank,
         world_size=world_size, lr_rule=kwargs.get("lr_rule"),
         base_batch_size=kwargs.get("base_batch_size"), lr_scheduler=lr_scheduler,
         lr_options=lr_options, collate_fn=collate_fn, collate=collate,

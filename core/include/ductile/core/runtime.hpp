@@ -106,4 +106,9 @@ Params complete_params(const PluginInfo& info, const Params& given);
 Params schema_params(const PluginInfo& info, const Params& given,
                      std::vector<std::string>* dropped = nullptr);
 
+// The strings a key of the plugin's schema allows; empty when the plugin has
+// no such key or takes any string. For front ends that check a typed option
+// against the schema before the plugin exists (naming it their own way).
+std::vector<std::string> schema_allowed_values(const PluginInfo& info, std::string_view key);
+
 }  // namespace ductile::core
