@@ -29,6 +29,9 @@ void check_plugins_section(const toml::table& plugins, const std::string& file,
 const char* toml_type_name(const toml::node& node);
 std::string show(const toml::node& node);
 
+// A string key's allowed values (empty: any string), as a list (param_values.cpp).
+std::vector<std::string> allowed_list(const ParamSpec& spec);
+
 // The TOML edge: a node converted to the type `spec` declares, then checked
 // by check_param_value. Returns nullopt with `error` set ("<what> ...").
 std::optional<ParamValue> convert_node(const toml::node& node, const ParamSpec& spec,

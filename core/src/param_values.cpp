@@ -46,13 +46,6 @@ bool in_bounds_int(const ParamSpec& spec, std::int64_t v) {
   return true;
 }
 
-std::vector<std::string> allowed_list(const ParamSpec& spec) {
-  std::vector<std::string> out;
-  if (spec.allowed_values)
-    for (auto p = spec.allowed_values; *p; ++p) out.emplace_back(*p);
-  return out;
-}
-
 struct ValueFormatter {
   std::string operator()(bool b) const { return b ? "true" : "false"; }
   std::string operator()(std::int64_t i) const { return std::to_string(i); }
@@ -98,6 +91,13 @@ struct ValueFormatter {
 };
 
 }  // namespace
+
+std::vector<std::string> allowed_list(const ParamSpec& spec) {
+  std::vector<std::string> out;
+  if (spec.allowed_values)
+    for (auto p = spec.allowed_values; *p; ++p) out.emplace_back(*p);
+  return out;
+}
 
 std::string format_param_value(const ParamValue& value) {
   return std::visit(ValueFormatter{}, value);

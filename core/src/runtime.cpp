@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include "config_internal.hpp"
 #include "ductile/core/logging.hpp"
 #include "ductile/core/text.hpp"
 
@@ -93,11 +94,9 @@ Params schema_params(const PluginInfo& info, const Params& given,
 }
 
 std::vector<std::string> schema_allowed_values(const PluginInfo& info, std::string_view key) {
-  std::vector<std::string> out;
   for (const auto& spec : info.params)
-    if (key == spec.key && spec.allowed_values)
-      for (auto p = spec.allowed_values; *p; ++p) out.emplace_back(*p);
-  return out;
+    if (key == spec.key) return allowed_list(spec);
+  return {};
 }
 
 std::shared_ptr<Plugin> Runtime::State::create(const PluginInfo& info, Params params) {
