@@ -26,7 +26,10 @@ core::PluginRegistry CliContext::make_registry(
 }
 
 core::Runtime CliContext::load_runtime(const std::filesystem::path& config_file) const {
-  auto document = core::ConfigDocument::from_file(config_file);
+  return load_runtime(core::ConfigDocument::from_file(config_file));
+}
+
+core::Runtime CliContext::load_runtime(const core::ConfigDocument& document) const {
   if (!log_level && !std::getenv("DUCTILE_LOG_LEVEL")) {
     if (auto level = document.log_level()) core::init_logging(*level);
   }

@@ -34,6 +34,8 @@ struct CliContext {
   core::PluginRegistry make_registry(
       const std::vector<std::filesystem::path>& config_dirs = {}) const;
   core::Runtime load_runtime(const std::filesystem::path& config_file) const;
+  // The same for a configuration file the command has read already.
+  core::Runtime load_runtime(const core::ConfigDocument& document) const;
   core::RuntimeOptions runtime_options() const;
 };
 

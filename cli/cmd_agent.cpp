@@ -5,11 +5,8 @@
 //               --rdzv-endpoint HOST:PORT --rdzv-id ID [--rdzv-conf K=V,...]
 //               [--max-restarts R] [--monitor-interval S] SCRIPT.py ARGS...
 // The elastic agent of one node (the logic is in libductile_agent; see
-// docs/elastic-agent.md).
-// Boost.DLL on std::filesystem (no Boost.Filesystem library to link), as in
-// the core's registry.
-#define BOOST_DLL_USE_STD_FS 1
-
+// docs/elastic-agent.md). Built into the agent program, not into `ductile`
+// (main.cpp says why).
 #include <signal.h>
 #include <unistd.h>
 
@@ -23,9 +20,8 @@
 #include <thread>
 
 #include <fmt/format.h>
-#include <boost/dll/shared_library.hpp>
 
-#include "cli_common.hpp"
+#include "agent_command.hpp"
 #include "ductile/agent/agent.hpp"
 
 namespace ductile::cli {
@@ -267,22 +263,6 @@ std::vector<std::string> worker_command(const std::vector<std::string>& rest,
   return command;
 }
 
-// libductile_agent, from the directory of libductile_core (build tree and
-// install prefix alike; an absolute path, since a sanitizer runtime that
-// intercepts dlopen hides the CLI's run path), kept loaded until exit.
-decltype(&ductile_agent_run) load_agent() {
-  static boost::dll::shared_library library;
-  const auto file = core::PluginRegistry::core_library_dir() / DUCTILE_AGENT_LIBRARY;
-  std::error_code ec;
-  library.load(file, boost::dll::load_mode::rtld_now, ec);
-  if (ec || !library.has(kDuctileAgentEntry))
-    throw Error(ErrorKind::internal,
-                fmt::format("cannot load the agent library {}: {}; is ductile installed "
-                            "completely?",
-                            file.string(), ec ? ec.message() : "no entry point"));
-  return &library.get<int(const agent::AgentOptions*)>(kDuctileAgentEntry);
-}
-
 int run_agent_command(const CliContext& context, AgentCliOptions& o,
                       const std::vector<std::string>& rest) {
   auto& a = o.agent;
@@ -325,18 +305,14 @@ int run_agent_command(const CliContext& context, AgentCliOptions& o,
   sigaction(SIGTERM, &action, nullptr);
   sigaction(SIGINT, &action, nullptr);
   signal(SIGPIPE, SIG_IGN);
-  return load_agent()(&a);
+  return agent::run_agent(a);
 }
 
 }  // namespace
 
 void register_agent_command(CLI::App& app, CliContext& context) {
   auto o = std::make_shared<AgentCliOptions>();
-  auto* sub = app.add_subcommand(
-      "agent",
-      "Run this node's workers as part of an elastic job: rendezvous on etcd, world sizes "
-      "chosen by the configuration's elasticity policy, restarts on membership changes and "
-      "failures. Takes torchrun's command line too (program name changed)");
+  auto* sub = app.add_subcommand("agent", kAgentDescription);
   sub->add_option("--config", o->agent.config,
                   "ductile TOML configuration with an [elasticity] section, or a DeepSpeed JSON "
                   "config with an \"elasticity\" block (without: any node count of --nnodes, "

@@ -33,7 +33,8 @@ pipeline::LoadedElasticity load(const CliContext& context, const std::string& fi
   const std::string text = core::read_user_file(file, "configuration file");
   if (pipeline::is_json_config(file, text))
     return pipeline::load_elasticity(file, context.runtime_options());
-  return pipeline::elasticity_from_runtime(context.load_runtime(file));
+  return pipeline::elasticity_from_runtime(
+      context.load_runtime(core::ConfigDocument::from_file_text(file, text)));
 }
 
 std::string list_text(const std::vector<std::int64_t>& v) {

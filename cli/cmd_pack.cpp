@@ -85,7 +85,7 @@ int run_pack(const CliContext& context, const PackFlags& o) {
             o.config);
       setup = pipeline::pack_setup_from_deepspeed(ds);
     } else {
-      runtime.emplace(context.load_runtime(config));
+      runtime.emplace(context.load_runtime(core::ConfigDocument::from_file_text(config, text)));
       setup = pipeline::pack_setup_from_config(runtime->config());
     }
   }

@@ -615,7 +615,3 @@ int run_agent(const AgentOptions& options) {
 }
 
 }  // namespace ductile::agent
-
-extern "C" int ductile_agent_run(const ductile::agent::AgentOptions* options) {
-  return ductile::agent::run_agent(*options);
-}

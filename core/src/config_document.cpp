@@ -62,6 +62,10 @@ ConfigDocument ConfigDocument::from_file(const fs::path& file) {
     problem.message = std::string(e.what()).substr(file.string().size() + 2);
     throw ConfigError(std::vector<Diagnostic>{std::move(problem)});
   }
+  return from_file_text(file, text);
+}
+
+ConfigDocument ConfigDocument::from_file_text(const fs::path& file, std::string_view text) {
   std::error_code ec;
   fs::path base = file.has_parent_path() ? file.parent_path() : fs::path(".");
   return from_string(text, file.string(), fs::absolute(base, ec));

@@ -186,24 +186,51 @@ PluginInfo check_plugin_descriptor(const ductile_plugin_descriptor* d, const fs:
   return info;
 }
 
-PluginInfo load_plugin_file(const fs::path& file) {
-  const std::string shown = file.string();
+namespace {
+
+[[noreturn]] void refuse_untrusted(const fs::path& file, const std::string& reason) {
+  throw Error(ErrorKind::plugin,
+              fmt::format("'{}' is refused: it {}; {}", file.string(), reason, kTrustRule));
+}
+
+void require_file(const fs::path& file) {
   std::error_code exists_error;
   if (!fs::is_regular_file(file, exists_error))
-    throw Error(ErrorKind::not_found, fmt::format("plugin file '{}' does not exist", shown));
+    throw Error(ErrorKind::not_found,
+                fmt::format("plugin file '{}' does not exist", file.string()));
+}
 
-  // Nothing of the file runs before these checks: not the constructors of a
-  // file another user could have put there, nor those of a library that is
-  // not a plugin.
-  if (auto reason = untrusted_reason(file))
-    throw Error(ErrorKind::plugin,
-                fmt::format("'{}' is refused: it {}; {}", shown, *reason, kTrustRule));
-  // Loaded by the path checked: a link changed afterwards does not matter.
+// Loads `file`, found trusted, by its resolved path `real` (a link changed
+// afterwards does not matter).
+PluginInfo load_trusted_plugin_file(const fs::path& file, const fs::path& real);
+
+}  // namespace
+
+// Nothing of the file runs before these checks: not the constructors of a
+// file another user could have put there, nor those of a library that is not
+// a plugin.
+PluginInfo load_plugin_file(const fs::path& file) {
+  require_file(file);
   std::error_code resolve_error;
   const fs::path real = fs::canonical(file, resolve_error);
   if (resolve_error)
-    throw Error(ErrorKind::plugin,
-                fmt::format("'{}' cannot be resolved: {}", shown, resolve_error.message()));
+    refuse_untrusted(file, fmt::format("cannot be resolved: {}", resolve_error.message()));
+  if (auto reason = untrusted_reason(file, real)) refuse_untrusted(file, *reason);
+  return load_trusted_plugin_file(file, real);
+}
+
+PluginInfo load_plugin_file_in(const fs::path& file, const fs::path& real_directory) {
+  require_file(file);
+  fs::path real;
+  if (auto reason = untrusted_file_reason(file, real_directory, real))
+    refuse_untrusted(file, *reason);
+  return load_trusted_plugin_file(file, real);
+}
+
+namespace {
+
+PluginInfo load_trusted_plugin_file(const fs::path& file, const fs::path& real) {
+  const std::string shown = file.string();
   const ElfExport elf = find_elf_export_in_file(real, DUCTILE_PLUGIN_ENTRY_SYMBOL);
   if (!elf.loadable)
     throw Error(ErrorKind::plugin,
@@ -235,5 +262,7 @@ PluginInfo load_plugin_file(const fs::path& file) {
   keep_loaded(info.library);
   return info;
 }
+
+}  // namespace
 
 }  // namespace ductile::core

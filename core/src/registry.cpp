@@ -1,7 +1,9 @@
-// Boost.DLL on std::filesystem: the core then needs no Boost library at run
-// time (one shared object fewer to map and relocate at every start).
-#define BOOST_DLL_USE_STD_FS 1
 #include "ductile/core/registry.hpp"
+
+#include <dirent.h>
+#include <dlfcn.h>
+#include <link.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cmath>
@@ -12,7 +14,6 @@
 #include <system_error>
 
 #include <fmt/format.h>
-#include <boost/dll/runtime_symbol_info.hpp>
 
 #include "ductile/core/plugin_trust.hpp"
 #include "ductile/core/text.hpp"
@@ -27,18 +28,21 @@ constexpr std::string_view kPrefix = "libductile_";
 constexpr std::string_view kSuffix = ".so";
 }  // namespace
 
-bool split_plugin_file_name(const fs::path& file, PluginKind& kind, std::string& name) {
-  std::string base = file.filename().string();
+bool parse_plugin_file_name(std::string_view base, PluginKind& kind, std::string& name) {
   if (base.size() <= kPrefix.size() + kSuffix.size() || !base.starts_with(kPrefix) ||
       !base.ends_with(kSuffix))
     return false;
-  std::string_view middle(base);
-  middle = middle.substr(kPrefix.size(), middle.size() - kPrefix.size() - kSuffix.size());
+  std::string_view middle =
+      base.substr(kPrefix.size(), base.size() - kPrefix.size() - kSuffix.size());
   auto underscore = middle.find('_');
   if (underscore == std::string_view::npos || underscore + 1 >= middle.size()) return false;
   if (!parse_plugin_kind(middle.substr(0, underscore), kind)) return false;
   name = std::string(middle.substr(underscore + 1));
   return true;
+}
+
+bool split_plugin_file_name(const fs::path& file, PluginKind& kind, std::string& name) {
+  return parse_plugin_file_name(file.filename().native(), kind, name);
 }
 
 std::string plugin_kind_list() {
@@ -106,7 +110,8 @@ struct Candidate {
   PluginKind kind;
   std::string name;
   fs::path file;
-  bool builtin = false;  // in the built-in plugin directory
+  fs::path real_directory;  // its directory, resolved and found trusted
+  bool builtin = false;     // in the built-in plugin directory
   std::vector<fs::path> shadowed;
   std::vector<fs::path> refused;
 };
@@ -150,7 +155,7 @@ struct PluginRegistry::State {
       for (const auto& other : c.refused) logger->warn("{}", refused_shadow_message(c, other));
     }
     try {
-      return &loaded.emplace(i, load_plugin_file(c.file)).first->second;
+      return &loaded.emplace(i, load_plugin_file_in(c.file, c.real_directory)).first->second;
     } catch (const std::exception& e) {
       failed.emplace(i, e.what());
       if (logger) logger->warn("{}", e.what());
@@ -183,23 +188,30 @@ PluginRegistry::PluginRegistry(std::vector<fs::path> search_path,
   state_->logger = std::move(logger);
   state_->skipped = std::move(options.unsearched);
   const auto& overrides = options.builtin_overrides;
-  std::error_code builtin_error;
-  const fs::path builtin = fs::weakly_canonical(builtin_plugin_dir(), builtin_error);
+  // The built-in directory is recognised by its identity (device and inode),
+  // which costs one stat() where resolving its path costs one per component.
+  struct stat builtin_status {};
+  const bool has_builtin = ::stat(builtin_plugin_dir().c_str(), &builtin_status) == 0;
   std::map<std::pair<PluginKind, std::string>, std::size_t> seen;
   std::vector<fs::path> scanned;
   for (const auto& dir : state_->search_path) {
-    std::error_code ec;
-    if (!fs::is_directory(dir, ec)) {
+    struct stat status {};
+    if (::stat(dir.c_str(), &status) != 0 || !S_ISDIR(status.st_mode)) {
       if (state_->logger)
         state_->logger->debug("plugin directory '{}' does not exist; skipped", dir.string());
       continue;
     }
+    // Resolved once, for the three uses below and for loading its files.
+    std::error_code ec;
+    const fs::path canonical = fs::canonical(dir, ec);
     // The same directory named twice (say, the built-in one in [plugins] path
     // too) holds no competing plugins: scan it once.
-    fs::path canonical = fs::weakly_canonical(dir, ec);
-    if (std::find(scanned.begin(), scanned.end(), canonical) != scanned.end()) continue;
-    scanned.push_back(canonical);
-    if (auto reason = untrusted_reason(dir)) {
+    if (!ec && std::find(scanned.begin(), scanned.end(), canonical) != scanned.end()) continue;
+    if (!ec) scanned.push_back(canonical);
+    auto reason =
+        ec ? std::optional<std::string>(fmt::format("cannot be resolved: {}", ec.message()))
+           : untrusted_reason(dir, canonical);
+    if (reason) {
       std::string message = fmt::format("plugin directory '{}' is refused: it {}; {}", dir.string(),
                                         *reason, kTrustRule);
       if (state_->logger) state_->logger->warn("{}", message);
@@ -207,18 +219,28 @@ PluginRegistry::PluginRegistry(std::vector<fs::path> search_path,
       state_->skipped.push_back({dir, "refused: it " + *reason});
       continue;
     }
-    const bool in_builtin = !builtin_error && canonical == builtin;
+    const bool in_builtin = has_builtin && status.st_dev == builtin_status.st_dev &&
+                            status.st_ino == builtin_status.st_ino;
+    // Names first: a path is made only for the files named like plugins
+    // (std::filesystem's directory iteration made one, and split it into
+    // components, for every entry).
     std::vector<Candidate> files;
-    for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-      Candidate c;
-      if (split_plugin_file_name(it->path(), c.kind, c.name)) {
-        c.file = it->path();
-        c.builtin = in_builtin;
-        files.push_back(std::move(c));
+    if (DIR* listing = ::opendir(dir.c_str())) {
+      while (const dirent* entry = ::readdir(listing)) {
+        Candidate c;
+        if (parse_plugin_file_name(entry->d_name, c.kind, c.name)) {
+          c.file = dir / entry->d_name;
+          c.real_directory = canonical;
+          c.builtin = in_builtin;
+          files.push_back(std::move(c));
+        }
       }
+      ::closedir(listing);
     }
-    std::sort(files.begin(), files.end(),
-              [](const Candidate& a, const Candidate& b) { return a.file < b.file; });
+    // One directory: its files' order is their names' order.
+    std::sort(files.begin(), files.end(), [](const Candidate& a, const Candidate& b) {
+      return a.file.native() < b.file.native();
+    });
     for (auto& c : files) {
       auto key = std::make_pair(c.kind, c.name);
       auto found = seen.find(key);
@@ -238,6 +260,7 @@ PluginRegistry::PluginRegistry(std::vector<fs::path> search_path,
         first.refused.insert(first.refused.end(), first.shadowed.begin(), first.shadowed.end());
         first.shadowed.clear();
         first.file = c.file;
+        first.real_directory = c.real_directory;
         first.builtin = true;
       } else {
         first.refused.push_back(c.file);
@@ -287,11 +310,29 @@ std::vector<fs::path> PluginRegistry::default_search_path(
   return path;
 }
 
-fs::path PluginRegistry::core_library_dir() {
-  boost::dll::fs::error_code ec;
-  auto here = boost::dll::this_line_location(ec);
+namespace {
+
+fs::path find_core_library_dir() {
+  // The module that holds this code: libductile_core.so, or the program
+  // itself when the core is linked into it (the `ductile` program built with
+  // DUCTILE_STATIC_RUNTIME), whose link map has no name.
+  Dl_info info;
+  link_map* module = nullptr;
+  if (dladdr1(reinterpret_cast<void*>(&find_core_library_dir), &info,
+              reinterpret_cast<void**>(&module), RTLD_DL_LINKMAP) != 0 &&
+      module != nullptr && module->l_name != nullptr && module->l_name[0] != '\0')
+    return fs::path(module->l_name).parent_path();
+  std::error_code ec;
+  const fs::path program = fs::read_symlink("/proc/self/exe", ec);
   if (ec) return fs::path(".");
-  return here.parent_path();
+  return (program.parent_path() / DUCTILE_BIN_TO_LIB_DIR).lexically_normal();
+}
+
+}  // namespace
+
+fs::path PluginRegistry::core_library_dir() {
+  static const fs::path dir = find_core_library_dir();  // a module does not move
+  return dir;
 }
 
 fs::path PluginRegistry::builtin_plugin_dir() {

@@ -171,7 +171,7 @@ Runtime Runtime::from_document(const ConfigDocument& document, RuntimeOptions op
     for (auto& d : document.plugin_dirs()) dirs.push_back(d);
   }
   auto search_path = PluginRegistry::default_search_path(dirs);
-  if (!options.search_config_plugin_dirs) {
+  if (!options.search_config_plugin_dirs && !document.plugin_dirs().empty()) {
     // Named by the file and not searched, unless on the path anyway (the
     // built-in directory named again, say).
     std::vector<std::filesystem::path> searched;

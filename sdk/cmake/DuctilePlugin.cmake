@@ -1,7 +1,13 @@
-# ductile_add_plugin(NAME <name> KIND <kind> SOURCES <src>... [LIBRARIES <lib>...])
+# ductile_add_plugin(NAME <name> KIND <kind> SOURCES <src>... [LIBRARIES <lib>...]
+#                    [SHARED_RUNTIME])
 #
 # Builds libductile_<kind>_<name>.so, a ductile plugin: hidden visibility,
 # only the `ductile_plugin_entry` symbol exported, linked against the SDK.
+# In the ductile source tree with DUCTILE_STATIC_RUNTIME, the plugin carries
+# fmt, spdlog and the C++ runtime itself (sdk/static_runtime), unless
+# SHARED_RUNTIME is given: a plugin that shares C++ objects with a shared
+# library of its own (the accelerators' common library) links the shared
+# runtime as that library does.
 # KIND is one of elasticity, batching, lr, accelerator, zero. The CMake target
 # is ductile_<kind>_<name> with characters other than [A-Za-z0-9_] replaced
 # by '_' (so NAME v0.1 gives the target ductile_elasticity_v0_1); the
@@ -13,7 +19,7 @@
 set(_DUCTILE_PLUGIN_CMAKE_DIR ${CMAKE_CURRENT_LIST_DIR} CACHE INTERNAL "Where DuctilePlugin.cmake lives")
 
 function(ductile_add_plugin)
-  cmake_parse_arguments(ARG "" "NAME;KIND" "SOURCES;LIBRARIES" ${ARGN})
+  cmake_parse_arguments(ARG "SHARED_RUNTIME" "NAME;KIND" "SOURCES;LIBRARIES" ${ARGN})
   if(NOT ARG_NAME OR NOT ARG_KIND OR NOT ARG_SOURCES)
     message(FATAL_ERROR "ductile_add_plugin: NAME, KIND and SOURCES are required")
   endif()
@@ -33,8 +39,16 @@ function(ductile_add_plugin)
     VISIBILITY_INLINES_HIDDEN ON
     CXX_STANDARD 20
     CXX_STANDARD_REQUIRED ON)
+  # In the ductile tree a plugin needs no run path: what it links is the
+  # system's (or the accelerators' common library, which sets its own).
+  if(PROJECT_NAME STREQUAL "ductile")
+    set_target_properties(${_target} PROPERTIES INSTALL_RPATH "")
+  endif()
   if(DUCTILE_PLUGIN_OUTPUT_DIR)
     set_target_properties(${_target} PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${DUCTILE_PLUGIN_OUTPUT_DIR})
+  endif()
+  if(DUCTILE_STATIC_RUNTIME AND COMMAND ductile_link_static_runtime AND NOT ARG_SHARED_RUNTIME)
+    ductile_link_static_runtime(${_target} PLUGIN)
   endif()
   target_link_libraries(${_target} PRIVATE ductile::sdk ${ARG_LIBRARIES})
   target_link_options(${_target} PRIVATE

@@ -47,11 +47,40 @@ TEST_CASE("--help and --version exit 0, and every subcommand has --help") {
                                                         {"plugins", "describe", "--help"},
                                                         {"config", "--help"},
                                                         {"config", "check", "--help"},
-                                                        {"demo", "--help"}}) {
+                                                        {"demo", "--help"},
+                                                        {"elastic", "--help"},
+                                                        {"pack", "--help"},
+                                                        {"zero", "--help"},
+                                                        {"agent", "--help"}}) {
     auto r = cli(sub);
     CHECK_MESSAGE(r.exit_code == 0, sub[0]);
-    CHECK(contains(r.out, "Usage"));
+    CHECK(contains(r.out, "Usage: ductile " + sub[0]));
   }
+  // Only the command named is built before parsing; --help names none and
+  // lists them all, the agent (which runs in a program of its own) too.
+  for (const char* command : {"plugins", "config", "demo", "elastic", "pack", "zero", "agent"})
+    CHECK_MESSAGE(contains(help.out, std::string("\n  ") + command + " "), command);
+  CHECK(contains(help.out, "Run this node's workers as part of an elastic job"));
+}
+
+TEST_CASE("`ductile agent` runs the agent program in its place, with the whole command line") {
+  // The agent program, lib/ductile/ductile-agent beside lib/ductile/plugins.
+  CHECK(
+      fs::weakly_canonical(fs::path(DUCTILE_CLI).parent_path() / "../lib/ductile/ductile-agent") ==
+      fs::weakly_canonical(DUCTILE_AGENT_PROGRAM));
+  // Global options before the command reach it: a bad --log-level is refused
+  // there, after its own command line parsed.
+  auto level = cli({"--log-level", "loud", "agent", "--rdzv", "etcd://127.0.0.1:1", "--job-id", "j",
+                    "--nproc-per-node", "1", "--", "true"});
+  CHECK(level.exit_code == 2);
+  CHECK(contains(level.err, "--log-level: invalid log level 'loud'"));
+  auto option = cli({"agent", "--max-restarts", "many"});
+  CHECK(option.exit_code == 2);
+  CHECK(contains(option.err, "--max-restarts"));
+  // Run directly, the agent program takes the same command line.
+  auto direct = run_process({DUCTILE_AGENT_PROGRAM, "agent", "--help"});
+  CHECK(direct.exit_code == 0);
+  CHECK(contains(direct.out, "Usage: ductile agent"));
 }
 
 TEST_CASE("plugins list shows kind, name, version, file and description") {
@@ -360,4 +389,47 @@ TEST_CASE("a command opens only the plugin it needs, and only `ductile agent` lo
   for (const auto& file : opened_objects(agent.err))
     agent_loaded |= contains(file, "libductile_agent");
   CHECK(agent_loaded);
+}
+
+// The libraries an ELF file names as needed (readelf -d).
+std::vector<std::string> needed_libraries(const fs::path& file) {
+  auto r = run_process({"readelf", "-d", file.string()});
+  REQUIRE(r.exit_code == 0);
+  std::vector<std::string> names;
+  std::istringstream lines(r.out);
+  for (std::string line; std::getline(lines, line);) {
+    auto open = line.find("(NEEDED)");
+    auto start = line.find('[', open), end = line.find(']', start);
+    if (open != std::string::npos && start != std::string::npos && end != std::string::npos)
+      names.push_back(line.substr(start + 1, end - start - 1));
+  }
+  return names;
+}
+
+TEST_CASE("the loader never takes the CLI's libraries from the current directory") {
+  // A copy of the planted library under the name of every library the CLI and
+  // the plugin it loads need. CMake pads a build tree's run paths with empty
+  // entries unless told otherwise, and the loader reads one as the current
+  // directory, before the system's: it would take these.
+  TempDir dir;
+  auto needed = needed_libraries(DUCTILE_CLI);
+  auto plugin = needed_libraries(fs::path(DUCTILE_PLUGIN_DIR) / "libductile_elasticity_v0.1.so");
+  needed.insert(needed.end(), plugin.begin(), plugin.end());
+  std::size_t planted = 0;
+  for (const auto& name : needed) {
+    if (name.starts_with("ld-linux") || fs::exists(dir / name)) continue;
+    fs::copy_file(PLANTED_LIBRARY, dir / name);
+    ++planted;
+  }
+  REQUIRE(planted >= 3);  // at least libc, libm and libgcc_s or libstdc++
+  dir.write("job.toml",
+            "[elasticity]\npolicy = \"v0.1\"\nmax_train_batch_size = 2000\n"
+            "micro_batch_sizes = [2, 4, 6]\nmin_gpus = 1\nmax_gpus = 64\n");
+  auto r = run_process({"/bin/sh", "-c",
+                        "cd '" + dir.path().string() + "' && exec '" + DUCTILE_CLI +
+                            "' elastic --config job.toml --world-size 8 --json"},
+                       {"DUCTILE_PLUGIN_PATH="});
+  CHECK_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(contains(r.out, "\"final_batch_size\":1680"));
+  CHECK_FALSE(fs::exists(dir / "planted-library-was-loaded"));
 }

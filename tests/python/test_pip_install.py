@@ -116,3 +116,71 @@ def test_pip_install_gives_the_cli_and_the_package_with_its_plugins(tmp_path):
             if "(RUNPATH)" in line or "(RPATH)" in line:
                 paths = line.split("[", 1)[1].rstrip("]").split(":")
                 assert all(p.startswith("$ORIGIN") for p in paths), (binary, line)
+    check_static_runtime(env, tmp_path, venv, package)
+
+
+# What the `ductile` program and the built-in plugins of a Release build may
+# load: the C library's parts and libgcc_s (docs/architecture.md, "Start-up").
+SYSTEM_ONLY = {"libc.so.6", "libm.so.6", "libgcc_s.so.1", "ld-linux-x86-64.so.2"}
+
+UNCAUGHT_AFTER_PLUGIN_ERRORS = r"""
+import ctypes, json
+from ductile.elasticity import compute_elastic_config
+config = {"elasticity": {"enabled": True, "max_train_batch_size": 2000,
+                         "micro_batch_sizes": [2, 4, 6], "version": 0.1}}
+errors = []
+for _ in range(3):
+    try:
+        compute_elastic_config(config, target_deepspeed_version="0.19.7", world_size=997)
+    except Exception as e:
+        errors.append(type(e).__name__)
+count = ctypes.CDLL("libstdc++.so.6")._ZSt19uncaught_exceptionsv
+count.restype = ctypes.c_int
+print(json.dumps({"errors": errors, "uncaught": count()}))
+"""
+
+
+def needed(binary, env, cwd):
+    dynamic = run(["readelf", "-d", binary], env, cwd)
+    return {line.split("[", 1)[1].rstrip("]") for line in dynamic.splitlines()
+            if "(NEEDED)" in line}
+
+
+def check_static_runtime(env, cwd, venv, package):
+    """The Release build links the C++ runtime, fmt, spdlog and TOML++ into
+    the program and the built-in plugins (DUCTILE_STATIC_RUNTIME), the
+    accelerators keep the shared ones, and everything still works together:
+    errors cross between them, and one exception state serves the process."""
+    program = os.path.join(package, "bin", "ductile")
+    plugins = os.path.join(package, "lib", "ductile", "plugins")
+    assert needed(program, env, cwd) <= SYSTEM_ONLY, needed(program, env, cwd)
+    for name in ("elasticity_v0.1", "elasticity_v0.2", "elasticity_optimal", "batching_greedy",
+                 "batching_bfd", "lr_linear", "lr_sqrt", "lr_none", "zero_partitioned"):
+        plugin = os.path.join(plugins, f"libductile_{name}.so")
+        assert needed(plugin, env, cwd) <= SYSTEM_ONLY | {"libm.so.6"}, (plugin, needed(plugin, env, cwd))
+    cpu = needed(os.path.join(plugins, "libductile_accelerator_cpu.so"), env, cwd)
+    assert "libstdc++.so.6" in cpu
+
+    # Every plugin loads into the program, the shared-runtime ones too.
+    listed = json.loads(run([program, "plugins", "list", "--json"], env, cwd))
+    assert listed["problems"] == [] and len(listed["plugins"]) >= 10, listed
+
+    # A plugin's error, thrown in the plugin's runtime, is caught by the
+    # program's: a user error (2) with the plugin's message.
+    job = cwd / "ds-static.json"
+    job.write_text(json.dumps({"elasticity": {"enabled": True, "max_train_batch_size": 2000,
+                                              "micro_batch_sizes": [2, 4, 6], "version": 0.1}}))
+    refused = subprocess.run([program, "elastic", "--config", str(job), "--world-size", "997"],
+                             capture_output=True, text=True, env=env, cwd=cwd, timeout=60)
+    assert refused.returncode == 2, refused
+    assert "World size (997) is not valid" in refused.stderr, refused.stderr
+
+    # The agent program, run in the CLI's place.
+    agent = run([program, "agent", "--help"], env, cwd)
+    assert "Usage: ductile agent" in agent
+
+    # In Python (the shared libstdc++), a plugin's errors leave the process's
+    # count of uncaught exceptions at 0: the plugin's runtime uses the
+    # process's exception state (sdk/static_runtime/shared_exception_state.cpp).
+    out = json.loads(run([venv / "bin" / "python", "-c", UNCAUGHT_AFTER_PLUGIN_ERRORS], env, cwd))
+    assert out == {"errors": ["ElasticityIncompatibleWorldSize"] * 3, "uncaught": 0}, out

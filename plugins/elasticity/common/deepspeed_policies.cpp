@@ -29,14 +29,17 @@ MicroBatches::MicroBatches(const std::vector<u64>& micro) : values(micro) {
 
 std::vector<u64> valid_counts(u64 batch, const Factorization& batch_factors,
                               const MicroBatches& micro, u64 lo, u64 hi) {
+  // d GPUs are valid when some micro batch m divides batch / d, that is when
+  // d divides batch and m divides batch / d: the divisors of batch (each once)
+  // filtered, rather than the divisors of every batch / m merged.
   std::vector<u64> out;
-  for (std::size_t i = 0; i < micro.values.size(); ++i) {
-    if (batch % micro.values[i] != 0) continue;
-    auto quotient = divide(batch_factors, micro.factors[i]);
-    if (quotient) divisors_in_range(*quotient, lo, hi, out);
-  }
+  divisors_in_range(batch_factors, lo, hi, out);
+  std::erase_if(out, [&](u64 d) {
+    const u64 per_gpu = batch / d;
+    return std::none_of(micro.values.begin(), micro.values.end(),
+                        [&](u64 m) { return per_gpu % m == 0; });
+  });
   std::sort(out.begin(), out.end());
-  out.erase(std::unique(out.begin(), out.end()), out.end());
   return out;
 }
 

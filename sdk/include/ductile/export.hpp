@@ -12,6 +12,15 @@
 // on this ABI). What does not work is comparing type_info addresses, which
 // UBSan's vptr check does (the sanitizer build turns it off), and relying on
 // the address of a static object of an inline function being shared.
+//
+// The built-in plugins of a Release build also carry their own copy of the
+// C++ runtime (libstdc++, fmt, spdlog's logger; DUCTILE_STATIC_RUNTIME, see
+// sdk/static_runtime/). Every module still shares the one unwinder
+// (libgcc_s) and the one per-thread exception state (__cxa_get_globals), so
+// exceptions cross as above and std::uncaught_exceptions() stays right on
+// both sides; memory is malloc's on both sides. A plugin must not rely on
+// the host's std::locale::global, terminate or new handler, or iostream
+// objects: those are per copy.
 // DUCTILE_SDK_API marks the SDK types default-visible so that the host and
 // libductile_core.so export one definition for everything outside plugins.
 #pragma once

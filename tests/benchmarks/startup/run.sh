@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Start-up time of the `ductile` CLI as whole processes: the median wall time
-# (and the mean CPU time) of RUNS runs (hyperfine, 5 warm-up runs) of
+# Start-up time of the `ductile` CLI as whole processes, raced against
+# /bin/true on the same machine in the same run: the median wall time (and
+# the mean CPU time) of RUNS runs (hyperfine, 5 warm-up runs) of
+#   /bin/true                                                (the floor)
 #   ductile --version
 #   ductile elastic --config <v0.1 config> --world-size N   (TOML and DeepSpeed JSON)
 #   ductile config check <config>
@@ -47,25 +49,42 @@ export DUCTILE_LOG_LEVEL=error  # the scheduler warning would be printed on ever
 world=$("$ductile" elastic --config "$work/heavy.toml" --json |
   /usr/bin/python3 -c 'import json,sys; print(json.load(sys.stdin)["valid_gpus"][-1])')
 
-hyperfine -N --runs "$runs" --warmup 5 --export-json "$work/times.json" --style none \
-  -n "ductile --version" "$ductile --version" \
-  -n "ductile elastic (v0.1 TOML, world size $world)" \
-  "$ductile elastic --config $work/heavy.toml --world-size $world" \
-  -n "ductile elastic (v0.1 DeepSpeed JSON, world size $world)" \
-  "$ductile elastic --config $work/heavy.json --world-size $world" \
-  -n "ductile config check" "$ductile config check $work/heavy.toml" \
-  -n "ductile pack (2,000 lengths, greedy, max_tokens 4096)" \
-  "$ductile pack --lengths $work/lengths.txt --max-tokens 4096 --effective-batch-size 2" \
-  >/dev/null 2>"$work/hyperfine.err"
+# Rounds of runs/5 runs each, every command once a round: a machine that
+# drifts (another process, its clock) weighs on all of them alike, /bin/true
+# included, rather than on whichever hyperfine ran last.
+rounds=5
+for round in $(seq $rounds); do
+  hyperfine -N --runs $(( (runs + rounds - 1) / rounds )) --warmup 5 \
+    --export-json "$work/times-$round.json" --style none \
+    -n "/bin/true" "/bin/true" \
+    -n "ductile --version" "$ductile --version" \
+    -n "ductile elastic (v0.1 TOML, world size $world)" \
+    "$ductile elastic --config $work/heavy.toml --world-size $world" \
+    -n "ductile elastic (v0.1 DeepSpeed JSON, world size $world)" \
+    "$ductile elastic --config $work/heavy.json --world-size $world" \
+    -n "ductile config check" "$ductile config check $work/heavy.toml" \
+    -n "ductile pack (2,000 lengths, greedy, max_tokens 4096)" \
+    "$ductile pack --lengths $work/lengths.txt --max-tokens 4096 --effective-batch-size 2" \
+    >/dev/null 2>>"$work/hyperfine.err"
+done
 
-/usr/bin/python3 - "$work/times.json" "$runs" <<'PY'
-import json, sys
-results = json.load(open(sys.argv[1]))["results"]
-print(f"start-up of whole processes, {sys.argv[2]} runs: median wall time, and mean CPU time "
-      "(user + system; steadier on a busy machine)")
-for r in results:
-    cpu = (r["user"] + r["system"]) * 1000
-    print(f"  {r['command']:<58} {r['median'] * 1000:7.2f} ms   cpu {cpu:5.2f} ms")
+/usr/bin/python3 - "$work" "$rounds" <<'PY'
+import json, statistics, sys
+work, rounds = sys.argv[1], int(sys.argv[2])
+commands = {}
+for round in range(1, rounds + 1):
+    for r in json.load(open(f"{work}/times-{round}.json"))["results"]:
+        c = commands.setdefault(r["command"], {"times": [], "cpu": []})
+        c["times"] += r["times"]
+        c["cpu"].append(r["user"] + r["system"])
+floor = statistics.median(commands["/bin/true"]["times"])
+runs = len(commands["/bin/true"]["times"])
+print(f"start-up of whole processes, {runs} runs in {rounds} rounds: median wall time, its "
+      "ratio to /bin/true's, and mean CPU time (user + system; steadier on a busy machine)")
+for name, c in commands.items():
+    median = statistics.median(c["times"])
+    cpu = statistics.mean(c["cpu"]) * 1000
+    print(f"  {name:<58} {median * 1000:7.2f} ms  {median / floor:5.2f}x   cpu {cpu:5.2f} ms")
 PY
 if grep -q "outliers" "$work/hyperfine.err"; then
   echo "  (hyperfine saw statistical outliers: the machine was busy; run again on a quiet one)"

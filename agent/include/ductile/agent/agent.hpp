@@ -87,11 +87,3 @@ inline constexpr int kAgentJoinTimeout = 1;  // no round within join_timeout
 int run_agent(const AgentOptions& options);
 
 }  // namespace ductile::agent
-
-// run_agent() under an unmangled name, for programs that load this library
-// at run time instead of linking it: the ductile CLI does, so that the other
-// commands do not pay for loading libcurl and its dependencies (about 10 ms
-// of every process start). Same contract as run_agent().
-extern "C" __attribute__((visibility("default"))) int ductile_agent_run(
-    const ductile::agent::AgentOptions* options);
-inline constexpr const char* kDuctileAgentEntry = "ductile_agent_run";

@@ -129,6 +129,11 @@ class ConfigDocument {
  public:
   // Throws ConfigError for a file that cannot be read or is not valid TOML.
   static ConfigDocument from_file(const std::filesystem::path& file);
+  // The same document for the text of `file` that the caller has read
+  // already (with read_user_file, to tell JSON from TOML, say): its name and
+  // directory are the file's. Throws ConfigError for text that is not valid
+  // TOML.
+  static ConfigDocument from_file_text(const std::filesystem::path& file, std::string_view text);
   static ConfigDocument from_string(std::string_view text, std::string_view source_name,
                                     const std::filesystem::path& base_dir = {});
 

@@ -27,4 +27,19 @@ namespace ductile::core {
 // not trusted either.
 std::optional<std::string> untrusted_reason(const std::filesystem::path& path);
 
+// The same for a path already resolved: `real` is `path` through its links
+// (std::filesystem::canonical), so that a caller that needs the resolved path
+// anyway resolves it once. Only `real` and the directories above it are
+// examined; `path` names the subject of the phrase.
+std::optional<std::string> untrusted_reason(const std::filesystem::path& path,
+                                            const std::filesystem::path& real);
+
+// The same for a plugin file whose directory, resolved as `real_directory`,
+// was found trusted already: when `file` is no symbolic link, only the file
+// itself is examined (its resolved path is `real_directory` / its name).
+// Sets `real` to the file's resolved path when it returns nullopt.
+std::optional<std::string> untrusted_file_reason(const std::filesystem::path& file,
+                                                 const std::filesystem::path& real_directory,
+                                                 std::filesystem::path& real);
+
 }  // namespace ductile::core

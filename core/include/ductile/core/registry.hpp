@@ -166,7 +166,10 @@ class PluginRegistry {
   // in the build tree, lib/ductile/plugins under the install prefix.
   static std::filesystem::path builtin_plugin_dir();
   // The directory of libductile_core.so, where ductile's other libraries
-  // (pipeline, agent) are too ("." if it cannot be found).
+  // (pipeline, agent) are too ("." if it cannot be found). When the core is
+  // linked into a program (the `ductile` program built with
+  // DUCTILE_STATIC_RUNTIME), the library directory of that program's
+  // installation: <program's directory>/<bin to lib> (../lib).
   static std::filesystem::path core_library_dir();
 
   const std::vector<std::filesystem::path>& search_path() const;

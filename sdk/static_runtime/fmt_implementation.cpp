@@ -1,0 +1,17 @@
+// fmt's compiled part (what libfmt.so holds), for programs and plugins that
+// link fmt statically (DUCTILE_STATIC_RUNTIME): format-inl.h defines it, and
+// the templates fmt declares `extern template` are instantiated here for
+// char, the only character type ductile formats.
+#include <fmt/format-inl.h>
+
+FMT_BEGIN_NAMESPACE
+namespace detail {
+template FMT_API auto thousands_sep_impl<char>(locale_ref) -> thousands_sep_result<char>;
+template FMT_API auto decimal_point_impl(locale_ref) -> char;
+template FMT_API void buffer<char>::append(const char*, const char*);
+template FMT_API void vformat_to(buffer<char>&, string_view,
+                                 basic_format_args<FMT_BUFFER_CONTEXT(char)>, locale_ref);
+template FMT_API locale_ref::locale_ref(const std::locale& loc);
+template FMT_API auto locale_ref::get<std::locale>() const -> std::locale;
+}  // namespace detail
+FMT_END_NAMESPACE
