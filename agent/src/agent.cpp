@@ -114,6 +114,7 @@ std::vector<NodeInfo> Agent::live_nodes(const std::vector<KeyValue>& kvs, bool* 
 bool Agent::own_registration_ok(const std::vector<KeyValue>& own) {
   if (own.size() != 1 || own.front().lease != lease_) return false;
   try {
+    own_revision_ = own.front().create_revision;
     return node_from_json(own.front().value, id_, own.front().create_revision).addr == addr_;
   } catch (const MalformedRecord& e) {
     ignore_record(own.front(), e.what(), "this agent writes its registration again");
@@ -337,9 +338,20 @@ std::optional<int> Agent::apply(const RoundRecord& round) {
   checkpoint_asked_ = false;
   saved_reported_ = false;
   auto it = std::find(round.members.begin(), round.members.end(), id_);
-  member_ = it != round.members.end();
+  const auto index = static_cast<std::size_t>(it - round.members.begin());
+  // A round formed before this agent registered (a previous run of this
+  // node, whose registration had not expired yet) lists this id with that
+  // run's revision: its other members are gone or about to re-form.
+  const bool earlier_run = it != round.members.end() && !round.member_revisions.empty() &&
+                           round.member_revisions[index] != own_revision_;
+  member_ = it != round.members.end() && !earlier_run;
   if (member_) {
-    start_workers(round, static_cast<std::size_t>(it - round.members.begin()));
+    start_workers(round, index);
+  } else if (earlier_run) {
+    log(
+        fmt::format("round {} was formed with an earlier registration of this node: waiting for "
+                    "the next round",
+                    round.round));
   } else if (round.members.empty()) {
     log(fmt::format("round {}: waiting for nodes ({})", round.round, round.reason));
   } else {

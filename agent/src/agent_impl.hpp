@@ -105,7 +105,8 @@ class Agent {
   // kvs are every registration (else some: the others' last valid records
   // are kept).
   std::vector<NodeInfo> live_nodes(const std::vector<KeyValue>& kvs, bool* own_ok, bool every_key);
-  // This agent's key holds its own record on its lease.
+  // This agent's key holds its own record on its lease (and own_revision_
+  // is that key's create revision).
   bool own_registration_ok(const std::vector<KeyValue>& own);
   // The round record, when it is one that fits this job.
   std::optional<RoundRecord> read_round(const std::optional<KeyValue>& kv);
@@ -148,6 +149,10 @@ class Agent {
   std::int64_t highest_round_ = 0;              // the highest round number seen
   std::optional<RoundRecord> last_good_round_;  // the last valid round record seen
   bool member_ = false;
+  // The create revision of this agent's registration: a round lists it for
+  // each member, and a round that lists this node's id with another one was
+  // formed for an earlier run of the node.
+  std::int64_t own_revision_ = 0;
   bool reported_ = false;  // this round's worker exit is in the store
   std::optional<WorkerExit> local_failure_;
   std::optional<WorkerError> local_error_;  // its TORCHELASTIC_ERROR_FILE
