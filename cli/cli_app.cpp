@@ -1,5 +1,6 @@
 #include "cli_app.hpp"
 
+#include <cstdio>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -16,12 +17,14 @@ bool takes_value(std::string_view arg) {
   return arg == "--log-level" || arg == "--plugin-path";
 }
 
+std::string version_text() {
+  return std::string("ductile " DUCTILE_VERSION " (SDK " DUCTILE_SDK_VERSION_STRING ", ABI ") +
+         std::to_string(DUCTILE_ABI_MAJOR) + "." + std::to_string(DUCTILE_ABI_MINOR) +
+         ", " DUCTILE_BUILD_TAG ")";
+}
+
 void add_global_options(CLI::App& app, CliContext& context) {
-  app.set_version_flag(
-      "--version",
-      std::string("ductile " DUCTILE_VERSION " (SDK " DUCTILE_SDK_VERSION_STRING ", ABI ") +
-          std::to_string(DUCTILE_ABI_MAJOR) + "." + std::to_string(DUCTILE_ABI_MINOR) +
-          ", " DUCTILE_BUILD_TAG ")");
+  app.set_version_flag("--version", version_text());
   app.require_subcommand(1);
   app.fallthrough();
   app.add_option_function<std::string>(
@@ -60,6 +63,12 @@ std::optional<std::string_view> command_word(int argc, char** argv) {
 }
 
 int run_cli(int argc, char** argv, std::span<const Command> commands) {
+  // `ductile --version` alone prints what CLI11 would, without the exception
+  // it reports the version with (the first exception loads the unwinder).
+  if (argc == 2 && std::string_view(argv[1]) == "--version") {
+    std::fputs((version_text() + "\n").c_str(), stdout);
+    return kExitOk;
+  }
   CliContext context;
   return run_guarded(
       [&]() -> int {

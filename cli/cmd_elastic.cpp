@@ -7,7 +7,6 @@
 #include <sstream>
 
 #include <fmt/format.h>
-#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "cli_common.hpp"
@@ -37,8 +36,16 @@ pipeline::LoadedElasticity load(const CliContext& context, const std::string& fi
       context.load_runtime(core::ConfigDocument::from_file_text(file, text)));
 }
 
+// "[a, b, c]". A valid GPU list has thousands of entries: fmt::join would
+// parse the format of every one of them.
 std::string list_text(const std::vector<std::int64_t>& v) {
-  return fmt::format("[{}]", fmt::join(v, ", "));
+  std::string out = "[";
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    if (i) out += ", ";
+    const fmt::format_int digits(v[i]);
+    out.append(digits.data(), digits.size());
+  }
+  return out + "]";
 }
 
 template <class T>

@@ -23,10 +23,13 @@ const char* writers(mode_t mode) {
 template <class Subject>
 std::optional<std::string> entry_reason(const std::string& at, const struct stat& st,
                                         const Subject& subject, bool above) {
-  const uid_t caller = ::geteuid();
-  if (st.st_uid != 0 && st.st_uid != caller)
-    return fmt::format("{}is owned by uid {}, neither root nor the caller (uid {})", subject(),
-                       st.st_uid, caller);
+  // Most entries are root's: the caller's id is asked only for the others.
+  if (st.st_uid != 0) {
+    const uid_t caller = ::geteuid();
+    if (st.st_uid != caller)
+      return fmt::format("{}is owned by uid {}, neither root nor the caller (uid {})", subject(),
+                         st.st_uid, caller);
+  }
   const bool writable = st.st_mode & (S_IWGRP | S_IWOTH);
   // Others cannot rename or remove what the caller owns in a sticky
   // directory above; a plugin directory must not take their files at all.

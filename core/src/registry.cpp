@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdlib>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <system_error>
 
@@ -109,9 +110,12 @@ std::vector<std::string> plugin_kind_names() {
 struct Candidate {
   PluginKind kind;
   std::string name;
-  fs::path file;
-  fs::path real_directory;  // its directory, resolved and found trusted
-  bool builtin = false;     // in the built-in plugin directory
+  // Paths are made when used: a directory's files are many, the plugins a
+  // process loads few (std::filesystem splits a path into components as it
+  // is made, copied or appended to).
+  std::string file;
+  std::shared_ptr<const fs::path> real_directory;  // its directory, resolved and found trusted
+  bool builtin = false;                            // in the built-in plugin directory
   std::vector<fs::path> shadowed;
   std::vector<fs::path> refused;
 };
@@ -121,8 +125,8 @@ std::string refused_shadow_message(const Candidate& builtin, const fs::path& fil
       "'{}' is not used: it has the name of the built-in {} plugin '{}' ('{}'), which a plugin "
       "found elsewhere replaces only when the configuration asks for it with [plugins] "
       "override_builtin = [\"{}/{}\"]",
-      file.string(), to_string(builtin.kind), builtin.name, builtin.file.string(),
-      to_string(builtin.kind), builtin.name);
+      file.string(), to_string(builtin.kind), builtin.name, builtin.file, to_string(builtin.kind),
+      builtin.name);
 }
 
 struct PluginRegistry::State {
@@ -151,11 +155,11 @@ struct PluginRegistry::State {
         logger->warn(
             "plugin {}/{} found twice: using '{}', ignoring '{}' (earlier on the "
             "search path wins)",
-            to_string(c.kind), c.name, c.file.string(), other.string());
+            to_string(c.kind), c.name, c.file, other.string());
       for (const auto& other : c.refused) logger->warn("{}", refused_shadow_message(c, other));
     }
     try {
-      return &loaded.emplace(i, load_plugin_file_in(c.file, c.real_directory)).first->second;
+      return &loaded.emplace(i, load_plugin_file_in(c.file, *c.real_directory)).first->second;
     } catch (const std::exception& e) {
       failed.emplace(i, e.what());
       if (logger) logger->warn("{}", e.what());
@@ -219,29 +223,39 @@ PluginRegistry::PluginRegistry(std::vector<fs::path> search_path,
       state_->skipped.push_back({dir, "refused: it " + *reason});
       continue;
     }
+    const auto real_directory = std::make_shared<const fs::path>(canonical);
     const bool in_builtin = has_builtin && status.st_dev == builtin_status.st_dev &&
                             status.st_ino == builtin_status.st_ino;
     // Names first: a path is made only for the files named like plugins
     // (std::filesystem's directory iteration made one, and split it into
     // components, for every entry).
-    std::vector<Candidate> files;
+    struct Listed {
+      std::string file_name;
+      PluginKind kind;
+      std::string name;
+    };
+    std::vector<Listed> listed;
     if (DIR* listing = ::opendir(dir.c_str())) {
       while (const dirent* entry = ::readdir(listing)) {
-        Candidate c;
-        if (parse_plugin_file_name(entry->d_name, c.kind, c.name)) {
-          c.file = dir / entry->d_name;
-          c.real_directory = canonical;
-          c.builtin = in_builtin;
-          files.push_back(std::move(c));
-        }
+        PluginKind kind{};
+        std::string name;
+        if (parse_plugin_file_name(entry->d_name, kind, name))
+          listed.push_back({entry->d_name, kind, std::move(name)});
       }
       ::closedir(listing);
     }
     // One directory: its files' order is their names' order.
-    std::sort(files.begin(), files.end(), [](const Candidate& a, const Candidate& b) {
-      return a.file.native() < b.file.native();
-    });
-    for (auto& c : files) {
+    std::sort(listed.begin(), listed.end(),
+              [](const Listed& a, const Listed& b) { return a.file_name < b.file_name; });
+    for (auto& l : listed) {
+      Candidate c;
+      c.kind = l.kind;
+      c.name = std::move(l.name);
+      c.file = dir.native();
+      if (!c.file.empty() && c.file.back() != '/') c.file += '/';
+      c.file += l.file_name;
+      c.real_directory = real_directory;
+      c.builtin = in_builtin;
       auto key = std::make_pair(c.kind, c.name);
       auto found = seen.find(key);
       if (found == seen.end()) {
@@ -336,7 +350,8 @@ fs::path PluginRegistry::core_library_dir() {
 }
 
 fs::path PluginRegistry::builtin_plugin_dir() {
-  return (core_library_dir() / DUCTILE_PLUGIN_RELATIVE_DIR).lexically_normal();
+  static const fs::path dir = (core_library_dir() / DUCTILE_PLUGIN_RELATIVE_DIR).lexically_normal();
+  return dir;
 }
 
 const PluginInfo& PluginRegistry::find(PluginKind kind, std::string_view name) const {

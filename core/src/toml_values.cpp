@@ -1,6 +1,7 @@
 // The TOML edge of a parameter value: a TOML node converted to the type its
 // ParamSpec declares (a node of another type is refused here, in TOML's
 // words), then checked once by check_param_value (param_values.cpp).
+#include <charconv>
 #include <cmath>
 #include <sstream>
 
@@ -154,7 +155,66 @@ std::optional<ParamValue> convert_node(const toml::node& node, const ParamSpec& 
   return check_param_value(spec, std::move(*value), what, error);
 }
 
+namespace {
+
+bool is_digit(char c) {
+  return c >= '0' && c <= '9';
+}
+
+// Decimal digits from `i`, without a leading zero; returns where they end,
+// or npos when there are none (or a leading zero).
+std::size_t digits_end(std::string_view text, std::size_t i) {
+  const std::size_t start = i;
+  while (i < text.size() && is_digit(text[i])) ++i;
+  if (i == start || (text[start] == '0' && i - start > 1)) return std::string_view::npos;
+  return i;
+}
+
+// The literals that defaults are nearly all written as, read without the
+// TOML parser (one parse of a document per default, at every validation, was
+// a tenth of a `ductile elastic` process): a decimal integer, true or false,
+// a basic string of printable ASCII without escapes, each exactly as TOML
+// reads it. Anything else (floats, signs, underscores, other bases, escapes,
+// lists, malformed text) returns nullopt for the TOML parser to read or
+// refuse in its words.
+std::optional<ParamValue> plain_literal(ParamType type, std::string_view text) {
+  switch (type) {
+    case ParamType::boolean:
+      if (text == "true") return ParamValue(true);
+      if (text == "false") return ParamValue(false);
+      return std::nullopt;
+    case ParamType::integer:
+    case ParamType::floating: {
+      // A float is left to TOML++: libstdc++'s from_chars for a double
+      // needs libm (its rounding mode), which the program does not load.
+      const std::size_t sign = !text.empty() && text[0] == '-' ? 1 : 0;
+      if (digits_end(text, sign) != text.size()) return std::nullopt;
+      std::int64_t value = 0;
+      auto [at, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+      if (ec != std::errc() || at != text.data() + text.size()) return std::nullopt;
+      return ParamValue(value);  // for a float parameter, made one by check_param_value
+    }
+    case ParamType::string: {
+      if (text.size() < 2 || text.front() != '"' || text.back() != '"') return std::nullopt;
+      const std::string_view inner = text.substr(1, text.size() - 2);
+      for (char c : inner)
+        if (c < 0x20 || c > 0x7e || c == '"' || c == '\\') return std::nullopt;
+      return ParamValue(std::string(inner));
+    }
+    default:
+      return std::nullopt;
+  }
+}
+
+}  // namespace
+
 ParamValue parse_param_literal(const ParamSpec& spec, std::string_view literal) {
+  if (auto plain = plain_literal(spec.type, literal)) {
+    std::string error;
+    auto value = check_param_value(spec, std::move(*plain), spec.key, error);
+    if (!value) throw Error(ErrorKind::config, fmt::format("default of '{}': {}", spec.key, error));
+    return *value;
+  }
   std::string text = "v = " + std::string(literal);
   toml::table table;
   try {

@@ -2,6 +2,12 @@
 // link fmt statically (DUCTILE_STATIC_RUNTIME): format-inl.h defines it, and
 // the templates fmt declares `extern template` are instantiated here for
 // char, the only character type ductile formats.
+//
+// Without std::locale: the locale-aware formats ({:L}) read the C locale's
+// separators, none, as every ductile process formats in (none calls
+// std::locale::global), and a plugin does not carry and initialise
+// libstdc++'s locales (about half its size and relocations) for them.
+#define FMT_STATIC_THOUSANDS_SEPARATOR 0
 #include <fmt/format-inl.h>
 
 FMT_BEGIN_NAMESPACE
@@ -11,7 +17,5 @@ template FMT_API auto decimal_point_impl(locale_ref) -> char;
 template FMT_API void buffer<char>::append(const char*, const char*);
 template FMT_API void vformat_to(buffer<char>&, string_view,
                                  basic_format_args<FMT_BUFFER_CONTEXT(char)>, locale_ref);
-template FMT_API locale_ref::locale_ref(const std::locale& loc);
-template FMT_API auto locale_ref::get<std::locale>() const -> std::locale;
 }  // namespace detail
 FMT_END_NAMESPACE

@@ -21,6 +21,12 @@
 
 namespace ductile::elastic {
 
+namespace {
+// Reserved for the divisors of a batch at most (a batch below 2^32 has at
+// most 1,344); past it the list grows as divisors are found.
+constexpr u64 kDivisorReserveLimit = 4096;
+}  // namespace
+
 MicroBatches::MicroBatches(const std::vector<u64>& micro) : values(micro) {
   std::sort(values.begin(), values.end());
   values.erase(std::unique(values.begin(), values.end()), values.end());
@@ -33,6 +39,8 @@ std::vector<u64> valid_counts(u64 batch, const Factorization& batch_factors,
   // d divides batch and m divides batch / d: the divisors of batch (each once)
   // filtered, rather than the divisors of every batch / m merged.
   std::vector<u64> out;
+  // Every divisor at most: one allocation rather than a doubling series.
+  out.reserve(std::min<u64>(divisor_count(batch_factors), kDivisorReserveLimit));
   divisors_in_range(batch_factors, lo, hi, out);
   std::erase_if(out, [&](u64 d) {
     const u64 per_gpu = batch / d;

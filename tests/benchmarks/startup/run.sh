@@ -49,12 +49,12 @@ export DUCTILE_LOG_LEVEL=error  # the scheduler warning would be printed on ever
 world=$("$ductile" elastic --config "$work/heavy.toml" --json |
   /usr/bin/python3 -c 'import json,sys; print(json.load(sys.stdin)["valid_gpus"][-1])')
 
-# Rounds of runs/5 runs each, every command once a round: a machine that
-# drifts (another process, its clock) weighs on all of them alike, /bin/true
-# included, rather than on whichever hyperfine ran last.
-rounds=5
+# Rounds of 10 runs each (5 at least), every command once a round: a machine
+# that drifts (another process, its clock, the page cache) weighs on all of
+# them alike, /bin/true included, rather than on whichever hyperfine ran last.
+rounds=$(( runs / 10 > 5 ? runs / 10 : 5 ))
 for round in $(seq $rounds); do
-  hyperfine -N --runs $(( (runs + rounds - 1) / rounds )) --warmup 5 \
+  hyperfine -N --runs $(( (runs + rounds - 1) / rounds )) --warmup 3 \
     --export-json "$work/times-$round.json" --style none \
     -n "/bin/true" "/bin/true" \
     -n "ductile --version" "$ductile --version" \

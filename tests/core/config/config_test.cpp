@@ -1,6 +1,9 @@
 // Configuration validation: exact messages and positions, all errors at once.
 #include <doctest/doctest.h>
 
+#include <cmath>
+#include <limits>
+
 #include "ductile/core/config.hpp"
 #include "ductile/core/registry.hpp"
 #include "ductile/core/runtime.hpp"
@@ -207,4 +210,59 @@ TEST_CASE("parameter literals round-trip through format_param_value") {
   ParamSpec text{"s", ParamType::string, 0, nullptr, 0, 0, nullptr, ""};
   CHECK(format_param_value(parse_param_literal(text, "\"a\\\"b\"")) == "\"a\\\"b\"");
   CHECK_THROWS_AS(parse_param_literal(text, "[1"), Error);
+}
+
+TEST_CASE("parameter literals: plain ones and the rest of TOML read alike") {
+  ParamSpec integer{"n", ParamType::integer, 0, nullptr, 0, 0, nullptr, ""};
+  CHECK(std::get<std::int64_t>(parse_param_literal(integer, "42")) == 42);
+  CHECK(std::get<std::int64_t>(parse_param_literal(integer, "-7")) == -7);
+  CHECK(std::get<std::int64_t>(parse_param_literal(integer, "-0")) == 0);
+  CHECK(std::get<std::int64_t>(parse_param_literal(integer, "+5")) == 5);
+  CHECK(std::get<std::int64_t>(parse_param_literal(integer, "1_000")) == 1000);
+  CHECK(std::get<std::int64_t>(parse_param_literal(integer, "0x10")) == 16);
+  CHECK(std::get<std::int64_t>(parse_param_literal(integer, "9223372036854775807")) ==
+        std::numeric_limits<std::int64_t>::max());
+  CHECK_THROWS_AS(parse_param_literal(integer, "9223372036854775808"), Error);
+  CHECK_THROWS_AS(parse_param_literal(integer, "007"), Error);
+  CHECK_THROWS_AS(parse_param_literal(integer, "1.5"), Error);
+  CHECK_THROWS_AS(parse_param_literal(integer, "-"), Error);
+
+  ParamSpec floating{"x", ParamType::floating, 0, nullptr, 0, 0, nullptr, ""};
+  CHECK(std::get<double>(parse_param_literal(floating, "2.5")) == 2.5);
+  CHECK(std::get<double>(parse_param_literal(floating, "1e-3")) == 1e-3);
+  CHECK(std::get<double>(parse_param_literal(floating, "6.02E+23")) == 6.02e23);
+  CHECK(std::get<double>(parse_param_literal(floating, "1e06")) == 1e6);
+  CHECK(std::signbit(std::get<double>(parse_param_literal(floating, "-0.0"))));
+  CHECK(std::get<double>(parse_param_literal(floating, "3")) == 3.0);
+  CHECK(std::isinf(std::get<double>(parse_param_literal(floating, "inf"))));
+  CHECK(std::get<double>(parse_param_literal(floating, "1_0.5")) == 10.5);
+  CHECK_THROWS_AS(parse_param_literal(floating, "1."), Error);
+  CHECK_THROWS_AS(parse_param_literal(floating, ".5"), Error);
+  CHECK_THROWS_AS(parse_param_literal(floating, "01.5"), Error);
+  CHECK_THROWS_AS(parse_param_literal(floating, "1e"), Error);
+
+  ParamSpec flag{"b", ParamType::boolean, 0, nullptr, 0, 0, nullptr, ""};
+  CHECK(std::get<bool>(parse_param_literal(flag, "true")));
+  CHECK_FALSE(std::get<bool>(parse_param_literal(flag, "false")));
+  CHECK_THROWS_AS(parse_param_literal(flag, "True"), Error);
+
+  ParamSpec text{"s", ParamType::string, 0, nullptr, 0, 0, nullptr, ""};
+  CHECK(std::get<std::string>(parse_param_literal(text, "\"cosine\"")) == "cosine");
+  CHECK(std::get<std::string>(parse_param_literal(text, "\"\"")).empty());
+  CHECK(std::get<std::string>(parse_param_literal(text, "\"a\\tb\"")) == "a\tb");
+  CHECK(std::get<std::string>(parse_param_literal(text, "'C:\\dir'")) == "C:\\dir");
+  CHECK(std::get<std::string>(parse_param_literal(text, "\"\xc3\xa9\"")) == "\xc3\xa9");
+  CHECK_THROWS_AS(parse_param_literal(text, "\"a\"b\""), Error);
+}
+
+TEST_CASE("a plain default is checked against its spec like any other value") {
+  ParamSpec bounded{"n", ParamType::integer, param_has_min | param_has_max, nullptr, 1, 10, nullptr,
+                    ""};
+  CHECK(std::get<std::int64_t>(parse_param_literal(bounded, "10")) == 10);
+  try {
+    parse_param_literal(bounded, "0");
+    FAIL("no error for a default below the minimum");
+  } catch (const Error& e) {
+    CHECK(std::string(e.what()).find("default of 'n'") != std::string::npos);
+  }
 }
