@@ -18,8 +18,9 @@ DUCTILE_DEBIAN_PACKAGES=(
   openssl iproute2
   # fuzz targets (libFuzzer)
   clang-14 libclang-rt-14-dev
-  # start-up benchmark (tests/benchmarks/startup)
-  hyperfine
+  # start-up benchmark (tests/benchmarks/startup) and the list of the functions
+  # start-up runs (tools/startup/order_functions.py, callgrind)
+  hyperfine valgrind
 )
 
 ductile_jobs() { nproc 2>/dev/null || echo 2; }

@@ -14,6 +14,7 @@ finds its plugins inside itself and trains a model with zero3.
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -152,6 +153,34 @@ def needed(binary, env, cwd):
             if "(NEEDED)" in line}
 
 
+def sections(binary, env, cwd):
+    """Name -> (address, size) of each section of `binary`."""
+    found = {}
+    for line in run(["readelf", "-SW", binary], env, cwd).splitlines():
+        match = re.search(r"\]\s+(\S+)\s+\S+\s+([0-9a-f]{16})\s+[0-9a-f]+\s+([0-9a-f]+)", line)
+        if match:
+            found[match[1]] = (int(match[2], 16), int(match[3], 16))
+    return found
+
+
+def check_startup_functions_first(program, plugins, env, cwd):
+    """The functions start-up runs lead the text of the program and of each
+    built-in plugin with the static runtime, in a section of their own
+    (sdk/static_runtime/startup_functions.txt), the program's entry point
+    (_start) among them."""
+    placed = sections(program, env, cwd)
+    assert ".text.ductile_startup" in placed, (program, sorted(placed))
+    start, size = placed[".text.ductile_startup"]
+    header = run(["readelf", "-h", program], env, cwd)
+    entry = int(re.search(r"Entry point address:\s+0x([0-9a-f]+)", header)[1], 16)
+    assert start <= entry < start + size, (hex(entry), hex(start), hex(size))
+    for plugin in plugins:
+        placed = sections(plugin, env, cwd)
+        assert placed.get(".text.ductile_startup", (0, 0))[1] > 0, (plugin, placed)
+        # In front of the rest of the text: the start of the mapped code.
+        assert placed[".text.ductile_startup"][0] < placed[".text"][0], (plugin, placed)
+
+
 def check_static_runtime(env, cwd, venv, package):
     """The Release build links the C++ runtime, fmt, spdlog and TOML++ into
     the program and the built-in plugins (DUCTILE_STATIC_RUNTIME), the
@@ -160,11 +189,13 @@ def check_static_runtime(env, cwd, venv, package):
     program = os.path.join(package, "bin", "ductile")
     plugins = os.path.join(package, "lib", "ductile", "plugins")
     assert needed(program, env, cwd) <= SYSTEM_ONLY, (NOT_WRAPPED, needed(program, env, cwd))
-    for name in ("elasticity_v0.1", "elasticity_v0.2", "elasticity_optimal", "batching_greedy",
-                 "batching_bfd", "lr_linear", "lr_sqrt", "lr_none", "zero_partitioned"):
-        plugin = os.path.join(plugins, f"libductile_{name}.so")
+    static_plugins = [os.path.join(plugins, f"libductile_{name}.so") for name in (
+        "elasticity_v0.1", "elasticity_v0.2", "elasticity_optimal", "batching_greedy",
+        "batching_bfd", "lr_linear", "lr_sqrt", "lr_none", "zero_partitioned")]
+    for plugin in static_plugins:
         assert needed(plugin, env, cwd) <= SYSTEM_ONLY, (NOT_WRAPPED, plugin,
                                                          needed(plugin, env, cwd))
+    check_startup_functions_first(program, static_plugins, env, cwd)
     cpu = needed(os.path.join(plugins, "libductile_accelerator_cpu.so"), env, cwd)
     assert "libstdc++.so.6" in cpu
 

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Start-up time of the `ductile` CLI as whole processes, raced against
 # /bin/true on the same machine in the same run: the median wall time (and
-# the mean CPU time) of RUNS runs (hyperfine, 5 warm-up runs) of
+# the mean CPU time) of RUNS runs (hyperfine, 3 warm-up runs a round), and the
+# page faults of one run, of
 #   /bin/true                                                (the floor)
 #   ductile --version
 #   ductile elastic --config <v0.1 config> --world-size N   (TOML and DeepSpeed JSON)
 #   ductile config check <config>
 #   ductile pack on 2,000 real lengths (the first 2,000 of the ShareGPT trace)
+# (commands.sh writes them and their inputs).
 # Usage: tests/benchmarks/startup/run.sh [BUILD_DIR (default build)] [RUNS (default 50)]
 # Build Release first (./run.sh, or cmake --build build --target ductile_cli).
 # Needs hyperfine. A program that prints figures, not a test.
@@ -20,34 +22,15 @@ command -v hyperfine >/dev/null || { echo "hyperfine is not installed" >&2; exit
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-# A heavy v0.1 configuration (a large batch cap and many micro batches): the
-# computation itself takes well under a millisecond.
-cat >"$work/heavy.toml" <<'TOML'
-[elasticity]
-version = 0.1
-max_train_batch_size = 1000000
-micro_batch_sizes = [2, 4, 6, 8, 12, 16, 17, 24, 32]
-min_gpus = 32
-max_gpus = 4096
-TOML
-cat >"$work/heavy.json" <<'JSON'
-{"train_batch_size": 1000, "elasticity": {"enabled": true, "version": 0.1,
- "max_train_batch_size": 1000000, "micro_batch_sizes": [2, 4, 6, 8, 12, 16, 17, 24, 32],
- "min_gpus": 32, "max_gpus": 4096}}
-JSON
-# 2,000 real sequence lengths, one a line (tests/data/lengths: ShareGPT first
-# turns, OPT tokenizer).
-root_data=$root/tests/data/lengths/sharegpt_opt_first_turn_lengths.csv
-/usr/bin/python3 - "$root_data" "$work/lengths.txt" <<'PY'
-import csv, sys
-with open(sys.argv[1]) as f:
-    rows = csv.DictReader(f)
-    lengths = [row["input_tokens"] for _, row in zip(range(2000), rows)]
-open(sys.argv[2], "w").write("\n".join(lengths) + "\n")
-PY
 export DUCTILE_LOG_LEVEL=error  # the scheduler warning would be printed on every run
-world=$("$ductile" elastic --config "$work/heavy.toml" --json |
-  /usr/bin/python3 -c 'import json,sys; print(json.load(sys.stdin)["valid_gpus"][-1])')
+# name<TAB>command line, one a command (commands.sh writes their inputs).
+"$root/tests/benchmarks/startup/commands.sh" "$work" "$ductile" >"$work/commands"
+mapfile -t lines <"$work/commands"
+hyperfine_args=(-n "/bin/true" "/bin/true")
+for line in "${lines[@]}"; do
+  hyperfine_args+=(-n "${line%%$'\t'*}" "${line#*$'\t'}")
+done
+printf '%s\n' "/bin/true" "${lines[@]#*$'\t'}" >"$work/command-lines"
 
 # Rounds of 10 runs each (5 at least), every command once a round: a machine
 # that drifts (another process, its clock, the page cache) weighs on all of
@@ -55,22 +38,24 @@ world=$("$ductile" elastic --config "$work/heavy.toml" --json |
 rounds=$(( runs / 10 > 5 ? runs / 10 : 5 ))
 for round in $(seq $rounds); do
   hyperfine -N --runs $(( (runs + rounds - 1) / rounds )) --warmup 3 \
-    --export-json "$work/times-$round.json" --style none \
-    -n "/bin/true" "/bin/true" \
-    -n "ductile --version" "$ductile --version" \
-    -n "ductile elastic (v0.1 TOML, world size $world)" \
-    "$ductile elastic --config $work/heavy.toml --world-size $world" \
-    -n "ductile elastic (v0.1 DeepSpeed JSON, world size $world)" \
-    "$ductile elastic --config $work/heavy.json --world-size $world" \
-    -n "ductile config check" "$ductile config check $work/heavy.toml" \
-    -n "ductile pack (2,000 lengths, greedy, max_tokens 4096)" \
-    "$ductile pack --lengths $work/lengths.txt --max-tokens 4096 --effective-batch-size 2" \
+    --export-json "$work/times-$round.json" --style none "${hyperfine_args[@]}" \
     >/dev/null 2>>"$work/hyperfine.err"
 done
 
 /usr/bin/python3 - "$work" "$rounds" <<'PY'
-import json, statistics, sys
+import json, os, statistics, subprocess, sys
 work, rounds = sys.argv[1], int(sys.argv[2])
+
+
+def page_faults(command_line):
+    """Minor page faults of one run: each maps in a page of a file or zeroes one."""
+    child = subprocess.Popen(command_line.split(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    _, _, usage = os.wait4(child.pid, 0)
+    return usage.ru_minflt
+
+
+lines = open(f"{work}/command-lines").read().splitlines()
 commands = {}
 for round in range(1, rounds + 1):
     for r in json.load(open(f"{work}/times-{round}.json"))["results"]:
@@ -80,11 +65,14 @@ for round in range(1, rounds + 1):
 floor = statistics.median(commands["/bin/true"]["times"])
 runs = len(commands["/bin/true"]["times"])
 print(f"start-up of whole processes, {runs} runs in {rounds} rounds: median wall time, its "
-      "ratio to /bin/true's, and mean CPU time (user + system; steadier on a busy machine)")
-for name, c in commands.items():
+      "ratio to /bin/true's, mean CPU time (user + system; steadier on a busy machine) and "
+      "the page faults of a run (median of 5)")
+for (name, c), line in zip(commands.items(), lines):
     median = statistics.median(c["times"])
     cpu = statistics.mean(c["cpu"]) * 1000
-    print(f"  {name:<58} {median * 1000:7.2f} ms  {median / floor:5.2f}x   cpu {cpu:5.2f} ms")
+    faults = statistics.median(page_faults(line) for _ in range(5))
+    print(f"  {name:<58} {median * 1000:7.2f} ms  {median / floor:5.2f}x   cpu {cpu:5.2f} ms"
+          f"   faults {faults:4.0f}")
 PY
 if grep -q "outliers" "$work/hyperfine.err"; then
   echo "  (hyperfine saw statistical outliers: the machine was busy; run again on a quiet one)"
