@@ -2,7 +2,8 @@
 // [log] and knows one section per plugin kind with its selector key; the
 // keys a section's host reads beside the plugin's (a lengths file, a base
 // schedule) and aliases of a selector are added by the libraries above it
-// (extend_section), so that the core holds no pipeline or DeepSpeed word.
+// (extend_section), so that the core holds no word of theirs or of another
+// tool's.
 #include <mutex>
 
 #include <fmt/format.h>

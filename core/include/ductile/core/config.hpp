@@ -68,8 +68,8 @@ class ConfigError : public Error {
 };
 
 // A second key that may name a section's plugin, for files written in
-// another tool's words: the pipeline gives [elasticity] DeepSpeed's
-// `version = 0.1`. The core reads the key's value as text (a number as
+// another tool's words: the pipeline gives [elasticity] the `version = 0.1`
+// of another tool's files. The core reads the key's value as text (a number as
 // written, or a string; `expected` says what else it may hold, for the
 // message about a value of another type) and asks `resolve` which plugin it
 // selects, given the selector key's value when the file has one too.

@@ -101,8 +101,8 @@ Params complete_params(const PluginInfo& info, const Params& given);
 
 // The parameters of `given` whose keys the plugin's schema has (values
 // unchecked); the names of the others are appended to `dropped` when given.
-// For settings written for another plugin or another tool (a DeepSpeed block
-// read by a policy that lacks some of its keys).
+// For settings written for another plugin or another tool (another tool's
+// block read by a policy that lacks some of its keys).
 Params schema_params(const PluginInfo& info, const Params& given,
                      std::vector<std::string>* dropped = nullptr);
 
