@@ -209,23 +209,21 @@ std::optional<ParamValue> plain_literal(ParamType type, std::string_view text) {
 }  // namespace
 
 ParamValue parse_param_literal(const ParamSpec& spec, std::string_view literal) {
-  if (auto plain = plain_literal(spec.type, literal)) {
-    std::string error;
-    auto value = check_param_value(spec, std::move(*plain), spec.key, error);
-    if (!value) throw Error(ErrorKind::config, fmt::format("default of '{}': {}", spec.key, error));
-    return *value;
-  }
-  std::string text = "v = " + std::string(literal);
-  toml::table table;
-  try {
-    table = toml::parse(text, std::string_view{"<default>"});
-  } catch (const toml::parse_error& e) {
-    throw Error(ErrorKind::config, fmt::format("default of '{}' is not a TOML value: {} ({})",
-                                               spec.key, literal, e.description()));
-  }
-  const toml::node* node = table.get("v");
   std::string error;
-  auto value = node ? convert_node(*node, spec, spec.key, error) : std::nullopt;
+  std::optional<ParamValue> value;
+  if (auto plain = plain_literal(spec.type, literal)) {
+    value = check_param_value(spec, std::move(*plain), spec.key, error);
+  } else {
+    std::string text = "v = " + std::string(literal);
+    toml::table table;
+    try {
+      table = toml::parse(text, std::string_view{"<default>"});
+    } catch (const toml::parse_error& e) {
+      throw Error(ErrorKind::config, fmt::format("default of '{}' is not a TOML value: {} ({})",
+                                                 spec.key, literal, e.description()));
+    }
+    if (const toml::node* node = table.get("v")) value = convert_node(*node, spec, spec.key, error);
+  }
   if (!value) throw Error(ErrorKind::config, fmt::format("default of '{}': {}", spec.key, error));
   return *value;
 }
