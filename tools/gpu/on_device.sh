@@ -8,10 +8,14 @@
 #   tools/gpu/on_device.sh [STAGE...]    (no stage: all of them, in order)
 #
 # Stages: build; tests (ctest: the cuda device suite and python/test_zero3_cuda);
-# copy (accelerator_cuda_copy_bench); zero3 (bench_zero3.py --device cuda);
-# flatten (bench_flatten.py llama-gpu). Every stage but build needs build.
-# A stage that fails is reported and the next one runs; the exit status is
-# that of the first failure.
+# copy (accelerator_cuda_copy_bench); zero3 (bench_zero3.py --device cuda:
+# GPT-2 medium's shape, fp32 and bf16, batch 8 and 32, against DDP, FSDP2
+# and DeepSpeed, with the Python calls and the GPU's idle time per step;
+# all in zero3.log); flatten (bench_flatten.py llama-gpu). Every stage but
+# build needs build. A stage that fails is reported and the next one runs;
+# the exit status is that of the first failure. DeepSpeed and the packages
+# it needs come from .gpu-carry/wheels (tools/gpu/prepare.sh), installed
+# into /tmp/ductile-site.
 set -uo pipefail
 out=${OUT:-/tmp/ductile-gpu}
 mkdir -p "$out"
@@ -43,6 +47,11 @@ if [ ! -e /usr/include/toml++/toml.h ] && [ ! -e $deps/usr/include/toml++/toml.h
   done
 fi
 export LD_LIBRARY_PATH=$deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+site=/tmp/ductile-site
+if ls .gpu-carry/wheels/*.whl >/dev/null 2>&1 && [ ! -d $site ]; then
+  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $site \
+    .gpu-carry/wheels/*.whl || echo "on_device.sh: the carried wheels did not install"
+fi
 nccl=$("$python" -c "import nvidia.nccl as n; print(list(n.__path__)[0])")
 
 run_stage() {
@@ -72,7 +81,23 @@ stage_tests() {
     --timeout 400
 }
 
-export PYTHONPATH=$PWD/$build/python PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export PYTHONPATH=$PWD/$build/python${site:+:$site} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+
+# The ZeRO-3 race on the GPU: batch 8 (fp32, bf16) in zero3a, with the
+# Python calls and the GPU's idle time per step; batch 32 in zero3b.
+bench_zero3() {
+  timeout 300 "$python" tests/benchmarks/python/bench_zero3.py --device cuda --size gpu \
+    --steps 6 "$@"
+}
+stage_zero3a() {
+  bench_zero3 --batch 8 --precision fp32 --calls --gpu-profile \
+    --engines ddp,fsdp2,deepspeed,ductile,ductile-mpi || return 1
+  bench_zero3 --batch 8 --precision bf16 --gpu-profile --engines fsdp2,deepspeed,ductile,ductile-mpi
+}
+stage_zero3b() {
+  bench_zero3 --batch 32 --precision fp32 --engines fsdp2,deepspeed,ductile,ductile-mpi || return 1
+  bench_zero3 --batch 32 --precision bf16 --engines fsdp2,deepspeed,ductile,ductile-mpi
+}
 
 for stage in "${stages[@]}"; do
   case $stage in
@@ -82,15 +107,16 @@ for stage in "${stages[@]}"; do
     zero3)
       # BENCH_ZERO3_PROFILE=ductile:$OUT/zero3_profile.txt in the caller's
       # environment adds a host-side profile of ductile's steps (slower).
-      run_stage zero3 timeout 420 "$python" tests/benchmarks/python/bench_zero3.py --device cuda \
-        --size gpu --batch 8 --steps 10 --engines ddp,fsdp2,ductile,ductile-noprefetch,ductile-mpi
+      run_stage zero3a stage_zero3a && run_stage zero3b stage_zero3b
       ;;
+    zero3a | zero3b) run_stage "$stage" "stage_$stage" ;;
     flatten)
       run_stage flatten timeout 420 "$python" tests/benchmarks/python/bench_flatten.py llama-gpu \
         400 3
       ;;
     *)
-      echo "on_device.sh: stage '$stage' is not valid; use build, tests, copy, zero3 or flatten"
+      echo "on_device.sh: stage '$stage' is not valid; use build, tests, copy, zero3 (zero3a," \
+        "zero3b) or flatten"
       exit 2
       ;;
   esac
