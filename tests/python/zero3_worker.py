@@ -326,6 +326,7 @@ def profile_calls(train_step, batches, engine):
             "blocking": {k: v / 2 for k, v in blocking.items()},
             "collectives": {k: v / 2 for k, v in collectives.items()},
             "gathered_groups": gathered / 2,
+            "gathers": (after["gathers"] - before["gathers"]) / 2,
             "reduce_scatters": (after["reduce_scatters"] - before["reduce_scatters"]) / 2}
 
 

@@ -18,7 +18,8 @@ thread, and returns a handle with ``query()`` and ``wait()``. A coalesced
 gather of a parameter group (its members' slices back to back in the
 shard, each member whole in the output) is one all-gather of the flat
 shard and one copy-out (``split_with_sizes_copy``) into the members'
-places, as FSDP2 does.
+places, as FSDP2 does; the small groups of one coalesced gather (a
+prefetch) share one all-gather, their shards copied in back to back.
 
 Stream semantics. cpu: the collective runs on gloo's threads; its output
 (copied out) is complete when the work is (``query()`` true, or
@@ -47,6 +48,10 @@ _DTYPES = {
 }
 _SIZES = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in _DTYPES.items()}
 _CACHE_LIMIT = 4096  # tensors and gather plans kept by address before the caches start over
+# Bytes a rank sends for the groups of one coalesced gather (a prefetch of
+# several small groups) packed into one collective: fewer, larger
+# collectives for small groups, where each costs more than its bytes.
+_PACK_LIMIT = 16 << 20
 _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX,
         "prod": dist.ReduceOp.PRODUCT}
 
@@ -120,21 +125,49 @@ class _OnStream:
 class _Run:
     """Consecutive items of a coalesced gather that are one parameter
     group: their sends back to back (the group's shard), their outputs back
-    to back, each `size` elements a rank."""
+    to back, each `size` elements a rank; or several groups of one dtype
+    packed together (`sends`: their shards, copied in back to back)."""
 
-    __slots__ = ("send", "recv", "outs", "sizes", "total")
+    __slots__ = ("send", "sends", "recv", "outs", "sizes", "total")
 
-    def __init__(self, world, items):
-        first = items[0]
+    def __init__(self, world, runs):
+        items = [item for run in runs for item in run]
+        dtype = items[0][3]
         self.sizes = [count for _, _, count, _ in items]
         self.total = sum(self.sizes)
-        dtype = first[3]
-        self.send = world._at(first[0], self.total, dtype)
-        self.recv = world._at(first[1], self.total * world.size, dtype)
-        self.outs = None
+        self.sends = self.send = self.recv = self.outs = None
+        if len(runs) == 1:
+            self.send = world._at(items[0][0], self.total, dtype)
+            self.recv = world._at(items[0][1], self.total * world.size, dtype)
+        else:
+            self.sends = [world._at(run[0][0], sum(c for _, _, c, _ in run), dtype)
+                          for run in runs]
         if len(items) > 1 and world.size > 1:
             self.outs = [world._at(recv, count * world.size, dtype).view(world.size, count)
                          for _, recv, count, _ in items]
+
+
+def _packed(runs, limit, size):
+    """Groups of runs gathered by one collective each: small runs of one
+    dtype together (within `limit` bytes a rank), a larger one alone; each
+    alone on one rank (no collective to save)."""
+    if size == 1:
+        return [[run] for run in runs]
+    out, small, small_bytes = [], [], 0
+    for run in runs:
+        dtype = run[0][3]
+        nbytes = sum(count for _, _, count, _ in run) * _SIZES[dtype]
+        if nbytes > limit:
+            out.append([run])
+            continue
+        if small and (small[0][0][3] != dtype or small_bytes + nbytes > limit):
+            out.append(small)
+            small, small_bytes = [], 0
+        small.append(run)
+        small_bytes += nbytes
+    if small:
+        out.append(small)
+    return out
 
 
 def _runs(items, size):
@@ -230,7 +263,8 @@ class TorchWorld:
         key = tuple(items)
         runs = self._plans.get(key)
         if runs is None:
-            runs = [_Run(self, run) for run in _runs(items, self.size)]
+            runs = [_Run(self, packed)
+                    for packed in _packed(_runs(items, self.size), _PACK_LIMIT, self.size)]
             if len(self._plans) >= _CACHE_LIMIT:
                 self._plans.clear()
             self._plans[key] = runs
@@ -244,10 +278,13 @@ class TorchWorld:
             return _OnStream(s)
 
     def _gather_run(self, run):
+        send = run.send
+        if send is None:  # several groups: their shards copied in back to back
+            send = torch.cat(run.sends)
         if run.outs is None:
-            return self.all_gather(run.recv, run.send)
-        gathered = torch.empty(self.size * run.total, dtype=run.send.dtype, device=self.device)
-        work = _all_gather(gathered, run.send, group=self.group, async_op=True)
+            return self.all_gather(run.recv, send)
+        gathered = torch.empty(self.size * run.total, dtype=send.dtype, device=self.device)
+        work = _all_gather(gathered, send, group=self.group, async_op=True)
 
         def copy_out():
             torch.split_with_sizes_copy(gathered.view(self.size, run.total), run.sizes, dim=1,
