@@ -76,7 +76,6 @@ DUCTILE_ACCEL_API int mpi_finalized(int* flag);
 #define MPI_Ibcast DUCTILE_MPI_LAZY(MPI_Ibcast)
 #define MPI_Improbe DUCTILE_MPI_LAZY(MPI_Improbe)
 #define MPI_Imrecv DUCTILE_MPI_LAZY(MPI_Imrecv)
-#define MPI_Init DUCTILE_MPI_LAZY(MPI_Init)
 #define MPI_Init_thread DUCTILE_MPI_LAZY(MPI_Init_thread)
 #define MPI_Intercomm_merge DUCTILE_MPI_LAZY(MPI_Intercomm_merge)
 #define MPI_Ireduce_scatter_block DUCTILE_MPI_LAZY(MPI_Ireduce_scatter_block)

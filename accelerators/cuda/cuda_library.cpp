@@ -78,14 +78,16 @@ CudaLibrary& nccl() {
 }
 
 // site-packages when this plugin lies in an installed wheel
-// (<site-packages>/ductile/lib/ductile/plugins/).
+// (<site-packages>/ductile/lib/ductile/plugins/), else empty.
 fs::path site_packages() {
   Dl_info info{};
   if (dladdr(reinterpret_cast<const void*>(&site_packages), &info) == 0 || !info.dli_fname)
     return {};
   std::error_code ignored;
   fs::path plugin = fs::weakly_canonical(info.dli_fname, ignored);
-  return plugin.parent_path().parent_path().parent_path().parent_path().parent_path();
+  fs::path site = plugin.parent_path().parent_path().parent_path().parent_path().parent_path();
+  if (!fs::exists(site / "ductile" / "__init__.py", ignored)) return {};
+  return site;
 }
 
 std::vector<fs::path> candidate_dirs(const CudaLibrary& library) {

