@@ -87,7 +87,8 @@ def build_wheel(source, out_dir, build_dir, python=sys.executable, timeout=2400,
 
 def platform_tag(show_output):
     """The manylinux tag `auditwheel show` says the wheel is consistent with."""
-    match = re.search(r'consistent with the following platform tag:\s*"([^"]+)"', show_output)
+    match = re.search(r'consistent\s+with\s+the\s+following\s+platform\s+tag:\s*"([^"]+)"',
+                      show_output)
     assert match, show_output
     return match[1]
 
@@ -98,7 +99,7 @@ def policy(tag):
     path = os.path.join(os.path.dirname(auditwheel.__file__), "policy", "manylinux-policy.json")
     with open(path) as f:
         policies = json.load(f)
-    base = tag.rsplit("_", 1)[0]  # manylinux_2_35_x86_64 -> manylinux_2_35
+    base = re.match(r"(manylinux_\d+_\d+)_", tag)[1]  # manylinux_2_35_x86_64 -> manylinux_2_35
     for entry in policies:
         if entry["name"] == base or base in entry.get("aliases", []):
             return entry
