@@ -17,8 +17,8 @@ namespace {
 ductile::core::Runtime cpu_runtime(const char* communicator) {
   return ductile::core::Runtime::from_string(
       std::string("[plugins]\npath = [\"") + DUCTILE_PLUGIN_DIR +
-          "\"]\n[accelerator]\nbackend = \"cpu\"\ntimeout = 60\ncommunicator = \"" +
-          communicator + "\"\n",
+          "\"]\n[accelerator]\nbackend = \"cpu\"\ntimeout = 60\ncommunicator = \"" + communicator +
+          "\"\n",
       "mpi_library.toml");
 }
 
