@@ -33,6 +33,7 @@ Started by torchrun (TORCHELASTIC_RUN_ID in the environment) or by
 import atexit
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -282,8 +283,7 @@ def steps_without_a_sync(engine, windows, rank, world, device):
 
 # Calls that can make the host wait for a device: a collective's wait or a
 # completion poll, reading a tensor's value, synchronising a stream.
-BLOCKING = ("'wait' of", "'item' of", "'tolist' of", "synchronize", "is_completed", "'query' of",
-            "'__bool__' of", "'__float__' of")
+BLOCKING = re.compile(r"\b(wait|item|tolist|synchronize|is_completed|query|__bool__|__float__)\b")
 
 
 def profile_calls(train_step, batches, engine):
@@ -307,7 +307,7 @@ def profile_calls(train_step, batches, engine):
         total += calls
         if f"{os.sep}ductile{os.sep}" in path:
             ours += calls
-        if path == "~" and any(b in name for b in BLOCKING):
+        if path == "~" and BLOCKING.search(name):
             # torch's optimizers read their step counters (cpu tensors): not
             # the engine's, and no device wait.
             engine_calls = sum(c[1] for caller, c in callers.items() if optimizer not in caller[0])

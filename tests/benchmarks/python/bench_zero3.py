@@ -54,6 +54,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import resource
 import socket
 import statistics
@@ -145,8 +146,8 @@ def optimizer_bytes(optimizer):
     return tensor_bytes([t for st in optimizer.state.values() for t in st.values()])
 
 
-BLOCKING = ("'wait' of", "'item' of", "'tolist' of", "synchronize", "is_completed",
-            "'query' of")
+# Built-in calls that can block the host on a GPU, by name.
+BLOCKING = re.compile(r"\b(wait|item|tolist|synchronize|is_completed|query)\b")
 
 
 def count_calls(stats, steps):
@@ -158,7 +159,7 @@ def count_calls(stats, steps):
         total += calls
         if f"{os.sep}ductile{os.sep}" in path:
             ours += calls
-        if path == "~" and any(b in name for b in BLOCKING):
+        if path == "~" and BLOCKING.search(name):
             blocking[name] = blocking.get(name, 0) + calls
     return {"calls": total / steps, "ductile_calls": ours / steps,
             "blocking": {k: v / steps for k, v in sorted(blocking.items())}}
