@@ -35,6 +35,7 @@ belong to must be declared with ``register_external_parameter``;
 ``engine.state_dict()``. docs/python.md describes it all.
 """
 
+from ..._config import load_config
 from ._engine import Zero3Engine, register_external_parameter
 from ._full import GatheredParameters
 from ._init import init
@@ -45,7 +46,8 @@ __all__ = ["initialize", "init", "Zero3Engine", "register_external_parameter",
 
 
 def initialize(model, optimizer_factory=None, config=None, *, plugin_path=None,
-               mixed_precision=None, load_from=None, group=None, step_in_backward=False):
+               mixed_precision=None, load_from=None, group=None, step_in_backward=False,
+               allow_config_plugins=False):
     """Partitions ``model``'s parameters and installs the hooks; returns the
     engine. Collective: every rank calls it with the same model structure.
 
@@ -66,10 +68,17 @@ def initialize(model, optimizer_factory=None, config=None, *, plugin_path=None,
     shard (``optimizer_factory([shard])``), stepped as soon as that shard's
     gradient is reduce-scattered, so the gradient shards never all exist at
     once (no global clipping or fp16 loss scaling then; accumulate with
-    ``no_sync()`` for all but the last micro-batch). Raises ConfigError,
+    ``no_sync()`` for all but the last micro-batch).
+    ``allow_config_plugins``: load plugins from the directories the
+    config's own ``[plugins] path`` names (off: see ``ductile.load_config``).
+    Raises ConfigError, NotFoundError (a plugin the config selects from a
+    directory it names, without ``allow_config_plugins``),
     InvalidArgumentError (a parameter of an unsupported dtype or on the
     wrong device).
     """
+    if config is not None:
+        config = load_config(config, format="toml" if isinstance(config, dict) else None,
+                             plugin_path=plugin_path, allow_config_plugins=allow_config_plugins)
     return Zero3Engine(model, optimizer_factory, config, plugin_path=plugin_path,
                        mixed_precision=mixed_precision, load_from=load_from, group=group,
                        step_in_backward=step_in_backward)
