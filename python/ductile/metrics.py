@@ -17,6 +17,7 @@ import numpy as np
 
 from . import _ductile
 from ._errors import InvalidArgumentError, IoError
+from ._paths import path_argument
 
 __all__ = ["SEQLEN_PREFIX", "seqlen_prefix", "read_metric", "write_metric",
            "lengths_from_metrics_path"]
@@ -34,31 +35,12 @@ def seqlen_prefix(metrics_path):
     return os.path.join(os.fspath(metrics_path), SEQLEN_PREFIX)
 
 
-def _prefix(prefix, what):
-    """`prefix` as a str path; InvalidArgumentError for one no file has."""
-    try:
-        path = os.fspath(prefix)
-    except TypeError as e:
-        raise InvalidArgumentError(f"{what}: prefix = {prefix!r} is not a path (give a str or "
-                                   "os.PathLike)") from e
-    if isinstance(path, bytes):
-        path = os.fsdecode(path)
-    try:
-        encoded = os.fsencode(path)
-    except UnicodeEncodeError as e:
-        raise InvalidArgumentError(f"{what}: prefix = {path!r} holds a lone surrogate, which no "
-                                   "file name can hold") from e
-    if not path or b"\0" in encoded:
-        raise InvalidArgumentError(f"{what}: prefix = {path!r} is not a valid path (empty, or "
-                                   "holding NUL)")
-    return path
-
-
 def read_metric(prefix):
     """Every value of a metric file pair (PREFIX.bin + PREFIX.idx), in order,
     as int64. Raises NotFoundError or IoError naming the file,
     InvalidArgumentError for a prefix that is not a path."""
-    return _ductile.batching.read_lengths(_prefix(prefix, "read_metric"), "mmidx", "", "")
+    path = path_argument(prefix, "prefix", "read_metric")
+    return _ductile.batching.read_lengths(path, "mmidx", "", "")
 
 
 def _atomic_write(path, chunks):
@@ -87,7 +69,7 @@ def write_metric(prefix, values, dtype=np.int64):
     The values are what :func:`read_metric` reads back: at least one, each
     >= 1 (lengths). Raises InvalidArgumentError for bad values, IoError
     naming the file that cannot be written."""
-    prefix = _prefix(prefix, "write_metric")
+    prefix = path_argument(prefix, "prefix", "write_metric")
     try:
         dtype = np.dtype(dtype)
     except TypeError as e:

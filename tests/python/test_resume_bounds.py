@@ -141,7 +141,7 @@ def test_an_epoch_past_the_seed_is_named_as_the_epoch():
                              r"order's seed, seed \+ epoch, exceeds 2\^63 - 1"):
         sampler.set_epoch(20)
     with pytest.raises(ductile.InvalidArgumentError,
-                       match=f"set_epoch: epoch = {2**70} is out of range; an epoch is between 0 "
+                       match=f"set_epoch: epoch = {2**70} is out of range; must be between 0 "
                              f"and {_sampler.MAX_EPOCH}"):
         sampler_of().set_epoch(2**70)
 

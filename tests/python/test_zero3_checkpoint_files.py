@@ -15,7 +15,8 @@ import ductile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from zero3_checkpoint_support import engine_of, same, snapshot, train  # noqa: E402
+from zero3_checkpoint_support import (copy_of, engine_of, same, saved_checkpoint,  # noqa: E402
+                                      snapshot)
 from zero3_launch import launch  # noqa: E402
 
 
@@ -67,18 +68,12 @@ def test_a_fifo_latest_manifest_or_shard_is_refused_at_once_on_two_ranks(tmp_pat
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A one-rank checkpoint (step 2) and the snapshot it holds."""
-    engine = engine_of()
-    train(engine, 2)
-    root = tmp_path_factory.mktemp("pristine") / "ckpt"
-    engine.save(root, client_state={"step": 2})
-    return root, snapshot(engine)
+    return saved_checkpoint(tmp_path_factory.mktemp("pristine"), 2, {"step": 2})
 
 
 @pytest.fixture
 def copy(checkpoint, tmp_path):
-    root = tmp_path / "ckpt"
-    shutil.copytree(checkpoint[0], root, symlinks=True)
-    return root
+    return copy_of(checkpoint[0], tmp_path)
 
 
 def refused(root, pattern):

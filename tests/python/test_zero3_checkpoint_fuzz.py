@@ -24,7 +24,7 @@ from ductile.torch.zero3 import _checkpoint, _checkpoint_reads
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from zero3_checkpoint_support import engine_of, same, snapshot, train  # noqa: E402
+from zero3_checkpoint_support import engine_of, same, saved_checkpoint, snapshot  # noqa: E402
 
 EXAMPLES = int(os.environ.get("DUCTILE_FUZZ_EXAMPLES", "200"))
 FUZZ = settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
@@ -50,11 +50,7 @@ def pointer_bytes():
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    engine = engine_of()
-    train(engine, 1)
-    root = tmp_path_factory.mktemp("fuzz") / "ckpt"
-    engine.save(root, client_state={"step": 1})
-    return root
+    return saved_checkpoint(tmp_path_factory.mktemp("fuzz"), 1, {"step": 1})[0]
 
 
 @FUZZ

@@ -8,7 +8,6 @@ format version 2 (no checksum) still load."""
 import hashlib
 import json
 import os
-import shutil
 import sys
 
 import pytest
@@ -17,23 +16,18 @@ import ductile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from zero3_checkpoint_support import engine_of, same, snapshot, train  # noqa: E402
+from zero3_checkpoint_support import (copy_of, engine_of, same, saved_checkpoint,  # noqa: E402
+                                      snapshot)
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    engine = engine_of()
-    train(engine, 6)
-    root = tmp_path_factory.mktemp("pristine") / "ckpt"
-    engine.save(root, client_state={"step": 6})
-    return root, snapshot(engine)
+    return saved_checkpoint(tmp_path_factory.mktemp("pristine"), 6, {"step": 6})
 
 
 @pytest.fixture
 def root(saved, tmp_path):
-    copy = tmp_path / "ckpt"
-    shutil.copytree(saved[0], copy)
-    return copy
+    return copy_of(saved[0], tmp_path)
 
 
 def manifest_of(root):

@@ -3,6 +3,7 @@ engine on one rank, training it, snapshots of its parameters and optimizer
 state, and the files of a saved checkpoint."""
 
 import os
+import shutil
 import sys
 
 import torch
@@ -43,3 +44,20 @@ def same(a, b):
     pb, sb = b
     return pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa) and \
         sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def saved_checkpoint(folder, steps, client_state):
+    """A one-rank checkpoint saved into folder/ckpt after `steps` steps:
+    (root, snapshot of what it holds)."""
+    engine = engine_of()
+    train(engine, steps)
+    root = folder / "ckpt"
+    engine.save(root, client_state=client_state)
+    return root, snapshot(engine)
+
+
+def copy_of(root, folder):
+    """A copy of a checkpoint root in folder/ckpt (links kept as links)."""
+    copy = folder / "ckpt"
+    shutil.copytree(root, copy, symlinks=True)
+    return copy

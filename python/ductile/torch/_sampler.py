@@ -265,7 +265,8 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
             # Before packing: how far ahead the step lies, at the steps of the
             # last epoch whose count is known.
             last = self._anchor_epoch + max(known - 1, 0)
-            steps = max(self._step_count(last), 1)
+            steps = max(self._starts[known] - self._starts[known - 1] if known else
+                        self._step_count(last), 1)
             self._check_ahead(self._anchor_epoch + known + (step - self._starts[known]) // steps,
                               step, f"epoch {last} has {steps} steps")
             k = known
@@ -302,7 +303,8 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
         """Selects the epoch to iterate; with order="random" its packing is
         shuffled with seed + epoch. Keeps the position restored by
         load_state_dict when it is that state's epoch."""
-        epoch = _check_epoch(_int(epoch, "epoch"), self.seed, "set_epoch: epoch")
+        epoch = _check_epoch(_int(epoch, "set_epoch: epoch", 0, MAX_EPOCH), self.seed,
+                             "set_epoch: epoch")
         if epoch != self.epoch:
             self.epoch = epoch
             self._position = 0

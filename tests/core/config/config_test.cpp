@@ -271,7 +271,7 @@ TEST_CASE("a plain default is checked against its spec like any other value") {
 }
 
 TEST_CASE("a file of many bad keys reports its first 100 in file order and counts the rest") {
-  std::string text = "[lr]\nrule = \"fixture_good\"\n";
+  std::string text = "[lr]\nrule = \"fixture_good\"\nsteps = 3\n";
   // Written in reverse name order: the table's own order (by name) is not the file's.
   for (int k = 1999; k >= 0; --k) text += "unknown_" + std::to_string(k) + " = 1\n";
   try {
@@ -280,9 +280,9 @@ TEST_CASE("a file of many bad keys reports its first 100 in file order and count
   } catch (const ConfigError& e) {
     REQUIRE(e.diagnostics().size() == kMaxConfigDiagnostics);
     CHECK(e.more() == 2000 - kMaxConfigDiagnostics);
-    CHECK(e.diagnostics().front().where.line == 3);
+    CHECK(e.diagnostics().front().where.line == 4);
     CHECK(e.diagnostics().front().message.starts_with("unknown key 'unknown_1999' in [lr]"));
-    CHECK(e.diagnostics().back().where.line == 102);
+    CHECK(e.diagnostics().back().where.line == 103);
     const std::string what = e.what();
     CHECK(std::count(what.begin(), what.end(), '\n') == 100);
     CHECK(what.ends_with("\n... and 1900 more"));
@@ -301,7 +301,8 @@ TEST_CASE("control, bidi and NUL characters and bytes that are not UTF-8 are esc
   CHECK(printable("cut:\xe2\x82") == "cut:\\xe2\\x82");
   // Quoted values and whole diagnostics go through it.
   CHECK(excerpt("k\0ey\u202e"s) == "k\\x00ey\\u{202e}");
-  const auto errors = errors_of("[lr]\nrule = \"fixture_good\"\n\"a\\u0000b\\u202E\" = 1\n");
+  const auto errors =
+      errors_of("[lr]\nrule = \"fixture_good\"\nsteps = 3\n\"a\\u0000b\\u202E\" = 1\n");
   REQUIRE(errors.size() == 1);
-  CHECK(errors[0].starts_with("job.toml:3:1: unknown key 'a\\x00b\\u{202e}' in [lr]"));
+  CHECK(errors[0].starts_with("job.toml:4:1: unknown key 'a\\x00b\\u{202e}' in [lr]"));
 }

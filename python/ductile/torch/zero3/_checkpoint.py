@@ -353,6 +353,6 @@ def load(engine, root):
     scaler = engine._scaler
     if scaler is not None and manifest.get("loss_scaler") is not None:
         scaler.load_state_dict(manifest["loss_scaler"])
-    if engine.rank == 0:
-        clean_after_load(root)
+    if engine.rank == 0 and os.path.lexists(os.path.join(root, LATEST)):
+        clean_after_load(root)  # a checkpoint root (not a tag folder given alone)
     return manifest.get("client_state")

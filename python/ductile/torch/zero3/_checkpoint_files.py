@@ -15,6 +15,7 @@ import zlib
 import torch
 
 from ..._errors import IncompatibleError, InvalidArgumentError, IoError
+from ..._paths import path_argument
 
 FORMAT = "ductile-zero3-checkpoint"
 # 3: the manifest's SHA-256 in `latest` and in its sidecar file. 2 (read
@@ -214,26 +215,7 @@ def pointer_text(name, checksum):
 
 def check_root(root, what):
     """`root` as a str path; InvalidArgumentError for one no file can have."""
-    try:
-        root = os.fspath(root)
-    except TypeError as e:
-        raise InvalidArgumentError(f"{what}: directory = {root!r} is not a path (give a str or "
-                                   "os.PathLike)") from e
-    if isinstance(root, bytes):
-        root = os.fsdecode(root)
-    try:
-        encoded = os.fsencode(root)
-    except UnicodeEncodeError as e:
-        raise InvalidArgumentError(f"{what}: directory = {root!r} holds a lone surrogate, which "
-                                   "no file name can hold") from e
-    if not root or b"\0" in encoded:
-        raise InvalidArgumentError(f"{what}: directory = {root!r} is not a valid path (empty, or "
-                                   "holding NUL)")
-    return root
-
-
-
-# --- the root's lock and the leftovers of killed saves -------------------------------
+    return path_argument(root, "directory", what)
 
 
 def remove_tree(path):
