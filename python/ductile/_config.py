@@ -121,7 +121,7 @@ def load_config(source, *, format=None, plugin_path=None, allow_config_plugins=F
     configuration's own ``[plugins] path`` names, running the code of the
     plugins found there (off by default, as ``ductile config check`` needs
     ``--allow-config-plugins``: a configuration received from elsewhere is
-    read, not run; a plugin it selects from there is NotFoundError naming
+    read, not run; a plugin it selects from there is a ConfigError naming
     the directory and this argument). A DeepSpeed config names no plugin
     directory.
     Raises ConfigError (file:line:col messages), NotFoundError.

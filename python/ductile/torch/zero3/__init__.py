@@ -71,7 +71,7 @@ def initialize(model, optimizer_factory=None, config=None, *, plugin_path=None,
     ``no_sync()`` for all but the last micro-batch).
     ``allow_config_plugins``: load plugins from the directories the
     config's own ``[plugins] path`` names (off: see ``ductile.load_config``).
-    Raises ConfigError, NotFoundError (a plugin the config selects from a
+    Raises ConfigError (also for a plugin the config selects from a
     directory it names, without ``allow_config_plugins``),
     InvalidArgumentError (a parameter of an unsupported dtype or on the
     wrong device).
