@@ -21,9 +21,10 @@ cProfile). Rank 0 writes out/result.json
 (per-step losses, coordinator counters, the modules released while backward
 ran) and out/params.pt (the final parameters, whole).
 
-Mode "load_error": load `load`, expecting an error; every rank writes
-out/result-rank<r>.json with the error's class and message, the seconds the
-load took and whether the parameters and optimizer state are unchanged.
+Mode "load_error": load `load` (or each of `loads`, one after another),
+expecting an error; every rank writes out/result-rank<r>.json with the
+error's class and message, the seconds the load took and whether the
+parameters and optimizer state are unchanged (a list with `loads`).
 
 Started by torchrun (TORCHELASTIC_RUN_ID in the environment) or by
 `ductile agent` (MASTER_ADDR), the worker initialises torch.distributed
@@ -136,20 +137,23 @@ def run_load_error(spec):
     engine.step()
     before = engine.full_parameters()
     state = [t.clone() for s in engine.optimizer.state.values() for t in s.values()]
-    start = time.monotonic()
-    error = None
-    try:
-        engine.load(spec["load"])
-    except Exception as e:  # noqa: BLE001 - reported to the test
-        error = e
-    seconds = time.monotonic() - start
-    after = engine.full_parameters()
-    unchanged = all(torch.equal(before[n], after[n]) for n in before) and all(
-        torch.equal(a, b) for a, b in zip(state, [t for s in engine.optimizer.state.values()
-                                                  for t in s.values()]))
+    results = []
+    for root in spec.get("loads") or [spec["load"]]:  # one after another, same engine
+        start = time.monotonic()
+        error = None
+        try:
+            engine.load(root)
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            error = e
+        seconds = time.monotonic() - start
+        after = engine.full_parameters()
+        unchanged = all(torch.equal(before[n], after[n]) for n in before) and all(
+            torch.equal(a, b) for a, b in zip(state, [t for s in engine.optimizer.state.values()
+                                                      for t in s.values()]))
+        results.append({"rank": engine.rank, "class": type(error).__name__,
+                        "message": str(error), "seconds": seconds, "unchanged": unchanged})
     with open(os.path.join(spec["out"], f"result-rank{engine.rank}.json"), "w") as f:
-        json.dump({"rank": engine.rank, "class": type(error).__name__,
-                   "message": str(error), "seconds": seconds, "unchanged": unchanged}, f)
+        json.dump(results if "loads" in spec else results[0], f)
 
 
 def run_zero3(spec):

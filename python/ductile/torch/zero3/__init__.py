@@ -36,6 +36,7 @@ belong to must be declared with ``register_external_parameter``;
 ``engine.state_dict()``. docs/python.md describes it all.
 """
 
+from ..._config import load_config
 from ._engine import Zero3Engine, register_external_parameter
 from ._full import GatheredParameters
 from ._init import init
@@ -47,7 +48,7 @@ __all__ = ["initialize", "init", "Zero3Engine", "register_external_parameter",
 
 def initialize(model, optimizer_factory=None, config=None, *, plugin_path=None,
                mixed_precision=None, load_from=None, group=None, step_in_backward=False,
-               groups="auto"):
+               groups="auto", allow_config_plugins=False):
     """Partitions ``model``'s parameters and installs the hooks; returns the
     engine. Collective: every rank calls it with the same model structure.
 
@@ -74,9 +75,16 @@ def initialize(model, optimizer_factory=None, config=None, *, plugin_path=None,
     model's ``_no_split_modules``, else each child of an ``nn.ModuleList``;
     the root takes the rest), "module" (every module with parameters), a
     tuple of module classes or a callable ``module -> bool`` (those, and the
-    root). Raises ConfigError, InvalidArgumentError (a parameter of an
-    unsupported dtype or on the wrong device, a bad ``groups``).
+    root). ``allow_config_plugins``: load plugins from the directories the
+    config's own ``[plugins] path`` names (off: see ``ductile.load_config``).
+    Raises ConfigError (also for a plugin the config selects from a
+    directory it names, without ``allow_config_plugins``),
+    InvalidArgumentError (a parameter of an unsupported dtype or on the
+    wrong device, a bad ``groups``).
     """
+    if config is not None:
+        config = load_config(config, format="toml" if isinstance(config, dict) else None,
+                             plugin_path=plugin_path, allow_config_plugins=allow_config_plugins)
     return Zero3Engine(model, optimizer_factory, config, plugin_path=plugin_path,
                        mixed_precision=mixed_precision, load_from=load_from, group=group,
                        step_in_backward=step_in_backward, groups=groups)
