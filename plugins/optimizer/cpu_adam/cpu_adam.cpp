@@ -23,7 +23,7 @@ namespace {
 // a worker costs more than the work. A multiple of 64, so that chunks of
 // different threads never share a cache line of any buffer (64 bytes: 16
 // floats, 32 16-bit values) when the buffers are aligned.
-constexpr std::size_t kMinChunk = 64 * 1024;
+constexpr std::size_t kMinChunk = 32 * 1024;
 constexpr std::size_t kChunkAlign = 64;
 
 struct Isa {
@@ -171,10 +171,10 @@ class CpuAdam final : public Optimizer {
     return c;
   }
 
-  // About four chunks per thread, so that a thread slowed by others on its
-  // core leaves its share to the rest.
+  // About 16 chunks per thread, so that a thread slowed by others on its
+  // core leaves its share to the rest, and the last chunk's wait is short.
   std::size_t chunk_size(std::size_t numel) const {
-    std::size_t chunk = std::max(kMinChunk, numel / (threads_ * 4));
+    std::size_t chunk = std::max(kMinChunk, numel / (threads_ * 16));
     return (chunk + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
   }
 

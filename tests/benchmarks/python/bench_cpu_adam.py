@@ -17,8 +17,8 @@ the three optimizers step their own copy of the same parameters and
 gradients, taking turns step by step (so a change of load on the machine
 hits all three alike); after warm-up steps, the median of the timed
 optimizer.step() calls is printed, with the ratios ductile / rival (speed:
-the rival's time over ductile's) and the largest relative difference of the
-final parameters from torch's (they took the same steps). The load average
+the rival's time over ductile's) and the largest difference of the final
+parameters from torch's, in units of lr (they took the same steps). The load average
 of the machine is printed before and after each process.
 """
 
@@ -99,14 +99,14 @@ def race(threads, size, steps):
             if step >= WARMUP:
                 times[name].append(elapsed)
     reference = params["torch"].detach()
-    scale = reference.abs().clamp_min(1e-30)
     result = dict(threads=threads, size=size, steps=steps,
                   implementation=optimizers["ductile"].implementation)
     for name in CONTENDERS:
         result[name + "_ms"] = statistics.median(times[name]) * 1e3
         result[name + "_spread_ms"] = [min(times[name]) * 1e3, max(times[name]) * 1e3]
-        result[name + "_rel_diff"] = float(((params[name].detach() - reference).abs()
-                                            / scale).max())
+        # In units of lr, the size of one step.
+        result[name + "_diff"] = (float((params[name].detach() - reference).abs().max())
+                                  / HYPER["lr"])
     return result
 
 
@@ -173,8 +173,8 @@ def main():
               f"{r['steps']} timed steps, min-max ms: " +
               ", ".join(f"{n} {r[n + '_spread_ms'][0]:.1f}-{r[n + '_spread_ms'][1]:.1f}"
                         for n in CONTENDERS) +
-              f"; largest relative difference from torch: ductile {r['ductile_rel_diff']:.1e}, "
-              f"deepspeed {r['deepspeed_rel_diff']:.1e}")
+              f"; largest difference from torch's parameters, in steps (lr): ductile "
+              f"{r['ductile_diff']:.1e}, deepspeed {r['deepspeed_diff']:.1e}")
 
 
 if __name__ == "__main__":
