@@ -9,7 +9,9 @@
 #
 # Stages: build; tests (ctest: the cuda device suite and python/test_zero3_cuda);
 # copy (accelerator_cuda_copy_bench); zero3 (bench_zero3.py --device cuda);
-# flatten (bench_flatten.py llama-gpu). Every stage but build needs build.
+# flatten (bench_flatten.py llama-gpu); cpu_adam (the optimizer plugin's test on
+# this host's CPU, which has the AVX-512 the development machine lacks). Every
+# stage but build needs build.
 # A stage that fails is reported and the next one runs; the exit status is
 # that of the first failure.
 set -uo pipefail
@@ -64,7 +66,7 @@ stage_build() {
     -DDUCTILE_PYTHON_EXECUTABLE="$python" -DDUCTILE_BUILD_PYTHON=ON &&
     cmake --build $build --parallel "$(nproc)" --target ductile_python_package \
       ductile_accelerator_cuda accelerator_cuda_device accelerator_cuda_unavailable \
-      accelerator_cuda_copy_bench
+      accelerator_cuda_copy_bench optimizer_cpu_adam
 }
 
 stage_tests() {
@@ -89,8 +91,15 @@ for stage in "${stages[@]}"; do
       run_stage flatten timeout 420 "$python" tests/benchmarks/python/bench_flatten.py llama-gpu \
         400 3
       ;;
+    cpu_adam)
+      # Every instruction set the CPU has against the scalar kernel, bit for
+      # bit (the test names the ones it compared and the ones it lacks).
+      grep -m1 -o -w 'avx512f' /proc/cpuinfo || echo "this CPU has no avx512f"
+      run_stage cpu_adam timeout 300 $build/bin/optimizer_cpu_adam
+      ;;
     *)
-      echo "on_device.sh: stage '$stage' is not valid; use build, tests, copy, zero3 or flatten"
+      echo "on_device.sh: stage '$stage' is not valid; use build, tests, copy, zero3, flatten or" \
+        "cpu_adam"
       exit 2
       ;;
   esac

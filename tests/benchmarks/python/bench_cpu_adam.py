@@ -14,8 +14,9 @@ thread and with every core, by
 Each thread count runs in a process of its own (OMP_NUM_THREADS, torch's
 intra-op threads and the plugin's `threads` all set to it). In it, per size,
 the three optimizers step their own copy of the same parameters and
-gradients, taking turns step by step (so a change of load on the machine
-hits all three alike); after warm-up steps, the median of the timed
+gradients, taking turns step by step, each going first in turn (so a change
+of load on the machine hits all three alike); after warm-up steps, the
+median of the timed
 optimizer.step() calls is printed, with the ratios ductile / rival (speed:
 the rival's time over ductile's) and the largest difference of the final
 parameters from torch's, in units of lr (they took the same steps). The load average
@@ -92,7 +93,9 @@ def race(threads, size, steps):
     del initial, grad
     times = {name: [] for name in CONTENDERS}
     for step in range(WARMUP + steps):
-        for name in CONTENDERS:
+        # Each goes first in turn: none always follows the same rival.
+        turn = step % len(CONTENDERS)
+        for name in CONTENDERS[turn:] + CONTENDERS[:turn]:
             start = time.perf_counter()
             optimizers[name].step()
             elapsed = time.perf_counter() - start
@@ -113,7 +116,7 @@ def race(threads, size, steps):
 def child(args):
     threads = int(args.child)
     for size in args.sizes:
-        steps = args.steps or max(5, min(20, 200_000_000 // size))
+        steps = args.steps or max(6, min(30, 300_000_000 // size))
         print(json.dumps(race(threads, size, steps)), flush=True)
 
 
@@ -125,7 +128,7 @@ def main():
                         help="thread counts, comma-separated; 'all': every core this process "
                              "may use")
     parser.add_argument("--steps", type=int, default=0,
-                        help="timed steps per size (default: 20 for 10 M, 5 for 100 M)")
+                        help="timed steps per size (default: 30 for 10 M, 6 for 100 M)")
     parser.add_argument("--build-dir", default=os.path.join(ROOT, "build"),
                         help="where DeepSpeed's op is built and cached (torch_extensions/)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
