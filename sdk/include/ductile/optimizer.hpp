@@ -32,13 +32,14 @@
 //   written by another call in flight (gradients may be shared, read-only).
 //   An offload engine may thus step one parameter group from a background
 //   thread while the gradients of other groups are still arriving. A call
-//   returns when its buffers are fully updated. An optimizer may split one
-//   call's work over a pool of threads of its own (its parameters say how
-//   many: cpu_adam's `threads`); the calling thread works too, so a call
-//   progresses even while the pool serves other calls, and concurrent calls
-//   share the pool instead of starting threads of their own. An optimizer
-//   never calls back into the caller. Destroying it while a call is in
-//   flight is undefined: join the calling threads first.
+//   returns when its buffers are fully updated. An optimizer may split a
+//   call's work over threads of its own; its parameters say how many.
+//   (cpu_adam keeps one pool of `threads - 1` workers for all calls, and the
+//   calling thread works too: a call progresses even while the pool serves
+//   other calls, and concurrent calls share the pool instead of starting
+//   threads of their own.) An optimizer never calls back into the caller.
+//   Destroying it while a call is in flight is undefined: join the calling
+//   threads first.
 // - Errors: throws ductile::Error(ErrorKind::invalid_argument) naming the
 //   field and its value for a bad call: a null buffer with numel > 0, a
 //   state count other than state_names().size(), buffers that overlap, step
