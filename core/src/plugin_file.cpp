@@ -53,6 +53,8 @@ const char* interface_name(PluginKind kind) {
       return "Accelerator";
     case PluginKind::zero:
       return "ParameterCoordinator";
+    case PluginKind::optimizer:
+      return "Optimizer";
   }
   return "unknown";
 }

@@ -57,6 +57,13 @@ std::vector<SectionSpec> make_specs() {
                    {},
                    "ZeRO-3 parameter coordinator",
                    std::nullopt});
+  specs.push_back({"optimizer",
+                   PluginKind::optimizer,
+                   "name",
+                   "cpu_adam",
+                   {},
+                   "optimizer stepping flat fp32 shards on the host",
+                   std::nullopt});
   return specs;
 }
 

@@ -70,5 +70,6 @@ void register_runtime(py::module_& m);
 void register_elasticity(py::module_& m);
 void register_batching(py::module_& m);
 void register_zero(py::module_& m);
+void register_optimizer(py::module_& m);
 
 }  // namespace ductile::python

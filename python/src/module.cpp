@@ -371,4 +371,6 @@ PYBIND11_MODULE(_ductile, m) {
   dp::register_batching(batching);
   auto zero = m.def_submodule("zero");
   dp::register_zero(zero);
+  auto optimizer = m.def_submodule("optimizer");
+  dp::register_optimizer(optimizer);
 }

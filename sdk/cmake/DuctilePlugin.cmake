@@ -8,7 +8,7 @@
 # SHARED_RUNTIME is given: a plugin that shares C++ objects with a shared
 # library of its own (the accelerators' common library) links the shared
 # runtime as that library does.
-# KIND is one of elasticity, batching, lr, accelerator, zero. The CMake target
+# KIND is one of elasticity, batching, lr, accelerator, zero, optimizer. The CMake target
 # is ductile_<kind>_<name> with characters other than [A-Za-z0-9_] replaced
 # by '_' (so NAME v0.1 gives the target ductile_elasticity_v0_1); the
 # variable DUCTILE_LAST_PLUGIN_TARGET holds it after the call.
@@ -23,7 +23,7 @@ function(ductile_add_plugin)
   if(NOT ARG_NAME OR NOT ARG_KIND OR NOT ARG_SOURCES)
     message(FATAL_ERROR "ductile_add_plugin: NAME, KIND and SOURCES are required")
   endif()
-  set(_kinds elasticity batching lr accelerator zero)
+  set(_kinds elasticity batching lr accelerator zero optimizer)
   if(NOT ARG_KIND IN_LIST _kinds)
     message(FATAL_ERROR "ductile_add_plugin: KIND '${ARG_KIND}' is not one of: ${_kinds}")
   endif()

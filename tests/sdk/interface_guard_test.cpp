@@ -87,11 +87,13 @@ struct Pin {
 // DUCTILE_ABI is major * 1000 + minor. Re-pin after deciding by the rule in
 // version.hpp: the printed fingerprint and the version it was decided at.
 const std::vector<Pin> kPins = {
+    // Re-pinned without a bump for PluginKind::optimizer: a new kind of
+    // interface (its enum value, name and revision); nothing existing moved.
     {{"plugin.hpp", "params.hpp", "error.hpp", "export.hpp"},
      "DUCTILE_ABI_MAJOR * 1000 + DUCTILE_ABI_MINOR",
      kAbiVersion,
      2002,
-     0x2496510c811a8aa3ull},
+     0x21a8482055e43628ull},
     {{"elasticity_policy.hpp"},
      "DUCTILE_INTERFACE_REVISION_ELASTICITY",
      DUCTILE_INTERFACE_REVISION_ELASTICITY,
@@ -122,6 +124,11 @@ const std::vector<Pin> kPins = {
      DUCTILE_INTERFACE_REVISION_ZERO,
      1,
      0x41f136917b405c92ull},
+    {{"optimizer.hpp"},
+     "DUCTILE_INTERFACE_REVISION_OPTIMIZER",
+     DUCTILE_INTERFACE_REVISION_OPTIMIZER,
+     1,
+     0xd6f1549eb4ef821bull},
 };
 
 }  // namespace

@@ -13,16 +13,18 @@
 # and DeepSpeed, with the Python calls and the GPU's idle time per step;
 # all in zero3.log); flatten (bench_flatten.py llama-gpu); wheel (the pip
 # route: the cp312 wheel built, repaired and installed into a fresh venv,
-# python/test_zero3_cuda run from it). Every stage but build and wheel needs
-# build. A stage that fails is reported and the next one runs; the exit
-# status is that of the first failure. DeepSpeed and the packages it needs
+# python/test_zero3_cuda run from it); cpu_adam (the optimizer plugin's test
+# on this host's CPU, which has the AVX-512 the development machine lacks).
+# Every stage but build and wheel needs build. A stage that fails is
+# reported and the next one runs; the exit status is that of the first
+# failure. DeepSpeed and the packages it needs
 # come from .gpu-carry/wheels (tools/gpu/prepare.sh), installed into
 # /tmp/ductile-site.
 set -uo pipefail
 out=${OUT:-/tmp/ductile-gpu}
 mkdir -p "$out"
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(build tests copy zero3 flatten)
+[ ${#stages[@]} -eq 0 ] && stages=(build tests copy zero3 flatten cpu_adam)
 build=build-gpu
 deps=/tmp/ductile-deps
 python=$(command -v python3)
@@ -75,7 +77,7 @@ stage_build() {
     -DDUCTILE_PYTHON_EXECUTABLE="$python" -DDUCTILE_BUILD_PYTHON=ON &&
     cmake --build $build --parallel "$(nproc)" --target ductile_python_package \
       ductile_accelerator_cuda accelerator_cuda_device accelerator_cuda_unavailable \
-      accelerator_cuda_copy_bench
+      accelerator_cuda_copy_bench optimizer_cpu_adam
 }
 
 stage_tests() {
@@ -163,9 +165,15 @@ for stage in "${stages[@]}"; do
       run_stage flatten timeout 420 "$python" tests/benchmarks/python/bench_flatten.py llama-gpu \
         400 3
       ;;
+    cpu_adam)
+      # Every instruction set the CPU has against the scalar kernel, bit for
+      # bit (the test names the ones it compared and the ones it lacks).
+      grep -m1 -o -w 'avx512f' /proc/cpuinfo || echo "this CPU has no avx512f"
+      run_stage cpu_adam timeout 300 $build/bin/optimizer_cpu_adam
+      ;;
     *)
       echo "on_device.sh: stage '$stage' is not valid; use build, tests, copy, zero3 (zero3a," \
-        "zero3b), flatten or wheel"
+        "zero3b), flatten, wheel or cpu_adam"
       exit 2
       ;;
   esac

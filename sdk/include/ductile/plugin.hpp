@@ -37,8 +37,9 @@ enum class PluginKind : std::uint32_t {
   lr = 2,           // LrScalingRule          ([lr] rule = "...")
   accelerator = 3,  // Accelerator            ([accelerator] backend = "...")
   zero = 4,         // ParameterCoordinator   ([zero] coordinator = "...")
+  optimizer = 5,    // Optimizer              ([optimizer] name = "...")
 };
-inline constexpr std::uint32_t kPluginKindCount = 5;
+inline constexpr std::uint32_t kPluginKindCount = 6;
 
 DUCTILE_SDK_API inline const char* to_string(PluginKind kind) noexcept {
   switch (kind) {
@@ -52,6 +53,8 @@ DUCTILE_SDK_API inline const char* to_string(PluginKind kind) noexcept {
       return "accelerator";
     case PluginKind::zero:
       return "zero";
+    case PluginKind::optimizer:
+      return "optimizer";
   }
   return "unknown";
 }
@@ -70,6 +73,8 @@ constexpr std::uint32_t interface_revision(PluginKind kind) noexcept {
       return DUCTILE_INTERFACE_REVISION_ACCELERATOR;
     case PluginKind::zero:
       return DUCTILE_INTERFACE_REVISION_ZERO;
+    case PluginKind::optimizer:
+      return DUCTILE_INTERFACE_REVISION_OPTIMIZER;
   }
   return 0;
 }

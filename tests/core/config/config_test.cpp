@@ -85,7 +85,7 @@ TEST_CASE("every error of a file is reported together, in file order, with posit
   CHECK(errors[4] == "job.toml:6:9: [lr] sizes[1] = 0 is out of range: must be >= 1");
   CHECK(errors[5] ==
         "job.toml:8:2: unknown section [elastcity] (did you mean 'elasticity'?); valid sections: "
-        "plugins, log, elasticity, batching, lr, accelerator, zero");
+        "plugins, log, elasticity, batching, lr, accelerator, zero, optimizer");
   CHECK(errors[6] ==
         "job.toml:12:11: [accelerator] backend must be a string naming the accelerator plugin, got "
         "integer 7");

@@ -324,7 +324,7 @@ TEST_CASE(
     REQUIRE(e.diagnostics().size() == 2);
     CHECK(e.diagnostics()[0].format() ==
           "job.toml:3:34: [plugins] override_builtin: 'linear' is not kind/name (kinds: "
-          "elasticity, batching, lr, accelerator, zero), as in \"batching/greedy\"");
+          "elasticity, batching, lr, accelerator, zero, optimizer), as in \"batching/greedy\"");
     CHECK(contains(e.diagnostics()[1].message, "'gpu/x' is not kind/name"));
   }
 }

@@ -1,0 +1,77 @@
+#include "work_pool.hpp"
+
+#include <algorithm>
+
+namespace ductile::cpu_adam {
+
+WorkPool::WorkPool(std::size_t workers) {
+  threads_.reserve(workers);
+  for (std::size_t i = 0; i < workers; ++i) threads_.emplace_back([this] { work(); });
+}
+
+WorkPool::~WorkPool() {
+  {
+    std::lock_guard lock(mutex_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  for (auto& t : threads_) t.join();
+}
+
+void WorkPool::drain(Job& job) {
+  for (;;) {
+    const std::size_t i = job.next.fetch_add(1, std::memory_order_relaxed);
+    if (i >= job.count) return;
+    job.chunk(job.context, i);
+  }
+}
+
+void WorkPool::retire(Job& job) {
+  auto it = std::find(jobs_.begin(), jobs_.end(), &job);
+  if (it != jobs_.end()) jobs_.erase(it);
+}
+
+void WorkPool::run(std::size_t count, Chunk chunk, const void* context) {
+  if (count == 0) return;
+  if (threads_.empty() || count == 1) {
+    for (std::size_t i = 0; i < count; ++i) chunk(context, i);
+    return;
+  }
+  Job job;
+  job.count = count;
+  job.chunk = chunk;
+  job.context = context;
+  {
+    std::lock_guard lock(mutex_);
+    jobs_.push_back(&job);
+  }
+  // More workers than chunks left for them would only wake to find none.
+  if (count - 1 >= threads_.size())
+    wake_.notify_all();
+  else
+    for (std::size_t i = 0; i + 1 < count; ++i) wake_.notify_one();
+  drain(job);
+  // Every chunk is claimed; those claimed by workers are done once no
+  // worker is inside the job (a worker enters under the mutex, before it
+  // claims anything, and leaves after its last chunk returned).
+  std::unique_lock lock(mutex_);
+  retire(job);
+  left_.wait(lock, [&] { return job.workers_inside == 0; });
+}
+
+void WorkPool::work() {
+  std::unique_lock lock(mutex_);
+  for (;;) {
+    wake_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
+    if (stop_) return;
+    Job& job = *jobs_.front();
+    ++job.workers_inside;
+    lock.unlock();
+    drain(job);
+    lock.lock();
+    retire(job);
+    if (--job.workers_inside == 0) left_.notify_all();
+  }
+}
+
+}  // namespace ductile::cpu_adam

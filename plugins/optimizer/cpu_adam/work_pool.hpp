@@ -1,0 +1,59 @@
+// A pool of worker threads that share the chunks of one or more jobs with
+// the threads that submitted them. run() hands its chunks to the pool and
+// works on them itself, so a job progresses even while every worker serves
+// another job, and concurrent jobs share the workers (first come, first
+// served) instead of each starting threads of its own.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace ductile::cpu_adam {
+
+class WorkPool {
+ public:
+  // The function run() calls for each chunk: chunk(context, index). It must
+  // not throw.
+  using Chunk = void (*)(const void* context, std::size_t index);
+
+  // Starts `workers` threads (0: run() works alone on the caller's thread).
+  explicit WorkPool(std::size_t workers);
+  // Stops and joins the workers; no run() may be in flight.
+  ~WorkPool();
+  WorkPool(const WorkPool&) = delete;
+  WorkPool& operator=(const WorkPool&) = delete;
+
+  // Calls chunk(context, i) once for every i in [0, count), on the caller's
+  // thread and the pool's, and returns when every call has returned (their
+  // writes are then visible to the caller). Thread-safe.
+  void run(std::size_t count, Chunk chunk, const void* context);
+
+  std::size_t workers() const { return threads_.size(); }
+
+ private:
+  struct Job {
+    std::size_t count = 0;
+    Chunk chunk = nullptr;
+    const void* context = nullptr;
+    std::atomic<std::size_t> next{0};
+    std::size_t workers_inside = 0;  // guarded by mutex_
+  };
+
+  static void drain(Job& job);
+  void retire(Job& job);  // takes the job off the queue; mutex_ held
+  void work();
+
+  std::mutex mutex_;
+  std::condition_variable wake_;  // a job was queued, or stop_
+  std::condition_variable left_;  // a worker left a job
+  std::deque<Job*> jobs_;         // jobs with chunks not yet claimed
+  bool stop_ = false;
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace ductile::cpu_adam

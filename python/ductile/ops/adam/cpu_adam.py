@@ -1,0 +1,151 @@
+"""``DuctileCPUAdam``: a ``torch.optim.Optimizer`` with DeepSpeedCPUAdam's
+constructor whose steps run in C++, in an optimizer plugin (``cpu_adam`` by
+default: AVX-512/AVX2, multi-threaded, torch.optim.AdamW's results).
+
+    from ductile.ops.adam import DeepSpeedCPUAdam       # was deepspeed.ops.adam
+    optimizer = DeepSpeedCPUAdam(model.parameters(), lr=1e-3, weight_decay=0.01)
+    loss.backward(); optimizer.step(); optimizer.zero_grad()
+
+Its state is torch's: ``state_dict()`` holds ``step``, ``exp_avg`` and
+``exp_avg_sq`` per parameter as ``torch.optim.AdamW`` keeps them, so either
+loads the other's. Python only finds the tensors and checks that they are
+dense fp32 on the CPU; every number is computed by the plugin.
+"""
+
+import torch
+
+from ..._ductile import optimizer as _native
+from ..._errors import InvalidArgumentError, UnsupportedError
+
+_HALF_TYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class DuctileCPUAdam(torch.optim.Optimizer):
+    """Adam (``adamw_mode=False``: L2 weight decay) or AdamW (decoupled weight
+    decay, the default) on fp32 CPU tensors, stepped by an optimizer plugin.
+
+    The positional arguments are DeepSpeedCPUAdam's. ``amsgrad=True`` is
+    refused (as DeepSpeed does not support it). ``fp32_optimizer_states``
+    is accepted for compatibility: parameters are fp32, so are the states.
+    ``bias_correction=False`` steps with lr and the raw moments, as
+    DeepSpeed does. Keyword-only: ``plugin`` names the optimizer plugin,
+    ``plugin_params`` its parameters (cpu_adam: ``{"threads": N, "simd":
+    "avx2"}``; default: every core, the best instruction set),
+    ``plugin_path`` extra plugin directories. Raises ConfigError for bad
+    plugin parameters, NotFoundError for an unknown plugin.
+    """
+
+    def __init__(self, model_params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=0, amsgrad=False, adamw_mode=True, fp32_optimizer_states=True, *,
+                 plugin="cpu_adam", plugin_params=None, plugin_path=None):
+        if amsgrad:
+            raise UnsupportedError(
+                "DuctileCPUAdam: amsgrad=True is not supported (nor by DeepSpeedCPUAdam); "
+                "use amsgrad=False, or torch.optim.AdamW(amsgrad=True)")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        bias_correction=bias_correction, amsgrad=amsgrad, adamw_mode=adamw_mode)
+        super().__init__(model_params, defaults)
+        self.adam_w_mode = adamw_mode  # DeepSpeedCPUAdam's attribute
+        self.fp32_optimizer_states = fp32_optimizer_states
+        self._native = _native.Optimizer(plugin, plugin_params, plugin_path)
+        self._state_names = self._native.state_names
+
+    @property
+    def implementation(self):
+        """How the plugin steps, e.g. ``"avx2, 8 threads"``."""
+        return self._native.implementation
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("amsgrad", False)
+
+    @torch.no_grad()
+    def step(self, closure=None, fp16_param_groups=None):
+        """One step of every parameter that has a gradient. ``closure``
+        recomputes the loss (returned). ``fp16_param_groups``: for each param
+        group a list of bf16 or fp16 CPU tensors, one per parameter, that
+        receive the updated parameters rounded to nearest even (the copy a
+        mixed-precision model computes with), written by the same pass."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for g, group in enumerate(self.param_groups):
+            # A group loaded from torch.optim.AdamW's state_dict lacks the
+            # keys DeepSpeed added: the constructor's values hold.
+            for key in ("bias_correction", "adamw_mode"):
+                group.setdefault(key, self.defaults[key])
+            if group.get("amsgrad", False):
+                raise UnsupportedError(f"DuctileCPUAdam: param group {g} has amsgrad=True; "
+                                       "only amsgrad=False is supported")
+            beta1, beta2 = group["betas"]
+            for i, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                where = f"param group {g}, parameter {i}"
+                _check_fp32(p, where)
+                _check_fp32(p.grad, where + " (its gradient)")
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)  # as torch keeps it
+                    for name in self._state_names:
+                        state[name] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                buffers = [state[name] for name in self._state_names]
+                for name, buffer in zip(self._state_names, buffers):
+                    _check_fp32(buffer, f"{where} (its {name})", like=p)
+                copy = None
+                if fp16_param_groups is not None:
+                    copy = fp16_param_groups[g][i]
+                    _check_half(copy, where, p)
+                step = _next_step(state)
+                self._native.step(
+                    p.data_ptr(), p.grad.data_ptr(), [b.data_ptr() for b in buffers], p.numel(),
+                    step, group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+                    group["adamw_mode"], group["bias_correction"],
+                    copy_out=None if copy is None else copy.data_ptr(),
+                    copy_out_type=_HALF_TYPES[copy.dtype] if copy is not None else "bfloat16")
+                _set_step(state, step)
+        return loss
+
+
+# DeepSpeed's name, so that swapping the import is the only change.
+DeepSpeedCPUAdam = DuctileCPUAdam
+
+
+def _check_fp32(tensor, where, like=None):
+    if tensor.is_sparse or tensor.device.type != "cpu" or tensor.dtype != torch.float32 \
+            or not tensor.is_contiguous():
+        raise InvalidArgumentError(
+            f"DuctileCPUAdam: {where} is a {tensor.dtype} tensor on {tensor.device}"
+            f"{'' if tensor.is_sparse or tensor.is_contiguous() else ', not contiguous'}"
+            f"{', sparse' if tensor.is_sparse else ''}; valid: a dense, contiguous torch.float32 "
+            "tensor on the cpu (offload the optimizer to the CPU first)")
+    if like is not None and tensor.numel() != like.numel():
+        raise InvalidArgumentError(
+            f"DuctileCPUAdam: {where} has {tensor.numel()} elements, the parameter "
+            f"{like.numel()}; valid: a state of the parameter's size")
+
+
+def _check_half(tensor, where, param):
+    if not isinstance(tensor, torch.Tensor) or tensor.dtype not in _HALF_TYPES \
+            or tensor.device.type != "cpu" or not tensor.is_contiguous() \
+            or tensor.numel() != param.numel():
+        shown = (f"a {tensor.dtype} tensor of {tensor.numel()} elements on {tensor.device}"
+                 if isinstance(tensor, torch.Tensor) else repr(type(tensor)))
+        raise InvalidArgumentError(
+            f"DuctileCPUAdam: fp16_param_groups for {where} is {shown}; valid: a contiguous "
+            f"torch.bfloat16 or torch.float16 cpu tensor of {param.numel()} elements")
+
+
+def _next_step(state):
+    step = state["step"]
+    return int(step.item() if isinstance(step, torch.Tensor) else step) + 1
+
+
+def _set_step(state, step):
+    # torch keeps a float32 tensor (DeepSpeed an int): keep what is there.
+    if isinstance(state["step"], torch.Tensor):
+        state["step"].fill_(step)
+    else:
+        state["step"] = step
