@@ -140,9 +140,6 @@ class ParamGroup:
             cached = self._cache[address] = (full, views)
         return cached
 
-    def forget_views(self):
-        self._cache.clear()
-
     def attach_grads(self, flat, mask=None):
         """Makes `flat` (shard_numel elements, master dtype) this group's
         gradient shard: each trained member whose gradient was computed
