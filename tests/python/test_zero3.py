@@ -148,7 +148,8 @@ def test_trace_complete_after_the_first_step_then_prefetch(runs, name):
     n_params = len(runs["plain"][1])
     assert all(counts["reduced_params"] == n_params for counts in steps)
     groups = sum(1 for members in result["units"].values() if members)
-    assert all(counts["reduce_scatters"] == groups for counts in steps)
+    assert all(counts["reduced_groups"] == groups for counts in steps)
+    assert all(1 <= counts["reduce_scatters"] <= groups for counts in steps)
 
 
 def test_checkpoint_resumes_at_another_world_size(runs):

@@ -83,13 +83,16 @@ def test_block_groups_train_as_plain_torch(runs, name):
 def test_one_collective_a_group_each_way(runs):
     """Once the trace runs: the groups of each coalesced gather the
     coordinator issues (one, or several prefetched together) go in one
-    all-gather, and each group's gradients in one reduce-scatter; every
-    parameter is reduced once a step (the tied weight too)."""
+    all-gather, and the groups' gradients in reduce-scatters that small
+    groups share; every group and parameter is reduced once a step (the
+    tied weight too)."""
     result = runs["auto"][0]
     groups = len(result["units"])
     params = sum(len(v) for v in result["units"].values())
     for counts in result["per_step"][1:]:
-        assert counts["reduce_scatters"] == groups, counts
+        assert counts["reduced_groups"] == groups, counts
+        # The test model's groups are small: they share reduce-scatters.
+        assert 1 <= counts["reduce_scatters"] < groups, counts
         assert counts["reduced_params"] == params, counts
         assert counts["prefetched_params"] > counts["demand_gathered_params"], counts
     calls = result["calls"]
@@ -99,7 +102,8 @@ def test_one_collective_a_group_each_way(runs):
     assert groups < calls["gathered_groups"] <= 2 * groups, calls
     assert calls["gathers"] <= calls["gathered_groups"], calls
     assert calls["collectives"]["all_gather"] == calls["gathers"] + 1, calls
-    assert calls["collectives"]["reduce_scatter"] == calls["reduce_scatters"] == groups, calls
+    assert calls["collectives"]["reduce_scatter"] == calls["reduce_scatters"] < groups, calls
+    assert calls["reduced_groups"] == groups, calls
 
 
 def test_ductiles_python_calls_do_not_grow_with_a_groups_parameters(runs):

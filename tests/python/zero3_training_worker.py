@@ -101,6 +101,7 @@ def run(name, spec):
                 out["gathered"] = weight.tolist()
     after = engine.stats()
     out["reduce_scatters"] = after["reduce_scatters"] - before["reduce_scatters"]
+    out["reduced_groups"] = after["reduced_groups"] - before["reduced_groups"]
     out["reduced_params"] = after["reduced_params"] - before["reduced_params"]
     out["groups"] = after["groups"]
     out["accumulated_grads"] = after["accumulated_grads"] - before["accumulated_grads"]

@@ -203,7 +203,8 @@ def run_zero3(spec):
         after = engine.stats()
         per_step.append({k: after[k] - before[k] for k in (
             "gathers", "demand_gathered_params", "prefetched_params", "trace_invalidations",
-            "trace_warnings", "reduce_scatters", "reduced_params", "gather_allocations")})
+            "trace_warnings", "reduce_scatters", "reduced_groups", "reduced_params",
+            "gather_allocations")})
         per_step[-1]["trace_mode"] = after["trace_mode"]
         before = after
         if s + 1 in spec.get("dump_at", []):
@@ -331,7 +332,8 @@ def profile_calls(train_step, batches, engine):
             "collectives": {k: v / 2 for k, v in collectives.items()},
             "gathered_groups": gathered / 2,
             "gathers": (after["gathers"] - before["gathers"]) / 2,
-            "reduce_scatters": (after["reduce_scatters"] - before["reduce_scatters"]) / 2}
+            "reduce_scatters": (after["reduce_scatters"] - before["reduce_scatters"]) / 2,
+            "reduced_groups": (after["reduced_groups"] - before["reduced_groups"]) / 2}
 
 
 if __name__ == "__main__":

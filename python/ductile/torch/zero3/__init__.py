@@ -23,9 +23,10 @@ module using it runs. The parameters go by group: a hooked module's own
 (a transformer block's, by default), gathered in one collective before its
 forward and its backward and released after; the coordinator (C++) records
 the order, prefetches along it and decides what to keep. When a block's
-backward is done, its gradients are reduce-scattered in one collective into
-one flat gradient shard; the optimizer, built by ``optimizer_factory`` over
-the shards, steps on shards (fp32 masters with mixed precision).
+backward is done, its gradients are reduce-scattered (small groups sharing
+a collective) into one flat gradient shard; the optimizer, built by
+``optimizer_factory`` over the shards, steps on shards (fp32 masters with
+mixed precision).
 
 Also: gradient accumulation (``no_sync()``), ``clip_grad_norm_``, mixed
 precision (``MixedPrecision``, fp16 loss scaling), ``state_dict()``,

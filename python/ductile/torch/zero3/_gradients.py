@@ -2,9 +2,15 @@
 (_passes.py), the full gradients of its group's parameters are laid out
 rank-major in one flat buffer (``torch._chunk_cat``: member by member, each
 split into the ranks' slices as the shards are), reduce-scattered (summed,
-then divided by the world size) in one collective into this rank's flat
-gradient shard, and dropped. The reduce-scatters run while backward goes on;
-``drain()`` finishes the rest at its end. Each member's ``shard.grad`` is a
+then divided by the world size) into this rank's flat gradient shard, and
+dropped. Groups smaller than ``bucket_bytes`` share a collective: their
+rank-major layouts are joined side by side (rank r's slices of every group
+together) and reduce-scattered at once when the bucket is full, or at the
+end of the backward, since on a small group the collective's fixed cost
+(a gloo round trip, a kernel launch) is larger than its bytes'. A group of
+``bucket_bytes`` or more goes alone, as soon as its backward is done. The
+reduce-scatters run while backward goes on; ``drain()`` finishes the rest at
+its end. Each member's ``shard.grad`` is a
 view of the group's flat gradient shard, so clipping, unscaling and the
 optimizer's foreach kernels see a handful of big tensors.
 
@@ -48,19 +54,25 @@ class GradientReducer:
     """`max_inflight_bytes`: the layout buffers handed to reduce-scatters not
     yet complete are kept within it (the oldest is finished first), so that
     a transport slower than backward (gloo's one worker thread) cannot pile
-    up every full gradient of the model; one larger group may go alone."""
+    up every full gradient of the model; one larger bucket may go alone.
+    `bucket_bytes`: the layout bytes (what a rank sends) up to which groups
+    wait for others to share a reduce-scatter (0: one a group)."""
 
-    def __init__(self, comm, reduce_dtype=None, max_inflight_bytes=64 << 20):
+    def __init__(self, comm, reduce_dtype=None, max_inflight_bytes=64 << 20,
+                 bucket_bytes=4 << 20):
         self._comm = comm
         self._world = comm.size
         self._reduce_dtype = reduce_dtype
         self._max_inflight = max_inflight_bytes
+        self._bucket_limit = bucket_bytes
         self._inflight = 0
-        self._pending = []   # (group, send, recv, work, mask) in issue order
+        self._bucket = []    # (group, send, mask) waiting to share a collective
+        self._bucket_bytes = 0
+        self._pending = []   # (entries, send, recv, work) in issue order
         self.sync = True
         self.on_group_ready = None  # called with a group whose gradient shard is complete
-        self.counters = {"reduce_scatters": 0, "reduced_params": 0, "reduced_numel": 0,
-                         "grad_wait_ns": 0, "accumulated_grads": 0}
+        self.counters = {"reduce_scatters": 0, "reduced_groups": 0, "reduced_params": 0,
+                         "reduced_numel": 0, "grad_wait_ns": 0, "accumulated_grads": 0}
 
     def _layout(self, group, grads, dtype, out=None):
         """The members' gradients rank-major ((world, shard_numel)), in
@@ -77,7 +89,8 @@ class GradientReducer:
 
     def reduce(self, group):
         """Reduce-scatters the gradients the group's parameters hold now
-        (none: nothing to do) and drops them."""
+        (none: nothing to do) and drops them: at once, or with the next
+        groups when it is small (see the module's notes)."""
         if not group.trained:
             return
         grads = [p.grad for p in group.params]
@@ -102,43 +115,64 @@ class GradientReducer:
             mask = [a or b for a, b in zip(group.accumulated_mask, mask)]
             group.accumulated = None
             group.accumulated_mask = None
+        if self._bucket and self._bucket[0][1].dtype != send.dtype:
+            self._issue()  # one collective, one dtype
+        self._bucket.append((group, send, mask))
+        self._bucket_bytes += send.numel() * send.element_size()
+        self.counters["reduced_groups"] += 1
+        self.counters["reduced_params"] += sum(mask)
+        self.counters["reduced_numel"] += send.numel()
+        if self._bucket_bytes >= self._bucket_limit:
+            self._issue()
+        # Completed ones give their layout buffers back at once.
+        while self._pending and self._pending[0][3].query():
+            self._finish(self._pending.pop(0))
+
+    def _issue(self):
+        """Starts the reduce-scatter of the groups in the bucket."""
+        entries, self._bucket = self._bucket, []
+        self._bucket_bytes = 0
+        if not entries:
+            return
+        if len(entries) == 1:
+            send = entries[0][1]
+        else:  # side by side: rank r's slices of every group, then rank r + 1's
+            send = torch.cat([entry[1] for entry in entries], dim=1)
         nbytes = send.numel() * send.element_size()
         while self._pending and self._inflight + nbytes > self._max_inflight:
             self._finish(self._pending.pop(0))
         if self._world == 1:
             recv, work = send.view(-1), Done
         else:
-            recv = torch.empty(group.shard_numel, dtype=dtype, device=send.device)
+            recv = torch.empty(send.shape[1], dtype=send.dtype, device=send.device)
             work = self._comm.reduce_scatter(recv, send.view(-1), "sum")
-        self._pending.append((group, send, recv, work, mask))
+        self._pending.append(([(group, mask) for group, _, mask in entries], send, recv, work))
         self._inflight += nbytes
         self.counters["reduce_scatters"] += 1
-        self.counters["reduced_params"] += sum(mask)
-        self.counters["reduced_numel"] += send.numel()
-        # Completed ones give their layout buffers back at once.
-        while self._pending and self._pending[0][3].query():
-            self._finish(self._pending.pop(0))
 
-    def _finish(self, entry):
-        group, send, recv, work, mask = entry
+    def _finish(self, pending):
+        entries, send, recv, work = pending
         work.wait()
         self._inflight -= send.numel() * send.element_size()
         if self._world > 1:
             recv.div_(self._world)
-        if group.grads_attached():
-            group.grad_flat.add_(recv)
-            for zp, view, had in zip(group.members, group.grad_views, mask):
-                if had and zp.shard.grad is None:
-                    zp.shard.grad = view
-        else:
-            master = group.members[0].shard.dtype
-            group.attach_grads(recv if recv.dtype == master else recv.to(master), mask)
-        if self.on_group_ready is not None:
-            self.on_group_ready(group)
+        shards = recv.split([group.shard_numel for group, _ in entries])
+        for (group, mask), shard in zip(entries, shards):
+            if group.grads_attached():
+                group.grad_flat.add_(shard)
+                for zp, view, had in zip(group.members, group.grad_views, mask):
+                    if had and zp.shard.grad is None:
+                        zp.shard.grad = view
+            else:
+                master = group.members[0].shard.dtype
+                group.attach_grads(shard if shard.dtype == master else shard.to(master), mask)
+            if self.on_group_ready is not None:
+                self.on_group_ready(group)
 
     def drain(self):
         """Finishes every reduce-scatter in flight: each adds to its group's
         gradient shard."""
+        self._issue()
         if not self._pending:
             return
         start = time.perf_counter_ns()
@@ -151,6 +185,8 @@ class GradientReducer:
         """After a backward that raised: waits for what is in flight (the
         buffers must outlive it) and keeps none of it, nor the gradients
         the parameters hold."""
+        self._bucket = []
+        self._bucket_bytes = 0
         pending, self._pending = self._pending, []
         for entry in pending:
             entry[3].wait()

@@ -8,9 +8,9 @@ materialised, released and reduced, and when a pass begins and ends.
 - For backward, a tensor hook on the unit's outputs fetches it again when
   the first of their gradients arrives, and one on its inputs releases it
   once all of theirs are in (_hooks.py); that release, the last of the
-  unit in this backward, reduce-scatters the unit's own groups (one
-  collective a group; autograd has accumulated their parameters' gradients
-  by then, since it runs AccumulateGrad nodes first).
+  unit in this backward, reduce-scatters the unit's own groups (small
+  groups share a collective: _gradients.py; autograd has accumulated their
+  parameters' gradients by then, since it runs AccumulateGrad nodes first).
 - A recomputation inside backward (non-reentrant activation checkpointing)
   fetches through the same pre-hook and holds the unit until its own
   backward is done, since what autograd recomputes points into the copy.
