@@ -48,9 +48,13 @@ _DTYPES = {
 }
 _SIZES = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in _DTYPES.items()}
 _CACHE_LIMIT = 4096  # tensors and gather plans kept by address before the caches start over
-# Bytes a rank sends for the groups of one coalesced gather (a prefetch of
-# several small groups) packed into one collective: fewer, larger
-# collectives for small groups, where each costs more than its bytes.
+# Small groups of one coalesced gather (a prefetch of several) are packed
+# into one collective: a group whose gathered bytes are under
+# _SMALL_GROUP_BYTES costs more in the collective's round trip than in its
+# bytes. A larger group goes alone, straight into its place: packing it
+# would add a copy in and a buffer the size of the pack, and save nothing.
+# _PACK_LIMIT bounds the bytes a rank sends in one pack.
+_SMALL_GROUP_BYTES = 4 << 20
 _PACK_LIMIT = 16 << 20
 _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX,
         "prod": dist.ReduceOp.PRODUCT}
@@ -149,15 +153,16 @@ class _Run:
 
 def _packed(runs, limit, size):
     """Groups of runs gathered by one collective each: small runs of one
-    dtype together (within `limit` bytes a rank), a larger one alone; each
-    alone on one rank (no collective to save)."""
+    dtype together (within `limit` bytes a rank), a larger one (gathered,
+    _SMALL_GROUP_BYTES or more) alone; each alone on one rank (no
+    collective to save)."""
     if size == 1:
         return [[run] for run in runs]
     out, small, small_bytes = [], [], 0
     for run in runs:
         dtype = run[0][3]
         nbytes = sum(count for _, _, count, _ in run) * _SIZES[dtype]
-        if nbytes > limit:
+        if nbytes * size >= _SMALL_GROUP_BYTES or nbytes > limit:
             out.append([run])
             continue
         if small and (small[0][0][3] != dtype or small_bytes + nbytes > limit):
