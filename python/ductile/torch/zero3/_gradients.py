@@ -127,7 +127,7 @@ class GradientReducer:
             recv.div_(self._world)
         if group.grads_attached():
             group.grad_flat.add_(recv)
-            for zp, view, had in zip(group.members, group.grad_views, mask):
+            for zp, view, had in zip(group.members, group.member_grads(), mask):
                 if had and zp.shard.grad is None:
                     zp.shard.grad = view
         else:
