@@ -21,21 +21,18 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from zero3_launch import BLOCKS_CONFIG, launch  # noqa: E402
+from zero3_launch import CUDA_CONFIG, CUDA_ENV, launch  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="no CUDA device: torch.cuda.is_available() is False")
 
 STEPS = 8
-CUDA_CONFIG = BLOCKS_CONFIG.replace('backend = "cpu"', 'backend = "cuda"')
-assert CUDA_CONFIG != BLOCKS_CONFIG, "zero3_launch.CONFIG no longer names backend = \"cpu\""
-ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 WORKER = os.path.join(HERE, "zero3_offload_worker.py")
 
 
 def run(tmp, name, spec):
     return launch(tmp, name, dict(spec, device="cuda"), ranks=1, launcher="torchrun",
-                  config=CUDA_CONFIG, env=ENV, worker=WORKER, timeout=300)[0]
+                  config=CUDA_CONFIG, env=CUDA_ENV, worker=WORKER, timeout=300)[0]
 
 
 @pytest.fixture(scope="module")

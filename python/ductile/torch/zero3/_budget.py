@@ -82,6 +82,7 @@ class Placement:
     """Which groups' optimizers are on the host, and the device bytes."""
 
     def __init__(self, groups, master_dtype, states, gather_reserve):
+        self.master_dtype = master_dtype  # of the optimizer's shards; None: the shards' own
         self.bytes = [GroupBytes(g, master_dtype, states) for g in groups]
         self.gather_reserve = gather_reserve
         self.offloaded = set()  # group ids
@@ -158,6 +159,25 @@ def gather_reserve(session, groups):
     if limit <= 0 or limit >= everything:
         return everything * size
     return min(everything, limit + 2 * largest) * size
+
+
+def account(groups, optimizer, session, placement, gradient_bytes):
+    """A step's device bytes by the engine's accounting: the shards, the
+    masters and optimizer state on the device, the gradient shards at the
+    step (`gradient_bytes`), the gathered copies."""
+    total = gradient_bytes
+    state = optimizer.state if optimizer is not None else {}
+    for group in groups:
+        total += group.shard_numel * group.element_size
+        if group.host is None:
+            if group.master is not group.store:
+                total += group.master.numel() * group.master.element_size()
+            for zp in group.members:
+                for value in state.get(zp.shard, {}).values():
+                    if isinstance(value, torch.Tensor) and value.numel() == zp.shard_numel:
+                        total += value.numel() * value.element_size()
+    gathered = gathered_bytes(session)
+    return total + (placement.gather_reserve if gathered is None else gathered)
 
 
 def gathered_bytes(session):

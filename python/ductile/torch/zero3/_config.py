@@ -71,6 +71,16 @@ _IGNORED_OPTIMIZER_KEYS = ("nvme_path", "buffer_count", "fast_init", "pipeline_r
                            "pipeline_write", "pipeline")
 
 
+def _offload_device(section, where, default, keys):
+    """The ``device`` of an offload_optimizer / offload_param object."""
+    if not isinstance(section, dict):
+        raise ConfigError(f"{where} = {section!r}; valid: an object with {keys}")
+    device = section.get("device", default)
+    if device not in ("cpu", "nvme", "none", None):
+        raise ConfigError(f"{where}.device = {device!r}; valid: \"cpu\", \"nvme\", \"none\"")
+    return device
+
+
 def _ignored(where, key, why):
     warnings.warn(f"{where}.{key} is accepted but ignored: {why}", UserWarning, stacklevel=4)
 
@@ -85,12 +95,7 @@ def offload_settings(value, where):
         return OffloadSettings(True)
     if isinstance(value, str):
         value = {"device": value}
-    if not isinstance(value, dict):
-        raise ConfigError(f"{where} = {value!r}; valid: null, true/false, \"cpu\", \"none\" or "
-                          "an object with device, pin_memory, ratio")
-    device = value.get("device", "cpu")
-    if device not in ("cpu", "nvme", "none", None):
-        raise ConfigError(f"{where}.device = {device!r}; valid: \"cpu\", \"nvme\", \"none\"")
+    device = _offload_device(value, where, "cpu", "device, pin_memory, ratio")
     if device in ("none", None):
         return OffloadSettings()
     if device == "nvme":
@@ -140,12 +145,7 @@ def from_deepspeed(ds, origin, world):
             section[ours] = value
     offload = zero.get("offload_param") or {}
     where = f"{origin}: zero_optimization.offload_param"
-    if not isinstance(offload, dict):
-        raise ConfigError(f"{where} = {offload!r}; valid: an object with device, nvme_path, "
-                          "buffer_count")
-    device = offload.get("device", "none")
-    if device not in ("cpu", "nvme", "none", None):
-        raise ConfigError(f"{where}.device = {device!r}; valid: \"cpu\", \"nvme\", \"none\"")
+    device = _offload_device(offload, where, "none", "device, nvme_path, buffer_count")
     if device == "nvme":
         if not offload.get("nvme_path"):
             raise ConfigError(f"{where}.device = \"nvme\" needs nvme_path")

@@ -34,7 +34,7 @@ from . import _budget, _config, _full, _grad_shards
 from ._collectives import SessionCollectives
 from ._gradients import GradientReducer
 from ._memory import DeviceMemory
-from ._offload import HostShard, OffloadedOptimizer, OptimizerOffload
+from ._offload import OffloadedOptimizer, place
 from ._passes import ENGINE, EXTERNAL, Passes
 from ._per_parameter import PerParameterOptimizers
 from ._shards import Sharding
@@ -110,9 +110,15 @@ class Zero3Engine:
         if offload_optimizer is not None:
             offload = _config.offload_settings(offload_optimizer,
                                                "zero3.initialize: offload_optimizer")
-        self._offload = None
-        self._place(offload, _budget.budget_bytes(max_device_memory, self._memory.device),
-                    optimizer_factory is not None, step_in_backward)
+        self._placement = _budget.Placement(
+            self._groups, precision.master_dtype if precision is not None else None,
+            2 if optimizer_factory is not None else 0,
+            _budget.gather_reserve(self._session, self._groups))
+        self._offload = place(self._groups, self._placement, offload,
+                              _budget.budget_bytes(max_device_memory, self._memory.device),
+                              optimizer_factory is not None, step_in_backward,
+                              self._memory.device)
+        self._sharding.offload = self._offload
         self._sharding.partition(model, load_from)
         self._dirty = False
         reduce_dtype = precision.reduce_dtype if precision is not None else None
@@ -158,34 +164,6 @@ class Zero3Engine:
 
     # --- offload ------------------------------------------------------------------------
 
-    def _place(self, offload, budget, has_optimizer, step_in_backward):
-        """Chooses the groups whose optimizer lives on the host (all asked
-        by offload_optimizer, or what does not fit under the budget) and
-        gives them host buffers, before their shards are made."""
-        precision = self.mixed_precision
-        master = precision.master_dtype if precision is not None else None
-        self._placement = _budget.Placement(
-            self._groups, master, 2 if has_optimizer else 0,
-            _budget.gather_reserve(self._session, self._groups))
-        chosen = self._placement.choose(budget, offload.optimizer and has_optimizer, offload.ratio)
-        if not chosen:
-            return
-        if step_in_backward:
-            # Each group is stepped on the host as its gradient lands: all of them.
-            chosen.update(g.id for g in self._groups if g.trained)
-        for group in self._groups:
-            if group.id not in chosen:
-                continue
-            dtype = master if master is not None else group.dtype
-            if dtype != torch.float32:
-                raise IncompatibleError(
-                    f"zero3: optimizer offload steps fp32 masters; the shards of "
-                    f"'{group.name}' are {dtype}; valid: float32 parameters, or "
-                    "MixedPrecision with master_dtype=torch.float32")
-            group.host = HostShard(group, self._memory.device, offload.pin)
-        self._offload = OptimizerOffload(self._groups, self._memory.device, step_in_backward)
-        self._sharding.offload = self._offload
-
     def _make_offloaded_optimizer(self, optimizer_factory):
         made = optimizer_factory([zp.shard for zp in self._params])
         if made is None:
@@ -205,23 +183,9 @@ class Zero3Engine:
                    for g in self._groups if g.grad_flat is not None)
 
     def _account(self, gradient_bytes):
-        """This step's device bytes by the engine's accounting (see
-        _budget.py): its shards, masters and optimizer state on the device,
-        the gradient shards at the step, the gathered copies."""
-        total = gradient_bytes
-        state = self.optimizer.state if self.optimizer is not None else {}
-        for group in self._groups:
-            total += group.shard_numel * group.element_size
-            if group.host is None:
-                if group.master is not group.store:
-                    total += group.master.numel() * group.master.element_size()
-                for zp in group.members:
-                    for value in state.get(zp.shard, {}).values():
-                        if isinstance(value, torch.Tensor) and value.numel() == zp.shard_numel:
-                            total += value.numel() * value.element_size()
-        gathered = _budget.gathered_bytes(self._session)
-        total += self._placement.gather_reserve if gathered is None else gathered
-        self._device_high_water = total
+        self._device_high_water = _budget.account(self._groups, self.optimizer,
+                                                  self._session, self._placement,
+                                                  gradient_bytes)
 
     # --- shards and passes --------------------------------------------------------
 

@@ -254,6 +254,30 @@ class OptimizerOffload:
             self.worker = None
 
 
+def place(groups, placement, offload, budget, has_optimizer, step_in_backward, device):
+    """Chooses the groups whose optimizer lives on the host (all that
+    `offload` asks for, and what does not fit under `budget`) and gives them
+    host buffers, before their shards are made; returns the
+    OptimizerOffload, or None when no group is offloaded."""
+    chosen = placement.choose(budget, offload.optimizer and has_optimizer, offload.ratio)
+    if not chosen:
+        return None
+    if step_in_backward:
+        # Each group is stepped on the host as its gradient lands: all of them.
+        chosen.update(g.id for g in groups if g.trained)
+    for group in groups:
+        if group.id not in chosen:
+            continue
+        dtype = placement.master_dtype or group.dtype
+        if dtype != torch.float32:
+            raise IncompatibleError(
+                f"zero3: optimizer offload steps fp32 masters; the shards of '{group.name}' are "
+                f"{dtype}; valid: float32 parameters, or MixedPrecision with "
+                "master_dtype=torch.float32")
+        group.host = HostShard(group, device, offload.pin)
+    return OptimizerOffload(groups, device, step_in_backward)
+
+
 # --- the optimizer -----------------------------------------------------------------------
 
 _HYPER = ("lr", "betas", "eps", "weight_decay")
