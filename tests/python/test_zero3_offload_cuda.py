@@ -7,8 +7,9 @@ memory, fp32 and bf16:
 - the same losses (fp32 within 1e-5; bf16 within 1e-4 of bf16 on the GPU);
 - steps after the first run under torch.cuda.set_sync_debug_mode("error"):
   the gradient copies to the host, the host steps and the copies back are
-  ordered by streams and events, and the host never synchronises with the
-  GPU on the step path;
+  ordered by streams and events, with no call that synchronises the host
+  with a stream or the device (a host step waits only for the event of the
+  gradient copy it reads);
 - under max_device_memory below the model's needs, the engine's accounting
   stays within the budget at every step."""
 

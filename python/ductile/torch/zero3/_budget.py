@@ -26,6 +26,7 @@ framework's workspaces are the model's, not counted.
 """
 
 import os
+import warnings
 
 import torch
 
@@ -87,6 +88,7 @@ class Placement:
         self.gather_reserve = gather_reserve
         self.offloaded = set()  # group ids
         self.budget = None
+        self.warned = False
 
     def device_need(self, offloaded=None):
         offloaded = self.offloaded if offloaded is None else offloaded
@@ -130,6 +132,16 @@ class Placement:
                 "memory; lower [zero] max_live_parameters or prefetch_bucket_size to gather "
                 "less at once)")
         return self.offloaded
+
+    def check(self, high_water, step):
+        """Warns once when a step's accounted bytes passed the budget: the
+        coordinator gathered more than its limits promised."""
+        if self.budget is not None and high_water > self.budget and not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"zero3: step {step} held {high_water} bytes on the device by the engine's "
+                f"accounting, over max_device_memory = {self.budget}; the gathered copies took "
+                f"more than the {self.gather_reserve} bytes planned for them", UserWarning)
 
     def total(self, kind, where="device"):
         out = 0

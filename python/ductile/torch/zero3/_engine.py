@@ -186,6 +186,7 @@ class Zero3Engine:
         self._device_high_water = _budget.account(self._groups, self.optimizer,
                                                   self._session, self._placement,
                                                   gradient_bytes)
+        self._placement.check(self._device_high_water, self.global_step)
 
     # --- shards and passes --------------------------------------------------------
 
