@@ -225,6 +225,40 @@ def test_fp16_loss_scaling_with_offload_steps_as_on_the_device():
         assert sa == sb and relative(a, b) <= 1e-3, (offload, device)
 
 
+def test_masters_written_right_after_a_step_reach_the_device(tmp_path):
+    """A load, or GatheredParameters(modifier_rank=0), between a step and
+    the next pass (the step's copies to the device are issued, not yet
+    waited on) is what the next pass computes with."""
+    engine = zero3.initialize(make_model(layers=1), lambda ps: torch.optim.Adam(ps, lr=1e-2),
+                              CONFIG, offload_optimizer="cpu")
+    try:
+        x, y = Windows(batch=2).step(0)
+
+        def train():
+            engine.backward(loss_of(engine(x), y))
+            engine.step()
+
+        train()
+        engine.save(str(tmp_path))
+        with torch.no_grad():
+            saved = loss_of(engine(x), y).item()
+        train()
+        engine.load(str(tmp_path))
+        with torch.no_grad():
+            assert loss_of(engine(x), y).item() == saved
+        train()
+        weight = engine.module.blocks[0].up.weight
+        with zero3.GatheredParameters([weight], modifier_rank=0):
+            weight.data.zero_()
+        with torch.no_grad():
+            engine(x)
+        assert engine.full_parameters()["blocks.0.up.weight"].abs().max().item() == 0.0
+        with zero3.GatheredParameters([weight]):
+            assert weight.abs().max().item() == 0.0  # gathered from the device shard
+    finally:
+        engine.close()
+
+
 def test_what_offload_cannot_do_is_an_error_naming_it():
     model = make_model(layers=1)
     with pytest.raises(ductile.IncompatibleError, match=r"made a SGD. Valid: torch.optim.Adam"):

@@ -346,6 +346,7 @@ def load(engine, root):
         except BaseException:
             optimizer.load_state_dict(before)
             raise
+    engine.shards_writable()
     with torch.no_grad():
         for info, pieces in zip(engine._params, values):
             info.shard.copy_(pieces[None].to(info.shard.device))

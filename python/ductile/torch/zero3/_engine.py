@@ -210,8 +210,17 @@ class Zero3Engine:
     def shards_changed(self):
         """Says that the optimizer's shards were written outside
         optimizer.step() (which the engine sees by itself): the next pass
-        gathers the new values."""
+        gathers the new values (offloaded masters are copied again). With
+        offload on cuda, call ``shards_writable()`` before writing."""
         self._dirty = True
+        if self._offload is not None:
+            self._offload.masters_changed()
+
+    def shards_writable(self):
+        """Before writing the optimizer's shards: an offloaded master may
+        still be read by its copy to the device (cuda); waits for it."""
+        if self._offload is not None:
+            self._offload.masters_changed()
 
     def _begin_pass(self):
         """Before a pass: on cuda, torch's current stream becomes the

@@ -215,6 +215,7 @@ class GatheredParameters:
                         if engine.world_size > 1:
                             engine.comm.broadcast(flat, self.modifier_rank).wait()
                         lo, hi = zp.slice_of(engine.rank)
+                        engine.shards_writable()
                         zp.shard.zero_()
                         zp.shard[:hi - lo].copy_(flat[lo:hi])
                     engine.shards_changed()

@@ -247,6 +247,15 @@ class OptimizerOffload:
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(host.params_copied)
 
+    def masters_changed(self):
+        """The masters are (about to be) written outside a step: no copy of
+        theirs is in flight any more, and the next pass copies them again."""
+        for group in self.groups:
+            host = group.host
+            if host.params_copied is not None:
+                host.params_copied.synchronize()
+            host.sent = False
+
     def close(self):
         if self.worker is not None:
             self.abandon()
