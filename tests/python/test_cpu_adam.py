@@ -130,6 +130,30 @@ def test_copy_of_the_parameters_rounds_as_torch(dtype):
         assert torch.equal(copy.view(torch.int16), p.detach().to(dtype).view(torch.int16))
 
 
+def test_step_parameters_steps_some_with_gradients_given_apart():
+    """What zero3's offload calls, a group at a time: the given parameters
+    only, with gradients that are not their .grad, scaled by grad_scale (0.5
+    on doubled gradients is the step of the gradients), copies rounded."""
+    initial = random_tensors([300, 17, 40], 9)
+    grads = random_tensors([300, 17, 40], 10)
+    whole = [p.clone().requires_grad_() for p in initial]
+    reference = DuctileCPUAdam(whole, lr=1e-2, weight_decay=0.01)
+    for p, g in zip(whole, grads):
+        p.grad = g.clone()
+    reference.step()
+    params = [p.clone().requires_grad_() for p in initial]
+    optimizer = DuctileCPUAdam(params, lr=1e-2, weight_decay=0.01)
+    copies = [torch.zeros(p.numel(), dtype=torch.bfloat16) for p in params[1:]]
+    optimizer.step_parameters(params[1:], [2 * g for g in grads[1:]], copies, grad_scale=0.5)
+    assert torch.equal(params[0].detach(), initial[0]) and len(optimizer.state) == 2
+    for p, q, rounded in zip(params[1:], whole[1:], copies):
+        assert torch.equal(p.detach(), q.detach())
+        expected = p.detach().to(torch.bfloat16)
+        assert torch.equal(rounded.view(torch.int16), expected.view(torch.int16))
+    with pytest.raises(ductile.InvalidArgumentError, match=r"params\[0\] is not a parameter"):
+        optimizer.step_parameters([torch.zeros(3)], [torch.zeros(3)])
+
+
 def test_state_dict_has_torch_layout_and_loads_both_ways():
     initial = random_tensors([300, 17], 7)
     ours, opt_ours = run(lambda ps: DuctileCPUAdam(ps, lr=1e-3, weight_decay=0.01), initial, 3)

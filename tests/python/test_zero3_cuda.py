@@ -21,16 +21,13 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from zero3_launch import BLOCKS_CONFIG, launch  # noqa: E402
+from zero3_launch import CUDA_CONFIG, CUDA_ENV, launch  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="no CUDA device: torch.cuda.is_available() is False")
 
 STEPS = 20
-CUDA_CONFIG = BLOCKS_CONFIG.replace('backend = "cpu"', 'backend = "cuda"')
-assert CUDA_CONFIG != BLOCKS_CONFIG, "zero3_launch.CONFIG no longer names backend = \"cpu\""
-# Deterministic cuBLAS (torch.use_deterministic_algorithms in the worker).
-ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+ENV = CUDA_ENV
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,12 @@ BLOCKS_CONFIG = CONFIG.replace("prefetch_bucket_size = 20000", "prefetch_bucket_
     .replace("max_reuse_distance = 10000", "max_reuse_distance = 0")
 assert BLOCKS_CONFIG.count("= 60000") == BLOCKS_CONFIG.count("= 150000") == 1
 
+# The same on the GPU (tools/gpu/), and cuBLAS made deterministic for
+# torch.use_deterministic_algorithms in the workers.
+CUDA_CONFIG = BLOCKS_CONFIG.replace('backend = "cpu"', 'backend = "cuda"')
+assert CUDA_CONFIG != BLOCKS_CONFIG, "CONFIG no longer names backend = \"cpu\""
+CUDA_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
 
 def free_port():
     with socket.socket() as s:

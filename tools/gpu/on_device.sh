@@ -14,7 +14,10 @@
 # all in zero3.log); flatten (bench_flatten.py llama-gpu); wheel (the pip
 # route: the cp312 wheel built, repaired and installed into a fresh venv,
 # python/test_zero3_cuda run from it); cpu_adam (the optimizer plugin's test
-# on this host's CPU, which has the AVX-512 the development machine lacks).
+# on this host's CPU, which has the AVX-512 the development machine lacks);
+# offload (python/test_zero3_offload_cuda: zero3's optimizer offload to
+# pinned host memory against the same training on the GPU, fp32 and bf16,
+# its steps under torch's sync debug mode "error", and a device memory budget).
 # Every stage but build and wheel needs build. A stage that fails is
 # reported and the next one runs; the exit status is that of the first
 # failure. DeepSpeed and the packages it needs
@@ -83,6 +86,12 @@ stage_build() {
 stage_tests() {
   ctest --test-dir $build -R '^(accelerator_cuda|python/test_zero3_cuda)' --output-on-failure \
     --timeout 400
+}
+
+# zero3's optimizer offload on the GPU (not in the default list). Alone, on a
+# fresh machine: `on_device.sh build offload`.
+stage_offload() {
+  ctest --test-dir $build -R '^python/test_zero3_offload_cuda$' --output-on-failure --timeout 400
 }
 
 # The pip route, as a GPU user takes it (docs/python.md, "Install"): `pip
@@ -161,6 +170,7 @@ for stage in "${stages[@]}"; do
       ;;
     zero3a | zero3b) run_stage "$stage" "stage_$stage" ;;
     wheel) run_stage wheel stage_wheel ;;
+    offload) run_stage offload stage_offload ;;
     flatten)
       run_stage flatten timeout 420 "$python" tests/benchmarks/python/bench_flatten.py llama-gpu \
         400 3
@@ -173,7 +183,7 @@ for stage in "${stages[@]}"; do
       ;;
     *)
       echo "on_device.sh: stage '$stage' is not valid; use build, tests, copy, zero3 (zero3a," \
-        "zero3b), flatten, wheel or cpu_adam"
+        "zero3b), flatten, wheel, cpu_adam or offload"
       exit 2
       ;;
   esac

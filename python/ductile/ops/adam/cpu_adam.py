@@ -49,6 +49,7 @@ class DuctileCPUAdam(torch.optim.Optimizer):
         self.fp32_optimizer_states = fp32_optimizer_states
         self._native = _native.Optimizer(plugin, plugin_params, plugin_path)
         self._state_names = self._native.state_names
+        self._where = None  # id(parameter) -> (group, index), for step_parameters
 
     @property
     def implementation(self):
@@ -72,41 +73,75 @@ class DuctileCPUAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for g, group in enumerate(self.param_groups):
-            # A group loaded from torch.optim.AdamW's state_dict lacks the
-            # keys DeepSpeed added: the constructor's values hold.
-            for key in ("bias_correction", "adamw_mode"):
-                group.setdefault(key, self.defaults[key])
-            if group.get("amsgrad", False):
-                raise UnsupportedError(f"DuctileCPUAdam: param group {g} has amsgrad=True; "
-                                       "only amsgrad=False is supported")
-            beta1, beta2 = group["betas"]
+            self._check_group(g, group)
             for i, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
-                where = f"param group {g}, parameter {i}"
-                _check_fp32(p, where)
-                _check_fp32(p.grad, where + " (its gradient)")
-                state = self.state[p]
-                if len(state) == 0:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)  # as torch keeps it
-                    for name in self._state_names:
-                        state[name] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                buffers = [state[name] for name in self._state_names]
-                for name, buffer in zip(self._state_names, buffers):
-                    _check_fp32(buffer, f"{where} (its {name})", like=p)
                 copy = None
                 if fp16_param_groups is not None:
                     copy = fp16_param_groups[g][i]
-                    _check_half(copy, where, p)
-                step = _next_step(state)
-                self._native.step(
-                    p.data_ptr(), p.grad.data_ptr(), [b.data_ptr() for b in buffers], p.numel(),
-                    step, group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                    group["adamw_mode"], group["bias_correction"],
-                    copy_out=None if copy is None else copy.data_ptr(),
-                    copy_out_type=_HALF_TYPES[copy.dtype] if copy is not None else "bfloat16")
-                _set_step(state, step)
+                self._step_one(g, group, i, p, p.grad, copy, 1.0)
         return loss
+
+    @torch.no_grad()
+    def step_parameters(self, params, grads, copy_out=None, grad_scale=1.0):
+        """One step of some of the parameters only: ``params[k]`` with the
+        gradient ``grads[k]`` (instead of its ``.grad``), its update rounded
+        into ``copy_out[k]`` when given (a bf16/fp16 tensor of its size);
+        every gradient is multiplied by ``grad_scale`` first (unscaling and
+        clipping folded into the step). Why: an engine that holds the
+        gradients apart from the parameters steps a layer as soon as its
+        gradients are on the host, from a thread of its own; calls on
+        disjoint parameters may run at the same time (the plugin allows it),
+        each reads its parameter group's hyper-parameters when it starts."""
+        where = self._where
+        if where is None or len(where) != sum(len(g["params"]) for g in self.param_groups):
+            where = self._where = {id(p): (g, i) for g, group in enumerate(self.param_groups)
+                                   for i, p in enumerate(group["params"])}
+        for k, (p, grad) in enumerate(zip(params, grads)):
+            found = where.get(id(p))
+            if found is None:
+                raise InvalidArgumentError(
+                    f"DuctileCPUAdam.step_parameters: params[{k}] is not a parameter of this "
+                    "optimizer; valid: a tensor of its param_groups")
+            g, i = found
+            group = self.param_groups[g]
+            self._check_group(g, group)
+            self._step_one(g, group, i, p, grad, None if copy_out is None else copy_out[k],
+                           grad_scale)
+
+    def _check_group(self, g, group):
+        # A group loaded from torch.optim.AdamW's state_dict lacks the
+        # keys DeepSpeed added: the constructor's values hold.
+        for key in ("bias_correction", "adamw_mode"):
+            group.setdefault(key, self.defaults[key])
+        if group.get("amsgrad", False):
+            raise UnsupportedError(f"DuctileCPUAdam: param group {g} has amsgrad=True; "
+                                   "only amsgrad=False is supported")
+
+    def _step_one(self, g, group, i, p, grad, copy, grad_scale):
+        where = f"param group {g}, parameter {i}"
+        _check_fp32(p, where)
+        _check_fp32(grad, where + " (its gradient)", like=p)
+        state = self.state[p]
+        if len(state) == 0:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)  # as torch keeps it
+            for name in self._state_names:
+                state[name] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        buffers = [state[name] for name in self._state_names]
+        for name, buffer in zip(self._state_names, buffers):
+            _check_fp32(buffer, f"{where} (its {name})", like=p)
+        if copy is not None:
+            _check_half(copy, where, p)
+        beta1, beta2 = group["betas"]
+        step = _next_step(state)
+        self._native.step(
+            p.data_ptr(), grad.data_ptr(), [b.data_ptr() for b in buffers], p.numel(),
+            step, group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+            group["adamw_mode"], group["bias_correction"], grad_scale=grad_scale,
+            copy_out=None if copy is None else copy.data_ptr(),
+            copy_out_type=_HALF_TYPES[copy.dtype] if copy is not None else "bfloat16")
+        _set_step(state, step)
 
 
 # DeepSpeed's name, so that swapping the import is the only change.

@@ -30,8 +30,10 @@ mixed precision).
 
 Also: gradient accumulation (``no_sync()``), ``clip_grad_norm_``, mixed
 precision (``MixedPrecision``, fp16 loss scaling), ``state_dict()``,
-``GatheredParameters``, non-reentrant activation checkpointing, and
-``step_in_backward``. Limits: a parameter used by a module it does not
+``GatheredParameters``, non-reentrant activation checkpointing,
+``step_in_backward``, and optimizer offload to the host under a device
+memory budget (``offload_optimizer``, ``max_device_memory``). Limits: a
+parameter used by a module it does not
 belong to must be declared with ``register_external_parameter``;
 ``model.state_dict()`` sees the empty placeholders: use
 ``engine.state_dict()``. docs/python.md describes it all.
@@ -49,7 +51,8 @@ __all__ = ["initialize", "init", "Zero3Engine", "register_external_parameter",
 
 def initialize(model, optimizer_factory=None, config=None, *, plugin_path=None,
                mixed_precision=None, load_from=None, group=None, step_in_backward=False,
-               groups="auto", allow_config_plugins=False):
+               groups="auto", allow_config_plugins=False, offload_optimizer=None,
+               max_device_memory=None):
     """Partitions ``model``'s parameters and installs the hooks; returns the
     engine. Collective: every rank calls it with the same model structure.
 
@@ -76,7 +79,14 @@ def initialize(model, optimizer_factory=None, config=None, *, plugin_path=None,
     model's ``_no_split_modules``, else each child of an ``nn.ModuleList``;
     the root takes the rest), "module" (every module with parameters), a
     tuple of module classes or a callable ``module -> bool`` (those, and the
-    root). ``allow_config_plugins``: load plugins from the directories the
+    root). ``offload_optimizer``: "cpu" (or True) keeps every group's fp32
+    master and Adam state in host memory, stepped by the cpu_adam plugin
+    (a dict takes DeepSpeed's offload_optimizer keys: device, pin_memory,
+    ratio); the optimizer must be Adam or AdamW. ``max_device_memory``:
+    bytes (int) or a fraction of the device's memory (float): the groups'
+    optimizers that do not fit go to the host. ``engine.stats()`` reports
+    the placement and the device bytes (docs/python.md, "Offload").
+    ``allow_config_plugins``: load plugins from the directories the
     config's own ``[plugins] path`` names (off: see ``ductile.load_config``).
     Raises ConfigError (also for a plugin the config selects from a
     directory it names, without ``allow_config_plugins``),
@@ -88,4 +98,5 @@ def initialize(model, optimizer_factory=None, config=None, *, plugin_path=None,
                              plugin_path=plugin_path, allow_config_plugins=allow_config_plugins)
     return Zero3Engine(model, optimizer_factory, config, plugin_path=plugin_path,
                        mixed_precision=mixed_precision, load_from=load_from, group=group,
-                       step_in_backward=step_in_backward, groups=groups)
+                       step_in_backward=step_in_backward, groups=groups,
+                       offload_optimizer=offload_optimizer, max_device_memory=max_device_memory)

@@ -65,7 +65,8 @@ from ._agreement import agree
 from ._checkpoint_files import (CHECKSUM, FORMAT, LATEST, MANIFEST, VERSION, check_root,
                                 check_tag, clean_after_load, describe, dtype_of, element_size,
                                 final_name, from_json, fs, fsync_dir, header, io_error,
-                                lock_root, optimizer_view, pointer_text, rank_stem,
+                                lock_root, optimizer_class, optimizer_view, pointer_text,
+                                rank_stem,
                                 remove_leftovers, remove_tree, shard_chunks, unlock_root,
                                 write_file)
 from ._checkpoint_reads import (RankFiles, check_loss_scaler, check_model, read_manifest,
@@ -237,11 +238,11 @@ def _read(engine, root):
     saved_opt = manifest.get("optimizer")
     if optimizer is not None and saved_opt is None:
         raise IncompatibleError(f"{path}: the checkpoint has no optimizer state, the engine has "
-                                f"a {type(optimizer).__name__}")
-    if optimizer is not None and saved_opt.get("class") != type(optimizer).__name__:
+                                f"a {optimizer_class(optimizer)}")
+    if optimizer is not None and saved_opt.get("class") != optimizer_class(optimizer):
         raise IncompatibleError(
             f"{path}: the checkpoint's optimizer is {saved_opt.get('class')}, the engine's "
-            f"{type(optimizer).__name__}")
+            f"{optimizer_class(optimizer)}")
 
     # Byte layout of every old rank's payload (the same for all of them).
     offsets, layout = [], 0
@@ -345,6 +346,7 @@ def load(engine, root):
         except BaseException:
             optimizer.load_state_dict(before)
             raise
+    engine.shards_writable()
     with torch.no_grad():
         for info, pieces in zip(engine._params, values):
             info.shard.copy_(pieces[None].to(info.shard.device))

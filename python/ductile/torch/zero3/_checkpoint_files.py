@@ -114,6 +114,13 @@ def optimizer_view(engine):
     return optimizer, groups
 
 
+def optimizer_class(optimizer):
+    """The optimizer's class as checkpoints name it: an offloaded one goes
+    by the class its factory made (the state layout is that class's), so a
+    checkpoint loads with or without offload."""
+    return getattr(optimizer, "checkpoint_class", type(optimizer).__name__)
+
+
 def json_value(value, where):
     if isinstance(value, torch.Tensor):
         return {"tensor": value.detach().cpu().tolist(), "dtype": dtype_name(value.dtype)}
@@ -154,7 +161,7 @@ def describe(engine, optimizer, groups):
         scalars[str(info.id)] = other
     opt = None
     if optimizer is not None:
-        opt = {"class": type(optimizer).__name__,
+        opt = {"class": optimizer_class(optimizer),
                "param_groups": [
                    dict({k: json_value(v, f"optimizer hyperparameter '{k}'")
                          for k, v in group.items() if k != "params"}, params=ids)

@@ -11,6 +11,8 @@ gathered just in time by module hooks. It sits on seams, as FSDP2's
 - _passes.py: pass and hook orchestration (fetch, release, backward);
 - _gradients.py and _grad_shards.py: reduce-scatters by group, and
   unscaling and clipping of the gradient shards;
+- _offload.py and _budget.py: optimizer offload to the host, and where
+  each group's tensors live under max_device_memory;
 - this file: the engine's set-up (configuration, world) and the training
   API (backward, step, accumulation, checkpoints, full weights).
 
@@ -28,10 +30,11 @@ import torch
 
 from ... import _ductile
 from ..._errors import IncompatibleError, InvalidArgumentError
-from . import _config, _full, _grad_shards
+from . import _budget, _config, _full, _grad_shards
 from ._collectives import SessionCollectives
 from ._gradients import GradientReducer
 from ._memory import DeviceMemory
+from ._offload import OffloadedOptimizer, place
 from ._passes import ENGINE, EXTERNAL, Passes
 from ._per_parameter import PerParameterOptimizers
 from ._shards import Sharding
@@ -64,7 +67,7 @@ class Zero3Engine:
 
     def __init__(self, model, optimizer_factory=None, config=None, *, plugin_path=None,
                  mixed_precision=None, load_from=None, group=None, step_in_backward=False,
-                 groups="auto"):
+                 groups="auto", offload_optimizer=None, max_device_memory=None):
         if not isinstance(model, torch.nn.Module):
             raise InvalidArgumentError(
                 f"zero3.initialize: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -101,6 +104,21 @@ class Zero3Engine:
         self._params = self._sharding.collect(model)
         units = self._sharding.plan(model, groups)
         self._groups = self._sharding.groups
+        if optimizer_factory is None:
+            optimizer_factory = settings.optimizer
+        offload = settings.offload
+        if offload_optimizer is not None:
+            offload = _config.offload_settings(offload_optimizer,
+                                               "zero3.initialize: offload_optimizer")
+        self._placement = _budget.Placement(
+            self._groups, precision.master_dtype if precision is not None else None,
+            2 if optimizer_factory is not None else 0,
+            _budget.gather_reserve(self._session, self._groups))
+        self._offload = place(self._groups, self._placement, offload,
+                              _budget.budget_bytes(max_device_memory, self._memory.device),
+                              optimizer_factory is not None, step_in_backward,
+                              self._memory.device)
+        self._sharding.offload = self._offload
         self._sharding.partition(model, load_from)
         self._dirty = False
         reduce_dtype = precision.reduce_dtype if precision is not None else None
@@ -127,15 +145,54 @@ class Zero3Engine:
                     "gradient is reduced, before the whole gradient exists: it cannot clip "
                     "the global norm (gradient_clipping) nor skip overflowing steps (fp16 "
                     "loss scaling)")
-            trained = [zp for zp in self._params if zp.requires_grad]
-            self.optimizer = PerParameterOptimizers(optimizer_factory,
-                                                    [zp.shard for zp in trained])
-            by_id = dict(zip((zp.id for zp in trained), self.optimizer.optimizers))
-            self._gradients.on_group_ready = lambda g: self._step_group(g, by_id)
+            if self._offload is not None:
+                self._make_offloaded_optimizer(optimizer_factory)
+            else:
+                trained = [zp for zp in self._params if zp.requires_grad]
+                self.optimizer = PerParameterOptimizers(optimizer_factory,
+                                                        [zp.shard for zp in trained])
+                by_id = dict(zip((zp.id for zp in trained), self.optimizer.optimizers))
+                self._gradients.on_group_ready = lambda g: self._step_group(g, by_id)
         elif optimizer_factory is not None:
-            self.optimizer = optimizer_factory([zp.shard for zp in self._params])
+            if self._offload is not None:
+                self._make_offloaded_optimizer(optimizer_factory)
+            else:
+                self.optimizer = optimizer_factory([zp.shard for zp in self._params])
             if self.optimizer is not None:
                 self.optimizer.register_step_post_hook(self._optimizer_stepped)
+        self._device_high_water = 0  # of the last step, by the engine's accounting
+        self._resident_key = None    # the optimizer state's size when _resident was counted
+        self._resident = 0
+
+    # --- offload ------------------------------------------------------------------------
+
+    def _make_offloaded_optimizer(self, optimizer_factory):
+        made = optimizer_factory([zp.shard for zp in self._params])
+        if made is None:
+            raise InvalidArgumentError(
+                "zero3.initialize: optimizer_factory returned None; optimizer offload needs an "
+                "optimizer (torch.optim.Adam or AdamW)")
+        hosted = [zp.shard for g in self._groups if g.host is not None for zp in g.members]
+        self.optimizer = OffloadedOptimizer(made, hosted)
+        self._offload.optimizer = self.optimizer.host
+        self._gradients.on_group_ready = self._offload.gradient_ready
+
+    def _device_grads(self):
+        return _grad_shards.gradient_tensors([g for g in self._groups if g.host is None])
+
+    def _gradient_bytes(self):
+        return sum(g.grad_flat.numel() * g.grad_flat.element_size()
+                   for g in self._groups if g.grad_flat is not None)
+
+    def _account(self, gradient_bytes):
+        state = self.optimizer.state if self.optimizer is not None else {}
+        size = (id(state), len(state))
+        if size != self._resident_key:  # state added (first steps, a load): count again
+            self._resident_key = size
+            self._resident = _budget.resident_bytes(self._groups, self.optimizer)
+        self._device_high_water = _budget.account(self._resident, self._session,
+                                                  self._placement, gradient_bytes)
+        self._placement.check(self._device_high_water, self.global_step)
 
     # --- shards and passes --------------------------------------------------------
 
@@ -159,8 +216,17 @@ class Zero3Engine:
     def shards_changed(self):
         """Says that the optimizer's shards were written outside
         optimizer.step() (which the engine sees by itself): the next pass
-        gathers the new values."""
+        gathers the new values (offloaded masters are copied again). With
+        offload on cuda, call ``shards_writable()`` before writing."""
         self._dirty = True
+        if self._offload is not None:
+            self._offload.masters_changed()
+
+    def shards_writable(self):
+        """Before writing the optimizer's shards: an offloaded master may
+        still be read by its copy to the device (cuda); waits for it."""
+        if self._offload is not None:
+            self._offload.masters_changed()
 
     def _begin_pass(self):
         """Before a pass: on cuda, torch's current stream becomes the
@@ -232,7 +298,10 @@ class Zero3Engine:
         """Divides the gradient shards by the loss scale (once per step)."""
         if self._scaler is None or self._unscaled:
             return
-        _grad_shards.unscale(self._grad_shards(), self._scaler.scale)
+        if self._offload is not None:
+            self._offload.unscale(self._device_grads(), 1.0 / self._scaler.scale)
+        else:
+            _grad_shards.unscale(self._grad_shards(), self._scaler.scale)
         self._unscaled = True
 
     def _overflow(self):
@@ -252,6 +321,9 @@ class Zero3Engine:
                                     "parameters were stepped during backward already")
         max_norm, norm_type = float(max_norm), float(norm_type)
         self._unscale()
+        if self._offload is not None:
+            return self._offload.clip(self._grad_shards(), self._device_grads(), self.comm,
+                                      max_norm, norm_type)
         return _grad_shards.clip(self._grad_shards(), self.comm, self._memory.device, max_norm,
                                  norm_type)
 
@@ -265,6 +337,9 @@ class Zero3Engine:
                 "zero3: step() needs an optimizer; pass optimizer_factory to initialize()")
         if self._passes.backward_active:
             raise IncompatibleError("zero3: step() called during backward")
+        if self._offload is not None:
+            self._offloaded_step()
+            return
         if self.step_in_backward:
             self.global_step += 1  # every parameter was stepped during backward
             self.zero_grad()
@@ -276,10 +351,37 @@ class Zero3Engine:
             self._unscale()
             skip = self._overflow()
             self._scaler.update(skip)
+        gradient_bytes = self._gradient_bytes()
         if not skip:
             self.optimizer.step()
         self.global_step += 1
         self.zero_grad()
+        self._account(gradient_bytes)
+
+    def _offloaded_step(self):
+        """step() with groups on the host: the device's part by the
+        factory's optimizer, the host's group by group (see _offload.py)."""
+        gradient_bytes = self._gradient_bytes()
+        try:
+            skip = False
+            if not self.step_in_backward:
+                if self.gradient_clipping:
+                    self.clip_grad_norm_(self.gradient_clipping)
+                if self._scaler is not None:
+                    self._unscale()
+                    skip = self._overflow()
+                    self._scaler.update(skip)
+                if not skip:
+                    self.optimizer.step_device()
+            self._offload.step(skip)
+        except BaseException:
+            self._offload.abandon()
+            raise
+        finally:
+            self._dirty = True
+        self.global_step += 1
+        self.zero_grad()
+        self._account(gradient_bytes)
 
     def zero_grad(self):
         for zp in self._params:
@@ -318,6 +420,13 @@ class Zero3Engine:
                                 if zp.shard.data_ptr() != zp.store.data_ptr())
         s["parameter_bytes"] = sum(zp.numel * zp.element_size for zp in self._params)
         s["groups"] = len(self._groups)
+        s["placement"] = self._placement.report()
+        s["offloaded_groups"] = sorted(g.name for g in self._groups if g.host is not None)
+        s["max_device_memory"] = self._placement.budget
+        s["device_need_bytes"] = self._placement.device_need()
+        s["device_high_water_bytes"] = self._device_high_water
+        if self._offload is not None:
+            s.update(self._offload.counters)
         s["units"] = len(self._passes.units)
         memory = self._session.gather_memory()
         if memory is not None:
@@ -379,6 +488,8 @@ class Zero3Engine:
         (all-gathered; collective). The engine is unusable afterwards."""
         if self._passes.pass_open:
             self._passes.end_pass()
+        if self._offload is not None:
+            self._offload.close()
         full = self.full_parameters(dtype="param")
         self._passes.uninstall(self.module)
         with torch.no_grad():

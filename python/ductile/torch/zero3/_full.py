@@ -24,7 +24,8 @@ def _gather(engine, zp, dtype=None):
     shard = zp.shard.detach()
     out = torch.empty(engine.world_size * zp.shard_numel, dtype=shard.dtype,
                       device=engine._memory.device)
-    engine.comm.all_gather(out, shard.contiguous()).wait()
+    # An offloaded master is on the host: the collective takes a device copy.
+    engine.comm.all_gather(out, shard.to(out.device).contiguous()).wait()
     full = out[:zp.numel].view(zp.shape)
     if dtype is not None and dtype != full.dtype:
         full = full.to(dtype)
@@ -214,6 +215,7 @@ class GatheredParameters:
                         if engine.world_size > 1:
                             engine.comm.broadcast(flat, self.modifier_rank).wait()
                         lo, hi = zp.slice_of(engine.rank)
+                        engine.shards_writable()
                         zp.shard.zero_()
                         zp.shard[:hi - lo].copy_(flat[lo:hi])
                     engine.shards_changed()

@@ -39,28 +39,43 @@ def overflow(grads, comm, device):
     return bool(flag.item())
 
 
+def global_norm(grads, comm, device, norm_type, scaled=(), scale=1.0):
+    """The norm of `grads` and of `scaled` multiplied by `scale` (gradients
+    whose unscaling is deferred: the offloaded groups'), over every rank's
+    shards: a 0-d float32 tensor, the same on every rank (collective)."""
+    norms = list(torch._foreach_norm(grads, norm_type)) if grads else []
+    if scaled:
+        norms += [n * scale for n in torch._foreach_norm(scaled, norm_type)]
+    if math.isinf(norm_type):
+        local = torch.zeros((), dtype=torch.float32, device=device)
+        if norms:
+            local = torch.stack(norms).float().max()
+        local = local.reshape(1)
+        comm.all_reduce(local, "max").wait()
+        return local.reshape(())
+    local = torch.zeros((), dtype=torch.float64, device=device)
+    if norms:
+        local = torch.stack(norms).double().pow(norm_type).sum()
+    local = local.reshape(1)
+    comm.all_reduce(local, "sum").wait()
+    return local.reshape(()).pow(1.0 / norm_type).float()
+
+
+def clip_coefficient(total, max_norm):
+    """What clipping multiplies the gradients by (a 0-d float64 tensor on
+    total's device): max_norm / total when that is below 1; 1 when the norm
+    is within max_norm or not finite (nothing is clipped then)."""
+    coefficient = max_norm / (total.double() + 1e-6)
+    keep = torch.logical_or(coefficient >= 1.0, ~torch.isfinite(total))
+    return torch.where(keep, torch.ones_like(coefficient), coefficient)
+
+
 def clip(grads, comm, device, max_norm, norm_type):
     """Scales `grads` so that the norm over every rank's shards is at most
     max_norm; returns that norm (before clipping) as a 0-d float32 tensor,
     the same on every rank. A non-finite norm clips nothing."""
-    if math.isinf(norm_type):
-        local = torch.zeros((), dtype=torch.float32, device=device)
-        if grads:
-            local = torch.stack(torch._foreach_norm(grads, math.inf)).float().max()
-        local = local.reshape(1)
-        comm.all_reduce(local, "max").wait()
-        total = local.reshape(())
-    else:
-        local = torch.zeros((), dtype=torch.float64, device=device)
-        if grads:
-            norms = torch.stack(torch._foreach_norm(grads, norm_type)).double()
-            local = norms.pow(norm_type).sum()
-        local = local.reshape(1)
-        comm.all_reduce(local, "sum").wait()
-        total = local.reshape(()).pow(1.0 / norm_type).float()
-    coefficient = max_norm / (total.double() + 1e-6)
-    keep = torch.logical_or(coefficient >= 1.0, ~torch.isfinite(total))
-    coefficient = torch.where(keep, torch.ones_like(coefficient), coefficient)
+    total = global_norm(grads, comm, device, norm_type)
+    coefficient = clip_coefficient(total, max_norm)
     if grads:
         by_dtype = {}
         for g in grads:

@@ -160,7 +160,7 @@ class GradientReducer:
         for (group, mask), shard in zip(entries, shards):
             if group.grads_attached():
                 group.grad_flat.add_(shard)
-                for zp, view, had in zip(group.members, group.grad_views, mask):
+                for zp, view, had in zip(group.members, group.member_grads(), mask):
                     if had and zp.shard.grad is None:
                         zp.shard.grad = view
             else:

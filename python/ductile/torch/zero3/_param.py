@@ -90,7 +90,7 @@ class ParamGroup:
                  "shard_numel", "numel", "sizes", "numels", "store", "master", "direct",
                  "persistent", "users", "full", "full_address", "full_bytes", "_cache",
                  "trained", "grad_flat", "grad_views", "accumulated", "accumulated_mask",
-                 "name", "placeholder")
+                 "name", "placeholder", "host")
 
     def __init__(self, gid, name, members, world):
         self.id = gid
@@ -127,6 +127,7 @@ class ParamGroup:
         self.accumulated = None  # gradients summed without sync, rank-major (reduce dtype)
         self.accumulated_mask = None
         self.placeholder = None  # param.data between uses (an empty tensor)
+        self.host = None  # its optimizer offload (_offload.HostShard), or None
 
     def views_at(self, memory, address):
         """(full, member views) over the gathered copy at `address`."""
@@ -143,20 +144,28 @@ class ParamGroup:
     def attach_grads(self, flat, mask=None):
         """Makes `flat` (shard_numel elements, master dtype) this group's
         gradient shard: each trained member whose gradient was computed
-        (`mask`, all when None) gets its slice as ``shard.grad``."""
+        (`mask`, all when None) gets its slice as ``shard.grad`` (with the
+        optimizer offloaded, its slice of the host copy: the shard is a host
+        tensor, and the device's flat shard is what clipping reads)."""
         views = flat.split(self.sizes)
         self.grad_flat = flat
         self.grad_views = views
-        for zp, view, had in zip(self.members, views, mask or (True,) * len(views)):
+        for zp, view, had in zip(self.members, self.member_grads(),
+                                 mask or (True,) * len(views)):
             if had and zp.requires_grad:
                 zp.shard.grad = view
+
+    def member_grads(self):
+        """What the members' ``shard.grad`` are while the gradient shard is
+        attached: views of grad_flat, or of the host copy when offloaded."""
+        return self.host.grad_views if self.host is not None else self.grad_views
 
     def grads_attached(self):
         """The members' shard gradients are still the views of grad_flat
         (nobody cleared or replaced them since)."""
         if self.grad_flat is None:
             return False
-        for zp, view in zip(self.members, self.grad_views):
+        for zp, view in zip(self.members, self.member_grads()):
             grad = zp.shard.grad
             if grad is not None:
                 return grad is view

@@ -37,6 +37,7 @@ class Sharding:
         self.rank = session.rank
         self.world = session.size
         self.precision = precision
+        self.offload = None  # the engine's OptimizerOffload, when groups are offloaded
         self.params = []
         self.groups = []
         self.units = []
@@ -151,7 +152,9 @@ class Sharding:
         group.store = store
         precision = self.precision
         master_dtype = precision.master_dtype if precision is not None else None
-        if master_dtype is None or master_dtype == group.dtype:
+        if group.host is not None:
+            master = group.host.master  # the optimizer is offloaded: the master is on the host
+        elif master_dtype is None or master_dtype == group.dtype:
             master = store
         else:
             master = torch.zeros(group.shard_numel, dtype=master_dtype, device=self.memory.device)
@@ -210,7 +213,9 @@ class Sharding:
         session = self.session
         with torch.no_grad():
             for group in self.groups:
-                if group.master is not group.store:
+                if group.host is not None:
+                    self.offload.to_device(group)
+                elif group.master is not group.store:
                     group.store.copy_(group.master)
                 if not group.direct:
                     session.set_shard(group.id, group.store.data_ptr(),

@@ -1,0 +1,277 @@
+"""zero3's optimizer offload and device memory budget on 2 ranks (the
+runs are torchrun jobs of zero3_offload_worker.py), against the same
+training with everything on the device:
+
+- offload_optimizer="cpu": fp32 masters and Adam state on the host,
+  stepped by the cpu_adam plugin: the same losses (fp32 within 1e-5) with
+  accumulation, clipping and a learning-rate schedule; under bf16; with
+  step_in_backward;
+- max_device_memory below what the model needs on the device: only the
+  groups' optimizers that do not fit go to the host, the engine's
+  accounting stays within the budget at every step, the losses are the
+  same;
+- a checkpoint of an offloaded run resumes on 3 ranks, offloaded, and on 1
+  rank without offload;
+- DeepSpeed's offload_optimizer / offload_param keys, and the errors.
+
+On the cpu backend the "device" and the host are the same memory: the
+moves are copies between the engine's pools, and each is counted."""
+
+import json
+import os
+import sys
+
+import pytest
+
+import torch
+
+import ductile
+import ductile.torch.zero3 as zero3
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from zero3_launch import BLOCKS_CONFIG, CONFIG, launch  # noqa: E402
+from zero3_model import Windows, loss_of, make_model  # noqa: E402
+
+WORKER = os.path.join(HERE, "zero3_offload_worker.py")
+STEPS = 6
+TRAINING = {"steps": STEPS, "accumulate": 2, "no_sync": True, "clip": 0.5, "save_at": [3]}
+
+
+def relative(a, b):
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def assert_losses_match(result, reference, steps, tolerance=1e-5):
+    for s in steps:
+        a, b = result["losses"][str(s)], reference["losses"][str(s)]
+        assert relative(a, b) <= tolerance, f"step {s}: loss {a} vs {b}"
+
+
+def run(tmp, name, spec, ranks=2, config=BLOCKS_CONFIG):
+    return launch(tmp, name, spec, ranks=ranks, launcher="torchrun", config=config,
+                  worker=WORKER, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("zero3_offload")
+    r = {"device": run(tmp, "device", TRAINING),
+         "offload": run(tmp, "offload", dict(TRAINING, offload="cpu"))}
+    # A budget just below what the device held at every step without
+    # offload: the plan (which counts the most the coordinator may gather)
+    # must offload part of the optimizer state.
+    budget = min(r["device"][0]["high_water"].values()) - 1
+    r["budget"] = run(tmp, "budget", dict(TRAINING, budget=budget))
+    r["resumed"] = run(tmp, "resumed", {"steps": STEPS, "start": 3, "accumulate": 2,
+                                        "no_sync": True, "clip": 0.5, "offload": "cpu",
+                                        "load": str(tmp / "offload" / "step3")}, ranks=3)
+    r["resumed_on_device"] = run(tmp, "resumed_on_device", {
+        "steps": STEPS, "start": 3, "accumulate": 2, "no_sync": True, "clip": 0.5,
+        "load": str(tmp / "offload" / "step3")}, ranks=1)
+    bf16 = {"steps": 4, "precision": "bf16", "optimizer": "adamw", "clip": 1.0}
+    r["bf16"] = run(tmp, "bf16", bf16)
+    r["bf16_offload"] = run(tmp, "bf16_offload", dict(bf16, offload="cpu"))
+    early = {"steps": 4, "accumulate": 2, "no_sync": True, "step_in_backward": True}
+    r["early"] = run(tmp, "early", early)
+    r["early_offload"] = run(tmp, "early_offload", dict(early, offload="cpu"))
+    return r
+
+
+def test_the_offloaded_optimizer_trains_as_on_the_device(runs):
+    device, params_device, _ = runs["device"]
+    offload, params_offload, _ = runs["offload"]
+    assert_losses_match(offload, device, range(STEPS))
+    for s in range(STEPS):  # the clipped norm, and the schedule's learning rate
+        assert relative(offload["norms"][str(s)], device["norms"][str(s)]) <= 1e-5
+        assert offload["lr"][str(s)] == device["lr"][str(s)] < 3e-3 or s == 0
+    for key, ref in params_device.items():
+        diff = (params_offload[key] - ref).abs().max().item()
+        assert diff <= 1e-5 * ref.abs().max().item(), f"{key}: max difference {diff}"
+
+
+def test_offload_moves_every_groups_optimizer_and_counts_the_copies(runs):
+    device = runs["device"][0]["stats"]
+    stats = runs["offload"][0]["stats"]
+    groups = stats["groups"]
+    assert len(stats["offloaded_groups"]) == groups == 5  # four blocks and the root
+    state = device["placement"]["optimizer_state"]
+    assert state["host"] == 0 and state["device"] > 0
+    assert stats["placement"]["optimizer_state"] == {"device": 0, "host": state["device"]}
+    # One gradient copy to the host and one parameter copy back a group and
+    # step (accumulation under no_sync reduces once a step), plus the first
+    # copy of the initial values.
+    assert stats["offload_grad_copies"] == groups * STEPS
+    assert stats["offload_steps"] == groups * STEPS
+    assert stats["offload_param_copies"] == groups * (STEPS + 1)
+    assert stats["device_high_water_bytes"] < device["device_high_water_bytes"]
+
+
+def test_a_budget_below_the_models_needs_offloads_only_what_does_not_fit(runs):
+    device = runs["device"][0]
+    result = runs["budget"][0]
+    stats = result["stats"]
+    budget = stats["max_device_memory"]
+    assert device["stats"]["device_need_bytes"] > budget
+    assert device["stats"]["offloaded_groups"] == []
+    assert 0 < len(stats["offloaded_groups"]) < stats["groups"]
+    assert stats["placement"]["optimizer_state"]["device"] > 0
+    assert stats["device_need_bytes"] <= budget
+    for s in range(STEPS):
+        assert device["high_water"][str(s)] > budget, "the budget must bind"
+        assert 0 < result["high_water"][str(s)] <= budget, (s, result["high_water"], budget)
+    assert_losses_match(result, device, range(STEPS))
+
+
+def test_an_offloaded_checkpoint_resumes_on_other_world_sizes(runs):
+    offload = runs["offload"][0]
+    for name, world in (("resumed", 3), ("resumed_on_device", 1)):
+        resumed = runs[name][0]
+        assert resumed["world"] == world and resumed["client_state"] == {"step": 3}
+        assert_losses_match(resumed, offload, range(3, STEPS))
+    assert runs["resumed_on_device"][0]["stats"]["offloaded_groups"] == []
+
+
+def test_bf16_offload_trains_as_bf16_on_the_device(runs):
+    """The plugin rounds the updated masters to bf16 as torch does (round
+    to nearest even): the bf16 shards gathered are the same."""
+    device, offload = runs["bf16"][0], runs["bf16_offload"][0]
+    assert offload["stats"]["placement"]["master_weights"]["device"] == 0
+    assert device["stats"]["placement"]["master_weights"]["host"] == 0
+    assert_losses_match(offload, device, range(4), tolerance=2e-2)
+    worst = max(relative(offload["losses"][str(s)], device["losses"][str(s)]) for s in range(4))
+    assert worst <= 1e-4, (offload["losses"], device["losses"])
+
+
+def test_step_in_backward_steps_each_group_on_the_host_as_its_gradient_lands(runs):
+    device, offload = runs["early"][0], runs["early_offload"][0]
+    assert_losses_match(offload, device, range(4))
+    assert offload["stats"]["offload_steps"] == 4 * offload["stats"]["groups"]
+
+
+# --- in this process: one rank, no launcher ------------------------------------------------
+
+
+def deepspeed(**zero):
+    return json.dumps({"train_batch_size": 4, "zero_optimization": dict(stage=3, **zero)})
+
+
+def test_deepspeeds_offload_keys_are_honoured_or_warned_about():
+    from ductile.torch.zero3 import _config
+    with pytest.warns(UserWarning) as caught:
+        settings = _config.resolve(deepspeed(
+            offload_optimizer={"device": "cpu", "pin_memory": False, "ratio": 0.5,
+                               "buffer_count": 4},
+            offload_param={"device": "cpu", "max_in_cpu": 10}), None, None, None)
+    assert settings.offload.optimizer and not settings.offload.pin
+    assert settings.offload.ratio == 0.5
+    shown = [str(w.message) for w in caught]
+    assert any("offload_optimizer.buffer_count is accepted but ignored" in m for m in shown)
+    assert any("offload_param.device is accepted but ignored" in m for m in shown)
+    assert any("offload_param.max_in_cpu is accepted but ignored" in m for m in shown)
+    with pytest.raises(ductile.ConfigError,
+                       match=r"offload_optimizer.device = 'gpu'; valid: \"cpu\", \"nvme\""):
+        _config.resolve(deepspeed(offload_optimizer={"device": "gpu"}), None, None, None)
+    with pytest.raises(ductile.ConfigError, match=r"offload_optimizer.ratio = 2; valid"):
+        _config.resolve(deepspeed(offload_optimizer={"device": "cpu", "ratio": 2}), None, None,
+                        None)
+
+
+def test_a_deepspeed_config_offloads_and_builds_its_optimizer():
+    config = json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+                         "optimizer": {"type": "AdamW", "params": {"lr": 2e-3,
+                                                                   "weight_decay": 0.1}}})
+    engine = zero3.initialize(make_model(layers=1), None, config)
+    try:
+        assert engine.optimizer.checkpoint_class == "AdamW"
+        assert engine.optimizer.param_groups[0]["lr"] == 2e-3
+        assert len(engine.stats()["offloaded_groups"]) == engine.stats()["groups"]
+        x, y = Windows(batch=2).step(0)
+        engine.backward(loss_of(engine(x), y))
+        engine.step()
+        assert engine.stats()["offload_steps"] == engine.stats()["groups"]
+    finally:
+        engine.close()
+
+
+def test_a_ratio_offloads_part_of_the_optimizer():
+    engine = zero3.initialize(make_model(layers=3), lambda ps: torch.optim.Adam(ps), CONFIG,
+                              offload_optimizer={"device": "cpu", "ratio": 0.5})
+    try:
+        placement = engine.stats()["placement"]["optimizer_state"]
+        assert placement["host"] >= placement["device"] > 0
+    finally:
+        engine.close()
+
+
+def test_fp16_loss_scaling_with_offload_steps_as_on_the_device():
+    def losses(**kwargs):
+        engine = zero3.initialize(make_model(layers=1), lambda ps: torch.optim.Adam(ps, lr=1e-3),
+                                  CONFIG, mixed_precision="fp16", **kwargs)
+        out = []
+        try:
+            windows = Windows(batch=2)
+            for s in range(3):
+                x, y = windows.step(s)
+                loss = loss_of(engine(x), y)
+                engine.backward(loss)
+                engine.step()
+                out.append((loss.item(), engine.loss_scale))
+        finally:
+            engine.close()
+        return out
+    device, offload = losses(), losses(offload_optimizer="cpu")
+    for (a, sa), (b, sb) in zip(offload, device):
+        assert sa == sb and relative(a, b) <= 1e-3, (offload, device)
+
+
+def test_masters_written_right_after_a_step_reach_the_device(tmp_path):
+    """A load, or GatheredParameters(modifier_rank=0), between a step and
+    the next pass (the step's copies to the device are issued, not yet
+    waited on) is what the next pass computes with."""
+    engine = zero3.initialize(make_model(layers=1), lambda ps: torch.optim.Adam(ps, lr=1e-2),
+                              CONFIG, offload_optimizer="cpu")
+    try:
+        x, y = Windows(batch=2).step(0)
+
+        def train():
+            engine.backward(loss_of(engine(x), y))
+            engine.step()
+
+        train()
+        engine.save(str(tmp_path))
+        with torch.no_grad():
+            saved = loss_of(engine(x), y).item()
+        train()
+        engine.load(str(tmp_path))
+        with torch.no_grad():
+            assert loss_of(engine(x), y).item() == saved
+        train()
+        weight = engine.module.blocks[0].up.weight
+        with zero3.GatheredParameters([weight], modifier_rank=0):
+            weight.data.zero_()
+        with torch.no_grad():
+            engine(x)
+        assert engine.full_parameters()["blocks.0.up.weight"].abs().max().item() == 0.0
+        with zero3.GatheredParameters([weight]):
+            assert weight.abs().max().item() == 0.0  # gathered from the device shard
+    finally:
+        engine.close()
+
+
+def test_what_offload_cannot_do_is_an_error_naming_it():
+    model = make_model(layers=1)
+    with pytest.raises(ductile.IncompatibleError, match=r"made a SGD. Valid: torch.optim.Adam"):
+        zero3.initialize(model, lambda ps: torch.optim.SGD(ps, lr=0.1), CONFIG,
+                         offload_optimizer="cpu")
+    with pytest.raises(ductile.IncompatibleError, match=r"amsgrad=True"):
+        zero3.initialize(make_model(layers=1), lambda ps: torch.optim.Adam(ps, amsgrad=True),
+                         CONFIG, offload_optimizer=True)
+    with pytest.raises(ductile.IncompatibleError,
+                       match=r"max_device_memory = 1000 bytes cannot be met: .* the device still "
+                             r"needs \d+ bytes .*valid: max_device_memory >= \d+"):
+        zero3.initialize(make_model(layers=1), lambda ps: torch.optim.Adam(ps), CONFIG,
+                         max_device_memory=1000)
+    for bad, shown in (("lots", "'lots'"), (1.5, "1.5"), (0, "0"), (True, "True")):
+        with pytest.raises(ductile.InvalidArgumentError, match=f"max_device_memory = {shown}"):
+            zero3.initialize(make_model(layers=1), None, CONFIG, max_device_memory=bad)
