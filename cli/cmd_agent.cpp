@@ -1,9 +1,10 @@
 // ductile agent [--config FILE] --rdzv etcd://HOST:PORT --job-id ID --nproc-per-node N
 //               [--min-nodes A --max-nodes B] [--max-restarts R] -- CMD ARGS...
-// or, as torchrun takes it (the program name changed):
-// ductile agent --nnodes MIN:MAX --nproc-per-node N --rdzv-backend etcd
-//               --rdzv-endpoint HOST:PORT --rdzv-id ID [--rdzv-conf K=V,...]
-//               [--max-restarts R] [--monitor-interval S] SCRIPT.py ARGS...
+// or any torchrun command line with the program name changed:
+// ductile agent [--standalone] [--nnodes MIN:MAX] [--nproc-per-node N]
+//               [--rdzv-backend c10d|static|etcd|etcd-v2 --rdzv-endpoint HOST:PORT]
+//               [--node-rank R --master-addr A --master-port P] [--rdzv-id ID]
+//               [--rdzv-conf K=V,...] [--log-dir D -r S -t S] ... SCRIPT.py ARGS...
 // The elastic agent of one node (the logic is in libductile_agent; see
 // docs/elastic-agent.md). Built into the agent program, not into `ductile`
 // (main.cpp says why).
@@ -17,6 +18,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <map>
+#include <random>
+#include <set>
 #include <thread>
 
 #include <fmt/format.h>
@@ -35,8 +38,8 @@ void on_stop_signal(int sig) {
 
 struct AgentCliOptions {
   agent::AgentOptions agent;
-  std::string nproc_per_node;   // N, or torchrun's cpu, gpu, auto
-  std::int64_t min_nodes = -1;  // -1: not given
+  std::string nproc_per_node = "1";  // N, or torchrun's cpu, gpu, auto
+  std::int64_t min_nodes = -1;       // -1: not given
   std::int64_t max_nodes = -1;
   std::int64_t lease_ttl = -1;
   double poll_interval = -1, settle = -1, stop_grace = 5, store_timeout = 30;
@@ -46,9 +49,16 @@ struct AgentCliOptions {
   std::string rdzv_protocol;  // --rdzv-conf protocol=http|https
   double monitor_interval = -1, shutdown_timeout = -1;
   bool no_python = false, module = false, run_path = false, standalone = false;
-  std::int64_t node_rank = -1;
+  bool is_host_given = false, is_host = false;  // --rdzv-conf is_host
+  std::int64_t node_rank = 0;
+  bool node_rank_given = false;
   std::string master_addr, local_addr;
   std::int64_t master_port = -1;
+  std::string log_dir, redirects, tee, local_ranks_filter, start_method;
+  // torchrun's options that cannot mean the same here (refused, with what
+  // to use instead).
+  std::string logs_specs, event_log_handler, numa_binding, duplicate_stdout, duplicate_stderr;
+  bool virtual_local_rank = false;
 };
 
 [[noreturn]] void bad(const std::string& message) {
@@ -165,6 +175,18 @@ void apply_rdzv_conf(const std::string& text, AgentCliOptions& o) {
       if (value != "http" && value != "https")
         bad(fmt::format("{}={} is invalid: give http or https", what, value));
       o.rdzv_protocol = value;
+    } else if (key == "is_host") {
+      // torchrun's c10d: whether this agent hosts the rendezvous' store.
+      std::string v = value;
+      std::transform(v.begin(), v.end(), v.begin(),
+                     [](unsigned char c) { return std::tolower(c); });
+      if (v == "1" || v == "true" || v == "t" || v == "yes" || v == "y")
+        o.is_host = true;
+      else if (v == "0" || v == "false" || v == "f" || v == "no" || v == "n")
+        o.is_host = false;
+      else
+        bad(fmt::format("{}={} is invalid: give true or false", what, value));
+      o.is_host_given = true;
     } else if (key == "cacert" || key == "cert" || key == "key") {
       // torch's etcd rendezvous' names for the TLS files.
       std::string& file = key == "cacert" ? o.agent.tls.ca_file
@@ -177,7 +199,7 @@ void apply_rdzv_conf(const std::string& text, AgentCliOptions& o) {
       bad(
           fmt::format("--rdzv-conf key '{}' is not one ductile agent takes: give join_timeout "
                       "(or timeout), last_call_timeout, read_timeout, keep_alive_interval, "
-                      "keep_alive_max_attempt, protocol, cacert, cert, key",
+                      "keep_alive_max_attempt, is_host, protocol, cacert, cert, key",
                       key));
     }
   }
@@ -204,39 +226,258 @@ void apply_nnodes(const std::string& text, AgentCliOptions& o) {
   o.max_nodes = max;
 }
 
-// The rendezvous from either spelling: --rdzv etcd://HOST:PORT, or
-// torchrun's --rdzv-backend etcd --rdzv-endpoint HOST:PORT.
+// HOST[:PORT] (or [IPv6]:PORT), as torch's parse_rendezvous_endpoint reads
+// it; `default_port` when the port is left out.
+std::pair<std::string, int> host_and_port(const std::string& option, const std::string& endpoint,
+                                          int default_port) {
+  std::string host = endpoint, port_text;
+  if (host.starts_with("[")) {
+    auto close = host.find(']');
+    if (close == std::string::npos)
+      bad(fmt::format("{} '{}' is invalid: give HOST:PORT", option, endpoint));
+    port_text = close + 1 < host.size() && host[close + 1] == ':' ? host.substr(close + 2) : "";
+    host = host.substr(1, close - 1);
+  } else if (auto colon = host.rfind(':'); colon != std::string::npos) {
+    port_text = host.substr(colon + 1);
+    host = host.substr(0, colon);
+  }
+  int port = default_port;
+  if (!port_text.empty()) {
+    std::size_t used = 0;
+    long value = -1;
+    try {
+      value = std::stol(port_text, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != port_text.size() || value < 0 || value > 65535)
+      bad(fmt::format("{} '{}' is invalid: the port must be 0 to 65535", option, endpoint));
+    port = static_cast<int>(value);
+  }
+  if (host.empty() || host.find_first_of(" /,@") != std::string::npos)
+    bad(fmt::format("{} '{}' is invalid: give HOST:PORT", option, endpoint));
+  return {host, port};
+}
+
+// A run id as torchrun makes one for --standalone (uuid4).
+std::string random_run_id() {
+  std::random_device random;
+  std::uint32_t words[4] = {random(), random(), random(), random()};
+  words[1] = (words[1] & 0xffff0fffu) | 0x00004000u;  // version 4
+  words[2] = (words[2] & 0x3fffffffu) | 0x80000000u;  // variant 1
+  return fmt::format("{:08x}-{:04x}-{:04x}-{:04x}-{:04x}{:08x}", words[0], words[1] >> 16,
+                     words[1] & 0xffff, words[2] >> 16, words[2] & 0xffff, words[3]);
+}
+
+// torchrun's TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: the workers' store is
+// rank 0's, not the agent's (its dynamic rendezvous backends).
+bool agent_store_shared() {
+  const char* disabled = std::getenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE");
+  return !(disabled && std::string(disabled) == "1");
+}
+
+// The rendezvous, from ductile's --rdzv etcd://HOST:PORT or torchrun's
+// options, as torchrun 2.13 reads them (run.py's run() and
+// config_from_args()).
 void apply_rendezvous(AgentCliOptions& o) {
   auto& a = o.agent;
-  if (o.standalone)
-    bad("--standalone is not available: ductile agent's rendezvous runs on etcd; start one "
-        "(etcd --listen-client-urls http://127.0.0.1:2379 --advertise-client-urls "
-        "http://127.0.0.1:2379) and give --rdzv-endpoint 127.0.0.1:2379");
-  if (!o.rdzv_backend.empty() && o.rdzv_backend != "etcd" && o.rdzv_backend != "etcd-v2" &&
-      o.rdzv_backend != "etcd-v3")
-    bad(
-        fmt::format("--rdzv-backend '{}' is not available: ductile agent's rendezvous runs on "
-                    "etcd (v3 API); give --rdzv-backend etcd (or etcd-v2) and the etcd's "
-                    "--rdzv-endpoint HOST:PORT",
-                    o.rdzv_backend));
-  if (!o.rdzv_endpoint.empty()) {
-    if (!a.rdzv.empty()) bad("--rdzv and --rdzv-endpoint say the same: give one of them");
-    a.rdzv = o.rdzv_endpoint.find("://") == std::string::npos
-                 ? (o.rdzv_protocol == "https" ? "https://" : "etcd://") + o.rdzv_endpoint
-                 : o.rdzv_endpoint;
-  }
-  if (!o.rdzv_protocol.empty() && a.rdzv.starts_with("https://") != (o.rdzv_protocol == "https"))
-    bad(fmt::format("--rdzv-conf protocol={} and the endpoint {} differ: give one of them",
-                    o.rdzv_protocol, a.rdzv));
-  if (a.rdzv.empty())
-    bad("no rendezvous: give --rdzv etcd://HOST:PORT (or torchrun's --rdzv-endpoint HOST:PORT)");
+  using agent::Hosting;
+  using agent::RendezvousKind;
+  const std::int64_t max_nodes =
+      o.max_nodes != -1 ? o.max_nodes : std::max<std::int64_t>(1, o.min_nodes);
+  const bool torchrun_spelling = a.rdzv.empty();
+  if (!a.rdzv.empty() && (!o.rdzv_endpoint.empty() || o.standalone ||
+                          !(o.rdzv_backend.empty() || o.rdzv_backend.starts_with("etcd"))))
+    bad("--rdzv (an etcd) and torchrun's --rdzv-endpoint, --rdzv-backend or --standalone say "
+        "the same: give one of them");
   if (!o.rdzv_id.empty()) {
     if (!a.job_id.empty() && a.job_id != o.rdzv_id)
       bad(fmt::format("--job-id '{}' and --rdzv-id '{}' differ: give one of them", a.job_id,
                       o.rdzv_id));
     a.job_id = o.rdzv_id;
   }
-  if (a.job_id.empty()) bad("no job id: give --job-id ID (or torchrun's --rdzv-id ID)");
+  std::string backend = o.rdzv_backend.empty() ? "static" : o.rdzv_backend;
+  // One node without a rendezvous: torchrun makes it a standalone one.
+  if (torchrun_spelling && backend == "static" && o.rdzv_endpoint.empty() && o.master_port == -1 &&
+      max_nodes == 1)
+    o.standalone = true;
+  const bool static_rdzv = torchrun_spelling && !o.standalone && backend == "static";
+  if (!static_rdzv && (o.node_rank_given && o.node_rank != 0))
+    std::fprintf(stderr,
+                 "ductile agent: --node-rank is used by a static rendezvous only (as torchrun "
+                 "uses it); ignored: the rendezvous ranks the nodes\n");
+  if (!static_rdzv && (!o.master_addr.empty() || o.master_port != -1))
+    std::fprintf(stderr,
+                 "ductile agent: --master-addr and --master-port are used by a static "
+                 "rendezvous only (as torchrun uses them); ignored: the leading agent publishes "
+                 "MASTER_ADDR and MASTER_PORT\n");
+  if (o.standalone) {
+    // torchrun: c10d on localhost:0 with a new run id, whatever else is
+    // given; here the agent's own store, nothing served for it.
+    if (max_nodes != 1)
+      bad(
+          fmt::format("--standalone runs one node, and --nnodes asks for up to {}: leave "
+                      "--nnodes out, or give a rendezvous every node reaches (--rdzv-backend "
+                      "c10d --rdzv-endpoint HOST:PORT)",
+                      max_nodes));
+    a.rendezvous = RendezvousKind::embedded;
+    a.job_id = random_run_id();
+    a.agent_store = agent_store_shared();
+    return;
+  }
+  if (a.job_id.empty() && torchrun_spelling) a.job_id = "none";  // torchrun's --rdzv-id default
+  if (!a.rdzv.empty()) {
+    a.rendezvous = RendezvousKind::etcd;
+    a.agent_store = true;
+    if (a.job_id.empty()) bad("no job id: give --job-id ID (or torchrun's --rdzv-id ID)");
+    return;
+  }
+  if (backend == "static") {
+    const std::string endpoint =
+        !o.rdzv_endpoint.empty()
+            ? o.rdzv_endpoint
+            : fmt::format("{}:{}", o.master_addr.empty() ? "127.0.0.1" : o.master_addr,
+                          o.master_port == -1 ? 29500 : o.master_port);
+    auto [host, port] = host_and_port(
+        o.rdzv_endpoint.empty() ? "--master-addr/--master-port" : "--rdzv-endpoint", endpoint, -1);
+    if (port <= 0)
+      bad(
+          fmt::format("a static rendezvous needs the port of node rank 0's store: give "
+                      "--master-port (or --rdzv-endpoint {}:PORT)",
+                      host));
+    if (o.node_rank < 0 || o.node_rank >= max_nodes)
+      bad(fmt::format("--node-rank {} is invalid for --nnodes {}: give 0 to {}", o.node_rank,
+                      max_nodes, max_nodes - 1));
+    // torchrun's static rendezvous waits for --nnodes' maximum.
+    a.min_nodes = a.max_nodes.emplace(max_nodes);
+    o.min_nodes = o.max_nodes = max_nodes;
+    a.agent_store = true;
+    a.master_addr = host;
+    a.master_port = port;
+    if (max_nodes == 1) {
+      a.rendezvous = RendezvousKind::embedded;
+      return;
+    }
+    a.rendezvous = RendezvousKind::hosted;
+    a.rdzv_name = "static";
+    a.rdzv_host = host;
+    a.rdzv_port = port;
+    a.node_rank = o.node_rank;
+    a.hosting = o.node_rank == 0 ? Hosting::always : Hosting::never;
+    return;
+  }
+  if (backend == "c10d") {
+    if (o.rdzv_endpoint.empty())
+      bad("--rdzv-backend c10d needs the rendezvous' host: give --rdzv-endpoint HOST[:PORT] (a "
+          "node every node reaches; its agent serves the rendezvous)");
+    auto [host, port] = host_and_port("--rdzv-endpoint", o.rdzv_endpoint, 29400);
+    a.agent_store = agent_store_shared();
+    if (port == 0) {
+      // torchrun binds a free port: only this node can know it.
+      if (max_nodes != 1)
+        bad(
+            fmt::format("--rdzv-endpoint '{}': port 0 (a free port) serves one node only, and "
+                        "--nnodes asks for up to {}; give a port every node reaches",
+                        o.rdzv_endpoint, max_nodes));
+      a.rendezvous = RendezvousKind::embedded;
+      return;
+    }
+    a.rendezvous = RendezvousKind::hosted;
+    a.rdzv_name = "c10d";
+    a.rdzv_host = host;
+    a.rdzv_port = port;
+    a.hosting = !o.is_host_given ? Hosting::if_local : o.is_host ? Hosting::always : Hosting::never;
+    return;
+  }
+  if (backend == "etcd" || backend == "etcd-v2" || backend == "etcd-v3") {
+    if (o.rdzv_endpoint.empty())
+      bad(fmt::format("--rdzv-backend {} needs the etcd: give --rdzv-endpoint HOST:PORT", backend));
+    a.rendezvous = RendezvousKind::etcd;
+    a.rdzv = o.rdzv_endpoint.find("://") == std::string::npos
+                 ? (o.rdzv_protocol == "https" ? "https://" : "etcd://") + o.rdzv_endpoint
+                 : o.rdzv_endpoint;
+    if (!o.rdzv_protocol.empty() && a.rdzv.starts_with("https://") != (o.rdzv_protocol == "https"))
+      bad(fmt::format("--rdzv-conf protocol={} and the endpoint {} differ: give one of them",
+                      o.rdzv_protocol, a.rdzv));
+    // torchrun's etcd handler leaves the store to rank 0's worker; its
+    // etcd-v2 (a dynamic rendezvous) shares the agent's.
+    a.agent_store = backend != "etcd" && agent_store_shared();
+    return;
+  }
+  bad(
+      fmt::format("--rdzv-backend '{}' is not one ductile agent takes: give c10d (an agent hosts "
+                  "the rendezvous), static (with --node-rank, --master-addr, --master-port), "
+                  "etcd or etcd-v2 (an etcd: survives the loss of any node), or --standalone",
+                  o.rdzv_backend));
+}
+
+// torchrun's --redirects / --tee: 0-3 for every local rank, or
+// LOCAL_RANK:STREAMS,... for some.
+agent::StreamsByRank streams_option(const std::string& option, const std::string& text) {
+  agent::StreamsByRank out;
+  auto digit = [&](const std::string& v) {
+    if (v.size() != 1 || v[0] < '0' || v[0] > '3')
+      bad(
+          fmt::format("{} '{}' is invalid: give 0 (none), 1 (stdout), 2 (stderr) or 3 (both), "
+                      "for every local rank or as LOCAL_RANK:N,... (e.g. 0:1,1:2)",
+                      option, text));
+    return v[0] - '0';
+  };
+  if (text.find(':') == std::string::npos) {
+    out.all = digit(text);
+    return out;
+  }
+  std::size_t from = 0;
+  while (from <= text.size()) {
+    auto comma = std::min(text.find(',', from), text.size());
+    std::string pair = text.substr(from, comma - from);
+    auto colon = pair.find(':');
+    if (colon == std::string::npos) digit("");
+    out.by_rank[whole_number(option + " local rank", pair.substr(0, colon))] =
+        digit(pair.substr(colon + 1));
+    from = comma + 1;
+  }
+  return out;
+}
+
+void apply_output_options(AgentCliOptions& o) {
+  auto& out = o.agent.output;
+  out.log_dir = o.log_dir;
+  if (!o.redirects.empty()) out.redirects = streams_option("--redirects", o.redirects);
+  if (!o.tee.empty()) out.tee = streams_option("--tee", o.tee);
+  if (!o.local_ranks_filter.empty()) {
+    std::set<std::int64_t> ranks;
+    std::size_t from = 0;
+    while (from <= o.local_ranks_filter.size()) {
+      auto comma = std::min(o.local_ranks_filter.find(',', from), o.local_ranks_filter.size());
+      ranks.insert(
+          whole_number("--local-ranks-filter", o.local_ranks_filter.substr(from, comma - from)));
+      from = comma + 1;
+    }
+    out.console_ranks = std::move(ranks);
+  }
+  // torchrun's options that have no meaning here: say what to use.
+  if (!o.logs_specs.empty())
+    bad(
+        fmt::format("--logs-specs '{}' names a Python class torchrun loads; ductile agent writes "
+                    "the workers' logs itself: use --log-dir with --redirects or --tee",
+                    o.logs_specs));
+  if (!o.event_log_handler.empty() && o.event_log_handler != "null")
+    bad(
+        fmt::format("--event-log-handler '{}' names a Python handler torchrun loads; ductile "
+                    "agent logs its events to its stderr (leave the option out)",
+                    o.event_log_handler));
+  if (!o.numa_binding.empty())
+    bad(
+        fmt::format("--numa-binding {} is not available: run the workers under numactl "
+                    "(--no-python numactl --cpunodebind=N python3 -u train.py)",
+                    o.numa_binding));
+  if (!o.duplicate_stdout.empty() || !o.duplicate_stderr.empty())
+    bad("--duplicate-stdout-filters and --duplicate-stderr-filters are not available: use "
+        "--tee with --log-dir and filter the log files");
+  if (o.virtual_local_rank)
+    bad("--virtual-local-rank is not available: the workers get their LOCAL_RANK; choose a GPU "
+        "with it (torch.cuda.set_device(LOCAL_RANK))");
 }
 
 // The worker command: after '--' as given; else torchrun's training script
@@ -256,8 +497,14 @@ std::vector<std::string> worker_command(const std::vector<std::string>& rest,
     if (o.module) bad("--no-python and --module cannot be given together (as with torchrun)");
     return rest;
   }
+  // As torchrun: $PYTHON_EXEC, else the interpreter of the environment that
+  // ran `ductile` (its console script says which), else python3.
   const char* python = std::getenv("PYTHON_EXEC");
-  std::vector<std::string> command = {python && *python ? python : "python3", "-u"};
+  const char* console = std::getenv("DUCTILE_CONSOLE_PYTHON");
+  std::vector<std::string> command = {python && *python     ? python
+                                      : console && *console ? console
+                                                            : "python3",
+                                      "-u"};
   if (o.module) command.push_back("-m");
   command.insert(command.end(), rest.begin(), rest.end());
   return command;
@@ -268,20 +515,16 @@ int run_agent_command(const CliContext& context, AgentCliOptions& o,
   auto& a = o.agent;
   if (!o.nnodes.empty()) apply_nnodes(o.nnodes, o);
   if (!o.rdzv_conf.empty()) apply_rdzv_conf(o.rdzv_conf, o);
-  apply_rendezvous(o);
-  if (o.nproc_per_node.empty()) bad("no --nproc-per-node: give the number of workers of this node");
-  a.nproc_per_node = workers_per_node(o.nproc_per_node);
   if (o.min_nodes != -1) a.min_nodes = o.min_nodes;
   if (o.max_nodes != -1) a.max_nodes = o.max_nodes;
+  apply_rendezvous(o);
+  apply_output_options(o);
+  a.nproc_per_node = workers_per_node(o.nproc_per_node);
   if (!o.local_addr.empty()) {
     if (!a.node_addr.empty() && a.node_addr != o.local_addr)
       bad("--node-addr and --local-addr differ: give one of them");
     a.node_addr = o.local_addr;
   }
-  if (o.node_rank > 0 || !o.master_addr.empty() || o.master_port != -1)
-    std::fprintf(stderr,
-                 "ductile agent: --node-rank, --master-addr and --master-port are torchrun's "
-                 "static rendezvous; ignored (the rendezvous assigns ranks and the master)\n");
   a.command = worker_command(rest, o);
   a.lease_ttl = std::chrono::seconds(o.lease_ttl == -1 ? 5 : o.lease_ttl);
   a.poll_interval =
@@ -327,15 +570,16 @@ void register_agent_command(CLI::App& app, CliContext& context) {
                   "TLS to etcd: this client's certificate (PEM), for etcd's --client-cert-auth");
   sub->add_option("--rdzv-key", o->agent.tls.key_file, "TLS to etcd: the client certificate's key");
   sub->add_option("--nproc-per-node,--nproc_per_node", o->nproc_per_node,
-                  "Workers on this node: a number, or cpu, gpu, auto (as torchrun)");
+                  "Workers on this node: a number, or cpu, gpu, auto (as torchrun; default 1)");
   sub->add_option("--min-nodes", o->min_nodes, "Fewest nodes the job runs on (default 1)");
   sub->add_option("--max-nodes", o->max_nodes,
                   "Most nodes the job runs on (default: as many as a valid world size can use)");
   sub->add_option("--max-restarts,--max_restarts", o->agent.max_restarts,
-                  "Group restarts after worker failures before the job fails (default 3)");
+                  "Group restarts after worker failures before the job fails, counted for "
+                  "the whole job (default 0, as torchrun)");
   sub->add_option("--node-addr", o->agent.node_addr,
                   "Address other nodes reach this one at, published as MASTER_ADDR when this "
-                  "node leads (default: the host name)");
+                  "node leads (default: the host's fully qualified name, as torchrun)");
   sub->add_option("--node-id", o->agent.node_id, "This agent's name (default: host-pid-random)");
   sub->add_flag("--mpi-world", o->agent.mpi_world,
                 "Workers form one MPI world without mpirun (ductile's cpu backend, zero3): "
@@ -364,9 +608,12 @@ void register_agent_command(CLI::App& app, CliContext& context) {
   // torchrun's options (docs/elastic-agent.md, "torchrun's command line").
   sub->add_option("--nnodes", o->nnodes, "torchrun: N or MIN:MAX nodes");
   sub->add_option("--rdzv-backend,--rdzv_backend", o->rdzv_backend,
-                  "torchrun: etcd (or etcd-v2, etcd-v3); the default with --rdzv-endpoint");
+                  "torchrun: c10d (the agent on the endpoint's host serves the rendezvous), "
+                  "static (default; --node-rank, --master-addr, --master-port), etcd or etcd-v2 "
+                  "(an etcd: survives the loss of any node)");
   sub->add_option("--rdzv-endpoint,--rdzv_endpoint", o->rdzv_endpoint,
-                  "torchrun: the etcd's HOST:PORT (as --rdzv etcd://HOST:PORT)");
+                  "torchrun: HOST[:PORT] of the rendezvous (c10d: default port 29400; etcd: the "
+                  "etcd's, as --rdzv etcd://HOST:PORT)");
   sub->add_option("--rdzv-id,--rdzv_id", o->rdzv_id, "torchrun: the job id (as --job-id)");
   sub->add_option("--rdzv-conf,--rdzv_conf", o->rdzv_conf,
                   "torchrun: key=value,...: join_timeout (or timeout), last_call_timeout (as "
@@ -385,12 +632,39 @@ void register_agent_command(CLI::App& app, CliContext& context) {
   sub->add_flag("-m,--module", o->module, "torchrun: the training script is a Python module");
   sub->add_flag("--run-path,--run_path", o->run_path,
                 "torchrun: run the script with python (the default here)");
-  sub->add_flag("--standalone", o->standalone, "torchrun's local rendezvous: not available");
-  sub->add_option("--node-rank,--node_rank", o->node_rank, "torchrun's static rendezvous: ignored");
+  sub->add_flag("--standalone", o->standalone,
+                "torchrun: one node with its own rendezvous (nothing else started)");
+  sub->add_option("--node-rank,--node_rank", o->node_rank,
+                  "torchrun's static rendezvous: this node's rank (0 hosts the store)")
+      ->each([o](const std::string&) { o->node_rank_given = true; });
   sub->add_option("--master-addr,--master_addr", o->master_addr,
-                  "torchrun's static rendezvous: ignored");
+                  "torchrun's static rendezvous: node rank 0's address (default 127.0.0.1)");
   sub->add_option("--master-port,--master_port", o->master_port,
-                  "torchrun's static rendezvous: ignored");
+                  "torchrun's static rendezvous: the port of node rank 0's store (default 29500)");
+  sub->add_option("--log-dir,--log_dir", o->log_dir,
+                  "torchrun: the workers' log files go to DIR/<rdzv-id>_XXXXXX/attempt_<round>/"
+                  "<local rank>/ (with their error files)");
+  sub->add_option("-r,--redirects", o->redirects,
+                  "torchrun: streams to the log files only: 0 none, 1 stdout, 2 stderr, 3 both; "
+                  "or per local rank, e.g. 0:1,1:2");
+  sub->add_option("-t,--tee", o->tee,
+                  "torchrun: streams to the log files and the console (as --redirects)");
+  sub->add_option("--local-ranks-filter,--local_ranks_filter", o->local_ranks_filter,
+                  "torchrun: only these local ranks' lines on the console, e.g. 0,1");
+  sub->add_option("--start-method,--start_method", o->start_method,
+                  "torchrun: spawn, fork or forkserver; a script is started as its own process "
+                  "whatever the method (as torchrun starts one)")
+      ->check(CLI::IsMember({"spawn", "fork", "forkserver"}));
+  sub->add_option("--logs-specs,--logs_specs", o->logs_specs, "torchrun's: not available");
+  sub->add_option("--event-log-handler,--event_log_handler", o->event_log_handler,
+                  "torchrun's: only 'null'");
+  sub->add_option("--numa-binding,--numa_binding", o->numa_binding, "torchrun's: not available");
+  sub->add_option("--duplicate-stdout-filters,--duplicate_stdout_filters", o->duplicate_stdout,
+                  "torchrun's: not available");
+  sub->add_option("--duplicate-stderr-filters,--duplicate_stderr_filters", o->duplicate_stderr,
+                  "torchrun's: not available");
+  sub->add_flag("--virtual-local-rank,--virtual_local_rank", o->virtual_local_rank,
+                "torchrun's: not available");
   // The worker command. CLI11 stops at the first word that is not an
   // option (prefix_command): what follows is the command, untouched, even
   // words that look like this command's options (a script's --config).

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <fstream>
 #include <random>
+#include <thread>
 
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
@@ -84,6 +85,7 @@ std::vector<NodeInfo> Agent::live_nodes(const std::vector<KeyValue>& kvs, bool* 
     }
     try {
       alive.push_back(node_from_json(kv.value, id, kv.create_revision));
+      alive.back().lease = kv.lease;
       known[kv.key] = alive.back();
       if (id == id_) *own_ok = kv.lease == lease_ && alive.back().addr == addr_;
     } catch (const MalformedRecord& e) {
@@ -95,6 +97,7 @@ std::vector<NodeInfo> Agent::live_nodes(const std::vector<KeyValue>& kvs, bool* 
                     was_valid ? "the node's last valid record stands" : "not counted as a node");
       if (was_valid) {
         alive.push_back(it->second);
+        alive.back().lease = kv.lease;
         known[kv.key] = it->second;
       }
     }
@@ -105,9 +108,12 @@ std::vector<NodeInfo> Agent::live_nodes(const std::vector<KeyValue>& kvs, bool* 
     // Some of the keys: what is known of the others stays.
     for (auto& [k, node] : known) known_nodes_[k] = std::move(node);
   }
-  std::sort(alive.begin(), alive.end(), [](const NodeInfo& a, const NodeInfo& b) {
-    return a.create_revision < b.create_revision;
-  });
+  // By age; a static job's nodes by their node rank.
+  std::sort(alive.begin(), alive.end(),
+            [ranked = o_.node_rank >= 0](const NodeInfo& a, const NodeInfo& b) {
+              if (ranked && a.rank != b.rank) return a.rank < b.rank;
+              return a.create_revision < b.create_revision;
+            });
   return alive;
 }
 
@@ -122,14 +128,29 @@ bool Agent::own_registration_ok(const std::vector<KeyValue>& own) {
   }
 }
 
+bool Agent::previous_run(const RoundRecord& round, const KeyValue& kv) const {
+  return round.state != RoundState::running && kv.mod_revision < first_revision_;
+}
+
 std::optional<RoundRecord> Agent::read_round(const std::optional<KeyValue>& kv) {
   if (!kv) return std::nullopt;
   try {
     RoundRecord round = round_from_json(kv->value);
     check_round_fits(round, o_.nproc_per_node, settings_.valid_gpus);
     highest_round_ = std::max(highest_round_, round.round);
-    last_good_round_ = round;
     ignored_.erase(kv->key);
+    if (previous_run(round, *kv)) {
+      // Whatever order this run's agents registered in, none of them takes
+      // the old run's end for its own: the leader starts a new run.
+      if (previous_run_logged_ != kv->mod_revision)
+        log(
+            fmt::format("round {} of job '{}' {} before this agent registered: a previous run; "
+                        "this is a new run",
+                        round.round, o_.job_id, to_string(round.state)));
+      previous_run_logged_ = kv->mod_revision;
+      return std::nullopt;
+    }
+    last_good_round_ = round;
     return round;
   } catch (const MalformedRecord& e) {
     ignore_record(*kv, e.what(),
@@ -139,9 +160,90 @@ std::optional<RoundRecord> Agent::read_round(const std::optional<KeyValue>& kv) 
   }
 }
 
+std::vector<std::string> Agent::marked(const std::string& what, const RoundRecord& round,
+                                       const std::vector<NodeInfo>& alive) {
+  const std::string r = std::to_string(round.round);
+  const std::string prefix = key(what + "/" + r + "/");
+  std::vector<std::string> out;
+  for (const auto& kv : store_->get_prefix(prefix)) {
+    const std::string node = kv.key.substr(prefix.size());
+    auto member = std::find(round.members.begin(), round.members.end(), node);
+    auto it =
+        std::find_if(alive.begin(), alive.end(), [&](const NodeInfo& n) { return n.id == node; });
+    try {
+      check_mark(what.c_str(), kv.value, node, round.round);
+      if (member == round.members.end())
+        throw MalformedRecord(
+            fmt::format("{} record: {} is not a member of round {}", what, excerpt(node, 80), r));
+      // A node's mark is on its registration's lease (a key that etcdctl
+      // or another client wrote is not; see "Untrusted contents").
+      if (it == alive.end() || kv.lease == 0 || kv.lease != it->lease)
+        throw MalformedRecord(fmt::format(
+            "{} record: it is not on the lease of node {}'s registration", what, excerpt(node)));
+      out.push_back(node);
+    } catch (const MalformedRecord& e) {
+      ignore_record(kv, e.what(), "not counted");
+    }
+  }
+  return out;
+}
+
+std::vector<std::string> Agent::draining(const std::vector<NodeInfo>& alive) {
+  const std::string prefix = key("draining/");
+  std::vector<std::string> out;
+  for (const auto& kv : store_->get_prefix(prefix)) {
+    const std::string node = kv.key.substr(prefix.size());
+    auto it =
+        std::find_if(alive.begin(), alive.end(), [&](const NodeInfo& n) { return n.id == node; });
+    try {
+      check_mark("draining", kv.value, node, 0);
+      if (it == alive.end() || kv.lease == 0 || kv.lease != it->lease)
+        throw MalformedRecord(fmt::format(
+            "draining record: it is not on the lease of node {}'s registration", excerpt(node)));
+      out.push_back(node);
+    } catch (const MalformedRecord& e) {
+      ignore_record(kv, e.what(), "the node is not draining");
+    }
+  }
+  return out;
+}
+
+void Agent::clear_previous_run() {
+  for (const char* records : {"failure/", "done/", "checkpoint/", "saved/"})
+    store_->erase_prefix(key(records));
+}
+
+void Agent::place_worker_store(RoundRecord& next, const NodeInfo& rank0,
+                               std::unique_ptr<StoreServer>& server) {
+  if (!o_.agent_store) {
+    // Rank 0's worker creates the store there (torchrun's etcd rendezvous).
+    next.master_addr = rank0.addr;
+    next.master_port = free_port(last_port_);
+    last_port_ = next.master_port;
+    return;
+  }
+  if (o_.master_port != 0) {
+    // Static: the store at the address and port asked, the same every
+    // round, emptied for the new round's workers.
+    next.master_addr = o_.master_addr;
+    next.master_port = o_.master_port;
+    StoreServer* fixed = rdzv_server_ ? rdzv_server_.get() : worker_store_.get();
+    if (fixed) fixed->reset_worker_store();
+    return;
+  }
+  // A new store each round, on this leader's host: bound before it is
+  // published, so no other process can take its port meanwhile.
+  server = std::make_unique<StoreServer>(0, nullptr);
+  next.master_addr = rank0.addr;
+  next.master_port = server->port();
+}
+
 void Agent::lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& round_kv,
                  std::optional<RoundRecord>& round) {
-  if (round_kv && !round && last_good_round_) {
+  // The record holds a previous run's last round: this run's first round
+  // replaces it.
+  const bool previous = round_kv && !round && previous_run_logged_ == round_kv->mod_revision;
+  if (round_kv && !round && !previous && last_good_round_) {
     // A record no agent wrote: put back the last valid one (the workers of
     // every member go on in their round).
     if (store_->compare_and_swap(key("round"), round_kv->mod_revision,
@@ -168,34 +270,31 @@ void Agent::lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& ro
         ignore_record(*f, e.what(), "not counted as a failure");
       }
     }
-    auto done = store_->get_prefix(key("done/" + r + "/"));
-    seen.all_done = std::all_of(
-        seen.round->members.begin(), seen.round->members.end(), [&](const std::string& id) {
-          return std::any_of(done.begin(), done.end(), [&](const KeyValue& kv) {
-            return kv.key == key("done/" + r + "/" + id);
-          });
-        });
+    auto done = marked("done", *seen.round, alive);
+    seen.all_done = std::all_of(seen.round->members.begin(), seen.round->members.end(),
+                                [&](const std::string& id) {
+                                  return std::find(done.begin(), done.end(), id) != done.end();
+                                });
   }
-  for (const auto& kv : store_->get_prefix(key("draining/")))
-    if (kv.lease != 0) seen.draining.push_back(kv.key.substr(key("draining/").size()));
+  seen.draining = draining(alive);
   if (settings_.checkpoint_timeout.count() > 0 && seen.round && !seen.round->members.empty()) {
     std::string r = std::to_string(seen.round->round);
     if (auto c = store_->get(key("checkpoint/" + r))) {
       try {
-        seen.checkpoint = checkpoint_from_json(c->value);
+        seen.checkpoint = checkpoint_from_json(c->value, seen.round->round);
       } catch (const MalformedRecord& e) {
         ignore_record(*c, e.what(), "no checkpoint asked");
       }
     }
-    for (const auto& kv : store_->get_prefix(key("saved/" + r + "/")))
-      seen.saved.push_back(kv.key.substr(key("saved/" + r + "/").size()));
+    seen.saved = marked("saved", *seen.round, alive);
   }
   Decision d = decide(seen, settings_);
   if (d.action == Action::keep) return;
   if (d.action == Action::request_checkpoint) {
-    CheckpointRequest request{id_, excerpt(d.reason, kMaxTextChars - 3), seen.now.count()};
+    CheckpointRequest request{seen.round->round, id_, excerpt(d.reason, kMaxTextChars - 3),
+                              seen.now.count()};
     if (store_->compare_and_swap(key("checkpoint/" + std::to_string(seen.round->round)), 0,
-                                 to_json(request)))
+                                 to_json(request), lease_))
       log(fmt::format(
           "leader: asked the workers of round {} to checkpoint before re-forming ({}); waiting "
           "up to {} ms",
@@ -203,6 +302,7 @@ void Agent::lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& ro
     return;
   }
   RoundRecord next = seen.round.value_or(RoundRecord{});
+  std::unique_ptr<StoreServer> next_store;  // the new round's workers' store, when new
   if (d.action == Action::new_round) {
     next.round = std::max(next.round, highest_round_) + 1;
     next.members.clear();
@@ -212,9 +312,9 @@ void Agent::lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& ro
       next.member_revisions.push_back(n.create_revision);
     }
     next.world_size = static_cast<std::int64_t>(d.members.size()) * o_.nproc_per_node;
-    next.master_addr = d.members.empty() ? std::string() : d.members.front().addr;
-    next.master_port = d.members.empty() ? 0 : free_port(last_port_);
-    if (next.master_port) last_port_ = next.master_port;
+    next.master_addr.clear();
+    next.master_port = 0;
+    if (!d.members.empty()) place_worker_store(next, d.members.front(), next_store);
     bool mpi = mpi_server_ && !d.members.empty();
     next.mpi_server_uri = mpi ? mpi_server_->uri() : std::string();
     next.mpi_join_port = mpi ? free_port(next.master_port) : 0;
@@ -230,7 +330,9 @@ void Agent::lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& ro
   }
   next.reason = excerpt(d.reason, kMaxTextChars - 3);  // what every reader accepts
   std::string text = to_json(next);
+  if (previous) clear_previous_run();
   if (store_->compare_and_swap(key("round"), round_kv ? round_kv->mod_revision : 0, text)) {
+    if (next_store) worker_store_ = std::move(next_store);  // the old round's goes
     if (d.action == Action::new_round)
       log(fmt::format("leader: round {} formed: {}", next.round, d.reason));
     else
@@ -327,6 +429,11 @@ std::optional<int> Agent::apply(const RoundRecord& round) {
     return kAgentOk;
   }
   if (round.round == current_round_) return std::nullopt;
+  // A store this agent served for an earlier round's workers serves no one
+  // now (another leader placed this round's).
+  if (worker_store_ && o_.master_port == 0 &&
+      (round.master_addr != addr_ || round.master_port != worker_store_->port()))
+    worker_store_.reset();
   if (!workers_.empty()) {
     log(fmt::format("stopping the workers of round {} for round {}", current_round_, round.round));
     stop_workers(o_.stop_grace);
@@ -380,7 +487,7 @@ void Agent::follow_checkpoint() {
     if (!kv) return;
     CheckpointRequest request;
     try {
-      request = checkpoint_from_json(kv->value);
+      request = checkpoint_from_json(kv->value, current_round_);
     } catch (const MalformedRecord& e) {
       ignore_record(*kv, e.what(), "no checkpoint asked");
       return;
@@ -399,7 +506,7 @@ void Agent::follow_checkpoint() {
                     current_round_, request.reason, request.by));
   }
   if (!saved_reported_ && workers_saved()) {
-    store_->put(key("saved/" + r + "/" + id_), "{}");
+    store_->put(key("saved/" + r + "/" + id_), mark_json(id_, current_round_), lease_);
     saved_reported_ = true;
     log(fmt::format("round {}: this node's workers saved their checkpoint", current_round_));
   }
@@ -443,7 +550,8 @@ void Agent::report_worker_exit() {
       }
     }
   } else if (workers_.all_succeeded()) {
-    store_->put(key("done/" + std::to_string(current_round_) + "/" + id_), "{}");
+    store_->put(key("done/" + std::to_string(current_round_) + "/" + id_),
+                mark_json(id_, current_round_), lease_);
     log(fmt::format("round {}: this node's workers finished", current_round_));
     reported_ = true;
   }
@@ -481,11 +589,12 @@ std::optional<int> Agent::on_stop_signal(int sig) {
     // A drain: the round's workers save first (every rank: a save is
     // collective), then the leader re-forms without this node.
     try {
-      store_->put(key("draining/" + id_), "{}", lease_);
-      CheckpointRequest request{id_, fmt::format("node {} drains (signal {})", id_, sig),
+      store_->put(key("draining/" + id_), mark_json(id_, 0), lease_);
+      CheckpointRequest request{current_round_, id_,
+                                fmt::format("node {} drains (signal {})", id_, sig),
                                 now_ms().count()};
       store_->compare_and_swap(key("checkpoint/" + std::to_string(current_round_)), 0,
-                               to_json(request));
+                               to_json(request), lease_);
       drain_ = Drain{current_round_, std::chrono::steady_clock::now() +
                                          settings_.checkpoint_timeout + o_.lease_ttl};
       log(fmt::format(
@@ -514,14 +623,30 @@ int Agent::leave(int code) {
   return code;
 }
 
+void Agent::linger_as_host() {
+  if (!rdzv_server_) return;
+  // The others leave once they read the end (their keys go with their
+  // leases); a killed one's key expires within the TTL.
+  const auto deadline = std::chrono::steady_clock::now() + o_.lease_ttl + o_.poll_interval * 2;
+  while (std::chrono::steady_clock::now() < deadline) {
+    auto nodes = store_->get_prefix(key("nodes/"));
+    if (std::none_of(nodes.begin(), nodes.end(),
+                     [&](const KeyValue& kv) { return kv.key != key("nodes/" + id_); }))
+      return;
+    std::this_thread::sleep_for(o_.poll_interval / 2);
+  }
+}
+
 int Agent::run() {
   setup();
   // The lease is kept alive from now on: registering may wait for a
   // previous run's registration to expire.
-  keep_alive_ = std::make_unique<KeepAlive>(endpoint_, o_.tls, lease_, o_.lease_ttl, granted_at_,
+  keep_alive_ = std::make_unique<KeepAlive>(make_store_, lease_, o_.lease_ttl, granted_at_,
                                             [this](const std::string& line) { log(line); });
   register_node();
   {
+    auto own = store_->get(key("nodes/" + id_));
+    own_revision_ = first_revision_ = own ? own->create_revision : 0;
     bool own_ok = false;
     auto others = live_nodes(store_->get_prefix(key("nodes/")), &own_ok, true);
     std::erase_if(others, [&](const NodeInfo& n) { return n.id == id_; });
@@ -529,10 +654,12 @@ int Agent::run() {
   }
   log(fmt::format(
       "joined job '{}' on {} (address {}, {} worker(s), nodes {}..{}, valid GPU "
-      "counts [{}], min_time {} ms)",
+      "counts [{}], min_time {} ms{})",
       o_.job_id, store_->describe(), addr_, o_.nproc_per_node, settings_.min_nodes,
-      settings_.max_nodes, fmt::join(settings_.valid_gpus, ", "), settings_.min_time.count()));
+      settings_.max_nodes, fmt::join(settings_.valid_gpus, ", "), settings_.min_time.count(),
+      o_.node_rank >= 0 ? fmt::format(", node rank {}", o_.node_rank) : ""));
   last_membership_change_ = joined_job_at_ = now_ms();
+  const bool ranked = o_.node_rank >= 0;
   for (;;) {
     if (o_.stop_signal && o_.stop_signal->load() != 0)
       if (auto code = on_stop_signal(o_.stop_signal->load())) return leave(*code);
@@ -562,9 +689,10 @@ int Agent::run() {
       }
       // One request a pass for most agents: the round, the oldest
       // registrations (the leader is the oldest live one) and this node's
-      // own. Only the leader reads every registration.
+      // own. Only the leader reads every registration. A static job's
+      // leader is its lowest node rank: every registration is read.
       auto reads = store_->read({RangeRead{key("round")},
-                                 RangeRead{key("nodes/"), true, kLeaderWindow, true},
+                                 RangeRead{key("nodes/"), true, ranked ? 0 : kLeaderWindow, true},
                                  RangeRead{key("nodes/" + id_)}});
       std::optional<KeyValue> round_kv;
       if (!reads[0].empty()) round_kv = reads[0].front();
@@ -574,7 +702,7 @@ int Agent::run() {
         outage_since_.reset();
       }
       bool ignored = false;
-      std::vector<NodeInfo> oldest = live_nodes(reads[1], &ignored, false);
+      std::vector<NodeInfo> oldest = live_nodes(reads[1], &ignored, ranked);
       if (!own_registration_ok(reads[2])) {
         reclaim_node_key(fmt::format("{} is gone or is not this agent's", key("nodes/" + id_)));
         continue;
@@ -583,7 +711,7 @@ int Agent::run() {
       if (oldest.empty() || oldest.front().id == id_) {
         // Leading (or no live registration among the oldest keys): all of
         // them; the leader tracks when the membership last changed.
-        alive = live_nodes(store_->get_prefix(key("nodes/")), &ignored, true);
+        alive = ranked ? oldest : live_nodes(store_->get_prefix(key("nodes/")), &ignored, true);
         std::vector<std::string> ids;
         for (const auto& n : alive) ids.push_back(n.id);
         if (ids != last_alive_) {
@@ -598,7 +726,18 @@ int Agent::run() {
       std::optional<RoundRecord> round = read_round(round_kv);
       if (!alive.empty() && alive.front().id == id_) lead(alive, round_kv, round);
       if (round)
-        if (auto code = apply(*round)) return leave(*code);
+        if (auto code = apply(*round)) {
+          linger_as_host();
+          return leave(*code);
+        }
+    } catch (const StoreGone& e) {
+      // The agent that held a c10d or static rendezvous is gone, and the
+      // rendezvous with it: as torchrun's agents, these end the job.
+      log(
+          fmt::format("error: {}; the job ends with its rendezvous' host, as under torchrun "
+                      "(an etcd rendezvous, --rdzv-backend etcd, survives the loss of any node)",
+                      e.what()));
+      return leave(kAgentStoreLost);
     } catch (const StoreError& e) {
       // Unreachable, or an answer that is an error: the workers keep
       // running while the store may come back.

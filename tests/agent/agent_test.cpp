@@ -156,8 +156,9 @@ TEST_CASE("agent: a worker that fails once is restarted and the job then succeed
   auto worker =
       sh("if [ \"$RANK\" = 2 ] && [ \"$DUCTILE_ROUND\" = 1 ]; then exit 1; fi; "
          "echo \"rank $RANK done in round $DUCTILE_ROUND\"");
-  std::vector<std::string> options = {"--nproc-per-node", "2", "--lease-ttl", "2", "--settle", "1",
-                                      "--stop-grace",     "1", "--min-nodes", "2"};
+  std::vector<std::string> options = {"--nproc-per-node", "2", "--lease-ttl",    "2",
+                                      "--settle",         "1", "--stop-grace",   "1",
+                                      "--min-nodes",      "2", "--max-restarts", "1"};
   Child& a = job.start("a", options, worker);
   Child& b = job.start("b", options, worker);
   auto sa = a.wait(90s), sb = b.wait(90s);
