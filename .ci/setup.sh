@@ -5,6 +5,9 @@
 
 DUCTILE_DEBIAN_PACKAGES=(
   build-essential cmake ninja-build pkg-config
+  # every compile goes through it (ductile_configure_and_build, and the
+  # wheel's Release build of tests/python/test_wheel.py)
+  ccache
   libboost-dev
   libtomlplusplus-dev libfmt-dev libspdlog-dev doctest-dev libcli11-dev nlohmann-json3-dev
   libopenmpi-dev openmpi-bin
@@ -24,6 +27,12 @@ DUCTILE_DEBIAN_PACKAGES=(
 )
 
 ductile_jobs() { nproc 2>/dev/null || echo 2; }
+
+# ccache keys on paths relative to the checkout, whatever folder it is in (a
+# CI clone, a worktree), and not on the build folder: a second checkout of
+# the same sources compiles nothing again, RelWithDebInfo included.
+export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$(pwd)}"
+export CCACHE_NOHASHDIR="${CCACHE_NOHASHDIR:-true}"
 
 # The virtual environment of the build, the tests and the benchmarks, inside
 # the repository (git-ignored).

@@ -7,6 +7,7 @@
 
 #include "ductile/core/config.hpp"
 #include "ductile/core/logging.hpp"
+#include "ductile/core/text.hpp"
 
 namespace ductile::cli {
 
@@ -82,10 +83,13 @@ void print_json_error(std::ostream& out, const std::string& type, const std::str
 
 int run_guarded(const std::function<int()>& body, const bool* json) {
   auto report = [&](const std::exception& e, int code) {
+    // Escaped: a NUL would cut the message, a control or bidi character
+    // act on the terminal.
+    const std::string message = core::printable(e.what());
     if (json && *json) {
-      print_json_error(std::cout, error_type_name(e), e.what());
+      print_json_error(std::cout, error_type_name(e), message);
     } else {
-      std::cerr << "ductile: " << (code == kExitBug ? "internal error: " : "error: ") << e.what()
+      std::cerr << "ductile: " << (code == kExitBug ? "internal error: " : "error: ") << message
                 << std::endl;
     }
     return code;

@@ -6,6 +6,7 @@
 
 #include "cli_common.hpp"
 #include "ductile/core/config.hpp"
+#include "ductile/core/text.hpp"
 
 namespace ductile::cli {
 namespace {
@@ -87,12 +88,16 @@ int list_plugins(const CliContext& context, const PluginsOptions& options) {
   }
   std::cout << fmt::format("{:<{}}  {:<{}}  {:<{}}  {}\n", "KIND", wk, "NAME", wn, "VERSION", wv,
                            "DESCRIPTION");
+  // What a plugin says of itself and the names of files are shown escaped
+  // (core::printable): they cannot act on the terminal.
   for (const auto& p : registry.plugins())
-    std::cout << fmt::format("{:<{}}  {:<{}}  {:<{}}  {}\n", to_string(p.kind), wk, p.name, wn,
-                             p.version, wv, p.description)
-              << fmt::format("{:<{}}  {}\n", "", wk + wn + wv + 4, p.file.string());
+    std::cout << core::printable(
+        fmt::format("{:<{}}  {:<{}}  {:<{}}  {}\n", to_string(p.kind), wk, p.name, wn, p.version,
+                    wv, p.description) +
+        fmt::format("{:<{}}  {}\n", "", wk + wn + wv + 4, p.file.string()));
   if (registry.plugins().empty()) std::cout << "(no plugins found)\n";
-  for (const auto& p : registry.problems()) std::cout << "problem: " << p.message << "\n";
+  for (const auto& p : registry.problems())
+    std::cout << "problem: " << core::printable(p.message, false) << "\n";
   return kExitOk;
 }
 

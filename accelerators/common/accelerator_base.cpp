@@ -1,6 +1,6 @@
 #include "accelerator_base.hpp"
 
-#include <mpi.h>
+#include "mpi_api.hpp"
 
 #include "argument_checks.hpp"
 #include "bootstrap.hpp"

@@ -4,7 +4,7 @@
 // mutex (see mpi_engine.cpp), which also orders the engine thread's waits.
 #pragma once
 
-#include <mpi.h>
+#include "mpi_api.hpp"
 
 #include <cstdint>
 #include <map>

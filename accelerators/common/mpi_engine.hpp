@@ -45,7 +45,7 @@
 // accelerators/README.md).
 #pragma once
 
-#include <mpi.h>
+#include "mpi_api.hpp"
 
 #include <cstdint>
 #include <functional>

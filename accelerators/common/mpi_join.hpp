@@ -21,7 +21,7 @@
 // Called only from the engine thread, around MPI_Init_thread (mpi_lifetime.cpp).
 #pragma once
 
-#include <mpi.h>
+#include "mpi_api.hpp"
 
 #include <optional>
 #include <string>

@@ -1,6 +1,5 @@
 #include "mpi_lifetime.hpp"
 
-#include <dlfcn.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -27,18 +26,10 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Open MPI loads its components with dlopen; they resolve symbols of libmpi,
-// which a plugin loaded with RTLD_LOCAL would hide. Promote libmpi to the
-// global namespace and keep it loaded.
-void promote_libmpi() {
-  Dl_info info{};
-  if (dladdr(reinterpret_cast<const void*>(&MPI_Init_thread), &info) != 0 && info.dli_fname)
-    dlopen(info.dli_fname, RTLD_NOW | RTLD_NOLOAD | RTLD_GLOBAL | RTLD_NODELETE);
-}
-
 }  // namespace
 
 bool start_mpi(MpiProcess& process, std::string& error) {
+  if (!load_mpi_library(error)) return false;
   int initialized = 0, finalized = 0;
   MPI_Initialized(&initialized);
   MPI_Finalized(&finalized);
@@ -69,7 +60,6 @@ bool start_mpi(MpiProcess& process, std::string& error) {
       return false;
     }
     if (join && join->rank == 0 && !listen_for_joiners(*join, error)) return false;
-    promote_libmpi();
     int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
     if (rc != MPI_SUCCESS) {
       if (join && join->listener >= 0) close(join->listener);

@@ -3,7 +3,7 @@
 // peer. Called only from the engine thread (see mpi_engine.hpp).
 #pragma once
 
-#include <mpi.h>
+#include "mpi_api.hpp"
 
 #include <string>
 

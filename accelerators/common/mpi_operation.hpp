@@ -4,7 +4,7 @@
 // lock only (every MPI call is made under it).
 #pragma once
 
-#include <mpi.h>
+#include "mpi_api.hpp"
 
 #include <chrono>
 #include <memory>

@@ -3,7 +3,7 @@
 // (MPI has no 16-bit float types; they travel as MPI_UINT16_T).
 #pragma once
 
-#include <mpi.h>
+#include "mpi_api.hpp"
 
 #include "ductile/accelerator.hpp"
 

@@ -375,7 +375,9 @@ class NcclCommunicator final : public CheckedCommunicator {
   void* scratch_ = nullptr;
 };
 
-class CudaAccelerator final : public AcceleratorBase, public NativeStreams {
+class CudaAccelerator final : public AcceleratorBase,
+                              public NativeStreams,
+                              public NativeStreamHandles {
  public:
   explicit CudaAccelerator(const HostContext& context)
       : AcceleratorBase(context, "cuda", "cuda bootstrap") {
@@ -414,6 +416,10 @@ class CudaAccelerator final : public AcceleratorBase, public NativeStreams {
   // device; null is the default stream (torch's unless it set another).
   std::shared_ptr<Stream> wrap_native_stream(void* native) override {
     return std::make_shared<CudaStream>(device_, static_cast<cudaStream_t>(native));
+  }
+
+  void* native_handle(Stream& stream) override {
+    return as_cuda_stream(stream, "native_handle").get();
   }
 
  private:

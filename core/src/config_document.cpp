@@ -1,38 +1,52 @@
 // Configuration documents: a file or string read and parsed as TOML, after a
 // scan that refuses nesting deep enough to overflow TOML++'s recursion, plus
 // the diagnostics every configuration error is reported as.
+#include <algorithm>
+
 #include <fmt/format.h>
 #include <toml++/toml.h>
 
 #include "config_internal.hpp"
 #include "ductile/core/config.hpp"
 #include "ductile/core/files.hpp"
+#include "ductile/core/text.hpp"
 
 namespace ductile::core {
 
 namespace fs = std::filesystem;
 
 std::string Diagnostic::format() const {
-  if (where.line == 0) return fmt::format("{}: {}", where.file, message);
-  return fmt::format("{}:{}:{}: {}", where.file, where.line, where.column, message);
+  if (where.line == 0) return printable(fmt::format("{}: {}", where.file, message), false);
+  return printable(fmt::format("{}:{}:{}: {}", where.file, where.line, where.column, message),
+                   false);
 }
 
 namespace {
 
-std::string join_diagnostics(const std::vector<Diagnostic>& diagnostics) {
+// The first kMaxConfigDiagnostics, one a line, then how many more there are.
+std::string join_diagnostics(const std::vector<Diagnostic>& diagnostics, std::size_t more) {
   std::string out;
-  for (std::size_t i = 0; i < diagnostics.size(); ++i) {
+  const std::size_t shown = std::min(diagnostics.size(), kMaxConfigDiagnostics);
+  for (std::size_t i = 0; i < shown; ++i) {
     if (i) out += '\n';
     out += diagnostics[i].format();
   }
+  more += diagnostics.size() - shown;
+  if (more > 0) out += fmt::format("\n... and {} more", more);
   return out;
 }
 
 }  // namespace
 
-ConfigError::ConfigError(std::vector<Diagnostic> diagnostics)
-    : Error(ErrorKind::config, join_diagnostics(diagnostics)),
-      diagnostics_(std::move(diagnostics)) {}
+ConfigError::ConfigError(std::vector<Diagnostic> diagnostics, std::size_t more)
+    : Error(ErrorKind::config, join_diagnostics(diagnostics, more)),
+      diagnostics_(std::move(diagnostics)),
+      more_(more) {
+  if (diagnostics_.size() > kMaxConfigDiagnostics) {
+    more_ += diagnostics_.size() - kMaxConfigDiagnostics;
+    diagnostics_.resize(kMaxConfigDiagnostics);
+  }
+}
 
 ConfigDocument::ConfigDocument() : impl_(std::make_unique<Impl>()) {}
 ConfigDocument::ConfigDocument(ConfigDocument&&) noexcept = default;

@@ -13,6 +13,41 @@
 #include "ductile/core/text.hpp"
 
 namespace ductile::core {
+
+namespace {
+
+bool before(const SourcePosition& a, const SourcePosition& b) {
+  return std::tie(a.line, a.column) < std::tie(b.line, b.column);
+}
+
+}  // namespace
+
+bool Problems::wanted(const SourcePosition& where) {
+  if (!full_ || before(where, last_)) return true;
+  ++dropped_;
+  return false;
+}
+
+void Problems::add(Diagnostic diagnostic) {
+  list_.push_back(std::move(diagnostic));
+  if (list_.size() < 4 * kMaxConfigDiagnostics) return;
+  std::stable_sort(list_.begin(), list_.end(), [](const Diagnostic& a, const Diagnostic& b) {
+    return before(a.where, b.where);
+  });
+  dropped_ += list_.size() - kMaxConfigDiagnostics;
+  list_.resize(kMaxConfigDiagnostics);
+  full_ = true;
+  last_ = list_.back().where;
+}
+
+void Problems::throw_if_any() {
+  if (list_.empty()) return;
+  std::stable_sort(list_.begin(), list_.end(), [](const Diagnostic& a, const Diagnostic& b) {
+    return before(a.where, b.where);
+  });
+  throw ConfigError(std::move(list_), dropped_);
+}
+
 namespace {
 
 // The keys of one section: each must be the plugin's or a host key (or an
@@ -21,7 +56,7 @@ namespace {
 void validate_keys(const toml::table& table, const std::string& file, const std::string& section,
                    const std::vector<ParamSpec>& specs, const std::vector<ParamSpec>& host_specs,
                    const std::vector<std::string>& ignored_keys, const SourcePosition& header,
-                   Params& params, Params& host_params, std::vector<Diagnostic>& errors) {
+                   Params& params, Params& host_params, Problems& errors) {
   std::vector<std::string> known;
   for (const auto& s : specs) known.emplace_back(s.key);
   for (const auto& s : host_specs) known.emplace_back(s.key);
@@ -38,15 +73,16 @@ void validate_keys(const toml::table& table, const std::string& file, const std:
       for (const auto& s : host_specs)
         if (k == s.key) spec = &s, host = true;
     if (!spec) {
-      errors.push_back({position_of(file, key.source()),
-                        fmt::format("unknown key '{}' in [{}]{}; valid keys: {}", excerpt(k),
-                                    section, did_you_mean(k, known), join(known))});
+      if (!errors.wanted(position_of(file, key.source()))) continue;
+      errors.add({position_of(file, key.source()),
+                  fmt::format("unknown key '{}' in [{}]{}; valid keys: {}", excerpt(k), section,
+                              did_you_mean(k, known), join(known))});
       continue;
     }
     std::string error;
     auto value = convert_node(node, *spec, fmt::format("[{}] {}", section, k), error);
     if (!value) {
-      errors.push_back({position_of(file, node.source()), error});
+      errors.add({position_of(file, node.source()), error});
       continue;
     }
     (host ? host_params : params).set(k, std::move(*value));
@@ -56,13 +92,13 @@ void validate_keys(const toml::table& table, const std::string& file, const std:
       if (out.has(s.key) || std::find(present.begin(), present.end(), s.key) != present.end())
         continue;
       if (s.flags & param_required) {
-        errors.push_back({header, fmt::format("[{}] is missing required key '{}' ({}: {})", section,
-                                              s.key, to_string(s.type), s.doc ? s.doc : "")});
+        errors.add({header, fmt::format("[{}] is missing required key '{}' ({}: {})", section,
+                                        s.key, to_string(s.type), s.doc ? s.doc : "")});
       } else if (s.default_value) {
         try {
           out.set(s.key, parse_param_literal(s, s.default_value));
         } catch (const std::exception& e) {
-          errors.push_back({header, fmt::format("[{}]: the plugin's {}", section, e.what())});
+          errors.add({header, fmt::format("[{}]: the plugin's {}", section, e.what())});
         }
       }
     }
@@ -77,7 +113,7 @@ Config Config::validate(const ConfigDocument& document, const PluginRegistry& re
                         bool plugin_checks) {
   const auto& impl = document.impl();
   const std::string& file = impl.source_name;
-  std::vector<Diagnostic> errors;
+  Problems errors;
   Config config;
   config.source_name_ = file;
   config.base_dir_ = impl.base_dir;
@@ -91,16 +127,17 @@ Config Config::validate(const ConfigDocument& document, const PluginRegistry& re
     auto spec = std::find_if(specs.begin(), specs.end(),
                              [&](const SectionSpec& s) { return s.name == name; });
     if (spec == specs.end()) {
-      errors.push_back({position_of(file, key.source()),
-                        fmt::format("unknown section [{}]{}; valid sections: {}", excerpt(name),
-                                    did_you_mean(name, section_names), join(section_names))});
+      if (!errors.wanted(position_of(file, key.source()))) continue;
+      errors.add({position_of(file, key.source()),
+                  fmt::format("unknown section [{}]{}; valid sections: {}", excerpt(name),
+                              did_you_mean(name, section_names), join(section_names))});
       continue;
     }
     const toml::table* table = node.as_table();
     if (!table) {
-      errors.push_back({position_of(file, node.source()),
-                        fmt::format("'{}' must be a table ([{}]), got {} {}", excerpt(name),
-                                    excerpt(name), toml_type_name(node), show(node))});
+      errors.add({position_of(file, node.source()),
+                  fmt::format("'{}' must be a table ([{}]), got {} {}", excerpt(name),
+                              excerpt(name), toml_type_name(node), show(node))});
       continue;
     }
     SourcePosition header = position_of(file, table->source());
@@ -120,10 +157,10 @@ Config Config::validate(const ConfigDocument& document, const PluginRegistry& re
       if (auto s = sel->value_exact<std::string>()) {
         plugin = *s;
       } else {
-        errors.push_back({selector_at, fmt::format("[{}] {} must be a string naming the {} plugin, "
-                                                   "got {} {}",
-                                                   name, spec->selector, to_string(kind),
-                                                   toml_type_name(*sel), show(*sel))});
+        errors.add({selector_at, fmt::format("[{}] {} must be a string naming the {} plugin, "
+                                             "got {} {}",
+                                             name, spec->selector, to_string(kind),
+                                             toml_type_name(*sel), show(*sel))});
         continue;
       }
     }
@@ -139,7 +176,7 @@ Config Config::validate(const ConfigDocument& document, const PluginRegistry& re
       else if (auto s = alias->value_exact<std::string>())
         text = *s;
       else {
-        errors.push_back(
+        errors.add(
             {alias_at, fmt::format("[{}] {} must be {}, got {} {}", name, spec->alias->key,
                                    spec->alias->expected, toml_type_name(*alias), show(*alias))});
         continue;
@@ -149,15 +186,15 @@ Config Config::validate(const ConfigDocument& document, const PluginRegistry& re
         if (!plugin) selector_at = alias_at;
         plugin = std::move(resolved);
       } catch (const Error& e) {
-        errors.push_back({alias_at, e.what()});
+        errors.add({alias_at, e.what()});
         continue;
       }
     }
     if (!plugin) {
       if (spec->default_plugin.empty()) {
-        errors.push_back({header, fmt::format("[{}] must name its plugin with {} = \"...\"; "
-                                              "available: {}",
-                                              name, spec->selector, join(registry.names(kind)))});
+        errors.add({header, fmt::format("[{}] must name its plugin with {} = \"...\"; "
+                                        "available: {}",
+                                        name, spec->selector, join(registry.names(kind)))});
         continue;
       }
       plugin = spec->default_plugin;
@@ -166,8 +203,8 @@ Config Config::validate(const ConfigDocument& document, const PluginRegistry& re
     try {
       info = &registry.find(kind, *plugin);
     } catch (const Error& e) {
-      errors.push_back({selector_at, fmt::format("[{}] {} = \"{}\": {}", name, spec->selector,
-                                                 excerpt(*plugin), e.what())});
+      errors.add({selector_at, fmt::format("[{}] {} = \"{}\": {}", name, spec->selector,
+                                           excerpt(*plugin), e.what())});
       continue;
     }
     PluginSection section;
@@ -175,30 +212,25 @@ Config Config::validate(const ConfigDocument& document, const PluginRegistry& re
     section.kind = kind;
     section.plugin = *plugin;
     section.where = header;
-    const std::size_t errors_before = errors.size();
+    const std::size_t errors_before = errors.count();
     validate_keys(*table, file, name, info->params, spec->host_keys, ignored, header,
                   section.params, section.host_params, errors);
     // The plugin's own checks need schema-valid parameters.
-    if (plugin_checks && errors.size() == errors_before) {
+    if (plugin_checks && errors.count() == errors_before) {
       if (auto problem = check_plugin_params(*info, section.params)) {
         const toml::node* at = problem->key.empty() ? nullptr : table->get(problem->key);
-        errors.push_back({at ? position_of(file, at->source()) : header, problem->message});
+        errors.add({at ? position_of(file, at->source()) : header, problem->message});
       }
     }
     config.sections_.push_back(std::move(section));
   }
 
-  if (!errors.empty()) {
-    std::stable_sort(errors.begin(), errors.end(), [](const Diagnostic& a, const Diagnostic& b) {
-      return std::tie(a.where.line, a.where.column) < std::tie(b.where.line, b.where.column);
-    });
-    throw ConfigError(std::move(errors));
-  }
+  errors.throw_if_any();
   // Host sections that are absent still get their defaults.
   for (const auto& spec : specs) {
     if (spec.kind || config.host_.count(spec.name)) continue;
     Params host, unused;
-    std::vector<Diagnostic> ignored_errors;
+    Problems ignored_errors;
     validate_keys(toml::table{}, file, spec.name, {}, spec.host_keys, {}, {file, 0, 0}, unused,
                   host, ignored_errors);
     config.host_[spec.name] = std::move(host);

@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <mutex>
 
+#include <spdlog/pattern_formatter.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
@@ -24,10 +25,27 @@ LoggingState& state() {
   return s;
 }
 
+// The message of a log line, printable (text.hpp) and on one line: a file
+// name or value quoted in it cannot act on the terminal nor forge a line.
+class PrintablePayload final : public spdlog::custom_flag_formatter {
+ public:
+  void format(const spdlog::details::log_msg& msg, const std::tm&,
+              spdlog::memory_buf_t& dest) override {
+    const std::string text =
+        printable(std::string_view(msg.payload.data(), msg.payload.size()), false);
+    dest.append(text.data(), text.data() + text.size());
+  }
+  std::unique_ptr<custom_flag_formatter> clone() const override {
+    return std::make_unique<PrintablePayload>();
+  }
+};
+
 void ensure_root(LoggingState& s) {
   if (s.root) return;
   s.sink = std::make_shared<spdlog::sinks::stderr_color_sink_mt>(spdlog::color_mode::automatic);
-  s.sink->set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%n] [%^%l%$] %v");
+  auto formatter = std::make_unique<spdlog::pattern_formatter>();
+  formatter->add_flag<PrintablePayload>('*').set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%n] [%^%l%$] %*");
+  s.sink->set_formatter(std::move(formatter));
   s.root = std::make_shared<spdlog::logger>("ductile", s.sink);
   s.root->set_level(s.level);
 }
@@ -41,7 +59,7 @@ spdlog::level::level_enum parse_log_level(std::string_view text, std::string_vie
     if (text == names[i]) return static_cast<spdlog::level::level_enum>(i);
   if (text == "warning") return spdlog::level::warn;
   throw Error(ErrorKind::invalid_argument, std::string(where) + ": invalid log level '" +
-                                               std::string(text) + "'" + did_you_mean(text, names) +
+                                               excerpt(text) + "'" + did_you_mean(text, names) +
                                                "; valid levels: " + join(names));
 }
 

@@ -257,7 +257,11 @@ PluginInfo load_trusted_plugin_file(const fs::path& file, const fs::path& real) 
                             shown, DUCTILE_PLUGIN_ENTRY_SYMBOL));
   }
   auto entry = library.get<const ductile_plugin_descriptor*()>(DUCTILE_PLUGIN_ENTRY_SYMBOL);
-  PluginInfo info = check_plugin_descriptor(entry(), file);
+  const ductile_plugin_descriptor* descriptor = entry();
+  // Nothing is read through the descriptor before its pointers are known to
+  // lead into the library.
+  check_descriptor_memory(descriptor, mapped_ranges(library.native()), file);
+  PluginInfo info = check_plugin_descriptor(descriptor, file);
   info.library = std::make_shared<LoadedLibrary>(std::move(library));
   keep_loaded(info.library);
   return info;

@@ -50,12 +50,11 @@ std::vector<PluginRef> ConfigDocument::builtin_overrides() const {
   return refs;
 }
 
-void check_plugins_section(const toml::table& plugins, const std::string& file,
-                           std::vector<Diagnostic>& errors) {
+void check_plugins_section(const toml::table& plugins, const std::string& file, Problems& errors) {
   for_each_string(
       &plugins, "override_builtin", [&](const std::string& text, const toml::node& node) {
-        if (!parse_plugin_ref(text))
-          errors.push_back(
+        if (!parse_plugin_ref(text) && errors.wanted(position_of(file, node.source())))
+          errors.add(
               {position_of(file, node.source()),
                fmt::format("[plugins] override_builtin: '{}' is not kind/name (kinds: {}), as in "
                            "\"batching/greedy\"",

@@ -10,6 +10,7 @@ and defaults by the parts that use it (``elasticity``,
 
 import json
 import os
+import re
 
 from . import _ductile
 from ._errors import ConfigError, InvalidArgumentError
@@ -52,25 +53,62 @@ def _toml_value(value, where):
         "TOML; valid: bool, int, float, str, list")
 
 
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _toml_key(key, where):
+    """A key as TOML writes it: bare when it can be, else quoted."""
+    if not isinstance(key, str):
+        raise InvalidArgumentError(
+            f"{where}: key {key!r} is a {type(key).__name__}; TOML keys are str")
+    return key if _BARE_KEY.fullmatch(key) else json.dumps(key)
+
+
 def toml_from_dict(config):
     """TOML text for a dict of sections ({"elasticity": {"policy": "v0.1", ...}})."""
     lines = []
     for section, table in config.items():
         if not isinstance(table, dict):
             raise InvalidArgumentError(
-                f"TOML config dict: section '{section}' must be a dict of keys, got "
-                f"{type(table).__name__} ({table!r})")
-        lines.append(f"[{section}]")
+                f"TOML config dict: section {section!r} must be a dict of keys, got "
+                f"{type(table).__name__} ({_shown(table)})")
+        name = _toml_key(section, "TOML config dict")
+        lines.append(f"[{name}]")
         for key, value in table.items():
-            lines.append(f"{key} = {_toml_value(value, f'[{section}] {key}')}")
+            where = f"[{section}] {key!r}"
+            lines.append(f"{_toml_key(key, f'[{section}]')} = {_toml_value(value, where)}")
     return "\n".join(lines) + "\n"
+
+
+def _shown(value):
+    text = repr(value)
+    return text if len(text) <= 80 else text[:80] + "..."
+
+
+def _json_of(config):
+    """A DeepSpeed config dict as JSON text; ConfigError for one JSON cannot hold."""
+    try:
+        return json.dumps(config, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise ConfigError(f"<dict>: the DeepSpeed config cannot be written as JSON: {e}; "
+                          "valid: dicts with str keys, lists, str, int, float (finite), bool, "
+                          "None") from e
+
+
+def _utf8_text(text):
+    """Whether `text` can be UTF-8 (a lone surrogate cannot)."""
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def _looks_like_json(text, path=""):
     return _ductile.elasticity.is_json_config(path, text)
 
 
-def load_config(source, *, format=None, plugin_path=None):
+def load_config(source, *, format=None, plugin_path=None, allow_config_plugins=False):
     """Loads a ductile TOML or a DeepSpeed JSON configuration.
 
     ``source``: a path (str or os.PathLike) to a .toml or .json file (other
@@ -79,44 +117,78 @@ def load_config(source, *, format=None, plugin_path=None):
     DeepSpeed config unless ``format="toml"``). ``format``: "toml",
     "deepspeed" or None (detect). ``plugin_path``: extra plugin directories,
     searched before DUCTILE_PLUGIN_PATH and the built-in ones.
+    ``allow_config_plugins``: also search the directories the
+    configuration's own ``[plugins] path`` names, running the code of the
+    plugins found there (off by default, as ``ductile config check`` needs
+    ``--allow-config-plugins``: a configuration received from elsewhere is
+    read, not run; a plugin it selects from there is a ConfigError naming
+    the directory and this argument). A DeepSpeed config names no plugin
+    directory.
     Raises ConfigError (file:line:col messages), NotFoundError.
     """
     if format not in (None, "toml", "deepspeed"):
         raise InvalidArgumentError(
-            f"format '{format}' is not valid; valid: 'toml', 'deepspeed' or None (detect)")
+            f"format {format!r} is not valid; valid: 'toml', 'deepspeed' or None (detect)")
+    if not isinstance(allow_config_plugins, bool):
+        raise InvalidArgumentError(
+            f"allow_config_plugins = {_shown(allow_config_plugins)} is not a bool; give True "
+            "or False")
     if isinstance(source, Config):
         return source
     if isinstance(source, dict):
         if format == "toml":
             return Config("toml", "<dict>",
-                          Runtime.from_toml(toml_from_dict(source), "<dict>", plugin_path))
-        return Config("deepspeed", "<dict>", Runtime.plain(plugin_path), json.dumps(source))
-    if isinstance(source, os.PathLike) or (
-            isinstance(source, str) and "\n" not in source and "=" not in source
-            and not _looks_like_json(source)):
+                          Runtime.from_toml(toml_from_dict(source), "<dict>", plugin_path,
+                                            allow_config_plugins))
+        return Config("deepspeed", "<dict>", Runtime.plain(plugin_path), _json_of(source))
+    is_path = isinstance(source, os.PathLike)
+    if isinstance(source, str) and not _utf8_text(source):
+        try:
+            os.fsencode(source)  # a file name of bytes that are not UTF-8: a path
+        except UnicodeEncodeError as e:
+            raise ConfigError(
+                f"config: the text or path holds a lone surrogate at index {e.start} "
+                f"({source[e.start]!r}), which neither UTF-8 text nor a file name can hold") \
+                from e
+        is_path = True
+    if is_path or (isinstance(source, str) and "\n" not in source and "=" not in source
+                   and not _looks_like_json(source)):
         path = os.fspath(source)
+        if isinstance(path, bytes):
+            path = os.fsdecode(path)
+        if "\0" in path:
+            raise ConfigError(f"config: path {path!r} holds NUL, which no file name can hold")
+        shown = path.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
         is_json = format == "deepspeed"
         if format is None:
             head = ""
             if os.path.isfile(path):
-                with open(path, "rb") as f:
-                    head = f.read(4096).decode("utf-8", "replace")
-            is_json = _looks_like_json(head, path)
+                try:
+                    with open(path, "rb") as f:
+                        head = f.read(4096).decode("utf-8", "replace")
+                except OSError as e:
+                    raise ConfigError(f"{shown}: cannot read the config: {e.strerror}") from e
+            is_json = _looks_like_json(head, shown)
         if is_json:
             try:
                 with open(path, encoding="utf-8") as f:
                     text = f.read()
             except OSError as e:
-                raise ConfigError(f"{path}: cannot read the DeepSpeed config: {e.strerror}") from e
-            return Config("deepspeed", path, Runtime.plain(plugin_path), text,
+                raise ConfigError(f"{shown}: cannot read the DeepSpeed config: {e.strerror}") \
+                    from e
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{shown}: the DeepSpeed config is not UTF-8 text (byte "
+                                  f"{e.start})") from e
+            return Config("deepspeed", shown, Runtime.plain(plugin_path), text,
                           os.path.dirname(os.path.abspath(path)))
-        runtime = Runtime.from_file(path, plugin_path)
+        runtime = Runtime.from_file(path, plugin_path, allow_config_plugins)
         return Config("toml", path, runtime, None, runtime.base_dir)
     if isinstance(source, str):
         if format == "deepspeed" or (format is None and _looks_like_json(source)):
             return Config("deepspeed", "<string>", Runtime.plain(plugin_path), source,
                           os.getcwd())
-        return Config("toml", "<string>", Runtime.from_toml(source, "<string>", plugin_path))
+        return Config("toml", "<string>", Runtime.from_toml(source, "<string>", plugin_path,
+                                                            allow_config_plugins))
     raise InvalidArgumentError(
         f"config: expected a path, a TOML/JSON string or a dict, got {type(source).__name__}")
 

@@ -14,17 +14,42 @@ problem).
 """
 
 
+import re
+
+# What a terminal would act on rather than show (as core::printable escapes
+# in C++): C0 controls but tab and newline, DEL, C1 controls, bidirectional
+# controls, and the lone surrogates of file names that are not UTF-8.
+_UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e"
+                          "\u2066-\u2069\ud800-\udfff]")
+
+
+def _escape(match):
+    code = ord(match.group())
+    if code < 0x80:
+        return f"\\x{code:02x}"
+    if 0xDC80 <= code <= 0xDCFF:  # a byte of a file name (surrogateescape)
+        return f"\\x{code - 0xDC00:02x}"
+    return f"\\u{{{code:04x}}}"
+
+
+def printable(text):
+    """`text` with control and bidi characters, NUL and lone surrogates
+    escaped (newlines and tabs kept)."""
+    return _UNPRINTABLE.sub(_escape, text)
+
+
 class Error(Exception):
-    """Base class of every ductile error."""
+    """Base class of every ductile error. The message is printable(): no
+    character in it acts on a terminal."""
 
     kind = "internal"
 
     def __init__(self, message="", *, kind=None, type="", diagnostics=()):
-        super().__init__(message)
+        super().__init__(printable(str(message)))
         if kind is not None:
             self.kind = kind
         self.type = type
-        self.diagnostics = list(diagnostics)
+        self.diagnostics = [printable(str(d)) for d in diagnostics]
 
 
 class InvalidArgumentError(Error, ValueError):

@@ -179,7 +179,7 @@ def pack(lengths, *, max_tokens=None, sampler="greedy", order=None, seed=None,
     return PackPlan(lengths=np.asarray(lengths), _plan=out.pop("plan"), **out)
 
 
-def settings_from_config(config, *, plugin_path=None):
+def settings_from_config(config, *, plugin_path=None, allow_config_plugins=False):
     """The packing and learning-rate settings of a configuration, exactly as
     ``ductile pack --config`` reads them: a ductile TOML ([batching] and [lr]
     sections) or a DeepSpeed config (data_efficiency.data_sampling.
@@ -188,8 +188,9 @@ def settings_from_config(config, *, plugin_path=None):
     Returns ``(pack_kwargs, lengths)``: keyword arguments of :func:`pack`, and
     the keyword arguments of :func:`read_lengths` for the lengths file the
     config names (DeepSpeed: ``{metrics_path}/seqlen/seqlen_sample_to_metric``)
-    or None."""
-    config = load_config(config, plugin_path=plugin_path)
+    or None. ``allow_config_plugins``: see ductile.load_config."""
+    config = load_config(config, plugin_path=plugin_path,
+                         allow_config_plugins=allow_config_plugins)
     if config.format == "deepspeed":
         kwargs, lengths = _ductile.batching.settings_from_deepspeed(
             config.deepspeed, config.origin, config.base_dir, config.runtime)

@@ -89,11 +89,12 @@ class ElasticPolicy:
         return f"ductile.elasticity.ElasticPolicy({self.name!r}, {self.params!r})"
 
 
-def load(config, *, plugin_path=None):
+def load(config, *, plugin_path=None, allow_config_plugins=False):
     """The elasticity policy of a configuration: a ductile TOML ([elasticity]
     section) or a DeepSpeed config with an "elasticity" block (file, string
-    or dict; see ductile.load_config)."""
-    config = load_config(config, plugin_path=plugin_path)
+    or dict; see ductile.load_config, also for ``allow_config_plugins``)."""
+    config = load_config(config, plugin_path=plugin_path,
+                         allow_config_plugins=allow_config_plugins)
     if config.format == "deepspeed":
         return ElasticPolicy(_policy_from_json(config.deepspeed, config.origin, plugin_path))
     return ElasticPolicy(_ductile.elasticity.from_runtime(config.runtime))
@@ -159,6 +160,10 @@ def compute_elastic_config(ds_config, target_deepspeed_version, world_size=0,
     block), ElasticityIncompatibleWorldSize (world size not valid),
     ElasticityError (target version too old, no usable answer), ValueError
     (``ds_config`` not a dict).
+
+    Plugins come from ``plugin_path``, DUCTILE_PLUGIN_PATH and the built-in
+    directory only: a DeepSpeed config names no plugin directory (a
+    ``plugins`` block in it is not read), so nothing it brings is run.
     """
     if not isinstance(ds_config, dict):
         raise ValueError("Expected ds_config to be a dictionary but received "

@@ -96,6 +96,10 @@ class DuctileTrainer(transformers.Trainer):
         if lengths is None:
             lengths = [_sample_length(self.train_dataset[i])
                        for i in range(len(self.train_dataset))]
+        elif len(lengths) != len(self.train_dataset):
+            raise InvalidArgumentError(
+                f"DuctileTrainer: lengths has {len(lengths)} entries but train_dataset has "
+                f"{len(self.train_dataset)} samples: give one length per sample")
         self.ductile_sampler = DynamicBatchSampler(
             np.asarray(lengths, dtype=np.int64), max_tokens=max_tokens,
             gradient_accumulation_steps=self.args.gradient_accumulation_steps,

@@ -17,6 +17,7 @@ import numpy as np
 
 from . import _ductile
 from ._errors import InvalidArgumentError, IoError
+from ._paths import path_argument
 
 __all__ = ["SEQLEN_PREFIX", "seqlen_prefix", "read_metric", "write_metric",
            "lengths_from_metrics_path"]
@@ -36,30 +37,43 @@ def seqlen_prefix(metrics_path):
 
 def read_metric(prefix):
     """Every value of a metric file pair (PREFIX.bin + PREFIX.idx), in order,
-    as int64. Raises NotFoundError or IoError naming the file."""
-    return _ductile.batching.read_lengths(os.fspath(prefix), "mmidx", "", "")
+    as int64. Raises NotFoundError or IoError naming the file,
+    InvalidArgumentError for a prefix that is not a path."""
+    path = path_argument(prefix, "prefix", "read_metric")
+    return _ductile.batching.read_lengths(path, "mmidx", "", "")
 
 
 def _atomic_write(path, chunks):
     directory = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-" + os.path.basename(path))
+    try:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-" + os.path.basename(path))
+    except OSError as e:
+        raise IoError(f"{path}: cannot be written: {e.strerror or e}") from e
     try:
         with os.fdopen(fd, "wb") as f:
             for chunk in chunks:
                 f.write(chunk)
         os.replace(tmp, path)
-    except BaseException:
+    except OSError as e:
+        raise IoError(f"{path}: cannot be written: {e.strerror or e}") from e
+    finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-        raise
 
 
 def write_metric(prefix, values, dtype=np.int64):
     """Writes one value per sample as PREFIX.bin/PREFIX.idx in DeepSpeed's
     format. ``dtype``: one of DeepSpeed's (int64 default, as its data
     analyzer writes lengths). Each file is written to a temporary name and
-    renamed, so concurrent writers (several ranks) never leave a torn file."""
-    dtype = np.dtype(dtype)
+    renamed, so concurrent writers (several ranks) never leave a torn file.
+    The values are what :func:`read_metric` reads back: at least one, each
+    >= 1 (lengths). Raises InvalidArgumentError for bad values, IoError
+    naming the file that cannot be written."""
+    prefix = path_argument(prefix, "prefix", "write_metric")
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError as e:
+        raise InvalidArgumentError(f"write_metric: dtype {dtype!r} is not a numpy dtype") from e
     if dtype not in _CODES:
         raise InvalidArgumentError(
             f"write_metric: dtype {dtype} is not one DeepSpeed's MMIDIDX format stores; valid: "
@@ -68,11 +82,26 @@ def write_metric(prefix, values, dtype=np.int64):
     if values.ndim != 1:
         raise InvalidArgumentError(f"write_metric: need one value per sample (1-D), got shape "
                                    f"{values.shape}")
+    if len(values) == 0:
+        raise InvalidArgumentError("write_metric: no values; read_metric reads one per sample, "
+                                   "at least one")
+    if values.dtype.kind not in "iu":
+        raise InvalidArgumentError(f"write_metric: values must be integers, got {values.dtype}")
+    bad = np.flatnonzero(values < 1)
+    if len(bad):
+        raise InvalidArgumentError(
+            f"write_metric: value {int(values[bad[0]])} of sample {int(bad[0])} is invalid; "
+            "every value must be >= 1 (read_metric reads lengths)")
     data = values.astype(dtype)
-    if not np.array_equal(data.astype(np.int64), values.astype(np.int64)):
+    if not np.array_equal(data.astype(np.int64), values.astype(np.int64)) or (
+            values.dtype.kind == "u" and values.max() > np.iinfo(np.int64).max):
         raise InvalidArgumentError(f"write_metric: values do not fit in {dtype}")
-    prefix = os.fspath(prefix)
-    os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
+    folder = os.path.dirname(prefix) or "."
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise IoError(f"{folder}: cannot create the folder of the metric files: "
+                      f"{e.strerror or e}") from e
     n = len(data)
     sizes = np.ones(n, dtype=np.int32)
     pointers = np.arange(n, dtype=np.int64) * dtype.itemsize

@@ -3,6 +3,7 @@
 
 #include <Python.h>
 
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -114,7 +115,8 @@ class HostHandle final : public CollectiveHandle {
 
 class HostWorldCommunicator final : public Communicator {
  public:
-  explicit HostWorldCommunicator(py::object world) : world_(std::move(world)) {
+  HostWorldCommunicator(py::object world, NativeStreamHandles* streams)
+      : world_(std::move(world)), streams_(streams) {
     rank_ = world_.attr("rank").cast<int>();
     size_ = world_.attr("size").cast<int>();
     label_ = py::str(world_.attr("kind")).cast<std::string>();
@@ -140,14 +142,15 @@ class HostWorldCommunicator final : public Communicator {
       check(item.send, item.count, "all_gather_coalesced");
       check(item.recv, item.count, "all_gather_coalesced");
     }
-    ready(stream);
+    const std::optional<std::uintptr_t> native = ready(stream);
     py::gil_scoped_acquire gil;
+    const py::object on = stream_argument(native);
     py::list list;
     for (const GatherItem& item : items)
       list.append(
           py::make_tuple(address(item.send), address(item.recv), item.count, type_name(item.type)));
     return issue("all_gather_coalesced",
-                 [&] { return world_.attr("all_gather_coalesced_at")(list); });
+                 [&] { return world_.attr("all_gather_coalesced_at")(list, on); });
   }
 
   std::shared_ptr<CollectiveHandle> reduce_scatter(const void* send, void* recv, std::size_t count,
@@ -189,15 +192,28 @@ class HostWorldCommunicator final : public Communicator {
                   fmt::format("{}: a null buffer with {} elements", call, count));
   }
 
-  // The stream's earlier work comes first (GIL released while waiting).
-  static void ready(Stream& stream) {
-    if (stream.query()) return;
-    if (PyGILState_Check()) {
-      py::gil_scoped_release release;
-      stream.synchronize();
-    } else {
-      stream.synchronize();
+  // The stream's earlier work comes first. With native stream handles (a
+  // device backend) the host framework orders its collective after the
+  // stream and the stream's later work after the collective: the handle
+  // (an int) goes to Python and nothing waits here. Otherwise the stream
+  // is synchronised when busy (GIL released while waiting) and None goes.
+  std::optional<std::uintptr_t> ready(Stream& stream) {
+    if (streams_ != nullptr) return address(streams_->native_handle(stream));
+    if (!stream.query()) {
+      if (PyGILState_Check()) {
+        py::gil_scoped_release release;
+        stream.synchronize();
+      } else {
+        stream.synchronize();
+      }
     }
+    return std::nullopt;
+  }
+
+  // The last argument of every Python call (the GIL held).
+  static py::object stream_argument(const std::optional<std::uintptr_t>& native) {
+    if (native) return py::int_(*native);
+    return py::none();
   }
 
   template <class Issue>
@@ -214,12 +230,14 @@ class HostWorldCommunicator final : public Communicator {
   template <class... Args>
   std::shared_ptr<CollectiveHandle> call(Stream& stream, const char* call, const char* method,
                                          Args&&... args) {
-    ready(stream);
+    const std::optional<std::uintptr_t> native = ready(stream);
     py::gil_scoped_acquire gil;
-    return issue(call, [&] { return world_.attr(method)(std::forward<Args>(args)...); });
+    const py::object on = stream_argument(native);
+    return issue(call, [&] { return world_.attr(method)(std::forward<Args>(args)..., on); });
   }
 
   py::object world_;
+  NativeStreamHandles* streams_;  // the accelerator's, or null (host streams)
   int rank_ = 0;
   int size_ = 1;
   std::string label_;
@@ -227,8 +245,8 @@ class HostWorldCommunicator final : public Communicator {
 
 }  // namespace
 
-std::shared_ptr<Communicator> make_host_world(py::object world) {
-  return std::make_shared<HostWorldCommunicator>(std::move(world));
+std::shared_ptr<Communicator> make_host_world(py::object world, NativeStreamHandles* streams) {
+  return std::make_shared<HostWorldCommunicator>(std::move(world), streams);
 }
 
 }  // namespace ductile::python

@@ -11,12 +11,15 @@
 // returning a handle with query() (never blocks) and wait(). Buffers cross
 // as addresses (int); dtype and op are names ("float32", "sum").
 //
-// Stream ordering: a collective is issued after the work already on its
-// stream (the stream is synchronised first when busy); its output is
-// complete when its handle is (query() true or wait() returned). Work
-// enqueued on the stream later does not wait for it: callers order through
-// the handle (the partitioned coordinator waits on the handle before any
-// use of a gathered copy).
+// Every call also gets, last, the stream it is issued on: with `streams`
+// (the accelerator's NativeStreamHandles: cuda), that stream's native
+// handle as an int, and the Python side orders its collective after the
+// stream's work and the stream's later work after the collective (its
+// outputs unpacked on that stream too), so an event recorded on the stream
+// after the call marks the collective's end and the host never waits.
+// Without (host streams: cpu), None: the stream is synchronised first when
+// busy, and the output is complete when the handle is (query() true or
+// wait() returned).
 //
 // Threading: any thread; every call takes the GIL for the Python part and
 // releases it while it synchronises a stream. Errors: a Python exception
@@ -34,6 +37,7 @@
 
 namespace ductile::python {
 
-std::shared_ptr<Communicator> make_host_world(pybind11::object world);
+// `streams` may be null; it must outlive the communicator.
+std::shared_ptr<Communicator> make_host_world(pybind11::object world, NativeStreamHandles* streams);
 
 }  // namespace ductile::python

@@ -11,6 +11,7 @@
 #include "ductile/core/config.hpp"
 #include "ductile/core/logging.hpp"
 #include "ductile/core/registry.hpp"
+#include "ductile/core/text.hpp"
 #include "ductile/version.hpp"
 
 namespace ductile::python {
@@ -26,8 +27,10 @@ void raise_translated(const Error& e) {
   if (auto* config = dynamic_cast<const core::ConfigError*>(&e))
     for (const auto& d : config->diagnostics()) diagnostics.append(d.format());
   py::object errors = py::module_::import("ductile._errors");
-  py::object exception =
-      errors.attr("from_native")(to_string(e.kind()), e.type(), e.what(), diagnostics);
+  // Escaped (core::printable): valid UTF-8 for Python, no control or bidi
+  // character acting on a terminal.
+  py::object exception = errors.attr("from_native")(to_string(e.kind()), e.type(),
+                                                    core::printable(e.what()), diagnostics);
   PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exception.ptr())), exception.ptr());
 }
 
@@ -116,9 +119,22 @@ std::vector<std::filesystem::path> paths_from(const py::object& paths) {
     throw Error(ErrorKind::invalid_argument,
                 "plugin_path must be a list of directories, got a single path '" +
                     py::str(paths).cast<std::string>() + "': wrap it in a list");
+  if (!py::isinstance<py::iterable>(paths))
+    throw not_a(paths, "plugin_path", "a list of directories", "give a list of paths");
   for (const auto& item : paths) {
-    py::object fs = py::module_::import("os").attr("fspath")(item);
-    out.emplace_back(fs.cast<std::string>());
+    if (!py::isinstance<py::str>(item) && !py::hasattr(item, "__fspath__"))
+      throw not_a(item, "plugin_path entry", "a path", "give a str or an os.PathLike");
+    // A path's bytes, as the file system has them (a name that is not UTF-8
+    // included).
+    py::object bytes;
+    try {
+      bytes = py::module_::import("os").attr("fsencode")(item);
+    } catch (py::error_already_set&) {
+      throw Error(ErrorKind::invalid_argument,
+                  "plugin_path entry " + shown(item) +
+                      " holds a lone surrogate, which no file name can hold");
+    }
+    out.emplace_back(bytes.cast<std::string>());
   }
   return out;
 }
@@ -230,6 +246,25 @@ py::dict plugin_info(const core::PluginInfo& info) {
 
 }  // namespace
 
+namespace {
+
+// A configuration loaded from Python runs no code from the directories its
+// own [plugins] path names unless the caller consents, as `ductile config
+// check` needs --allow-config-plugins: a file received from elsewhere is
+// read, not run.
+core::RuntimeOptions python_runtime_options(const py::object& plugin_path,
+                                            bool allow_config_plugins) {
+  core::RuntimeOptions options;
+  options.extra_plugin_dirs = paths_from(plugin_path);
+  options.search_config_plugin_dirs = allow_config_plugins;
+  options.config_dirs_note =
+      "named by the configuration's [plugins] path; Python loads no plugin from there unless "
+      "the caller passes allow_config_plugins=True";
+  return options;
+}
+
+}  // namespace
+
 void register_runtime(py::module_& m) {
   py::class_<RuntimeHandle, std::shared_ptr<RuntimeHandle>>(
       m, "Runtime",
@@ -237,22 +272,22 @@ void register_runtime(py::module_& m) {
       "with its plugin registry.")
       .def_static(
           "from_file",
-          [](const std::filesystem::path& file, const py::object& plugin_path) {
-            core::RuntimeOptions options;
-            options.extra_plugin_dirs = paths_from(plugin_path);
-            return std::make_shared<RuntimeHandle>(
-                core::Runtime::from_file(file, std::move(options)));
+          [](const std::filesystem::path& file, const py::object& plugin_path,
+             bool allow_config_plugins) {
+            return std::make_shared<RuntimeHandle>(core::Runtime::from_file(
+                file, python_runtime_options(plugin_path, allow_config_plugins)));
           },
-          py::arg("file"), py::arg("plugin_path") = py::none())
+          py::arg("file"), py::arg("plugin_path") = py::none(),
+          py::arg("allow_config_plugins") = false)
       .def_static(
           "from_toml",
-          [](const std::string& text, const std::string& name, const py::object& plugin_path) {
-            core::RuntimeOptions options;
-            options.extra_plugin_dirs = paths_from(plugin_path);
-            return std::make_shared<RuntimeHandle>(
-                core::Runtime::from_string(text, name, std::move(options)));
+          [](const std::string& text, const std::string& name, const py::object& plugin_path,
+             bool allow_config_plugins) {
+            return std::make_shared<RuntimeHandle>(core::Runtime::from_string(
+                text, name, python_runtime_options(plugin_path, allow_config_plugins)));
           },
-          py::arg("text"), py::arg("name") = "<string>", py::arg("plugin_path") = py::none())
+          py::arg("text"), py::arg("name") = "<string>", py::arg("plugin_path") = py::none(),
+          py::arg("allow_config_plugins") = false)
       .def_static(
           "plain",
           [](const py::object& plugin_path) { return plain_runtime(paths_from(plugin_path)); },

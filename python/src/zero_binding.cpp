@@ -13,6 +13,7 @@
 #include "ductile/accelerator.hpp"
 #include "ductile/parameter_coordinator.hpp"
 #include "host_world.hpp"
+#include "saved_views.hpp"
 
 namespace ductile::python {
 
@@ -117,10 +118,12 @@ class ZeroSession {
                     source + ": the " + std::string(accel_->backend()) +
                         " accelerator takes no host communicator; set [accelerator] "
                         "communicator = \"mpi\" or run without torch.distributed");
-      host_world_ = host->offer_world(make_host_world(std::move(host_world)));
+      host_world_ = host->offer_world(
+          make_host_world(std::move(host_world), dynamic_cast<NativeStreamHandles*>(accel_.get())));
     }
     zero_ = rt.get<ParameterCoordinator>();
     storage_ = dynamic_cast<ShardStorage*>(zero_.get());
+    groups_ = dynamic_cast<ParameterGroups*>(zero_.get());
     world_ = accel_->world();
     stream_ = accel_->create_stream();
   }
@@ -130,6 +133,16 @@ class ZeroSession {
   int rank() const { return world_->rank(); }
   int size() const { return world_->size(); }
   bool has_shard_storage() const { return storage_ != nullptr; }
+  bool has_parameter_groups() const { return groups_ != nullptr; }
+  void register_group(ParameterId id, const std::vector<std::size_t>& member_numels,
+                      const std::string& type) {
+    if (!groups_)
+      throw Error(ErrorKind::unsupported,
+                  "zero: the configured coordinator has no parameter groups (ParameterGroups)");
+    std::size_t numel = 0;
+    for (std::size_t n : member_numels) numel += n;
+    groups_->register_group({id, numel, data_type(type)}, member_numels);
+  }
   bool host_world() const { return host_world_; }
 
   std::uintptr_t shard_data(ParameterId id) {
@@ -210,8 +223,9 @@ class ZeroSession {
   std::shared_ptr<RuntimeHandle> runtime_;
   std::shared_ptr<Accelerator> accel_;
   std::shared_ptr<ParameterCoordinator> zero_;
-  ShardStorage* storage_ = nullptr;  // zero_ itself, when it has the capability
-  bool host_world_ = false;          // the world is the host's communicator
+  ShardStorage* storage_ = nullptr;    // zero_ itself, when it has the capability
+  ParameterGroups* groups_ = nullptr;  // likewise
+  bool host_world_ = false;            // the world is the host's communicator
   void after_compute() {
     if (!compute_stream_) return;
     if (!compute_done_) compute_done_ = accel_->create_event();
@@ -250,6 +264,9 @@ void register_zero(py::module_& m) {
       .def_property_readonly("rank", &Z::rank)
       .def_property_readonly("size", &Z::size)
       .def_property_readonly("has_shard_storage", &Z::has_shard_storage)
+      .def_property_readonly("has_parameter_groups", &Z::has_parameter_groups)
+      .def("register_group", &Z::register_group, py::arg("id"), py::arg("member_numels"),
+           py::arg("dtype"))
       .def(
           "register_parameter",
           [](Z& z, ParameterId id, std::size_t numel, const std::string& type) {
@@ -308,6 +325,7 @@ void register_zero(py::module_& m) {
       .def("gather_memory", &Z::gather_memory)
       .def("trim_gather_memory", &Z::trim_gather_memory);
 
+  register_saved_views(m);
   m.def("host_view", &host_view, py::arg("address"), py::arg("bytes"),
         "A writable memoryview over host memory owned by the coordinator (cpu backend).");
 }

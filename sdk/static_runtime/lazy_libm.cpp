@@ -5,7 +5,7 @@
 // a negative value call them, and mapping libm at start-up costs a command
 // about 30 µs (docs/architecture.md, "Start-up"). A function of libm that is
 // not wrapped here brings libm back into the program's needed libraries,
-// which tests/python/test_pip_install.py reports.
+// which tests/python/test_wheel.py reports.
 #include "lazy_library.hpp"
 
 namespace {

@@ -186,7 +186,9 @@ def test_any_policy_by_name_including_out_of_tree(tmp_path):
     toml.write_text(f'[plugins]\npath = ["{OUT_OF_TREE}"]\n[elasticity]\npolicy = "pow2"\n'
                     "max_train_batch_size = 1000\nmicro_batch_size = 4\nmin_gpus = 2\n"
                     "max_gpus = 64\n")
-    policy = ductile.elasticity.load(toml)
+    with pytest.raises(ductile.ConfigError, match="allow_config_plugins=True"):
+        ductile.elasticity.load(toml)  # the file's own plugin folder: not without consent
+    policy = ductile.elasticity.load(toml, allow_config_plugins=True)
     r = policy.compute(world_size=16)
     code, out, err = run_cli("elastic", "--config", toml, "--world-size", 16, "--json")
     assert code == 0, err

@@ -1,7 +1,7 @@
 """The package itself: `import ductile` without torch (and without importing
 matplotlib), the README one-liner, `python -m ductile` running the CLI, and
 `cmake --install` giving an importable package that finds its plugins from
-the install prefix. (`pip install .`: test_pip_install.py.)"""
+the install prefix. (The wheel, `pip wheel .` + `auditwheel repair`: test_wheel.py.)"""
 
 import os
 import subprocess

@@ -4,7 +4,10 @@ head, trained with Adam on 1 rank by plain torch and on 2 and 3 ranks
 through zero3 with the same global batch, under torchrun (torch.distributed
 over gloo as the world: no MPI) and under mpirun (the cpu accelerator over
 Open MPI); checkpoints re-partitioned 2 -> 3 -> 1 ranks; the coordinator's
-counters; bad input. The runs are separate processes (zero3_worker.py)."""
+counters; bad input. The runs gather by module (groups="module": every
+module's parameters a group, the finest units, which these small limits
+exercise); test_zero3_groups.py runs the default, by transformer block. The
+runs are separate processes (zero3_worker.py)."""
 
 import os
 import sys
@@ -26,9 +29,9 @@ DEVIATION = "deviates from the recorded trace"
 
 
 def run(tmp, name, spec, ranks=None, launcher="torchrun"):
-    """zero3_worker.py (one process, or `ranks` under `launcher`):
-    (result.json, params.pt, stderr)."""
-    return launch(tmp, name, spec, ranks=ranks, launcher=launcher)
+    """zero3_worker.py (one process, or `ranks` under `launcher`), gathering
+    by module: (result.json, params.pt, stderr)."""
+    return launch(tmp, name, dict(spec, groups="module"), ranks=ranks, launcher=launcher)
 
 
 @pytest.fixture(scope="module")
@@ -140,9 +143,12 @@ def test_trace_complete_after_the_first_step_then_prefetch(runs, name):
     assert all(counts["gather_allocations"] == 0 for counts in steps[2:]), \
         [counts["gather_allocations"] for counts in steps]
     # Every parameter that gets a gradient is reduce-scattered once per step
-    # (the tied embedding/head weight once, not twice).
+    # (the tied embedding/head weight once, not twice), with its module's
+    # others in one collective.
     n_params = len(runs["plain"][1])
-    assert all(counts["reduce_scatters"] == n_params for counts in steps)
+    assert all(counts["reduced_params"] == n_params for counts in steps)
+    groups = sum(1 for members in result["units"].values() if members)
+    assert all(counts["reduce_scatters"] == groups for counts in steps)
 
 
 def test_checkpoint_resumes_at_another_world_size(runs):

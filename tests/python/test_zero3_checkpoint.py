@@ -4,6 +4,7 @@ the previous checkpoint or the new one, whole; files of two saves never mix
 silently; a failed load changes nothing; on 2 ranks one rank's load error
 reaches the other at once."""
 
+import hashlib
 import json
 import os
 import shutil
@@ -20,38 +21,19 @@ from ductile.torch.zero3 import _checkpoint_files as _checkpoint
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from zero3_checkpoint_support import engine_of, same, snapshot, train  # noqa: E402
 from zero3_launch import CONFIG, launch  # noqa: E402
-from zero3_model import Windows, loss_of, make_model  # noqa: E402
+from zero3_model import make_model  # noqa: E402
 
 
-def engine_of(layers=1, optimizer=True, seed=0):
-    factory = (lambda ps: torch.optim.Adam(ps, lr=1e-2)) if optimizer else None
-    return zero3.initialize(make_model(seed=seed, layers=layers), factory, CONFIG)
-
-
-def train(engine, steps):
-    windows = Windows(batch=2)
-    for _ in range(steps):
-        x, y = windows.step(engine.global_step)
-        engine.backward(loss_of(engine(x), y))
-        engine.step()
-
-
-def snapshot(engine):
-    """Parameters and optimizer state, copied."""
-    params = {n: t.clone() for n, t in engine.full_parameters().items()}
-    state = {}
-    for info in engine._params:
-        for key, value in engine.optimizer.state.get(info.shard, {}).items():
-            state[f"{info.name}.{key}"] = value.clone() if torch.is_tensor(value) else value
-    return params, state
-
-
-def same(a, b):
-    pa, sa = a
-    pb, sb = b
-    return pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa) and \
-        sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+def sign(manifest_path, latest=None):
+    """Writes the checksum of an edited manifest where a save puts it (its
+    sidecar and `latest`), so a test reaches the checks behind it."""
+    digest = hashlib.sha256(manifest_path.read_bytes()).hexdigest()
+    (manifest_path.parent / "manifest.json.sha256").write_text(f"{digest}  manifest.json\n")
+    if latest is not None:
+        name = latest.read_text().split("\n")[0]
+        latest.write_text(f"{name}\nsha256 {digest}\n")
 
 
 def test_a_save_commits_through_latest_and_loads_back(tmp_path):
@@ -60,8 +42,11 @@ def test_a_save_commits_through_latest_and_loads_back(tmp_path):
     root = tmp_path / "ckpt"
     engine.save(root, client_state={"note": "x"})
     assert sorted(os.listdir(root)) == ["latest", "step2"]
-    assert (root / "latest").read_text() == "step2\n"
-    assert sorted(os.listdir(root / "step2")) == ["manifest.json", "rank0-of-1.bin"]
+    digest = hashlib.sha256((root / "step2" / "manifest.json").read_bytes()).hexdigest()
+    assert (root / "latest").read_text() == f"step2\nsha256 {digest}\n"
+    assert (root / "step2" / "manifest.json.sha256").read_text() == f"{digest}  manifest.json\n"
+    assert sorted(os.listdir(root / "step2")) == ["manifest.json", "manifest.json.sha256",
+                                                  "rank0-of-1.bin"]
     manifest = json.loads((root / "step2" / "manifest.json").read_text())
     assert manifest["step"] == 2 and len(manifest["save_id"]) == 32
     assert [s["file"] for s in manifest["shards"]] == ["rank0-of-1.bin"]
@@ -79,7 +64,7 @@ def test_a_save_commits_through_latest_and_loads_back(tmp_path):
     engine.save(root, tag="step2")
     engine.save(root)
     assert sorted(os.listdir(root)) == ["latest", "step2.1", "step3"]
-    assert (root / "latest").read_text() == "step3\n"
+    assert (root / "latest").read_text().startswith("step3\nsha256 ")
     with pytest.raises(ductile.InvalidArgumentError, match="tag 'a/b' is not a valid folder"):
         engine.save(root, tag="a/b")
 
@@ -143,7 +128,7 @@ def test_a_save_killed_at_any_operation_leaves_the_old_or_the_new_checkpoint(tmp
         engine.save(work, client_state={"step": 3}, tag="model")  # over the debris
         assert checker.load(work) == {"step": 3}
         left = sorted(os.listdir(work))  # the committed folder only: debris removed
-        assert left == ["latest", (work / "latest").read_text().strip()], left
+        assert left == ["latest", (work / "latest").read_text().split("\n")[0]], left
         shutil.rmtree(work)
     # Up to the rename of latest the old checkpoint; after it the new one.
     commit = len(operations) - operations[::-1].index("rename")
@@ -191,12 +176,14 @@ def test_a_failed_load_changes_nothing(tmp_path):
     broken["optimizer"] = dict(manifest["optimizer"], param_groups=[
         dict(manifest["optimizer"]["param_groups"][0], params=[0])])
     manifest_path.write_text(json.dumps(broken))
+    sign(manifest_path, root / "latest")
     with pytest.raises(ductile.IncompatibleError, match="parameter groups differ"):
         engine.load(root)
     assert same(snapshot(engine), before) and engine.global_step == 3
 
     sgd = zero3.initialize(make_model(layers=1), lambda ps: torch.optim.SGD(ps, lr=0.1), CONFIG)
     manifest_path.write_text(json.dumps(manifest))
+    sign(manifest_path, root / "latest")
     with pytest.raises(ductile.IncompatibleError, match="optimizer is Adam"):
         sgd.load(root)
     with pytest.raises(ductile.IncompatibleError, match=r"manifest.json: the checkpoint has"):
@@ -206,6 +193,7 @@ def test_a_failed_load_changes_nothing(tmp_path):
         engine.load(root)
     manifest_path.write_text("{not json")
     (root / "latest").write_text("step2\n")
+    sign(manifest_path)
     with pytest.raises(ductile.IoError, match=r"manifest.json: .*not valid JSON"):
         engine.load(root)
     with pytest.raises(ductile.IoError, match="no checkpoint: neither 'latest' nor"):
@@ -244,7 +232,7 @@ def test_one_ranks_load_error_reaches_the_other_at_once(tmp_path, launcher):
     ("1:write:3", 2),    # rank 1 in the middle of its shard
     ("0:create:1", 2),   # rank 0 before creating its shard
     ("0:rename:2", 2),   # rank 0 right before the rename of latest (the commit)
-    ("0:fsync:6", 3),    # rank 0 right after it, before the folder's fsync
+    ("0:fsync:7", 3),    # rank 0 right after it, before the folder's fsync
 ])
 def test_a_two_rank_save_killed_leaves_a_whole_checkpoint(tmp_path, kill, expected):
     """2 ranks (mpirun) save step 2, then step 3 into one root; one rank is

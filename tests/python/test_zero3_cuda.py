@@ -9,8 +9,8 @@ with the accelerator backend "cuda", on one GPU:
   (bootstrapped by Open MPI).
 
 Both must give plain torch's losses and parameters, gather from a pool that
-stops allocating once the trace runs, and hold only their shard outside a
-fetch."""
+stops allocating once the trace runs, hold only their shard outside a
+fetch, and run steps without the host ever waiting for the GPU."""
 
 import os
 import sys
@@ -21,14 +21,14 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from zero3_launch import CONFIG, launch  # noqa: E402
+from zero3_launch import BLOCKS_CONFIG, launch  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="no CUDA device: torch.cuda.is_available() is False")
 
 STEPS = 20
-CUDA_CONFIG = CONFIG.replace('backend = "cpu"', 'backend = "cuda"')
-assert CUDA_CONFIG != CONFIG, "zero3_launch.CONFIG no longer names backend = \"cpu\""
+CUDA_CONFIG = BLOCKS_CONFIG.replace('backend = "cpu"', 'backend = "cuda"')
+assert CUDA_CONFIG != BLOCKS_CONFIG, "zero3_launch.CONFIG no longer names backend = \"cpu\""
 # Deterministic cuBLAS (torch.use_deterministic_algorithms in the worker).
 ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
@@ -39,8 +39,8 @@ def runs(tmp_path_factory):
     spec = {"steps": STEPS, "device": "cuda"}
     r = {"plain": launch(tmp, "plain", dict(spec, mode="plain"), config=CUDA_CONFIG, env=ENV)}
     for launcher in ("torchrun", "mpirun"):
-        r[launcher] = launch(tmp, launcher, dict(spec, mode="zero3"), ranks=1, launcher=launcher,
-                             config=CUDA_CONFIG, env=ENV)
+        r[launcher] = launch(tmp, launcher, dict(spec, mode="zero3", sync_debug=True), ranks=1,
+                             launcher=launcher, config=CUDA_CONFIG, env=ENV)
     return r
 
 
@@ -69,3 +69,13 @@ def test_gathers_reuse_pooled_device_memory_once_the_trace_runs(runs, launcher):
     assert steps[0]["gather_allocations"] > 0
     assert all(s["gather_allocations"] == 0 for s in steps[2:]), steps
     assert all(s["prefetched_params"] > 0 for s in steps[1:]), steps
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])
+def test_the_host_never_waits_for_the_gpu_during_a_step(runs, launcher):
+    """Forward, backward, clipping and the optimizer step under
+    torch.cuda.set_sync_debug_mode("error") (the worker fails on any
+    synchronising call), and no fetch blocked the host on a gather."""
+    debug = runs[launcher][0]["sync_debug"]
+    assert debug["steps"] == 3
+    assert debug["fetch_wait_ns"] == 0, debug

@@ -106,11 +106,14 @@ def test_gradient_accumulation_equals_one_big_batch(job, name):
         assert relative(a, b) <= 1e-5, f"{name} step {s}: {a} vs {b}"
     assert_close_params(torch.load(out / f"{name}.pt"), model)
     n = gradient_params()
+    # Each parameter group's gradients in one reduce-scatter.
     if name == "accumulate":
-        assert r["reduce_scatters"] == STEPS * ACCUMULATION * n
+        assert r["reduced_params"] == STEPS * ACCUMULATION * n
+        assert r["reduce_scatters"] == STEPS * ACCUMULATION * r["groups"]
         assert r["accumulated_grads"] == 0
     else:
-        assert r["reduce_scatters"] == STEPS * n
+        assert r["reduced_params"] == STEPS * n
+        assert r["reduce_scatters"] == STEPS * r["groups"]
         assert r["accumulated_grads"] == STEPS * (ACCUMULATION - 1) * n
     print(f"{launcher} {name}: {statistics.median(r['seconds']) * 1e3:.1f} ms per step of "
           f"{ACCUMULATION} micro-batches")

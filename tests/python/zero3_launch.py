@@ -31,6 +31,14 @@ max_ongoing_fetch_events = 2
 """
 
 
+# The same with limits a transformer block of the test LM (49,664 elements)
+# fits, so that the default groups (one a block) are prefetched one ahead.
+BLOCKS_CONFIG = CONFIG.replace("prefetch_bucket_size = 20000", "prefetch_bucket_size = 60000") \
+    .replace("max_live_parameters = 40000", "max_live_parameters = 150000") \
+    .replace("max_reuse_distance = 10000", "max_reuse_distance = 0")
+assert BLOCKS_CONFIG.count("= 60000") == BLOCKS_CONFIG.count("= 150000") == 1
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

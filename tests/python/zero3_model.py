@@ -21,15 +21,15 @@ class Block(nn.Module):
     """`keyword_calls`: the block's layers get their input by keyword
     (`self.up(input=h)`), as a module's hooks see kwargs, not args."""
 
-    def __init__(self, d, heads, keyword_calls=False):
+    def __init__(self, d, heads, keyword_calls=False, qkv_bias=False):
         super().__init__()
         self.heads = heads
         self.keyword_calls = keyword_calls
         self.ln1 = nn.LayerNorm(d)
-        # No bias: a key bias cannot change attention (softmax is shift-
-        # invariant), so its gradient is rounding noise, which Adam would
-        # amplify into run-to-run differences of the parameter.
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        # No bias by default: a key bias cannot change attention (softmax is
+        # shift-invariant), so its gradient is rounding noise, which Adam
+        # would amplify into run-to-run differences of the parameter.
+        self.qkv = nn.Linear(d, 3 * d, bias=qkv_bias)
         self.proj = nn.Linear(d, d)
         self.ln2 = nn.LayerNorm(d)
         self.up = nn.Linear(d, 4 * d)
@@ -59,11 +59,12 @@ class TiedLM(nn.Module):
     computed again in backward)."""
 
     def __init__(self, vocab=256, d=64, heads=4, layers=4, context=32, reuse_first_block=False,
-                 checkpoint=False, keyword_calls=False):
+                 checkpoint=False, keyword_calls=False, qkv_bias=False):
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
         self.pos = nn.Embedding(context, d)
-        self.blocks = nn.ModuleList(Block(d, heads, keyword_calls) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(d, heads, keyword_calls, qkv_bias)
+                                    for _ in range(layers))
         self.checkpoint = checkpoint
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)

@@ -101,6 +101,8 @@ def run(name, spec):
                 out["gathered"] = weight.tolist()
     after = engine.stats()
     out["reduce_scatters"] = after["reduce_scatters"] - before["reduce_scatters"]
+    out["reduced_params"] = after["reduced_params"] - before["reduced_params"]
+    out["groups"] = after["groups"]
     out["accumulated_grads"] = after["accumulated_grads"] - before["accumulated_grads"]
     out["shard_bytes"], out["master_bytes"] = after["shard_bytes"], after["master_bytes"]
     out["skipped"] = getattr(engine._scaler, "skipped_steps", 0)

@@ -14,13 +14,17 @@ kill_on_save and kill ("RANK:OPERATION:K": at the kill_on_save-th save,
 rank RANK sends itself SIGKILL before its K-th OPERATION of the save, see
 _checkpoint_files.fs), dump_at (steps after which rank 0 writes the whole
 parameters to out/params-step<k>.pt), device ("cpu", the default, or "cuda":
-the model and batches on the GPU, torch.distributed over NCCL). Rank 0 writes out/result.json
+the model and batches on the GPU, torch.distributed over NCCL), groups (zero3.initialize's
+groups: "auto", the default, or "module"), compile (each block under torch.compile, in both
+modes), profile_calls (after training, rank 0 counts the Python calls of 2 more steps under
+cProfile). Rank 0 writes out/result.json
 (per-step losses, coordinator counters, the modules released while backward
 ran) and out/params.pt (the final parameters, whole).
 
-Mode "load_error": load `load`, expecting an error; every rank writes
-out/result-rank<r>.json with the error's class and message, the seconds the
-load took and whether the parameters and optimizer state are unchanged.
+Mode "load_error": load `load` (or each of `loads`, one after another),
+expecting an error; every rank writes out/result-rank<r>.json with the
+error's class and message, the seconds the load took and whether the
+parameters and optimizer state are unchanged (a list with `loads`).
 
 Started by torchrun (TORCHELASTIC_RUN_ID in the environment) or by
 `ductile agent` (MASTER_ADDR), the worker initialises torch.distributed
@@ -30,6 +34,7 @@ Started by torchrun (TORCHELASTIC_RUN_ID in the environment) or by
 import atexit
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -59,6 +64,9 @@ class ExternalUse(nn.Module):
 
 def build(spec):
     model = make_model(seed=0, **spec.get("model", {})).to(spec.get("device", "cpu"))
+    if spec.get("compile"):
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block)
     if spec.get("external"):
         model = ExternalUse(model)
     for name, p in model.named_parameters():
@@ -129,20 +137,23 @@ def run_load_error(spec):
     engine.step()
     before = engine.full_parameters()
     state = [t.clone() for s in engine.optimizer.state.values() for t in s.values()]
-    start = time.monotonic()
-    error = None
-    try:
-        engine.load(spec["load"])
-    except Exception as e:  # noqa: BLE001 - reported to the test
-        error = e
-    seconds = time.monotonic() - start
-    after = engine.full_parameters()
-    unchanged = all(torch.equal(before[n], after[n]) for n in before) and all(
-        torch.equal(a, b) for a, b in zip(state, [t for s in engine.optimizer.state.values()
-                                                  for t in s.values()]))
+    results = []
+    for root in spec.get("loads") or [spec["load"]]:  # one after another, same engine
+        start = time.monotonic()
+        error = None
+        try:
+            engine.load(root)
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            error = e
+        seconds = time.monotonic() - start
+        after = engine.full_parameters()
+        unchanged = all(torch.equal(before[n], after[n]) for n in before) and all(
+            torch.equal(a, b) for a, b in zip(state, [t for s in engine.optimizer.state.values()
+                                                      for t in s.values()]))
+        results.append({"rank": engine.rank, "class": type(error).__name__,
+                        "message": str(error), "seconds": seconds, "unchanged": unchanged})
     with open(os.path.join(spec["out"], f"result-rank{engine.rank}.json"), "w") as f:
-        json.dump({"rank": engine.rank, "class": type(error).__name__,
-                   "message": str(error), "seconds": seconds, "unchanged": unchanged}, f)
+        json.dump(results if "loads" in spec else results[0], f)
 
 
 def run_zero3(spec):
@@ -153,7 +164,7 @@ def run_zero3(spec):
     if spec.get("external"):
         zero3.register_external_parameter(model, model.lm.blocks[-1].up.weight)
     engine = zero3.initialize(model, lambda params: torch.optim.Adam(params, lr=spec.get("lr", 3e-3)),
-                              spec["zero_config"])
+                              spec["zero_config"], groups=spec.get("groups", "auto"))
     rank, world = engine.rank, engine.world_size
     stats = engine.stats()
     memory = {
@@ -192,7 +203,7 @@ def run_zero3(spec):
         after = engine.stats()
         per_step.append({k: after[k] - before[k] for k in (
             "gathers", "demand_gathered_params", "prefetched_params", "trace_invalidations",
-            "trace_warnings", "reduce_scatters", "gather_allocations")})
+            "trace_warnings", "reduce_scatters", "reduced_params", "gather_allocations")})
         per_step[-1]["trace_mode"] = after["trace_mode"]
         before = after
         if s + 1 in spec.get("dump_at", []):
@@ -225,6 +236,22 @@ def run_zero3(spec):
             "live_after_eval": after_eval["live_numel"],
         }
 
+    def quiet_step(batch):
+        """A step as a training loop runs it: nothing read back to the host."""
+        x, y = batch
+        engine.backward(loss_of(engine(x), y))
+        engine.clip_grad_norm_(1.0)
+        engine.step()
+
+    calls = None
+    if spec.get("profile_calls"):
+        batches = [tuple(t.to(device) for t in windows.step(s, rank, world))
+                   for s in (20_000, 20_001)]
+        calls = profile_calls(quiet_step, batches, engine)
+    sync_debug = None
+    if spec.get("sync_debug"):
+        sync_debug = steps_without_a_sync(engine, windows, rank, world, device)
+
     final = engine.stats()
     if rank == 0:
         os.makedirs(spec["out"], exist_ok=True)
@@ -233,8 +260,78 @@ def run_zero3(spec):
             json.dump({"losses": losses, "per_step": per_step, "memory": memory,
                        "bound": bound, "world": world, "client_state": client,
                        "evaluation": evaluation, "trace": engine.trace(),
+                       "units": engine.units(), "calls": calls, "sync_debug": sync_debug,
                        "released_in_backward": sorted(released_in_backward),
                        "stats": {k: v for k, v in final.items()}}, f)
+
+
+def steps_without_a_sync(engine, windows, rank, world, device):
+    """3 steps (forward, backward, clipping, optimizer) under torch's sync
+    debug mode "error": any call that synchronises the host with the GPU
+    raises. Returns the time the coordinator's fetches blocked the host."""
+    batches = [tuple(t.to(device) for t in windows.step(s, rank, world))
+               for s in range(30_000, 30_003)]
+    torch.cuda.synchronize()
+    waited = engine.stats()["fetch_wait_ns"]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for x, y in batches:
+            engine.backward(loss_of(engine(x), y))
+            engine.clip_grad_norm_(1.0)
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    return {"steps": len(batches), "fetch_wait_ns": engine.stats()["fetch_wait_ns"] - waited}
+
+
+# Calls that can make the host wait for a device: a collective's wait or a
+# completion poll, reading a tensor's value, synchronising a stream.
+BLOCKING = re.compile(r"\b(wait|item|tolist|synchronize|is_completed|query|__bool__|__float__)\b")
+
+
+def profile_calls(train_step, batches, engine):
+    """Python function calls per step of the steps on `batches` (by file: ductile's own,
+    and all), the calls that can block the host, by name, torch's
+    collectives, and the groups the coordinator gathered meanwhile."""
+    import cProfile
+    import pstats
+    before = engine.stats()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for batch in batches:
+        train_step(batch)
+    profiler.disable()
+    after = engine.stats()
+    gathered = sum(after[k] - before[k] for k in ("demand_gathered_params", "prefetched_params"))
+    total = ours = 0
+    blocking, by_name = {}, {}
+    optimizer = f"{os.sep}torch{os.sep}optim{os.sep}"
+    for (path, _, name), (_, calls, _, _, callers) in pstats.Stats(profiler).stats.items():
+        total += calls
+        if f"{os.sep}ductile{os.sep}" in path:
+            ours += calls
+        if path == "~" and BLOCKING.search(name):
+            # torch's optimizers read their step counters (cpu tensors): not
+            # the engine's, and no device wait.
+            engine_calls = sum(c[1] for caller, c in callers.items() if optimizer not in caller[0])
+            if engine_calls:
+                blocking[name] = blocking.get(name, 0) + engine_calls
+        if path.endswith("distributed_c10d.py"):
+            by_name[name] = by_name.get(name, 0) + calls
+    # torch.distributed's collectives issued (the older name calls the newer).
+    collectives = {
+        "all_gather": max(by_name.get("all_gather_single", 0),
+                          by_name.get("all_gather_into_tensor", 0)),
+        "reduce_scatter": max(by_name.get("reduce_scatter_single", 0),
+                              by_name.get("reduce_scatter_tensor", 0)),
+        "all_reduce": by_name.get("all_reduce", 0)}
+    return {"all": total / 2, "ductile": ours / 2,
+            "blocking": {k: v / 2 for k, v in blocking.items()},
+            "collectives": {k: v / 2 for k, v in collectives.items()},
+            "gathered_groups": gathered / 2,
+            "gathers": (after["gathers"] - before["gathers"]) / 2,
+            "reduce_scatters": (after["reduce_scatters"] - before["reduce_scatters"]) / 2}
 
 
 if __name__ == "__main__":

@@ -107,20 +107,21 @@ const std::vector<Pin> kPins = {
      DUCTILE_INTERFACE_REVISION_LR,
      1,
      0xaa2a53b79a416067ull},
-    // Re-pinned without a bump for HostWorld and NativeStreams: new
-    // optional interfaces found by dynamic_cast (a new kind of interface).
+    // Re-pinned without a bump for HostWorld, NativeStreams and
+    // NativeStreamHandles: new optional interfaces found by dynamic_cast (a
+    // new kind of interface).
     {{"accelerator.hpp"},
      "DUCTILE_INTERFACE_REVISION_ACCELERATOR",
      DUCTILE_INTERFACE_REVISION_ACCELERATOR,
      1,
-     0x3235762846899f78ull},
-    // Re-pinned without a bump for GatherMemory (and the two above), new
-    // optional interfaces; no existing class or type changed.
+     0x5d305d5670853aedull},
+    // Re-pinned without a bump for GatherMemory and ParameterGroups (and the
+    // ones above), new optional interfaces; no existing class or type changed.
     {{"parameter_coordinator.hpp", "accelerator.hpp"},
      "DUCTILE_INTERFACE_REVISION_ZERO",
      DUCTILE_INTERFACE_REVISION_ZERO,
      1,
-     0x99903785fdedb6bfull},
+     0x41f136917b405c92ull},
 };
 
 }  // namespace

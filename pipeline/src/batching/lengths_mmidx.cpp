@@ -4,6 +4,7 @@
 // value of every sample is a length, in order.
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include <fmt/format.h>
@@ -25,6 +26,17 @@ struct MmidxType {
 constexpr MmidxType kMmidxTypes[] = {{1, 1, "uint8"},  {2, 1, "int8"},  {3, 2, "int16"},
                                      {4, 4, "int32"},  {5, 8, "int64"}, {6, 2, "uint16"},
                                      {7, 4, "uint32"}, {8, 8, "uint64"}};
+
+// A byte count past 2^64 (an announced sample count times 12, say), written
+// whole rather than wrapped.
+std::string decimal(unsigned __int128 value) {
+  std::string digits;
+  do {
+    digits.insert(digits.begin(), static_cast<char>('0' + static_cast<int>(value % 10)));
+    value /= 10;
+  } while (value > 0);
+  return digits;
+}
 
 }  // namespace
 
@@ -63,7 +75,7 @@ std::vector<std::int64_t> read_mmidx(const fs::path& given) {
                    fmt::format("{}: the header announces {} samples and {} document entries ({} "
                                "bytes), the file has {} bytes",
                                need > idx.size() ? "truncated" : "corrupt", len, doc_count,
-                               static_cast<std::uint64_t>(need), idx.size()));
+                               decimal(need), idx.size()));
   const unsigned char* sizes = d + kHeader;
   const unsigned char* pointers = sizes + len * 4;
   std::vector<std::int64_t> out;
@@ -79,7 +91,7 @@ std::vector<std::int64_t> read_mmidx(const fs::path& given) {
     if (end > bin.size())
       throw io_error(
           bin_path, fmt::format("truncated: sample {} needs bytes {}..{}, the file has {} bytes", i,
-                                offset, static_cast<std::uint64_t>(end), bin.size()));
+                                offset, decimal(end), bin.size()));
     const unsigned char* p = bin.data() + offset;
     const auto n = static_cast<std::size_t>(count);
     const auto off = static_cast<std::size_t>(offset);

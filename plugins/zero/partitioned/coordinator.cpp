@@ -56,6 +56,7 @@ std::shared_ptr<Accelerator> required_accelerator(const HostContext& ctx) {
 }
 
 class PartitionedCoordinator final : public ParameterCoordinator,
+                                     public ParameterGroups,
                                      public ShardStorage,
                                      public GatherMemory {
  public:
@@ -72,7 +73,7 @@ class PartitionedCoordinator final : public ParameterCoordinator,
           accel_, std::make_unique<NvmeStore>(nvme_path, rank_),
           static_cast<std::size_t>(ctx.params().get_int("nvme_buffer_count")));
     pipeline_ = std::make_unique<GatherPipeline>(accel_, comm_, nvme_.get());
-    agreement_ = std::make_unique<RankAgreement>(comm_, pipeline_->comm_stream());
+    agreement_ = std::make_unique<RankAgreement>(accel_, comm_, pipeline_->comm_stream());
   }
 
   ~PartitionedCoordinator() override {
@@ -83,13 +84,19 @@ class PartitionedCoordinator final : public ParameterCoordinator,
     } catch (const std::exception& e) {
       logger_->error("zero: a gather failed during shutdown: {}", e.what());
     }
-    pipeline_.reset();  // frees the buffers, gives back the read-ahead buffers
-    nvme_.reset();      // joins the I/O thread, then frees its buffers
+    agreement_.reset();  // waits for an agreement still in flight
+    pipeline_.reset();   // frees the buffers, gives back the read-ahead buffers
+    nvme_.reset();       // joins the I/O thread, then frees its buffers
   }
 
   // --- Registration ---
 
   void register_parameter(const ParameterInfo& info) override {
+    register_group(info, std::span(&info.numel, 1));
+  }
+
+  void register_group(const ParameterInfo& info,
+                      std::span<const std::size_t> member_numels) override {
     // Every check before any change: a failed registration leaves nothing.
     planner_.check_new_parameter(info.id, info.numel);
     const std::size_t esize = size_of(info.type);
@@ -97,8 +104,19 @@ class PartitionedCoordinator final : public ParameterCoordinator,
       throw Error(ErrorKind::invalid_argument,
                   fmt::format("zero: parameter {} has an unknown element type {}", info.id,
                               static_cast<unsigned>(info.type)));
-    const std::size_t shard_numel =
-        (info.numel + static_cast<std::size_t>(world_) - 1) / static_cast<std::size_t>(world_);
+    const auto world = static_cast<std::size_t>(world_);
+    std::size_t sum = 0, shard_numel = 0;
+    for (std::size_t n : member_numels) {
+      if (n == 0)
+        throw Error(ErrorKind::invalid_argument,
+                    fmt::format("zero: group {} has a member of 0 elements", info.id));
+      sum += n;
+      shard_numel += (n + world - 1) / world;
+    }
+    if (member_numels.empty() || sum != info.numel)
+      throw Error(ErrorKind::invalid_argument,
+                  fmt::format("zero: group {} of {} elements has {} members of {} elements in all",
+                              info.id, info.numel, member_numels.size(), sum));
     const bool on_nvme = nvme_ && info.numel > planner_.limits().persistence_threshold;
     const auto pi = static_cast<std::uint32_t>(planner_.parameter_count());
     if (on_nvme) {
@@ -110,7 +128,7 @@ class PartitionedCoordinator final : public ParameterCoordinator,
         nvme_->free_buffers();
       }
     }
-    pipeline_->add_parameter(pi, shard_numel, info.type, on_nvme);
+    pipeline_->add_parameter(pi, member_numels, info.type, on_nvme);
     planner_.add_parameter(info.id, info.numel);
     types_.push_back(info.type);
   }
@@ -149,12 +167,7 @@ class PartitionedCoordinator final : public ParameterCoordinator,
       throw Error(ErrorKind::invalid_argument,
                   fmt::format("zero: set_full({}) got a null pointer", id));
     std::vector<unsigned char> slice(shard * esize, 0);
-    const std::size_t first = static_cast<std::size_t>(rank_) * shard;
-    if (first < numel) {
-      const std::size_t count = std::min(shard, numel - first);
-      std::memcpy(slice.data(), static_cast<const unsigned char*>(host_data) + first * esize,
-                  count * esize);
-    }
+    pipeline_->slice_full(pi, rank_, static_cast<const unsigned char*>(host_data), slice.data());
     set_shard(id, slice.data(), slice.size());
   }
 
@@ -223,14 +236,20 @@ class PartitionedCoordinator final : public ParameterCoordinator,
     plan_.clear();
     planner_.begin_end_step(plan_);
     after_deviation();
-    // Every rank must have run the same pass: same length, same order.
+    // Every rank must have run the same pass: same length, same order. A
+    // pass that ran the complete trace is agreed without the host waiting
+    // (checked at the next end of a pass); a recorded one before it
+    // becomes the trace.
+    const bool recording = planner_.mode() == TraceMode::record;
     if (world_ > 1) {
       order_.clear();
       for (std::uint32_t mi : planner_.pass_order())
         order_.push_back(static_cast<std::int64_t>(planner_.module_id(mi)));
-      agreement_->agree_end(planner_.step(), planner_.pass_hash(), order_);
+      if (recording)
+        agreement_->agree_end(planner_.step(), planner_.pass_hash(), order_);
+      else
+        agreement_->agree_end_later(planner_.step(), planner_.pass_hash(), order_);
     }
-    const bool recording = planner_.mode() == TraceMode::record;
     plan_.clear();
     planner_.end_step(plan_);
     pipeline_->execute(plan_, planner_, false);

@@ -1,7 +1,9 @@
 // The gather pipeline of the partitioned coordinator; see gather_pipeline.hpp.
 #include "gather_pipeline.hpp"
 
+#include <algorithm>
 #include <chrono>
+#include <cstring>
 
 #include <fmt/format.h>
 
@@ -36,6 +38,11 @@ GatherPipeline::~GatherPipeline() {
     }
   }
   try {
+    check_ordered(true);
+  } catch (...) {
+  }
+  ordered_.clear();
+  try {
     if (compute_stream_) compute_stream_->synchronize();
     comm_stream_->synchronize();
     copy_stream_->synchronize();
@@ -53,11 +60,17 @@ GatherPipeline::~GatherPipeline() {
   pool_.trim();
 }
 
-void GatherPipeline::add_parameter(std::uint32_t pi, std::size_t shard_numel, DataType type,
-                                   bool on_nvme) {
+void GatherPipeline::add_parameter(std::uint32_t pi, std::span<const std::size_t> member_numels,
+                                   DataType type, bool on_nvme) {
   if (params_.size() <= pi) params_.resize(pi + 1);
   DeviceParameter& p = params_[pi];
-  p.shard_numel = shard_numel;
+  p.members.clear();
+  p.shard_numel = 0;
+  for (std::size_t numel : member_numels) {
+    const std::size_t shard = (numel + world_ - 1) / world_;
+    p.members.push_back({numel, shard, p.shard_numel});
+    p.shard_numel += shard;
+  }
   p.element_size = size_of(type);
   p.type = type;
   p.on_nvme = on_nvme;
@@ -78,9 +91,33 @@ void GatherPipeline::read_shard(std::uint32_t pi, void* host, std::size_t bytes)
   copy_stream_->synchronize();
 }
 
+void GatherPipeline::slice_full(std::uint32_t pi, int rank, const unsigned char* full,
+                                unsigned char* shard) const {
+  const DeviceParameter& p = params_[pi];
+  const std::size_t es = p.element_size;
+  std::size_t at = 0;  // the member's first element in `full`
+  for (const Member& m : p.members) {
+    unsigned char* out = shard + m.offset * es;
+    const std::size_t first = static_cast<std::size_t>(rank) * m.shard;
+    const std::size_t count = first < m.numel ? std::min(m.shard, m.numel - first) : 0;
+    if (count) std::memcpy(out, full + (at + first) * es, count * es);
+    std::memset(out + count * es, 0, (m.shard - count) * es);
+    at += m.numel;
+  }
+}
+
 void GatherPipeline::read_full(std::uint32_t pi, void* host, std::size_t bytes) {
+  const DeviceParameter& p = params_[pi];
   if (compute_stream_) compute_stream_->synchronize();
-  accel_->copy_async(host, params_[pi].full, bytes, CopyKind::device_to_host, *copy_stream_);
+  auto* out = static_cast<unsigned char*>(host);
+  const auto* full = static_cast<const unsigned char*>(p.full);
+  std::size_t done = 0;
+  for (const Member& m : p.members) {
+    const std::size_t n = std::min(m.numel * p.element_size, bytes - done);
+    accel_->copy_async(out + done, full + world_ * m.offset * p.element_size, n,
+                       CopyKind::device_to_host, *copy_stream_);
+    done += n;
+  }
   copy_stream_->synchronize();
 }
 
@@ -137,16 +174,11 @@ void GatherPipeline::execute(const Plan& plan, Planner& planner, bool timed) {
   for (std::size_t k = 0; k < plan.steps.size(); ++k) {
     const Step& s = plan.steps[k];
     switch (s.kind) {
-      case StepKind::retire: {
-        if (!timed) {
-          retire_through(s.gather);
-          break;
-        }
-        auto t0 = Clock::now();
+      case StepKind::retire:
+        timing_ = timed;
         retire_through(s.gather);
-        wait_ns += elapsed_ns(t0);
+        timing_ = false;
         break;
-      }
       case StepKind::free:
         free_copy(s.param);
         break;
@@ -204,7 +236,11 @@ void GatherPipeline::issue(const Plan& plan, const Step& step, Batch& b) {
     for (; k < which.size(); ++k) {
       DeviceParameter& p = params_[which[k]];
       p.full = pool_.take(shard_bytes(which[k]) * world_);
-      items_.push_back(GatherItem{b.staging.sources[k], p.full, p.shard_numel, p.type});
+      const auto* source = static_cast<const unsigned char*>(b.staging.sources[k]);
+      auto* full = static_cast<unsigned char*>(p.full);
+      for (const Member& m : p.members)
+        items_.push_back(GatherItem{source + m.offset * p.element_size,
+                                    full + world_ * m.offset * p.element_size, m.shard, p.type});
     }
     if (compute_stream_ && order_after_compute_) {
       if (!compute_done_) compute_done_ = accel_->create_event();
@@ -224,7 +260,22 @@ void GatherPipeline::issue(const Plan& plan, const Step& step, Batch& b) {
 
 void GatherPipeline::finish(Batch& b) {
   if (b.done) return;
-  b.handle->wait();
+  const bool staged = !b.staging.device.empty() || !b.staging.shards.slots.empty() ||
+                      !b.staging.shards.host_temp.empty();
+  if (compute_stream_ && b.event && !staged) {
+    // The device orders the compute stream after the gather; the host goes on.
+    compute_stream_->wait_event(*b.event);
+    ordered_.push_back({std::move(b.handle)});
+    b.done = true;
+    return;
+  }
+  if (timing_) {
+    auto t0 = Clock::now();
+    b.handle->wait();
+    wait_ns += elapsed_ns(t0);
+  } else {
+    b.handle->wait();
+  }
   if (compute_stream_ && b.event) compute_stream_->wait_event(*b.event);
   for (void* d : b.staging.device) accel_->deallocate(d, MemoryKind::device);
   b.staging.device.clear();
@@ -278,7 +329,20 @@ void GatherPipeline::free_copy(std::uint32_t pi) {
   p.full = nullptr;
 }
 
+void GatherPipeline::check_ordered(bool all) {
+  while (!ordered_.empty()) {
+    CollectiveHandle& handle = *ordered_.front().handle;
+    if (all) {
+      handle.wait();
+    } else if (!handle.query()) {
+      return;
+    }
+    ordered_.pop_front();
+  }
+}
+
 void GatherPipeline::reap_frees() {
+  check_ordered(false);
   while (!pending_frees_.empty() && pending_frees_.front().event->query()) {
     PendingFree& f = pending_frees_.front();
     pool_.give(f.pointer, f.bytes);

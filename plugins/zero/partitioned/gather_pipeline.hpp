@@ -1,11 +1,15 @@
 // The machinery of the partitioned coordinator: executes the planner's
 // plans on an Accelerator. It owns every device buffer (shards and gathered
 // copies, the copies from a pool reused by size: copy_pool.hpp), issues
-// coalesced all-gathers on its own communication stream, keeps their
-// handles until a retire step waits for them, and, with a compute stream:
+// coalesced all-gathers on its own communication stream (one item per
+// member of a parameter group: one collective a group), keeps their
+// handles until a retire step finishes them, and, with a compute stream:
 // - a gather starts after the compute stream's work enqueued before it
 //   (an optimizer step writing the shards on that stream comes first);
-// - the compute stream's later work waits for the gather (an event);
+// - a retire step makes the compute stream's later work wait for the
+//   gather (an event) and does not wait on the host: the host runs ahead
+//   of the device, and the handle is polled later for errors (a gather
+//   that read NVMe shards is still waited for: its host buffers go back);
 // - a released copy goes back to the pool only once the compute stream has
 //   passed the work enqueued before the release (record_stream semantics).
 // NVMe shards come from the read-ahead (nvme_read_ahead.hpp) when one is
@@ -44,9 +48,12 @@ class GatherPipeline {
 
   const std::shared_ptr<Stream>& comm_stream() const { return comm_stream_; }
 
-  // Parameter index `pi` (dense, in order): a zero-filled device shard, or
+  // Parameter index `pi` (dense, in order), a group of tensors of
+  // `member_numels` elements each (one for a plain parameter), each sharded
+  // on its own (ParameterGroups in the SDK): a zero-filled device shard, or
   // none when the shard lives on NVMe.
-  void add_parameter(std::uint32_t pi, std::size_t shard_numel, DataType type, bool on_nvme);
+  void add_parameter(std::uint32_t pi, std::span<const std::size_t> member_numels, DataType type,
+                     bool on_nvme);
   std::size_t shard_numel(std::uint32_t pi) const { return params_[pi].shard_numel; }
   std::size_t shard_bytes(std::uint32_t pi) const {
     return params_[pi].shard_numel * params_[pi].element_size;
@@ -56,22 +63,29 @@ class GatherPipeline {
   void* shard(std::uint32_t pi) const { return params_[pi].shard; }
   void write_shard(std::uint32_t pi, const void* host, std::size_t bytes);
   void read_shard(std::uint32_t pi, void* host, std::size_t bytes);
-  // Waits for the compute stream, then copies a gathered parameter out.
+  // This rank's shard of the members given whole and back to back in
+  // `full` (the members' element counts summed), into `shard` (shard_bytes()).
+  void slice_full(std::uint32_t pi, int rank, const unsigned char* full,
+                  unsigned char* shard) const;
+  // Waits for the compute stream, then copies a gathered parameter's members
+  // out, back to back (the members' element counts summed).
   void read_full(std::uint32_t pi, void* host, std::size_t bytes);
 
   // Brings the host sources of `params` (the module's own gather, next in
   // the plan the planner will give) to the device before the planner
   // commits; a failed NVMe read throws here with nothing changed.
   void stage_own(std::span<const std::uint32_t> params);
-  // Runs the plan's steps in order; the time retire steps block is added
-  // to wait_ns when `timed`.
+  // Runs the plan's steps in order; the time retire steps block the host
+  // is added to wait_ns when `timed` (none when the compute stream is
+  // ordered after a gather instead: see finish()).
   void execute(const Plan& plan, Planner& planner, bool timed);
   // A plan of free steps only (release() plans): frees the copies.
   void free_copies(const Plan& plan);
   // Completes the gathers found finished, oldest first, without blocking
   // (the planner is told; they stay outstanding until a retire step).
   void poll(Planner& planner);
-  // Frees the copies whose compute-stream work has completed.
+  // Frees the copies whose compute-stream work has completed, and reports a
+  // failed gather that the compute stream was ordered after (see finish()).
   void reap_frees();
   void set_compute_stream(std::shared_ptr<Stream> stream);
   // The shards may be written on the compute stream before the next gather
@@ -88,16 +102,22 @@ class GatherPipeline {
   // Throws internal when a buffer disagrees with the planner's status.
   void check_invariants(const Planner& planner) const;
 
-  std::uint64_t wait_ns = 0;  // time retire steps of timed plans blocked
+  std::uint64_t wait_ns = 0;  // time retire steps of timed plans blocked the host
 
  private:
+  struct Member {
+    std::size_t numel = 0;   // elements of the tensor
+    std::size_t shard = 0;   // of each rank's slice: ceil(numel / world)
+    std::size_t offset = 0;  // of its slice in the shard (world * offset in the gathered copy)
+  };
   struct DeviceParameter {
-    std::size_t shard_numel = 0;
+    std::size_t shard_numel = 0;  // sum of the members' slices
     std::size_t element_size = 0;
     DataType type = DataType::f32;
     bool on_nvme = false;
+    std::vector<Member> members;
     void* shard = nullptr;  // device memory (not on NVMe)
-    void* full = nullptr;   // gathered copy, world * shard_numel elements
+    void* full = nullptr;   // gathered copy, world * shard_numel elements, member-major
   };
   // Sources of one gather and what holds them until it completes.
   struct Staging {
@@ -118,6 +138,12 @@ class GatherPipeline {
     std::shared_ptr<Event> event;  // recorded after the gather (with a compute stream)
     Staging staging;
   };
+  // A gather the compute stream was ordered after without the host
+  // waiting: its handle is polled later, so that a failed collective is
+  // still reported (by the next fetch or end of a pass).
+  struct Ordered {
+    std::shared_ptr<CollectiveHandle> handle;
+  };
   struct PendingFree {
     void* pointer;
     std::size_t bytes;
@@ -128,6 +154,9 @@ class GatherPipeline {
   void unstage(Staging& staging);
   void issue(const Plan& plan, const Step& step, Batch& b);
   void finish(Batch& b);
+  // Polls the gathers finished without a host wait (see Ordered); with
+  // `all`, waits for them.
+  void check_ordered(bool all);
   void retire_through(std::uint64_t id);
   void free_copy(std::uint32_t pi);
 
@@ -144,10 +173,12 @@ class GatherPipeline {
   std::deque<Batch> batches_;   // issued, not yet retired, oldest first
   std::vector<Staging> spare_;  // of retired gathers, kept for their vectors' capacity
   std::deque<PendingFree> pending_frees_;
+  std::deque<Ordered> ordered_;                       // oldest first
   std::vector<std::shared_ptr<Event>> spare_events_;  // of reaped frees, recorded again
   std::shared_ptr<Event> compute_done_;               // the compute stream's end at a gather
   bool order_after_compute_ = true;
-  Staging own_;  // staged by stage_own() for the next own gather
+  bool timing_ = false;  // a timed plan's retire step is running
+  Staging own_;          // staged by stage_own() for the next own gather
   bool own_staged_ = false;
   std::vector<GatherItem> items_;  // scratch
 };

@@ -42,8 +42,11 @@ class VariableBatchLRScheduler:
             group.setdefault("initial_lr", group["lr"])
         self.base_lrs = [float(base_lr) if base_lr is not None else float(g["initial_lr"])
                          for g in optimizer.param_groups]
+        if lr_scheduler is None:  # the schedule's settings, checked now
+            for lr in self.base_lrs:
+                _batching.LrSchedule(self.rule, self.base_batch_size, [1], base_lr=lr,
+                                     **self._schedule_args)
         self.last_step = 0
-        self._layout_version = None  # the sampler's packing the sizes below come from
         self._unscaled = None
         if lr_scheduler is not None:
             self._unscaled = [g["lr"] for g in optimizer.param_groups]
@@ -52,61 +55,33 @@ class VariableBatchLRScheduler:
             self._apply()
         # else: a sampler that resumed past step 0; load_state_dict sets the rates.
 
-    def _cover(self, step):
-        """Makes sure the batch size of `step` is known. Sizes start at the
-        first step the sampler knows (0, or where it resumed elastically) and
-        follow its epochs; a new packing (sampler.load_state_dict) restarts
-        them."""
-        if self._layout_version != self.sampler.layout_version:
-            self._layout_version = self.sampler.layout_version
-            self._epochs = self.sampler.resume_epoch
-            self._first = self.sampler.first_step(self._epochs)
-            self._sizes = []
-            self._schedules = None
-        if step < self._first:
-            raise InvalidArgumentError(
-                f"step {step} is before step {self._first}, where the sampler resumed (epoch "
-                f"{self.sampler.resume_epoch}): its batch size is not known; load this "
-                "scheduler's state_dict, saved with the sampler's")
-        grown = False
-        while self._first + len(self._sizes) <= step:
-            sizes = self.sampler.batch_sizes(self._epochs)
-            if len(sizes) == 0:
-                raise InvalidArgumentError(f"epoch {self._epochs} of the sampler has no steps")
-            self._sizes.extend(int(s) for s in sizes)
-            self._epochs += 1
-            grown = True
-        if grown or self._schedules is None:
-            if self.lr_scheduler is None:
-                # The C++ schedule indexes sizes by global step; the steps
-                # before the resume never come back, so their sizes are 0.
-                sizes = [0] * self._first + self._sizes
-                self._schedules = [
-                    _batching.LrSchedule(self.rule, self.base_batch_size, sizes,
-                                         base_lr=lr, **self._schedule_args)
-                    for lr in self.base_lrs]
-            else:
-                self._schedules = []
-
     def batch_size(self, step=None):
-        """Samples of a step (default: the current one)."""
+        """Samples of a step (default: the current one). The step's epoch is
+        found by packing the sampler's epochs up to it, at most
+        MAX_EPOCHS_AHEAD of them past the first one it knows (see
+        DynamicBatchSampler.epoch_of); only their step counts are kept."""
         step = self.last_step if step is None else int(step)
-        self._cover(step)
-        return self._sizes[step - self._first]
+        epoch = self.sampler.epoch_of(step)
+        return int(self.sampler.batch_sizes(epoch)[step - self.sampler.first_step(epoch)])
+
+    def _rates(self, step, batch):
+        """The rate of every param group at `step`, whose batch holds `batch`
+        samples: the C++ schedule's (a schedule of one step size gives every
+        step that size), or the wrapped scheduler's rates scaled by the rule."""
+        if self.lr_scheduler is None:
+            return [_batching.LrSchedule(self.rule, self.base_batch_size, [batch], base_lr=lr,
+                                         **self._schedule_args).lr_at(step)
+                    for lr in self.base_lrs]
+        return [self.rule.scale(lr, float(batch), self.base_batch_size) for lr in self._unscaled]
 
     def lr_at(self, step):
         """The rates of every param group at ``step`` (no lr_scheduler only)."""
-        self._cover(int(step))
-        return [s.lr_at(int(step)) for s in self._schedules]
+        if self.lr_scheduler is not None:
+            return []
+        return self._rates(int(step), self.batch_size(int(step)))
 
     def _apply(self):
-        step = self.last_step
-        self._cover(step)
-        if self.lr_scheduler is None:
-            rates = [s.lr_at(step) for s in self._schedules]
-        else:
-            batch = float(self.batch_size(step))
-            rates = [self.rule.scale(lr, batch, self.base_batch_size) for lr in self._unscaled]
+        rates = self._rates(self.last_step, self.batch_size(self.last_step))
         for group, lr in zip(self.optimizer.param_groups, rates):
             group["lr"] = lr
         self._last_lr = rates
@@ -151,11 +126,20 @@ class VariableBatchLRScheduler:
         if missing:
             raise InvalidArgumentError(
                 f"load_state_dict: the state lacks {', '.join(missing)}: it is damaged")
+        extra = sorted(repr(key) for key in state if key not in mine)
+        if extra:
+            raise InvalidArgumentError(
+                f"load_state_dict: the state has keys a version 1 state does not have: "
+                f"{', '.join(extra[:10])}{' ...' if len(extra) > 10 else ''}: it was not "
+                "written by VariableBatchLRScheduler.state_dict")
         last_step = state["last_step"]
         if isinstance(last_step, bool) or not isinstance(last_step, int) or last_step < 0:
             raise InvalidArgumentError(
                 f"load_state_dict: last_step = {last_step!r} must be an integer >= 0: the "
                 "state is damaged")
+        # Before anything changes: the step's epoch, within what the
+        # sampler can reach (InvalidArgumentError naming the step).
+        self.sampler.epoch_of(last_step)
         unscaled = state["unscaled"]
         if self.lr_scheduler is not None and (
                 not isinstance(unscaled, list) or len(unscaled) != len(self.base_lrs)
@@ -173,8 +157,12 @@ class VariableBatchLRScheduler:
             raise InvalidArgumentError("load_state_dict: the state was saved "
                                        + ("with" if state["lr_scheduler"] else "without")
                                        + " a wrapped lr_scheduler; this scheduler differs")
+        batch = self.batch_size(last_step)
         if self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
             self._unscaled = list(state["unscaled"])
-        self.last_step = int(state["last_step"])
-        self._apply()
+        self.last_step = last_step
+        rates = self._rates(last_step, batch)
+        for group, lr in zip(self.optimizer.param_groups, rates):
+            group["lr"] = lr
+        self._last_lr = rates

@@ -13,6 +13,23 @@ from .._errors import InvalidArgumentError
 
 _int = _ductile.int_argument  # an int, strictly: no bool, no float (C++ conversion)
 
+# The largest epoch a sampler iterates or a state names (no training runs 2^31
+# epochs; an epoch is added to the 64-bit seed of the random order).
+MAX_EPOCH = 2**31 - 1
+# How many epochs ahead of the first one it knows a sampler packs to find a
+# step (epoch_of): a resumed schedule further ahead than that was saved with
+# a sampler state to load first.
+MAX_EPOCHS_AHEAD = 4096
+# The elastic re-forms one epoch of a state may list (each is packed again
+# on resume).
+MAX_SEGMENTS = 4096
+
+_STATE_KEYS = {
+    1: {"format", "version", "epoch", "position", "seed", "order", "rank", "world_size",
+        "samples", "max_tokens", "effective_batch_size"},
+}
+_STATE_KEYS[2] = _STATE_KEYS[1] | {"lengths_sha256", "first_step", "segments"}
+
 
 def _distributed_rank_and_size(rank, world_size):
     if rank is None or world_size is None:
@@ -101,11 +118,12 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
         self._segments = []
         self.layout_version = 0  # changes when load_state_dict changes the packing
         self._layouts = {}
-        self._step_counts = {}
+        self._starts = [0]  # first global step of epochs _anchor_epoch, _anchor_epoch + 1, ...
         self.plan(0)  # checks every option now, not in the training loop
 
     def _pack(self, epoch, subset, effective_batch_size, ranks):
-        seed = self.seed + epoch if self.order == "random" else self.seed
+        seed = self.seed + _check_epoch(epoch, self.seed, "epoch") \
+            if self.order == "random" else self.seed
         lengths = self.lengths if subset is None else np.ascontiguousarray(self.lengths[subset])
         plan = _batching.pack(lengths, max_tokens=self.max_tokens, order=self.order, seed=seed,
                               effective_batch_size=effective_batch_size, ranks=ranks,
@@ -118,6 +136,9 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
 
     def _layout(self, epoch):
         """(plan, batch sizes of the steps run before it) of an epoch."""
+        if self.order != "random" and epoch != self._anchor_epoch:
+            _check_epoch(epoch, self.seed, "epoch")
+            epoch = self._anchor_epoch + 1  # every other epoch is packed alike
         layout = self._layouts.get(epoch)
         if layout is not None:
             return layout
@@ -194,17 +215,84 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
     def first_step(self, epoch=None):
         """The global index of the epoch's first optimizer step (steps of the
         earlier epochs as they ran, across elastic resumes)."""
-        epoch = self.epoch if epoch is None else int(epoch)
+        epoch = self.epoch if epoch is None else _check_epoch(int(epoch), self.seed, "epoch")
         if epoch < self._anchor_epoch:
             raise InvalidArgumentError(
                 f"first_step: epoch {epoch} ran before the state this sampler resumed from "
                 f"(epoch {self._anchor_epoch}); its steps are not known")
-        step = self._anchor_step
-        for e in range(self._anchor_epoch, epoch):
-            if e not in self._step_counts:
-                self._step_counts[e] = len(self.batch_sizes(e))
-            step += self._step_counts[e]
-        return step
+        k = epoch - self._anchor_epoch
+        if k >= 2 and self.order != "random":
+            # Without the random order every epoch after the first one known
+            # is packed alike: as many steps each.
+            return self.first_step(self._anchor_epoch + 1) + \
+                (k - 1) * self._step_count(self._anchor_epoch + 1)
+        while k >= len(self._starts):
+            e = self._anchor_epoch + len(self._starts) - 1
+            self._starts.append(self._starts[-1] + self._step_count(e))
+        return self._starts[k]
+
+    def _step_count(self, epoch):
+        return len(self.batch_sizes(epoch))
+
+    def epoch_of(self, step):
+        """The epoch whose optimizer steps include global step ``step``.
+        With the random order, packs the epochs from the first one known
+        (0, or the one resumed) up to it, each once, at most
+        MAX_EPOCHS_AHEAD of them: a step further ahead is an
+        InvalidArgumentError before any packing, as is a step before the
+        first one known. Without it, at most two epochs are packed."""
+        step = int(step)
+        first = self._starts[0]
+        if step < first:
+            raise InvalidArgumentError(
+                f"step {step} is before step {first}, where the sampler resumed (epoch "
+                f"{self._anchor_epoch}): its batch size is not known; load the state_dict saved "
+                "with this one")
+        if self.order != "random":
+            steps = self._step_count(self._anchor_epoch)
+            if step < first + steps:
+                return self._anchor_epoch
+            later = self._step_count(self._anchor_epoch + 1)
+            epoch = self._anchor_epoch + 1 + (step - first - steps) // later
+            if epoch > MAX_EPOCH:
+                raise InvalidArgumentError(
+                    f"step {step} lies in epoch {epoch} (the epochs after epoch "
+                    f"{self._anchor_epoch} have {later} steps each), past the last epoch, "
+                    f"{MAX_EPOCH}")
+            return epoch
+        known = len(self._starts) - 1  # the epochs whose first step is known, after the first
+        if step >= self._starts[known]:
+            # Before packing: how far ahead the step lies, at the steps of the
+            # last epoch whose count is known.
+            last = self._anchor_epoch + max(known - 1, 0)
+            steps = max(self._starts[known] - self._starts[known - 1] if known else
+                        self._step_count(last), 1)
+            self._check_ahead(self._anchor_epoch + known + (step - self._starts[known]) // steps,
+                              step, f"epoch {last} has {steps} steps")
+            k = known
+            while self.first_step(self._anchor_epoch + k + 1) <= step:
+                k += 1
+                if k > MAX_EPOCHS_AHEAD:
+                    self._check_ahead(self._anchor_epoch + k, step, "the steps of the epochs "
+                                      "before it")
+            return self._anchor_epoch + k
+        lo, hi = 0, known - 1  # the last epoch whose first step is <= step
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._starts[mid] <= step:
+                lo = mid
+            else:
+                hi = mid - 1
+        return self._anchor_epoch + lo
+
+    def _check_ahead(self, epoch, step, why):
+        if epoch - self._anchor_epoch > MAX_EPOCHS_AHEAD:
+            raise InvalidArgumentError(
+                f"step {step} lies in epoch {epoch} or about ({why}), more than "
+                f"{MAX_EPOCHS_AHEAD} epochs after epoch {self._anchor_epoch}, the first this "
+                "sampler knows: a resume that far ahead loads the sampler's state_dict, saved "
+                "with the schedule's, first")
+        return epoch
 
     @property
     def resume_epoch(self):
@@ -215,7 +303,8 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
         """Selects the epoch to iterate; with order="random" its packing is
         shuffled with seed + epoch. Keeps the position restored by
         load_state_dict when it is that state's epoch."""
-        epoch = int(epoch)
+        epoch = _check_epoch(_int(epoch, "set_epoch: epoch", 0, MAX_EPOCH), self.seed,
+                             "set_epoch: epoch")
         if epoch != self.epoch:
             self.epoch = epoch
             self._position = 0
@@ -275,14 +364,16 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
             raise InvalidArgumentError(
                 f"load_state_dict: state version {version!r} is not supported; this ductile "
                 "reads versions 1 and 2")
-        needed = ["epoch", "position", "seed", "order", "rank", "world_size", "samples",
-                  "max_tokens", "effective_batch_size"]
-        if version == 2:
-            needed += ["lengths_sha256", "first_step", "segments"]
-        missing = [k for k in needed if k not in state]
+        missing = sorted(_STATE_KEYS[version] - state.keys())
         if missing:
             raise InvalidArgumentError(
                 f"load_state_dict: the state lacks {', '.join(missing)}: it is damaged")
+        extra = sorted(repr(k) for k in state.keys() - _STATE_KEYS[version])
+        if extra:
+            raise InvalidArgumentError(
+                f"load_state_dict: the state has keys a version {version} state does not have: "
+                f"{', '.join(extra[:10])}{' ...' if len(extra) > 10 else ''}: it was not written "
+                "by DynamicBatchSampler.state_dict")
         mine = {"seed": self.seed, "order": self.order, "samples": len(self.lengths),
                 "max_tokens": self.max_tokens, "lengths_sha256": self._fingerprint}
         for key, value in mine.items():
@@ -290,12 +381,27 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
                 raise InvalidArgumentError(
                     f"load_state_dict: the state has {key} = {state[key]!r}, this sampler "
                     f"{value!r}: it was saved for other data or another packing")
-        epoch, position = _state_int(state, "epoch"), _state_int(state, "position")
-        world_size = _state_int(state, "world_size", 1)
-        effective = _state_int(state, "effective_batch_size", 1)
+        samples = len(self.lengths)
+        epoch = _state_int(state, "epoch", high=MAX_EPOCH)
+        _check_epoch(epoch, self.seed, "load_state_dict: epoch")
+        # Bounds before any packing: a micro-batch holds a sample at least,
+        # so no epoch has more steps (or micro-batches) than samples.
+        position = _state_int(state, "position", high=samples)
+        world_size = _state_int(state, "world_size", 1, samples)
+        effective = _state_int(state, "effective_batch_size", 1, samples)
         rank = _state_int(state, "rank")
-        first_step = _state_int(state, "first_step") if version == 2 else None
-        segments = [tuple(_segment(s)) for s in state.get("segments", [])]
+        first_step = _state_int(state, "first_step", high=epoch * samples) \
+            if version == 2 else None
+        listed = state.get("segments", [])
+        if not isinstance(listed, list) or len(listed) > MAX_SEGMENTS:
+            raise InvalidArgumentError(
+                f"load_state_dict: segments must be a list of at most {MAX_SEGMENTS} "
+                f"[effective_batch_size, steps] pairs, got {_shown(listed)}: the state is damaged")
+        segments = [tuple(_segment(s)) for s in listed]
+        if sum(steps for _, steps in segments) > samples:
+            raise InvalidArgumentError(
+                f"load_state_dict: the segments ran {sum(steps for _, steps in segments)} steps "
+                f"of epoch {epoch}, more than its {samples} samples allow: the state is damaged")
         if effective % world_size or rank >= world_size:
             raise InvalidArgumentError(
                 f"load_state_dict: rank {rank}, world_size {world_size} and "
@@ -320,7 +426,7 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
             # reached the optimizer, so its samples are packed again.
             self._segments = segments + [(effective, position // (effective // world_size))]
             position = 0
-        self._layouts, self._step_counts = {}, {}
+        self._layouts, self._starts = {}, [self._anchor_step]
         self.layout_version += 1
         self.epoch = epoch
         if position > len(self):
@@ -340,13 +446,33 @@ def _lengths_fingerprint(lengths):
     return hashlib.sha256(np.ascontiguousarray(lengths, dtype=np.int64).tobytes()).hexdigest()
 
 
-def _state_int(state, key, low=0):
+def _state_int(state, key, low=0, high=None):
     value = state[key]
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low or (
+            high is not None and value > high):
+        bound = f">= {low}" if high is None else f"between {low} and {high}"
         raise InvalidArgumentError(
-            f"load_state_dict: {key} = {value!r} must be an integer >= {low}: the state is "
-            "damaged")
+            f"load_state_dict: {key} = {_shown(value)} must be an integer {bound}: the state is "
+            "damaged or of other data")
     return int(value)
+
+
+def _shown(value):
+    text = repr(value)
+    return text if len(text) <= 80 else text[:80] + "..."
+
+
+def _check_epoch(epoch, seed, what):
+    """`epoch` when a sampler can iterate it: 0..MAX_EPOCH, and seed + epoch
+    (the random order's seed) a 64-bit integer."""
+    if not 0 <= epoch <= MAX_EPOCH:
+        raise InvalidArgumentError(f"{what} = {_shown(epoch)} is out of range; an epoch is "
+                                   f"between 0 and {MAX_EPOCH}")
+    if seed + epoch > 2**63 - 1:
+        raise InvalidArgumentError(
+            f"{what} = {epoch} with seed = {seed}: the random order's seed, seed + epoch, "
+            "exceeds 2^63 - 1; use a smaller seed")
+    return epoch
 
 
 def _segment(value):

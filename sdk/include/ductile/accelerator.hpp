@@ -298,6 +298,23 @@ class DUCTILE_SDK_API NativeStreams {
   virtual std::shared_ptr<Stream> wrap_native_stream(void* native) = 0;
 };
 
+// Optional capability of an accelerator: the native queue under one of its
+// Streams (for cuda, the cudaStream_t), so that a host framework's own
+// collectives (torch.distributed's process group as a HostWorld) can be
+// ordered after ductile's work on that stream, and ductile's after theirs,
+// without host synchronisation. Find it with
+// dynamic_cast<NativeStreamHandles*>(accelerator.get()); a separate
+// interface so that backends built without it still load.
+//
+// Ownership: the handle stays owned by the Stream (valid as long as it).
+// Threading: as for Stream. Errors: invalid_argument for a Stream of another
+// accelerator.
+class DUCTILE_SDK_API NativeStreamHandles {
+ public:
+  virtual ~NativeStreamHandles() = default;
+  virtual void* native_handle(Stream& stream) = 0;
+};
+
 // A compute device with its memory, queues and communication.
 class DUCTILE_SDK_API Accelerator : public Plugin {
  public:

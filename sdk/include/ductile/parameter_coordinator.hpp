@@ -304,6 +304,43 @@ class DUCTILE_SDK_API ShardStorage {
   virtual void shard_written(ParameterId id) = 0;
 };
 
+// Optional capability of a coordinator: parameter groups, several tensors
+// gathered, prefetched and released as one parameter (one collective), so
+// that a framework fetching a module's parameters makes one gather and one
+// materialisation a module instead of one a tensor. Find it with
+// dynamic_cast<ParameterGroups*>(coordinator.get()); a separate interface
+// (like ShardStorage) so that coordinators built without it still load.
+//
+// Threading, collectives and errors as for ParameterCoordinator; no call
+// here communicates.
+class DUCTILE_SDK_API ParameterGroups {
+ public:
+  virtual ~ParameterGroups() = default;
+
+  // Registers parameter `info.id` (info.numel elements of info.type) as a
+  // group of tensors of `member_numels` elements each, in order; they must
+  // sum to info.numel. Each member is partitioned on its own, as a
+  // parameter of that many elements would be: with s_i = ceil(n_i / world
+  // size), rank r holds elements [r * s_i, (r + 1) * s_i) of member i,
+  // zero-padded past n_i. So:
+  // - the shard (shard_numel() = s_0 + s_1 + ... elements; ShardStorage's
+  //   shard_data(), set_shard(), read_shard()) holds this rank's slices of
+  //   the members back to back, member 0 first;
+  // - the gathered copy (full_data(): world size * shard_numel() elements)
+  //   holds each member whole, back to back: member i at element offset
+  //   world size * (s_0 + ... + s_{i-1}), its first n_i elements meaningful
+  //   and the rest of its world size * s_i elements padding;
+  // - set_full() and read_full() take and give the members' n_i meaningful
+  //   elements back to back (info.numel elements in all).
+  // In every other respect (modules, persistence by info.numel, NVMe shard
+  // files, prefetch and release) the group is one parameter; one coalesced
+  // gather brings it. A single member is a plain parameter. Throws as
+  // register_parameter(), and invalid_argument when `member_numels` is
+  // empty, holds a 0 or does not sum to info.numel (nothing is registered).
+  virtual void register_group(const ParameterInfo& info,
+                              std::span<const std::size_t> member_numels) = 0;
+};
+
 // Counters of the memory a coordinator gathers into, for tests and
 // benchmarks (see GatherMemory).
 struct GatherMemoryStats {

@@ -1,44 +1,60 @@
-"""The ZeRO-3 race (issue 22, item 7): one Hugging Face model, one batch,
-2 ranks on the cpu, engines one after another in one run (a program that
-prints figures, medians; not a test):
+"""The ZeRO-3 race: one Hugging Face model, one batch, engines one after
+another in one run (a program that prints figures, medians; not a test):
 
-- ddp: torch DistributedDataParallel over gloo;
-- fsdp2: torch's fully_shard (FSDP2) over gloo, one unit per transformer
-  block plus the root;
-- deepspeed: DeepSpeed 0.19.7 ZeRO stage 3 on its cpu accelerator over gloo;
-- ductile: ductile.torch.zero3 under torchrun, torch.distributed's gloo
-  process group as its world (no MPI);
-- ductile-mpi: the same under mpirun, over Open MPI (a second transport,
-  for reference);
+- ddp: torch DistributedDataParallel;
+- fsdp2: torch's fully_shard (FSDP2), one unit per transformer block plus
+  the root;
+- deepspeed: DeepSpeed 0.19.7 ZeRO stage 3 (its cpu accelerator over gloo
+  on the cpu);
+- ductile: ductile.torch.zero3 under torchrun, torch.distributed's process
+  group as its world (gloo on the cpu, NCCL on cuda; no MPI);
+- ductile-mpi: the same under mpirun, over the accelerator's own world
+  (Open MPI on the cpu; ductile's NCCL over an MPI bootstrap on cuda);
 - ductile-noprefetch: ductile with prefetch_bucket_size = 0 (every gather
   waited): prefetch must never make the gather wait longer than this.
 
 ZeRO-3 engines get the same settings (prefetch bucket, live limit, reuse
-distance, persistence threshold); every engine trains fp32 with torch.optim.Adam.
+distance, persistence threshold); every engine trains with torch.optim.Adam,
+in fp32 or bf16 (--precision: autocast for DDP, FSDP2's MixedPrecisionPolicy,
+DeepSpeed's bf16 section, ductile's MixedPrecision("bf16"); fp32 masters and
+reduction everywhere).
 
   PYTHONPATH=build/python .venv/bin/python tests/benchmarks/python/bench_zero3.py \\
-      [--steps N] [--engines a,b,...] [--size small|race|gpu] [--device cpu|cuda]
-      [--batch B]
+      [--steps N] [--engines a,b,...] [--size race|small|overhead|gpu]
+      [--device cpu|cuda] [--ranks N] [--batch B] [--precision fp32|bf16]
+      [--calls] [--gpu-profile]
 
-With --device cuda (tools/gpu/ runs it on a lent GPU): one rank on one GPU,
-torch.distributed over NCCL, the ductile config's backend "cuda" (its world is
-torch's NCCL process group; ductile-mpi: ductile's own NCCL communicator,
-bootstrapped by Open MPI); step times after torch.cuda.synchronize(), peak =
+Sizes: race (GPT-2 of 41.7 M parameters, 2 x 128 tokens a rank); overhead
+(24 GPT-2 blocks of width 64, 2 x 16 tokens a rank: the compute is tiny, so
+a step is the framework's own host work); gpu (GPT-2 medium's shape).
+
+--calls: after the timed steps, rank 0 runs 3 more under cProfile and prints
+the Python function calls per step (all, and ductile's own), and the calls
+that can block the host on a GPU (collective waits and completion polls,
+.item(), synchronize). --gpu-profile (cuda): 3 more steps under
+torch.profiler: the GPU's idle time per step (the step's wall time minus
+the union of its kernels and copies) and the CUDA runtime's synchronising
+calls per step.
+
+With --device cuda (tools/gpu/ runs it on a lent GPU): one rank on one GPU;
+step times after torch.cuda.synchronize(), peak =
 torch.cuda.max_memory_allocated above what was allocated before the model.
 
 Per engine, one line exactly in the issue's shape:
   engine <name>: step <ms> ms, x<ratio> DeepSpeed, x<ratio> FSDP2, peak <MiB> MiB/rank
 then the parameter and optimizer bytes per rank, the first losses (the
 engines agree), and for ductile the gather wait per step. Step: median over
-the measured steps of rank 0's forward + backward + optimizer step. Peak:
-the largest resident set of the two ranks during the run, above the one
+the measured steps of rank 0's forward + backward + optimizer step. Peak
+(cpu): the largest resident set of the ranks during the run, above the one
 each had right before building its model (libraries and interpreter left
 out, as they differ between engines).
 """
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import resource
 import socket
 import statistics
@@ -56,9 +72,12 @@ SIZES = {
     "small": dict(n_embd=128, n_layer=4, n_head=4, vocab_size=4096, n_positions=256),
     # 354 M parameters (GPT-2 medium's shape) for a GPU.
     "gpu": dict(n_embd=1024, n_layer=24, n_head=16, vocab_size=50257, n_positions=1024),
+    # Many small modules and tiny compute: the framework's own host work.
+    "overhead": dict(n_embd=64, n_layer=24, n_head=4, vocab_size=1024, n_positions=64),
 }
-CONTEXT = 128
-BATCH = 4      # global: 2 sequences per rank
+CONTEXTS = {"overhead": 16}
+CONTEXT = 128  # tokens a sequence, unless CONTEXTS says otherwise
+BATCH = 2      # sequences per rank unless --batch (global) says otherwise
 WARMUP = 3
 PREFETCH = 20_000_000
 MAX_LIVE = 60_000_000
@@ -88,19 +107,22 @@ def rss_bytes():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def build_model(size):
+def build_model(size, device):
+    """GPT-2 of `size`, built on `device` (on cuda, initialised there: the
+    same values for every engine of a run)."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
     config = GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                         attn_implementation="eager", **SIZES[size])
-    return GPT2LMHeadModel(config)
+    with torch.device(device):
+        return GPT2LMHeadModel(config)
 
 
-def batch(step, rank, world, vocab, size):
+def batch(step, rank, world, vocab, size, context):
     import torch
     g = torch.Generator().manual_seed(7000 + step)
-    ids = torch.randint(0, vocab, (size, CONTEXT), generator=g)
+    ids = torch.randint(0, vocab, (size, context), generator=g)
     per = size // world
     return ids[rank * per:(rank + 1) * per]
 
@@ -124,7 +146,57 @@ def optimizer_bytes(optimizer):
     return tensor_bytes([t for st in optimizer.state.values() for t in st.values()])
 
 
-def worker(engine_name, size, steps, out, device, global_batch):
+# Built-in calls that can block the host on a GPU, by name.
+BLOCKING = re.compile(r"\b(wait|item|tolist|synchronize|is_completed|query)\b")
+
+
+def count_calls(stats, steps):
+    """Python function calls per step: all, ductile's own, and the ones that
+    can block the host on a GPU (by name), from a pstats.Stats."""
+    total = ours = 0
+    blocking = {}
+    for (path, _, name), (_, calls, _, _, _) in stats.stats.items():
+        total += calls
+        if f"{os.sep}ductile{os.sep}" in path:
+            ours += calls
+        if path == "~" and BLOCKING.search(name):
+            blocking[name] = blocking.get(name, 0) + calls
+    return {"calls": total / steps, "ductile_calls": ours / steps,
+            "blocking": {k: v / steps for k, v in sorted(blocking.items())}}
+
+
+def gpu_profile(train_step, next_ids, steps):
+    """GPU idle time and synchronising runtime calls per step (torch.profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("bench_steps"):
+            for _ in range(steps):
+                train_step(next_ids())
+            torch.cuda.synchronize()
+    events = prof.events()
+    window = next(e for e in events if e.name == "bench_steps").time_range
+    spans = sorted((max(e.time_range.start, window.start), min(e.time_range.end, window.end))
+                   for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end = 0.0, window.start
+    for start, stop in spans:
+        if stop <= end:
+            continue
+        busy += stop - max(start, end)
+        end = stop
+    wall = window.end - window.start
+    syncs = {}
+    for e in events:
+        if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+                      "cudaMemcpy", "cudaStreamWaitEvent"):
+            syncs[e.name] = syncs.get(e.name, 0) + 1
+    return {"wall_ms": wall / 1e3 / steps, "busy_ms": busy / 1e3 / steps,
+            "idle_ms": (wall - busy) / 1e3 / steps,
+            "syncs": {k: v / steps for k, v in sorted(syncs.items())}}
+
+
+def worker(engine_name, size, steps, out, device, global_batch, precision, calls, profile_gpu):
     import torch
     import torch.distributed as dist
 
@@ -132,6 +204,8 @@ def worker(engine_name, size, steps, out, device, global_batch):
 
     torch.set_num_threads(1)
     cuda = device == "cuda"
+    bf16 = precision == "bf16"
+    context = CONTEXTS.get(size, CONTEXT)
     launched_by_mpi = "OMPI_COMM_WORLD_RANK" in os.environ
     if cuda:
         torch.cuda.set_device(0)
@@ -142,12 +216,11 @@ def worker(engine_name, size, steps, out, device, global_batch):
     if engine_name.startswith("ductile"):
         import ductile.torch.zero3 as zero3
     baseline = torch.cuda.memory_allocated() if cuda else rss_bytes()
-    model = build_model(size)
-    if cuda:
-        model = model.cuda()
+    model = build_model(size, device)
     vocab = model.config.vocab_size
     numel = sum(p.numel() for p in model.parameters())
     stats_of = None
+    autocast = torch.autocast(device, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     if engine_name == "ddp":
         wrapped = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[0] if cuda else None)
@@ -155,7 +228,8 @@ def worker(engine_name, size, steps, out, device, global_batch):
         rank, world = dist.get_rank(), dist.get_world_size()
 
         def train_step(ids):
-            loss = wrapped(input_ids=ids, labels=ids).loss
+            with autocast:
+                loss = wrapped(input_ids=ids, labels=ids).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -165,12 +239,14 @@ def worker(engine_name, size, steps, out, device, global_batch):
             return tensor_bytes(list(model.parameters()))
     elif engine_name == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         rank, world = dist.get_rank(), dist.get_world_size()
         mesh = init_device_mesh(device, (world,))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if bf16 else MixedPrecisionPolicy()
         for block in model.transformer.h:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
 
         def train_step(ids):
@@ -193,6 +269,8 @@ def worker(engine_name, size, steps, out, device, global_batch):
                 "stage3_param_persistence_threshold": PERSIST, "overlap_comm": True,
                 "contiguous_gradients": True},
         }
+        if bf16:
+            config["bf16"] = {"enabled": True}
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
         ds_engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                              config=config)
@@ -209,7 +287,8 @@ def worker(engine_name, size, steps, out, device, global_batch):
     else:
         prefetch = 0 if engine_name == "ductile-noprefetch" else PREFETCH
         engine = zero3.initialize(model, lambda ps: torch.optim.Adam(ps, lr=1e-4),
-                                  DUCTILE_CONFIG.format(prefetch=prefetch, backend=device))
+                                  DUCTILE_CONFIG.format(prefetch=prefetch, backend=device),
+                                  mixed_precision="bf16" if bf16 else None)
         optimizer = engine.optimizer
         rank, world = engine.rank, engine.world_size
 
@@ -224,6 +303,15 @@ def worker(engine_name, size, steps, out, device, global_batch):
             return s["shard_bytes"] + s["master_bytes"]
         stats_of = engine.stats
 
+    per_rank = global_batch // world
+    step_number = [0]
+
+    def next_ids():
+        ids = batch(step_number[0], rank, world, vocab, global_batch, context).to(device)
+        step_number[0] += 1
+        return ids
+    assert per_rank * world == global_batch
+
     times, losses, waits = [], [], []
     before = stats_of() if stats_of else None
     # BENCH_ZERO3_PROFILE=<engine>:<file>: rank 0 of that engine writes the
@@ -235,7 +323,7 @@ def worker(engine_name, size, steps, out, device, global_batch):
         profiler = cProfile.Profile()
         profiler.enable()
     for s in range(WARMUP + steps):
-        ids = batch(s, rank, world, vocab, global_batch).to(device)
+        ids = next_ids()
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -260,6 +348,18 @@ def worker(engine_name, size, steps, out, device, global_batch):
     record = {"rank": rank, "times": times[WARMUP:], "losses": losses[:3], "numel": numel,
               "peak": peak, "param_bytes": param_bytes(),
               "optimizer_bytes": optimizer_bytes(optimizer), "waits": waits[WARMUP:]}
+    if calls:
+        import cProfile
+        import pstats
+        profiled = cProfile.Profile()
+        ids = [next_ids() for _ in range(3)]
+        profiled.enable()
+        for i in range(3):
+            train_step(ids[i])
+        profiled.disable()
+        record["calls"] = count_calls(pstats.Stats(profiled), 3)
+    if profile_gpu and cuda:
+        record["gpu"] = gpu_profile(train_step, next_ids, 3)
     with open(f"{out}.rank{rank}", "w") as f:
         json.dump(record, f)
     if dist.is_initialized():
@@ -273,11 +373,14 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(engine, size, steps, folder, device, global_batch):
+def launch(engine, args, folder):
     out = os.path.join(folder, engine + ".json")
-    ranks = ranks_for(device)
-    script = [os.path.abspath(__file__), "--worker", engine, "--size", size, "--steps",
-              str(steps), "--out", out, "--device", device, "--batch", str(global_batch)]
+    ranks = args.ranks
+    script = [os.path.abspath(__file__), "--worker", engine, "--size", args.size, "--steps",
+              str(args.steps), "--out", out, "--device", args.device, "--batch", str(args.batch),
+              "--ranks", str(ranks), "--precision", args.precision]
+    script += ["--calls"] if args.calls else []
+    script += ["--gpu-profile"] if args.gpu_profile else []
     if engine == "ductile-mpi":
         command = [os.environ.get("DUCTILE_MPIEXEC", "mpirun"), "--allow-run-as-root",
                    "--oversubscribe", "--mca", "btl", "self,vader", "--bind-to", "none", "-np",
@@ -285,7 +388,7 @@ def launch(engine, size, steps, folder, device, global_batch):
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
                    "--master-addr", "127.0.0.1", "--master-port", str(free_port())] + script
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR=device,
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR=args.device,
                PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
     if proc.returncode != 0:
@@ -297,44 +400,51 @@ def launch(engine, size, steps, folder, device, global_batch):
     return records, None
 
 
-def ranks_for(device):
-    """2 ranks on the cpu; 1 on cuda (one GPU: NCCL refuses two ranks on one
-    device)."""
-    return 1 if device == "cuda" else 2
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--size", default="race", choices=sorted(SIZES))
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--batch", type=int, default=BATCH, help="global batch (sequences)")
+    parser.add_argument("--ranks", type=int, help="processes (default: 2 on the cpu, 1 on cuda: "
+                        "NCCL refuses two ranks on one device)")
+    parser.add_argument("--batch", type=int, help="global batch in sequences (default: 2 a rank)")
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    parser.add_argument("--calls", action="store_true")
+    parser.add_argument("--gpu-profile", action="store_true")
     parser.add_argument("--worker")
     parser.add_argument("--out")
     args = parser.parse_args()
-    if args.batch < ranks_for(args.device) or args.batch % ranks_for(args.device):
-        parser.error(f"--batch {args.batch} must be a positive multiple of the "
-                     f"{ranks_for(args.device)} ranks")
+    if args.ranks is None:
+        args.ranks = 1 if args.device == "cuda" else 2
+    if args.batch is None:
+        args.batch = BATCH * args.ranks
+    if args.ranks < 1 or args.batch < args.ranks or args.batch % args.ranks:
+        parser.error(f"--batch {args.batch} must be a positive multiple of the {args.ranks} ranks")
     if args.worker:
-        worker(args.worker, args.size, args.steps, args.out, args.device, args.batch)
+        worker(args.worker, args.size, args.steps, args.out, args.device, args.batch,
+               args.precision, args.calls, args.gpu_profile)
         return
     engines = args.engines.split(",")
     results, failures = {}, {}
     with tempfile.TemporaryDirectory() as folder:
         for engine in engines:
-            ranks, error = launch(engine, args.size, args.steps, folder, args.device, args.batch)
+            ranks, error = launch(engine, args, folder)
             if ranks is None:
                 failures[engine] = error
             else:
                 results[engine] = ranks
+    report(args, engines, results, failures)
+
+
+def report(args, engines, results, failures):
     first = next(iter(results.values()), None)
     if first:
-        where = ("1 rank on one GPU (NCCL)" if args.device == "cuda"
-                 else "2 ranks (1 thread each)")
+        where = f"{args.ranks} rank(s) on one GPU" if args.device == "cuda" \
+            else f"{args.ranks} rank(s) (1 thread each)"
         print(f"model: GPT-2 {SIZES[args.size]}, {first[0]['numel']:,} parameters; global batch "
-              f"{args.batch} x {CONTEXT} tokens on {where}, fp32, Adam; medians of "
-              f"{args.steps} steps after {WARMUP} warm-up")
+              f"{args.batch} x {CONTEXTS.get(args.size, CONTEXT)} tokens on {where}, "
+              f"{args.precision}, Adam; medians of {args.steps} steps after {WARMUP} warm-up")
     med = {e: statistics.median(r[0]["times"]) for e, r in results.items()}
 
     def ratio(engine, rival):
@@ -345,7 +455,7 @@ def main():
             continue
         r = results[engine]
         peak = max(x["peak"] for x in r) / 2**20
-        print(f"engine {engine}: step {med[engine] * 1e3:.0f} ms, {ratio(engine, 'deepspeed')} "
+        print(f"engine {engine}: step {med[engine] * 1e3:.1f} ms, {ratio(engine, 'deepspeed')} "
               f"DeepSpeed, {ratio(engine, 'fsdp2')} FSDP2, peak {peak:.0f} MiB/rank")
     print()
     for engine, r in results.items():
@@ -356,6 +466,18 @@ def main():
         if engine in results and results[engine][0]["waits"]:
             print(f"  {engine}: gather wait {statistics.median(results[engine][0]['waits']) * 1e3:.1f}"
                   " ms per step (median)")
+    for engine, r in results.items():
+        c = r[0].get("calls")
+        if c:
+            blocking = ", ".join(f"{k} {v:g}" for k, v in c["blocking"].items()) or "none"
+            print(f"  {engine:20} Python calls/step {c['calls']:8.0f} (ductile's "
+                  f"{c['ductile_calls']:6.0f}); host-blocking candidates/step: {blocking}")
+    for engine, r in results.items():
+        g = r[0].get("gpu")
+        if g:
+            syncs = ", ".join(f"{k} {v:g}" for k, v in g["syncs"].items()) or "none"
+            print(f"  {engine:20} GPU per step: wall {g['wall_ms']:.1f} ms, busy "
+                  f"{g['busy_ms']:.1f} ms, idle {g['idle_ms']:.1f} ms; runtime syncs/step: {syncs}")
     for engine, error in failures.items():
         print(f"\n{engine} failed:\n{error}")
 

@@ -1,12 +1,15 @@
 // Configuration validation: exact messages and positions, all errors at once.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <string>
 
 #include "ductile/core/config.hpp"
 #include "ductile/core/registry.hpp"
 #include "ductile/core/runtime.hpp"
+#include "ductile/core/text.hpp"
 #include "temp_dir.hpp"
 
 namespace fs = std::filesystem;
@@ -265,4 +268,41 @@ TEST_CASE("a plain default is checked against its spec like any other value") {
   } catch (const Error& e) {
     CHECK(std::string(e.what()).find("default of 'n'") != std::string::npos);
   }
+}
+
+TEST_CASE("a file of many bad keys reports its first 100 in file order and counts the rest") {
+  std::string text = "[lr]\nrule = \"fixture_good\"\nsteps = 3\n";
+  // Written in reverse name order: the table's own order (by name) is not the file's.
+  for (int k = 1999; k >= 0; --k) text += "unknown_" + std::to_string(k) + " = 1\n";
+  try {
+    Config::validate(ConfigDocument::from_string(text, "job.toml"), registry());
+    FAIL("no error");
+  } catch (const ConfigError& e) {
+    REQUIRE(e.diagnostics().size() == kMaxConfigDiagnostics);
+    CHECK(e.more() == 2000 - kMaxConfigDiagnostics);
+    CHECK(e.diagnostics().front().where.line == 4);
+    CHECK(e.diagnostics().front().message.starts_with("unknown key 'unknown_1999' in [lr]"));
+    CHECK(e.diagnostics().back().where.line == 103);
+    const std::string what = e.what();
+    CHECK(std::count(what.begin(), what.end(), '\n') == 100);
+    CHECK(what.ends_with("\n... and 1900 more"));
+  }
+}
+
+TEST_CASE("control, bidi and NUL characters and bytes that are not UTF-8 are escaped") {
+  using namespace std::string_literals;
+  CHECK(printable("plain text, ünïcödé, tab\tand\nnewline") ==
+        "plain text, ünïcödé, tab\tand\nnewline");
+  CHECK(printable("a\0b\x1b[31m\x7f"s) == "a\\x00b\\x1b[31m\\x7f");
+  CHECK(printable("x\ny", false) == "x\\x0ay");
+  CHECK(printable("evil\u202etxt\u2066\u200f") == "evil\\u{202e}txt\\u{2066}\\u{200f}");
+  CHECK(printable("c1:\xc2\x85") == "c1:\\u{0085}");
+  CHECK(printable("bad:\xff\xc3(\xed\xa0\x80") == "bad:\\xff\\xc3(\\xed\\xa0\\x80");
+  CHECK(printable("cut:\xe2\x82") == "cut:\\xe2\\x82");
+  // Quoted values and whole diagnostics go through it.
+  CHECK(excerpt("k\0ey\u202e"s) == "k\\x00ey\\u{202e}");
+  const auto errors =
+      errors_of("[lr]\nrule = \"fixture_good\"\nsteps = 3\n\"a\\u0000b\\u202E\" = 1\n");
+  REQUIRE(errors.size() == 1);
+  CHECK(errors[0].starts_with("job.toml:4:1: unknown key 'a\\x00b\\u{202e}' in [lr]"));
 }

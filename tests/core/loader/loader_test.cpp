@@ -426,3 +426,34 @@ TEST_CASE("descriptors before ABI 2.2 count as interface revision 1 with an unch
   CHECK_THROWS_WITH_AS(check_plugin_descriptor(&d, "libductile_batching_old.so"),
                        doctest::Contains("of the batching interface (BatchSampler)"), Error);
 }
+
+TEST_CASE("a descriptor pointing where its library maps nothing is refused before any read") {
+  // Each fixture's entry point returns one pointer into nothing (garbage_plugin.cpp);
+  // reading through any of them crashed the process that listed the plugins.
+  const std::pair<const char*, const char*> cases[] = {
+      {"wild_descriptor",
+       "its descriptor's address (0x10, 12 bytes) lies outside what the "
+       "library maps"},
+      {"huge_struct", "its descriptor's struct_size of 2147483647 bytes"},
+      {"wild_name", "its descriptor's name (0x10, a string) lies outside"},
+      {"wild_schema", "its descriptor's params (an array of 1) (0x10,"},
+      {"huge_schema", "its descriptor declares 1099511627776 parameters, more than the 4096"},
+      {"wild_allowed", "its descriptor's params[0].allowed_values[1] (0x10, a string)"},
+      {"data_factory", "its descriptor's create ("},
+  };
+  for (const auto& [name, expected] : cases) {
+    CAPTURE(name);
+    const fs::path file = kRoot / "garbage" / fmt::format("libductile_lr_garbage_{}.so", name);
+    const std::string message = load_error(file);
+    CHECK(message.find(file.string()) != std::string::npos);
+    CHECK_MESSAGE(message.find(expected) != std::string::npos, message);
+    CHECK(message.find("the plugin was not used") != std::string::npos);
+  }
+  // What `ductile plugins list` does: every file is a problem, none a crash.
+  PluginRegistry registry({kRoot / "garbage"}, nullptr);
+  std::size_t garbage = 0;
+  for (const auto& problem : registry.problems())
+    garbage += problem.file.filename().string().starts_with("libductile_lr_garbage_");
+  CHECK(garbage == std::size(cases));
+  for (const auto& info : registry.plugins()) CHECK_FALSE(info.name.starts_with("garbage_"));
+}

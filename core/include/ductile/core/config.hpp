@@ -53,18 +53,27 @@ struct SourcePosition {
 struct Diagnostic {
   SourcePosition where;
   std::string message;
-  std::string format() const;  // "file:line:col: message"
+  std::string format() const;  // "file:line:col: message", one line (printable())
 };
 
+// The most diagnostics a ConfigError holds and prints: a file of a million
+// bad keys is reported by its first ones and a count of the rest.
+inline constexpr std::size_t kMaxConfigDiagnostics = 100;
+
 // Thrown when a configuration is invalid: what() is every diagnostic, one a
-// line, in file order; kind() is ErrorKind::config.
+// line, in file order, at most kMaxConfigDiagnostics of them, then "... and N
+// more"; kind() is ErrorKind::config.
 class ConfigError : public Error {
  public:
-  explicit ConfigError(std::vector<Diagnostic> diagnostics);
+  // `diagnostics` in file order; `more`: how many were left out of them.
+  explicit ConfigError(std::vector<Diagnostic> diagnostics, std::size_t more = 0);
   const std::vector<Diagnostic>& diagnostics() const { return diagnostics_; }
+  // The diagnostics left out (beyond kMaxConfigDiagnostics).
+  std::size_t more() const { return more_; }
 
  private:
   std::vector<Diagnostic> diagnostics_;
+  std::size_t more_ = 0;
 };
 
 // A second key that may name a section's plugin, for files written in

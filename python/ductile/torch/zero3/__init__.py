@@ -19,11 +19,12 @@ torch.distributed's process group when it is initialised (gloo on cpu,
 NCCL on cuda: torchrun, ``ductile agent``), else the accelerator's own
 (Open MPI under mpirun, NCCL over an MPI bootstrap, or one process). Each
 rank keeps one shard, and ``param.data`` is an empty tensor except while a
-module using it runs. Module hooks fetch a module's parameters before its
-forward and its backward and release them after; the coordinator (C++)
-records the module order, prefetches along it and decides what to keep.
-Each full gradient is reduce-scattered into a gradient shard as soon as
-autograd has produced it; the optimizer, built by ``optimizer_factory`` over
+module using it runs. The parameters go by group: a hooked module's own
+(a transformer block's, by default), gathered in one collective before its
+forward and its backward and released after; the coordinator (C++) records
+the order, prefetches along it and decides what to keep. When a block's
+backward is done, its gradients are reduce-scattered in one collective into
+one flat gradient shard; the optimizer, built by ``optimizer_factory`` over
 the shards, steps on shards (fp32 masters with mixed precision).
 
 Also: gradient accumulation (``no_sync()``), ``clip_grad_norm_``, mixed
@@ -35,6 +36,7 @@ belong to must be declared with ``register_external_parameter``;
 ``engine.state_dict()``. docs/python.md describes it all.
 """
 
+from ..._config import load_config
 from ._engine import Zero3Engine, register_external_parameter
 from ._full import GatheredParameters
 from ._init import init
@@ -45,7 +47,8 @@ __all__ = ["initialize", "init", "Zero3Engine", "register_external_parameter",
 
 
 def initialize(model, optimizer_factory=None, config=None, *, plugin_path=None,
-               mixed_precision=None, load_from=None, group=None, step_in_backward=False):
+               mixed_precision=None, load_from=None, group=None, step_in_backward=False,
+               groups="auto", allow_config_plugins=False):
     """Partitions ``model``'s parameters and installs the hooks; returns the
     engine. Collective: every rank calls it with the same model structure.
 
@@ -66,10 +69,22 @@ def initialize(model, optimizer_factory=None, config=None, *, plugin_path=None,
     shard (``optimizer_factory([shard])``), stepped as soon as that shard's
     gradient is reduce-scattered, so the gradient shards never all exist at
     once (no global clipping or fp16 loss scaling then; accumulate with
-    ``no_sync()`` for all but the last micro-batch). Raises ConfigError,
+    ``no_sync()`` for all but the last micro-batch). ``groups``: which
+    modules are hooked and gather their parameters as one group (one
+    collective each way): "auto" (the transformer blocks: a Hugging Face
+    model's ``_no_split_modules``, else each child of an ``nn.ModuleList``;
+    the root takes the rest), "module" (every module with parameters), a
+    tuple of module classes or a callable ``module -> bool`` (those, and the
+    root). ``allow_config_plugins``: load plugins from the directories the
+    config's own ``[plugins] path`` names (off: see ``ductile.load_config``).
+    Raises ConfigError (also for a plugin the config selects from a
+    directory it names, without ``allow_config_plugins``),
     InvalidArgumentError (a parameter of an unsupported dtype or on the
-    wrong device).
+    wrong device, a bad ``groups``).
     """
+    if config is not None:
+        config = load_config(config, format="toml" if isinstance(config, dict) else None,
+                             plugin_path=plugin_path, allow_config_plugins=allow_config_plugins)
     return Zero3Engine(model, optimizer_factory, config, plugin_path=plugin_path,
                        mixed_precision=mixed_precision, load_from=load_from, group=group,
-                       step_in_backward=step_in_backward)
+                       step_in_backward=step_in_backward, groups=groups)

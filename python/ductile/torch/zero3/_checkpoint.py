@@ -3,9 +3,11 @@ at any world size.
 
 ``engine.save(root)`` writes, for a job of W ranks::
 
-    root/latest                  the committed checkpoint's folder name (written last)
+    root/latest                  the committed checkpoint's folder name and the
+                                 SHA-256 of its manifest (written last)
     root/<tag>/manifest.json     by rank 0: save id, step, parameters, optimizer, client
                                  state, and each shard file's size and CRC-32
+    root/<tag>/manifest.json.sha256  the manifest's SHA-256 (sha256sum's format)
     root/<tag>/rank<r>-of-<W>.bin  rank r's shards: a header naming the save, then, parameter
                                  after parameter in model.named_parameters() order, its
                                  values and its optimizer state tensors of shard shape
@@ -14,27 +16,34 @@ at any world size.
 
 The tag is ``step<N>`` (the engine's optimizer steps) unless given; a
 folder of that name that exists already gets a new one, ``<tag>.<k>``.
+Format version 3; version 2 checkpoints (no checksum of the manifest) load.
 
-How a save commits. Every file is written into ``root/<tag>.tmp`` and
-fsynced; rank 0 then writes the manifest, fsyncs the folder, renames it to
-its final name and fsyncs ``root``; last, ``latest`` is written beside
-(``latest.tmp``), fsynced and renamed over the old one, and ``root`` fsynced
-again. The rename of ``latest`` is the commit: a save stopped at any point
-before it leaves the old checkpoint as ``latest`` names it, whole; after it,
-the new one. After the commit, every other folder of the same tag (the
-superseded save, or one an interrupted save renamed but never committed) and
-the ``*.tmp`` folders of interrupted saves are removed; a save killed before
-that leaves them to the next save of the tag.
+How a save commits. Rank 0 takes an exclusive flock on ``root`` for the
+whole save (another save into the same root is refused; a save killed
+releases it with its process). Every file is written into ``root/<tag>.tmp``
+and fsynced; rank 0 then writes the manifest and its checksum, fsyncs the
+folder, renames it to its final name and fsyncs ``root``; last, ``latest``
+is written beside (``latest.tmp``), fsynced and renamed over the old one,
+and ``root`` fsynced again. The rename of ``latest`` is the commit: a save
+stopped at any point before it leaves the old checkpoint as ``latest`` names
+it, whole; after it, the new one. After the commit, every other folder of
+the same tag (the superseded save, or one an interrupted save renamed but
+never committed) is removed. A save that fails (on any rank) before its
+commit removes what it wrote. The ``*.tmp`` leftovers of a killed save are
+removed by the next save, or by a load, when no save holds the lock.
 
 Why files from two saves cannot mix. Every shard file's header carries its
 save id and step, and the manifest carries the save id, the step and every
 shard file's size and CRC-32: a shard of another save (a leftover, a copy)
-is an error naming the file and both saves.
+is an error naming the file and both saves. The manifest itself is checked
+against the SHA-256 in ``latest`` and in its sidecar before it is parsed:
+an edit (a step, an optimizer scalar) is refused, naming the file.
 
 How a load fails. Each rank reads the manifest, checks the model and the
 optimizer against it, reads the pieces it needs from the old ranks' files,
-checking each file's header, size and CRC-32, and builds the new optimizer
-state, all without touching the engine. The ranks then agree
+checking each file's type (a regular file inside the checkpoint: a FIFO
+would block), header, size and CRC-32, and builds the new optimizer state,
+all without touching the engine. The ranks then agree
 (``_agreement.agree``): if any rank failed, every rank raises at once (the
 others name the failing rank and its message) and the model and optimizer
 are unchanged everywhere. Only then are shards and optimizer state replaced.
@@ -44,6 +53,7 @@ each flattened parameter, which lie in one or a few of the old ranks' shards.
 """
 
 import copy
+import hashlib
 import json
 import os
 import uuid
@@ -52,13 +62,41 @@ import torch
 
 from ..._errors import IncompatibleError, InvalidArgumentError, IoError
 from ._agreement import agree
-from ._checkpoint_files import (FORMAT, LATEST, VERSION, RankFiles, check_model, check_tag,
-                                describe, dtype_of, element_size, final_name, from_json, fs,
-                                fsync_dir,
-                                header, io_error, optimizer_view, read_manifest,
-                                rank_stem, remove_tree, resolve, shard_chunks, write_file)
+from ._checkpoint_files import (CHECKSUM, FORMAT, LATEST, MANIFEST, VERSION, check_root,
+                                check_tag, clean_after_load, describe, dtype_of, element_size,
+                                final_name, from_json, fs, fsync_dir, header, io_error,
+                                lock_root, optimizer_view, pointer_text, rank_stem,
+                                remove_leftovers, remove_tree, shard_chunks, unlock_root,
+                                write_file)
+from ._checkpoint_reads import (RankFiles, check_loss_scaler, check_model, read_manifest,
+                                resolve)
 
 # --- save --------------------------------------------------------------------------
+
+
+class _Written:
+    """What rank 0's save has put into the root so far, to remove when the
+    save fails (on any rank) before its commit."""
+
+    def __init__(self):
+        self.lock = None        # the root's flock
+        self.staging = None     # root/<tag>.tmp, once created
+        self.final = None       # root/<name>, once renamed
+        self.pointer = None     # root/latest.tmp, once created
+        self.committed = False  # latest replaced: nothing is removed any more
+
+    def undo(self):
+        if not self.committed:
+            for path in (self.staging, self.final):
+                if path is not None and os.path.lexists(path):
+                    remove_tree(path)
+            if self.pointer is not None and os.path.lexists(self.pointer):
+                try:
+                    os.unlink(self.pointer)
+                except OSError:
+                    pass
+        unlock_root(self.lock)
+        self.lock = None
 
 
 def save(engine, root, client_state=None, tag=None):
@@ -66,7 +104,7 @@ def save(engine, root, client_state=None, tag=None):
         raise IncompatibleError(
             "zero3: save() in the middle of a pass (a forward without its backward); save "
             "between steps")
-    root = os.fspath(root)
+    root = check_root(root, "zero3 save")
     step = engine.global_step
     if tag is None:
         tag = f"step{step}"
@@ -74,7 +112,16 @@ def save(engine, root, client_state=None, tag=None):
     rank, world = engine.rank, engine.world_size
     what = "zero3 save"
     staging = os.path.join(root, tag + ".tmp")
+    written = _Written()
+    try:
+        _save(engine, root, client_state, tag, step, rank, world, what, staging, written)
+    finally:
+        # Rank 0 alone writes the folders; a failure anywhere is raised on
+        # every rank by agree(), after every rank stopped writing.
+        written.undo()
 
+
+def _save(engine, root, client_state, tag, step, rank, world, what, staging, written):
     def prepare():
         optimizer, groups = optimizer_view(engine)
         parameters, opt = describe(engine, optimizer, groups)
@@ -82,16 +129,25 @@ def save(engine, root, client_state=None, tag=None):
         if rank == 0:
             try:
                 json.dumps(client_state)
-            except (TypeError, ValueError) as e:
+            except (TypeError, ValueError, RecursionError) as e:
                 raise InvalidArgumentError(
                     f"zero3 checkpoint: client_state cannot be written as JSON: {e}") from e
             try:
                 fs("mkdir", root)
                 os.makedirs(root, exist_ok=True)
-                if os.path.lexists(staging):
+                try:
+                    written.lock = lock_root(root)
+                except BlockingIOError as e:
+                    raise IoError(f"{root}: another save is writing there (it holds the folder's "
+                                  "lock); save one at a time") from e
+                if written.lock is not None:
+                    # No live save: every staging folder is a killed one's.
+                    remove_leftovers(root)
+                elif os.path.lexists(staging):
                     remove_tree(staging)  # an interrupted save of this tag
                 fs("mkdir", staging)
                 os.mkdir(staging)
+                written.staging = staging
             except OSError as e:
                 raise io_error(staging, "cannot create the checkpoint folder", e) from e
             manifest_text = uuid.uuid4().hex
@@ -111,10 +167,11 @@ def save(engine, root, client_state=None, tag=None):
         except OSError as e:
             raise io_error(path, "cannot write the shard file", e) from e
 
-    written = agree(engine.comm, write_shards,
-                    payload=lambda v: json.dumps(v).encode(), what=what)
+    shards_written = agree(engine.comm, write_shards,
+                           payload=lambda v: json.dumps(v).encode(), what=what)
     shards = [{"file": rank_stem(r, world) + ".bin", "bytes": s, "crc32": c}
-              for r, (s, c) in enumerate(json.loads(p.decode()) for p in written.payloads)]
+              for r, (s, c) in enumerate(json.loads(p.decode())
+                                         for p in shards_written.payloads)]
 
     def commit():
         if rank != 0:
@@ -126,21 +183,26 @@ def save(engine, root, client_state=None, tag=None):
             "loss_scaler": engine._scaler.state_dict() if engine._scaler is not None else None,
         }
         text = json.dumps(manifest, indent=1).encode()
+        checksum = hashlib.sha256(text).hexdigest()
         name = final_name(root, tag)
         final = os.path.join(root, name)
         try:
-            write_file(os.path.join(staging, "manifest.json"), [text])
+            write_file(os.path.join(staging, MANIFEST), [text])
+            write_file(os.path.join(staging, CHECKSUM), [f"{checksum}  {MANIFEST}\n".encode()])
             fsync_dir(staging)
             fs("rename", staging)
             os.rename(staging, final)
+            written.staging, written.final = None, final
             fsync_dir(root)
             pointer = os.path.join(root, LATEST + ".tmp")
             if os.path.lexists(pointer):
                 fs("remove", pointer)
                 os.unlink(pointer)
-            write_file(pointer, [name.encode() + b"\n"])
+            written.pointer = pointer
+            write_file(pointer, [pointer_text(name, checksum)])
             fs("rename", pointer)
             os.replace(pointer, os.path.join(root, LATEST))  # the commit
+            written.committed = True
             fsync_dir(root)
         except OSError as e:
             raise io_error(final, "cannot commit the checkpoint", e) from e
@@ -164,10 +226,12 @@ def save(engine, root, client_state=None, tag=None):
 
 def _read(engine, root):
     """Everything a load needs, read and checked; the engine is untouched.
-    Returns (manifest, shard values per parameter, optimizer state dict or None)."""
-    folder = resolve(root)
-    path, manifest = read_manifest(folder)
+    Returns (manifest path, manifest, shard values per parameter, optimizer
+    state dict or None)."""
+    source = resolve(root)
+    path, manifest = read_manifest(source)
     check_model(engine, path, manifest)
+    check_loss_scaler(engine, path, manifest)
     saved = manifest["parameters"]
     optimizer, groups = optimizer_view(engine)
     saved_opt = manifest.get("optimizer")
@@ -192,7 +256,7 @@ def _read(engine, root):
         offsets.append((old_shard, entry))
 
     old_world = manifest["world_size"]
-    files = RankFiles(folder, path, manifest, layout)
+    files = RankFiles(source, path, manifest, layout)
     try:
         values = []
         for info, meta, (old_shard, entry) in zip(engine._params, saved, offsets):
@@ -224,7 +288,7 @@ def _read(engine, root):
     state = None
     if optimizer is not None:
         state = _optimizer_state(engine, path, groups, saved_opt, saved, values)
-    return manifest, values, state
+    return path, manifest, values, state
 
 
 def _optimizer_state(engine, path, groups, saved_opt, saved, values):
@@ -259,14 +323,25 @@ def load(engine, root):
     if engine._pass_open:
         raise IncompatibleError(
             "zero3: load() in the middle of a pass (a forward without its backward)")
+    root = check_root(root, "zero3 load")
     read = agree(engine.comm, lambda: _read(engine, root),
                  what="zero3 load")
-    manifest, values, state = read.value
+    path, manifest, values, state = read.value
     optimizer = engine.optimizer
     if optimizer is not None:
+        # The optimizer's own checks of the state may fail on one rank: the
+        # ranks agree on them too, and every rank puts its state back.
         before = copy.deepcopy(optimizer.state_dict())
+
+        def apply():
+            try:
+                optimizer.load_state_dict(state)
+            except Exception as e:
+                optimizer.load_state_dict(before)
+                raise IoError(f"{path}: the optimizer state does not load into the "
+                              f"{type(optimizer).__name__}: {type(e).__name__}: {e}") from e
         try:
-            optimizer.load_state_dict(state)
+            agree(engine.comm, apply, what="zero3 load")
         except BaseException:
             optimizer.load_state_dict(before)
             raise
@@ -278,4 +353,6 @@ def load(engine, root):
     scaler = engine._scaler
     if scaler is not None and manifest.get("loss_scaler") is not None:
         scaler.load_state_dict(manifest["loss_scaler"])
+    if engine.rank == 0 and os.path.lexists(os.path.join(root, LATEST)):
+        clean_after_load(root)  # a checkpoint root (not a tag folder given alone)
     return manifest.get("client_state")

@@ -1,22 +1,31 @@
-"""The files of a zero3 checkpoint (see _checkpoint.py): the file-system
-operations of a save (each one passing the test hook), the shard files'
-header, the manifest's parameter and optimizer entries, and the checks a
-load makes of the manifest and of every shard file it reads."""
+"""The files of a zero3 checkpoint (see _checkpoint.py), as a save writes
+them: the file-system operations (each one passing the test hook), the
+shard files' header, the manifest's parameter and optimizer entries, the
+names a tag may take, and the root's lock with the leftovers of killed
+saves. _checkpoint_reads.py reads them back."""
 
+import errno
+import fcntl
 import json
 import os
 import shutil
+import unicodedata
 import zlib
 
 import torch
 
 from ..._errors import IncompatibleError, InvalidArgumentError, IoError
+from ..._paths import path_argument
 
 FORMAT = "ductile-zero3-checkpoint"
-VERSION = 2
+# 3: the manifest's SHA-256 in `latest` and in its sidecar file. 2 (read
+# still): no checksum of the manifest.
+VERSION = 3
+READ_VERSIONS = (2, 3)
 LATEST = "latest"
-_MAGIC = b"DZ3SHARD"
-_CHUNK = 1 << 22
+MANIFEST = "manifest.json"
+CHECKSUM = MANIFEST + ".sha256"  # sha256sum's format: "<hex>  manifest.json"
+MAGIC = b"DZ3SHARD"
 
 # Test hook: called as _fault_hook(operation, path) before every mkdir,
 # create, write, fsync, rename and removal of a save, so that a test can
@@ -38,9 +47,13 @@ def dtype_name(dtype):
 
 
 def dtype_of(name, where):
-    dtype = getattr(torch, str(name), None)
+    dtype = getattr(torch, str(name), None) if isinstance(name, str) else None
     if not isinstance(dtype, torch.dtype):
-        raise IoError(f"{where}: unknown dtype '{name}'")
+        raise IoError(f"{where}: unknown dtype {name!r}")
+    try:  # a dtype whose elements are raw bytes (not a quantized one, say)
+        torch.zeros(1, dtype=dtype).view(torch.uint8)
+    except (RuntimeError, TypeError) as e:
+        raise IoError(f"{where}: dtype {name!r} cannot be read from raw bytes") from e
     return dtype
 
 
@@ -115,7 +128,11 @@ def json_value(value, where):
 
 def from_json(value, where):
     if isinstance(value, dict) and "tensor" in value:
-        return torch.tensor(value["tensor"], dtype=dtype_of(value["dtype"], where))
+        dtype = dtype_of(value.get("dtype"), where)
+        try:
+            return torch.tensor(value["tensor"], dtype=dtype)
+        except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+            raise IoError(f"{where}: a tensor of the optimizer state cannot be read: {e}") from e
     return value
 
 
@@ -149,7 +166,7 @@ def describe(engine, optimizer, groups):
 def header(save_id, step, rank, world):
     text = json.dumps({"format": FORMAT, "save_id": save_id, "step": step, "rank": rank,
                        "world_size": world}).encode()
-    return _MAGIC + len(text).to_bytes(4, "little") + text
+    return MAGIC + len(text).to_bytes(4, "little") + text
 
 
 def shard_chunks(engine, optimizer, parameters, header):
@@ -162,11 +179,10 @@ def shard_chunks(engine, optimizer, parameters, header):
 
 
 def check_tag(tag):
-    if not isinstance(tag, str) or not tag or tag in (".", "..", LATEST) or "/" in tag \
-            or os.sep in tag or tag.endswith(".tmp") or tag.startswith("."):
+    problem = tag_problem(tag)
+    if problem is not None:
         raise InvalidArgumentError(
-            f"zero3 checkpoint: tag {tag!r} is not a valid folder name (a non-empty name "
-            f"without '/', not '{LATEST}', not starting with '.' nor ending with '.tmp')")
+            f"zero3 checkpoint: tag {tag!r} is not a valid folder name (valid: {problem})")
 
 
 def final_name(root, tag):
@@ -178,12 +194,28 @@ def final_name(root, tag):
     return f"{tag}.{k}"
 
 
-def read_latest(root):
-    try:
-        with open(os.path.join(root, LATEST), encoding="utf-8") as f:
-            return f.read().strip() or None
-    except FileNotFoundError:
-        return None
+def tag_problem(tag):
+    """Why `tag` cannot name a checkpoint folder, or None."""
+    if not isinstance(tag, str) or not tag:
+        return "a non-empty str"
+    if tag in (".", "..", LATEST) or tag.startswith(".") or tag.endswith(".tmp"):
+        return f"not '{LATEST}', not starting with '.' nor ending with '.tmp'"
+    if "/" in tag or os.sep in tag:
+        return "without '/'"
+    if any(unicodedata.category(c) in ("Cc", "Cf", "Cs", "Zl", "Zp") for c in tag):
+        return "without NUL, control, format (bidi) characters or lone surrogates"
+    if len(tag.encode("utf-8")) > 255:
+        return "at most 255 bytes in UTF-8"
+    return None
+
+
+def pointer_text(name, checksum):
+    return f"{name}\nsha256 {checksum}\n".encode()
+
+
+def check_root(root, what):
+    """`root` as a str path; InvalidArgumentError for one no file can have."""
+    return path_argument(root, "directory", what)
 
 
 def remove_tree(path):
@@ -191,147 +223,66 @@ def remove_tree(path):
     shutil.rmtree(path, ignore_errors=True)
 
 
-def resolve(root):
-    """The checkpoint folder: root/<latest>, or root itself when it holds a
-    manifest (a tag folder given directly)."""
-    root = os.fspath(root)
-    latest = read_latest(root) if os.path.isdir(root) else None
-    if latest is not None:
-        if "/" in latest or latest in (".", ".."):
-            raise IoError(f"{os.path.join(root, LATEST)}: names {latest!r}, not a folder of "
-                          f"{root}")
-        folder = os.path.join(root, latest)
-        if not os.path.isdir(folder):
-            raise IoError(f"{os.path.join(root, LATEST)}: names {latest!r}, which does not exist")
-        return folder
-    if os.path.isfile(os.path.join(root, "manifest.json")):
-        return root
-    raise IoError(f"{root}: no checkpoint: neither '{LATEST}' nor manifest.json (was a "
-                  "checkpoint ever saved there completely?)")
-
-
-def read_manifest(folder):
-    path = os.path.join(folder, "manifest.json")
+def lock_root(root):
+    """An exclusive flock on the root folder, held by rank 0 of a save while
+    it writes there (released when the process dies): the descriptor to
+    close, or None where the file system cannot lock (then nobody can tell
+    a live save from a killed one, and nothing is cleaned). Raises
+    BlockingIOError when another process holds it."""
     try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
-    except FileNotFoundError as e:
-        raise IoError(f"{path}: no checkpoint manifest") from e
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise
     except OSError as e:
-        raise io_error(path, "cannot read the checkpoint manifest", e) from e
-    except ValueError as e:
-        raise IoError(f"{path}: the checkpoint manifest is not valid JSON: {e}") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise IoError(f"{path}: not a ductile zero3 checkpoint manifest")
-    if manifest.get("version") != VERSION:
-        raise IoError(f"{path}: checkpoint version {manifest.get('version')!r}; this ductile "
-                      f"reads version {VERSION}")
-    world = manifest.get("world_size")
-    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
-        raise IoError(f"{path}: world_size {world!r} is not a positive integer")
-    shards = manifest.get("shards")
-    if not isinstance(shards, list) or len(shards) != world or not all(
-            isinstance(s, dict) and s.get("file") == rank_stem(r, world) + ".bin"
-            and isinstance(s.get("bytes"), int) and isinstance(s.get("crc32"), int)
-            for r, s in enumerate(shards)):
-        raise IoError(f"{path}: 'shards' must list rank0..rank{world - 1}'s file, size and "
-                      "CRC-32")
-    if not isinstance(manifest.get("save_id"), str) or not isinstance(manifest.get("step"), int):
-        raise IoError(f"{path}: 'save_id' and 'step' are missing")
-    return path, manifest
+        os.close(fd)
+        if e.errno in (errno.EBADF, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+            return None
+        raise
+    return fd
 
 
-def check_model(engine, path, manifest):
-    saved = manifest.get("parameters")
-    if not isinstance(saved, list):
-        raise IoError(f"{path}: 'parameters' is missing")
-    ours = engine._params
-    if len(saved) != len(ours):
-        raise IncompatibleError(
-            f"{path}: the checkpoint has {len(saved)} parameters, the model {len(ours)}: it was "
-            "saved from another model")
-    for info, meta in zip(ours, saved):
-        mine = (info.name, list(info.shape), dtype_name(info.shard.dtype))
-        theirs = (meta.get("name"), meta.get("shape"), meta.get("dtype"))
-        if mine != theirs:
-            raise IncompatibleError(
-                f"{path}: parameter {info.id} is {theirs[0]} {theirs[1]} {theirs[2]} in the "
-                f"checkpoint but {mine[0]} {mine[1]} {mine[2]} in the model: it was saved from "
-                "another model")
+def unlock_root(fd):
+    if fd is not None:
+        os.close(fd)  # releases the flock
 
 
-class RankFiles:
-    """The old ranks' files, opened and checked (header, size, CRC-32) on
-    first use."""
-
-    def __init__(self, folder, manifest_path, manifest, layout_bytes):
-        self.folder = folder
-        self.manifest_path = manifest_path
-        self.manifest = manifest
-        self.layout_bytes = layout_bytes
-        self.files = {}  # rank -> (file, payload offset)
-
-    def close(self):
-        for f, _ in self.files.values():
-            f.close()
-
-    def get(self, rank):
-        entry = self.files.get(rank)
-        if entry is not None:
-            return entry
-        m = self.manifest
-        record = m["shards"][rank]
-        path = os.path.join(self.folder, record["file"])
-        try:
-            f = open(path, "rb")
-        except FileNotFoundError as e:
-            raise IoError(f"{path}: missing shard file of rank {rank}") from e
-        except OSError as e:
-            raise io_error(path, "cannot open the shard file", e) from e
-        try:
-            offset = self._check(f, path, rank, record)
-        except BaseException:
-            f.close()
-            raise
-        self.files[rank] = (f, offset)
-        return f, offset
-
-    def _check(self, f, path, rank, record):
-        m = self.manifest
-        head = f.read(len(_MAGIC) + 4)
-        if len(head) < len(_MAGIC) + 4 or head[:len(_MAGIC)] != _MAGIC:
-            raise IoError(f"{path}: not a ductile zero3 shard file (no header)")
-        n = int.from_bytes(head[len(_MAGIC):], "little")
-        try:
-            header = json.loads(f.read(n).decode()) if n <= 1 << 16 else None
-        except ValueError:
-            header = None
-        if not isinstance(header, dict):
-            raise IoError(f"{path}: the shard file's header is unreadable")
-        ours = (m["save_id"], m["step"], rank, m["world_size"])
-        theirs = (header.get("save_id"), header.get("step"), header.get("rank"),
-                  header.get("world_size"))
-        if ours != theirs:
-            raise IoError(
-                f"{path}: this shard file belongs to save {theirs[0]} (step {theirs[1]}, rank "
-                f"{theirs[2]} of {theirs[3]}), but {self.manifest_path} to save {ours[0]} (step "
-                f"{ours[1]}, rank {ours[2]} of {ours[3]}): the checkpoint mixes files of two saves")
-        offset = len(_MAGIC) + 4 + n
-        size = os.fstat(f.fileno()).st_size
-        if size != record["bytes"] or size != offset + self.layout_bytes:
-            raise IoError(
-                f"{path}: {size} bytes, expected {record['bytes']} (the manifest's record and "
-                "layout): the file is truncated or damaged")
-        f.seek(0)
-        crc = 0
-        while True:
-            chunk = f.read(_CHUNK)
-            if not chunk:
-                break
-            crc = zlib.crc32(chunk, crc)
-        if crc != record["crc32"]:
-            raise IoError(f"{path}: CRC-32 {crc:#010x} differs from the manifest's "
-                          f"{record['crc32']:#010x}: the shard file is corrupt")
-        return offset
+def remove_leftovers(root, keep=()):
+    """Removes the `*.tmp` folders (and latest.tmp) of saves killed before
+    their commit. The caller holds the root's lock (lock_root), so no live
+    save is writing them; `keep`: entries not to touch."""
+    try:
+        entries = os.listdir(root)
+    except OSError:
+        return
+    for entry in entries:
+        if entry.endswith(".tmp") and entry not in keep:
+            path = os.path.join(root, entry)
+            if os.path.isdir(path) and not os.path.islink(path):
+                remove_tree(path)
+            else:
+                fs("remove", path)
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
 
 
+def clean_after_load(root):
+    """What a load does for the saves killed before it: when no save holds
+    the root's lock, their leftovers are removed (best effort: a read-only
+    checkpoint stays as it is)."""
+    try:
+        fd = lock_root(root)
+    except (BlockingIOError, OSError):
+        return  # a save is running there (or the lock cannot be taken)
+    if fd is None:
+        return
+    try:
+        remove_leftovers(root)
+    finally:
+        unlock_root(fd)

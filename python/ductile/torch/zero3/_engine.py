@@ -1,13 +1,18 @@
 """The ZeRO-3 engine: a torch.nn.Module's parameters partitioned by the C++
 coordinator (the configured ``zero`` plugin) over the ranks of its world,
-gathered just in time by module hooks. It sits on three seams, as FSDP2's
+gathered just in time by module hooks. It sits on seams, as FSDP2's
 ``fully_shard`` does:
 
-- _param.py: per-parameter state (shards, master copies, materialisation,
-  saved-tensor packing);
+- _units.py: which modules are hooked (units) and which parameters each
+  gathers (groups);
+- _param.py: group and parameter state (flat shards, master copies,
+  materialisation, saved-tensor packing);
+- _shards.py: partitioning set-up and the shards' update before a pass;
 - _passes.py: pass and hook orchestration (fetch, release, backward);
-- this file: set-up (configuration, world, partitioning) and the training
-  API (backward, step, clipping, accumulation, checkpoints, full weights).
+- _gradients.py and _grad_shards.py: reduce-scatters by group, and
+  unscaling and clipping of the gradient shards;
+- this file: the engine's set-up (configuration, world) and the training
+  API (backward, step, accumulation, checkpoints, full weights).
 
 The world is torch.distributed's process group when it is initialised and
 the configuration allows it (``[accelerator] communicator = "auto"`` or
@@ -18,19 +23,18 @@ NCCL over an MPI bootstrap, or a single process).
 """
 
 import contextlib
-import math
 
 import torch
 
 from ... import _ductile
-from ..._errors import IncompatibleError, InvalidArgumentError, UnsupportedError
-from . import _config, _full, _init
+from ..._errors import IncompatibleError, InvalidArgumentError
+from . import _config, _full, _grad_shards
 from ._collectives import SessionCollectives
 from ._gradients import GradientReducer
 from ._memory import DeviceMemory
-from ._param import ZeroParam
 from ._passes import ENGINE, EXTERNAL, Passes
 from ._per_parameter import PerParameterOptimizers
+from ._shards import Sharding
 
 
 def register_external_parameter(module, parameter):
@@ -55,22 +59,12 @@ def register_external_parameter(module, parameter):
         listed.append(parameter)
 
 
-def _replace_parameter(model, old, new):
-    """Every module slot holding `old` holds `new` (ties stay ties)."""
-    for module in model.modules():
-        for key, p in list(module._parameters.items()):
-            if p is old:
-                module._parameters[key] = new
-        listed = module.__dict__.get(EXTERNAL)
-        if listed:
-            module.__dict__[EXTERNAL] = [new if p is old else p for p in listed]
-
-
 class Zero3Engine:
     """See ``ductile.torch.zero3.initialize``."""
 
     def __init__(self, model, optimizer_factory=None, config=None, *, plugin_path=None,
-                 mixed_precision=None, load_from=None, group=None, step_in_backward=False):
+                 mixed_precision=None, load_from=None, group=None, step_in_backward=False,
+                 groups="auto"):
         if not isinstance(model, torch.nn.Module):
             raise InvalidArgumentError(
                 f"zero3.initialize: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -103,20 +97,24 @@ class Zero3Engine:
         precision = self.mixed_precision
         self._scaler = precision.loss_scaler if precision is not None else None
 
-        self._params = self._collect(model)
-        self._partition(model, load_from)
+        self._sharding = Sharding(self._session, self._memory, self.comm, precision)
+        self._params = self._sharding.collect(model)
+        units = self._sharding.plan(model, groups)
+        self._groups = self._sharding.groups
+        self._sharding.partition(model, load_from)
+        self._dirty = False
         reduce_dtype = precision.reduce_dtype if precision is not None else None
-        largest = max(zp.numel * torch.empty((), dtype=reduce_dtype or zp.dtype).element_size()
-                      for zp in self._params)
+        largest = max(self.world_size * g.shard_numel *
+                      torch.empty((), dtype=reduce_dtype or g.dtype).element_size()
+                      for g in self._groups)
         self._gradients = GradientReducer(self.comm, reduce_dtype,
                                           max_inflight_bytes=max(2 * largest, 16 << 20))
-        self._passes = Passes(self._session, self._memory, self.world_size, self._params,
+        self._passes = Passes(self._session, self._memory, self._params, self._groups,
                               self._gradients, self._begin_pass)
-        self._passes.register_modules(model)
+        self._passes.register_units(units)
         self._passes.install(model)
         for zp in self._params:
             _full.register_owner(self, zp)
-        self._gradients.install(self._params)
         self.optimizer = None
         self.step_in_backward = bool(step_in_backward)
         if self.step_in_backward:
@@ -133,147 +131,29 @@ class Zero3Engine:
             self.optimizer = PerParameterOptimizers(optimizer_factory,
                                                     [zp.shard for zp in trained])
             by_id = dict(zip((zp.id for zp in trained), self.optimizer.optimizers))
-            self._gradients.on_shard_ready = lambda zp: self._step_shard(zp, by_id[zp.id])
+            self._gradients.on_group_ready = lambda g: self._step_group(g, by_id)
         elif optimizer_factory is not None:
             self.optimizer = optimizer_factory([zp.shard for zp in self._params])
             if self.optimizer is not None:
                 self.optimizer.register_step_post_hook(self._optimizer_stepped)
-
-    # --- set-up ------------------------------------------------------------------
-
-    def _collect(self, model):
-        precision = self.mixed_precision
-        params, seen = [], set()
-        for name, p in model.named_parameters():
-            if id(p) in seen or p.numel() == 0:
-                continue  # shared (tied), or nothing to partition
-            seen.add(id(p))
-            if not p.is_meta and p.device != self._memory.device:
-                raise InvalidArgumentError(
-                    f"zero3.initialize: parameter '{name}' is on {p.device}, the "
-                    f"{self._session.backend} accelerator needs {self._memory.device}; move the "
-                    "model first")
-            if not p.is_floating_point():
-                raise InvalidArgumentError(
-                    f"zero3: parameter '{name}' has dtype {p.dtype}, which cannot be "
-                    "partitioned; valid: torch.float32, torch.float64, torch.float16, "
-                    "torch.bfloat16")
-            dtype = precision.param_dtype if precision is not None and \
-                precision.param_dtype is not None else p.dtype
-            params.append(ZeroParam(len(params), name, p, dtype))
-        if not params:
-            raise InvalidArgumentError("zero3.initialize: the model has no parameters")
-        return params
-
-    def _partition(self, model, load_from):
-        """Registers every parameter and fills this rank's shards: from the
-        slice zero3.init kept, from safetensors (load_from), or from rank
-        0's values (broadcast, as DistributedDataParallel does)."""
-        session = self._session
-        source = _init.SafetensorsSource(load_from) if load_from is not None else None
-        aliases = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            aliases.setdefault(id(p), []).append(name)
-        try:
-            # One parameter at a time: its shard is filled (and whatever held
-            # its initial values let go) before the next one is allocated.
-            for zp in self._params:
-                session.register_parameter(zp.id, zp.numel, zp.type)
-                self._make_shard(zp)
-                values = self._initial_values(zp, source, aliases[id(zp.param)])
-                if values is not None:
-                    zp.store.copy_(values)
-                    if zp.shard is not zp.store:
-                        zp.shard.data.copy_(values)
-                del values
-                if zp.param.is_meta:
-                    real = torch.nn.Parameter(torch.empty(0, dtype=zp.param.dtype,
-                                                          device=self._memory.device),
-                                              requires_grad=zp.requires_grad)
-                    _replace_parameter(model, zp.param, real)
-                    zp.param = real
-        finally:
-            if source is not None:
-                source.close()
-        self._sync_shards()
-
-    def _make_shard(self, zp):
-        """The coordinator's shard (`store`) and the optimizer's (`shard`)."""
-        session = self._session
-        zp.shard_numel = session.shard_numel(zp.id)
-        zp.persistent = session.is_persistent(zp.id)
-        store = None
-        if session.has_shard_storage:
-            try:
-                address = session.shard_data(zp.id)
-            except UnsupportedError:
-                address = None
-            if address is not None:
-                store = self._memory.tensor(address, zp.shard_numel, zp.dtype)
-        zp.direct = store is not None
-        if store is None:
-            store = torch.zeros(zp.shard_numel, dtype=zp.dtype, device=self._memory.device)
-        zp.store = store
-        precision = self.mixed_precision
-        master = precision.master_dtype if precision is not None else None
-        if master is None or master == zp.dtype:
-            shard = torch.nn.Parameter(store, requires_grad=zp.requires_grad)
-            if zp.direct:
-                # The coordinator owns the memory: it lives as long as the shard.
-                shard._ductile_zero3_session = session
-        else:
-            shard = torch.nn.Parameter(torch.zeros(zp.shard_numel, dtype=master,
-                                                   device=self._memory.device),
-                                       requires_grad=zp.requires_grad)
-        zp.shard = shard
-
-    def _initial_values(self, zp, source, names):
-        """This rank's shard values (a flat tensor of shard_numel), or None
-        when the coordinator's zero-filled shard is already right."""
-        lo, hi = zp.slice_of(self.rank)
-        out = torch.zeros(zp.shard_numel, dtype=zp.param.dtype)
-        if source is not None:
-            key = source.key_for(names)
-            if key is None:
-                raise IncompatibleError(
-                    f"{source.path}: no tensor for parameter '{zp.name}' (looked for "
-                    f"{', '.join(repr(n) for n in names)})")
-            out[:hi - lo] = source.read(key, zp.shape, lo, hi)
-            return out.to(self._memory.device)
-        shard = _init.shard_of(zp.param)
-        if shard is not None:
-            if (shard.world, shard.rank) != (self.world_size, self.rank):
-                raise IncompatibleError(
-                    f"zero3.initialize: parameter '{zp.name}' was partitioned by zero3.init "
-                    f"for rank {shard.rank} of {shard.world}, the engine is rank {self.rank} of "
-                    f"{self.world_size}")
-            return shard.values.to(self._memory.device)
-        if zp.param.is_meta:
-            raise InvalidArgumentError(
-                f"zero3.initialize: parameter '{zp.name}' is on the meta device; build the "
-                "model under zero3.init() or give load_from= (safetensors)")
-        data = zp.param.data
-        if not data.is_contiguous():
-            data = data.contiguous()
-        if self.world_size > 1:
-            data = data.clone()
-            self.comm.broadcast(data.view(-1), 0).wait()
-        out[:hi - lo] = data.reshape(-1)[lo:hi]
-        return out.to(self._memory.device)
 
     # --- shards and passes --------------------------------------------------------
 
     def _optimizer_stepped(self, optimizer, args, kwargs):
         self._dirty = True
 
-    def _step_shard(self, zp, optimizer):
-        """step_in_backward: the shard's gradient is complete; step it now
-        and drop the gradient (the store is brought up to date before the
-        next pass)."""
+    def _step_group(self, group, optimizers):
+        """step_in_backward: the group's gradient shard is complete; step
+        its parameters now and drop their gradients (the store is brought
+        up to date before the next pass)."""
         if not self._gradients.sync:
             return
-        optimizer.step()
-        zp.shard.grad = None
+        for zp in group.trained:
+            if zp.shard.grad is not None:
+                optimizers[zp.id].step()
+                zp.shard.grad = None
+        group.grad_flat = None
+        group.grad_views = None
         self._dirty = True
 
     def shards_changed(self):
@@ -294,22 +174,9 @@ class Zero3Engine:
         self._sync_shards()
 
     def _sync_shards(self):
-        """Before a pass, after the shards changed: master copies are cast
-        into the coordinator's shards; a direct shard only needs its copy
-        that outlived the pass (a persistent one) dropped; a copied shard
-        is written back."""
-        if not self._dirty:
-            return
-        with torch.no_grad():
-            for zp in self._params:
-                if zp.shard is not zp.store and zp.shard.data_ptr() != zp.store.data_ptr():
-                    zp.store.copy_(zp.shard)
-                if not zp.direct:
-                    self._session.set_shard(zp.id, zp.store.data_ptr(),
-                                            zp.shard_numel * zp.element_size)
-                elif zp.persistent:
-                    self._session.shard_written(zp.id)
-        self._dirty = False
+        if self._dirty:
+            self._sharding.sync()
+            self._dirty = False
 
     @property
     def _pass_open(self):
@@ -359,33 +226,25 @@ class Zero3Engine:
         self._gradients.sync = bool(sync)
 
     def _grad_shards(self):
-        return [zp.shard.grad for zp in self._params if zp.shard.grad is not None]
+        return _grad_shards.gradient_tensors(self._groups)
 
     def _unscale(self):
         """Divides the gradient shards by the loss scale (once per step)."""
         if self._scaler is None or self._unscaled:
             return
-        inverse = 1.0 / self._scaler.scale
-        for g in self._grad_shards():
-            g.mul_(inverse)
+        _grad_shards.unscale(self._grad_shards(), self._scaler.scale)
         self._unscaled = True
 
     def _overflow(self):
         """True when a gradient shard of any rank holds inf or NaN (collective)."""
-        flag = torch.zeros(1, dtype=torch.float32, device=self._memory.device)
-        for g in self._grad_shards():
-            if not torch.isfinite(g).all():
-                flag.fill_(1.0)
-                break
-        self.comm.all_reduce(flag, "max").wait()
-        return bool(flag.item())
+        return _grad_shards.overflow(self._grad_shards(), self.comm, self._memory.device)
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0):
         """Scales the gradient shards so that the norm of the whole gradient
         (over every rank's shards) is at most max_norm; returns that norm
         (before clipping) as a tensor, the same on every rank. Collective;
         call after backward, before step (fp16: the shards are unscaled
-        first)."""
+        first). The host does not wait for the device."""
         if self._passes.backward_active:
             raise IncompatibleError("zero3: clip_grad_norm_() called during backward")
         if self.step_in_backward:
@@ -393,25 +252,8 @@ class Zero3Engine:
                                     "parameters were stepped during backward already")
         max_norm, norm_type = float(max_norm), float(norm_type)
         self._unscale()
-        grads = self._grad_shards()
-        device = self._memory.device
-        if math.isinf(norm_type):
-            local = torch.zeros((), dtype=torch.float32, device=device)
-            for g in grads:
-                local = torch.maximum(local, g.detach().abs().max().float())
-            self.comm.all_reduce(local.view(1), "max").wait()
-            total = local
-        else:
-            local = torch.zeros((), dtype=torch.float64, device=device)
-            for g in grads:
-                local += g.detach().double().abs().pow(norm_type).sum()
-            self.comm.all_reduce(local.view(1), "sum").wait()
-            total = local.pow(1.0 / norm_type).float()
-        coefficient = max_norm / (float(total) + 1e-6)
-        if coefficient < 1.0 and math.isfinite(float(total)):
-            for g in grads:
-                g.mul_(coefficient)
-        return total
+        return _grad_shards.clip(self._grad_shards(), self.comm, self._memory.device, max_norm,
+                                 norm_type)
 
     def step(self):
         """Steps the optimizer on the shards, then clears the gradient shards.
@@ -442,6 +284,9 @@ class Zero3Engine:
     def zero_grad(self):
         for zp in self._params:
             zp.shard.grad = None
+        for group in self._groups:
+            group.grad_flat = None
+            group.grad_views = None
         self._unscaled = False
 
     @property
@@ -472,13 +317,22 @@ class Zero3Engine:
         s["master_bytes"] = sum(zp.shard.numel() * zp.shard.element_size() for zp in self._params
                                 if zp.shard.data_ptr() != zp.store.data_ptr())
         s["parameter_bytes"] = sum(zp.numel * zp.element_size for zp in self._params)
+        s["groups"] = len(self._groups)
+        s["units"] = len(self._passes.units)
         memory = self._session.gather_memory()
         if memory is not None:
             s.update({f"gather_{k}": v for k, v in memory.items()})
         return s
 
+    def units(self):
+        """The hooked modules (units), as module names, and the parameters
+        each gathers as one group ({unit: [parameter names]}, its own group
+        first)."""
+        return {u.name: [zp.name for g in u.own for zp in g.members]
+                for u in self._passes.units}
+
     def trace(self):
-        """The recorded module order, as module names (empty while recording)."""
+        """The recorded module order, as unit names (empty while recording)."""
         return [self._passes.module_names[mid] for mid in self._session.trace()]
 
     def all_reduce(self, tensor, op="mean"):
@@ -527,7 +381,6 @@ class Zero3Engine:
             self._passes.end_pass()
         full = self.full_parameters(dtype="param")
         self._passes.uninstall(self.module)
-        self._gradients.remove()
         with torch.no_grad():
             for zp in self._params:
                 zp.param.data = full[zp.name]

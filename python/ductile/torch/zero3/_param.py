@@ -1,41 +1,55 @@
-"""Per-parameter state of the zero3 engine (FSDP2's ``FSDPParam`` seam):
-where a parameter's shard lives, what the optimizer steps on, the gathered
-copy while a module using it runs, and how autograd's saved tensors refer to
-that copy.
+"""Parameter state of the zero3 engine (FSDP2's ``FSDPParam`` /
+``FSDPParamGroup`` seam): parameters are partitioned, gathered,
+materialised, released and reduced by group.
 
-Three tensors per parameter, one to three distinct memories:
+A ``ParamGroup`` is the unit of all of that: the parameters one hooked
+module (a unit, see _units.py) owns. The coordinator knows it as one
+parameter (``ParameterGroups`` in the SDK): each member is sharded on its
+own (``ceil(numel / world)`` elements a rank, zero-padded, as a parameter
+alone would be), this rank's slices lie back to back in one flat shard, and
+the gathered copy holds each member whole, back to back. So one collective
+moves a group, and every member of the gathered copy is a contiguous view
+of it.
 
-- ``store``: this rank's shard as the coordinator keeps it, in the compute
-  dtype (what is gathered): the coordinator's own memory (``direct``), or a
-  copy written back with ``set_shard`` (a coordinator without ShardStorage,
-  or a shard kept in a file under nvme_path);
-- ``shard``: the optimizer's parameter (a ``torch.nn.Parameter``): ``store``
-  itself when the master dtype is the compute dtype, else an fp32 master
-  copy (mixed precision); its ``.grad`` is the gradient shard;
-- ``param.data``: the user's parameter object points at a view of the
-  gathered copy while a module using it runs, at an empty placeholder
-  otherwise (``materialize``/``dematerialize``).
+Per group, up to three flat tensors:
 
-``Live`` maps addresses to materialised parameters, so that a tensor autograd
-saves for backward that lies in a gathered copy (a weight, ``weight.t()``)
-is saved as "this view of parameter p" (``SavedView``) and rebuilt over the
-copy gathered again for backward: a release in between never leaves autograd
-reading freed memory.
+- ``store``: this rank's flat shard as the coordinator keeps it, in the
+  compute dtype (what is gathered): the coordinator's own memory
+  (``direct``), or a copy written back with ``set_shard`` (a coordinator
+  without ShardStorage, or a shard kept in a file under nvme_path);
+- ``master``: the optimizer's flat shard, ``store`` itself when the master
+  dtype is the compute dtype, else an fp32 copy (mixed precision);
+- ``full``: the gathered copy while a module using the group runs.
+
+Per parameter (``ZeroParam``): ``shard`` (a ``torch.nn.Parameter`` over its
+slice of the group's ``master``: what the optimizer steps on; its ``.grad``
+is a view of the group's flat gradient shard) and ``store`` (its slice of
+the group's store). ``param.data`` is a view of the gathered copy while a
+module using it runs, an empty placeholder otherwise.
+
+The live copies (``_ductile.zero.LiveCopies``, C++) map addresses to
+materialised groups, so that a tensor autograd saves for backward that lies
+in a gathered copy (a weight, ``weight.t()``) is saved as "this view of
+group g" and rebuilt over the copy gathered again for backward: a release
+in between never leaves autograd reading freed memory.
 """
-
-import bisect
 
 import torch
 
 from ._memory import type_name
+
+# Views over gathered copies kept per group, by address: the coordinator's
+# pool hands a group one of a few buffers, so after the first passes a
+# materialisation builds no tensor.
+_VIEW_CACHE = 8
 
 
 class ZeroParam:
     """One unique parameter of the model and what the engine knows of it."""
 
     __slots__ = ("id", "name", "param", "shape", "numel", "dtype", "type", "element_size",
-                 "shard_numel", "store", "shard", "direct", "full", "full_address", "full_bytes",
-                 "view", "users", "persistent", "requires_grad", "accumulated", "orig_dtype")
+                 "shard_numel", "store", "shard", "requires_grad", "orig_dtype", "group",
+                 "offset")
 
     def __init__(self, pid, name, param, dtype):
         self.id = pid
@@ -49,16 +63,18 @@ class ZeroParam:
         self.element_size = torch.empty((), dtype=dtype).element_size()
         self.requires_grad = param.requires_grad
         self.shard_numel = 0
-        self.store = None         # the coordinator's shard (compute dtype)
-        self.shard = None         # the optimizer's parameter (master dtype)
-        self.direct = False       # store is the coordinator's memory (else a copy)
-        self.full = None          # flat tensor over the gathered copy (while materialized)
-        self.full_address = 0
-        self.full_bytes = 0
-        self.view = None          # full[:numel].view(shape)
-        self.users = 0            # fetched modules (engine-side) materializing it
-        self.persistent = False
-        self.accumulated = None   # full gradient summed over micro-batches without sync
+        self.store = None   # its slice of the group's store (compute dtype)
+        self.shard = None   # the optimizer's parameter (master dtype)
+        self.group = None   # the ParamGroup it belongs to
+        self.offset = 0     # of its slice in the group's flat shard
+
+    @property
+    def direct(self):
+        return self.group.direct
+
+    @property
+    def persistent(self):
+        return self.group.persistent
 
     def slice_of(self, rank):
         """[lo, hi) of the flattened parameter held by `rank` (hi may be
@@ -67,48 +83,87 @@ class ZeroParam:
         return lo, min(lo + self.shard_numel, self.numel)
 
 
-class SavedView:
-    """What the pack hook keeps instead of a view of a gathered copy."""
+class ParamGroup:
+    """Parameters gathered, materialised, released and reduced together."""
 
-    __slots__ = ("param", "offset", "size", "stride")
+    __slots__ = ("id", "members", "params", "dtype", "type", "element_size", "world",
+                 "shard_numel", "numel", "sizes", "numels", "store", "master", "direct",
+                 "persistent", "users", "full", "full_address", "full_bytes", "_cache",
+                 "trained", "grad_flat", "grad_views", "accumulated", "accumulated_mask",
+                 "name", "placeholder")
 
-    def __init__(self, param, offset, size, stride):
-        self.param = param
-        self.offset = offset
-        self.size = size
-        self.stride = stride
+    def __init__(self, gid, name, members, world):
+        self.id = gid
+        self.name = name
+        self.members = members
+        self.params = [zp.param for zp in members]
+        first = members[0]
+        self.dtype = first.dtype
+        self.type = first.type
+        self.element_size = first.element_size
+        self.world = world
+        offset = 0
+        for zp in members:
+            zp.group = self
+            zp.shard_numel = -(-zp.numel // world)
+            zp.offset = offset
+            offset += zp.shard_numel
+        self.shard_numel = offset
+        self.numel = sum(zp.numel for zp in members)
+        self.sizes = [zp.shard_numel for zp in members]
+        self.numels = [zp.numel for zp in members]
+        self.trained = [zp for zp in members if zp.requires_grad]
+        self.store = None
+        self.master = None
+        self.direct = False
+        self.persistent = False
+        self.users = 0          # fetched units (engine-side) materialising it
+        self.full = None        # flat tensor over the gathered copy (while materialised)
+        self.full_address = 0
+        self.full_bytes = world * self.shard_numel * self.element_size
+        self._cache = {}        # address -> (full, views of the members)
+        self.grad_flat = None   # the flat gradient shard (master dtype) and its member views
+        self.grad_views = None
+        self.accumulated = None  # gradients summed without sync, rank-major (reduce dtype)
+        self.accumulated_mask = None
+        self.placeholder = None  # param.data between uses (an empty tensor)
 
+    def views_at(self, memory, address):
+        """(full, member views) over the gathered copy at `address`."""
+        cached = self._cache.get(address)
+        if cached is None:
+            full = memory.tensor(address, self.world * self.shard_numel, self.dtype)
+            pieces = full.split([self.world * s for s in self.sizes])
+            views = [piece[:zp.numel].view(zp.shape) for piece, zp in zip(pieces, self.members)]
+            if len(self._cache) >= _VIEW_CACHE:
+                self._cache.pop(next(iter(self._cache)))
+            cached = self._cache[address] = (full, views)
+        return cached
 
-class Live:
-    """The materialised parameters, sorted by the address of their copy."""
+    def forget_views(self):
+        self._cache.clear()
 
-    def __init__(self):
-        self._starts = []
-        self._params = []
+    def attach_grads(self, flat, mask=None):
+        """Makes `flat` (shard_numel elements, master dtype) this group's
+        gradient shard: each trained member whose gradient was computed
+        (`mask`, all when None) gets its slice as ``shard.grad``."""
+        views = flat.split(self.sizes)
+        self.grad_flat = flat
+        self.grad_views = views
+        for zp, view, had in zip(self.members, views, mask or (True,) * len(views)):
+            if had and zp.requires_grad:
+                zp.shard.grad = view
 
-    def add(self, zp):
-        i = bisect.bisect_left(self._starts, zp.full_address)
-        self._starts.insert(i, zp.full_address)
-        self._params.insert(i, zp)
-
-    def remove(self, zp):
-        i = bisect.bisect_left(self._starts, zp.full_address)
-        del self._starts[i]
-        del self._params[i]
-
-    def owner(self, tensor):
-        """The materialised parameter whose gathered copy holds `tensor`'s data."""
-        if not self._starts or tensor.numel() == 0:
-            return None
-        address = tensor.data_ptr()
-        i = bisect.bisect_right(self._starts, address) - 1
-        if i < 0:
-            return None
-        zp = self._params[i]
-        return zp if address < zp.full_address + zp.full_bytes else None
-
-    def __len__(self):
-        return len(self._starts)
+    def grads_attached(self):
+        """The members' shard gradients are still the views of grad_flat
+        (nobody cleared or replaced them since)."""
+        if self.grad_flat is None:
+            return False
+        for zp, view in zip(self.members, self.grad_views):
+            grad = zp.shard.grad
+            if grad is not None:
+                return grad is view
+        return False
 
 
 class Placeholders:
@@ -125,28 +180,28 @@ class Placeholders:
         return t
 
 
-def materialize(zp, session, memory, world, live):
-    """Points the parameter at its gathered copy (one more user)."""
-    if zp.users == 0:
-        address = session.full_data(zp.id)
-        if address != zp.full_address or zp.full is None:
-            numel = world * zp.shard_numel
-            zp.full = memory.tensor(address, numel, zp.dtype)
-            zp.full_address = address
-            zp.full_bytes = numel * zp.element_size
-            zp.view = zp.full[:zp.numel].view(zp.shape)
-        zp.param.data = zp.view
-        live.add(zp)
-    zp.users += 1
+def materialize(group, session, memory, live):
+    """Points the group's parameters at its gathered copy (one more user)."""
+    if group.users == 0:
+        address = session.full_data(group.id)
+        cached = group._cache.get(address)
+        full, views = cached if cached is not None else group.views_at(memory, address)
+        group.full = full
+        group.full_address = address
+        for param, view in zip(group.params, views):
+            param.data = view
+        live.add(address, group.full_bytes, group)
+    group.users += 1
 
 
-def dematerialize(zp, placeholders, live):
+def dematerialize(group, live):
     """One user fewer; the last one gives the placeholder back."""
-    zp.users -= 1
-    if zp.users == 0:
-        zp.param.data = placeholders.get(zp.dtype)
-        live.remove(zp)
+    group.users -= 1
+    if group.users == 0:
+        placeholder = group.placeholder
+        for param in group.params:
+            param.data = placeholder
+        live.remove(group.full_address)
         # The copy may be freed now: never touch it again.
-        zp.full = None
-        zp.view = None
-        zp.full_address = 0
+        group.full = None
+        group.full_address = 0

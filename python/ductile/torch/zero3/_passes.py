@@ -1,20 +1,28 @@
 """Pass and hook orchestration of the zero3 engine (FSDP2's
-``FSDPParamGroup``/``FSDPState`` seam): which module runs, when its
-parameters are fetched and released, and when a pass begins and ends.
+``FSDPState`` seam): which unit runs, when its groups are fetched,
+materialised, released and reduced, and when a pass begins and ends.
 
-- A forward pre-hook fetches a module's parameters (its own and those
-  declared external) and materialises them; the forward hook releases them.
-- For backward, a tensor hook on the module's outputs fetches it again when
+- A forward pre-hook on a unit (_units.py) fetches its groups and
+  materialises them (one coordinator call and one materialisation a
+  group); the forward hook releases them.
+- For backward, a tensor hook on the unit's outputs fetches it again when
   the first of their gradients arrives, and one on its inputs releases it
-  once all of theirs are in (_hooks.py).
+  once all of theirs are in (_hooks.py); that release, the last of the
+  unit in this backward, reduce-scatters the unit's own groups (one
+  collective a group; autograd has accumulated their parameters' gradients
+  by then, since it runs AccumulateGrad nodes first).
 - A recomputation inside backward (non-reentrant activation checkpointing)
-  fetches through the same pre-hook and holds the module until its own
+  fetches through the same pre-hook and holds the unit until its own
   backward is done, since what autograd recomputes points into the copy.
-- The root module's forward runs with saved-tensor hooks that save views of
-  gathered copies as "this view of parameter p" (_param.SavedView).
-- A pass is a forward and its backward (or a forward without grad); its end
-  releases what is still fetched, waits for the gradient reduce-scatters and
-  ends the coordinator's step.
+- The root module's forward runs with saved-tensor hooks (C++) that save
+  views of gathered copies as "this view of group g".
+- While the trace is recorded, each module's ``_parameters`` refuses a
+  parameter no running unit gathered, naming it (GuardedParameters); once
+  the trace runs, the plain dict is back (no Python call a parameter).
+- A pass is a forward and its backward (or a forward without grad); the end
+  of its backward reduce-scatters what gradients are left (a parameter used
+  by a later unit, a unit whose inputs need no gradient), releases what is
+  still fetched, and ends the coordinator's step.
 """
 
 import collections
@@ -22,17 +30,20 @@ import functools
 
 import torch
 
-from ..._errors import IncompatibleError, InvalidArgumentError
+from ... import _ductile
+from ..._errors import IncompatibleError
 from . import _hooks
-from ._param import Live, Placeholders, SavedView, dematerialize, materialize
+from ._param import Placeholders, dematerialize, materialize
+from ._units import EXTERNAL
 
-EXTERNAL = "_ductile_zero3_external_parameters"
 ENGINE = "_ductile_zero3_engine"
+
+__all__ = ["ENGINE", "EXTERNAL", "GuardedParameters", "Passes"]
 
 
 class GuardedParameters(collections.OrderedDict):
     """A module's ``_parameters`` that refuses, during a forward, a
-    parameter no running module has gathered (its data is the empty
+    parameter no running unit has gathered (its data is the empty
     placeholder): the user sees which parameter to declare as external
     instead of a shape error from deep inside torch."""
 
@@ -41,7 +52,7 @@ class GuardedParameters(collections.OrderedDict):
         passes = self.__dict__.get("passes")
         if passes is not None and passes.in_forward and p is not None:
             zp = passes.param_of.get(id(p))
-            if zp is not None and zp.users == 0:
+            if zp is not None and zp.group.users == 0:
                 where = passes.module_stack[-1] if passes.module_stack else "<root>"
                 raise IncompatibleError(
                     f"zero3: the forward of '{where}' uses parameter '{zp.name}', which only "
@@ -50,66 +61,50 @@ class GuardedParameters(collections.OrderedDict):
         return p
 
 
-def _inside_backward():
-    """True while autograd's engine runs a backward on this thread."""
-    return torch._C._current_graph_task_id() != -1
+# True while autograd's engine runs a backward on this thread: != -1.
+_graph_task_id = torch._C._current_graph_task_id
 
 
 class Passes:
-    """Fetch, release and the hooks of one engine's model."""
+    """Fetch, release, reduction and the hooks of one engine's model."""
 
-    def __init__(self, session, memory, world, params, gradients, begin_pass):
+    def __init__(self, session, memory, params, groups, gradients, begin_pass):
         self.session = session
         self.memory = memory
-        self.world = world
         self.params = params
+        self.groups = groups
         self.param_of = {id(zp.param): zp for zp in params}
         self.gradients = gradients
         self._begin_pass_callback = begin_pass
-        self.module_ids = {}      # module -> coordinator module id
-        self.module_params = []   # module id -> [ZeroParam]
+        self.units = []           # coordinator module id -> _units.Unit
         self.module_names = []
-        self.live = Live()
+        self.live = _ductile.zero.LiveCopies()
         self.placeholders = Placeholders(memory.device)
+        self._guarded_modules = []  # (module, GuardedParameters, plain dict)
+        self._guarded = False
         self.pass_open = False
         self.backward_active = False
-        self.module_stack = []    # names of the hooked modules in forward, innermost last
+        self.module_stack = []    # names of the units in forward, innermost last
         self.in_forward = False
         self.module_callback = None
         self._grad_hooks = []     # this pass's backward hook handles
         self._handles = []
         self._fetched = []
-        # Fetches of modules run again inside backward (activation
-        # checkpointing recomputes them): held until the module's backward
+        # Fetches of units run again inside backward (activation
+        # checkpointing recomputes them): held until the unit's backward
         # is done, since the recomputed saved tensors point into the copy.
         self._recompute_holds = []
 
     # --- set-up ------------------------------------------------------------------
 
-    def register_modules(self, model):
-        for name, module in model.named_modules():
-            members = []
-            for p in module.parameters(recurse=False):
-                zp = self.param_of.get(id(p))
-                if zp is not None and zp not in members:
-                    members.append(zp)
-            for p in module.__dict__.get(EXTERNAL, []):
-                zp = self.param_of.get(id(p))
-                if zp is None:
-                    raise InvalidArgumentError(
-                        f"zero3.initialize: an external parameter registered on module "
-                        f"'{name or type(module).__name__}' is not a parameter of the model")
-                if zp not in members:
-                    members.append(zp)
-            if not members:
-                continue
-            mid = len(self.module_params)
-            self.session.register_module(mid, [zp.id for zp in members])
-            self.module_ids[module] = mid
-            self.module_params.append(members)
-            self.module_names.append(name or "<root>")
-        self._fetched = [0] * len(self.module_params)
-        self._recompute_holds = [0] * len(self.module_params)
+    def register_units(self, units):
+        for mid, unit in enumerate(units):
+            unit.id = mid
+            self.session.register_module(mid, [g.id for g in unit.groups])
+            self.units.append(unit)
+            self.module_names.append(unit.name)
+        self._fetched = [0] * len(units)
+        self._recompute_holds = [0] * len(units)
 
     def install(self, model):
         original = model.forward
@@ -120,31 +115,46 @@ class Passes:
         model.__dict__["forward"] = forward
         model.__dict__[ENGINE] = True
         for module in model.modules():
-            mid = self.module_ids.get(module)
-            if mid is None:
-                continue
-            module.__dict__[ENGINE] = True
             if any(id(p) in self.param_of for p in module.parameters(recurse=False)):
+                module.__dict__[ENGINE] = True
                 guarded = GuardedParameters(module._parameters)
                 guarded.passes = self
-                module.__dict__["_parameters"] = guarded
-            self._handles.append(module.register_forward_pre_hook(
-                _pre_forward_hook(self, mid), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(
-                _post_forward_hook(self, mid), with_kwargs=True))
+                self._guarded_modules.append((module, guarded))
+        self._set_guards(True)
+        for unit in self.units:
+            unit.module.__dict__[ENGINE] = True
+            self._handles.append(unit.module.register_forward_pre_hook(
+                _pre_forward_hook(self, unit.id), with_kwargs=True))
+            self._handles.append(unit.module.register_forward_hook(
+                _post_forward_hook(self, unit.id), with_kwargs=True))
+        for group in self.groups:
+            group.placeholder = self.placeholders.get(group.dtype)
         with torch.no_grad():
             for zp in self.params:
-                zp.param.data = self.placeholders.get(zp.dtype)
+                zp.param.data = zp.group.placeholder
+
+    def _set_guards(self, on):
+        """Each module's _parameters guarded (while the trace is recorded)
+        or plain (once it runs); the same entries either way."""
+        for module, guarded in self._guarded_modules:
+            current = module.__dict__["_parameters"]
+            if on and current is not guarded:
+                guarded.clear()
+                guarded.update(current)
+                module.__dict__["_parameters"] = guarded
+            elif not on and current is guarded:
+                module.__dict__["_parameters"] = collections.OrderedDict(guarded)
+        self._guarded = on
 
     def uninstall(self, model):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._set_guards(False)
+        self._guarded_modules = []
         model.__dict__.pop("forward", None)
         for module in model.modules():
             module.__dict__.pop(ENGINE, None)
-            if isinstance(module.__dict__.get("_parameters"), GuardedParameters):
-                module.__dict__["_parameters"] = collections.OrderedDict(module._parameters)
 
     # --- passes, fetch and release ---------------------------------------------------
 
@@ -157,6 +167,9 @@ class Passes:
         self.gradients.drain()
         self.session.end_step()
         self.pass_open = False
+        recording = self.session.trace_mode != "complete"
+        if recording != self._guarded:
+            self._set_guards(recording)
 
     def fetch(self, mid):
         count = self._fetched[mid]
@@ -164,8 +177,8 @@ class Passes:
             if not self.pass_open:
                 self.begin_pass()
             self.session.fetch(mid)
-            for zp in self.module_params[mid]:
-                materialize(zp, self.session, self.memory, self.world, self.live)
+            for group in self.units[mid].groups:
+                materialize(group, self.session, self.memory, self.live)
         self._fetched[mid] = count + 1
         if self.module_callback is not None:
             self.module_callback("fetch", self.module_names[mid], self.session.stats())
@@ -175,20 +188,20 @@ class Passes:
         if count == 0:
             return  # released already, by the end of the pass
         self._fetched[mid] = count - 1
-        # Drive the gathers in flight: on transports that progress only
+        # Drives the gathers in flight: on transports that progress only
         # inside MPI calls, a peer's gather advances when this rank polls
         # (its progress thread may not get the core while it computes).
         self.session.progress()
         if count == 1:
             self.session.release(mid)
-            for zp in self.module_params[mid]:
-                dematerialize(zp, self.placeholders, self.live)
+            for group in self.units[mid].groups:
+                dematerialize(group, self.live)
             if self.module_callback is not None:
                 self.module_callback("release", self.module_names[mid], self.session.stats())
 
     def release_everything(self):
-        """The end of a pass: every module still fetched is released, and the
-        backward hooks of modules whose backward did not run are dropped (a
+        """The end of a pass: every unit still fetched is released, and the
+        backward hooks of units whose backward did not run are dropped (a
         hook on a tensor that outlives the pass would fire in a later one)."""
         for handle in self._grad_hooks:
             handle.remove()
@@ -206,33 +219,9 @@ class Passes:
         self.module_stack.clear()
         self.backward_active = False
         self.release_everything()
-        self.gradients.abandon()
+        self.gradients.abandon(self.groups)
 
-    # --- saved tensors -------------------------------------------------------------
-
-    def pack(self, tensor):
-        zp = self.live.owner(tensor)
-        if zp is None:
-            return tensor
-        if tensor.dtype != zp.dtype or tensor.device != zp.full.device:
-            return tensor.clone()  # a reinterpreting view: keep a private copy
-        return SavedView(zp, tensor.storage_offset(), tuple(tensor.size()),
-                         tuple(tensor.stride()))
-
-    @staticmethod
-    def unpack(packed):
-        if type(packed) is not SavedView:
-            return packed
-        zp = packed.param
-        if zp.users == 0:
-            raise IncompatibleError(
-                f"zero3: backward needs parameter '{zp.name}', which no running module has "
-                "gathered; if a module's forward uses a parameter of another module, declare "
-                "it with ductile.torch.zero3.register_external_parameter(module, parameter) "
-                "before initialize()")
-        return zp.full.as_strided(packed.size, packed.stride, packed.offset)
-
-    # --- the root and the module hooks ---------------------------------------------------
+    # --- the root and the unit hooks -----------------------------------------------------
 
     def root_forward(self, forward, args, kwargs):
         """The model's forward, with the saved-tensor hooks on."""
@@ -240,7 +229,8 @@ class Passes:
             self.abandon()  # the last backward raised before it ended
         self.in_forward = True
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+            with torch.autograd.graph.saved_tensors_hooks(self.live.pack,
+                                                          _ductile.zero.unpack_saved):
                 output = forward(*args, **kwargs)
         except BaseException:
             self.abandon()
@@ -267,9 +257,16 @@ class Passes:
         holds, self._recompute_holds[mid] = self._recompute_holds[mid], 0
         for _ in range(holds):
             self.release(mid)
+        if self._fetched[mid] == 0:
+            # The unit's backward is done: its parameters' gradients are in
+            # (a later use adds more, reduced at the end of the backward).
+            for group in self.units[mid].own:
+                self.gradients.reduce(group)
 
     def _end_backward(self):
         self.backward_active = False
+        for group in self.groups:
+            self.gradients.reduce(group)
         self.end_pass()
 
     def fetched_count(self, mid):
@@ -280,12 +277,12 @@ def _pre_forward_hook(passes, mid):
     post_backward = functools.partial(passes.post_backward, mid)
 
     def hook(module, args, kwargs):
-        if _inside_backward():
+        if _graph_task_id() != -1:
             passes.enter_backward()
             # A recomputation inside backward (non-reentrant activation
             # checkpointing): autograd keeps what it recomputes, views of the
-            # gathered copy among them, until this module's backward, so the
-            # module stays fetched until then (counted now: a recomputation
+            # gathered copy among them, until this unit's backward, so the
+            # unit stays fetched until then (counted now: a recomputation
             # that torch stops early never reaches the forward hook).
             passes.fetch(mid)
             passes._recompute_holds[mid] += 1
@@ -302,8 +299,8 @@ def _post_forward_hook(passes, mid):
     pre_backward = functools.partial(passes.pre_backward, mid)
 
     def hook(module, args, kwargs, output):
-        if _inside_backward():
-            return None  # a recomputation: released after the module's backward
+        if _graph_task_id() != -1:
+            return None  # a recomputation: released after the unit's backward
         passes.module_stack.pop()
         passes.release(mid)
         if torch.is_grad_enabled():

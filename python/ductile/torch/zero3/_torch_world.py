@@ -1,28 +1,36 @@
 """torch.distributed's process group as zero3's world communicator: the
-host framework supplies the communication (issue 22, item 4), so a job
-started by torchrun (gloo on cpu, NCCL on cuda) needs no MPI.
+host framework supplies the communication, so a job started by torchrun
+(gloo on cpu, NCCL on cuda) needs no MPI.
 
 ``TorchWorld`` serves two callers:
 
 - the C++ coordinator, through the accelerator's host world
   (``HostWorld::offer_world``; python/src/host_world.cpp): its collectives
   arrive as addresses, byte counts and element type names (``*_at`` calls),
-  wrapped here into tensors over that memory without copying;
+  wrapped here into tensors over that memory without copying (kept by
+  address: the coordinator reuses a few buffers, so after the first passes
+  no tensor is made);
 - the engine (gradients, checkpoints, all_reduce), on tensors (the calls of
   _collectives.py).
 
 Each call issues the collective at once, asynchronously, on the calling
-thread, and returns a ``Work`` with ``query()`` and ``wait()``. A coalesced
-gather packs the inputs into one byte buffer, runs one all-gather and
-unpacks the result into each output when the work completes (``query()``
-seeing it done, or ``wait()``), as the accelerators' own communicators do.
-Packing buffers come from a free list keyed by size, so a trace of gathers
-reuses the same memory every pass.
+thread, and returns a handle with ``query()`` and ``wait()``. A coalesced
+gather of a parameter group (its members' slices back to back in the
+shard, each member whole in the output) is one all-gather of the flat
+shard and one copy-out (``split_with_sizes_copy``) into the members'
+places, as FSDP2 does; the small groups of one coalesced gather (a
+prefetch) share one all-gather, their shards copied in back to back.
 
-Stream semantics (cpu): the collective runs on gloo's threads; its output
-is complete when the work is. (cuda): torch's NCCL process group orders
-the collective after torch's current stream at the call and ``wait()``
-makes the current stream wait for it; see the engine's stream notes.
+Stream semantics. cpu: the collective runs on gloo's threads; its output
+(copied out) is complete when the work is (``query()`` true, or
+``wait()``). cuda: the coordinator passes the stream it issues on (its
+communication stream, ``stream``: a ``cudaStream_t`` as an int); the
+collective is ordered after that stream's work, the stream's later work
+after the collective (``Work.wait()`` there, a device-side wait) and the
+copy-out runs on it, so the coordinator's event recorded on the stream
+marks the end and the host never waits. The engine's own collectives on
+cuda are ordered after torch's current stream by torch itself, and
+``wait()`` makes the current stream wait for them.
 """
 
 import torch
@@ -31,6 +39,7 @@ import torch.distributed as dist
 from ... import _ductile
 from ..._errors import InvalidArgumentError
 from ._collectives import Done
+from ._memory import DeviceMemory
 
 _DTYPES = {
     "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
@@ -38,7 +47,11 @@ _DTYPES = {
     "uint8": torch.uint8,
 }
 _SIZES = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in _DTYPES.items()}
-_PACK_LIMIT = 256 << 10  # bytes of a tensor gathered alone rather than packed
+_CACHE_LIMIT = 4096  # tensors and gather plans kept by address before the caches start over
+# Bytes a rank sends for the groups of one coalesced gather (a prefetch of
+# several small groups) packed into one collective: fewer, larger
+# collectives for small groups, where each costs more than its bytes.
+_PACK_LIMIT = 16 << 20
 _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX,
         "prod": dist.ReduceOp.PRODUCT}
 
@@ -92,21 +105,85 @@ class _Works:
             w.wait()
 
 
-class _Buffers:
-    """Byte buffers for packing, reused by size."""
+class _OnStream:
+    """Collectives already ordered on a cuda stream (their copy-outs too):
+    done when the event recorded after them is."""
 
-    def __init__(self, device):
-        self._device = device
-        self._free = {}
+    __slots__ = ("_event",)
 
-    def take(self, nbytes):
-        stack = self._free.get(nbytes)
-        if stack:
-            return stack.pop()
-        return torch.empty(nbytes, dtype=torch.uint8, device=self._device)
+    def __init__(self, stream):
+        self._event = torch.cuda.Event()
+        self._event.record(stream)
 
-    def give(self, buffer):
-        self._free.setdefault(buffer.numel(), []).append(buffer)
+    def query(self):
+        return self._event.query()
+
+    def wait(self):
+        self._event.synchronize()
+
+
+class _Run:
+    """Consecutive items of a coalesced gather that are one parameter
+    group: their sends back to back (the group's shard), their outputs back
+    to back, each `size` elements a rank; or several groups of one dtype
+    packed together (`sends`: their shards, copied in back to back)."""
+
+    __slots__ = ("send", "sends", "recv", "outs", "sizes", "total")
+
+    def __init__(self, world, runs):
+        items = [item for run in runs for item in run]
+        dtype = items[0][3]
+        self.sizes = [count for _, _, count, _ in items]
+        self.total = sum(self.sizes)
+        self.sends = self.send = self.recv = self.outs = None
+        if len(runs) == 1:
+            self.send = world._at(items[0][0], self.total, dtype)
+            self.recv = world._at(items[0][1], self.total * world.size, dtype)
+        else:
+            self.sends = [world._at(run[0][0], sum(c for _, _, c, _ in run), dtype)
+                          for run in runs]
+        if len(items) > 1 and world.size > 1:
+            self.outs = [world._at(recv, count * world.size, dtype).view(world.size, count)
+                         for _, recv, count, _ in items]
+
+
+def _packed(runs, limit, size):
+    """Groups of runs gathered by one collective each: small runs of one
+    dtype together (within `limit` bytes a rank), a larger one alone; each
+    alone on one rank (no collective to save)."""
+    if size == 1:
+        return [[run] for run in runs]
+    out, small, small_bytes = [], [], 0
+    for run in runs:
+        dtype = run[0][3]
+        nbytes = sum(count for _, _, count, _ in run) * _SIZES[dtype]
+        if nbytes > limit:
+            out.append([run])
+            continue
+        if small and (small[0][0][3] != dtype or small_bytes + nbytes > limit):
+            out.append(small)
+            small, small_bytes = [], 0
+        small.append(run)
+        small_bytes += nbytes
+    if small:
+        out.append(small)
+    return out
+
+
+def _runs(items, size):
+    """Splits coalesced items into runs of back-to-back members."""
+    runs, current = [], []
+    for item in items:
+        if current:
+            send, recv, count, dtype = current[-1]
+            step = count * _SIZES[dtype]
+            if not (item[3] == dtype and item[0] == send + step and item[1] == recv + size * step):
+                runs.append(current)
+                current = []
+        current.append(item)
+    if current:
+        runs.append(current)
+    return runs
 
 
 class TorchWorld:
@@ -127,86 +204,112 @@ class TorchWorld:
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.device = torch.device("cpu")
-        self._buffers = _Buffers(self.device)
-        self._root = {}  # group rank -> global rank (broadcast takes a global one)
+        self._memory = DeviceMemory(self.device.type, self.device)
+        self._root = {}     # group rank -> global rank (broadcast takes a global one)
+        self._tensors = {}  # (address, numel, dtype) -> tensor over that memory
+        self._plans = {}    # coalesced gather items -> [_Run]
+        self._streams = {}  # cudaStream_t -> torch.cuda.ExternalStream
 
     # --- tensors over the coordinator's memory ------------------------------------
 
     def _at(self, address, numel, dtype_name):
+        key = (address, numel, dtype_name)
+        t = self._tensors.get(key)
+        if t is not None:
+            return t
         dtype = _DTYPES[dtype_name]
         if numel == 0:
-            return torch.empty(0, dtype=dtype, device=self.device)
-        if self.device.type == "cpu":
-            nbytes = numel * torch.empty((), dtype=dtype).element_size()
-            return torch.frombuffer(_ductile.zero.host_view(address, nbytes), dtype=dtype)
-        from ._memory import DeviceMemory
-        return DeviceMemory("cuda", self.device).tensor(address, numel, dtype)
+            t = torch.empty(0, dtype=dtype, device=self.device)
+        elif self.device.type == "cpu":
+            nbytes = numel * _SIZES[dtype_name]
+            t = torch.frombuffer(_ductile.zero.host_view(address, nbytes), dtype=dtype)
+        else:
+            t = self._memory.tensor(address, numel, dtype)
+        if len(self._tensors) >= _CACHE_LIMIT:
+            self._tensors.clear()
+        self._tensors[key] = t
+        return t
 
-    def all_gather_at(self, send, recv, count, dtype):
+    def _stream(self, handle):
+        s = self._streams.get(handle)
+        if s is None:
+            s = self._streams[handle] = torch.cuda.ExternalStream(handle, device=self.device)
+        return s
+
+    def _on(self, stream, issue):
+        """Runs `issue()` (returning torch works) ordered on the cuda stream
+        `stream` (see the module's notes), or as it is (stream None)."""
+        if stream is None:
+            return issue()
+        s = self._stream(stream)
+        with torch.cuda.stream(s):
+            work = issue()
+            work.wait()
+            return _OnStream(s)
+
+    def all_gather_at(self, send, recv, count, dtype, stream=None):
         out = self._at(recv, count * self.size, dtype)
         inp = self._at(send, count, dtype)
-        if inp.data_ptr() == out[self.rank * count:].data_ptr():
+        if send == recv + self.rank * count * _SIZES[dtype]:
             inp = inp.clone()  # in place: the collective must not read what it writes
-        return self.all_gather(out, inp)
+        return self._on(stream, lambda: self.all_gather(out, inp))
 
-    def all_gather_coalesced_at(self, items):
-        """Large tensors are gathered straight into their outputs (packing
-        them would copy each twice and hold a second copy of the result);
-        the small ones together, packed into one byte buffer."""
+    def all_gather_coalesced_at(self, items, stream=None):
+        """One all-gather a run of back-to-back members (a parameter
+        group), straight into the output for a single member or one rank,
+        else into a scratch buffer copied out into the members' places."""
         if len(items) == 1:
-            return self.all_gather_at(*items[0])
-        works, small = [], []
-        for item in items:
-            send, recv, count, dtype = item
-            if count * _SIZES[dtype] >= _PACK_LIMIT:
-                works.append(self.all_gather_at(*item))
-            else:
-                small.append(item)
-        if len(small) == 1:
-            works.append(self.all_gather_at(*small[0]))
-        elif small:
-            works.append(self._packed_gather(small))
-        return works[0] if len(works) == 1 else _Works(works)
+            return self.all_gather_at(*items[0], stream)
+        key = tuple(items)
+        runs = self._plans.get(key)
+        if runs is None:
+            runs = [_Run(self, packed)
+                    for packed in _packed(_runs(items, self.size), _PACK_LIMIT, self.size)]
+            if len(self._plans) >= _CACHE_LIMIT:
+                self._plans.clear()
+            self._plans[key] = runs
+        if stream is None:
+            works = [self._gather_run(run) for run in runs]
+            return works[0] if len(works) == 1 else _Works(works)
+        s = self._stream(stream)
+        with torch.cuda.stream(s):
+            for run in runs:
+                self._gather_run(run).wait()
+            return _OnStream(s)
 
-    def _packed_gather(self, items):
-        pieces = [(self._at(send, count, dtype).view(torch.uint8),
-                   self._at(recv, count * self.size, dtype).view(torch.uint8))
-                  for send, recv, count, dtype in items]
-        total = sum(inp.numel() for inp, _ in pieces)
-        packed = self._buffers.take(total)
-        gathered = self._buffers.take(total * self.size)
-        offset = 0
-        for inp, _ in pieces:
-            packed[offset:offset + inp.numel()].copy_(inp)
-            offset += inp.numel()
-        work = _all_gather(gathered, packed, group=self.group, async_op=True)
+    def _gather_run(self, run):
+        send = run.send
+        if send is None:  # several groups: their shards copied in back to back
+            send = torch.cat(run.sends)
+        if run.outs is None:
+            return self.all_gather(run.recv, send)
+        gathered = torch.empty(self.size * run.total, dtype=send.dtype, device=self.device)
+        work = _all_gather(gathered, send, group=self.group, async_op=True)
 
-        def unpack():
-            rows = gathered.view(self.size, total)
-            at = 0
-            for inp, out in pieces:
-                n = inp.numel()
-                out.view(self.size, n).copy_(rows[:, at:at + n])
-                at += n
-            self._buffers.give(packed)
-            self._buffers.give(gathered)
-        return Work(work, unpack)
+        def copy_out():
+            torch.split_with_sizes_copy(gathered.view(self.size, run.total), run.sizes, dim=1,
+                                        out=run.outs)
+        return Work(work, copy_out)
 
-    def reduce_scatter_at(self, send, recv, count, dtype, op):
-        return self.reduce_scatter(self._at(recv, count, dtype),
-                                   self._at(send, count * self.size, dtype), op)
+    def reduce_scatter_at(self, send, recv, count, dtype, op, stream=None):
+        out, inp = self._at(recv, count, dtype), self._at(send, count * self.size, dtype)
+        return self._on(stream, lambda: self.reduce_scatter(out, inp, op))
 
-    def all_reduce_at(self, send, recv, count, dtype, op):
+    def all_reduce_at(self, send, recv, count, dtype, op, stream=None):
         out = self._at(recv, count, dtype)
-        if send != recv:
-            out.copy_(self._at(send, count, dtype))
-        return self.all_reduce(out, op)
 
-    def broadcast_at(self, buffer, count, dtype, root):
-        return self.broadcast(self._at(buffer, count, dtype), root)
+        def issue():
+            if send != recv:
+                out.copy_(self._at(send, count, dtype))
+            return self.all_reduce(out, op)
+        return self._on(stream, issue)
 
-    def barrier_async(self):
-        return Work(dist.barrier(group=self.group, async_op=True))
+    def broadcast_at(self, buffer, count, dtype, root, stream=None):
+        tensor = self._at(buffer, count, dtype)
+        return self._on(stream, lambda: self.broadcast(tensor, root))
+
+    def barrier_async(self, stream=None):
+        return self._on(stream, lambda: Work(dist.barrier(group=self.group, async_op=True)))
 
     # --- tensors (the engine's calls) -----------------------------------------------
 
