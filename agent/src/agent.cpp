@@ -351,6 +351,13 @@ void Agent::rejoin_after_fence() {
   keep_alive_->set_lease(lease_, sent);
   reclaim_node_key("was revoked after the fence");
   fenced_ = false;
+  if (drain_) mark_draining();
+}
+
+void Agent::mark_draining() {
+  // On the lease of this node's registration: a mark on a lease that
+  // expired went with it, and the node would count as a new arrival.
+  store_->put(key("draining/" + id_), mark_json(id_, 0), lease_);
 }
 
 std::optional<int> Agent::on_stop_signal(int sig) {
@@ -366,7 +373,7 @@ std::optional<int> Agent::on_stop_signal(int sig) {
     // A drain: the round's workers save first (every rank: a save is
     // collective), then the leader re-forms without this node.
     try {
-      store_->put(key("draining/" + id_), mark_json(id_, 0), lease_);
+      mark_draining();
       CheckpointRequest request{current_round_, id_,
                                 fmt::format("node {} drains (signal {})", id_, sig),
                                 now_ms().count()};
@@ -463,6 +470,7 @@ int Agent::run() {
         lease_ = store_->grant_lease(o_.lease_ttl.count());
         keep_alive_->set_lease(lease_, sent);
         reclaim_node_key("expired with its lease");
+        if (drain_) mark_draining();
       }
       // One request a pass for most agents: the round, the oldest
       // registrations (the leader is the oldest live one) and this node's

@@ -137,6 +137,8 @@ class Agent {
   // The leader starts a new run over a previous run's last round: the old
   // run's records are removed first.
   void clear_previous_run();
+  // Writes draining/<id> (this node leaves after its round's checkpoint).
+  void mark_draining();
   // The round's members whose mark (done/ or saved/<round>/<id>) is theirs:
   // the record an agent writes, on the lease of the member's registration.
   std::vector<std::string> marked(const std::string& what, const RoundRecord& round,

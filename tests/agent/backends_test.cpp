@@ -100,7 +100,7 @@ TEST_CASE("agent: --standalone runs one node on its own rendezvous - nothing els
 }
 
 TEST_CASE(
-    "agent: c10d - the endpoint's host serves the rendezvous; a lost node re-forms; the host's "
+    "agent: c10d - the endpoint's host serves the rendezvous, a lost node re-forms, the host's "
     "loss ends the job") {
   TempDir dir;
   const std::string marker = new_marker(), stop = (dir / "stop").string();

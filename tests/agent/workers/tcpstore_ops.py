@@ -34,8 +34,12 @@ def run(host, port):
     out["compare_set missing"] = a.compare_set("cs-missing", "expected", "x").decode()
     out["check"] = [a.check(["key", "counter"]), a.check(["key", "absent"])]
     out["delete"] = [a.delete_key("key"), a.delete_key("key")]
+    # SET, APPEND and QUEUE_PUSH have no answer, so the order of two
+    # connections' requests is the server's (torch's too): the writer makes
+    # a round trip before the other client reads what it wrote.
     a.append("appended", "ab")
     b.append("appended", "cd")
+    b.check(["appended"])
     out["append"] = a.get("appended").decode()
     a.multi_set(["m1", "m2"], ["one", "two"])
     out["multi_get"] = [v.decode() for v in b.multi_get(["m1", "m2", "counter"])]
@@ -61,6 +65,7 @@ def run(host, port):
     # Queues: a pop that waits for a push.
     b.queue_push("q", "first")
     b.queue_push("q", "second")
+    b.queue_len("q")
     out["queue_len"] = a.queue_len("q")
     out["queue_pop"] = [a.queue_pop("q").decode(), a.queue_pop("q", block=False).decode()]
 
