@@ -8,9 +8,10 @@
 namespace ductile::cli {
 
 inline constexpr const char* kAgentDescription =
-    "Run this node's workers as part of an elastic job: rendezvous on etcd, world sizes chosen "
-    "by the configuration's elasticity policy, restarts on membership changes and failures. "
-    "Takes torchrun's command line too (program name changed)";
+    "Run this node's workers as part of an elastic job: rendezvous on etcd or torchrun's c10d, "
+    "static or standalone, world sizes chosen by the configuration's elasticity policy, "
+    "restarts on membership changes and failures. Takes any torchrun command line (program "
+    "name changed)";
 
 void register_agent_command(CLI::App& app, CliContext& context);
 

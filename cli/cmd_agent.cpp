@@ -1,27 +1,22 @@
 // ductile agent [--config FILE] --rdzv etcd://HOST:PORT --job-id ID --nproc-per-node N
 //               [--min-nodes A --max-nodes B] [--max-restarts R] -- CMD ARGS...
-// or, as torchrun takes it (the program name changed):
-// ductile agent --nnodes MIN:MAX --nproc-per-node N --rdzv-backend etcd
-//               --rdzv-endpoint HOST:PORT --rdzv-id ID [--rdzv-conf K=V,...]
-//               [--max-restarts R] [--monitor-interval S] SCRIPT.py ARGS...
+// or any torchrun command line with the program name changed:
+// ductile agent [--standalone] [--nnodes MIN:MAX] [--nproc-per-node N]
+//               [--rdzv-backend c10d|static|etcd|etcd-v2 --rdzv-endpoint HOST:PORT]
+//               [--node-rank R --master-addr A --master-port P] [--rdzv-id ID]
+//               [--rdzv-conf K=V,...] [--log-dir D -r S -t S] ... SCRIPT.py ARGS...
 // The elastic agent of one node (the logic is in libductile_agent; see
 // docs/elastic-agent.md). Built into the agent program, not into `ductile`
 // (main.cpp says why).
 #include <signal.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <atomic>
-#include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <filesystem>
-#include <map>
-#include <thread>
 
 #include <fmt/format.h>
 
 #include "agent_command.hpp"
+#include "agent_options.hpp"
 #include "ductile/agent/agent.hpp"
 
 namespace ductile::cli {
@@ -33,270 +28,9 @@ void on_stop_signal(int sig) {
   g_stop_signal.store(sig);
 }
 
-struct AgentCliOptions {
-  agent::AgentOptions agent;
-  std::string nproc_per_node;   // N, or torchrun's cpu, gpu, auto
-  std::int64_t min_nodes = -1;  // -1: not given
-  std::int64_t max_nodes = -1;
-  std::int64_t lease_ttl = -1;
-  double poll_interval = -1, settle = -1, stop_grace = 5, store_timeout = 30;
-  double min_time = -1, failure_grace = -1, checkpoint_timeout = 0;
-  // torchrun's options.
-  std::string nnodes, rdzv_backend, rdzv_endpoint, rdzv_id, rdzv_conf;
-  std::string rdzv_protocol;  // --rdzv-conf protocol=http|https
-  double monitor_interval = -1, shutdown_timeout = -1;
-  bool no_python = false, module = false, run_path = false, standalone = false;
-  std::int64_t node_rank = -1;
-  std::string master_addr, local_addr;
-  std::int64_t master_port = -1;
-};
-
-[[noreturn]] void bad(const std::string& message) {
-  throw Error(ErrorKind::invalid_argument, message);
-}
-
-std::chrono::milliseconds seconds_option(const std::string& name, double value) {
-  if (!std::isfinite(value) || value < 0 || value > 1e6)
-    bad(fmt::format("{} {} is invalid: give seconds between 0 and 1000000", name, value));
-  return std::chrono::milliseconds(static_cast<std::int64_t>(std::llround(value * 1000)));
-}
-
-std::int64_t whole_number(const std::string& what, const std::string& text) {
-  std::size_t used = 0;
-  long long value = -1;
-  try {
-    value = std::stoll(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used != text.size() || text.empty() || value < 0)
-    bad(fmt::format("{} '{}' is invalid: give a whole number", what, text));
-  return value;
-}
-
-double seconds_text(const std::string& what, const std::string& text) {
-  std::size_t used = 0;
-  double value = -1;
-  try {
-    value = std::stod(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used != text.size() || text.empty() || !std::isfinite(value) || value < 0 || value > 1e6)
-    bad(fmt::format("{} '{}' is invalid: give seconds between 0 and 1000000", what, text));
-  return value;
-}
-
-// GPUs this process may use: CUDA_VISIBLE_DEVICES's entries, else the
-// NVIDIA driver's.
-std::int64_t visible_gpus() {
-  if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES")) {
-    std::string list = visible;
-    if (list.empty()) return 0;
-    return 1 + static_cast<std::int64_t>(std::count(list.begin(), list.end(), ','));
-  }
-  std::error_code ec;
-  std::int64_t n = 0;
-  for (auto it = std::filesystem::directory_iterator("/proc/driver/nvidia/gpus", ec);
-       !ec && it != std::filesystem::directory_iterator(); it.increment(ec))
-    ++n;
-  return n;
-}
-
-// torchrun's --nproc-per-node: a number, cpu, gpu or auto.
-std::int64_t workers_per_node(const std::string& text) {
-  if (text == "cpu") return std::max<std::int64_t>(1, std::thread::hardware_concurrency());
-  if (text == "gpu") {
-    if (std::int64_t gpus = visible_gpus(); gpus > 0) return gpus;
-    bad("--nproc-per-node gpu: this node has no GPU (none in CUDA_VISIBLE_DEVICES or "
-        "/proc/driver/nvidia/gpus); give a number or cpu");
-  }
-  if (text == "auto") {
-    std::int64_t gpus = visible_gpus();
-    return gpus > 0 ? gpus : std::max<std::int64_t>(1, std::thread::hardware_concurrency());
-  }
-  std::size_t used = 0;
-  long long value = 0;
-  try {
-    value = std::stoll(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used != text.size() || text.empty() || value < 1)
-    bad(
-        fmt::format("--nproc-per-node '{}' is invalid: give the number of workers of this node "
-                    "(>= 1), or cpu, gpu or auto",
-                    text));
-  return value;
-}
-
-// torchrun's --rdzv-conf: key=value pairs separated by commas.
-void apply_rdzv_conf(const std::string& text, AgentCliOptions& o) {
-  std::map<std::string, std::string> conf;
-  std::size_t from = 0;
-  while (from < text.size()) {
-    auto comma = text.find(',', from);
-    if (comma == std::string::npos) comma = text.size();
-    std::string pair = text.substr(from, comma - from);
-    from = comma + 1;
-    if (pair.empty()) continue;
-    auto eq = pair.find('=');
-    if (eq == std::string::npos || eq == 0)
-      bad(fmt::format("--rdzv-conf '{}': '{}' is not key=value", text, pair));
-    conf[pair.substr(0, eq)] = pair.substr(eq + 1);
-  }
-  double keep_alive_interval = -1;
-  std::int64_t keep_alive_attempts = -1;
-  for (const auto& [key, value] : conf) {
-    std::string what = "--rdzv-conf " + key;
-    if (key == "join_timeout" || key == "timeout") {
-      o.agent.join_timeout = seconds_option(what, seconds_text(what, value));
-    } else if (key == "last_call_timeout") {
-      o.settle = seconds_text(what, value);
-    } else if (key == "read_timeout") {
-      o.agent.request_timeout = seconds_option(what, seconds_text(what, value));
-      if (o.agent.request_timeout.count() == 0)
-        bad(fmt::format("{}={} is invalid: give seconds > 0", what, value));
-    } else if (key == "keep_alive_interval") {
-      keep_alive_interval = seconds_text(what, value);
-    } else if (key == "keep_alive_max_attempt") {
-      keep_alive_attempts = whole_number(what, value);
-    } else if (key == "protocol") {
-      if (value != "http" && value != "https")
-        bad(fmt::format("{}={} is invalid: give http or https", what, value));
-      o.rdzv_protocol = value;
-    } else if (key == "cacert" || key == "cert" || key == "key") {
-      // torch's etcd rendezvous' names for the TLS files.
-      std::string& file = key == "cacert" ? o.agent.tls.ca_file
-                          : key == "cert" ? o.agent.tls.cert_file
-                                          : o.agent.tls.key_file;
-      if (!file.empty() && file != value)
-        bad(fmt::format("{} and --rdzv-{} differ: give one of them", what, key));
-      file = value;
-    } else {
-      bad(
-          fmt::format("--rdzv-conf key '{}' is not one ductile agent takes: give join_timeout "
-                      "(or timeout), last_call_timeout, read_timeout, keep_alive_interval, "
-                      "keep_alive_max_attempt, protocol, cacert, cert, key",
-                      key));
-    }
-  }
-  if (keep_alive_interval >= 0 || keep_alive_attempts >= 0) {
-    // torchrun declares a node dead after interval x attempts without a
-    // heartbeat; the agent's lease TTL means the same.
-    double ttl = (keep_alive_interval >= 0 ? keep_alive_interval : 5) *
-                 static_cast<double>(keep_alive_attempts >= 0 ? keep_alive_attempts : 3);
-    if (o.lease_ttl == -1) o.lease_ttl = std::max<std::int64_t>(2, std::llround(std::ceil(ttl)));
-  }
-}
-
-// torchrun's --nnodes: N or MIN:MAX.
-void apply_nnodes(const std::string& text, AgentCliOptions& o) {
-  auto colon = text.find(':');
-  std::string low = text.substr(0, colon);
-  std::string high = colon == std::string::npos ? low : text.substr(colon + 1);
-  std::int64_t min = whole_number("--nnodes", low), max = whole_number("--nnodes", high);
-  if (min < 1 || max < min)
-    bad(fmt::format("--nnodes '{}' is invalid: give N or MIN:MAX with 1 <= MIN <= MAX", text));
-  if (o.min_nodes != -1 || o.max_nodes != -1)
-    bad("--nnodes and --min-nodes/--max-nodes say the same: give one of them");
-  o.min_nodes = min;
-  o.max_nodes = max;
-}
-
-// The rendezvous from either spelling: --rdzv etcd://HOST:PORT, or
-// torchrun's --rdzv-backend etcd --rdzv-endpoint HOST:PORT.
-void apply_rendezvous(AgentCliOptions& o) {
-  auto& a = o.agent;
-  if (o.standalone)
-    bad("--standalone is not available: ductile agent's rendezvous runs on etcd; start one "
-        "(etcd --listen-client-urls http://127.0.0.1:2379 --advertise-client-urls "
-        "http://127.0.0.1:2379) and give --rdzv-endpoint 127.0.0.1:2379");
-  if (!o.rdzv_backend.empty() && o.rdzv_backend != "etcd" && o.rdzv_backend != "etcd-v2" &&
-      o.rdzv_backend != "etcd-v3")
-    bad(
-        fmt::format("--rdzv-backend '{}' is not available: ductile agent's rendezvous runs on "
-                    "etcd (v3 API); give --rdzv-backend etcd (or etcd-v2) and the etcd's "
-                    "--rdzv-endpoint HOST:PORT",
-                    o.rdzv_backend));
-  if (!o.rdzv_endpoint.empty()) {
-    if (!a.rdzv.empty()) bad("--rdzv and --rdzv-endpoint say the same: give one of them");
-    a.rdzv = o.rdzv_endpoint.find("://") == std::string::npos
-                 ? (o.rdzv_protocol == "https" ? "https://" : "etcd://") + o.rdzv_endpoint
-                 : o.rdzv_endpoint;
-  }
-  if (!o.rdzv_protocol.empty() && a.rdzv.starts_with("https://") != (o.rdzv_protocol == "https"))
-    bad(fmt::format("--rdzv-conf protocol={} and the endpoint {} differ: give one of them",
-                    o.rdzv_protocol, a.rdzv));
-  if (a.rdzv.empty())
-    bad("no rendezvous: give --rdzv etcd://HOST:PORT (or torchrun's --rdzv-endpoint HOST:PORT)");
-  if (!o.rdzv_id.empty()) {
-    if (!a.job_id.empty() && a.job_id != o.rdzv_id)
-      bad(fmt::format("--job-id '{}' and --rdzv-id '{}' differ: give one of them", a.job_id,
-                      o.rdzv_id));
-    a.job_id = o.rdzv_id;
-  }
-  if (a.job_id.empty()) bad("no job id: give --job-id ID (or torchrun's --rdzv-id ID)");
-}
-
-// The worker command: after '--' as given; else torchrun's training script
-// and its arguments, run as torchrun runs them ($PYTHON_EXEC or python3,
-// -u, -m for --module; as given with --no-python).
-std::vector<std::string> worker_command(const std::vector<std::string>& rest,
-                                        const AgentCliOptions& o) {
-  if (!rest.empty() && rest.front() == "--")
-    return std::vector<std::string>(rest.begin() + 1, rest.end());
-  if (!rest.empty() && rest.front().starts_with("-"))
-    bad(
-        fmt::format("'{}' is not an option of ductile agent (run 'ductile agent --help'); the "
-                    "worker command goes after '--' or, as with torchrun, starts with the "
-                    "training script",
-                    rest.front()));
-  if (rest.empty() || o.no_python) {
-    if (o.module) bad("--no-python and --module cannot be given together (as with torchrun)");
-    return rest;
-  }
-  const char* python = std::getenv("PYTHON_EXEC");
-  std::vector<std::string> command = {python && *python ? python : "python3", "-u"};
-  if (o.module) command.push_back("-m");
-  command.insert(command.end(), rest.begin(), rest.end());
-  return command;
-}
-
 int run_agent_command(const CliContext& context, AgentCliOptions& o,
                       const std::vector<std::string>& rest) {
-  auto& a = o.agent;
-  if (!o.nnodes.empty()) apply_nnodes(o.nnodes, o);
-  if (!o.rdzv_conf.empty()) apply_rdzv_conf(o.rdzv_conf, o);
-  apply_rendezvous(o);
-  if (o.nproc_per_node.empty()) bad("no --nproc-per-node: give the number of workers of this node");
-  a.nproc_per_node = workers_per_node(o.nproc_per_node);
-  if (o.min_nodes != -1) a.min_nodes = o.min_nodes;
-  if (o.max_nodes != -1) a.max_nodes = o.max_nodes;
-  if (!o.local_addr.empty()) {
-    if (!a.node_addr.empty() && a.node_addr != o.local_addr)
-      bad("--node-addr and --local-addr differ: give one of them");
-    a.node_addr = o.local_addr;
-  }
-  if (o.node_rank > 0 || !o.master_addr.empty() || o.master_port != -1)
-    std::fprintf(stderr,
-                 "ductile agent: --node-rank, --master-addr and --master-port are torchrun's "
-                 "static rendezvous; ignored (the rendezvous assigns ranks and the master)\n");
-  a.command = worker_command(rest, o);
-  a.lease_ttl = std::chrono::seconds(o.lease_ttl == -1 ? 5 : o.lease_ttl);
-  a.poll_interval =
-      seconds_option(o.monitor_interval >= 0 ? "--monitor-interval" : "--poll-interval",
-                     o.poll_interval >= 0      ? o.poll_interval
-                     : o.monitor_interval >= 0 ? o.monitor_interval
-                                               : 0.25);
-  if (a.poll_interval.count() == 0) bad("--poll-interval (--monitor-interval) must be > 0");
-  a.settle = seconds_option("--settle", o.settle >= 0 ? o.settle : 2);
-  a.stop_grace = seconds_option(o.shutdown_timeout >= 0 ? "--shutdown-timeout" : "--stop-grace",
-                                o.shutdown_timeout >= 0 ? o.shutdown_timeout : o.stop_grace);
-  a.store_timeout = seconds_option("--store-timeout", o.store_timeout);
-  if (o.min_time != -1) a.min_time = seconds_option("--min-time", o.min_time);
-  if (o.failure_grace != -1) a.failure_grace = seconds_option("--failure-grace", o.failure_grace);
-  a.checkpoint_timeout = seconds_option("--checkpoint-timeout", o.checkpoint_timeout);
+  agent::AgentOptions a = agent_options(o, rest);
   a.runtime = context.runtime_options();
   a.stop_signal = &g_stop_signal;
   struct sigaction action {};
@@ -327,15 +61,16 @@ void register_agent_command(CLI::App& app, CliContext& context) {
                   "TLS to etcd: this client's certificate (PEM), for etcd's --client-cert-auth");
   sub->add_option("--rdzv-key", o->agent.tls.key_file, "TLS to etcd: the client certificate's key");
   sub->add_option("--nproc-per-node,--nproc_per_node", o->nproc_per_node,
-                  "Workers on this node: a number, or cpu, gpu, auto (as torchrun)");
+                  "Workers on this node: a number, or cpu, gpu, auto (as torchrun; default 1)");
   sub->add_option("--min-nodes", o->min_nodes, "Fewest nodes the job runs on (default 1)");
   sub->add_option("--max-nodes", o->max_nodes,
                   "Most nodes the job runs on (default: as many as a valid world size can use)");
   sub->add_option("--max-restarts,--max_restarts", o->agent.max_restarts,
-                  "Group restarts after worker failures before the job fails (default 3)");
+                  "Group restarts after worker failures before the job fails, counted for "
+                  "the whole job (default 0, as torchrun)");
   sub->add_option("--node-addr", o->agent.node_addr,
                   "Address other nodes reach this one at, published as MASTER_ADDR when this "
-                  "node leads (default: the host name)");
+                  "node leads (default: the host's fully qualified name, as torchrun)");
   sub->add_option("--node-id", o->agent.node_id, "This agent's name (default: host-pid-random)");
   sub->add_flag("--mpi-world", o->agent.mpi_world,
                 "Workers form one MPI world without mpirun (ductile's cpu backend, zero3): "
@@ -364,9 +99,12 @@ void register_agent_command(CLI::App& app, CliContext& context) {
   // torchrun's options (docs/elastic-agent.md, "torchrun's command line").
   sub->add_option("--nnodes", o->nnodes, "torchrun: N or MIN:MAX nodes");
   sub->add_option("--rdzv-backend,--rdzv_backend", o->rdzv_backend,
-                  "torchrun: etcd (or etcd-v2, etcd-v3); the default with --rdzv-endpoint");
+                  "torchrun: c10d (the agent on the endpoint's host serves the rendezvous), "
+                  "static (default; --node-rank, --master-addr, --master-port), etcd or etcd-v2 "
+                  "(an etcd: survives the loss of any node)");
   sub->add_option("--rdzv-endpoint,--rdzv_endpoint", o->rdzv_endpoint,
-                  "torchrun: the etcd's HOST:PORT (as --rdzv etcd://HOST:PORT)");
+                  "torchrun: HOST[:PORT] of the rendezvous (c10d: default port 29400; etcd: the "
+                  "etcd's, as --rdzv etcd://HOST:PORT)");
   sub->add_option("--rdzv-id,--rdzv_id", o->rdzv_id, "torchrun: the job id (as --job-id)");
   sub->add_option("--rdzv-conf,--rdzv_conf", o->rdzv_conf,
                   "torchrun: key=value,...: join_timeout (or timeout), last_call_timeout (as "
@@ -385,12 +123,39 @@ void register_agent_command(CLI::App& app, CliContext& context) {
   sub->add_flag("-m,--module", o->module, "torchrun: the training script is a Python module");
   sub->add_flag("--run-path,--run_path", o->run_path,
                 "torchrun: run the script with python (the default here)");
-  sub->add_flag("--standalone", o->standalone, "torchrun's local rendezvous: not available");
-  sub->add_option("--node-rank,--node_rank", o->node_rank, "torchrun's static rendezvous: ignored");
+  sub->add_flag("--standalone", o->standalone,
+                "torchrun: one node with its own rendezvous (nothing else started)");
+  sub->add_option("--node-rank,--node_rank", o->node_rank,
+                  "torchrun's static rendezvous: this node's rank (0 hosts the store)")
+      ->each([o](const std::string&) { o->node_rank_given = true; });
   sub->add_option("--master-addr,--master_addr", o->master_addr,
-                  "torchrun's static rendezvous: ignored");
+                  "torchrun's static rendezvous: node rank 0's address (default 127.0.0.1)");
   sub->add_option("--master-port,--master_port", o->master_port,
-                  "torchrun's static rendezvous: ignored");
+                  "torchrun's static rendezvous: the port of node rank 0's store (default 29500)");
+  sub->add_option("--log-dir,--log_dir", o->log_dir,
+                  "torchrun: the workers' log files go to DIR/<rdzv-id>_XXXXXX/attempt_<round>/"
+                  "<local rank>/ (with their error files)");
+  sub->add_option("-r,--redirects", o->redirects,
+                  "torchrun: streams to the log files only: 0 none, 1 stdout, 2 stderr, 3 both; "
+                  "or per local rank, e.g. 0:1,1:2");
+  sub->add_option("-t,--tee", o->tee,
+                  "torchrun: streams to the log files and the console (as --redirects)");
+  sub->add_option("--local-ranks-filter,--local_ranks_filter", o->local_ranks_filter,
+                  "torchrun: only these local ranks' lines on the console, e.g. 0,1");
+  sub->add_option("--start-method,--start_method", o->start_method,
+                  "torchrun: spawn, fork or forkserver; a script is started as its own process "
+                  "whatever the method (as torchrun starts one)")
+      ->check(CLI::IsMember({"spawn", "fork", "forkserver"}));
+  sub->add_option("--logs-specs,--logs_specs", o->logs_specs, "torchrun's: not available");
+  sub->add_option("--event-log-handler,--event_log_handler", o->event_log_handler,
+                  "torchrun's: only 'null'");
+  sub->add_option("--numa-binding,--numa_binding", o->numa_binding, "torchrun's: not available");
+  sub->add_option("--duplicate-stdout-filters,--duplicate_stdout_filters", o->duplicate_stdout,
+                  "torchrun's: not available");
+  sub->add_option("--duplicate-stderr-filters,--duplicate_stderr_filters", o->duplicate_stderr,
+                  "torchrun's: not available");
+  sub->add_flag("--virtual-local-rank,--virtual_local_rank", o->virtual_local_rank,
+                "torchrun's: not available");
   // The worker command. CLI11 stops at the first word that is not an
   // option (prefix_command): what follows is the command, untouched, even
   // words that look like this command's options (a script's --config).

@@ -1,15 +1,13 @@
 // The agent's loop: register, read the rendezvous, lead when oldest, run this
 // node's workers for the current round. See agent.hpp and rendezvous.hpp.
-#include <arpa/inet.h>
 #include <fcntl.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <fstream>
-#include <random>
+#include <map>
+#include <thread>
 
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
@@ -22,44 +20,6 @@ extern char** environ;
 namespace ductile::agent {
 
 using std::chrono::milliseconds;
-
-namespace {
-
-// The port `port` (0: any) when it can be bound now, else 0.
-int bindable_port(int port) {
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return 0;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
-  addr.sin_port = htons(static_cast<std::uint16_t>(port));
-  socklen_t len = sizeof addr;
-  int got = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
-                    getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0
-                ? ntohs(addr.sin_port)
-                : 0;
-  close(fd);
-  return got;
-}
-
-// A TCP port nobody holds now, other than `avoid` (the last round's). Taken
-// below the kernel's ephemeral range when it can be: the workers bind it
-// some time after the leader chose it, and meanwhile sockets bound to port
-// 0 (MPI's daemons, a gloo store's clients) are never given such a port.
-int free_port(int avoid) {
-  int low = 32768;
-  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> low;
-  static std::mt19937 random(std::random_device{}());
-  for (int attempt = 0; attempt < 200 && low > 10001; ++attempt) {
-    int port = bindable_port(std::uniform_int_distribution<int>(10000, low - 1)(random));
-    if (port != 0 && port != avoid) return port;
-  }
-  for (int attempt = 0; attempt < 16; ++attempt)
-    if (int port = bindable_port(0); port != 0 && port != avoid) return port;
-  throw std::runtime_error("cannot find a free TCP port for MASTER_PORT");
-}
-
-}  // namespace
 
 void Agent::ignore_record(const KeyValue& kv, const std::string& problem,
                           const std::string& outcome) {
@@ -84,6 +44,7 @@ std::vector<NodeInfo> Agent::live_nodes(const std::vector<KeyValue>& kvs, bool* 
     }
     try {
       alive.push_back(node_from_json(kv.value, id, kv.create_revision));
+      alive.back().lease = kv.lease;
       known[kv.key] = alive.back();
       if (id == id_) *own_ok = kv.lease == lease_ && alive.back().addr == addr_;
     } catch (const MalformedRecord& e) {
@@ -95,6 +56,7 @@ std::vector<NodeInfo> Agent::live_nodes(const std::vector<KeyValue>& kvs, bool* 
                     was_valid ? "the node's last valid record stands" : "not counted as a node");
       if (was_valid) {
         alive.push_back(it->second);
+        alive.back().lease = kv.lease;
         known[kv.key] = it->second;
       }
     }
@@ -105,9 +67,12 @@ std::vector<NodeInfo> Agent::live_nodes(const std::vector<KeyValue>& kvs, bool* 
     // Some of the keys: what is known of the others stays.
     for (auto& [k, node] : known) known_nodes_[k] = std::move(node);
   }
-  std::sort(alive.begin(), alive.end(), [](const NodeInfo& a, const NodeInfo& b) {
-    return a.create_revision < b.create_revision;
-  });
+  // By age; a static job's nodes by their node rank.
+  std::sort(alive.begin(), alive.end(),
+            [ranked = o_.node_rank >= 0](const NodeInfo& a, const NodeInfo& b) {
+              if (ranked && a.rank != b.rank) return a.rank < b.rank;
+              return a.create_revision < b.create_revision;
+            });
   return alive;
 }
 
@@ -122,121 +87,35 @@ bool Agent::own_registration_ok(const std::vector<KeyValue>& own) {
   }
 }
 
+bool Agent::previous_run(const RoundRecord& round, const KeyValue& kv) const {
+  return round.state != RoundState::running && kv.mod_revision < first_revision_;
+}
+
 std::optional<RoundRecord> Agent::read_round(const std::optional<KeyValue>& kv) {
   if (!kv) return std::nullopt;
   try {
     RoundRecord round = round_from_json(kv->value);
     check_round_fits(round, o_.nproc_per_node, settings_.valid_gpus);
     highest_round_ = std::max(highest_round_, round.round);
-    last_good_round_ = round;
     ignored_.erase(kv->key);
+    if (previous_run(round, *kv)) {
+      // Whatever order this run's agents registered in, none of them takes
+      // the old run's end for its own: the leader starts a new run.
+      if (previous_run_logged_ != kv->mod_revision)
+        log(
+            fmt::format("round {} of job '{}' {} before this agent registered: a previous run; "
+                        "this is a new run",
+                        round.round, o_.job_id, to_string(round.state)));
+      previous_run_logged_ = kv->mod_revision;
+      return std::nullopt;
+    }
+    last_good_round_ = round;
     return round;
   } catch (const MalformedRecord& e) {
     ignore_record(*kv, e.what(),
                   "this node keeps its round; the leader replaces the record with the last valid "
                   "one");
     return std::nullopt;
-  }
-}
-
-void Agent::lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& round_kv,
-                 std::optional<RoundRecord>& round) {
-  if (round_kv && !round && last_good_round_) {
-    // A record no agent wrote: put back the last valid one (the workers of
-    // every member go on in their round).
-    if (store_->compare_and_swap(key("round"), round_kv->mod_revision,
-                                 to_json(*last_good_round_))) {
-      log(fmt::format("leader: restored round {} in {}", last_good_round_->round, key("round")));
-      round_kv = store_->get(key("round"));
-      round = read_round(round_kv);
-    }
-    return;
-  }
-  Observation seen;
-  seen.now = now_ms();
-  seen.alive = alive;
-  seen.last_membership_change = last_membership_change_;
-  seen.round = round;
-  if (seen.round && !seen.round->members.empty()) {
-    std::string r = std::to_string(seen.round->round);
-    if (auto f = store_->get(key("failure/" + r))) {
-      try {
-        seen.failure = failure_from_json(f->value);
-        auto [it, inserted] = failure_seen_.try_emplace(seen.round->round, seen.now);
-        seen.failure_seen = it->second;
-      } catch (const MalformedRecord& e) {
-        ignore_record(*f, e.what(), "not counted as a failure");
-      }
-    }
-    auto done = store_->get_prefix(key("done/" + r + "/"));
-    seen.all_done = std::all_of(
-        seen.round->members.begin(), seen.round->members.end(), [&](const std::string& id) {
-          return std::any_of(done.begin(), done.end(), [&](const KeyValue& kv) {
-            return kv.key == key("done/" + r + "/" + id);
-          });
-        });
-  }
-  for (const auto& kv : store_->get_prefix(key("draining/")))
-    if (kv.lease != 0) seen.draining.push_back(kv.key.substr(key("draining/").size()));
-  if (settings_.checkpoint_timeout.count() > 0 && seen.round && !seen.round->members.empty()) {
-    std::string r = std::to_string(seen.round->round);
-    if (auto c = store_->get(key("checkpoint/" + r))) {
-      try {
-        seen.checkpoint = checkpoint_from_json(c->value);
-      } catch (const MalformedRecord& e) {
-        ignore_record(*c, e.what(), "no checkpoint asked");
-      }
-    }
-    for (const auto& kv : store_->get_prefix(key("saved/" + r + "/")))
-      seen.saved.push_back(kv.key.substr(key("saved/" + r + "/").size()));
-  }
-  Decision d = decide(seen, settings_);
-  if (d.action == Action::keep) return;
-  if (d.action == Action::request_checkpoint) {
-    CheckpointRequest request{id_, excerpt(d.reason, kMaxTextChars - 3), seen.now.count()};
-    if (store_->compare_and_swap(key("checkpoint/" + std::to_string(seen.round->round)), 0,
-                                 to_json(request)))
-      log(fmt::format(
-          "leader: asked the workers of round {} to checkpoint before re-forming ({}); waiting "
-          "up to {} ms",
-          seen.round->round, d.reason, settings_.checkpoint_timeout.count()));
-    return;
-  }
-  RoundRecord next = seen.round.value_or(RoundRecord{});
-  if (d.action == Action::new_round) {
-    next.round = std::max(next.round, highest_round_) + 1;
-    next.members.clear();
-    next.member_revisions.clear();
-    for (const auto& n : d.members) {
-      next.members.push_back(n.id);
-      next.member_revisions.push_back(n.create_revision);
-    }
-    next.world_size = static_cast<std::int64_t>(d.members.size()) * o_.nproc_per_node;
-    next.master_addr = d.members.empty() ? std::string() : d.members.front().addr;
-    next.master_port = d.members.empty() ? 0 : free_port(last_port_);
-    if (next.master_port) last_port_ = next.master_port;
-    bool mpi = mpi_server_ && !d.members.empty();
-    next.mpi_server_uri = mpi ? mpi_server_->uri() : std::string();
-    next.mpi_join_port = mpi ? free_port(next.master_port) : 0;
-    if (d.counts_as_restart) next.restarts += 1;
-    next.started_ms = seen.now.count();
-    next.state = RoundState::running;
-    next.failure.reset();
-  } else if (d.action == Action::succeed) {
-    next.state = RoundState::succeeded;
-  } else {
-    next.state = RoundState::failed;
-    next.failure = seen.failure;
-  }
-  next.reason = excerpt(d.reason, kMaxTextChars - 3);  // what every reader accepts
-  std::string text = to_json(next);
-  if (store_->compare_and_swap(key("round"), round_kv ? round_kv->mod_revision : 0, text)) {
-    if (d.action == Action::new_round)
-      log(fmt::format("leader: round {} formed: {}", next.round, d.reason));
-    else
-      log(fmt::format("leader: job {}: {}", to_string(next.state), d.reason));
-    round_kv = store_->get(key("round"));
-    round = read_round(round_kv);
   }
 }
 
@@ -327,6 +206,11 @@ std::optional<int> Agent::apply(const RoundRecord& round) {
     return kAgentOk;
   }
   if (round.round == current_round_) return std::nullopt;
+  // A store this agent served for an earlier round's workers serves no one
+  // now (another leader placed this round's).
+  if (worker_store_ && o_.master_port == 0 &&
+      (round.master_addr != addr_ || round.master_port != worker_store_->port()))
+    worker_store_.reset();
   if (!workers_.empty()) {
     log(fmt::format("stopping the workers of round {} for round {}", current_round_, round.round));
     stop_workers(o_.stop_grace);
@@ -380,7 +264,7 @@ void Agent::follow_checkpoint() {
     if (!kv) return;
     CheckpointRequest request;
     try {
-      request = checkpoint_from_json(kv->value);
+      request = checkpoint_from_json(kv->value, current_round_);
     } catch (const MalformedRecord& e) {
       ignore_record(*kv, e.what(), "no checkpoint asked");
       return;
@@ -399,7 +283,7 @@ void Agent::follow_checkpoint() {
                     current_round_, request.reason, request.by));
   }
   if (!saved_reported_ && workers_saved()) {
-    store_->put(key("saved/" + r + "/" + id_), "{}");
+    store_->put(key("saved/" + r + "/" + id_), mark_json(id_, current_round_), lease_);
     saved_reported_ = true;
     log(fmt::format("round {}: this node's workers saved their checkpoint", current_round_));
   }
@@ -443,7 +327,8 @@ void Agent::report_worker_exit() {
       }
     }
   } else if (workers_.all_succeeded()) {
-    store_->put(key("done/" + std::to_string(current_round_) + "/" + id_), "{}");
+    store_->put(key("done/" + std::to_string(current_round_) + "/" + id_),
+                mark_json(id_, current_round_), lease_);
     log(fmt::format("round {}: this node's workers finished", current_round_));
     reported_ = true;
   }
@@ -466,6 +351,13 @@ void Agent::rejoin_after_fence() {
   keep_alive_->set_lease(lease_, sent);
   reclaim_node_key("was revoked after the fence");
   fenced_ = false;
+  if (drain_) mark_draining();
+}
+
+void Agent::mark_draining() {
+  // On the lease of this node's registration: a mark on a lease that
+  // expired went with it, and the node would count as a new arrival.
+  store_->put(key("draining/" + id_), mark_json(id_, 0), lease_);
 }
 
 std::optional<int> Agent::on_stop_signal(int sig) {
@@ -481,11 +373,12 @@ std::optional<int> Agent::on_stop_signal(int sig) {
     // A drain: the round's workers save first (every rank: a save is
     // collective), then the leader re-forms without this node.
     try {
-      store_->put(key("draining/" + id_), "{}", lease_);
-      CheckpointRequest request{id_, fmt::format("node {} drains (signal {})", id_, sig),
+      mark_draining();
+      CheckpointRequest request{current_round_, id_,
+                                fmt::format("node {} drains (signal {})", id_, sig),
                                 now_ms().count()};
       store_->compare_and_swap(key("checkpoint/" + std::to_string(current_round_)), 0,
-                               to_json(request));
+                               to_json(request), lease_);
       drain_ = Drain{current_round_, std::chrono::steady_clock::now() +
                                          settings_.checkpoint_timeout + o_.lease_ttl};
       log(fmt::format(
@@ -514,14 +407,30 @@ int Agent::leave(int code) {
   return code;
 }
 
+void Agent::linger_as_host() {
+  if (!rdzv_server_) return;
+  // The others leave once they read the end (their keys go with their
+  // leases); a killed one's key expires within the TTL.
+  const auto deadline = std::chrono::steady_clock::now() + o_.lease_ttl + o_.poll_interval * 2;
+  while (std::chrono::steady_clock::now() < deadline) {
+    auto nodes = store_->get_prefix(key("nodes/"));
+    if (std::none_of(nodes.begin(), nodes.end(),
+                     [&](const KeyValue& kv) { return kv.key != key("nodes/" + id_); }))
+      return;
+    std::this_thread::sleep_for(o_.poll_interval / 2);
+  }
+}
+
 int Agent::run() {
   setup();
   // The lease is kept alive from now on: registering may wait for a
   // previous run's registration to expire.
-  keep_alive_ = std::make_unique<KeepAlive>(endpoint_, o_.tls, lease_, o_.lease_ttl, granted_at_,
+  keep_alive_ = std::make_unique<KeepAlive>(make_store_, lease_, o_.lease_ttl, granted_at_,
                                             [this](const std::string& line) { log(line); });
   register_node();
   {
+    auto own = store_->get(key("nodes/" + id_));
+    own_revision_ = first_revision_ = own ? own->create_revision : 0;
     bool own_ok = false;
     auto others = live_nodes(store_->get_prefix(key("nodes/")), &own_ok, true);
     std::erase_if(others, [&](const NodeInfo& n) { return n.id == id_; });
@@ -529,10 +438,12 @@ int Agent::run() {
   }
   log(fmt::format(
       "joined job '{}' on {} (address {}, {} worker(s), nodes {}..{}, valid GPU "
-      "counts [{}], min_time {} ms)",
+      "counts [{}], min_time {} ms{})",
       o_.job_id, store_->describe(), addr_, o_.nproc_per_node, settings_.min_nodes,
-      settings_.max_nodes, fmt::join(settings_.valid_gpus, ", "), settings_.min_time.count()));
+      settings_.max_nodes, fmt::join(settings_.valid_gpus, ", "), settings_.min_time.count(),
+      o_.node_rank >= 0 ? fmt::format(", node rank {}", o_.node_rank) : ""));
   last_membership_change_ = joined_job_at_ = now_ms();
+  const bool ranked = o_.node_rank >= 0;
   for (;;) {
     if (o_.stop_signal && o_.stop_signal->load() != 0)
       if (auto code = on_stop_signal(o_.stop_signal->load())) return leave(*code);
@@ -559,12 +470,14 @@ int Agent::run() {
         lease_ = store_->grant_lease(o_.lease_ttl.count());
         keep_alive_->set_lease(lease_, sent);
         reclaim_node_key("expired with its lease");
+        if (drain_) mark_draining();
       }
       // One request a pass for most agents: the round, the oldest
       // registrations (the leader is the oldest live one) and this node's
-      // own. Only the leader reads every registration.
+      // own. Only the leader reads every registration. A static job's
+      // leader is its lowest node rank: every registration is read.
       auto reads = store_->read({RangeRead{key("round")},
-                                 RangeRead{key("nodes/"), true, kLeaderWindow, true},
+                                 RangeRead{key("nodes/"), true, ranked ? 0 : kLeaderWindow, true},
                                  RangeRead{key("nodes/" + id_)}});
       std::optional<KeyValue> round_kv;
       if (!reads[0].empty()) round_kv = reads[0].front();
@@ -574,7 +487,7 @@ int Agent::run() {
         outage_since_.reset();
       }
       bool ignored = false;
-      std::vector<NodeInfo> oldest = live_nodes(reads[1], &ignored, false);
+      std::vector<NodeInfo> oldest = live_nodes(reads[1], &ignored, ranked);
       if (!own_registration_ok(reads[2])) {
         reclaim_node_key(fmt::format("{} is gone or is not this agent's", key("nodes/" + id_)));
         continue;
@@ -583,7 +496,7 @@ int Agent::run() {
       if (oldest.empty() || oldest.front().id == id_) {
         // Leading (or no live registration among the oldest keys): all of
         // them; the leader tracks when the membership last changed.
-        alive = live_nodes(store_->get_prefix(key("nodes/")), &ignored, true);
+        alive = ranked ? oldest : live_nodes(store_->get_prefix(key("nodes/")), &ignored, true);
         std::vector<std::string> ids;
         for (const auto& n : alive) ids.push_back(n.id);
         if (ids != last_alive_) {
@@ -598,7 +511,18 @@ int Agent::run() {
       std::optional<RoundRecord> round = read_round(round_kv);
       if (!alive.empty() && alive.front().id == id_) lead(alive, round_kv, round);
       if (round)
-        if (auto code = apply(*round)) return leave(*code);
+        if (auto code = apply(*round)) {
+          linger_as_host();
+          return leave(*code);
+        }
+    } catch (const StoreGone& e) {
+      // The agent that held a c10d or static rendezvous is gone, and the
+      // rendezvous with it: as torchrun's agents, these end the job.
+      log(
+          fmt::format("error: {}; the job ends with its rendezvous' host, as under torchrun "
+                      "(an etcd rendezvous, --rdzv-backend etcd, survives the loss of any node)",
+                      e.what()));
+      return leave(kAgentStoreLost);
     } catch (const StoreError& e) {
       // Unreachable, or an answer that is an error: the workers keep
       // running while the store may come back.

@@ -18,8 +18,11 @@
 #include "ductile/agent/agent.hpp"
 #include "ductile/agent/etcd_store.hpp"
 #include "ductile/agent/job_policy.hpp"
+#include "ductile/agent/memory_store.hpp"
 #include "ductile/agent/rendezvous.hpp"
+#include "ductile/agent/store_server.hpp"
 #include "ductile/agent/workers.hpp"
+#include "ductile/error.hpp"
 #include "keep_alive.hpp"
 #include "ompi_server.hpp"
 
@@ -52,21 +55,32 @@ inline constexpr std::int64_t kLeaderWindow = 16;
 
 std::chrono::milliseconds now_ms();
 std::string host_name();
+// This host's fully qualified name, as Python's socket.getfqdn() finds it
+// (torchrun's default node address); the host name when it finds none.
+std::string fully_qualified_host_name();
+// True when `host` names this machine: localhost, a loopback address, its
+// host name or an address of one of its interfaces (torchrun's test for
+// the host of a c10d rendezvous).
+bool names_this_machine(const std::string& host);
 // Throws ductile::Error(invalid_argument) naming the first bad option.
 void check_options(const AgentOptions& options);
 
-// A directory of the agent's own under $TMPDIR (error files of its
-// workers), removed with its contents when destroyed.
+// A directory of the agent's own for its workers' error files and log
+// files: $TMPDIR/ductile-agent-<job>-XXXXXX, removed with its contents when
+// destroyed; or, when the workers' output goes to files,
+// <log dir or $TMPDIR>/<job>_XXXXXX, kept (torchrun's layout).
 class RunDir {
  public:
-  explicit RunDir(const std::string& job_id);
+  RunDir(const std::string& job_id, const WorkerOutput& output);
   ~RunDir();
   RunDir(const RunDir&) = delete;
   RunDir& operator=(const RunDir&) = delete;
   const std::filesystem::path& path() const { return path_; }
+  bool kept() const { return kept_; }
 
  private:
   std::filesystem::path path_;
+  bool kept_ = false;
 };
 
 class Agent {
@@ -82,6 +96,11 @@ class Agent {
 
   // registration.cpp
   void setup();
+  // The rendezvous store of this agent's kind (and, hosting one, its
+  // server); store_ and make_store_ set.
+  void open_store();
+  // The first lease, waiting for a hosted rendezvous' host to come up.
+  void grant_first_lease();
   enum class Claim { held, taken, retry };
   // One attempt to hold nodes/<id> on this agent's lease: held (written),
   // taken (a live registration of another lease; *holder set), retry (the
@@ -97,6 +116,8 @@ class Agent {
   void reclaim_node_key(const std::string& why);
   void check_settings(const std::vector<NodeInfo>& others);
   [[noreturn]] void refuse_duplicate(const KeyValue& holder, const std::string& how);
+  // Leaves the job before it joined (the lease revoked) and throws `error`.
+  [[noreturn]] void withdraw(const Error& error);
 
   // agent.cpp
   // The live agents' registrations: leased keys holding valid records (or
@@ -110,6 +131,27 @@ class Agent {
   bool own_registration_ok(const std::vector<KeyValue>& own);
   // The round record, when it is one that fits this job.
   std::optional<RoundRecord> read_round(const std::optional<KeyValue>& kv);
+  // A round that ended (succeeded or failed) before this agent first
+  // registered: a previous run's, not this one's.
+  bool previous_run(const RoundRecord& round, const KeyValue& kv) const;
+  // The leader starts a new run over a previous run's last round: the old
+  // run's records are removed first.
+  void clear_previous_run();
+  // Writes draining/<id> (this node leaves after its round's checkpoint).
+  void mark_draining();
+  // The round's members whose mark (done/ or saved/<round>/<id>) is theirs:
+  // the record an agent writes, on the lease of the member's registration.
+  std::vector<std::string> marked(const std::string& what, const RoundRecord& round,
+                                  const std::vector<NodeInfo>& alive);
+  // The live nodes' drain marks (draining/<id>), checked as marked() does.
+  std::vector<std::string> draining(const std::vector<NodeInfo>& alive);
+  // Where the round's workers find their store (MASTER_ADDR, MASTER_PORT),
+  // serving it when this agent does; `server` receives a new one.
+  void place_worker_store(RoundRecord& next, const NodeInfo& rank0,
+                          std::unique_ptr<StoreServer>& server);
+  // Hosting a rendezvous: before leaving, until the other agents left or
+  // their leases could have expired, so that every one reads the end.
+  void linger_as_host();
   // Logs a record that is ignored, once per key and revision.
   void ignore_record(const KeyValue& kv, const std::string& problem, const std::string& outcome);
   void lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& round_kv,
@@ -136,8 +178,17 @@ class Agent {
   const AgentOptions& o_;
   std::optional<JobPolicy> policy_;
   RendezvousSettings settings_;
-  std::string endpoint_, prefix_, id_, addr_;
-  std::unique_ptr<EtcdStore> store_;
+  std::string prefix_, id_, addr_;
+  std::unique_ptr<KeyValueStore> store_;
+  KeepAlive::StoreFactory make_store_;  // a store for the keep-alive thread
+  // Hosting or embedding the rendezvous: its store, and (hosting) its
+  // server, which may also serve the workers' store (static).
+  std::shared_ptr<MemoryStore> memory_;
+  std::unique_ptr<StoreServer> rdzv_server_;
+  // The workers' store this agent serves (TORCHELASTIC_USE_AGENT_STORE):
+  // the current round's, when it leads with a free port each round; the
+  // fixed one of a single static node.
+  std::unique_ptr<StoreServer> worker_store_;
   std::int64_t lease_ = 0;
   KeepAlive::Clock::time_point granted_at_;  // when the first lease's grant was sent
   bool fenced_ = false;                      // the fence killed the workers
@@ -153,7 +204,11 @@ class Agent {
   // each member, and a round that lists this node's id with another one was
   // formed for an earlier run of the node.
   std::int64_t own_revision_ = 0;
-  bool reported_ = false;  // this round's worker exit is in the store
+  // The revision of this agent's first registration: a round that ended
+  // before it was a previous run's.
+  std::int64_t first_revision_ = 0;
+  std::int64_t previous_run_logged_ = 0;  // the round record's revision logged
+  bool reported_ = false;                 // this round's worker exit is in the store
   std::optional<WorkerExit> local_failure_;
   std::optional<WorkerError> local_error_;  // its TORCHELASTIC_ERROR_FILE
   bool joined_ = false;                     // this node's workers ran in some round

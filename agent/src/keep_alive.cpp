@@ -27,11 +27,9 @@ int signal_pidfd(int fd, int sig) {
 
 }  // namespace
 
-KeepAlive::KeepAlive(std::string endpoint, EtcdTls tls, std::int64_t lease,
-                     std::chrono::seconds ttl, Clock::time_point granted_at,
-                     std::function<void(const std::string&)> log)
-    : endpoint_(std::move(endpoint)),
-      tls_(std::move(tls)),
+KeepAlive::KeepAlive(StoreFactory make_store, std::int64_t lease, std::chrono::seconds ttl,
+                     Clock::time_point granted_at, std::function<void(const std::string&)> log)
+    : make_store_(std::move(make_store)),
       ttl_(ttl),
       period_(std::max(milliseconds(ttl) / 4, milliseconds(200))),
       fence_after_(milliseconds(ttl) * 3 / 4),
@@ -97,7 +95,7 @@ void KeepAlive::fence_workers(const std::vector<int>& guard_pids) {
 }
 
 void KeepAlive::renew() {
-  EtcdStore store(endpoint_, std::min(period_, milliseconds(2000)), tls_);
+  auto store = make_store_(std::min(period_, milliseconds(2000)));
   std::unique_lock lock(mutex_);
   while (!stopping_) {
     std::int64_t lease = lease_;
@@ -105,7 +103,7 @@ void KeepAlive::renew() {
     auto sent = Clock::now();
     std::optional<bool> alive;
     try {
-      alive = store.keep_alive(lease);
+      alive = store->keep_alive(lease);
     } catch (const StoreError&) {
       // Unreachable: the main loop notices and reports it; the fence acts.
     }

@@ -1,7 +1,7 @@
 // The agent's lease keep-alive and its fence. Internal to libductile_agent.
 //
 // The keep-alive renews the lease every TTL/4 from a helper thread on its own
-// etcd connection, so that a slow step of the main loop (stopping workers, a
+// connection to the store, so that a slow step of the main loop (stopping workers, a
 // request to an unreachable etcd) never lets the lease expire.
 //
 // The fence: a second helper thread kills this node's workers (SIGUSR1 to
@@ -21,21 +21,26 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include "ductile/agent/etcd_store.hpp"
+#include "ductile/agent/kv_store.hpp"
 
 namespace ductile::agent {
 
 class KeepAlive {
  public:
   using Clock = std::chrono::steady_clock;
+  // A store of the renewing thread's own, whose requests give up after
+  // `timeout`.
+  using StoreFactory =
+      std::function<std::unique_ptr<KeyValueStore>(std::chrono::milliseconds timeout)>;
   // `granted_at`: when the request that granted `lease` was sent. `log`
   // receives the fence's message (from the fence thread).
-  KeepAlive(std::string endpoint, EtcdTls tls, std::int64_t lease, std::chrono::seconds ttl,
+  KeepAlive(StoreFactory make_store, std::int64_t lease, std::chrono::seconds ttl,
             Clock::time_point granted_at, std::function<void(const std::string&)> log);
   ~KeepAlive();
   KeepAlive(const KeepAlive&) = delete;
@@ -55,8 +60,7 @@ class KeepAlive {
   void watch();
   void close_guards();  // with mutex_ held
 
-  std::string endpoint_;
-  EtcdTls tls_;
+  StoreFactory make_store_;
   std::chrono::milliseconds ttl_, period_, fence_after_;
   std::function<void(const std::string&)> log_;
   std::mutex mutex_;

@@ -54,8 +54,28 @@ class Reader {
     if (text.size() > limit)
       fail(fmt::format("{} bytes, more than the {} an agent writes", text.size(), limit));
     if (too_deep(text)) fail(fmt::format("nested deeper than {} levels", kMaxDepth));
-    root_ = json::parse(text, nullptr, false);
+    // A key twice in one object: nlohmann keeps the last, so that two
+    // readers (or an agent and etcdctl) could see different records.
+    std::vector<std::set<std::string>> objects;
+    std::string duplicate;
+    root_ = json::parse(
+        text,
+        [&](int, json::parse_event_t event, json& parsed) {
+          if (event == json::parse_event_t::object_start) {
+            objects.emplace_back();
+          } else if (event == json::parse_event_t::object_end) {
+            if (!objects.empty()) objects.pop_back();
+          } else if (event == json::parse_event_t::key && !objects.empty() &&
+                     !objects.back().insert(parsed.get<std::string>()).second &&
+                     duplicate.empty()) {
+            duplicate = parsed.get<std::string>();
+          }
+          return true;
+        },
+        false);
     if (root_.is_discarded()) fail(fmt::format("not JSON: {}", excerpt(text)));
+    if (!duplicate.empty())
+      fail(fmt::format("the key \"{}\" appears twice in one object", excerpt(duplicate, 80)));
     if (!root_.is_object()) fail(fmt::format("not a JSON object: {}", excerpt(text)));
   }
   Reader(const char* what, json root) : what_(what), root_(std::move(root)) {
@@ -131,6 +151,13 @@ class Reader {
 
   const json& root() const { return root_; }
 
+  // Refuses a field other than `names`.
+  void only(std::initializer_list<const char*> names) const {
+    for (auto it = root_.begin(); it != root_.end(); ++it)
+      if (std::none_of(names.begin(), names.end(), [&](const char* n) { return it.key() == n; }))
+        fail(fmt::format("\"{}\" is not a field of this record", excerpt(it.key(), 80)));
+  }
+
  private:
   const char* what_;
   json root_;
@@ -192,13 +219,38 @@ const char* to_string(RoundState state) {
 }
 
 std::string to_json(const CheckpointRequest& c) {
-  return dump(json{{"by", c.by}, {"reason", c.reason}, {"requested_ms", c.requested_ms}});
+  return dump(json{
+      {"round", c.round}, {"by", c.by}, {"reason", c.reason}, {"requested_ms", c.requested_ms}});
 }
 
-CheckpointRequest checkpoint_from_json(const std::string& text) {
+CheckpointRequest checkpoint_from_json(const std::string& text, std::int64_t round) {
   Reader r("checkpoint", text);
-  return CheckpointRequest{r.node_id(r.require("by"), "by"), r.text("reason", kMaxTextChars, ""),
-                           r.integer("requested_ms", 0, kMaxRound)};
+  r.only({"round", "by", "reason", "requested_ms"});
+  CheckpointRequest c{r.integer("round", 1, kMaxRound), r.node_id(r.require("by"), "by"),
+                      r.text("reason", kMaxTextChars, ""), r.integer("requested_ms", 0, kMaxRound)};
+  if (c.round != round)
+    r.bad("round", r.require("round"), fmt::format("{}, the round of its key", round));
+  return c;
+}
+
+std::string mark_json(const std::string& node, std::int64_t round) {
+  json j = {{"node", node}};
+  if (round > 0) j["round"] = round;
+  return dump(j);
+}
+
+void check_mark(const char* what, const std::string& text, const std::string& node,
+                std::int64_t round) {
+  Reader r(what, text);
+  if (round > 0) {
+    r.only({"node", "round"});
+    if (r.integer("round", 1, kMaxRound) != round)
+      r.bad("round", r.require("round"), fmt::format("{}, the round of its key", round));
+  } else {
+    r.only({"node"});
+  }
+  if (r.node_id(r.require("node"), "node") != node)
+    r.bad("node", r.require("node"), fmt::format("\"{}\", the node of its key", excerpt(node)));
 }
 
 std::string to_json(const RoundRecord& r) {
@@ -278,13 +330,17 @@ FailureReport failure_from_json(const std::string& text) {
 }
 
 std::string to_json(const NodeInfo& node) {
-  return dump(json{{"id", node.id}, {"addr", node.addr}});
+  json j = {{"id", node.id}, {"addr", node.addr}};
+  if (node.rank >= 0) j["rank"] = node.rank;
+  return dump(j);
 }
 
 NodeInfo node_from_json(const std::string& text, const std::string& key_id,
                         std::int64_t create_revision) {
   Reader r("node", text);
-  NodeInfo node{r.node_id(r.require("id"), "id"), r.address("addr", true), create_revision};
+  r.only({"id", "addr", "rank"});
+  NodeInfo node{r.node_id(r.require("id"), "id"), r.address("addr", true), create_revision,
+                r.integer("rank", 0, kMaxCount, -1)};
   if (node.id != key_id)
     r.bad("id", r.require("id"), fmt::format("the id of its key, \"{}\"", excerpt(key_id)));
   return node;
@@ -352,6 +408,9 @@ std::vector<std::string> settings_differences(const std::string& theirs_text,
   compare("policy", *policy, mine["policy"]);
   compare("nproc_per_node", t.value("nproc_per_node", json()), mine["nproc_per_node"]);
   compare("--mpi-world", t.contains("mpi_world") ? t["mpi_world"] : json(false), mine["mpi_world"]);
+  compare("--node-rank (a static rendezvous)",
+          t.contains("node_ranked") ? t["node_ranked"] : json(false),
+          mine.contains("node_ranked") ? mine["node_ranked"] : json(false));
   const json& mp = mine["params"];
   for (auto it = mp.begin(); it != mp.end(); ++it)
     compare(it.key(), params->contains(it.key()) ? (*params)[it.key()] : json(), it.value());

@@ -14,35 +14,18 @@ namespace ductile::agent {
 namespace {
 
 // Set for each worker; a value of the agent's own environment is replaced.
-constexpr const char* kWorkerVariables[] = {"RANK",
-                                            "LOCAL_RANK",
-                                            "WORLD_SIZE",
-                                            "LOCAL_WORLD_SIZE",
-                                            "GROUP_RANK",
-                                            "GROUP_WORLD_SIZE",
-                                            "ROLE_RANK",
-                                            "ROLE_WORLD_SIZE",
-                                            "ROLE_NAME",
-                                            "MASTER_ADDR",
-                                            "MASTER_PORT",
-                                            "TORCHELASTIC_RESTART_COUNT",
-                                            "TORCHELASTIC_MAX_RESTARTS",
-                                            "TORCHELASTIC_RUN_ID",
-                                            "TORCHELASTIC_USE_AGENT_STORE",
-                                            "TORCHELASTIC_ERROR_FILE",
-                                            "TORCHELASTIC_SIGNALS_TO_HANDLE",
-                                            "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-                                            "OMP_NUM_THREADS",
-                                            "DEEPSPEED_ELASTICITY_CONFIG",
-                                            "DUCTILE_GLOBAL_BATCH",
-                                            "DUCTILE_MICRO_BATCH",
-                                            "DUCTILE_GRADIENT_ACCUMULATION_STEPS",
-                                            "DUCTILE_ROUND",
-                                            "DUCTILE_AGENT_NODE_ID",
-                                            "DUCTILE_MPI_JOIN",
-                                            "DUCTILE_CHECKPOINT_REQUEST",
-                                            "DUCTILE_CHECKPOINT_SAVED",
-                                            "OMPI_MCA_pmix_server_uri"};
+constexpr const char* kWorkerVariables[] = {
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_SIGNALS_TO_HANDLE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS", "DEEPSPEED_ELASTICITY_CONFIG",
+    "DUCTILE_GLOBAL_BATCH", "DUCTILE_MICRO_BATCH", "DUCTILE_GRADIENT_ACCUMULATION_STEPS",
+    "DUCTILE_ROUND", "DUCTILE_AGENT_NODE_ID", "DUCTILE_MPI_JOIN", "DUCTILE_CHECKPOINT_REQUEST",
+    "DUCTILE_CHECKPOINT_SAVED", "OMPI_MCA_pmix_server_uri",
+    // Set by the `ductile` console script for the
+    // agent alone (worker_command in the CLI).
+    "DUCTILE_CONSOLE_PYTHON"};
 
 std::string env_or(const char* name, const std::string& fallback) {
   const char* value = std::getenv(name);
@@ -97,7 +80,11 @@ std::vector<WorkerSpec> worker_specs(const WorkerSetup& s) {
   std::vector<WorkerSpec> specs;
   for (std::int64_t local = 0; local < o.nproc_per_node; ++local) {
     std::int64_t rank = group_rank * o.nproc_per_node + local;
-    WorkerSpec spec{rank, local, o.command, base};
+    WorkerSpec spec;
+    spec.rank = rank;
+    spec.local_rank = local;
+    spec.argv = o.command;
+    spec.env = base;
     auto set = [&](const char* name, const std::string& value) {
       spec.env.push_back(std::string(name) + "=" + value);
     };
@@ -115,11 +102,19 @@ std::vector<WorkerSpec> worker_specs(const WorkerSetup& s) {
     set("TORCHELASTIC_RESTART_COUNT", std::to_string(round.restarts));
     set("TORCHELASTIC_MAX_RESTARTS", std::to_string(o.max_restarts));
     set("TORCHELASTIC_RUN_ID", o.job_id);
-    // torchrun's c10d rendezvous hosts the workers' TCPStore in the agent
-    // ("True"); no ductile agent hosts one: rank 0 creates it at
-    // MASTER_ADDR:MASTER_PORT, as under torchrun's etcd rendezvous.
-    set("TORCHELASTIC_USE_AGENT_STORE", "False");
-    set("TORCHELASTIC_ERROR_FILE", error_file_of(s.run_dir, round.round, local).string());
+    // True: the leading agent serves the workers' TCPStore at MASTER_ADDR:
+    // MASTER_PORT (torchrun's c10d, static, standalone); False: rank 0's
+    // worker creates it there (torchrun's etcd rendezvous).
+    set("TORCHELASTIC_USE_AGENT_STORE", o.agent_store ? "True" : "False");
+    const auto error_file = error_file_of(s.run_dir, round.round, local);
+    set("TORCHELASTIC_ERROR_FILE", error_file.string());
+    // torchrun's log files: <run dir>/attempt_<round>/<local rank>/std*.log.
+    const int redirect = o.output.redirects.of(local), tee = o.output.tee.of(local);
+    const bool shown = !o.output.console_ranks || o.output.console_ranks->count(local) > 0;
+    if ((redirect | tee) & kStdout) spec.stdout_file = error_file.parent_path() / "stdout.log";
+    if ((redirect | tee) & kStderr) spec.stderr_file = error_file.parent_path() / "stderr.log";
+    spec.stdout_console = shown && (!(redirect & kStdout) || (tee & kStdout));
+    spec.stderr_console = shown && (!(redirect & kStderr) || (tee & kStderr));
     set("TORCHELASTIC_SIGNALS_TO_HANDLE", signals);
     set("TORCH_NCCL_ASYNC_ERROR_HANDLING", nccl_async);
     if (!omp_threads.empty()) set("OMP_NUM_THREADS", omp_threads);

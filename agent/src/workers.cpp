@@ -44,14 +44,17 @@ std::string resolve_on_path(const std::string& name) {
   return name;  // execve fails with ENOENT; reported as exit 127
 }
 
-void write_all(int fd, const char* text) {
-  std::size_t n = std::strlen(text);
+void write_all(int fd, const char* text, std::size_t n) {
   while (n > 0) {
     ssize_t w = write(fd, text, n);
     if (w <= 0) return;
     text += w;
     n -= static_cast<std::size_t>(w);
   }
+}
+
+void write_all(int fd, const char* text) {
+  write_all(fd, text, std::strlen(text));
 }
 
 int encode_status(int status) {
@@ -126,6 +129,12 @@ int encode_status(int status) {
 
 }  // namespace
 
+int StreamsByRank::of(std::int64_t local_rank) const {
+  if (by_rank.empty()) return all;
+  auto it = by_rank.find(local_rank);
+  return it == by_rank.end() ? kNoStreams : it->second;
+}
+
 void write_line(bool to_stderr, const std::string& line) {
   std::lock_guard lock(output_mutex());
   FILE* f = to_stderr ? stderr : stdout;
@@ -150,17 +159,43 @@ void WorkerGroup::start(const std::vector<WorkerSpec>& specs) {
     argv.push_back(nullptr);
     for (auto& e : env_copy) envp.push_back(e.data());
     envp.push_back(nullptr);
+    // The log files first: a worker is started only once its output has
+    // somewhere to go.
+    int files[2] = {-1, -1};
+    for (int i = 0; i < 2; ++i) {
+      const auto& file = i == 0 ? spec.stdout_file : spec.stderr_file;
+      if (file.empty()) continue;
+      std::error_code ignored;
+      std::filesystem::create_directories(file.parent_path(), ignored);
+      files[i] = ::open(file.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+      if (files[i] < 0) {
+        const int e = errno;
+        if (i == 1 && files[0] >= 0) close(files[0]);
+        throw std::system_error(e, std::generic_category(), "cannot open " + file.string());
+      }
+    }
+    auto close_files = [&] {
+      for (int fd : files)
+        if (fd >= 0) close(fd);
+    };
     int out[2], err[2];
-    if (pipe2(out, O_CLOEXEC) != 0) throw std::system_error(errno, std::generic_category(), "pipe");
+    if (pipe2(out, O_CLOEXEC) != 0) {
+      const int e = errno;
+      close_files();
+      throw std::system_error(e, std::generic_category(), "pipe");
+    }
     if (pipe2(err, O_CLOEXEC) != 0) {
+      const int e = errno;
       close(out[0]);
       close(out[1]);
-      throw std::system_error(errno, std::generic_category(), "pipe");
+      close_files();
+      throw std::system_error(e, std::generic_category(), "pipe");
     }
     pid_t guard = fork();
     if (guard < 0) {
       int e = errno;
       for (int fd : {out[0], out[1], err[0], err[1]}) close(fd);
+      close_files();
       throw std::system_error(e, std::generic_category(), "fork");
     }
     if (guard == 0) run_guard(agent, path.c_str(), argv.data(), envp.data(), out[1], err[1]);
@@ -174,12 +209,15 @@ void WorkerGroup::start(const std::vector<WorkerSpec>& specs) {
     w.guard_pid = guard;
     w.out_fd = out[0];
     w.err_fd = err[0];
+    w.out_file = files[0];
+    w.err_file = files[1];
     workers_.push_back(std::move(w));
   }
 }
 
 void WorkerGroup::emit_line(Worker& w, const std::string& line, bool is_err) {
-  write_line(is_err, fmt::format("[rank {}]: {}", w.spec.rank, line));
+  if (is_err ? w.spec.stderr_console : w.spec.stdout_console)
+    write_line(is_err, fmt::format("[rank {}]: {}", w.spec.rank, line));
   w.last_lines.push_back(line);
   if (w.last_lines.size() > kKeptLines) w.last_lines.pop_front();
 }
@@ -190,6 +228,8 @@ void WorkerGroup::read_output(Worker& w, int& fd, std::string& partial, bool is_
   for (;;) {
     ssize_t n = read(fd, buffer, sizeof buffer);
     if (n > 0) {
+      if (int file = is_err ? w.err_file : w.out_file; file >= 0)
+        write_all(file, buffer, static_cast<std::size_t>(n));
       partial.append(buffer, static_cast<std::size_t>(n));
       std::size_t pos;
       while ((pos = partial.find('\n')) != std::string::npos) {
@@ -299,7 +339,7 @@ void WorkerGroup::stop(std::chrono::milliseconds grace) {
   for (auto& w : workers_) {
     read_output(w, w.out_fd, w.out_partial, false);
     read_output(w, w.err_fd, w.err_partial, true);
-    for (int* fd : {&w.out_fd, &w.err_fd})
+    for (int* fd : {&w.out_fd, &w.err_fd, &w.out_file, &w.err_file})
       if (*fd >= 0) {
         close(*fd);
         *fd = -1;

@@ -27,6 +27,9 @@ def main():
     except FileNotFoundError as e:
         print(f"ductile: error: {e}", file=sys.stderr)
         return 1
+    # `ductile agent` runs a Python training script under this interpreter,
+    # as torchrun runs it under its own (PYTHON_EXEC still comes first).
+    os.environ["DUCTILE_CONSOLE_PYTHON"] = sys.executable
     os.execv(executable, ["ductile", *sys.argv[1:]])
 
 

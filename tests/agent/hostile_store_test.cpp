@@ -4,6 +4,8 @@
 // round. A real etcd started by each test.
 #include <doctest/doctest.h>
 
+#include <tuple>
+
 #include "agent_job.hpp"
 
 using namespace ductile::test;
@@ -19,6 +21,37 @@ std::pair<Child*, Child*> leader_and_other(Child& a, Child& b) {
   return a_leads ? std::pair{&a, &b} : std::pair{&b, &a};
 }
 
+// A worker that says where it runs, fails (exit 3) when it is rank 1 of
+// round 1 and `fail` exists, and finishes once `stop` exists.
+std::vector<std::string> two_node_worker(const std::string& stop, const std::string& fail) {
+  return sh(
+      "echo \"up rank $RANK round $DUCTILE_ROUND restarts "
+      "$TORCHELASTIC_RESTART_COUNT\"; while [ ! -e " +
+      stop + " ]; do if [ \"$DUCTILE_ROUND\" = 1 ] && [ \"$RANK\" = 1 ] && [ -e " + fail +
+      " ]; then echo failing; exit 3; fi; sleep 0.1; done; "
+      "echo \"finished round $DUCTILE_ROUND\"");
+}
+
+// The options of a job of exactly 2 nodes.
+std::vector<std::string> two_node_options(const std::string& max_restarts) {
+  return {"--nproc-per-node", "1",         "--lease-ttl", "2", "--settle",    "1",
+          "--stop-grace",     "1",         "--min-nodes", "2", "--max-nodes", "2",
+          "--max-restarts",   max_restarts};
+}
+
+// Agents a and b of a job of exactly 2 nodes, started and in round 1.
+std::pair<Child*, Child*> two_nodes_in_round_1(Job& job, const std::vector<std::string>& worker,
+                                               const std::string& max_restarts) {
+  const auto options = two_node_options(max_restarts);
+  Child& a = job.start("a", options, worker);
+  Child& b = job.start("b", options, worker);
+  bool formed =
+      wait_until([&] { return count_of(job.all_output(), " round 1 restarts 0") == 2; }, 120s);
+  if (!formed) job.dump();
+  REQUIRE(formed);
+  return leader_and_other(a, b);
+}
+
 }  // namespace
 
 TEST_CASE("agent: malformed records are logged with their key and ignored - the job goes on") {
@@ -29,28 +62,12 @@ TEST_CASE("agent: malformed records are logged with their key and ignored - the 
   store.put(kPrefix + "nodes/ghost", R"({"id":"ghost","addr":"127.0.0.1"})");
 
   const std::string stop = (job.dir / "stop").string(), fail = (job.dir / "fail").string();
-  auto worker =
-      sh("echo \"up rank $RANK round $DUCTILE_ROUND restarts "
-         "$TORCHELASTIC_RESTART_COUNT\"; while [ ! -e " +
-         stop +
-         " ]; do "
-         "if [ \"$DUCTILE_ROUND\" = 1 ] && [ \"$RANK\" = 1 ] && [ -e " +
-         fail +
-         " ]; then echo failing; exit 3; fi; sleep 0.1; done; "
-         "echo \"finished round $DUCTILE_ROUND\"");
-  std::vector<std::string> options = {"--nproc-per-node", "1", "--lease-ttl",  "2",
-                                      "--settle",         "1", "--stop-grace", "1",
-                                      "--min-nodes",      "2", "--max-nodes",  "2"};
-  Child& a = job.start("a", options, worker);
-  Child& b = job.start("b", options, worker);
-  bool formed =
-      wait_until([&] { return count_of(job.all_output(), " round 1 restarts 0") == 2; }, 120s);
-  if (!formed) job.dump();
-  REQUIRE(formed);
+  auto [leader, other] = two_nodes_in_round_1(job, two_node_worker(stop, fail), "3");
+  Child& a = *job.agents[0];
+  Child& b = *job.agents[1];
   CHECK(a.output().find("ignoring " + kPrefix + "nodes/ghost (revision ") != std::string::npos);
   CHECK(a.output().find("): it has no lease, so no agent keeps it alive; not counted as a node") !=
         std::string::npos);
-  auto [leader, other] = leader_and_other(a, b);
 
   // The round record: not JSON, JSON of the wrong types, a world size this
   // job cannot have. Each is logged and replaced by the last valid round;
@@ -108,7 +125,7 @@ TEST_CASE("agent: malformed records are logged with their key and ignored - the 
   // Settings that are not a record: a new agent replaces them and joins (as
   // a standby: the job runs on at most 2 nodes).
   store.put(kPrefix + "settings", "42");
-  Child& c = job.start("c", options, worker);
+  Child& c = job.start("c", two_node_options("3"), two_node_worker(stop, fail));
   bool standby = c.wait_for_output("round 1: standby", 60s);
   if (!standby) job.dump();
   CHECK(standby);
@@ -178,6 +195,64 @@ TEST_CASE("agent: a second agent with a node id in use is refused - a restarted 
   CHECK(restarted.output().find("node id 'a' is registered by another lease") != std::string::npos);
   std::ofstream(stop) << "stop";
   CHECK(restarted.wait(60s) == std::optional<int>(0));
+  if (!no_marked_processes(job.marker)) job.dump();
+  CHECK(marked_processes(job.marker).empty());
+}
+
+TEST_CASE("agent: forged done and draining records are not believed - a failure still restarts") {
+  Job job;
+  EtcdStore store(job.etcd.endpoint());
+  const std::string stop = (job.dir / "stop").string(), fail = (job.dir / "fail").string();
+  auto [leader, other] = two_nodes_in_round_1(job, two_node_worker(stop, fail), "1");
+  Child& a = *job.agents[0];
+  Child& b = *job.agents[1];
+
+  // Every member "done" while the workers run: garbage, a duplicate key, a
+  // record of another node or round, a valid record on a lease that is not
+  // the node's registration's, and one without a lease.
+  const std::int64_t lease = store.grant_lease(60);
+  const std::vector<std::tuple<std::string, std::string, std::int64_t, std::string>> forged = {
+      {"done/1/a", "zzz", lease, "done record: not JSON: zzz"},
+      {"done/1/b", R"({"node":"b","node":"b","round":1})", lease,
+       "done record: the key \"node\" appears twice in one object"},
+      {"done/1/a", R"({"node":"b","round":1})", lease,
+       "done record: \"node\" is \"b\"; expected \"a\", the node of its key"},
+      {"done/1/b", R"({"node":"b","round":2})", lease,
+       "done record: \"round\" is 2; expected 1, the round of its key"},
+      {"done/1/a", R"({"node":"a","round":1,"by":"x"})", lease,
+       "done record: \"by\" is not a field of this record"},
+      {"done/1/a", R"({"node":"a","round":1})", lease,
+       "done record: it is not on the lease of node a's registration"},
+      {"done/1/b", R"({"node":"b","round":1})", 0,
+       "done record: it is not on the lease of node b's registration"},
+      {"draining/b", R"({"node":"b"})", lease,
+       "draining record: it is not on the lease of node b's registration"}};
+  for (const auto& [name, value, on, problem] : forged) {
+    store.put(kPrefix + name, value, on);
+    bool logged = leader->wait_for_output(problem, 60s);
+    if (!logged) job.dump();
+    CHECK(logged);
+  }
+  CHECK(leader->output().find("ignoring " + kPrefix + "done/1/a (revision ") != std::string::npos);
+  // Still round 1: no job end, no drain.
+  std::string out = job.all_output();
+  CHECK(out.find("job succeeded") == std::string::npos);
+  CHECK(out.find("round 2") == std::string::npos);
+  for (Child* agent : {&a, &b}) CHECK_FALSE(agent->poll().has_value());
+
+  // The worker fails after all: a restart, as --max-restarts allows.
+  store.revoke_lease(lease);
+  std::ofstream(fail) << "fail";
+  bool restarted =
+      wait_until([&] { return count_of(job.all_output(), " round 2 restarts 1") == 2; }, 120s);
+  if (!restarted) job.dump();
+  CHECK(restarted);
+  std::ofstream(stop) << "stop";
+  for (Child* agent : {&a, &b}) {
+    auto status = agent->wait(60s);
+    if (status != std::optional<int>(0)) job.dump();
+    CHECK(status == std::optional<int>(0));
+  }
   if (!no_marked_processes(job.marker)) job.dump();
   CHECK(marked_processes(job.marker).empty());
 }

@@ -221,13 +221,81 @@ TEST_CASE("records: a worker's TORCHELASTIC_ERROR_FILE, as torch writes it") {
 }
 
 TEST_CASE("records: a checkpoint request") {
-  CheckpointRequest c{"n-1", "scale-up: 3 node(s) admitted of 3 present", 1764000000000};
-  auto back = checkpoint_from_json(to_json(c));
+  CheckpointRequest c{3, "n-1", "scale-up: 3 node(s) admitted of 3 present", 1764000000000};
+  auto back = checkpoint_from_json(to_json(c), 3);
+  CHECK(back.round == 3);
   CHECK(back.by == c.by);
   CHECK(back.reason == c.reason);
   CHECK(back.requested_ms == c.requested_ms);
-  CHECK_THROWS_WITH_AS(checkpoint_from_json(R"({"by": "a b", "requested_ms": 1})"),
+  CHECK_THROWS_WITH_AS(checkpoint_from_json(to_json(c), 4),
+                       "checkpoint record: \"round\" is 3; expected 4, the round of its key",
+                       MalformedRecord);
+  CHECK_THROWS_WITH_AS(checkpoint_from_json(R"({"round": 1, "by": "a b", "requested_ms": 1})", 1),
                        doctest::Contains("checkpoint record: \"by\" is \"a b\""), MalformedRecord);
-  CHECK_THROWS_AS(checkpoint_from_json(R"({"by": "a", "requested_ms": -1})"), MalformedRecord);
-  CHECK_THROWS_AS(checkpoint_from_json("[]"), MalformedRecord);
+  CHECK_THROWS_AS(checkpoint_from_json(R"({"round": 1, "by": "a", "requested_ms": -1})", 1),
+                  MalformedRecord);
+  CHECK_THROWS_WITH_AS(
+      checkpoint_from_json(R"({"round": 1, "by": "a", "requested_ms": 1, "extra": 0})", 1),
+      "checkpoint record: \"extra\" is not a field of this record", MalformedRecord);
+  CHECK_THROWS_AS(checkpoint_from_json("[]", 1), MalformedRecord);
+}
+
+TEST_CASE("records: a key twice in one object is refused - at any depth") {
+  RoundRecord r = two_nodes();
+  std::string text = to_json(r);
+  CHECK(round_problem(text).empty());
+  // The same record with "round" twice (the last would win).
+  std::string twice = "{\"round\":9," + text.substr(1);
+  CHECK(round_problem(twice) == "round record: the key \"round\" appears twice in one object");
+  r.state = RoundState::failed;
+  r.failure = FailureReport{"a", 1, 1, 3, {"x"}, "", ""};
+  text = to_json(r);
+  auto at = text.find("\"node\":\"a\"");
+  REQUIRE(at != std::string::npos);
+  text.insert(at, "\"node\":\"b\",");
+  CHECK(round_problem(text) == "round record: the key \"node\" appears twice in one object");
+  // The same key in two objects is no duplicate.
+  CHECK(failure_problem(R"({"node":"a","rank":0,"local_rank":0,"exit_status":1,)"
+                        R"("last_lines":[],"error_message":"{\"node\":1}"})")
+            .empty());
+  CHECK_THROWS_WITH_AS(node_from_json(R"({"id":"a","addr":"h","addr":"g"})", "a", 1),
+                       "node record: the key \"addr\" appears twice in one object",
+                       MalformedRecord);
+  CHECK_THROWS_WITH_AS(settings_differences(R"({"policy":"v0.1","policy":"v0.2","params":{}})",
+                                            R"({"policy":"v0.1","params":{}})"),
+                       doctest::Contains("appears twice"), MalformedRecord);
+}
+
+TEST_CASE("records: done, saved and draining marks are checked against their key") {
+  CHECK(mark_json("n-1", 4) == R"({"node":"n-1","round":4})");
+  CHECK(mark_json("n-1", 0) == R"({"node":"n-1"})");
+  CHECK_NOTHROW(check_mark("done", mark_json("n-1", 4), "n-1", 4));
+  CHECK_NOTHROW(check_mark("draining", mark_json("n-1", 0), "n-1", 0));
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"zzz", "done record: not JSON: zzz"},
+      {"{}", "done record: \"round\" is missing"},
+      {R"({"node":"n-1","round":"4"})", "done record: \"round\" is \"4\"; expected an integer"},
+      {R"({"node":"n-2","round":4})", "done record: \"node\" is \"n-2\"; expected \"n-1\""},
+      {R"({"node":"n-1","round":5})", "done record: \"round\" is 5; expected 4"},
+      {R"({"node":"n-1","round":4,"x":1})", "done record: \"x\" is not a field"},
+      {R"({"node":"n-1","round":4,"round":4})", "done record: the key \"round\" appears twice"},
+      {"[]", "done record: not a JSON object"}};
+  for (const auto& [text, problem] : bad) {
+    INFO(text);
+    CHECK_THROWS_WITH_AS(check_mark("done", text, "n-1", 4), doctest::Contains(problem.c_str()),
+                         MalformedRecord);
+  }
+  CHECK_THROWS_WITH_AS(check_mark("draining", R"({"node":"n-1","round":1})", "n-1", 0),
+                       doctest::Contains("\"round\" is not a field"), MalformedRecord);
+}
+
+TEST_CASE("records: a static node's rank") {
+  NodeInfo n{"n-1", "10.0.0.2", 0, 3};
+  CHECK(to_json(n) == R"({"addr":"10.0.0.2","id":"n-1","rank":3})");
+  CHECK(node_from_json(to_json(n), "n-1", 7).rank == 3);
+  CHECK(node_from_json(R"({"id":"n-1","addr":"h"})", "n-1", 7).rank == -1);
+  CHECK_THROWS_WITH_AS(node_from_json(R"({"id":"n-1","addr":"h","rank":-2})", "n-1", 7),
+                       doctest::Contains("\"rank\" is -2"), MalformedRecord);
+  CHECK_THROWS_WITH_AS(node_from_json(R"({"id":"n-1","addr":"h","role":"x"})", "n-1", 7),
+                       "node record: \"role\" is not a field of this record", MalformedRecord);
 }

@@ -176,7 +176,7 @@ TEST_CASE("decide: a planned re-form asks for a checkpoint and waits for every m
   REQUIRE(d.action == Action::request_checkpoint);
   CHECK(d.reason == "scale-up: 3 node(s) admitted of 3 present");
   // Asked: nothing until every member saved...
-  seen.checkpoint = CheckpointRequest{"n0", d.reason, 50000};
+  seen.checkpoint = CheckpointRequest{1, "n0", d.reason, 50000};
   seen.saved = {"n0"};
   CHECK(decide(seen, s).action == Action::keep);
   seen.saved = {"n1", "n0"};
@@ -212,7 +212,7 @@ TEST_CASE("decide: a draining member is checkpointed, then left out") {
   auto d = decide(seen, s);
   REQUIRE(d.action == Action::request_checkpoint);
   CHECK(d.reason == "node(s) n1 drain");
-  seen.checkpoint = CheckpointRequest{"n1", "node n1 drains (signal 15)", 5000};
+  seen.checkpoint = CheckpointRequest{1, "n1", "node n1 drains (signal 15)", 5000};
   seen.saved = {"n0", "n1", "n2"};
   d = decide(seen, s);
   REQUIRE(d.action == Action::new_round);

@@ -95,6 +95,19 @@ TEST_CASE("agent: TLS to etcd with client certificates - plaintext and wrong CAs
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("cannot reach etcd for --rdzv " + etcd.url()) != std::string::npos);
   CHECK(r.err.find("SSL") != std::string::npos);
+  // A forged record needs etcd's trust: a client with a certificate of
+  // another CA cannot write under the job's prefix (nor read), so the
+  // node keys, rounds and done records a TLS job reads are its agents'.
+  const std::string forged = "/ductile/agent/tls/done/1/a";
+  ductile::agent::EtcdTls foreign{tls.ca.string(), other.client_cert.string(),
+                                  other.client_key.string()};
+  ductile::agent::EtcdStore intruder(etcd.endpoint(), 2000ms, foreign);
+  CHECK_THROWS_AS(intruder.put(forged, R"({"node":"a","round":1})"), ductile::agent::StoreError);
+  CHECK_THROWS_AS(intruder.get("/ductile/agent/tls/round"), ductile::agent::StoreError);
+  ductile::agent::EtcdStore trusted(etcd.endpoint(), 2000ms, tls.client());
+  CHECK_FALSE(trusted.get(forged));
+  CHECK(trusted.get("/ductile/agent/tls/settings"));  // the job's own records are there
+
   // Files that cannot be read, a certificate without its key.
   r = run_process(agent_argv("c", etcd.url(), {"--rdzv-cacert", (dir / "missing.pem").string()}),
                   {marker});

@@ -29,6 +29,13 @@ class StoreUnavailable : public StoreError {
   using StoreError::StoreError;
 };
 
+// A server that answered before refuses connections: its process is gone,
+// and with it a store held in its memory (a c10d or static rendezvous).
+class StoreGone : public StoreUnavailable {
+ public:
+  using StoreUnavailable::StoreUnavailable;
+};
+
 struct KeyValue {
   std::string key;
   std::string value;

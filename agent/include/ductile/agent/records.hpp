@@ -45,6 +45,10 @@ struct NodeInfo {
   std::string id;
   std::string addr;  // address the other nodes reach this one at
   std::int64_t create_revision = 0;
+  // A static job's node rank (its group rank in every round); -1: none,
+  // nodes are ranked by age.
+  std::int64_t rank = -1;
+  std::int64_t lease = 0;  // the lease of its key (not in the record)
 };
 
 enum class RoundState { running, succeeded, failed };
@@ -86,13 +90,25 @@ struct RoundRecord {
 // checkpoint/<round>: the round's workers are asked to save before a
 // planned re-form.
 struct CheckpointRequest {
-  std::string by;  // the node that asked (the leader, or a draining node)
+  std::int64_t round = 0;  // the round asked (the round of its key)
+  std::string by;          // the node that asked (the leader, or a draining node)
   std::string reason;
   std::int64_t requested_ms = 0;  // the asker's clock, ms since the epoch
 };
 
 std::string to_json(const CheckpointRequest& request);
-CheckpointRequest checkpoint_from_json(const std::string& text);
+// `round`: the round of its key, which the record's must be.
+CheckpointRequest checkpoint_from_json(const std::string& text, std::int64_t round);
+
+// A node's mark: done/<round>/<node> (its workers all exited 0),
+// saved/<round>/<node> (they saved the checkpoint asked), draining/<node>
+// (round 0: it leaves after a checkpoint). Each is written on the node's
+// lease, as {"node": ..., "round": ...} ({"node": ...} for draining).
+std::string mark_json(const std::string& node, std::int64_t round);
+// Throws MalformedRecord unless `text` is the mark an agent writes for
+// `node` and `round`; `what` names the record ("done").
+void check_mark(const char* what, const std::string& text, const std::string& node,
+                std::int64_t round);
 
 std::string to_json(const RoundRecord& record);
 RoundRecord round_from_json(const std::string& text);

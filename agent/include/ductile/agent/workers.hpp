@@ -7,28 +7,66 @@
 // PR_SET_PDEATHSIG from its guard.
 //
 // Output: every line a worker writes is copied to the agent's stdout or stderr
-// (as the worker wrote it) with the prefix "[rank R]: "; the last lines of
-// each worker are kept for failure reports.
+// (as the worker wrote it) with the prefix "[rank R]: ", unless the spec
+// keeps it off the console; each stream's bytes go to its log file when the
+// spec names one; the last lines of each worker are kept for failure
+// reports.
 //
 // Threading: one thread drives a WorkerGroup (start, pump, stop).
-// Errors: start() throws std::system_error when processes or pipes cannot be
-// created; a command that cannot be executed is a worker exiting with 127.
+// Errors: start() throws std::system_error when processes, pipes or log
+// files cannot be created; a command that cannot be executed is a worker
+// exiting with 127.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <filesystem>
+#include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
 namespace ductile::agent {
+
+// Which of a worker's streams (torchrun's Std): none, stdout, stderr, both.
+enum WorkerStreams : int { kNoStreams = 0, kStdout = 1, kStderr = 2, kBothStreams = 3 };
+
+// Streams for every local rank ("3") or per local rank ("0:1,1:2": the
+// others none), as torchrun's --redirects and --tee take them.
+struct StreamsByRank {
+  int all = kNoStreams;
+  std::map<std::int64_t, int> by_rank;
+  int of(std::int64_t local_rank) const;
+};
+
+// Where the workers' output goes (torchrun's --log-dir, --redirects, --tee,
+// --local-ranks-filter). A stream redirected goes to its log file only; a
+// stream teed, to its log file and the console; others to the console.
+struct WorkerOutput {
+  // The job's log files, under <log_dir>/<job id>_XXXXXX/; empty: a
+  // directory of $TMPDIR (kept, as torchrun keeps its own).
+  std::filesystem::path log_dir;
+  StreamsByRank redirects;
+  StreamsByRank tee;
+  // Only these local ranks' lines reach the console (log files have all).
+  std::optional<std::set<std::int64_t>> console_ranks;
+  bool any_file() const {
+    return !log_dir.empty() || redirects.all != 0 || !redirects.by_rank.empty() || tee.all != 0 ||
+           !tee.by_rank.empty();
+  }
+};
 
 struct WorkerSpec {
   std::int64_t rank = 0;
   std::int64_t local_rank = 0;
   std::vector<std::string> argv;  // argv[0] searched on PATH
   std::vector<std::string> env;   // complete environment, "NAME=value"
+  // Files that get every byte of a stream (empty: none), and whether its
+  // lines reach the agent's own stdout / stderr.
+  std::filesystem::path stdout_file{}, stderr_file{};
+  bool stdout_console = true, stderr_console = true;
 };
 
 struct WorkerExit {
@@ -67,6 +105,7 @@ class WorkerGroup {
     int guard_pid = -1;  // also the process group id
     int out_fd = -1;
     int err_fd = -1;
+    int out_file = -1, err_file = -1;  // the log files, when named
     std::string out_partial, err_partial;
     std::deque<std::string> last_lines;
     std::optional<int> status;

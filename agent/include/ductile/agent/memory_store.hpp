@@ -1,0 +1,76 @@
+// A KeyValueStore in this process's memory, with etcd's semantics: a
+// store-wide revision counted up by every change, create and mod revisions
+// per key, leases that expire and take their keys with them, and
+// compare-and-swap on a key's mod revision. It is the rendezvous of an agent
+// that runs alone (`--standalone`) and of the agent that hosts a c10d or
+// static rendezvous (store_server.hpp serves it to the other agents).
+//
+// Ownership: shared (std::shared_ptr) between the threads of the agent that
+// holds it and its server.
+// Threading: every call may come from any thread (one mutex); a lease's
+// expiry is applied by the next call after its deadline.
+// Errors: put and compare_and_swap with a lease that does not exist throw
+// StoreError, as etcd answers; nothing else throws.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "ductile/agent/kv_store.hpp"
+
+namespace ductile::agent {
+
+class MemoryStore final : public KeyValueStore {
+ public:
+  // `description`: where the store is, for messages ("the c10d rendezvous
+  // at host:29400 (hosted by this agent)").
+  explicit MemoryStore(std::string description);
+
+  std::int64_t grant_lease(std::int64_t ttl_seconds) override;
+  bool keep_alive(std::int64_t lease) override;
+  void revoke_lease(std::int64_t lease) override;
+  std::int64_t lease_remaining(std::int64_t lease) override;
+  void put(const std::string& key, const std::string& value, std::int64_t lease = 0) override;
+  std::optional<KeyValue> get(const std::string& key) override;
+  std::vector<KeyValue> get_prefix(const std::string& prefix) override;
+  std::vector<std::vector<KeyValue>> read(const std::vector<RangeRead>& reads) override;
+  void erase(const std::string& key) override;
+  void erase_prefix(const std::string& prefix) override;
+  bool compare_and_swap(const std::string& key, std::int64_t expected_mod_revision,
+                        const std::string& value, std::int64_t lease = 0) override;
+  std::string describe() const override;
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  struct Entry {
+    std::string value;
+    std::int64_t create_revision = 0;
+    std::int64_t mod_revision = 0;
+    std::int64_t lease = 0;
+  };
+  struct Lease {
+    std::chrono::seconds ttl;
+    Clock::time_point deadline;
+    std::set<std::string> keys;
+  };
+  // With mutex_ held.
+  void expire();
+  void put_locked(const std::string& key, const std::string& value, std::int64_t lease);
+  // Removes `key` (no revision counted); false when absent.
+  bool remove_locked(const std::string& key);
+  std::vector<KeyValue> range_locked(const RangeRead& read) const;
+
+  const std::string description_;
+  mutable std::mutex mutex_;
+  std::map<std::string, Entry> keys_;
+  std::map<std::int64_t, Lease> leases_;
+  std::int64_t revision_ = 1;  // etcd's revision of an empty store
+  std::int64_t next_lease_;
+};
+
+}  // namespace ductile::agent

@@ -1,0 +1,240 @@
+// The leader's pass: it reads the members' done, saved and draining marks
+// and the failure and checkpoint records of the round, asks the policy
+// (rendezvous.hpp) what to do, and writes the next round, with the place
+// of its workers' store. See agent_impl.hpp.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <fstream>
+#include <random>
+
+#include <fmt/format.h>
+
+#include "agent_impl.hpp"
+
+namespace ductile::agent {
+
+namespace {
+
+// The port `port` (0: any) when it can be bound now, else 0.
+int bindable_port(int port) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return 0;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_port = htons(static_cast<std::uint16_t>(port));
+  socklen_t len = sizeof addr;
+  int got = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
+                    getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0
+                ? ntohs(addr.sin_port)
+                : 0;
+  close(fd);
+  return got;
+}
+
+// A TCP port nobody holds now, other than `avoid` (the last round's). Taken
+// below the kernel's ephemeral range when it can be: the workers bind it
+// some time after the leader chose it, and meanwhile sockets bound to port
+// 0 (MPI's daemons, a gloo store's clients) are never given such a port.
+int free_port(int avoid) {
+  int low = 32768;
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> low;
+  static std::mt19937 random(std::random_device{}());
+  for (int attempt = 0; attempt < 200 && low > 10001; ++attempt) {
+    int port = bindable_port(std::uniform_int_distribution<int>(10000, low - 1)(random));
+    if (port != 0 && port != avoid) return port;
+  }
+  for (int attempt = 0; attempt < 16; ++attempt)
+    if (int port = bindable_port(0); port != 0 && port != avoid) return port;
+  throw std::runtime_error("cannot find a free TCP port for MASTER_PORT");
+}
+
+}  // namespace
+
+std::vector<std::string> Agent::marked(const std::string& what, const RoundRecord& round,
+                                       const std::vector<NodeInfo>& alive) {
+  const std::string r = std::to_string(round.round);
+  const std::string prefix = key(what + "/" + r + "/");
+  std::vector<std::string> out;
+  for (const auto& kv : store_->get_prefix(prefix)) {
+    const std::string node = kv.key.substr(prefix.size());
+    auto member = std::find(round.members.begin(), round.members.end(), node);
+    auto it =
+        std::find_if(alive.begin(), alive.end(), [&](const NodeInfo& n) { return n.id == node; });
+    try {
+      check_mark(what.c_str(), kv.value, node, round.round);
+      if (member == round.members.end())
+        throw MalformedRecord(
+            fmt::format("{} record: {} is not a member of round {}", what, excerpt(node, 80), r));
+      // A node's mark is on its registration's lease (a key that etcdctl
+      // or another client wrote is not; see "Untrusted contents").
+      if (it == alive.end() || kv.lease == 0 || kv.lease != it->lease)
+        throw MalformedRecord(fmt::format(
+            "{} record: it is not on the lease of node {}'s registration", what, excerpt(node)));
+      out.push_back(node);
+    } catch (const MalformedRecord& e) {
+      ignore_record(kv, e.what(), "not counted");
+    }
+  }
+  return out;
+}
+
+std::vector<std::string> Agent::draining(const std::vector<NodeInfo>& alive) {
+  const std::string prefix = key("draining/");
+  std::vector<std::string> out;
+  for (const auto& kv : store_->get_prefix(prefix)) {
+    const std::string node = kv.key.substr(prefix.size());
+    auto it =
+        std::find_if(alive.begin(), alive.end(), [&](const NodeInfo& n) { return n.id == node; });
+    try {
+      check_mark("draining", kv.value, node, 0);
+      if (it == alive.end() || kv.lease == 0 || kv.lease != it->lease)
+        throw MalformedRecord(fmt::format(
+            "draining record: it is not on the lease of node {}'s registration", excerpt(node)));
+      out.push_back(node);
+    } catch (const MalformedRecord& e) {
+      ignore_record(kv, e.what(), "the node is not draining");
+    }
+  }
+  return out;
+}
+
+void Agent::clear_previous_run() {
+  for (const char* records : {"failure/", "done/", "checkpoint/", "saved/"})
+    store_->erase_prefix(key(records));
+}
+
+void Agent::place_worker_store(RoundRecord& next, const NodeInfo& rank0,
+                               std::unique_ptr<StoreServer>& server) {
+  if (!o_.agent_store) {
+    // Rank 0's worker creates the store there (torchrun's etcd rendezvous).
+    next.master_addr = rank0.addr;
+    next.master_port = free_port(last_port_);
+    last_port_ = next.master_port;
+    return;
+  }
+  if (o_.master_port != 0) {
+    // Static: the store at the address and port asked, the same every
+    // round, emptied for the new round's workers.
+    next.master_addr = o_.master_addr;
+    next.master_port = o_.master_port;
+    StoreServer* fixed = rdzv_server_ ? rdzv_server_.get() : worker_store_.get();
+    if (fixed) fixed->reset_worker_store();
+    return;
+  }
+  // A new store each round, on this leader's host: bound before it is
+  // published, so no other process can take its port meanwhile.
+  server = std::make_unique<StoreServer>(0, nullptr);
+  next.master_addr = rank0.addr;
+  next.master_port = server->port();
+}
+
+void Agent::lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& round_kv,
+                 std::optional<RoundRecord>& round) {
+  // The record holds a previous run's last round: this run's first round
+  // replaces it.
+  const bool previous = round_kv && !round && previous_run_logged_ == round_kv->mod_revision;
+  if (round_kv && !round && !previous && last_good_round_) {
+    // A record no agent wrote: put back the last valid one (the workers of
+    // every member go on in their round).
+    if (store_->compare_and_swap(key("round"), round_kv->mod_revision,
+                                 to_json(*last_good_round_))) {
+      log(fmt::format("leader: restored round {} in {}", last_good_round_->round, key("round")));
+      round_kv = store_->get(key("round"));
+      round = read_round(round_kv);
+    }
+    return;
+  }
+  Observation seen;
+  seen.now = now_ms();
+  seen.alive = alive;
+  seen.last_membership_change = last_membership_change_;
+  seen.round = round;
+  if (seen.round && !seen.round->members.empty()) {
+    std::string r = std::to_string(seen.round->round);
+    if (auto f = store_->get(key("failure/" + r))) {
+      try {
+        seen.failure = failure_from_json(f->value);
+        auto [it, inserted] = failure_seen_.try_emplace(seen.round->round, seen.now);
+        seen.failure_seen = it->second;
+      } catch (const MalformedRecord& e) {
+        ignore_record(*f, e.what(), "not counted as a failure");
+      }
+    }
+    auto done = marked("done", *seen.round, alive);
+    seen.all_done = std::all_of(seen.round->members.begin(), seen.round->members.end(),
+                                [&](const std::string& id) {
+                                  return std::find(done.begin(), done.end(), id) != done.end();
+                                });
+  }
+  seen.draining = draining(alive);
+  if (settings_.checkpoint_timeout.count() > 0 && seen.round && !seen.round->members.empty()) {
+    std::string r = std::to_string(seen.round->round);
+    if (auto c = store_->get(key("checkpoint/" + r))) {
+      try {
+        seen.checkpoint = checkpoint_from_json(c->value, seen.round->round);
+      } catch (const MalformedRecord& e) {
+        ignore_record(*c, e.what(), "no checkpoint asked");
+      }
+    }
+    seen.saved = marked("saved", *seen.round, alive);
+  }
+  Decision d = decide(seen, settings_);
+  if (d.action == Action::keep) return;
+  if (d.action == Action::request_checkpoint) {
+    CheckpointRequest request{seen.round->round, id_, excerpt(d.reason, kMaxTextChars - 3),
+                              seen.now.count()};
+    if (store_->compare_and_swap(key("checkpoint/" + std::to_string(seen.round->round)), 0,
+                                 to_json(request), lease_))
+      log(fmt::format(
+          "leader: asked the workers of round {} to checkpoint before re-forming ({}); waiting "
+          "up to {} ms",
+          seen.round->round, d.reason, settings_.checkpoint_timeout.count()));
+    return;
+  }
+  RoundRecord next = seen.round.value_or(RoundRecord{});
+  std::unique_ptr<StoreServer> next_store;  // the new round's workers' store, when new
+  if (d.action == Action::new_round) {
+    next.round = std::max(next.round, highest_round_) + 1;
+    next.members.clear();
+    next.member_revisions.clear();
+    for (const auto& n : d.members) {
+      next.members.push_back(n.id);
+      next.member_revisions.push_back(n.create_revision);
+    }
+    next.world_size = static_cast<std::int64_t>(d.members.size()) * o_.nproc_per_node;
+    next.master_addr.clear();
+    next.master_port = 0;
+    if (!d.members.empty()) place_worker_store(next, d.members.front(), next_store);
+    bool mpi = mpi_server_ && !d.members.empty();
+    next.mpi_server_uri = mpi ? mpi_server_->uri() : std::string();
+    next.mpi_join_port = mpi ? free_port(next.master_port) : 0;
+    if (d.counts_as_restart) next.restarts += 1;
+    next.started_ms = seen.now.count();
+    next.state = RoundState::running;
+    next.failure.reset();
+  } else if (d.action == Action::succeed) {
+    next.state = RoundState::succeeded;
+  } else {
+    next.state = RoundState::failed;
+    next.failure = seen.failure;
+  }
+  next.reason = excerpt(d.reason, kMaxTextChars - 3);  // what every reader accepts
+  std::string text = to_json(next);
+  if (previous) clear_previous_run();
+  if (store_->compare_and_swap(key("round"), round_kv ? round_kv->mod_revision : 0, text)) {
+    if (next_store) worker_store_ = std::move(next_store);  // the old round's goes
+    if (d.action == Action::new_round)
+      log(fmt::format("leader: round {} formed: {}", next.round, d.reason));
+    else
+      log(fmt::format("leader: job {}: {}", to_string(next.state), d.reason));
+    round_kv = store_->get(key("round"));
+    round = read_round(round_kv);
+  }
+}
+
+}  // namespace ductile::agent

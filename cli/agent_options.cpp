@@ -1,0 +1,507 @@
+// torchrun's command line read into the agent's options (see
+// agent_options.hpp and docs/elastic-agent.md, "torchrun's command line").
+#include "agent_options.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <random>
+#include <set>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "ductile/error.hpp"
+
+namespace ductile::cli {
+namespace {
+
+[[noreturn]] void bad(const std::string& message) {
+  throw Error(ErrorKind::invalid_argument, message);
+}
+
+std::chrono::milliseconds seconds_option(const std::string& name, double value) {
+  if (!std::isfinite(value) || value < 0 || value > 1e6)
+    bad(fmt::format("{} {} is invalid: give seconds between 0 and 1000000", name, value));
+  return std::chrono::milliseconds(static_cast<std::int64_t>(std::llround(value * 1000)));
+}
+
+std::int64_t whole_number(const std::string& what, const std::string& text) {
+  std::size_t used = 0;
+  long long value = -1;
+  try {
+    value = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != text.size() || text.empty() || value < 0)
+    bad(fmt::format("{} '{}' is invalid: give a whole number", what, text));
+  return value;
+}
+
+double seconds_text(const std::string& what, const std::string& text) {
+  std::size_t used = 0;
+  double value = -1;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != text.size() || text.empty() || !std::isfinite(value) || value < 0 || value > 1e6)
+    bad(fmt::format("{} '{}' is invalid: give seconds between 0 and 1000000", what, text));
+  return value;
+}
+
+// GPUs this process may use: CUDA_VISIBLE_DEVICES's entries, else the
+// NVIDIA driver's.
+std::int64_t visible_gpus() {
+  if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES")) {
+    std::string list = visible;
+    if (list.empty()) return 0;
+    return 1 + static_cast<std::int64_t>(std::count(list.begin(), list.end(), ','));
+  }
+  std::error_code ec;
+  std::int64_t n = 0;
+  for (auto it = std::filesystem::directory_iterator("/proc/driver/nvidia/gpus", ec);
+       !ec && it != std::filesystem::directory_iterator(); it.increment(ec))
+    ++n;
+  return n;
+}
+
+// torchrun's --nproc-per-node: a number, cpu, gpu or auto.
+std::int64_t workers_per_node(const std::string& text) {
+  if (text == "cpu") return std::max<std::int64_t>(1, std::thread::hardware_concurrency());
+  if (text == "gpu") {
+    if (std::int64_t gpus = visible_gpus(); gpus > 0) return gpus;
+    bad("--nproc-per-node gpu: this node has no GPU (none in CUDA_VISIBLE_DEVICES or "
+        "/proc/driver/nvidia/gpus); give a number or cpu");
+  }
+  if (text == "auto") {
+    std::int64_t gpus = visible_gpus();
+    return gpus > 0 ? gpus : std::max<std::int64_t>(1, std::thread::hardware_concurrency());
+  }
+  std::size_t used = 0;
+  long long value = 0;
+  try {
+    value = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != text.size() || text.empty() || value < 1)
+    bad(
+        fmt::format("--nproc-per-node '{}' is invalid: give the number of workers of this node "
+                    "(>= 1), or cpu, gpu or auto",
+                    text));
+  return value;
+}
+
+// torchrun's --rdzv-conf: key=value pairs separated by commas.
+void apply_rdzv_conf(const std::string& text, AgentCliOptions& o) {
+  std::map<std::string, std::string> conf;
+  std::size_t from = 0;
+  while (from < text.size()) {
+    auto comma = text.find(',', from);
+    if (comma == std::string::npos) comma = text.size();
+    std::string pair = text.substr(from, comma - from);
+    from = comma + 1;
+    if (pair.empty()) continue;
+    auto eq = pair.find('=');
+    if (eq == std::string::npos || eq == 0)
+      bad(fmt::format("--rdzv-conf '{}': '{}' is not key=value", text, pair));
+    conf[pair.substr(0, eq)] = pair.substr(eq + 1);
+  }
+  double keep_alive_interval = -1;
+  std::int64_t keep_alive_attempts = -1;
+  for (const auto& [key, value] : conf) {
+    std::string what = "--rdzv-conf " + key;
+    if (key == "join_timeout" || key == "timeout") {
+      o.agent.join_timeout = seconds_option(what, seconds_text(what, value));
+    } else if (key == "last_call_timeout") {
+      o.settle = seconds_text(what, value);
+    } else if (key == "read_timeout") {
+      o.agent.request_timeout = seconds_option(what, seconds_text(what, value));
+      if (o.agent.request_timeout.count() == 0)
+        bad(fmt::format("{}={} is invalid: give seconds > 0", what, value));
+    } else if (key == "keep_alive_interval") {
+      keep_alive_interval = seconds_text(what, value);
+    } else if (key == "keep_alive_max_attempt") {
+      keep_alive_attempts = whole_number(what, value);
+    } else if (key == "protocol") {
+      if (value != "http" && value != "https")
+        bad(fmt::format("{}={} is invalid: give http or https", what, value));
+      o.rdzv_protocol = value;
+    } else if (key == "is_host") {
+      // torchrun's c10d: whether this agent hosts the rendezvous' store.
+      std::string v = value;
+      std::transform(v.begin(), v.end(), v.begin(),
+                     [](unsigned char c) { return std::tolower(c); });
+      if (v == "1" || v == "true" || v == "t" || v == "yes" || v == "y")
+        o.is_host = true;
+      else if (v == "0" || v == "false" || v == "f" || v == "no" || v == "n")
+        o.is_host = false;
+      else
+        bad(fmt::format("{}={} is invalid: give true or false", what, value));
+      o.is_host_given = true;
+    } else if (key == "cacert" || key == "cert" || key == "key") {
+      // torch's etcd rendezvous' names for the TLS files.
+      std::string& file = key == "cacert" ? o.agent.tls.ca_file
+                          : key == "cert" ? o.agent.tls.cert_file
+                                          : o.agent.tls.key_file;
+      if (!file.empty() && file != value)
+        bad(fmt::format("{} and --rdzv-{} differ: give one of them", what, key));
+      file = value;
+    } else {
+      bad(
+          fmt::format("--rdzv-conf key '{}' is not one ductile agent takes: give join_timeout "
+                      "(or timeout), last_call_timeout, read_timeout, keep_alive_interval, "
+                      "keep_alive_max_attempt, is_host, protocol, cacert, cert, key",
+                      key));
+    }
+  }
+  if (keep_alive_interval >= 0 || keep_alive_attempts >= 0) {
+    // torchrun declares a node dead after interval x attempts without a
+    // heartbeat; the agent's lease TTL means the same.
+    double ttl = (keep_alive_interval >= 0 ? keep_alive_interval : 5) *
+                 static_cast<double>(keep_alive_attempts >= 0 ? keep_alive_attempts : 3);
+    if (o.lease_ttl == -1) o.lease_ttl = std::max<std::int64_t>(2, std::llround(std::ceil(ttl)));
+  }
+}
+
+// torchrun's --nnodes: N or MIN:MAX.
+void apply_nnodes(const std::string& text, AgentCliOptions& o) {
+  auto colon = text.find(':');
+  std::string low = text.substr(0, colon);
+  std::string high = colon == std::string::npos ? low : text.substr(colon + 1);
+  std::int64_t min = whole_number("--nnodes", low), max = whole_number("--nnodes", high);
+  if (min < 1 || max < min)
+    bad(fmt::format("--nnodes '{}' is invalid: give N or MIN:MAX with 1 <= MIN <= MAX", text));
+  if (o.min_nodes != -1 || o.max_nodes != -1)
+    bad("--nnodes and --min-nodes/--max-nodes say the same: give one of them");
+  o.min_nodes = min;
+  o.max_nodes = max;
+}
+
+// HOST[:PORT] (or [IPv6]:PORT), as torch's parse_rendezvous_endpoint reads
+// it; `default_port` when the port is left out.
+std::pair<std::string, int> host_and_port(const std::string& option, const std::string& endpoint,
+                                          int default_port) {
+  std::string host = endpoint, port_text;
+  if (host.starts_with("[")) {
+    auto close = host.find(']');
+    if (close == std::string::npos)
+      bad(fmt::format("{} '{}' is invalid: give HOST:PORT", option, endpoint));
+    port_text = close + 1 < host.size() && host[close + 1] == ':' ? host.substr(close + 2) : "";
+    host = host.substr(1, close - 1);
+  } else if (auto colon = host.rfind(':'); colon != std::string::npos) {
+    port_text = host.substr(colon + 1);
+    host = host.substr(0, colon);
+  }
+  int port = default_port;
+  if (!port_text.empty()) {
+    std::size_t used = 0;
+    long value = -1;
+    try {
+      value = std::stol(port_text, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != port_text.size() || value < 0 || value > 65535)
+      bad(fmt::format("{} '{}' is invalid: the port must be 0 to 65535", option, endpoint));
+    port = static_cast<int>(value);
+  }
+  if (host.empty() || host.find_first_of(" /,@") != std::string::npos)
+    bad(fmt::format("{} '{}' is invalid: give HOST:PORT", option, endpoint));
+  return {host, port};
+}
+
+// A run id as torchrun makes one for --standalone (uuid4).
+std::string random_run_id() {
+  std::random_device random;
+  std::uint32_t words[4] = {random(), random(), random(), random()};
+  words[1] = (words[1] & 0xffff0fffu) | 0x00004000u;  // version 4
+  words[2] = (words[2] & 0x3fffffffu) | 0x80000000u;  // variant 1
+  return fmt::format("{:08x}-{:04x}-{:04x}-{:04x}-{:04x}{:08x}", words[0], words[1] >> 16,
+                     words[1] & 0xffff, words[2] >> 16, words[2] & 0xffff, words[3]);
+}
+
+// torchrun's TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: the workers' store is
+// rank 0's, not the agent's (its dynamic rendezvous backends).
+bool agent_store_shared() {
+  const char* disabled = std::getenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE");
+  return !(disabled && std::string(disabled) == "1");
+}
+
+// The rendezvous, from ductile's --rdzv etcd://HOST:PORT or torchrun's
+// options, as torchrun 2.13 reads them (run.py's run() and
+// config_from_args()).
+void apply_rendezvous(AgentCliOptions& o) {
+  auto& a = o.agent;
+  using agent::Hosting;
+  using agent::RendezvousKind;
+  const std::int64_t max_nodes =
+      o.max_nodes != -1 ? o.max_nodes : std::max<std::int64_t>(1, o.min_nodes);
+  const bool torchrun_spelling = a.rdzv.empty();
+  if (!a.rdzv.empty() && (!o.rdzv_endpoint.empty() || o.standalone ||
+                          !(o.rdzv_backend.empty() || o.rdzv_backend.starts_with("etcd"))))
+    bad("--rdzv (an etcd) and torchrun's --rdzv-endpoint, --rdzv-backend or --standalone say "
+        "the same: give one of them");
+  if (!o.rdzv_id.empty()) {
+    if (!a.job_id.empty() && a.job_id != o.rdzv_id)
+      bad(fmt::format("--job-id '{}' and --rdzv-id '{}' differ: give one of them", a.job_id,
+                      o.rdzv_id));
+    a.job_id = o.rdzv_id;
+  }
+  std::string backend = o.rdzv_backend.empty() ? "static" : o.rdzv_backend;
+  // One node without a rendezvous: torchrun makes it a standalone one.
+  if (torchrun_spelling && backend == "static" && o.rdzv_endpoint.empty() && o.master_port == -1 &&
+      max_nodes == 1)
+    o.standalone = true;
+  const bool static_rdzv = torchrun_spelling && !o.standalone && backend == "static";
+  if (!static_rdzv && (o.node_rank_given && o.node_rank != 0))
+    std::fprintf(stderr,
+                 "ductile agent: --node-rank is used by a static rendezvous only (as torchrun "
+                 "uses it); ignored: the rendezvous ranks the nodes\n");
+  if (!static_rdzv && (!o.master_addr.empty() || o.master_port != -1))
+    std::fprintf(stderr,
+                 "ductile agent: --master-addr and --master-port are used by a static "
+                 "rendezvous only (as torchrun uses them); ignored: the leading agent publishes "
+                 "MASTER_ADDR and MASTER_PORT\n");
+  if (o.standalone) {
+    // torchrun: c10d on localhost:0 with a new run id, whatever else is
+    // given; here the agent's own store, nothing served for it.
+    if (max_nodes != 1)
+      bad(
+          fmt::format("--standalone runs one node, and --nnodes asks for up to {}: leave "
+                      "--nnodes out, or give a rendezvous every node reaches (--rdzv-backend "
+                      "c10d --rdzv-endpoint HOST:PORT)",
+                      max_nodes));
+    a.rendezvous = RendezvousKind::embedded;
+    a.job_id = random_run_id();
+    a.agent_store = agent_store_shared();
+    return;
+  }
+  if (a.job_id.empty() && torchrun_spelling) a.job_id = "none";  // torchrun's --rdzv-id default
+  if (!a.rdzv.empty()) {
+    a.rendezvous = RendezvousKind::etcd;
+    a.agent_store = true;
+    if (a.job_id.empty()) bad("no job id: give --job-id ID (or torchrun's --rdzv-id ID)");
+    return;
+  }
+  if (backend == "static") {
+    const std::string endpoint =
+        !o.rdzv_endpoint.empty()
+            ? o.rdzv_endpoint
+            : fmt::format("{}:{}", o.master_addr.empty() ? "127.0.0.1" : o.master_addr,
+                          o.master_port == -1 ? 29500 : o.master_port);
+    auto [host, port] = host_and_port(
+        o.rdzv_endpoint.empty() ? "--master-addr/--master-port" : "--rdzv-endpoint", endpoint, -1);
+    if (port <= 0)
+      bad(
+          fmt::format("a static rendezvous needs the port of node rank 0's store: give "
+                      "--master-port (or --rdzv-endpoint {}:PORT)",
+                      host));
+    if (o.node_rank < 0 || o.node_rank >= max_nodes)
+      bad(fmt::format("--node-rank {} is invalid for --nnodes {}: give 0 to {}", o.node_rank,
+                      max_nodes, max_nodes - 1));
+    // torchrun's static rendezvous waits for --nnodes' maximum.
+    a.min_nodes = a.max_nodes.emplace(max_nodes);
+    o.min_nodes = o.max_nodes = max_nodes;
+    a.agent_store = true;
+    a.master_addr = host;
+    a.master_port = port;
+    if (max_nodes == 1) {
+      a.rendezvous = RendezvousKind::embedded;
+      return;
+    }
+    a.rendezvous = RendezvousKind::hosted;
+    a.rdzv_name = "static";
+    a.rdzv_host = host;
+    a.rdzv_port = port;
+    a.node_rank = o.node_rank;
+    a.hosting = o.node_rank == 0 ? Hosting::always : Hosting::never;
+    return;
+  }
+  if (backend == "c10d") {
+    if (o.rdzv_endpoint.empty())
+      bad("--rdzv-backend c10d needs the rendezvous' host: give --rdzv-endpoint HOST[:PORT] (a "
+          "node every node reaches; its agent serves the rendezvous)");
+    auto [host, port] = host_and_port("--rdzv-endpoint", o.rdzv_endpoint, 29400);
+    a.agent_store = agent_store_shared();
+    if (port == 0) {
+      // torchrun binds a free port: only this node can know it.
+      if (max_nodes != 1)
+        bad(
+            fmt::format("--rdzv-endpoint '{}': port 0 (a free port) serves one node only, and "
+                        "--nnodes asks for up to {}; give a port every node reaches",
+                        o.rdzv_endpoint, max_nodes));
+      a.rendezvous = RendezvousKind::embedded;
+      return;
+    }
+    a.rendezvous = RendezvousKind::hosted;
+    a.rdzv_name = "c10d";
+    a.rdzv_host = host;
+    a.rdzv_port = port;
+    a.hosting = !o.is_host_given ? Hosting::if_local : o.is_host ? Hosting::always : Hosting::never;
+    return;
+  }
+  if (backend == "etcd" || backend == "etcd-v2" || backend == "etcd-v3") {
+    if (o.rdzv_endpoint.empty())
+      bad(fmt::format("--rdzv-backend {} needs the etcd: give --rdzv-endpoint HOST:PORT", backend));
+    a.rendezvous = RendezvousKind::etcd;
+    a.rdzv = o.rdzv_endpoint.find("://") == std::string::npos
+                 ? (o.rdzv_protocol == "https" ? "https://" : "etcd://") + o.rdzv_endpoint
+                 : o.rdzv_endpoint;
+    if (!o.rdzv_protocol.empty() && a.rdzv.starts_with("https://") != (o.rdzv_protocol == "https"))
+      bad(fmt::format("--rdzv-conf protocol={} and the endpoint {} differ: give one of them",
+                      o.rdzv_protocol, a.rdzv));
+    // torchrun's etcd handler leaves the store to rank 0's worker; its
+    // etcd-v2 (a dynamic rendezvous) shares the agent's.
+    a.agent_store = backend != "etcd" && agent_store_shared();
+    return;
+  }
+  bad(
+      fmt::format("--rdzv-backend '{}' is not one ductile agent takes: give c10d (an agent hosts "
+                  "the rendezvous), static (with --node-rank, --master-addr, --master-port), "
+                  "etcd or etcd-v2 (an etcd: survives the loss of any node), or --standalone",
+                  o.rdzv_backend));
+}
+
+// torchrun's --redirects / --tee: 0-3 for every local rank, or
+// LOCAL_RANK:STREAMS,... for some.
+agent::StreamsByRank streams_option(const std::string& option, const std::string& text) {
+  agent::StreamsByRank out;
+  auto digit = [&](const std::string& v) {
+    if (v.size() != 1 || v[0] < '0' || v[0] > '3')
+      bad(
+          fmt::format("{} '{}' is invalid: give 0 (none), 1 (stdout), 2 (stderr) or 3 (both), "
+                      "for every local rank or as LOCAL_RANK:N,... (e.g. 0:1,1:2)",
+                      option, text));
+    return v[0] - '0';
+  };
+  if (text.find(':') == std::string::npos) {
+    out.all = digit(text);
+    return out;
+  }
+  std::size_t from = 0;
+  while (from <= text.size()) {
+    auto comma = std::min(text.find(',', from), text.size());
+    std::string pair = text.substr(from, comma - from);
+    auto colon = pair.find(':');
+    if (colon == std::string::npos) digit("");
+    out.by_rank[whole_number(option + " local rank", pair.substr(0, colon))] =
+        digit(pair.substr(colon + 1));
+    from = comma + 1;
+  }
+  return out;
+}
+
+void apply_output_options(AgentCliOptions& o) {
+  auto& out = o.agent.output;
+  out.log_dir = o.log_dir;
+  if (!o.redirects.empty()) out.redirects = streams_option("--redirects", o.redirects);
+  if (!o.tee.empty()) out.tee = streams_option("--tee", o.tee);
+  if (!o.local_ranks_filter.empty()) {
+    std::set<std::int64_t> ranks;
+    std::size_t from = 0;
+    while (from <= o.local_ranks_filter.size()) {
+      auto comma = std::min(o.local_ranks_filter.find(',', from), o.local_ranks_filter.size());
+      ranks.insert(
+          whole_number("--local-ranks-filter", o.local_ranks_filter.substr(from, comma - from)));
+      from = comma + 1;
+    }
+    out.console_ranks = std::move(ranks);
+  }
+  // torchrun's options that have no meaning here: say what to use.
+  if (!o.logs_specs.empty())
+    bad(
+        fmt::format("--logs-specs '{}' names a Python class torchrun loads; ductile agent writes "
+                    "the workers' logs itself: use --log-dir with --redirects or --tee",
+                    o.logs_specs));
+  if (!o.event_log_handler.empty() && o.event_log_handler != "null")
+    bad(
+        fmt::format("--event-log-handler '{}' names a Python handler torchrun loads; ductile "
+                    "agent logs its events to its stderr (leave the option out)",
+                    o.event_log_handler));
+  if (!o.numa_binding.empty())
+    bad(
+        fmt::format("--numa-binding {} is not available: run the workers under numactl "
+                    "(--no-python numactl --cpunodebind=N python3 -u train.py)",
+                    o.numa_binding));
+  if (!o.duplicate_stdout.empty() || !o.duplicate_stderr.empty())
+    bad("--duplicate-stdout-filters and --duplicate-stderr-filters are not available: use "
+        "--tee with --log-dir and filter the log files");
+  if (o.virtual_local_rank)
+    bad("--virtual-local-rank is not available: the workers get their LOCAL_RANK; choose a GPU "
+        "with it (torch.cuda.set_device(LOCAL_RANK))");
+}
+
+// The worker command: after '--' as given; else torchrun's training script
+// and its arguments, run as torchrun runs them ($PYTHON_EXEC or python3,
+// -u, -m for --module; as given with --no-python).
+std::vector<std::string> worker_command(const std::vector<std::string>& rest,
+                                        const AgentCliOptions& o) {
+  if (!rest.empty() && rest.front() == "--")
+    return std::vector<std::string>(rest.begin() + 1, rest.end());
+  if (!rest.empty() && rest.front().starts_with("-"))
+    bad(
+        fmt::format("'{}' is not an option of ductile agent (run 'ductile agent --help'); the "
+                    "worker command goes after '--' or, as with torchrun, starts with the "
+                    "training script",
+                    rest.front()));
+  if (rest.empty() || o.no_python) {
+    if (o.module) bad("--no-python and --module cannot be given together (as with torchrun)");
+    return rest;
+  }
+  // As torchrun: $PYTHON_EXEC, else the interpreter of the environment that
+  // ran `ductile` (its console script says which), else python3.
+  const char* python = std::getenv("PYTHON_EXEC");
+  const char* console = std::getenv("DUCTILE_CONSOLE_PYTHON");
+  std::vector<std::string> command = {python && *python     ? python
+                                      : console && *console ? console
+                                                            : "python3",
+                                      "-u"};
+  if (o.module) command.push_back("-m");
+  command.insert(command.end(), rest.begin(), rest.end());
+  return command;
+}
+
+}  // namespace
+
+agent::AgentOptions agent_options(AgentCliOptions& o, const std::vector<std::string>& rest) {
+  auto& a = o.agent;
+  if (!o.nnodes.empty()) apply_nnodes(o.nnodes, o);
+  if (!o.rdzv_conf.empty()) apply_rdzv_conf(o.rdzv_conf, o);
+  if (o.min_nodes != -1) a.min_nodes = o.min_nodes;
+  if (o.max_nodes != -1) a.max_nodes = o.max_nodes;
+  apply_rendezvous(o);
+  apply_output_options(o);
+  a.nproc_per_node = workers_per_node(o.nproc_per_node);
+  if (!o.local_addr.empty()) {
+    if (!a.node_addr.empty() && a.node_addr != o.local_addr)
+      bad("--node-addr and --local-addr differ: give one of them");
+    a.node_addr = o.local_addr;
+  }
+  a.command = worker_command(rest, o);
+  a.lease_ttl = std::chrono::seconds(o.lease_ttl == -1 ? 5 : o.lease_ttl);
+  a.poll_interval =
+      seconds_option(o.monitor_interval >= 0 ? "--monitor-interval" : "--poll-interval",
+                     o.poll_interval >= 0      ? o.poll_interval
+                     : o.monitor_interval >= 0 ? o.monitor_interval
+                                               : 0.25);
+  if (a.poll_interval.count() == 0) bad("--poll-interval (--monitor-interval) must be > 0");
+  a.settle = seconds_option("--settle", o.settle >= 0 ? o.settle : 2);
+  a.stop_grace = seconds_option(o.shutdown_timeout >= 0 ? "--shutdown-timeout" : "--stop-grace",
+                                o.shutdown_timeout >= 0 ? o.shutdown_timeout : o.stop_grace);
+  a.store_timeout = seconds_option("--store-timeout", o.store_timeout);
+  if (o.min_time != -1) a.min_time = seconds_option("--min-time", o.min_time);
+  if (o.failure_grace != -1) a.failure_grace = seconds_option("--failure-grace", o.failure_grace);
+  a.checkpoint_timeout = seconds_option("--checkpoint-timeout", o.checkpoint_timeout);
+  return a;
+}
+
+}  // namespace ductile::cli
