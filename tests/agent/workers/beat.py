@@ -1,7 +1,9 @@
 """Worker of the agent's host tests: the round's workers meet over TCP at
-MASTER_ADDR:MASTER_PORT (rank 0 listens, the others connect: traffic
-between network namespaces), then each appends a heartbeat (time.time_ns)
-to OUT/beat.<node>.<round>.<rank> every 20 ms until STOP exists.
+MASTER_ADDR:MASTER_PORT (traffic between network namespaces), then each
+appends a heartbeat (time.time_ns) to OUT/beat.<node>.<round>.<rank> every
+20 ms until STOP exists. Where the agent serves the workers' store there
+(TORCHELASTIC_USE_AGENT_STORE=True, as torchrun's does), they meet in it
+with torch's TCPStore client; else rank 0 listens on the port itself.
 
 usage: beat.py OUT STOP
 """
@@ -11,9 +13,24 @@ import sys
 import time
 
 
+def meet_in_agent_store(rank, world, addr, port):
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    store = TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=120))
+    store.set(f"beat/met/{rank}", str(rank))
+    if rank != 0:
+        return None
+    keys = [f"beat/met/{r}" for r in range(world)]
+    store.wait(keys)
+    return sorted(int(store.get(key)) for key in keys)
+
+
 def meet(rank, world, addr, port):
     if world == 1:
         return [0]
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return meet_in_agent_store(rank, world, addr, port)
     if rank == 0:
         server = socket.create_server((addr, port))
         server.settimeout(120)

@@ -58,7 +58,9 @@ struct Shard {
   }
   bool operator==(const Shard& o) const {
     auto same = [](const auto& a, const auto& b) {
-      return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
+      // memcmp's pointers must not be null, even for 0 bytes (an empty vector's may be).
+      return a.size() == b.size() &&
+             (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0);
     };
     return same(params, o.params) && same(exp_avg, o.exp_avg) && same(exp_avg_sq, o.exp_avg_sq) &&
            same(copy, o.copy);
@@ -164,8 +166,10 @@ TEST_CASE("each step equals Adam and AdamW computed in double, to 1e-6") {
 TEST_CASE("every instruction set gives the scalar kernel's bits, whatever the tail") {
   const auto simd = available_simd();
   REQUIRE(simd.front() == "scalar");
-  MESSAGE("instruction sets compared with the scalar kernel: "
-          << (simd.size() == 1 ? "none" : simd.size() == 2 ? "avx2" : "avx2, avx512"));
+  MESSAGE("instruction sets compared with the scalar kernel: " << (simd.size() == 1 ? "none"
+                                                                   : simd.size() == 2
+                                                                       ? "avx2"
+                                                                       : "avx2, avx512"));
   if (simd.size() < 3)
     MESSAGE("this CPU lacks " << (simd.size() == 1 ? "avx2 and avx512" : "avx512")
                               << ": that kernel is not exercised here");
