@@ -344,19 +344,26 @@ class Zero3Engine:
             self.global_step += 1  # every parameter was stepped during backward
             self.zero_grad()
             return
-        if self.gradient_clipping:
-            self.clip_grad_norm_(self.gradient_clipping)
-        skip = False
-        if self._scaler is not None:
-            self._unscale()
-            skip = self._overflow()
-            self._scaler.update(skip)
+        skip = self._clip_and_scale()
         gradient_bytes = self._gradient_bytes()
         if not skip:
             self.optimizer.step()
         self.global_step += 1
         self.zero_grad()
         self._account(gradient_bytes)
+
+    def _clip_and_scale(self):
+        """Before a step: clips to gradient_clipping, and with fp16 loss
+        scaling unscales and updates the scale; True when the step must be
+        skipped (the gradient overflowed on some rank)."""
+        if self.gradient_clipping:
+            self.clip_grad_norm_(self.gradient_clipping)
+        if self._scaler is None:
+            return False
+        self._unscale()
+        skip = self._overflow()
+        self._scaler.update(skip)
+        return skip
 
     def _offloaded_step(self):
         """step() with groups on the host: the device's part by the
@@ -365,12 +372,7 @@ class Zero3Engine:
         try:
             skip = False
             if not self.step_in_backward:
-                if self.gradient_clipping:
-                    self.clip_grad_norm_(self.gradient_clipping)
-                if self._scaler is not None:
-                    self._unscale()
-                    skip = self._overflow()
-                    self._scaler.update(skip)
+                skip = self._clip_and_scale()
                 if not skip:
                     self.optimizer.step_device()
             self._offload.step(skip)

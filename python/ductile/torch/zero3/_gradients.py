@@ -10,9 +10,9 @@ end of the backward, since on a small group the collective's fixed cost
 (a gloo round trip, a kernel launch) is larger than its bytes'. A group of
 ``bucket_bytes`` or more goes alone, as soon as its backward is done. The
 reduce-scatters run while backward goes on; ``drain()`` finishes the rest at
-its end. Each member's ``shard.grad`` is a
-view of the group's flat gradient shard, so clipping, unscaling and the
-optimizer's foreach kernels see a handful of big tensors.
+its end. Each member's ``shard.grad`` is a view of the group's flat
+gradient shard, so clipping, unscaling and the optimizer's foreach kernels
+see a handful of big tensors.
 
 A parameter whose gradient arrives after its group was reduced (one used
 again by a later unit) is reduced again with the group at the end of the
