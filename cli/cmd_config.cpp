@@ -1,12 +1,16 @@
 // ductile config check FILE
 #include <cstdlib>
 #include <iostream>
+#include <optional>
 
 #include <fmt/format.h>
 
 #include "cli_common.hpp"
 #include "ductile/core/config.hpp"
+#include "ductile/core/files.hpp"
 #include "ductile/core/logging.hpp"
+#include "ductile/pipeline/deepspeed_config.hpp"
+#include "ductile/pipeline/json.hpp"
 
 namespace ductile::cli {
 namespace {
@@ -16,10 +20,28 @@ struct CheckOptions {
   bool allow_config_plugins = false;
 };
 
+// A DeepSpeed JSON config, mapped onto ductile's sections (every section it
+// sets checked as a TOML file's would be, naming the user's keys).
+core::Runtime deepspeed_runtime(const std::string& file, const std::string& text,
+                                core::RuntimeOptions runtime_options,
+                                std::vector<std::string>& warnings) {
+  std::error_code ec;
+  const std::filesystem::path path(file);
+  const auto base_dir =
+      std::filesystem::absolute(path.has_parent_path() ? path.parent_path() : ".", ec);
+  return pipeline::runtime_from_deepspeed(text, file, base_dir, std::move(runtime_options), {},
+                                          &warnings);
+}
+
 int check_config(const CliContext& context, const CheckOptions& options) {
-  auto document = core::ConfigDocument::from_file(options.file);
-  if (!context.log_level && !std::getenv("DUCTILE_LOG_LEVEL")) {
-    if (auto level = document.log_level()) core::init_logging(*level);
+  const std::string text = core::read_user_file(options.file, "configuration file");
+  const bool deepspeed = pipeline::is_json_config(options.file, text);
+  std::optional<core::ConfigDocument> document;
+  if (!deepspeed) {
+    document.emplace(core::ConfigDocument::from_file_text(options.file, text));
+    if (!context.log_level && !std::getenv("DUCTILE_LOG_LEVEL")) {
+      if (auto level = document->log_level()) core::init_logging(*level);
+    }
   }
   // Every error a selected plugin can know from its parameters, with its position.
   auto runtime_options = context.runtime_options();
@@ -30,9 +52,12 @@ int check_config(const CliContext& context, const CheckOptions& options) {
   runtime_options.config_dirs_note =
       "named by the file's [plugins] path; `ductile config check` loads no plugin from there "
       "unless given --allow-config-plugins";
-  auto runtime = core::Runtime::from_document(document, runtime_options);
+  std::vector<std::string> warnings;
+  auto runtime = deepspeed ? deepspeed_runtime(options.file, text, runtime_options, warnings)
+                           : core::Runtime::from_document(*document, runtime_options);
   const auto& config = runtime.config();
-  std::cout << fmt::format("{}: valid\n", options.file);
+  std::cout << fmt::format("{}: valid{}\n", options.file, deepspeed ? " (DeepSpeed JSON)" : "");
+  for (const auto& w : warnings) std::cout << fmt::format("  warning: {}\n", w);
   for (const auto& skipped : runtime.registry().skipped())
     std::cout << fmt::format("  not searched: '{}' ({})\n", skipped.directory.string(),
                              skipped.reason);
@@ -57,7 +82,11 @@ void register_config_command(CLI::App& app, CliContext& context) {
       "check",
       "Validate a configuration file against the schemas of the plugins it selects "
       "(exit 0 if valid, 2 with every error otherwise)");
-  check->add_option("FILE", options->file, "TOML configuration file")->required();
+  check
+      ->add_option("FILE", options->file,
+                   "ductile TOML configuration, or a DeepSpeed JSON config (chosen by "
+                   "extension, else by content)")
+      ->required();
   check->add_flag("--allow-config-plugins", options->allow_config_plugins,
                   "Search the directories of the file's [plugins] path too, running the code of "
                   "the plugins found there (off: a file is checked without running code it "

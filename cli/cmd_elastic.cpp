@@ -31,7 +31,7 @@ pipeline::LoadedElasticity load(const CliContext& context, const std::string& fi
   // Checks the file (regular, within the cap) and tells JSON from TOML.
   const std::string text = core::read_user_file(file, "configuration file");
   if (pipeline::is_json_config(file, text))
-    return pipeline::load_elasticity(file, context.runtime_options());
+    return pipeline::load_elasticity(file, text, context.runtime_options());
   return pipeline::elasticity_from_runtime(
       context.load_runtime(core::ConfigDocument::from_file_text(file, text)));
 }
@@ -48,26 +48,10 @@ std::string list_text(const std::vector<std::int64_t>& v) {
   return out + "]";
 }
 
-template <class T>
-nlohmann::json optional_json(const std::optional<T>& v) {
-  return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
-}
-
 void print_json(const pipeline::LoadedElasticity& loaded, const ElasticityResult& r) {
-  nlohmann::json j;
+  nlohmann::json j = pipeline::to_json(r);
   j["policy"] = loaded.source.policy;
   j["source"] = loaded.source.origin;
-  j["final_batch_size"] = r.final_batch_size;
-  j["valid_gpus"] = r.valid_gpus;
-  j["valid_dp_sizes"] = r.valid_dp_sizes;
-  j["micro_batch_size"] = optional_json(r.micro_batch_size);
-  j["gradient_accumulation_steps"] = optional_json(r.gradient_accumulation_steps);
-  j["world_size"] = optional_json(r.world_size);
-  j["data_parallel_size"] = optional_json(r.data_parallel_size);
-  j["model_parallel_size"] = r.model_parallel_size;
-  j["num_gpus_per_node"] = r.num_gpus_per_node;
-  j["fallback"] = r.fallback;
-  j["warnings"] = r.warnings;
   std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;
 }
 

@@ -20,18 +20,29 @@ namespace ductile::accel {
 namespace {
 
 constexpr ParamSpec kSchema[] = {
-    {"communicator", ParamType::string, 0, "\"auto\"", 0, 0, kCommunicatorModes,
-     "World communicator: \"mpi\" (Open MPI), \"local\" (single process, no MPI), \"host\" "
-     "(the embedding program's, e.g. torch.distributed's process group) or \"auto\" (the "
-     "host's when it offers one, else MPI when started by a launcher such as mpirun or when MPI "
-     "is already initialised)"},
-    {"timeout", ParamType::floating, param_has_min, "600", 0, 0, nullptr,
-     "Seconds a collective (and MPI_Finalize at exit) may take before it fails with a "
-     "communication error, so that a dead peer ends the job instead of hanging it; 0 waits "
-     "forever"},
-    {"exchange_max_ranks", ParamType::integer, param_has_min, "32", 0, 0, nullptr,
-     "Up to this many ranks all_gather is a point-to-point exchange (as fast as the blocking "
-     "MPI_Allgather); with more, MPI_Iallgather; 0 always uses MPI_Iallgather"},
+    {.key = "communicator",
+     .type = ParamType::string,
+     .default_value = "\"auto\"",
+     .allowed_values = kCommunicatorModes,
+     .doc = "World communicator: \"mpi\" (Open MPI), \"local\" (single process, no MPI), \"host\" "
+            "(the embedding program's, e.g. torch.distributed's process group) or \"auto\" (the "
+            "host's when it offers one, else MPI when started by a launcher such as mpirun or when "
+            "MPI "
+            "is already initialised)"},
+    {.key = "timeout",
+     .type = ParamType::floating,
+     .flags = param_has_min,
+     .default_value = "600",
+     .doc = "Seconds a collective (and MPI_Finalize at exit) may take before it fails with a "
+            "communication error, so that a dead peer ends the job instead of hanging it; 0 waits "
+            "forever"},
+    {.key = "exchange_max_ranks",
+     .type = ParamType::integer,
+     .flags = param_has_min,
+     .default_value = "32",
+     .doc =
+         "Up to this many ranks all_gather is a point-to-point exchange (as fast as the blocking "
+         "MPI_Allgather); with more, MPI_Iallgather; 0 always uses MPI_Iallgather"},
 };
 
 constexpr std::size_t kAlignment = 64;

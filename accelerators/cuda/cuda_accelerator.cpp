@@ -21,15 +21,26 @@ namespace ductile::accel {
 namespace {
 
 constexpr ParamSpec kSchema[] = {
-    {"device", ParamType::integer, param_has_min, "-1", -1, 0, nullptr,
-     "CUDA device ordinal; -1 picks the launcher's local rank modulo the number of devices"},
-    {"communicator", ParamType::string, 0, "\"auto\"", 0, 0, kCommunicatorModes,
-     "How ranks are found for the NCCL bootstrap: \"mpi\", \"local\" (one process) or \"auto\"; "
-     "\"host\" (or \"auto\" when the embedding program offers one): the host's communicator "
-     "(e.g. torch.distributed's NCCL process group) carries the collectives instead"},
-    {"timeout", ParamType::floating, param_has_min, "600", 0, 0, nullptr,
-     "Seconds a collective may take in wait() before the NCCL communicator is aborted and a "
-     "communication error thrown; 0 waits forever"},
+    {.key = "device",
+     .type = ParamType::integer,
+     .flags = param_has_min,
+     .default_value = "-1",
+     .min_value = -1,
+     .doc = "CUDA device ordinal; -1 picks the launcher's local rank modulo the number of devices"},
+    {.key = "communicator",
+     .type = ParamType::string,
+     .default_value = "\"auto\"",
+     .allowed_values = kCommunicatorModes,
+     .doc = "How ranks are found for the NCCL bootstrap: \"mpi\", \"local\" (one process) or "
+            "\"auto\"; "
+            "\"host\" (or \"auto\" when the embedding program offers one): the host's communicator "
+            "(e.g. torch.distributed's NCCL process group) carries the collectives instead"},
+    {.key = "timeout",
+     .type = ParamType::floating,
+     .flags = param_has_min,
+     .default_value = "600",
+     .doc = "Seconds a collective may take in wait() before the NCCL communicator is aborted and a "
+            "communication error thrown; 0 waits forever"},
 };
 
 std::string cuda_message(cudaError_t error) {

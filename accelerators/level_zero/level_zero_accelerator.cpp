@@ -28,13 +28,26 @@ namespace ductile::accel {
 namespace {
 
 constexpr ParamSpec kSchema[] = {
-    {"device", ParamType::integer, param_has_min, "-1", -1, 0, nullptr,
-     "Device index within the first GPU driver; -1 picks the launcher's local rank modulo the "
-     "number of devices"},
-    {"communicator", ParamType::string, 0, "\"auto\"", 0, 0, kCommunicatorModes,
-     "Host communicator for the staged collectives: \"mpi\", \"local\" (one process) or \"auto\""},
-    {"timeout", ParamType::floating, param_has_min, "600", 0, 0, nullptr,
-     "Seconds a collective may take before it fails with a communication error; 0 waits forever"},
+    {.key = "device",
+     .type = ParamType::integer,
+     .flags = param_has_min,
+     .default_value = "-1",
+     .min_value = -1,
+     .doc =
+         "Device index within the first GPU driver; -1 picks the launcher's local rank modulo the "
+         "number of devices"},
+    {.key = "communicator",
+     .type = ParamType::string,
+     .default_value = "\"auto\"",
+     .allowed_values = kCommunicatorModes,
+     .doc = "Host communicator for the staged collectives: \"mpi\", \"local\" (one process) or "
+            "\"auto\""},
+    {.key = "timeout",
+     .type = ParamType::floating,
+     .flags = param_has_min,
+     .default_value = "600",
+     .doc = "Seconds a collective may take before it fails with a communication error; 0 waits "
+            "forever"},
 };
 
 const char* result_name(ze_result_t result) {

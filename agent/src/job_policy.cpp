@@ -97,16 +97,10 @@ std::string JobPolicy::scheduler_config_json() const {
     block["version"] = 0.2;
   else
     block["policy"] = f.policy;
-  if (f.max_train_batch_size) block["max_train_batch_size"] = *f.max_train_batch_size;
-  if (f.micro_batch_sizes) block["micro_batch_sizes"] = *f.micro_batch_sizes;
-  block["min_gpus"] = f.min_gpus;
-  block["max_gpus"] = f.max_gpus;
-  block["num_gpus_per_node"] = f.num_gpus_per_node;
-  block["model_parallel_size"] = f.model_parallel_size;
-  block["prefer_larger_batch"] = f.prefer_larger_batch;
-  const auto& values = loaded.effective_params.values();
-  if (values.find("min_time") != values.end())
-    block["min_time"] = loaded.effective_params.get_int_or("min_time", 0);
+  // Every parameter of the policy, as its schema names it: DeepSpeed reads
+  // its own keys and ignores the others.
+  for (const auto& [key, value] : f.params.values())
+    if (key != "enabled") std::visit([&, &key = key](const auto& v) { block[key] = v; }, value);
   // The bare block: DeepSpeed's ensure_immutable_elastic_config() reads the
   // variable with ElasticityConfig(json.loads(...)), which takes the block
   // itself (a wrapping {"elasticity": ...} would read as all defaults).

@@ -8,6 +8,8 @@
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
+#include "ductile/pipeline/json.hpp"
+
 namespace ductile::agent {
 namespace {
 
@@ -25,27 +27,6 @@ std::string quoted(const json& value) {
   return excerpt(dump(value), 80);
 }
 
-bool too_deep(const std::string& text) {
-  std::size_t depth = 0;
-  bool in_string = false;
-  for (std::size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    if (in_string) {
-      if (c == '\\')
-        ++i;
-      else if (c == '"')
-        in_string = false;
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      if (++depth > kMaxDepth) return true;
-    } else if ((c == ']' || c == '}') && depth > 0) {
-      --depth;
-    }
-  }
-  return false;
-}
-
 // Reads one record's fields, naming the record in every error.
 class Reader {
  public:
@@ -53,7 +34,8 @@ class Reader {
       : what_(what) {
     if (text.size() > limit)
       fail(fmt::format("{} bytes, more than the {} an agent writes", text.size(), limit));
-    if (too_deep(text)) fail(fmt::format("nested deeper than {} levels", kMaxDepth));
+    if (pipeline::json_depth_exceeded_at(text, kMaxDepth) != std::string_view::npos)
+      fail(fmt::format("nested deeper than {} levels", kMaxDepth));
     // A key twice in one object: nlohmann keeps the last, so that two
     // readers (or an agent and etcdctl) could see different records.
     std::vector<std::set<std::string>> objects;

@@ -171,6 +171,31 @@ ConfigDocument ConfigDocument::from_string(std::string_view text, std::string_vi
   return doc;
 }
 
+ConfigDocument ConfigDocument::from_entries(std::vector<ConfigEntry> entries,
+                                            std::string_view source_name,
+                                            const fs::path& base_dir) {
+  ConfigDocument doc;
+  doc.impl_->source_name = std::string(source_name);
+  doc.impl_->base_dir = base_dir.empty() ? fs::current_path() : base_dir;
+  doc.impl_->entries = std::move(entries);
+  return doc;
+}
+
+ConfigDocument ConfigDocument::section_document(std::string_view name, bool top_level_keys) const {
+  ConfigDocument doc;
+  doc.impl_->source_name = impl_->source_name;
+  doc.impl_->base_dir = impl_->base_dir;
+  if (const toml::node* section = impl_->root.get(name)) {
+    doc.impl_->root.insert(name, *section);
+  } else if (top_level_keys) {
+    toml::table keys;
+    for (auto&& [key, node] : impl_->root)
+      if (!node.is_table()) keys.insert(key, node);
+    doc.impl_->root.insert(name, std::move(keys));
+  }
+  return doc;
+}
+
 std::optional<std::string> ConfigDocument::log_level() const {
   if (auto level = impl_->root["log"]["level"].value<std::string>()) return level;
   return std::nullopt;

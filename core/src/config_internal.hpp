@@ -15,6 +15,9 @@ struct ConfigDocument::Impl {
   std::string source_name;
   std::filesystem::path base_dir;
   toml::table root;
+  // A document read from another format (from_entries): its sections, in
+  // the order given; `root` is then empty.
+  std::vector<ConfigEntry> entries;
 };
 
 SourcePosition position_of(const std::string& file, const toml::source_region& region);

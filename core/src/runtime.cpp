@@ -12,7 +12,8 @@ namespace ductile::core {
 
 struct Runtime::State {
   std::shared_ptr<spdlog::logger> logger;
-  std::unique_ptr<PluginRegistry> registry;
+  // Shared by the runtimes made with with_config: the plugins are found once.
+  std::shared_ptr<PluginRegistry> registry;
   std::unique_ptr<Config> config;
   std::recursive_mutex mutex;
   std::map<PluginKind, std::shared_ptr<Plugin>> instances;
@@ -186,10 +187,19 @@ Runtime Runtime::from_document(const ConfigDocument& document, RuntimeOptions op
         registry_options.unsearched.push_back({d, options.config_dirs_note});
     }
   }
-  state->registry = std::make_unique<PluginRegistry>(std::move(search_path), state->logger,
+  state->registry = std::make_shared<PluginRegistry>(std::move(search_path), state->logger,
                                                      std::move(registry_options));
   state->config =
       std::make_unique<Config>(Config::validate(document, *state->registry, options.plugin_checks));
+  return Runtime(std::move(state));
+}
+
+Runtime Runtime::with_config(const ConfigDocument& document, bool plugin_checks) const {
+  auto state = std::make_unique<State>();
+  state->logger = state_->logger;
+  state->registry = state_->registry;
+  state->config =
+      std::make_unique<Config>(Config::validate(document, *state->registry, plugin_checks));
   return Runtime(std::move(state));
 }
 

@@ -18,23 +18,29 @@ constexpr const char* kLogLevels[] = {"trace", "debug",    "info", "warn",
 
 std::vector<SectionSpec> make_specs() {
   std::vector<SectionSpec> specs;
-  specs.push_back({"plugins",
-                   std::nullopt,
-                   "",
-                   "",
-                   {{"path", ParamType::string_list, 0, nullptr, 0, 0, nullptr,
-                     "Plugin directories searched first, relative to the config file"},
-                    {"override_builtin", ParamType::string_list, 0, nullptr, 0, 0, nullptr,
-                     "Built-in plugins (\"kind/name\") that a plugin of the same kind and name "
-                     "found on the search path replaces; without this, the built-in one is used"}},
-                   "where to find plugins",
-                   std::nullopt});
+  specs.push_back(
+      {"plugins",
+       std::nullopt,
+       "",
+       "",
+       {{.key = "path",
+         .type = ParamType::string_list,
+         .doc = "Plugin directories searched first, relative to the config file"},
+        {.key = "override_builtin",
+         .type = ParamType::string_list,
+         .doc = "Built-in plugins (\"kind/name\") that a plugin of the same kind and name "
+                "found on the search path replaces; without this, the built-in one is used"}},
+       "where to find plugins",
+       std::nullopt});
   specs.push_back({"log",
                    std::nullopt,
                    "",
                    "",
-                   {{"level", ParamType::string, 0, "\"info\"", 0, 0, kLogLevels,
-                     "Log level (overridden by --log-level and DUCTILE_LOG_LEVEL)"}},
+                   {{.key = "level",
+                     .type = ParamType::string,
+                     .default_value = "\"info\"",
+                     .allowed_values = kLogLevels,
+                     .doc = "Log level (overridden by --log-level and DUCTILE_LOG_LEVEL)"}},
                    "logging",
                    std::nullopt});
   specs.push_back(

@@ -3,8 +3,6 @@
 // lengths file, [lr]'s base schedule and DeepSpeed's `version = 0.1` naming
 // the [elasticity] policy. The core validates these keys like any other and
 // holds none of their words.
-#include <cstdlib>
-
 #include <fmt/format.h>
 
 #include "ductile/core/config.hpp"
@@ -19,8 +17,8 @@ namespace {
 std::string policy_for_version_key(std::string_view text,
                                    const std::optional<std::string>& selected) {
   const std::string value(text);
-  const std::string policy = policy_for_elasticity_version(std::strtod(value.c_str(), nullptr),
-                                                           value, "[elasticity] version");
+  const std::string policy =
+      policy_for_elasticity_version(value, core::excerpt(value), "[elasticity] version");
   // A file may keep DeepSpeed's version while naming a policy of its own;
   // naming another of the versions' policies is a contradiction.
   if (selected && *selected != policy && selected->starts_with("v"))
@@ -31,30 +29,75 @@ std::string policy_for_version_key(std::string_view text,
   return selected ? *selected : policy;
 }
 
+constexpr const char* kOffloadDevices[] = {"none", "cpu", nullptr};
+
 bool register_sections() {
   core::extend_section(
       "batching",
-      {{"lengths", ParamType::string, 0, nullptr, 0, 0, nullptr,
-        "File of per-sample lengths (text, CSV, .npy or DeepSpeed metric prefix), "
-        "relative to the config file"},
-       {"column", ParamType::string, 0, nullptr, 0, 0, nullptr, "CSV column holding the lengths"},
-       {"count_column", ParamType::string, 0, nullptr, 0, 0, nullptr,
-        "CSV column of counts: the file is a histogram (length, count)"},
-       {"format", ParamType::string, 0, "\"auto\"", 0, 0, kLengthFormatNames,
-        "Format of the lengths file (auto: from the extension)"}});
+      {{.key = "lengths",
+        .type = ParamType::string,
+        .doc = "File of per-sample lengths (text, CSV, .npy or DeepSpeed metric prefix), "
+               "relative to the config file"},
+       {.key = "column", .type = ParamType::string, .doc = "CSV column holding the lengths"},
+       {.key = "count_column",
+        .type = ParamType::string,
+        .doc = "CSV column of counts: the file is a histogram (length, count)"},
+       {.key = "format",
+        .type = ParamType::string,
+        .default_value = "\"auto\"",
+        .allowed_values = kLengthFormatNames,
+        .doc = "Format of the lengths file (auto: from the extension)"}});
+  // What the front ends that run ZeRO-3 (ductile.torch.zero3) read beside
+  // the coordinator's keys; DeepSpeed's zero_optimization.offload_optimizer.
   core::extend_section(
-      "lr", {{"base_lr", ParamType::floating, param_has_min, "0.001", 0, 0, nullptr,
-              "Learning rate tuned for base_batch_size (peak of the schedule)"},
-             {"base_batch_size", ParamType::floating, param_has_min, nullptr, 1, 0, nullptr,
-              "Batch size (samples) that base_lr is tuned for"},
-             {"schedule", ParamType::string, 0, "\"constant\"", 0, 0, kLrScheduleNames,
-              "Base schedule: constant, warmup_linear or warmup_cosine"},
-             {"warmup_steps", ParamType::integer, param_has_min, "0", 0, 0, nullptr,
-              "Steps of linear warm-up from min_lr to base_lr"},
-             {"total_steps", ParamType::integer, param_has_min, "0", 0, 0, nullptr,
-              "Step at which the decay reaches min_lr"},
-             {"min_lr", ParamType::floating, param_has_min, "0.0", 0, 0, nullptr,
-              "Learning rate at the start of warm-up and the end of decay"}});
+      "zero",
+      {{.key = "offload_optimizer",
+        .type = ParamType::string,
+        .default_value = "\"none\"",
+        .allowed_values = kOffloadDevices,
+        .doc = "Where the optimizer state and step live: none (the device) or cpu (host memory, "
+               "stepped by cpu_adam)"},
+       {.key = "offload_ratio",
+        .type = ParamType::floating,
+        .flags = param_has_min | param_has_max,
+        .default_value = "1.0",
+        .max_value = 1,
+        .doc = "Share of the optimizer bytes offloaded when offload_optimizer is cpu"},
+       {.key = "offload_pin_memory",
+        .type = ParamType::boolean,
+        .default_value = "true",
+        .doc = "Pinned host buffers for the offloaded state (cuda)"}});
+  core::extend_section("lr",
+                       {{.key = "base_lr",
+                         .type = ParamType::floating,
+                         .flags = param_has_min,
+                         .default_value = "0.001",
+                         .doc = "Learning rate tuned for base_batch_size (peak of the schedule)"},
+                        {.key = "base_batch_size",
+                         .type = ParamType::floating,
+                         .flags = param_has_min,
+                         .min_value = 1,
+                         .doc = "Batch size (samples) that base_lr is tuned for"},
+                        {.key = "schedule",
+                         .type = ParamType::string,
+                         .default_value = "\"constant\"",
+                         .allowed_values = kLrScheduleNames,
+                         .doc = "Base schedule: constant, warmup_linear or warmup_cosine"},
+                        {.key = "warmup_steps",
+                         .type = ParamType::integer,
+                         .flags = param_has_min,
+                         .default_value = "0",
+                         .doc = "Steps of linear warm-up from min_lr to base_lr"},
+                        {.key = "total_steps",
+                         .type = ParamType::integer,
+                         .flags = param_has_min,
+                         .default_value = "0",
+                         .doc = "Step at which the decay reaches min_lr"},
+                        {.key = "min_lr",
+                         .type = ParamType::floating,
+                         .flags = param_has_min,
+                         .default_value = "0.0",
+                         .doc = "Learning rate at the start of warm-up and the end of decay"}});
   core::extend_section(
       "elasticity", {},
       core::SelectorAlias{"version", "a number such as 0.1 or 0.2", policy_for_version_key});

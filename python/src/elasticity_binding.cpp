@@ -34,25 +34,9 @@ std::shared_ptr<PolicyHandle> from_runtime(const std::shared_ptr<RuntimeHandle>&
   return std::make_shared<PolicyHandle>(PolicyHandle{runtime, std::move(setup)});
 }
 
-template <class T>
-py::object optional(const std::optional<T>& v) {
-  return v ? py::cast(*v) : py::none();
-}
-
+// The result's one JSON form (pipeline::to_json), as a dict.
 py::dict result_dict(const ElasticityResult& r) {
-  py::dict d;
-  d["final_batch_size"] = r.final_batch_size;
-  d["valid_gpus"] = r.valid_gpus;
-  d["valid_dp_sizes"] = r.valid_dp_sizes;
-  d["model_parallel_size"] = r.model_parallel_size;
-  d["num_gpus_per_node"] = r.num_gpus_per_node;
-  d["world_size"] = optional(r.world_size);
-  d["data_parallel_size"] = optional(r.data_parallel_size);
-  d["micro_batch_size"] = optional(r.micro_batch_size);
-  d["gradient_accumulation_steps"] = optional(r.gradient_accumulation_steps);
-  d["fallback"] = r.fallback;
-  d["warnings"] = r.warnings;
-  return d;
+  return py::module_::import("json").attr("loads")(pipeline::to_json(r).dump());
 }
 
 }  // namespace

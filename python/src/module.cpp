@@ -12,6 +12,7 @@
 #include "ductile/core/logging.hpp"
 #include "ductile/core/registry.hpp"
 #include "ductile/core/text.hpp"
+#include "ductile/pipeline/deepspeed_config.hpp"
 #include "ductile/version.hpp"
 
 namespace ductile::python {
@@ -288,6 +289,27 @@ void register_runtime(py::module_& m) {
           },
           py::arg("text"), py::arg("name") = "<string>", py::arg("plugin_path") = py::none(),
           py::arg("allow_config_plugins") = false)
+      .def_static(
+          "from_deepspeed",
+          [](const std::string& text, const std::string& origin, const py::object& plugin_path,
+             const std::string& base_dir, bool require_elasticity, bool require_zero_stage3,
+             const std::string& accelerator_backend) {
+            auto base = plain_runtime(paths_from(plugin_path));
+            std::vector<std::string> warnings;
+            std::lock_guard lock(base->mutex);
+            auto runtime = pipeline::runtime_from_deepspeed(
+                base->runtime, text, origin, base_dir, /*plugin_checks=*/false,
+                {.require_elasticity = require_elasticity,
+                 .require_zero_stage3 = require_zero_stage3,
+                 .accelerator_backend = accelerator_backend},
+                &warnings);
+            return py::make_tuple(std::make_shared<RuntimeHandle>(std::move(runtime)), warnings);
+          },
+          py::arg("text"), py::arg("origin"), py::arg("plugin_path") = py::none(),
+          py::arg("base_dir") = "", py::arg("require_elasticity") = false,
+          py::arg("require_zero_stage3") = false, py::arg("accelerator_backend") = "",
+          "A DeepSpeed JSON config mapped onto ductile's sections and validated "
+          "(pipeline::runtime_from_deepspeed): (runtime, warnings).")
       .def_static(
           "plain",
           [](const py::object& plugin_path) { return plain_runtime(paths_from(plugin_path)); },

@@ -11,14 +11,10 @@ namespace {
 
 // clang-format off
 constexpr ductile::ParamSpec kSchema[] = {
-    {"max_train_batch_size", ductile::ParamType::integer, ductile::param_required, nullptr, 1, 0,
-     nullptr, "Largest acceptable global batch size"},
-    {"micro_batch_size", ductile::ParamType::integer, ductile::param_has_min, "1", 1, 0, nullptr,
-     "Micro batch size per GPU"},
-    {"min_gpus", ductile::ParamType::integer, ductile::param_has_min, "1", 1, 0, nullptr,
-     "Fewest GPUs"},
-    {"max_gpus", ductile::ParamType::integer, ductile::param_has_min, "1024", 1, 0, nullptr,
-     "Most GPUs"},
+    {.key = "max_train_batch_size", .type = ductile::ParamType::integer, .flags = ductile::param_required, .min_value = 1, .doc = "Largest acceptable global batch size"},
+    {.key = "micro_batch_size", .type = ductile::ParamType::integer, .flags = ductile::param_has_min, .default_value = "1", .min_value = 1, .doc = "Micro batch size per GPU"},
+    {.key = "min_gpus", .type = ductile::ParamType::integer, .flags = ductile::param_has_min, .default_value = "1", .min_value = 1, .doc = "Fewest GPUs"},
+    {.key = "max_gpus", .type = ductile::ParamType::integer, .flags = ductile::param_has_min, .default_value = "1024", .min_value = 1, .doc = "Most GPUs"},
 };
 // clang-format on
 

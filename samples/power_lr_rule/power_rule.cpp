@@ -24,8 +24,12 @@ class PowerRule final : public ductile::LrScalingRule {
 };
 
 constexpr ductile::ParamSpec kSchema[] = {
-    {"exponent", ductile::ParamType::floating, ductile::param_has_min | ductile::param_has_max,
-     "0.5", 0.0, 2.0, nullptr, "p in lr x (batch / base_batch)^p"},
+    {.key = "exponent",
+     .type = ductile::ParamType::floating,
+     .flags = ductile::param_has_min | ductile::param_has_max,
+     .default_value = "0.5",
+     .max_value = 2.0,
+     .doc = "p in lr x (batch / base_batch)^p"},
 };
 
 }  // namespace

@@ -41,8 +41,11 @@ function(ductile_add_plugin)
     CXX_STANDARD_REQUIRED ON)
   # In the ductile tree a plugin needs no run path: what it links is the
   # system's (or the accelerators' common library, which sets its own).
+  # Front ends that need every built-in plugin built (the Python package)
+  # find them here rather than in a list of names.
   if(PROJECT_NAME STREQUAL "ductile")
     set_target_properties(${_target} PROPERTIES INSTALL_RPATH "")
+    set_property(GLOBAL APPEND PROPERTY DUCTILE_BUILTIN_PLUGIN_TARGETS ${_target})
   endif()
   if(DUCTILE_PLUGIN_OUTPUT_DIR)
     set_target_properties(${_target} PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${DUCTILE_PLUGIN_OUTPUT_DIR})

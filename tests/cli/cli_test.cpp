@@ -230,6 +230,47 @@ TEST_CASE("config check runs the plugins' own checks, at the key they name or th
                 o.err);
 }
 
+TEST_CASE("config check reads a DeepSpeed JSON config through the one mapping, naming its keys") {
+  TempDir dir;
+  // Every value a run would refuse, each named by the user's file and key.
+  auto bad = dir.write("ds_config.json", R"({
+    "train_batch_size": 8,
+    "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 1.5,
+                          "stage3_max_live_parameters": -1,
+                          "offload_optimizer": {"device": "cpu", "ratio": 2}},
+    "elasticity": {"enabled": true, "max_train_batch_size": 0, "micro_batch_sizes": [2, 4]}
+  })");
+  auto r = cli({"config", "check", bad.string()});
+  CHECK(r.exit_code == 2);
+  for (const char* expected :
+       {": zero_optimization.stage3_max_live_parameters = -1 is out of range",
+        ": zero_optimization.offload_optimizer.ratio = 2 is out of range",
+        ": elasticity.max_train_batch_size = 0 is out of range"})
+    CHECK_MESSAGE(contains(r.err, bad.string() + expected), r.err);
+  // The coordinator's own check (a whole number of elements), at the user's key.
+  auto half = dir.write("half.json", R"({"zero_optimization": {"stage": 3,
+      "stage3_prefetch_bucket_size": 1.5}})");
+  auto h = cli({"config", "check", half.string()});
+  CHECK(h.exit_code == 2);
+  CHECK_MESSAGE(contains(h.err, half.string() + ": zero_optimization.stage3_prefetch_bucket_size: "
+                                                 "[zero] prefetch_bucket_size = 1.5: expected a "
+                                                 "whole number of elements"),
+                h.err);
+  // A valid one: its sections as ductile reads them, and what is not acted on.
+  auto ok = dir.write("ok.json", R"({"zero_optimization": {"stage": 3,
+      "stage3_prefetch_bucket_size": 5e7, "stage3_max_live_parameters": "auto",
+      "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
+      "elasticity": {"enabled": true, "max_train_batch_size": 100, "micro_batch_sizes": [2]}})");
+  auto o = cli({"config", "check", ok.string()});
+  CHECK_MESSAGE(o.exit_code == 0, o.err);
+  CHECK(contains(o.out, "valid (DeepSpeed JSON)"));
+  CHECK(contains(o.out, "[zero] zero plugin 'partitioned'"));
+  CHECK(contains(o.out, "prefetch_bucket_size = 50000000"));
+  CHECK(contains(o.out, "offload_optimizer = \"cpu\""));
+  CHECK(contains(o.out, "[elasticity] elasticity plugin 'v0.2'"));
+  CHECK(contains(o.out, "zero_optimization.offload_param.device is accepted but ignored"));
+}
+
 TEST_CASE("deep nesting and huge values in TOML are refused cleanly, quoted in excerpts") {
   TempDir dir;
   const int n = 100000;

@@ -170,11 +170,25 @@ def test_deepspeeds_offload_keys_are_honoured_or_warned_about():
     assert any("offload_param.device is accepted but ignored" in m for m in shown)
     assert any("offload_param.max_in_cpu is accepted but ignored" in m for m in shown)
     with pytest.raises(ductile.ConfigError,
-                       match=r"offload_optimizer.device = 'gpu'; valid: \"cpu\", \"nvme\""):
+                       match=r'offload_optimizer.device = "gpu"; valid: "cpu", "nvme"'):
         _config.resolve(deepspeed(offload_optimizer={"device": "gpu"}), None, None, None)
-    with pytest.raises(ductile.ConfigError, match=r"offload_optimizer.ratio = 2; valid"):
+    with pytest.raises(ductile.ConfigError, match=r"offload_optimizer.ratio = 2 is out of range"):
         _config.resolve(deepspeed(offload_optimizer={"device": "cpu", "ratio": 2}), None, None,
                         None)
+
+
+def test_the_zero_sections_offload_keys_read_as_deepspeeds():
+    from ductile.torch.zero3 import _config
+    toml = '[accelerator]\nbackend = "cpu"\n[zero]\n'
+    settings = _config.resolve(toml + 'offload_optimizer = "cpu"\noffload_ratio = 0.25\n'
+                               'offload_pin_memory = false\n', None, None, None)
+    assert settings.offload.optimizer and not settings.offload.pin
+    assert settings.offload.ratio == 0.25
+    assert not _config.resolve(toml, None, None, None).offload.optimizer
+    with pytest.raises(ductile.ConfigError,
+                       match=r'\[zero\] offload_optimizer = "gpu" is not allowed; valid values: '
+                             r'none, cpu'):
+        _config.resolve(toml + 'offload_optimizer = "gpu"\n', None, None, None)
 
 
 def test_a_deepspeed_config_offloads_and_builds_its_optimizer():

@@ -8,12 +8,11 @@
 #include <nlohmann/json.hpp>
 
 #include "ductile/core/runtime.hpp"
-#include "json/bounded_json.hpp"
+#include "ductile/pipeline/json.hpp"
 
 namespace ductile::pipeline {
 namespace {
 
-using detail::json_excerpt;
 using nlohmann::json;
 
 struct Reader {
@@ -64,7 +63,7 @@ DeepSpeedBatching parse_deepspeed_batching(std::string_view text, std::string_vi
                                            const std::filesystem::path& base_dir,
                                            const core::PluginRegistry& registry) {
   Reader r{std::string(source)};
-  const json root = detail::parse_bounded_json(text, source, "not valid JSON", ErrorKind::config);
+  const json root = parse_bounded_json(text, source, "not valid JSON", ErrorKind::config);
   if (!root.is_object()) throw r.fail("(top level)", "a DeepSpeed config must be a JSON object");
   DeepSpeedBatching out;
   const json* efficiency = r.child(root, "data_efficiency", "data_efficiency");
@@ -177,10 +176,10 @@ DeepSpeedBatching parse_deepspeed_batching(std::string_view text, std::string_vi
             fmt::format("rule '{}' has no such parameter; valid: {}", out.lr_rule,
                         valid.empty() ? "(none)" : fmt::format("{}", fmt::join(valid, ", "))));
       }
-      auto converted = detail::json_to_param(value, spec->type);
+      auto converted = json_to_param(value, spec->type);
       if (!converted)
         throw r.fail(key + "." + name, fmt::format("{} is not {}", json_excerpt(value),
-                                                   detail::param_type_expectation(spec->type)));
+                                                   param_type_expectation(spec->type)));
       out.lr_params.set(name, std::move(*converted));
     }
     // Ranges and the rule's own checks: the same ones as a TOML [lr] section.

@@ -8,7 +8,7 @@
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
-#include "json/bounded_json.hpp"
+#include "ductile/pipeline/json.hpp"
 
 namespace ductile::pipeline {
 namespace {
@@ -117,8 +117,8 @@ std::string VariableBatchLrSchedule::save_state() const {
 
 void VariableBatchLrSchedule::load_state(std::string_view text) {
   // A checkpoint is user input: depth-bounded before it is parsed.
-  nlohmann::json j = detail::parse_bounded_json(text, "lr schedule state", "not valid JSON",
-                                                ErrorKind::invalid_argument);
+  nlohmann::json j =
+      parse_bounded_json(text, "lr schedule state", "not valid JSON", ErrorKind::invalid_argument);
   try {
     if (j.at("format") != "ductile.variable_batch_lr" || j.at("version") != 1)
       throw bad("lr schedule state: not a ductile.variable_batch_lr version 1 document");

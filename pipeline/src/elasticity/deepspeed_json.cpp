@@ -3,25 +3,23 @@
 // schema. See ductile/pipeline/elasticity.hpp.
 #include <algorithm>
 #include <cctype>
+#include <charconv>
 #include <cmath>
-#include <cstdlib>
 
 #include <fmt/format.h>
-#include <toml++/toml.h>
 #include <nlohmann/json.hpp>
 
 #include "ductile/core/config.hpp"
 #include "ductile/core/text.hpp"
 #include "ductile/pipeline/elasticity.hpp"
+#include "ductile/pipeline/json.hpp"
 #include "elasticity/elasticity_internal.hpp"
-#include "json/bounded_json.hpp"
 
 namespace ductile::pipeline {
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 using detail::elasticity_config_error;
-using detail::json_excerpt;
 
 namespace detail {
 
@@ -63,27 +61,16 @@ bool looks_like_block(const json& object) {
 // The policy named by a block's `version` (DeepSpeed's default: the latest)
 // and `policy` keys.
 std::string policy_of_block(const json& block, std::string_view origin) {
-  std::string by_version;
+  std::string by_version = "v0.2";
   if (auto it = block.find("version"); it != block.end()) {
-    double version;
-    if (it->is_number() && !it->is_boolean()) {
-      version = it->get<double>();
-    } else if (it->is_string()) {
-      const std::string& text = it->get_ref<const std::string&>();
-      char* end = nullptr;
-      version = std::strtod(text.c_str(), &end);
-      if (text.empty() || *end != '\0')
-        elasticity_config_error(
-            fmt::format("{}: elasticity version must be a number such as 0.1 or 0.2, got {}",
-                        origin, json_excerpt(*it)));
-    } else {
+    // A number as JSON writes it, or a string holding one.
+    const bool number = it->is_number() && !it->is_boolean();
+    if (!number && !it->is_string())
       elasticity_config_error(
           fmt::format("{}: elasticity version must be a number such as 0.1 or 0.2, got {}", origin,
                       json_excerpt(*it)));
-    }
-    by_version = policy_for_elasticity_version(version, json_excerpt(*it), origin);
-  } else {
-    by_version = "v0.2";
+    by_version = policy_for_elasticity_version(
+        number ? it->dump() : it->get_ref<const std::string&>(), json_excerpt(*it), origin);
   }
   auto it = block.find("policy");
   if (it == block.end()) return by_version;
@@ -111,14 +98,14 @@ std::string policy_of_block(const json& block, std::string_view origin) {
           fmt::format("{}: elasticity expected the value of {} to be a list of {}, instead got: {}",
                       origin, key, what, json_excerpt(value)));
     for (const auto& element : value)
-      if (!detail::json_to_param(element, ParamType::integer) || !element.is_number_integer())
+      if (!json_to_param(element, ParamType::integer) || !element.is_number_integer())
         elasticity_config_error(
             fmt::format("{}: elasticity expected {} to only contain positive integers, instead "
                         "contains: {} (element {})",
                         origin, key, json_excerpt(value), json_excerpt(element)));
   }
   elasticity_config_error(fmt::format("{}: elasticity {} must be {}, got {}", origin, key,
-                                      detail::param_type_expectation(type), json_excerpt(value)));
+                                      param_type_expectation(type), json_excerpt(value)));
 }
 
 // A dropped key: the policy has no such parameter.
@@ -131,8 +118,15 @@ std::string unused_key_warning(std::string_view origin, const std::string& polic
 
 }  // namespace
 
-std::string policy_for_elasticity_version(double version, std::string_view shown,
+std::string policy_for_elasticity_version(std::string_view written, std::string_view shown,
                                           std::string_view origin) {
+  // The one parse of a version, whatever wrote it: the whole text is a
+  // number, or it is refused.
+  double version = 0;
+  const auto [end, ec] = std::from_chars(written.data(), written.data() + written.size(), version);
+  if (written.empty() || ec != std::errc() || end != written.data() + written.size())
+    elasticity_config_error(fmt::format(
+        "{}: elasticity version must be a number such as 0.1 or 0.2, got {}", origin, shown));
   if (std::isnan(version))
     elasticity_config_error(
         fmt::format("{}: elasticity version {} is not a number", origin, shown));
@@ -149,18 +143,6 @@ std::string policy_for_elasticity_version(double version, std::string_view shown
       fmt::format("{}: unknown elasticity version {}; valid versions: 0.1, 0.2", origin, shown));
 }
 
-bool is_json_config(const fs::path& file, std::string_view content) {
-  std::string ext = file.extension().string();
-  for (auto& c : ext) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  if (ext == ".json") return true;
-  if (ext == ".toml") return false;
-  for (char c : content) {
-    if (std::isspace(static_cast<unsigned char>(c))) continue;
-    return c == '{';
-  }
-  return false;
-}
-
 ElasticitySource elasticity_from_deepspeed_json(std::string_view json_text,
                                                 std::string_view origin) {
   return elasticity_from_deepspeed_json(json_text, origin, detail::default_registry());
@@ -168,11 +150,24 @@ ElasticitySource elasticity_from_deepspeed_json(std::string_view json_text,
 
 ElasticitySource elasticity_from_deepspeed_json(std::string_view json_text, std::string_view origin,
                                                 const core::PluginRegistry& registry) {
-  const json root = detail::parse_bounded_json(json_text, origin, "invalid JSON", ErrorKind::config,
-                                               kElasticityConfigError);
+  const json root = parse_bounded_json(json_text, origin, "invalid JSON", ErrorKind::config,
+                                       kElasticityConfigError);
   if (!root.is_object())
     elasticity_config_error(fmt::format("{}: a DeepSpeed config must be a JSON object, got {}",
                                         origin, json_excerpt(root)));
+  auto source = detail::elasticity_of_deepspeed(root, origin, registry);
+  if (!source)
+    elasticity_config_error(
+        fmt::format("{}: 'elasticity' is missing from config json, please add it if running an "
+                    "elastic training job",
+                    origin));
+  return std::move(*source);
+}
+
+namespace detail {
+
+std::optional<ElasticitySource> elasticity_of_deepspeed(const json& root, std::string_view origin,
+                                                        const core::PluginRegistry& registry) {
   const json* block = nullptr;
   if (auto it = root.find("elasticity"); it != root.end()) {
     if (!it->is_object())
@@ -182,10 +177,7 @@ ElasticitySource elasticity_from_deepspeed_json(std::string_view json_text, std:
   } else if (looks_like_block(root)) {
     block = &root;
   } else {
-    elasticity_config_error(
-        fmt::format("{}: 'elasticity' is missing from config json, please add it if running an "
-                    "elastic training job",
-                    origin));
+    return std::nullopt;
   }
 
   ElasticitySource source;
@@ -204,7 +196,7 @@ ElasticitySource elasticity_from_deepspeed_json(std::string_view json_text, std:
       source.warnings.push_back(unused_key_warning(origin, source.policy, key, info));
       continue;
     }
-    auto value = detail::json_to_param(it.value(), type);
+    auto value = json_to_param(it.value(), type);
     // Counts are integers: true is not one, and neither are list elements
     // such as 2.0 (json_to_param accepts 2.0 for a single integer).
     if (!value) wrong_type(origin, key, type, it.value());
@@ -213,49 +205,7 @@ ElasticitySource elasticity_from_deepspeed_json(std::string_view json_text, std:
   return source;
 }
 
-namespace {
-
-std::optional<ParamValue> toml_to_param(const toml::node& node, ParamType type) {
-  auto list = [&](auto element) -> std::optional<ParamValue> {
-    const auto* array = node.as_array();
-    if (!array) return std::nullopt;
-    std::vector<typename decltype(element)::value_type> out;
-    for (const auto& e : *array) {
-      auto v = e.value_exact<typename decltype(element)::value_type>();
-      if (!v) return std::nullopt;
-      out.push_back(*v);
-    }
-    return ParamValue(std::move(out));
-  };
-  switch (type) {
-    case ParamType::boolean:
-      if (auto v = node.value_exact<bool>()) return ParamValue(*v);
-      return std::nullopt;
-    case ParamType::integer:
-      if (auto v = node.value_exact<std::int64_t>()) return ParamValue(*v);
-      return std::nullopt;
-    case ParamType::floating:
-      if (auto v = node.value<double>(); v && !node.is_boolean()) return ParamValue(*v);
-      return std::nullopt;
-    case ParamType::string:
-      if (auto v = node.value_exact<std::string>()) return ParamValue(*v);
-      return std::nullopt;
-    case ParamType::integer_list:
-      return list(std::vector<std::int64_t>{});
-    case ParamType::float_list:
-      return list(std::vector<double>{});
-    case ParamType::string_list:
-      return list(std::vector<std::string>{});
-  }
-  return std::nullopt;
-}
-
-[[noreturn]] void bad_toml_value(std::string_view origin, const std::string& key,
-                                 const char* what) {
-  elasticity_config_error(fmt::format("{}: [elasticity] {} must be {}", origin, key, what));
-}
-
-}  // namespace
+}  // namespace detail
 
 ElasticitySource elasticity_from_toml_text(std::string_view toml_text, std::string_view origin) {
   return elasticity_from_toml_text(toml_text, origin, detail::default_registry());
@@ -263,51 +213,21 @@ ElasticitySource elasticity_from_toml_text(std::string_view toml_text, std::stri
 
 ElasticitySource elasticity_from_toml_text(std::string_view toml_text, std::string_view origin,
                                            const core::PluginRegistry& registry) {
-  toml::table root;
+  // The core's reader and checks, as for a job's own file: the [elasticity]
+  // table, or top-level keys standing for it.
   try {
-    root = toml::parse(toml_text, origin);
-  } catch (const toml::parse_error& e) {
-    elasticity_config_error(fmt::format("{}:{}:{}: invalid TOML: {}", origin, e.source().begin.line,
-                                        e.source().begin.column, e.description()));
+    const auto document = core::ConfigDocument::from_string(toml_text, origin)
+                              .section_document("elasticity", /*top_level_keys=*/true);
+    const core::Config config = core::Config::validate(document, registry);
+    const core::PluginSection* section = config.section(PluginKind::elasticity);
+    ElasticitySource source;
+    source.origin = std::string(origin);
+    source.policy = section->plugin;
+    source.params = section->params;
+    return source;
+  } catch (const core::ConfigError& e) {
+    elasticity_config_error(e.what());
   }
-  const toml::table* table = &root;
-  if (const auto* node = root.get("elasticity")) {
-    table = node->as_table();
-    if (!table) elasticity_config_error(fmt::format("{}: 'elasticity' must be a table", origin));
-  }
-  ElasticitySource source;
-  source.origin = std::string(origin);
-  std::string from_version;
-  if (const auto* policy = table->get("policy")) {
-    auto s = policy->value_exact<std::string>();
-    if (!s) bad_toml_value(origin, "policy", "a string naming a policy");
-    source.policy = *s;
-  }
-  if (const auto* version = table->get("version")) {
-    std::string text;
-    double v = 0;
-    if (auto f = version->value_exact<double>())
-      v = *f, text = fmt::format("{}", *f);
-    else if (auto s = version->value_exact<std::string>())
-      v = std::strtod(s->c_str(), nullptr), text = *s;
-    else
-      bad_toml_value(origin, "version", "a number such as 0.1 or 0.2");
-    from_version = policy_for_elasticity_version(v, text, origin);
-    if (source.policy.empty()) source.policy = from_version;
-  }
-  // As in DeepSpeed JSON: no version means the latest, 0.2.
-  if (source.policy.empty()) source.policy = "v0.2";
-  const core::PluginInfo& info = registry.find(PluginKind::elasticity, source.policy);
-  for (auto&& [key_node, value] : *table) {
-    const std::string key(key_node.str());
-    if (key == "policy" || key == "version") continue;
-    const ParamSpec* spec = find_spec(info, key);
-    if (!spec) continue;  // not a parameter of the policy: not part of the contract
-    auto converted = toml_to_param(value, spec->type);
-    if (!converted) bad_toml_value(origin, key, detail::param_type_expectation(spec->type));
-    source.params.set(key, std::move(*converted));
-  }
-  return source;
 }
 
 }  // namespace ductile::pipeline

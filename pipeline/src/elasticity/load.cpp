@@ -1,13 +1,12 @@
 // Loading an elasticity policy from a TOML or DeepSpeed JSON file, or from a
 // runtime. See ductile/pipeline/elasticity.hpp.
-#include <algorithm>
-#include <fstream>
-#include <sstream>
 
 #include <fmt/format.h>
 
 #include "ductile/core/files.hpp"
+#include "ductile/pipeline/deepspeed_config.hpp"
 #include "ductile/pipeline/elasticity.hpp"
+#include "ductile/pipeline/json.hpp"
 #include "elasticity/elasticity_internal.hpp"
 
 namespace ductile::pipeline {
@@ -16,29 +15,27 @@ namespace fs = std::filesystem;
 using core::Runtime;
 using core::RuntimeOptions;
 
+namespace {
+
+const DeepSpeedOptions kElasticityWanted{.require_elasticity = true};
+
+// The policy of a runtime of a DeepSpeed config, said to come from one.
+ElasticityPolicySetup deepspeed_setup(Runtime& runtime, std::vector<std::string> warnings) {
+  auto setup = elasticity_policy_from_runtime(runtime);
+  setup.source.deepspeed_json = true;
+  setup.source.warnings = std::move(warnings);
+  return setup;
+}
+
+}  // namespace
+
 ElasticityPolicySetup elasticity_policy_from_deepspeed_json(Runtime& runtime,
                                                             std::string_view json_text,
                                                             std::string_view origin) {
-  ElasticitySource source = elasticity_from_deepspeed_json(json_text, origin, runtime.registry());
-  const core::PluginInfo& info = runtime.registry().find(PluginKind::elasticity, source.policy);
-  // A policy named by "policy" may not know every DeepSpeed key: keep the
-  // keys of its schema, say which others are dropped, and honour `enabled`.
-  std::vector<std::string> dropped;
-  Params kept = core::schema_params(info, source.params, &dropped);
-  const bool takes_enabled = kept.has("enabled") || !source.params.has("enabled");
-  if (!takes_enabled && !source.params.get_bool("enabled"))
-    detail::elasticity_config_error(
-        fmt::format("{}: elasticity is disabled, please enable it (\"enabled\": true) "
-                    "if running an elastic training job",
-                    source.origin));
-  for (const auto& key : dropped)
-    if (key != "enabled")
-      source.warnings.push_back(fmt::format("{}: policy '{}' has no parameter '{}'; ignored",
-                                            source.origin, source.policy, key));
-  source.params = std::move(kept);
-  Params effective = core::complete_params(info, source.params);
-  auto policy = runtime.create<ElasticityPolicy>(source.policy, source.params);
-  return {std::move(policy), std::move(source), std::move(effective)};
+  std::vector<std::string> warnings;
+  auto mapped =
+      runtime_from_deepspeed(runtime, json_text, origin, {}, false, kElasticityWanted, &warnings);
+  return deepspeed_setup(mapped, std::move(warnings));
 }
 
 ElasticityPolicySetup elasticity_policy_from_runtime(Runtime& runtime) {
@@ -62,13 +59,24 @@ LoadedElasticity elasticity_from_runtime(Runtime runtime) {
 }
 
 LoadedElasticity load_elasticity(const fs::path& file, RuntimeOptions options) {
-  const std::string text = core::read_user_file(file, "configuration file");
+  return load_elasticity(file, core::read_user_file(file, "configuration file"),
+                         std::move(options));
+}
+
+LoadedElasticity load_elasticity(const fs::path& file, std::string_view text,
+                                 RuntimeOptions options) {
   if (!is_json_config(file, text))
-    return elasticity_from_runtime(Runtime::from_file(file, options));
-  auto runtime = Runtime::from_string("", file.string(), std::move(options));
-  auto setup = elasticity_policy_from_deepspeed_json(runtime, text, file.string());
-  for (const auto& w : setup.source.warnings)
+    return elasticity_from_runtime(
+        Runtime::from_document(core::ConfigDocument::from_file_text(file, text), options));
+  std::vector<std::string> warnings;
+  std::error_code ec;
+  const fs::path base_dir =
+      fs::absolute(file.has_parent_path() ? file.parent_path() : fs::path("."), ec);
+  auto runtime = runtime_from_deepspeed(text, file.string(), base_dir, std::move(options),
+                                        kElasticityWanted, &warnings);
+  for (const auto& w : warnings)
     if (runtime.logger()) runtime.logger()->warn("{}", w);
+  auto setup = deepspeed_setup(runtime, std::move(warnings));
   return LoadedElasticity{std::move(runtime), std::move(setup.policy), std::move(setup.source),
                           std::move(setup.effective_params)};
 }

@@ -7,71 +7,48 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "ductile/core/config.hpp"
+#include "ductile/core/runtime.hpp"
 #include "ductile/pipeline/elasticity.hpp"
+#include "ductile/pipeline/json.hpp"
 #include "elasticity/elasticity_internal.hpp"
 
 namespace ductile::pipeline {
 
 ElasticityFingerprint fingerprint_of(const std::string& policy, const Params& params) {
-  ElasticityFingerprint f;
-  f.policy = policy;
-  auto get_int = [&](const char* key, std::int64_t fallback) {
-    const auto& values = params.values();
-    auto it = values.find(key);
-    if (it != values.end())
-      if (auto* i = std::get_if<std::int64_t>(&it->second)) return *i;
-    return fallback;
-  };
-  const auto& values = params.values();
-  if (auto it = values.find("max_train_batch_size"); it != values.end())
-    if (auto* i = std::get_if<std::int64_t>(&it->second)) f.max_train_batch_size = *i;
-  if (auto it = values.find("micro_batch_sizes"); it != values.end())
-    if (auto* l = std::get_if<std::vector<std::int64_t>>(&it->second)) f.micro_batch_sizes = *l;
-  f.min_gpus = get_int("min_gpus", 1);
-  f.max_gpus = get_int("max_gpus", 10000);
-  f.num_gpus_per_node = get_int("num_gpus_per_node", 1);
-  f.model_parallel_size = get_int("model_parallel_size", 1);
-  if (auto it = values.find("prefer_larger_batch"); it != values.end())
-    if (auto* b = std::get_if<bool>(&it->second)) f.prefer_larger_batch = *b;
-  return f;
+  return {policy, params};
 }
 
 namespace {
 
-template <class T>
-std::string show_value(const std::optional<T>& v) {
-  if (!v) return "(not set)";
-  if constexpr (std::is_same_v<T, std::vector<std::int64_t>>)
-    return fmt::format("[{}]", fmt::join(*v, ", "));
-  else
-    return fmt::format("{}", *v);
+std::string shown(const Params& params, const std::string& key) {
+  const auto& values = params.values();
+  auto it = values.find(key);
+  return it == values.end() ? "(not set)" : core::format_param_value(it->second);
 }
 
-std::vector<std::string> differences(const ElasticityFingerprint& scheduler,
+// Every key of the policy's schema that changes its plan (the keys it marks
+// param_local aside), compared: the policy's schema says what they are, so a
+// new policy needs no word here.
+std::vector<std::string> differences(const core::PluginInfo& info,
+                                     const ElasticityFingerprint& scheduler,
                                      const ElasticityFingerprint& runtime) {
   std::vector<std::string> out;
-  auto compare = [&](const char* field, auto a, auto b) {
-    if (a != b)
-      out.push_back(
-          fmt::format("'{}={}' seen by the resource scheduler does not match '{}={}' "
-                      "passed to the runtime",
-                      field, show_value(std::optional(a)), field, show_value(std::optional(b))));
+  auto differ = [&](const std::string& field, const std::string& a, const std::string& b) {
+    out.push_back(
+        fmt::format("'{}={}' seen by the resource scheduler does not match '{}={}' "
+                    "passed to the runtime",
+                    field, a, field, b));
   };
-  auto compare_opt = [&](const char* field, const auto& a, const auto& b) {
-    if (a != b)
-      out.push_back(
-          fmt::format("'{}={}' seen by the resource scheduler does not match '{}={}' "
-                      "passed to the runtime",
-                      field, show_value(a), field, show_value(b)));
-  };
-  compare("policy", scheduler.policy, runtime.policy);
-  compare_opt("max_train_batch_size", scheduler.max_train_batch_size, runtime.max_train_batch_size);
-  compare_opt("micro_batch_sizes", scheduler.micro_batch_sizes, runtime.micro_batch_sizes);
-  compare("min_gpus", scheduler.min_gpus, runtime.min_gpus);
-  compare("max_gpus", scheduler.max_gpus, runtime.max_gpus);
-  compare("num_gpus_per_node", scheduler.num_gpus_per_node, runtime.num_gpus_per_node);
-  compare("model_parallel_size", scheduler.model_parallel_size, runtime.model_parallel_size);
-  compare("prefer_larger_batch", scheduler.prefer_larger_batch, runtime.prefer_larger_batch);
+  if (scheduler.policy != runtime.policy) {
+    differ("policy", scheduler.policy, runtime.policy);
+    return out;
+  }
+  for (const auto& spec : info.params) {
+    if (spec.flags & param_local) continue;
+    const std::string a = shown(scheduler.params, spec.key), b = shown(runtime.params, spec.key);
+    if (a != b) differ(spec.key, a, b);
+  }
   return out;
 }
 
@@ -108,7 +85,10 @@ bool check_scheduler_elasticity(const ElasticityFingerprint& runtime,
       scheduler = elasticity_from_deepspeed_json(text, name, registry);
     else
       scheduler = elasticity_from_toml_text(text, name, registry);
-    for (auto& d : differences(fingerprint_of(scheduler.policy, scheduler.params), runtime))
+    // Both sides complete: the schema's defaults stand for absent keys.
+    const core::PluginInfo& info = registry.find(PluginKind::elasticity, scheduler.policy);
+    const Params complete = core::complete_params(info, core::schema_params(info, scheduler.params));
+    for (auto& d : differences(info, fingerprint_of(scheduler.policy, complete), runtime))
       problems.push_back(fmt::format("{}: {}", name, d));
   }
   if (!problems.empty())

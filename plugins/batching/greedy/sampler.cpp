@@ -171,12 +171,16 @@ constexpr ductile::ParamSpec kSchema[] = {
     ductile::batching::kEffectiveBatchSizeParam,
     ductile::batching::kSameSizeParam,
     ductile::batching::kBudgetParam,
-    {"order", ductile::ParamType::string, 0, "\"dataloader\"", 0, 0,
-     ductile::batching::kOrderValues,
-     "Picking order: dataloader (as given), seqlen (ascending length, then id) or random "
-     "(Python's random.Random(seed).shuffle)"},
-    {"seed", ductile::ParamType::integer, 0, "1234", 0, 0, nullptr,
-     "Seed of the random order (DeepSpeed's data_efficiency.seed)"},
+    {.key = "order",
+     .type = ductile::ParamType::string,
+     .default_value = "\"dataloader\"",
+     .allowed_values = ductile::batching::kOrderValues,
+     .doc = "Picking order: dataloader (as given), seqlen (ascending length, then id) or random "
+            "(Python's random.Random(seed).shuffle)"},
+    {.key = "seed",
+     .type = ductile::ParamType::integer,
+     .default_value = "1234",
+     .doc = "Seed of the random order (DeepSpeed's data_efficiency.seed)"},
 };
 
 }  // namespace

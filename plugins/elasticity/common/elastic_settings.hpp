@@ -18,31 +18,21 @@
 
 namespace ductile::elastic {
 
-// clang-format off
 inline constexpr ParamSpec kElasticitySchema[] = {
-    {"enabled", ParamType::boolean, 0, "true", 0, 0, nullptr,
-     "Elasticity on. A TOML section that selects a policy opts in; DeepSpeed JSON keeps "
+    {.key = "enabled", .type = ParamType::boolean, .flags = param_local, .default_value = "true", .doc = "Elasticity on. A TOML section that selects a policy opts in; DeepSpeed JSON keeps "
      "DeepSpeed's default (false)"},
-    {"max_train_batch_size", ParamType::integer, 0, nullptr, 0, 0, nullptr,
-     "Largest acceptable global train batch size; required (checked when the plan is computed, "
+    {.key = "max_train_batch_size", .type = ParamType::integer, .doc = "Largest acceptable global train batch size; required (checked when the plan is computed, "
      "as DeepSpeed does)"},
-    {"micro_batch_sizes", ParamType::integer_list, 0, nullptr, 0, 0, nullptr,
-     "Acceptable micro batch sizes per GPU, positive integers; required (checked when the "
+    {.key = "micro_batch_sizes", .type = ParamType::integer_list, .doc = "Acceptable micro batch sizes per GPU, positive integers; required (checked when the "
      "plan is computed)"},
-    {"min_gpus", ParamType::integer, 0, "1", 0, 0, nullptr, "Fewest GPUs to plan for (>= 1)"},
-    {"max_gpus", ParamType::integer, 0, "10000", 0, 0, nullptr, "Most GPUs to plan for (>= min_gpus)"},
-    {"min_time", ParamType::integer, 0, "0", 0, 0, nullptr,
-     "Minutes a scheduler should run the job before rescaling it (>= 0; 0 = unknown)"},
-    {"prefer_larger_batch", ParamType::boolean, 0, "true", 0, 0, nullptr,
-     "Break ties between equally elastic batch sizes towards the larger one"},
-    {"num_gpus_per_node", ParamType::integer, 0, "1", 0, 0, nullptr,
-     "GPUs per node (v0.2, optimal: plan whole nodes)"},
-    {"model_parallel_size", ParamType::integer, 0, "1", 0, 0, nullptr,
-     "GPUs per model replica (v0.2, optimal); data-parallel size = GPUs / this"},
-    {"ignore_non_elastic_batch_info", ParamType::boolean, 0, "false", 0, 0, nullptr,
-     "Accepted for DeepSpeed compatibility: batch settings outside the elastic block are ignored"},
+    {.key = "min_gpus", .type = ParamType::integer, .default_value = "1", .doc = "Fewest GPUs to plan for (>= 1)"},
+    {.key = "max_gpus", .type = ParamType::integer, .default_value = "10000", .doc = "Most GPUs to plan for (>= min_gpus)"},
+    {.key = "min_time", .type = ParamType::integer, .flags = param_local, .default_value = "0", .doc = "Minutes a scheduler should run the job before rescaling it (>= 0; 0 = unknown)"},
+    {.key = "prefer_larger_batch", .type = ParamType::boolean, .default_value = "true", .doc = "Break ties between equally elastic batch sizes towards the larger one"},
+    {.key = "num_gpus_per_node", .type = ParamType::integer, .default_value = "1", .doc = "GPUs per node (v0.2, optimal: plan whole nodes)"},
+    {.key = "model_parallel_size", .type = ParamType::integer, .default_value = "1", .doc = "GPUs per model replica (v0.2, optimal); data-parallel size = GPUs / this"},
+    {.key = "ignore_non_elastic_batch_info", .type = ParamType::boolean, .flags = param_local, .default_value = "false", .doc = "Accepted for DeepSpeed compatibility: batch settings outside the elastic block are ignored"},
 };
-// clang-format on
 
 // Throws ductile::Error typed ElasticityConfigError (ErrorKind::config).
 [[noreturn]] void config_error(const std::string& message);

@@ -1,6 +1,6 @@
-// The plugin class of every elasticity policy. The v0.1, v0.2 and optimal
-// libraries are this template over their search function and their checks,
-// so they differ only in the algorithm they run.
+// The plugin class of every built-in elasticity policy: each policy's folder
+// instantiates this template over its own search function and checks, so the
+// policies differ only in the algorithm they run.
 #pragma once
 
 #include <memory>
@@ -8,7 +8,7 @@
 #include <string_view>
 
 #include "ductile/elasticity_policy.hpp"
-#include "elastic_policies.hpp"
+#include "plan.hpp"
 #include "elastic_settings.hpp"
 
 namespace ductile::elastic {

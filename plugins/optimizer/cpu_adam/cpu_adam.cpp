@@ -61,11 +61,20 @@ constexpr Isa kIsas[] = {
 const char* const kSimdChoices[] = {"auto", "avx512", "avx2", "scalar", nullptr};
 
 constexpr ParamSpec kSchema[] = {
-    {"threads", ParamType::integer, param_has_min | param_has_max, "0", 0, 4096, nullptr,
-     "Threads one step uses, the caller's included (0: one per core this process may run on)"},
-    {"simd", ParamType::string, 0, "\"auto\"", 0, 0, kSimdChoices,
-     "Instruction set: \"auto\" (the best this CPU has: avx512, avx2, else scalar) or one of "
-     "them, refused when the CPU lacks it"},
+    {.key = "threads",
+     .type = ParamType::integer,
+     .flags = param_has_min | param_has_max,
+     .default_value = "0",
+     .max_value = 4096,
+     .doc =
+         "Threads one step uses, the caller's included (0: one per core this process may run on)"},
+    {.key = "simd",
+     .type = ParamType::string,
+     .default_value = "\"auto\"",
+     .allowed_values = kSimdChoices,
+     .doc =
+         "Instruction set: \"auto\" (the best this CPU has: avx512, avx2, else scalar) or one of "
+         "them, refused when the CPU lacks it"},
 };
 
 std::size_t usable_cores() {

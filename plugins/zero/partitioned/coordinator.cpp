@@ -30,12 +30,16 @@ namespace ductile::zero {
 namespace {
 
 // A whole, non-negative number of elements from a [zero] key given as integer
-// or float (DeepSpeed writes 5e7).
+// or float (DeepSpeed writes 5e7). The one check of these keys: the validate
+// hook runs it before anything is created, and `ductile config check` runs
+// the hook.
 std::size_t element_count(const Params& params, const char* key) {
   double v = params.get_double(key);
   if (!std::isfinite(v) || v < 0 || v != std::floor(v) || v > 9.0e18)
-    throw Error(ErrorKind::config,
-                fmt::format("[zero] {} = {}: expected a whole number of elements >= 0", key, v));
+    throw ParamError(ErrorKind::config, key,
+                     fmt::format("[zero] {} = {}: expected a whole number of elements >= 0 (such "
+                                 "as 50000000 or 5e7)",
+                                 key, v));
   return static_cast<std::size_t>(v);
 }
 
@@ -60,6 +64,9 @@ class PartitionedCoordinator final : public ParameterCoordinator,
                                      public ShardStorage,
                                      public GatherMemory {
  public:
+  // The plugin's validate hook: every [zero] value a run would refuse.
+  static void validate(const Params& params, std::string_view) { limits_of(params); }
+
   explicit PartitionedCoordinator(const HostContext& ctx)
       : logger_(ctx.logger()),
         planner_(limits_of(ctx.params())),
@@ -421,27 +428,51 @@ class PartitionedCoordinator final : public ParameterCoordinator,
 };
 
 static constexpr ParamSpec kSchema[] = {
-    {"prefetch_bucket_size", ParamType::floating, param_has_min, "50000000", 0, 0, nullptr,
-     "Elements gathered ahead per fetch with a complete trace (DeepSpeed "
-     "stage3_prefetch_bucket_size); 0 turns prefetch off"},
-    {"max_live_parameters", ParamType::floating, param_has_min, "1000000000", 0, 0, nullptr,
-     "Limit on gathered elements: prefetch keeps all of them within it, copies kept by "
-     "release() never make the unused ones exceed it (DeepSpeed stage3_max_live_parameters)"},
-    {"max_reuse_distance", ParamType::floating, param_has_min, "1000000000", 0, 0, nullptr,
-     "A released parameter used again within this many elements of upcoming trace stays "
-     "gathered (DeepSpeed stage3_max_reuse_distance)"},
-    {"param_persistence_threshold", ParamType::floating, param_has_min, "100000", 0, 0, nullptr,
-     "Parameters of at most this many elements stay gathered once fetched (DeepSpeed "
-     "stage3_param_persistence_threshold)"},
-    {"max_ongoing_fetch_events", ParamType::integer, param_has_min, "2", 1, 0, nullptr,
-     "Gathers outstanding at once (issued, not yet waited for by the fetch that needs them); "
-     "prefetch stops at the limit (DeepSpeed hard-codes 2)"},
-    {"nvme_path", ParamType::string, 0, "\"\"", 0, 0, nullptr,
-     "Directory for shard files (NVMe offload, one rank<r>/ folder per rank); empty keeps "
-     "shards in device memory"},
-    {"nvme_buffer_count", ParamType::integer, param_has_min, "5", 1, 0, nullptr,
-     "Host buffers for reading NVMe shards ahead of use (DeepSpeed offload_param "
-     "buffer_count)"},
+    {.key = "prefetch_bucket_size",
+     .type = ParamType::floating,
+     .flags = param_has_min,
+     .default_value = "50000000",
+     .doc = "Elements gathered ahead per fetch with a complete trace (DeepSpeed "
+            "stage3_prefetch_bucket_size); 0 turns prefetch off"},
+    {.key = "max_live_parameters",
+     .type = ParamType::floating,
+     .flags = param_has_min,
+     .default_value = "1000000000",
+     .doc =
+         "Limit on gathered elements: prefetch keeps all of them within it, copies kept by "
+         "release() never make the unused ones exceed it (DeepSpeed stage3_max_live_parameters)"},
+    {.key = "max_reuse_distance",
+     .type = ParamType::floating,
+     .flags = param_has_min,
+     .default_value = "1000000000",
+     .doc = "A released parameter used again within this many elements of upcoming trace stays "
+            "gathered (DeepSpeed stage3_max_reuse_distance)"},
+    {.key = "param_persistence_threshold",
+     .type = ParamType::floating,
+     .flags = param_has_min,
+     .default_value = "100000",
+     .doc = "Parameters of at most this many elements stay gathered once fetched (DeepSpeed "
+            "stage3_param_persistence_threshold)"},
+    {.key = "max_ongoing_fetch_events",
+     .type = ParamType::integer,
+     .flags = param_has_min,
+     .default_value = "2",
+     .min_value = 1,
+     .doc =
+         "Gathers outstanding at once (issued, not yet waited for by the fetch that needs them); "
+         "prefetch stops at the limit (DeepSpeed hard-codes 2)"},
+    {.key = "nvme_path",
+     .type = ParamType::string,
+     .default_value = "\"\"",
+     .doc = "Directory for shard files (NVMe offload, one rank<r>/ folder per rank); empty keeps "
+            "shards in device memory"},
+    {.key = "nvme_buffer_count",
+     .type = ParamType::integer,
+     .flags = param_has_min,
+     .default_value = "5",
+     .min_value = 1,
+     .doc = "Host buffers for reading NVMe shards ahead of use (DeepSpeed offload_param "
+            "buffer_count)"},
 };
 
 }  // namespace

@@ -57,6 +57,10 @@ enum ParamFlags : std::uint32_t {
   param_required = 1u << 0,  // no default; the key must be present
   param_has_min = 1u << 1,   // min_value applies (to numbers and list elements)
   param_has_max = 1u << 2,   // max_value applies
+  // A setting of this process alone (a switch, a hint): copies of a
+  // configuration that must agree, such as the elasticity scheduler
+  // contract, do not compare it. Hosts that predate the flag ignore it.
+  param_local = 1u << 3,
 };
 
 // One key of a plugin's schema. Every pointer refers to static storage of the
@@ -68,14 +72,15 @@ enum ParamFlags : std::uint32_t {
 // without default is simply absent from Params). Bounds are inclusive and
 // compared as doubles for floats and as integers for integers.
 struct ParamSpec {
-  const char* key;
-  ParamType type;
-  std::uint32_t flags;
-  const char* default_value;
-  double min_value;
-  double max_value;
-  const char* const* allowed_values;  // for strings: nullptr-terminated list, or nullptr for any
-  const char* doc;
+  const char* key = nullptr;
+  ParamType type = ParamType::boolean;
+  std::uint32_t flags = 0;
+  const char* default_value = nullptr;
+  double min_value = 0;
+  double max_value = 0;
+  const char* const* allowed_values =
+      nullptr;  // for strings: nullptr-terminated list, or nullptr for any
+  const char* doc = nullptr;
 };
 
 // A validated value.

@@ -1,4 +1,4 @@
-"""Benchmarks of `ductile agent` (issue 24 items 5 and 6); they print tables,
+"""Benchmarks of `ductile agent` (forming and re-forming at scale); they print tables,
 nothing asserts on time.
 
 scale: one etcd and N agents on loopback, each with one trivial worker (a
@@ -292,7 +292,7 @@ def scale(args):
         print(f"| {n} | {col('spawn', '.2f')} | {col('formed', '.2f')} | "
               f"{col('from_first', '.2f')} | {col('rounds', '.0f')} | {col('reformed', '.2f')} | "
               f"{col('rate', '.0f')} | {col('sent', '.2f', 1e-6)} | {col('cpu', '.0f', 100)} |")
-    print(f"\ngoals (issue 24) at 256 agents: formed within 3 s, re-formed within TTL + 2 = "
+    print(f"\ngoals at 256 agents: formed within 3 s, re-formed within TTL + 2 = "
           f"{args.lease_ttl + 2} s")
 
 

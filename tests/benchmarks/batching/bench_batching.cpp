@@ -3,7 +3,7 @@
 // Azure LLM inference traces. Prints, per case, the median packing time over
 // the repetitions, sequences per second, token efficiency, and for bfd the
 // L1 and Martello-Toth L2 lower bounds on the number of micro-batches.
-// Throughput is quoted against the target of issue 15: the 16.28 M Wikipedia
+// Throughput is quoted against the packing target: the 16.28 M Wikipedia
 // sequences packed in at most 1.0 s on one core (1.63e7 sequences/s); the
 // "x target" column is sequences/s divided by that. "cpu s" is the median
 // CPU time of the packing thread (page faults included), which a loaded

@@ -178,28 +178,36 @@ TEST_CASE("the runtime creates the configured plugin once and shares it") {
 TEST_CASE("a library above the core adds host keys to a section, and mistakes are refused") {
   static const char* const kModes[] = {"on", "off", nullptr};
   // (Added last in this file's order: the tests above list [log]'s keys.)
-  extend_section("log", {{"test_host_mode", ParamType::string, 0, "\"on\"", 0, 0, kModes,
-                          "a key of this test's host"}});
+  extend_section("log", {{.key = "test_host_mode",
+                          .type = ParamType::string,
+                          .default_value = "\"on\"",
+                          .allowed_values = kModes,
+                          .doc = "a key of this test's host"}});
   auto config = Config::validate(ConfigDocument::from_string("[log]\n", "job.toml"), registry());
   CHECK(config.host_section("log")->get_string("test_host_mode") == "on");
   CHECK(errors_of("[log]\ntest_host_mode = \"of\"\n") ==
         std::vector<std::string>{"job.toml:2:18: [log] test_host_mode = \"of\" is not allowed "
                                  "(did you mean 'on'?); valid values: on, off"});
   CHECK_THROWS_WITH_AS(
-      extend_section("log", {{"test_host_mode", ParamType::string, 0, nullptr, 0, 0, nullptr, ""}}),
+      extend_section("log", {{.key = "test_host_mode", .type = ParamType::string, .doc = ""}}),
       "extend_section: [log] already has the key 'test_host_mode'", Error);
   CHECK_THROWS_WITH_AS(extend_section("logs", {}), "extend_section: no section [logs]", Error);
 }
 
 TEST_CASE("a value built in C++ is checked against its spec as a TOML value is") {
-  const ParamSpec steps{
-      "steps", ParamType::integer, param_has_min | param_has_max, nullptr, 1, 1000, nullptr, ""};
+  const ParamSpec steps{.key = "steps",
+                        .type = ParamType::integer,
+                        .flags = param_has_min | param_has_max,
+                        .min_value = 1,
+                        .max_value = 1000,
+                        .doc = ""};
   std::string error;
   CHECK_FALSE(check_param_value(steps, std::int64_t{5000}, "steps", error));
   CHECK(error == "steps = 5000 is out of range: must be between 1 and 1000");
   CHECK_FALSE(check_param_value(steps, std::string("x"), "steps", error));
   CHECK(error == "steps must be an integer, got \"x\"");
-  const ParamSpec scale{"scale", ParamType::floating, param_has_min, nullptr, 0, 0, nullptr, ""};
+  const ParamSpec scale{
+      .key = "scale", .type = ParamType::floating, .flags = param_has_min, .doc = ""};
   auto widened = check_param_value(scale, std::int64_t{3}, "scale", error);
   REQUIRE(widened);
   CHECK(std::get<double>(*widened) == 3.0);
@@ -208,15 +216,15 @@ TEST_CASE("a value built in C++ is checked against its spec as a TOML value is")
 }
 
 TEST_CASE("parameter literals round-trip through format_param_value") {
-  ParamSpec list{"xs", ParamType::float_list, 0, nullptr, 0, 0, nullptr, ""};
+  ParamSpec list{.key = "xs", .type = ParamType::float_list, .doc = ""};
   CHECK(format_param_value(parse_param_literal(list, "[1, 2.5]")) == "[1.0, 2.5]");
-  ParamSpec text{"s", ParamType::string, 0, nullptr, 0, 0, nullptr, ""};
+  ParamSpec text{.key = "s", .type = ParamType::string, .doc = ""};
   CHECK(format_param_value(parse_param_literal(text, "\"a\\\"b\"")) == "\"a\\\"b\"");
   CHECK_THROWS_AS(parse_param_literal(text, "[1"), Error);
 }
 
 TEST_CASE("parameter literals: plain ones and the rest of TOML read alike") {
-  ParamSpec integer{"n", ParamType::integer, 0, nullptr, 0, 0, nullptr, ""};
+  ParamSpec integer{.key = "n", .type = ParamType::integer, .doc = ""};
   CHECK(std::get<std::int64_t>(parse_param_literal(integer, "42")) == 42);
   CHECK(std::get<std::int64_t>(parse_param_literal(integer, "-7")) == -7);
   CHECK(std::get<std::int64_t>(parse_param_literal(integer, "-0")) == 0);
@@ -230,7 +238,7 @@ TEST_CASE("parameter literals: plain ones and the rest of TOML read alike") {
   CHECK_THROWS_AS(parse_param_literal(integer, "1.5"), Error);
   CHECK_THROWS_AS(parse_param_literal(integer, "-"), Error);
 
-  ParamSpec floating{"x", ParamType::floating, 0, nullptr, 0, 0, nullptr, ""};
+  ParamSpec floating{.key = "x", .type = ParamType::floating, .doc = ""};
   CHECK(std::get<double>(parse_param_literal(floating, "2.5")) == 2.5);
   CHECK(std::get<double>(parse_param_literal(floating, "1e-3")) == 1e-3);
   CHECK(std::get<double>(parse_param_literal(floating, "6.02E+23")) == 6.02e23);
@@ -244,12 +252,12 @@ TEST_CASE("parameter literals: plain ones and the rest of TOML read alike") {
   CHECK_THROWS_AS(parse_param_literal(floating, "01.5"), Error);
   CHECK_THROWS_AS(parse_param_literal(floating, "1e"), Error);
 
-  ParamSpec flag{"b", ParamType::boolean, 0, nullptr, 0, 0, nullptr, ""};
+  ParamSpec flag{.key = "b", .type = ParamType::boolean, .doc = ""};
   CHECK(std::get<bool>(parse_param_literal(flag, "true")));
   CHECK_FALSE(std::get<bool>(parse_param_literal(flag, "false")));
   CHECK_THROWS_AS(parse_param_literal(flag, "True"), Error);
 
-  ParamSpec text{"s", ParamType::string, 0, nullptr, 0, 0, nullptr, ""};
+  ParamSpec text{.key = "s", .type = ParamType::string, .doc = ""};
   CHECK(std::get<std::string>(parse_param_literal(text, "\"cosine\"")) == "cosine");
   CHECK(std::get<std::string>(parse_param_literal(text, "\"\"")).empty());
   CHECK(std::get<std::string>(parse_param_literal(text, "\"a\\tb\"")) == "a\tb");
@@ -259,8 +267,12 @@ TEST_CASE("parameter literals: plain ones and the rest of TOML read alike") {
 }
 
 TEST_CASE("a plain default is checked against its spec like any other value") {
-  ParamSpec bounded{"n", ParamType::integer, param_has_min | param_has_max, nullptr, 1, 10, nullptr,
-                    ""};
+  ParamSpec bounded{.key = "n",
+                    .type = ParamType::integer,
+                    .flags = param_has_min | param_has_max,
+                    .min_value = 1,
+                    .max_value = 10,
+                    .doc = ""};
   CHECK(std::get<std::int64_t>(parse_param_literal(bounded, "10")) == 10);
   try {
     parse_param_literal(bounded, "0");

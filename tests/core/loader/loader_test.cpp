@@ -322,9 +322,12 @@ TEST_CASE("a directory named twice on the search path is scanned once, without w
 }
 
 TEST_CASE("schema bounds: NaN or min above max is refused, any other bound is printed as given") {
-  ParamSpec spec{
-      "steps", ParamType::integer, param_has_min | param_has_max, "-5", 0.0, 10.0, nullptr,
-      "steps"};
+  ParamSpec spec{.key = "steps",
+                 .type = ParamType::integer,
+                 .flags = param_has_min | param_has_max,
+                 .default_value = "-5",
+                 .max_value = 10.0,
+                 .doc = "steps"};
   ductile_plugin_descriptor d{};
   d.abi_major = DUCTILE_ABI_MAJOR;
   d.abi_minor = DUCTILE_ABI_MINOR;

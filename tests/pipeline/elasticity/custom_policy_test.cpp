@@ -1,8 +1,13 @@
 // samples/custom_policy end to end: install ductile to a temporary prefix,
 // build the out-of-tree "pow2" policy against the installed SDK, and use it
-// through the installed CLI, selected by name from TOML and found through
-// [plugins] path or --plugin-path.
+// without a word of it in the project: listed and checked by the installed
+// CLI, selected by name from TOML (found through [plugins] path or
+// --plugin-path) and DeepSpeed JSON, from Python, and by `ductile agent`,
+// whose workers' scheduler contract (every key of the policy's schema)
+// holds.
 #include <doctest/doctest.h>
+
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 
@@ -82,4 +87,78 @@ TEST_CASE("an out-of-tree elasticity policy builds against the installed SDK and
   REQUIRE_MESSAGE(from_json.exit_code == 0, from_json.out << from_json.err);
   CHECK(json::parse(from_json.out)["valid_gpus"] == json::array({1, 2, 4, 8}));
   CHECK(from_json.err.find("has no parameter 'min_time'") != std::string::npos);
+
+  // Listed and checked like a built-in policy, errors at the key.
+  auto listed = run_process({cli, "--plugin-path", build.string(), "plugins", "list"}, env);
+  CHECK_MESSAGE(listed.exit_code == 0, listed.err);
+  CHECK(listed.out.find("pow2") != std::string::npos);
+  auto checked =
+      run_process({cli, "--plugin-path", build.string(), "config", "check", plain.string()}, env);
+  CHECK_MESSAGE(checked.exit_code == 0, checked.err);
+  CHECK(checked.out.find("[elasticity] elasticity plugin 'pow2'") != std::string::npos);
+  auto bad = tmp.write("bad.toml",
+                       "[elasticity]\npolicy = \"pow2\"\nmax_train_batch_size = 1000\n"
+                       "micro_batch_size = 0\n");
+  auto refused =
+      run_process({cli, "--plugin-path", build.string(), "config", "check", bad.string()}, env);
+  CHECK(refused.exit_code == 2);
+  CHECK_MESSAGE(refused.err.find(bad.string() + ":4:20: [elasticity] micro_batch_size = 0 is out "
+                                                "of range") != std::string::npos,
+                refused.err);
+
+  // Run by `ductile agent` (one node, two workers on its own rendezvous):
+  // the workers get the policy's plan and its scheduler contract.
+  std::vector<std::string> agent_env = env;
+  agent_env.push_back("DUCTILE_PLUGIN_PATH=" + build.string());
+  auto agent = run_process(
+      {cli, "agent", "--config", plain.string(), "--standalone", "--nproc-per-node", "2",
+       "--monitor-interval", "0.05", "--no-python", "/bin/sh", "-c",
+       "[ \"$RANK\" = 0 ] && printf 'plan %s %s %s\\ncontract %s\\n' \"$WORLD_SIZE\" "
+       "\"$DUCTILE_GLOBAL_BATCH\" \"$DUCTILE_MICRO_BATCH\" \"$DEEPSPEED_ELASTICITY_CONFIG\"; "
+       "exit 0"},
+      agent_env);
+  REQUIRE_MESSAGE(agent.exit_code == 0, agent.out << agent.err);
+  const std::string both = agent.out + agent.err;
+  const auto batch8 = json::parse(via_flag.out)["final_batch_size"].get<std::int64_t>();
+  CHECK_MESSAGE(both.find("plan 2 " + std::to_string(batch8) + " 4") != std::string::npos, both);
+  const auto at = both.find("contract ");
+  REQUIRE_MESSAGE(at != std::string::npos, both);
+  const std::string contract = both.substr(at + 9, both.find('\n', at) - at - 9);
+  CHECK(json::parse(contract)["policy"] == "pow2");
+
+#ifdef DUCTILE_PYTHON
+  // From Python: the same plan, and the agent's contract holds.
+  std::vector<std::string> py_env = agent_env;
+  py_env.push_back("PYTHONPATH=" DUCTILE_BINARY_DIR "/python");
+  std::istringstream sanitizer(DUCTILE_PYTHON_ENV);
+  for (std::string entry; std::getline(sanitizer, entry, '|');)
+    if (!entry.empty()) py_env.push_back(entry);
+  auto with_contract = [&](const std::string& text) {
+    auto out = py_env;
+    out.push_back("DEEPSPEED_ELASTICITY_CONFIG=" + text);
+    return out;
+  };
+  auto python = run_process(
+      {DUCTILE_PYTHON, "-c",
+       "import sys, ductile.elasticity as e\n"
+       "p = e.load(sys.argv[1])\n"
+       "r = p.compute(world_size=2)\n"
+       "print(p.name, r.final_batch_size, r.micro_batch_size, p.check_scheduler())\n",
+       plain.string()},
+      with_contract(contract));
+  REQUIRE_MESSAGE(python.exit_code == 0, python.out << python.err);
+  CHECK(python.out == "pow2 " + std::to_string(batch8) + " 4 True\n");
+  // A contract that differs in a key only the policy knows is refused.
+  const std::string other = R"({"enabled": true, "policy": "pow2", )"
+                            R"("max_train_batch_size": 1000, "micro_batch_size": 2, "max_gpus": 8})";
+  auto differs = run_process({DUCTILE_PYTHON, "-c",
+                              "import sys, ductile.elasticity as e\n"
+                              "e.load(sys.argv[1]).check_scheduler()\n",
+                              plain.string()},
+                             with_contract(other));
+  CHECK(differs.exit_code != 0);
+  CHECK_MESSAGE(differs.err.find("'micro_batch_size=2' seen by the resource scheduler does not "
+                                 "match 'micro_batch_size=4'") != std::string::npos,
+                differs.err);
+#endif
 }

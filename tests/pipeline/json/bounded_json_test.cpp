@@ -13,8 +13,8 @@
 #include "ductile/lr_scaling_rule.hpp"
 #include "ductile/pipeline/deepspeed_batching.hpp"
 #include "ductile/pipeline/elasticity.hpp"
+#include "ductile/pipeline/json.hpp"
 #include "ductile/pipeline/lr_schedule.hpp"
-#include "json/bounded_json.hpp"
 #include "process.hpp"
 #include "temp_dir.hpp"
 

@@ -132,6 +132,20 @@ struct PluginSection {
   SourcePosition where;  // the section header
 };
 
+// One value of a configuration written in another tool's format (a
+// DeepSpeed JSON config), already converted by the front end that read it:
+// typed by the selected plugin's schema at that edge, then checked by
+// Config::validate like a TOML value (bounds, allowed strings, the plugin's
+// validate hook). `user_key` is the key as the user wrote it
+// ("zero_optimization.stage3_prefetch_bucket_size"): every message about the
+// value names it.
+struct ConfigEntry {
+  std::string section;  // "zero"
+  std::string key;      // "prefetch_bucket_size", or the section's selector
+  ParamValue value;
+  std::string user_key;
+};
+
 // A parsed, not yet validated file: enough to learn [plugins] path and
 // [log] level, which are needed before plugins can be found.
 class ConfigDocument {
@@ -145,10 +159,22 @@ class ConfigDocument {
   static ConfigDocument from_file_text(const std::filesystem::path& file, std::string_view text);
   static ConfigDocument from_string(std::string_view text, std::string_view source_name,
                                     const std::filesystem::path& base_dir = {});
+  // A document of sections given as entries (see ConfigEntry): no [plugins]
+  // or [log] section, and no positions (messages name `source_name` and the
+  // user's key). Throws nothing; Config::validate reports the problems.
+  static ConfigDocument from_entries(std::vector<ConfigEntry> entries, std::string_view source_name,
+                                     const std::filesystem::path& base_dir = {});
 
   ConfigDocument(ConfigDocument&&) noexcept;
   ConfigDocument& operator=(ConfigDocument&&) noexcept;
   ~ConfigDocument();
+
+  // A document of this one's section `name` alone; with
+  // `top_level_keys`, a document without that table has its top-level keys
+  // (those that are not tables) read as the section. For a copy of a
+  // configuration that only one section of is wanted from (the scheduler's
+  // copy of [elasticity]).
+  ConfigDocument section_document(std::string_view name, bool top_level_keys) const;
 
   const std::string& source_name() const;
   // Directory that relative paths in the file are resolved against.

@@ -59,6 +59,13 @@ class Runtime {
                              RuntimeOptions options = {});
   static Runtime from_document(const ConfigDocument& document, RuntimeOptions options = {});
 
+  // A runtime of another document on this runtime's registry (the plugins
+  // are found once; both keep it alive): for a document that needed the
+  // registry to be written, a DeepSpeed JSON config typed by the plugins'
+  // schemas. The document's [plugins] section, if any, is not searched.
+  // Instances are not shared. Throws ConfigError as from_document does.
+  Runtime with_config(const ConfigDocument& document, bool plugin_checks = false) const;
+
   Runtime(Runtime&&) noexcept;
   Runtime& operator=(Runtime&&) noexcept;
   ~Runtime();

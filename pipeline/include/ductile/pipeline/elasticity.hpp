@@ -29,6 +29,7 @@
 #include <vector>
 
 #include <spdlog/logger.h>
+#include <nlohmann/json.hpp>
 
 #include "ductile/core/runtime.hpp"
 #include "ductile/elasticity_policy.hpp"
@@ -45,15 +46,13 @@ struct ElasticitySource {
   std::vector<std::string> warnings;  // e.g. keys DeepSpeed would ignore
 };
 
-// True when `file` is to be read as JSON: a .json extension, or any other
-// extension than .toml with content whose first non-blank character is '{'.
-bool is_json_config(const std::filesystem::path& file, std::string_view content);
-
 // The policy a DeepSpeed elasticity `version` selects: 0.1 -> "v0.1", 0.2 ->
 // "v0.2" (DeepSpeed's rules: newer than 0.2 is refused as too new, anything
-// else as unknown). `shown` is the value as the user wrote it, for messages.
-// Throws Error typed ElasticityConfigError.
-std::string policy_for_elasticity_version(double version, std::string_view shown,
+// else as unknown). `written` is the version's text (a JSON or TOML number
+// as written, or a string), parsed here and nowhere else: all of it must be
+// a number. `shown` is the value as the user wrote it, for messages. Throws
+// Error typed ElasticityConfigError.
+std::string policy_for_elasticity_version(std::string_view written, std::string_view shown,
                                           std::string_view origin);
 
 // Maps a DeepSpeed JSON config (a whole config holding an "elasticity" block,
@@ -80,6 +79,11 @@ ElasticitySource elasticity_from_deepspeed_json(std::string_view json_text, std:
 ElasticitySource elasticity_from_toml_text(std::string_view toml_text, std::string_view origin);
 ElasticitySource elasticity_from_toml_text(std::string_view toml_text, std::string_view origin,
                                            const core::PluginRegistry& registry);
+
+// The result as one JSON object with every field of ElasticityResult under
+// its own name (absent optionals as null): what `ductile elastic --json`
+// prints and what ductile.elasticity's results are built from.
+nlohmann::json to_json(const ElasticityResult& result);
 
 // A policy created from its settings: `effective_params` are its parameters
 // with schema defaults filled in.
@@ -117,21 +121,20 @@ struct LoadedElasticity {
 // ElasticityConfigError when a TOML file has no [elasticity] section.
 LoadedElasticity load_elasticity(const std::filesystem::path& file,
                                  core::RuntimeOptions options = {});
+// The same for the text of `file` that the caller has read already (with
+// core::read_user_file).
+LoadedElasticity load_elasticity(const std::filesystem::path& file, std::string_view text,
+                                 core::RuntimeOptions options = {});
 
 // The same for a runtime already loaded from a TOML configuration.
 LoadedElasticity elasticity_from_runtime(core::Runtime runtime);
 
-// The settings that change an elastic plan, with DeepSpeed's defaults for
-// absent keys.
+// The settings that change an elastic plan: the policy and its effective
+// parameters (schema defaults filled in). The scheduler contract compares
+// every key of the policy's schema except those it marks param_local.
 struct ElasticityFingerprint {
   std::string policy;
-  std::optional<std::int64_t> max_train_batch_size;
-  std::optional<std::vector<std::int64_t>> micro_batch_sizes;
-  std::int64_t min_gpus = 1;
-  std::int64_t max_gpus = 10000;
-  std::int64_t num_gpus_per_node = 1;
-  std::int64_t model_parallel_size = 1;
-  bool prefer_larger_batch = true;
+  Params params;
 };
 ElasticityFingerprint fingerprint_of(const std::string& policy, const Params& params);
 

@@ -1,30 +1,17 @@
 """zero3's configuration: a ductile TOML with [zero] and [accelerator]
-sections, or a DeepSpeed JSON config whose ZeRO stage-3 keys, ``bf16`` /
-``fp16`` sections and ``gradient_clipping`` are honoured.
+sections, or a DeepSpeed JSON config.
 
-DeepSpeed keys and their ductile equivalents:
-
-=====================================================  ===============================
-zero_optimization.stage3_prefetch_bucket_size          [zero] prefetch_bucket_size
-zero_optimization.stage3_max_live_parameters           [zero] max_live_parameters
-zero_optimization.stage3_max_reuse_distance            [zero] max_reuse_distance
-zero_optimization.stage3_param_persistence_threshold   [zero] param_persistence_threshold
-zero_optimization.offload_param (device "nvme")        [zero] nvme_path, nvme_buffer_count
-zero_optimization.offload_optimizer.device "cpu"       initialize(offload_optimizer="cpu")
-zero_optimization.offload_optimizer.pin_memory         pinned host buffers (cuda)
-zero_optimization.offload_optimizer.ratio              that share of the optimizer offloaded
-optimizer (type Adam/AdamW, params)                    the optimizer, without optimizer_factory
-bf16.enabled, fp16.* (loss scaling)                    MixedPrecision (_precision.py)
-gradient_clipping                                      engine.step() clips to it first
-=====================================================  ===============================
-
-A value "auto" (Hugging Face's placeholder) keeps ductile's default.
-Accepted but ignored, each with a warning saying so: offload_optimizer's
-NVMe settings (device "nvme" keeps the state in host memory; nvme_path,
-buffer_count, fast_init, pipeline_read, pipeline_write), offload_param's
-pin_memory, buffer_size and max_in_cpu, and offload_param device "cpu"
-(parameters stay on the device: use max_device_memory, which offloads the
-optimizer as far as needed).
+A DeepSpeed config's ZeRO keys are mapped onto [zero] by the pipeline's one
+mapping (``pipeline::deepspeed_sections``, also behind ``ductile config
+check``): ``zero_optimization.stage3_*`` (the coordinator's limits),
+``offload_param`` (device "nvme": nvme_path, buffer_count) and
+``offload_optimizer`` (device, pin_memory, ratio: [zero] offload_optimizer,
+offload_pin_memory, offload_ratio), with warnings for the keys accepted but
+not acted on. Read here, because they configure torch objects: the
+``bf16`` / ``fp16`` sections (MixedPrecision, _precision.py),
+``gradient_clipping`` (engine.step() clips to it first) and ``optimizer``
+(type Adam/AdamW and params, when no optimizer_factory is given). A value
+"auto" (Hugging Face's placeholder) keeps ductile's default.
 """
 
 import json
@@ -32,17 +19,10 @@ import warnings
 
 import torch
 
-from ..._config import load_config
+from ... import _ductile
+from ..._config import Config, load_config
 from ..._errors import ConfigError
 from . import _precision
-
-_STAGE3_KEYS = {
-    "stage3_prefetch_bucket_size": "prefetch_bucket_size",
-    "stage3_max_live_parameters": "max_live_parameters",
-    "stage3_max_reuse_distance": "max_reuse_distance",
-    "stage3_param_persistence_threshold": "param_persistence_threshold",
-}
-
 
 class Settings:
     """What zero3 takes from its configuration."""
@@ -129,38 +109,17 @@ def _backend(world):
     return "cpu"
 
 
-def from_deepspeed(ds, origin, world):
-    """The TOML sections (a dict) of a DeepSpeed config's stage-3 keys."""
-    zero = ds.get("zero_optimization") or {}
-    if not isinstance(zero, dict):
-        raise ConfigError(f"{origin}: 'zero_optimization' must be an object")
-    stage = zero.get("stage", 0)
-    if stage != 3:
-        raise ConfigError(f"{origin}: zero_optimization.stage = {stage!r}; ductile.torch.zero3 "
-                          "is ZeRO stage 3: set it to 3")
-    section = {"coordinator": "partitioned"}
-    for key, ours in _STAGE3_KEYS.items():
-        value = zero.get(key)
-        if value is not None and value != "auto":
-            section[ours] = value
-    offload = zero.get("offload_param") or {}
-    where = f"{origin}: zero_optimization.offload_param"
-    device = _offload_device(offload, where, "none", "device, nvme_path, buffer_count")
-    if device == "nvme":
-        if not offload.get("nvme_path"):
-            raise ConfigError(f"{where}.device = \"nvme\" needs nvme_path")
-        section["nvme_path"] = str(offload["nvme_path"])
-        if offload.get("buffer_count") not in (None, "auto"):
-            section["nvme_buffer_count"] = offload["buffer_count"]
-    elif device == "cpu":
-        _ignored(where, "device", "\"cpu\" keeps the parameter shards on the device; "
-                 "max_device_memory offloads the optimizer state and master weights as far as "
-                 "needed, \"nvme\" keeps the shards in files")
-    if device in ("cpu", "nvme"):
-        for key in ("pin_memory", "buffer_size", "max_in_cpu"):
-            if offload.get(key) not in (None, "auto"):
-                _ignored(where, key, "zero3 sizes its own buffers")
-    return {"accelerator": {"backend": _backend(world), "communicator": "auto"}, "zero": section}
+def _offload_of(runtime):
+    """OffloadSettings of a validated [zero] section (TOML, or mapped from
+    DeepSpeed's offload_optimizer)."""
+    section = runtime.section("zero")
+    if section is None:
+        return OffloadSettings()
+    keys = section["host_params"]
+    if keys["offload_optimizer"] != "cpu":
+        return OffloadSettings()
+    ratio = keys["offload_ratio"]
+    return OffloadSettings(True, None if ratio == 1.0 else ratio, keys["offload_pin_memory"])
 
 
 def resolve(config, plugin_path, mixed_precision, world):
@@ -171,36 +130,32 @@ def resolve(config, plugin_path, mixed_precision, world):
                          plugin_path=plugin_path)
     clipping = None
     precision = None
-    offload = None
     optimizer = None
     if loaded.format == "deepspeed":
-        try:
-            ds = json.loads(loaded.deepspeed) if isinstance(loaded.deepspeed, str) \
-                else dict(loaded.deepspeed)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"{loaded.origin}: not a JSON object: {e}") from e
-        sections = from_deepspeed(ds, loaded.origin, world)
+        runtime, warns = _ductile.Runtime.from_deepspeed(
+            loaded.deepspeed, loaded.origin, plugin_path, loaded.base_dir,
+            require_zero_stage3=True, accelerator_backend=_backend(world))
+        for message in warns:
+            warnings.warn(message, UserWarning, stacklevel=4)
+        ds = json.loads(loaded.deepspeed)  # valid JSON: the mapping parsed it
         precision = _precision.from_deepspeed(ds, loaded.origin)
         clip = ds.get("gradient_clipping")
         if clip not in (None, "auto", 0, 0.0):
             if not isinstance(clip, (int, float)) or isinstance(clip, bool) or clip < 0:
                 raise ConfigError(f"{loaded.origin}: gradient_clipping = {clip!r}; a number >= 0")
             clipping = float(clip)
-        zero = ds.get("zero_optimization") or {}
-        offload = offload_settings(zero.get("offload_optimizer"),
-                                   f"{loaded.origin}: zero_optimization.offload_optimizer")
         section = ds.get("optimizer")
         if section is not None:
             if not isinstance(section, dict):
                 raise ConfigError(f"{loaded.origin}: optimizer = {section!r}; valid: an object "
                                   "with type and params")
             optimizer = optimizer_factory(section, loaded.origin)
-        loaded = load_config(sections, format="toml", plugin_path=plugin_path)
+        loaded = Config("deepspeed", loaded.origin, runtime, loaded.deepspeed, loaded.base_dir)
     if mixed_precision is not None:
         if not isinstance(mixed_precision, _precision.MixedPrecision):
             mixed_precision = _precision.MixedPrecision(mixed_precision)
         precision = mixed_precision
-    return Settings(loaded, precision, clipping, offload, optimizer)
+    return Settings(loaded, precision, clipping, _offload_of(loaded.runtime), optimizer)
 
 
 def torch_world(group):

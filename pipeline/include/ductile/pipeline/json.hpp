@@ -1,10 +1,15 @@
-// JSON from users, read without trusting its shape: nesting depth bounded
-// before nlohmann-json builds a DOM (its parser and dump() recurse once per
-// level, so a deep document would overflow the stack), and values quoted in
-// messages as bounded excerpts, never whole. Also the conversion of JSON
-// values to plugin parameters by a plugin's schema, shared by every DeepSpeed
-// key mapping.
+// JSON from users, read without trusting its shape, for every front end that
+// reads JSON (the DeepSpeed mapping, the agent's store records, the CLI):
+// nesting depth bounded before nlohmann-json builds a DOM (its parser and
+// dump() recurse once per level, so a deep document would overflow the
+// stack), values quoted in messages as bounded excerpts, never whole, the
+// conversion of JSON values to plugin parameters, and how a configuration
+// file is told to be JSON.
+//
+// Threading: free functions without shared state. Errors: as each says.
 #pragma once
+
+#include <filesystem>
 
 #include <cstddef>
 #include <optional>
@@ -16,7 +21,7 @@
 #include "ductile/error.hpp"
 #include "ductile/params.hpp"
 
-namespace ductile::pipeline::detail {
+namespace ductile::pipeline {
 
 // Deepest nesting of arrays and objects accepted (a DeepSpeed config needs 4).
 inline constexpr std::size_t kMaxJsonDepth = 64;
@@ -47,8 +52,12 @@ std::string json_excerpt(const nlohmann::json& value);
 // or strings for the lists.
 std::optional<ParamValue> json_to_param(const nlohmann::json& value, ParamType type);
 
+// True when `file` is to be read as JSON: a .json extension, or any other
+// extension than .toml with content whose first non-blank character is '{'.
+bool is_json_config(const std::filesystem::path& file, std::string_view content);
+
 // What a value of `type` must be, for messages: "true or false", "an
 // integer", "a number", "a string", "a list of integers", ...
 const char* param_type_expectation(ParamType type);
 
-}  // namespace ductile::pipeline::detail
+}  // namespace ductile::pipeline

@@ -1,6 +1,7 @@
-// See bounded_json.hpp.
-#include "json/bounded_json.hpp"
+// See ductile/pipeline/json.hpp.
+#include "ductile/pipeline/json.hpp"
 
+#include <cctype>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -10,7 +11,7 @@
 
 #include <fmt/format.h>
 
-namespace ductile::pipeline::detail {
+namespace ductile::pipeline {
 
 using nlohmann::json;
 
@@ -211,4 +212,16 @@ const char* param_type_expectation(ParamType type) {
   return "a value";
 }
 
-}  // namespace ductile::pipeline::detail
+bool is_json_config(const std::filesystem::path& file, std::string_view content) {
+  std::string ext = file.extension().string();
+  for (auto& c : ext) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (ext == ".json") return true;
+  if (ext == ".toml") return false;
+  for (char c : content) {
+    if (std::isspace(static_cast<unsigned char>(c))) continue;
+    return c == '{';
+  }
+  return false;
+}
+
+}  // namespace ductile::pipeline

@@ -14,7 +14,7 @@
 #include <algorithm>
 #include <unordered_set>
 
-#include "elastic_policies.hpp"
+#include "search.hpp"
 
 namespace ductile::elastic {
 namespace {
