@@ -1,8 +1,8 @@
-"""zero3 checkpoints that commit atomically (issue 26, item 1): a save
-killed (SIGKILL) at any of its writes, fsyncs, renames and removals leaves
-the previous checkpoint or the new one, whole; files of two saves never mix
-silently; a failed load changes nothing; on 2 ranks one rank's load error
-reaches the other at once."""
+"""zero3 checkpoints that commit atomically: a save killed (SIGKILL) at any
+of its writes, fsyncs, renames and removals leaves the previous checkpoint
+or the new one, whole; files of two saves never mix silently; a failed load
+changes nothing; on 2 ranks one rank's load error reaches the other at
+once."""
 
 import hashlib
 import json

@@ -1,4 +1,4 @@
-"""zero3 on real Hugging Face models (issue 22, item 6): GPT-2, Llama and
+"""zero3 on real Hugging Face models: GPT-2, Llama and
 BERT from small configurations with random weights, 2 ranks under torchrun
 (torch.distributed over gloo) and under mpirun (Open MPI):
 

@@ -1,5 +1,5 @@
-"""Partitioned construction (issue 22, item 1), 2 ranks under torchrun and
-mpirun:
+"""Partitioned construction (zero3.init, load_from), 2 ranks under torchrun
+and mpirun:
 
 - under zero3.init() every parameter is initialised straight into its
   shards, with exactly the values the unsharded model gets from the same

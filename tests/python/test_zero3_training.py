@@ -1,6 +1,6 @@
-"""zero3's training-loop semantics and mixed precision (issue 22, items 3
-and 2) on 2 ranks, under torchrun and under mpirun, against plain torch on
-the whole batch (zero3_training_worker.py runs the scenarios):
+"""zero3's training-loop semantics and mixed precision on 2 ranks, under
+torchrun and under mpirun, against plain torch on the whole batch
+(zero3_training_worker.py runs the scenarios):
 
 - gradient accumulation, both ways (every micro-batch reduce-scattered into
   the shards, or full gradients kept until the last with no_sync): the same

@@ -301,7 +301,7 @@ def main():
     flat = statistics.median(rates["flattened"])
     print(f"  flattened / padded {flat / statistics.median(rates['padded']):.2f}x   "
           f"flattened / hf {flat / statistics.median(rates['hf']):.2f}x   "
-          "(issue 23's goal: >= 1.3x and >= 1.5x)")
+          "(goal: >= 1.3x and >= 1.5x)")
 
 
 if __name__ == "__main__":

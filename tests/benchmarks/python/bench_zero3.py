@@ -40,7 +40,7 @@ With --device cuda (tools/gpu/ runs it on a lent GPU): one rank on one GPU;
 step times after torch.cuda.synchronize(), peak =
 torch.cuda.max_memory_allocated above what was allocated before the model.
 
-Per engine, one line exactly in the issue's shape:
+Per engine, one line in this shape:
   engine <name>: step <ms> ms, x<ratio> DeepSpeed, x<ratio> FSDP2, peak <MiB> MiB/rank
 then the parameter and optimizer bytes per rank, the first losses (the
 engines agree), and for ductile the gather wait per step. Step: median over

@@ -1,43 +1,41 @@
 """The ZeRO-3 engine: a torch.nn.Module's parameters partitioned by the C++
 coordinator (the configured ``zero`` plugin) over the ranks of its world,
-gathered just in time by module hooks. It sits on seams, as FSDP2's
-``fully_shard`` does:
+gathered just in time by module hooks. ``Zero3Engine`` is the user's
+facade (DeepSpeed's engine API); the work sits on seams, as FSDP2's
+``fully_shard`` does (``FSDPState``, ``FSDPParamGroup``, ``FSDPParam``):
 
+- _sharded_model.py: the sharding set-up (coordinator session, world,
+  groups and shards, placement and offload, gradient reducer, hooks) and
+  the shards' update before a pass;
 - _units.py: which modules are hooked (units) and which parameters each
   gathers (groups);
+- _shards.py: the parameters and groups registered with the coordinator,
+  this rank's shards filled, and written back after a step;
 - _param.py: group and parameter state (flat shards, master copies,
   materialisation, saved-tensor packing);
-- _shards.py: partitioning set-up and the shards' update before a pass;
-- _passes.py: pass and hook orchestration (fetch, release, backward);
-- _gradients.py and _grad_shards.py: reduce-scatters by group, and
-  unscaling and clipping of the gradient shards;
+- _passes.py: fetch and release of each unit's groups, the hooks that
+  drive them, and the passes (forward, backward) they run in;
+- _gradients.py: reduce-scatters by group;
+- _loss_scaling.py: fp16 loss scaling (unscale, overflow, the scale);
+- _optimizer_step.py: the optimizer, clipping and the step;
+- _grad_shards.py: what unscaling, the overflow check and clipping do to
+  the gradient shards;
 - _offload.py and _budget.py: optimizer offload to the host, and where
   each group's tensors live under max_device_memory;
-- this file: the engine's set-up (configuration, world) and the training
-  API (backward, step, accumulation, checkpoints, full weights).
-
-The world is torch.distributed's process group when it is initialised and
-the configuration allows it (``[accelerator] communicator = "auto"`` or
-``"host"``): the coordinator's gathers and the engine's reduce-scatters run
-on it (gloo on cpu, NCCL on cuda) and no MPI is started. Otherwise it is the
-accelerator's own (Open MPI under mpirun or ``ductile agent --mpi-world``,
-NCCL over an MPI bootstrap, or a single process).
+- this file: the configuration, and the training API (backward, step,
+  accumulation, checkpoints, full weights), each call handed to its seam.
 """
 
 import contextlib
 
 import torch
 
-from ... import _ductile
 from ..._errors import IncompatibleError, InvalidArgumentError
-from . import _budget, _config, _full, _grad_shards
-from ._collectives import SessionCollectives
-from ._gradients import GradientReducer
-from ._memory import DeviceMemory
-from ._offload import OffloadedOptimizer, place
-from ._passes import ENGINE, EXTERNAL, Passes
-from ._per_parameter import PerParameterOptimizers
-from ._shards import Sharding
+from . import _config, _full
+from ._loss_scaling import LossScaling
+from ._optimizer_step import OptimizerStep
+from ._passes import ENGINE, EXTERNAL
+from ._sharded_model import ShardedModel
 
 
 def register_external_parameter(module, parameter):
@@ -63,7 +61,10 @@ def register_external_parameter(module, parameter):
 
 
 class Zero3Engine:
-    """See ``ductile.torch.zero3.initialize``."""
+    """The ZeRO-3 engine over one model, as ``ductile.torch.zero3.initialize``
+    makes it (its arguments are described there): DeepSpeed's engine API,
+    each call handed to the part that does it (ShardedModel,
+    OptimizerStep, LossScaling)."""
 
     def __init__(self, model, optimizer_factory=None, config=None, *, plugin_path=None,
                  mixed_precision=None, load_from=None, group=None, step_in_backward=False,
@@ -78,147 +79,70 @@ class Zero3Engine:
         world = _config.torch_world(group)
         settings = _config.resolve(config, plugin_path, mixed_precision, world)
         self.config = settings.loaded
-        self.mixed_precision = settings.mixed_precision
-        self.gradient_clipping = settings.gradient_clipping
-        self._session = _ductile.zero.Session(settings.loaded.runtime, world)
-        self._memory = DeviceMemory(self._session.backend)
-        if self._session.host_world:
-            if world.device.type != self._memory.device.type:
-                raise IncompatibleError(
-                    f"zero3: torch.distributed's {world.backend} process group works on "
-                    f"{world.device.type}, the configured accelerator on {self._session.backend}; "
-                    "use gloo with backend = \"cpu\" or NCCL with backend = \"cuda\"")
-            self.comm = world
-        else:
-            self.comm = SessionCollectives(self._session, self._memory.device)
-        self.rank = self._session.rank
-        self.world_size = self._session.size
-        self.module = model
-        self.global_step = 0       # optimizer steps taken (saved in checkpoints)
-        self._dirty = True         # the optimizer's shards changed since the last sync
-        self._unscaled = False     # the gradient shards are unscaled for this step
-        precision = self.mixed_precision
-        self._scaler = precision.loss_scaler if precision is not None else None
-
-        self._sharding = Sharding(self._session, self._memory, self.comm, precision)
-        self._params = self._sharding.collect(model)
-        units = self._sharding.plan(model, groups)
-        self._groups = self._sharding.groups
+        self.mixed_precision = precision = settings.mixed_precision
         if optimizer_factory is None:
             optimizer_factory = settings.optimizer
         offload = settings.offload
         if offload_optimizer is not None:
             offload = _config.offload_settings(offload_optimizer,
                                                "zero3.initialize: offload_optimizer")
-        self._placement = _budget.Placement(
-            self._groups, precision.master_dtype if precision is not None else None,
-            2 if optimizer_factory is not None else 0,
-            _budget.gather_reserve(self._session, self._groups))
-        self._offload = place(self._groups, self._placement, offload,
-                              _budget.budget_bytes(max_device_memory, self._memory.device),
-                              optimizer_factory is not None, step_in_backward,
-                              self._memory.device)
-        self._sharding.offload = self._offload
-        self._sharding.partition(model, load_from)
-        self._dirty = False
-        reduce_dtype = precision.reduce_dtype if precision is not None else None
-        largest = max(self.world_size * g.shard_numel *
-                      torch.empty((), dtype=reduce_dtype or g.dtype).element_size()
-                      for g in self._groups)
-        self._gradients = GradientReducer(self.comm, reduce_dtype,
-                                          max_inflight_bytes=max(2 * largest, 16 << 20))
-        self._passes = Passes(self._session, self._memory, self._params, self._groups,
-                              self._gradients, self._begin_pass)
-        self._passes.register_units(units)
-        self._passes.install(model)
+
+        sharded = ShardedModel(model, settings.loaded.runtime, world, precision, groups,
+                               offload, max_device_memory, load_from,
+                               optimizer_factory is not None, step_in_backward)
+        self.module = model
+        self.comm = sharded.comm
+        self.rank = sharded.rank
+        self.world_size = sharded.world_size
+        self._session = sharded.session
+        self._memory = sharded.memory
+        self._sharding = sharded.sharding
+        self._params = sharded.params
+        self._groups = sharded.groups
+        self._placement = sharded.placement
+        self._offload = sharded.offload
+        self._gradients = sharded.gradients
+        self._passes = sharded.passes
         for zp in self._params:
             _full.register_owner(self, zp)
-        self.optimizer = None
-        self.step_in_backward = bool(step_in_backward)
-        if self.step_in_backward:
-            if optimizer_factory is None:
-                raise InvalidArgumentError(
-                    "zero3.initialize: step_in_backward needs an optimizer_factory")
-            if self._scaler is not None or self.gradient_clipping:
-                raise IncompatibleError(
-                    "zero3.initialize: step_in_backward steps each parameter as soon as its "
-                    "gradient is reduced, before the whole gradient exists: it cannot clip "
-                    "the global norm (gradient_clipping) nor skip overflowing steps (fp16 "
-                    "loss scaling)")
-            if self._offload is not None:
-                self._make_offloaded_optimizer(optimizer_factory)
-            else:
-                trained = [zp for zp in self._params if zp.requires_grad]
-                self.optimizer = PerParameterOptimizers(optimizer_factory,
-                                                        [zp.shard for zp in trained])
-                by_id = dict(zip((zp.id for zp in trained), self.optimizer.optimizers))
-                self._gradients.on_group_ready = lambda g: self._step_group(g, by_id)
-        elif optimizer_factory is not None:
-            if self._offload is not None:
-                self._make_offloaded_optimizer(optimizer_factory)
-            else:
-                self.optimizer = optimizer_factory([zp.shard for zp in self._params])
-            if self.optimizer is not None:
-                self.optimizer.register_step_post_hook(self._optimizer_stepped)
-        self._device_high_water = 0  # of the last step, by the engine's accounting
-        self._resident_key = None    # the optimizer state's size when _resident was counted
-        self._resident = 0
 
-    # --- offload ------------------------------------------------------------------------
+        self._scaler = precision.loss_scaler if precision is not None else None
+        scaling = None
+        if self._scaler is not None:
+            scaling = LossScaling(self._scaler, self._groups, self._offload, self.comm,
+                                  self._memory.device)
+        self._steps = OptimizerStep(sharded, optimizer_factory, scaling,
+                                    settings.gradient_clipping, step_in_backward)
+        self.optimizer = self._steps.optimizer
+        self.step_in_backward = self._steps.step_in_backward
 
-    def _make_offloaded_optimizer(self, optimizer_factory):
-        made = optimizer_factory([zp.shard for zp in self._params])
-        if made is None:
-            raise InvalidArgumentError(
-                "zero3.initialize: optimizer_factory returned None; optimizer offload needs an "
-                "optimizer (torch.optim.Adam or AdamW)")
-        hosted = [zp.shard for g in self._groups if g.host is not None for zp in g.members]
-        self.optimizer = OffloadedOptimizer(made, hosted)
-        self._offload.optimizer = self.optimizer.host
-        self._gradients.on_group_ready = self._offload.gradient_ready
+    @property
+    def gradient_clipping(self):
+        """The global norm step() clips the gradient to (DeepSpeed's
+        ``gradient_clipping``); 0 or None: no clipping."""
+        return self._steps.gradient_clipping
 
-    def _device_grads(self):
-        return _grad_shards.gradient_tensors([g for g in self._groups if g.host is None])
+    @gradient_clipping.setter
+    def gradient_clipping(self, value):
+        self._steps.set_gradient_clipping(value)
 
-    def _gradient_bytes(self):
-        return sum(g.grad_flat.numel() * g.grad_flat.element_size()
-                   for g in self._groups if g.grad_flat is not None)
+    @property
+    def global_step(self):
+        """The optimizer steps taken (saved in checkpoints)."""
+        return self._steps.global_step
 
-    def _account(self, gradient_bytes):
-        state = self.optimizer.state if self.optimizer is not None else {}
-        size = (id(state), len(state))
-        if size != self._resident_key:  # state added (first steps, a load): count again
-            self._resident_key = size
-            self._resident = _budget.resident_bytes(self._groups, self.optimizer)
-        self._device_high_water = _budget.account(self._resident, self._session,
-                                                  self._placement, gradient_bytes)
-        self._placement.check(self._device_high_water, self.global_step)
+    @global_step.setter
+    def global_step(self, value):
+        self._steps.global_step = value
 
     # --- shards and passes --------------------------------------------------------
-
-    def _optimizer_stepped(self, optimizer, args, kwargs):
-        self._dirty = True
-
-    def _step_group(self, group, optimizers):
-        """step_in_backward: the group's gradient shard is complete; step
-        its parameters now and drop their gradients (the store is brought
-        up to date before the next pass)."""
-        if not self._gradients.sync:
-            return
-        for zp in group.trained:
-            if zp.shard.grad is not None:
-                optimizers[zp.id].step()
-                zp.shard.grad = None
-        group.grad_flat = None
-        group.grad_views = None
-        self._dirty = True
 
     def shards_changed(self):
         """Says that the optimizer's shards were written outside
         optimizer.step() (which the engine sees by itself): the next pass
         gathers the new values (offloaded masters are copied again). With
         offload on cuda, call ``shards_writable()`` before writing."""
-        self._dirty = True
+        self._sharding.changed = True
         if self._offload is not None:
             self._offload.masters_changed()
 
@@ -227,22 +151,6 @@ class Zero3Engine:
         still be read by its copy to the device (cuda); waits for it."""
         if self._offload is not None:
             self._offload.masters_changed()
-
-    def _begin_pass(self):
-        """Before a pass: on cuda, torch's current stream becomes the
-        coordinator's compute stream (gathers ordered after the optimizer's
-        writes and before the kernels that read them, copies reused only
-        after those kernels: see docs/python.md, "Streams"); then the shards
-        are brought up to date."""
-        if self._memory.device.type == "cuda":
-            self._session.set_compute_stream(torch.cuda.current_stream(self._memory.device)
-                                             .cuda_stream)
-        self._sync_shards()
-
-    def _sync_shards(self):
-        if self._dirty:
-            self._sharding.sync()
-            self._dirty = False
 
     @property
     def _pass_open(self):
@@ -291,107 +199,24 @@ class Zero3Engine:
         """FSDP2's switch: False keeps full gradients locally (see no_sync)."""
         self._gradients.sync = bool(sync)
 
-    def _grad_shards(self):
-        return _grad_shards.gradient_tensors(self._groups)
-
-    def _unscale(self):
-        """Divides the gradient shards by the loss scale (once per step)."""
-        if self._scaler is None or self._unscaled:
-            return
-        if self._offload is not None:
-            self._offload.unscale(self._device_grads(), 1.0 / self._scaler.scale)
-        else:
-            _grad_shards.unscale(self._grad_shards(), self._scaler.scale)
-        self._unscaled = True
-
-    def _overflow(self):
-        """True when a gradient shard of any rank holds inf or NaN (collective)."""
-        return _grad_shards.overflow(self._grad_shards(), self.comm, self._memory.device)
-
     def clip_grad_norm_(self, max_norm, norm_type=2.0):
         """Scales the gradient shards so that the norm of the whole gradient
         (over every rank's shards) is at most max_norm; returns that norm
         (before clipping) as a tensor, the same on every rank. Collective;
         call after backward, before step (fp16: the shards are unscaled
         first). The host does not wait for the device."""
-        if self._passes.backward_active:
-            raise IncompatibleError("zero3: clip_grad_norm_() called during backward")
-        if self.step_in_backward:
-            raise IncompatibleError("zero3: clip_grad_norm_() with step_in_backward: the "
-                                    "parameters were stepped during backward already")
-        max_norm, norm_type = float(max_norm), float(norm_type)
-        self._unscale()
-        if self._offload is not None:
-            return self._offload.clip(self._grad_shards(), self._device_grads(), self.comm,
-                                      max_norm, norm_type)
-        return _grad_shards.clip(self._grad_shards(), self.comm, self._memory.device, max_norm,
-                                 norm_type)
+        return self._steps.clip_grad_norm_(max_norm, norm_type)
 
     def step(self):
         """Steps the optimizer on the shards, then clears the gradient shards.
         With gradient_clipping (DeepSpeed config) the gradient is clipped
         first; with fp16 loss scaling a step whose gradient overflowed on
         any rank is skipped and the scale lowered."""
-        if self.optimizer is None:
-            raise IncompatibleError(
-                "zero3: step() needs an optimizer; pass optimizer_factory to initialize()")
-        if self._passes.backward_active:
-            raise IncompatibleError("zero3: step() called during backward")
-        if self._offload is not None:
-            self._offloaded_step()
-            return
-        if self.step_in_backward:
-            self.global_step += 1  # every parameter was stepped during backward
-            self.zero_grad()
-            return
-        skip = self._clip_and_scale()
-        gradient_bytes = self._gradient_bytes()
-        if not skip:
-            self.optimizer.step()
-        self.global_step += 1
-        self.zero_grad()
-        self._account(gradient_bytes)
-
-    def _clip_and_scale(self):
-        """Before a step: clips to gradient_clipping, and with fp16 loss
-        scaling unscales and updates the scale; True when the step must be
-        skipped (the gradient overflowed on some rank)."""
-        if self.gradient_clipping:
-            self.clip_grad_norm_(self.gradient_clipping)
-        if self._scaler is None:
-            return False
-        self._unscale()
-        skip = self._overflow()
-        self._scaler.update(skip)
-        return skip
-
-    def _offloaded_step(self):
-        """step() with groups on the host: the device's part by the
-        factory's optimizer, the host's group by group (see _offload.py)."""
-        gradient_bytes = self._gradient_bytes()
-        try:
-            skip = False
-            if not self.step_in_backward:
-                skip = self._clip_and_scale()
-                if not skip:
-                    self.optimizer.step_device()
-            self._offload.step(skip)
-        except BaseException:
-            self._offload.abandon()
-            raise
-        finally:
-            self._dirty = True
-        self.global_step += 1
-        self.zero_grad()
-        self._account(gradient_bytes)
+        self._steps.step()
 
     def zero_grad(self):
-        for zp in self._params:
-            zp.shard.grad = None
-        for group in self._groups:
-            group.grad_flat = None
-            group.grad_views = None
-        self._unscaled = False
+        """Clears the gradient shards (step() does it after stepping)."""
+        self._steps.zero_grad()
 
     @property
     def loss_scale(self):
@@ -426,7 +251,7 @@ class Zero3Engine:
         s["offloaded_groups"] = sorted(g.name for g in self._groups if g.host is not None)
         s["max_device_memory"] = self._placement.budget
         s["device_need_bytes"] = self._placement.device_need()
-        s["device_high_water_bytes"] = self._device_high_water
+        s["device_high_water_bytes"] = self._steps.device_high_water
         if self._offload is not None:
             s.update(self._offload.counters)
         s["units"] = len(self._passes.units)

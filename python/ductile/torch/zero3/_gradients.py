@@ -51,7 +51,10 @@ from ._collectives import Done
 
 
 class GradientReducer:
-    """`max_inflight_bytes`: the layout buffers handed to reduce-scatters not
+    """Reduce-scatters of one engine's gradients, group by group, into the
+    groups' gradient shards.
+
+    `max_inflight_bytes`: the layout buffers handed to reduce-scatters not
     yet complete are kept within it (the oldest is finished first), so that
     a transport slower than backward (gloo's one worker thread) cannot pile
     up every full gradient of the model; one larger bucket may go alone.

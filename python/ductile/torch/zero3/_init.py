@@ -1,5 +1,4 @@
-"""Partitioned construction (issue 22, item 1): no rank ever holds the
-whole model.
+"""Partitioned construction: no rank ever holds the whole model.
 
 ``with zero3.init(): model = Model(...)`` builds the model with each
 parameter initialised directly into this rank's shard, with the values the

@@ -5,7 +5,7 @@ On the cpu backend the coordinator's "device" memory is host memory: a
 writable memoryview over it goes to ``torch.frombuffer``. On cuda it is
 device memory: ``__cuda_array_interface__`` goes to ``torch.as_tensor``. The
 tensors never own the memory; whoever makes one keeps it only while the
-coordinator keeps the buffer (see _engine.py).
+coordinator keeps the buffer (see materialize and dematerialize in _param.py).
 """
 
 import torch

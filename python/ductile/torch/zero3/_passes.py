@@ -1,10 +1,17 @@
-"""Pass and hook orchestration of the zero3 engine (FSDP2's
-``FSDPState`` seam): which unit runs, when its groups are fetched,
-materialised, released and reduced, and when a pass begins and ends.
+"""Fetch and release of the zero3 engine's groups, the module and tensor
+hooks that drive them, and the passes they run in (FSDP2's ``FSDPState``
+seam): which unit runs, when its groups are fetched and materialised, when
+they are released and their gradients reduced, and when a pass begins and
+ends.
 
 - A forward pre-hook on a unit (_units.py) fetches its groups and
   materialises them (one coordinator call and one materialisation a
   group); the forward hook releases them.
+- Release is counted: a unit is fetched and released once per use, and
+  its last release hands its groups back to the coordinator
+  (``session.release``: each gathered copy freed unless persistent, used by
+  another fetched unit, or kept for a use soon in the trace) and points
+  their parameters at the empty placeholder again (_param.py).
 - For backward, a tensor hook on the unit's outputs fetches it again when
   the first of their gradients arrives, and one on its inputs releases it
   once all of theirs are in (_hooks.py); that release, the last of the
@@ -66,7 +73,9 @@ _graph_task_id = torch._C._current_graph_task_id
 
 
 class Passes:
-    """Fetch, release, reduction and the hooks of one engine's model."""
+    """One engine's passes over its model: the unit hooks, the fetch and
+    release of each unit's groups, and the reduce-scatters a backward
+    starts."""
 
     def __init__(self, session, memory, params, groups, gradients, begin_pass):
         self.session = session

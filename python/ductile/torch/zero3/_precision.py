@@ -1,4 +1,5 @@
-"""Mixed precision of the zero3 engine (issue 22, item 2).
+"""Mixed precision of the zero3 engine: the dtypes parameters are gathered,
+gradients reduced and the optimizer's shards kept in, and fp16 loss scalers.
 
 ``MixedPrecision(param_dtype, reduce_dtype, master_dtype)``:
 

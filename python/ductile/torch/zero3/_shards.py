@@ -1,7 +1,7 @@
-"""Sharding set-up of the zero3 engine (FSDP2's ``fully_shard`` set-up):
-the model's parameters, their groups (_units.py), registered with the
-coordinator, and this rank's shards filled; and, before each pass, the
-shards brought up to date with what the optimizer wrote.
+"""The zero3 engine's parameters and their groups (_units.py), registered
+with the coordinator, and this rank's shards: filled at set-up
+(_sharded_model.py builds it), and brought up to date before each pass
+with what the optimizer wrote (``Sharding.changed``).
 
 A group is one coordinator parameter (``register_group``: one collective a
 group). A coordinator without ``ParameterGroups`` gets one parameter a
@@ -38,6 +38,7 @@ class Sharding:
         self.world = session.size
         self.precision = precision
         self.offload = None  # the engine's OptimizerOffload, when groups are offloaded
+        self.changed = False  # the optimizer's shards changed since the last sync()
         self.params = []
         self.groups = []
         self.units = []
@@ -222,3 +223,4 @@ class Sharding:
                                       group.shard_numel * group.element_size)
                 elif group.persistent:
                     session.shard_written(group.id)
+        self.changed = False
