@@ -16,6 +16,7 @@
 #include "ductile/core/logging.hpp"
 #include "ductile/pipeline/deepspeed_batching.hpp"
 #include "ductile/pipeline/elasticity.hpp"
+#include "ductile/pipeline/json.hpp"
 #include "ductile/pipeline/pack_plan.hpp"
 
 namespace ductile::cli {

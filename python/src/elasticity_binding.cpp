@@ -7,6 +7,7 @@
 #include "ductile/core/logging.hpp"
 #include "ductile/elasticity_policy.hpp"
 #include "ductile/pipeline/elasticity.hpp"
+#include "ductile/pipeline/json.hpp"
 
 namespace ductile::python {
 

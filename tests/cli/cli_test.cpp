@@ -253,8 +253,8 @@ TEST_CASE("config check reads a DeepSpeed JSON config through the one mapping, n
   auto h = cli({"config", "check", half.string()});
   CHECK(h.exit_code == 2);
   CHECK_MESSAGE(contains(h.err, half.string() + ": zero_optimization.stage3_prefetch_bucket_size: "
-                                                 "[zero] prefetch_bucket_size = 1.5: expected a "
-                                                 "whole number of elements"),
+                                                "[zero] prefetch_bucket_size = 1.5: expected a "
+                                                "whole number of elements"),
                 h.err);
   // A valid one: its sections as ductile reads them, and what is not acted on.
   auto ok = dir.write("ok.json", R"({"zero_optimization": {"stage": 3,

@@ -87,7 +87,8 @@ bool check_scheduler_elasticity(const ElasticityFingerprint& runtime,
       scheduler = elasticity_from_toml_text(text, name, registry);
     // Both sides complete: the schema's defaults stand for absent keys.
     const core::PluginInfo& info = registry.find(PluginKind::elasticity, scheduler.policy);
-    const Params complete = core::complete_params(info, core::schema_params(info, scheduler.params));
+    const Params complete =
+        core::complete_params(info, core::schema_params(info, scheduler.params));
     for (auto& d : differences(info, fingerprint_of(scheduler.policy, complete), runtime))
       problems.push_back(fmt::format("{}: {}", name, d));
   }

@@ -19,19 +19,52 @@
 namespace ductile::elastic {
 
 inline constexpr ParamSpec kElasticitySchema[] = {
-    {.key = "enabled", .type = ParamType::boolean, .flags = param_local, .default_value = "true", .doc = "Elasticity on. A TOML section that selects a policy opts in; DeepSpeed JSON keeps "
-     "DeepSpeed's default (false)"},
-    {.key = "max_train_batch_size", .type = ParamType::integer, .doc = "Largest acceptable global train batch size; required (checked when the plan is computed, "
-     "as DeepSpeed does)"},
-    {.key = "micro_batch_sizes", .type = ParamType::integer_list, .doc = "Acceptable micro batch sizes per GPU, positive integers; required (checked when the "
-     "plan is computed)"},
-    {.key = "min_gpus", .type = ParamType::integer, .default_value = "1", .doc = "Fewest GPUs to plan for (>= 1)"},
-    {.key = "max_gpus", .type = ParamType::integer, .default_value = "10000", .doc = "Most GPUs to plan for (>= min_gpus)"},
-    {.key = "min_time", .type = ParamType::integer, .flags = param_local, .default_value = "0", .doc = "Minutes a scheduler should run the job before rescaling it (>= 0; 0 = unknown)"},
-    {.key = "prefer_larger_batch", .type = ParamType::boolean, .default_value = "true", .doc = "Break ties between equally elastic batch sizes towards the larger one"},
-    {.key = "num_gpus_per_node", .type = ParamType::integer, .default_value = "1", .doc = "GPUs per node (v0.2, optimal: plan whole nodes)"},
-    {.key = "model_parallel_size", .type = ParamType::integer, .default_value = "1", .doc = "GPUs per model replica (v0.2, optimal); data-parallel size = GPUs / this"},
-    {.key = "ignore_non_elastic_batch_info", .type = ParamType::boolean, .flags = param_local, .default_value = "false", .doc = "Accepted for DeepSpeed compatibility: batch settings outside the elastic block are ignored"},
+    {.key = "enabled",
+     .type = ParamType::boolean,
+     .flags = param_local,
+     .default_value = "true",
+     .doc = "Elasticity on. A TOML section that selects a policy opts in; DeepSpeed JSON keeps "
+            "DeepSpeed's default (false)"},
+    {.key = "max_train_batch_size",
+     .type = ParamType::integer,
+     .doc =
+         "Largest acceptable global train batch size; required (checked when the plan is computed, "
+         "as DeepSpeed does)"},
+    {.key = "micro_batch_sizes",
+     .type = ParamType::integer_list,
+     .doc = "Acceptable micro batch sizes per GPU, positive integers; required (checked when the "
+            "plan is computed)"},
+    {.key = "min_gpus",
+     .type = ParamType::integer,
+     .default_value = "1",
+     .doc = "Fewest GPUs to plan for (>= 1)"},
+    {.key = "max_gpus",
+     .type = ParamType::integer,
+     .default_value = "10000",
+     .doc = "Most GPUs to plan for (>= min_gpus)"},
+    {.key = "min_time",
+     .type = ParamType::integer,
+     .flags = param_local,
+     .default_value = "0",
+     .doc = "Minutes a scheduler should run the job before rescaling it (>= 0; 0 = unknown)"},
+    {.key = "prefer_larger_batch",
+     .type = ParamType::boolean,
+     .default_value = "true",
+     .doc = "Break ties between equally elastic batch sizes towards the larger one"},
+    {.key = "num_gpus_per_node",
+     .type = ParamType::integer,
+     .default_value = "1",
+     .doc = "GPUs per node (v0.2, optimal: plan whole nodes)"},
+    {.key = "model_parallel_size",
+     .type = ParamType::integer,
+     .default_value = "1",
+     .doc = "GPUs per model replica (v0.2, optimal); data-parallel size = GPUs / this"},
+    {.key = "ignore_non_elastic_batch_info",
+     .type = ParamType::boolean,
+     .flags = param_local,
+     .default_value = "false",
+     .doc = "Accepted for DeepSpeed compatibility: batch settings outside the elastic block are "
+            "ignored"},
 };
 
 // Throws ductile::Error typed ElasticityConfigError (ErrorKind::config).

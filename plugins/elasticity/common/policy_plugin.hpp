@@ -8,8 +8,8 @@
 #include <string_view>
 
 #include "ductile/elasticity_policy.hpp"
-#include "plan.hpp"
 #include "elastic_settings.hpp"
+#include "plan.hpp"
 
 namespace ductile::elastic {
 

@@ -77,11 +77,11 @@ ElasticityResult compute_optimal(const Settings& s, const ElasticityRequest& req
   return r;
 }
 
-
 }  // namespace ductile::elastic
 
-using OptimalPolicy =
-    ductile::elastic::PolicyPlugin<&ductile::elastic::compute_optimal, &ductile::elastic::check_optimal>;
+using OptimalPolicy = ductile::elastic::PolicyPlugin<&ductile::elastic::compute_optimal,
+                                                     &ductile::elastic::check_optimal>;
 
-DUCTILE_PLUGIN(OptimalPolicy, "optimal", "1.0.0", "Every batch size up to the cap: the most valid GPU counts, never fewer than v0.1",
+DUCTILE_PLUGIN(OptimalPolicy, "optimal", "1.0.0",
+               "Every batch size up to the cap: the most valid GPU counts, never fewer than v0.1",
                ductile::elastic::kElasticitySchema)

@@ -46,11 +46,11 @@ ElasticityResult compute_v01(const Settings& s, const ElasticityRequest& request
   return r;
 }
 
-
 }  // namespace ductile::elastic
 
 using DeepSpeedV01Policy =
     ductile::elastic::PolicyPlugin<&ductile::elastic::compute_v01, &ductile::elastic::check_v01>;
 
-DUCTILE_PLUGIN(DeepSpeedV01Policy, "v0.1", "1.0.0", "DeepSpeed elasticity v0.1: HCN-scaled candidates, most valid GPU counts",
+DUCTILE_PLUGIN(DeepSpeedV01Policy, "v0.1", "1.0.0",
+               "DeepSpeed elasticity v0.1: HCN-scaled candidates, most valid GPU counts",
                ductile::elastic::kElasticitySchema)

@@ -110,11 +110,11 @@ ElasticityResult compute_v02(const Settings& s, const ElasticityRequest& request
   return r;
 }
 
-
 }  // namespace ductile::elastic
 
 using DeepSpeedV02Policy =
     ductile::elastic::PolicyPlugin<&ductile::elastic::compute_v02, &ductile::elastic::check_v02>;
 
-DUCTILE_PLUGIN(DeepSpeedV02Policy, "v0.2", "1.0.0", "DeepSpeed elasticity v0.2: node-aware, model-parallel aware, reported fallback",
+DUCTILE_PLUGIN(DeepSpeedV02Policy, "v0.2", "1.0.0",
+               "DeepSpeed elasticity v0.2: node-aware, model-parallel aware, reported fallback",
                ductile::elastic::kElasticitySchema)

@@ -138,19 +138,20 @@ TEST_CASE("an out-of-tree elasticity policy builds against the installed SDK and
     out.push_back("DEEPSPEED_ELASTICITY_CONFIG=" + text);
     return out;
   };
-  auto python = run_process(
-      {DUCTILE_PYTHON, "-c",
-       "import sys, ductile.elasticity as e\n"
-       "p = e.load(sys.argv[1])\n"
-       "r = p.compute(world_size=2)\n"
-       "print(p.name, r.final_batch_size, r.micro_batch_size, p.check_scheduler())\n",
-       plain.string()},
-      with_contract(contract));
+  auto python =
+      run_process({DUCTILE_PYTHON, "-c",
+                   "import sys, ductile.elasticity as e\n"
+                   "p = e.load(sys.argv[1])\n"
+                   "r = p.compute(world_size=2)\n"
+                   "print(p.name, r.final_batch_size, r.micro_batch_size, p.check_scheduler())\n",
+                   plain.string()},
+                  with_contract(contract));
   REQUIRE_MESSAGE(python.exit_code == 0, python.out << python.err);
   CHECK(python.out == "pow2 " + std::to_string(batch8) + " 4 True\n");
   // A contract that differs in a key only the policy knows is refused.
-  const std::string other = R"({"enabled": true, "policy": "pow2", )"
-                            R"("max_train_batch_size": 1000, "micro_batch_size": 2, "max_gpus": 8})";
+  const std::string other =
+      R"({"enabled": true, "policy": "pow2", )"
+      R"("max_train_batch_size": 1000, "micro_batch_size": 2, "max_gpus": 8})";
   auto differs = run_process({DUCTILE_PYTHON, "-c",
                               "import sys, ductile.elasticity as e\n"
                               "e.load(sys.argv[1]).check_scheduler()\n",
