@@ -93,8 +93,8 @@ void register_agent_command(CLI::App& app, CliContext& context) {
                 "OMPI_MCA_pmix_server_uri");
   sub->add_option("--lease-ttl", o->lease_ttl,
                   fmt::format("Seconds after which a dead agent's registration expires (default "
-                              "{}, >= 2)",
-                              defaults.lease_ttl.count()));
+                              "{}, >= {})",
+                              defaults.lease_ttl.count(), agent::kMinLeaseTtl.count()));
   sub->add_option("--poll-interval", o->poll_interval,
                   fmt::format("Seconds between rendezvous reads (default {})",
                               in_seconds(defaults.poll_interval)));

@@ -34,9 +34,9 @@ void check_options(const AgentOptions& o) {
     bad(fmt::format("--max-restarts {} is invalid: give 0 or more", o.max_restarts));
   if (o.command.empty())
     bad("no worker command: give it after '--', e.g. ductile agent ... -- python3 train.py");
-  if (o.lease_ttl < std::chrono::seconds(2))
-    bad(fmt::format("--lease-ttl {} is invalid: etcd leases last at least 2 seconds",
-                    o.lease_ttl.count()));
+  if (o.lease_ttl < kMinLeaseTtl)
+    bad(fmt::format("--lease-ttl {} is invalid: etcd leases last at least {} seconds",
+                    o.lease_ttl.count(), kMinLeaseTtl.count()));
   if (o.poll_interval <= milliseconds(0) || o.stop_grace < milliseconds(0) ||
       o.settle < milliseconds(0) || o.store_timeout <= milliseconds(0) ||
       o.request_timeout <= milliseconds(0) || o.checkpoint_timeout < milliseconds(0) ||

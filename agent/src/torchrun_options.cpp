@@ -176,7 +176,8 @@ void apply_rdzv_conf(const std::string& text, LaunchArguments& o, RdzvConf& rdzv
     double ttl =
         keep_alive_interval.value_or(Defaults::keep_alive_interval) *
         static_cast<double>(keep_alive_attempts.value_or(Defaults::keep_alive_max_attempt));
-    if (!o.lease_ttl) o.lease_ttl = std::max<std::int64_t>(2, std::llround(std::ceil(ttl)));
+    if (!o.lease_ttl)
+      o.lease_ttl = std::max<std::int64_t>(kMinLeaseTtl.count(), std::llround(std::ceil(ttl)));
   }
 }
 

@@ -111,6 +111,9 @@ struct AgentOptions {
   const std::atomic<int>* stop_signal = nullptr;
 };
 
+// The shortest lease_ttl: etcd's leases last at least this long.
+inline constexpr std::chrono::seconds kMinLeaseTtl{2};
+
 // Throws ductile::Error(invalid_argument) naming the first bad option (by
 // its command-line name), its value and what is valid. run_agent() calls it.
 void check_options(const AgentOptions& options);
