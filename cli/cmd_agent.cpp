@@ -5,19 +5,21 @@
 //               [--rdzv-backend c10d|static|etcd|etcd-v2 --rdzv-endpoint HOST:PORT]
 //               [--node-rank R --master-addr A --master-port P] [--rdzv-id ID]
 //               [--rdzv-conf K=V,...] [--log-dir D -r S -t S] ... SCRIPT.py ARGS...
-// The elastic agent of one node (the logic is in libductile_agent; see
-// docs/elastic-agent.md). Built into the agent program, not into `ductile`
-// (main.cpp says why).
+// The elastic agent of one node: this file parses argv and nothing else; the
+// logic, torchrun's command line read into AgentOptions included, is in
+// libductile_agent (torchrun_options.hpp; see docs/elastic-agent.md). Built
+// into the agent program, not into `ductile` (main.cpp says why).
 #include <signal.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 
 #include <fmt/format.h>
 
 #include "agent_command.hpp"
-#include "agent_options.hpp"
 #include "ductile/agent/agent.hpp"
+#include "ductile/agent/torchrun_options.hpp"
 
 namespace ductile::cli {
 namespace {
@@ -28,9 +30,14 @@ void on_stop_signal(int sig) {
   g_stop_signal.store(sig);
 }
 
-int run_agent_command(const CliContext& context, AgentCliOptions& o,
+// A duration as the command line gives it, in seconds ("0.25", "2").
+std::string in_seconds(std::chrono::milliseconds duration) {
+  return fmt::format("{}", std::chrono::duration<double>(duration).count());
+}
+
+int run_agent_command(const CliContext& context, const agent::LaunchArguments& arguments,
                       const std::vector<std::string>& rest) {
-  agent::AgentOptions a = agent_options(o, rest);
+  agent::AgentOptions a = agent::agent_options(arguments, rest);
   a.runtime = context.runtime_options();
   a.stop_signal = &g_stop_signal;
   struct sigaction action {};
@@ -45,7 +52,11 @@ int run_agent_command(const CliContext& context, AgentCliOptions& o,
 }  // namespace
 
 void register_agent_command(CLI::App& app, CliContext& context) {
-  auto o = std::make_shared<AgentCliOptions>();
+  auto o = std::make_shared<agent::LaunchArguments>();
+  // The defaults the help states: AgentOptions' and torchrun's, each stated
+  // once (agent_options.hpp, torchrun_options.hpp).
+  const agent::AgentOptions defaults;
+  using Torchrun = agent::TorchrunDefaults;
   auto* sub = app.add_subcommand("agent", kAgentDescription);
   sub->add_option("--config", o->agent.config,
                   "ductile TOML configuration with an [elasticity] section, or a DeepSpeed JSON "
@@ -60,14 +71,18 @@ void register_agent_command(CLI::App& app, CliContext& context) {
   sub->add_option("--rdzv-cert", o->agent.tls.cert_file,
                   "TLS to etcd: this client's certificate (PEM), for etcd's --client-cert-auth");
   sub->add_option("--rdzv-key", o->agent.tls.key_file, "TLS to etcd: the client certificate's key");
-  sub->add_option("--nproc-per-node,--nproc_per_node", o->nproc_per_node,
-                  "Workers on this node: a number, or cpu, gpu, auto (as torchrun; default 1)");
-  sub->add_option("--min-nodes", o->min_nodes, "Fewest nodes the job runs on (default 1)");
+  sub->add_option(
+      "--nproc-per-node,--nproc_per_node", o->nproc_per_node,
+      fmt::format("Workers on this node: a number, or cpu, gpu, auto (as torchrun; default {})",
+                  defaults.nproc_per_node));
+  sub->add_option("--min-nodes", o->min_nodes,
+                  fmt::format("Fewest nodes the job runs on (default {})", defaults.min_nodes));
   sub->add_option("--max-nodes", o->max_nodes,
                   "Most nodes the job runs on (default: as many as a valid world size can use)");
   sub->add_option("--max-restarts,--max_restarts", o->agent.max_restarts,
-                  "Group restarts after worker failures before the job fails, counted for "
-                  "the whole job (default 0, as torchrun)");
+                  fmt::format("Group restarts after worker failures before the job fails, counted "
+                              "for the whole job (default {}, as torchrun)",
+                              defaults.max_restarts));
   sub->add_option("--node-addr", o->agent.node_addr,
                   "Address other nodes reach this one at, published as MASTER_ADDR when this "
                   "node leads (default: the host's fully qualified name, as torchrun)");
@@ -77,15 +92,24 @@ void register_agent_command(CLI::App& app, CliContext& context) {
                 "each agent runs an ompi-server (Open MPI), workers get DUCTILE_MPI_JOIN and "
                 "OMPI_MCA_pmix_server_uri");
   sub->add_option("--lease-ttl", o->lease_ttl,
-                  "Seconds after which a dead agent's registration expires (default 5, >= 2)");
+                  fmt::format("Seconds after which a dead agent's registration expires (default "
+                              "{}, >= {})",
+                              defaults.lease_ttl.count(), agent::kMinLeaseTtl.count()));
   sub->add_option("--poll-interval", o->poll_interval,
-                  "Seconds between rendezvous reads (default 0.25)");
+                  fmt::format("Seconds between rendezvous reads (default {})",
+                              in_seconds(defaults.poll_interval)));
   sub->add_option("--settle", o->settle,
-                  "Seconds without arrivals before a first or larger round forms (default 2)");
+                  fmt::format("Seconds without arrivals before a first or larger round forms "
+                              "(default {})",
+                              in_seconds(defaults.settle)));
   sub->add_option("--stop-grace", o->stop_grace,
-                  "Seconds between SIGTERM and SIGKILL when stopping workers (default 5)");
+                  fmt::format("Seconds between SIGTERM and SIGKILL when stopping workers (default "
+                              "{})",
+                              in_seconds(defaults.stop_grace)));
   sub->add_option("--store-timeout", o->store_timeout,
-                  "Seconds etcd may stay unreachable before the agent stops (default 30)");
+                  fmt::format("Seconds etcd may stay unreachable before the agent stops (default "
+                              "{})",
+                              in_seconds(defaults.store_timeout)));
   sub->add_option("--min-time", o->min_time,
                   "Seconds before a scale-up after a (re)start; overrides the configuration's "
                   "min_time (minutes)");
@@ -93,28 +117,39 @@ void register_agent_command(CLI::App& app, CliContext& context) {
                   "Seconds a worker failure waits for a lost node to explain it before it "
                   "counts as a restart (default: --lease-ttl)");
   sub->add_option("--checkpoint-timeout", o->checkpoint_timeout,
-                  "Seconds the workers get to save before a planned re-form (a scale-up, a node "
-                  "drained with SIGTERM); 0 (default): re-form at once. Workers see the request "
-                  "with ductile.torch.elastic.should_checkpoint()");
+                  fmt::format("Seconds the workers get to save before a planned re-form (a "
+                              "scale-up, a node drained with SIGTERM; default {}); 0: re-form at "
+                              "once. Workers see the request with "
+                              "ductile.torch.elastic.should_checkpoint()",
+                              in_seconds(defaults.checkpoint_timeout)));
   // torchrun's options (docs/elastic-agent.md, "torchrun's command line").
   sub->add_option("--nnodes", o->nnodes, "torchrun: N or MIN:MAX nodes");
   sub->add_option("--rdzv-backend,--rdzv_backend", o->rdzv_backend,
-                  "torchrun: c10d (the agent on the endpoint's host serves the rendezvous), "
-                  "static (default; --node-rank, --master-addr, --master-port), etcd or etcd-v2 "
-                  "(an etcd: survives the loss of any node)");
+                  fmt::format("torchrun: c10d (the agent on the endpoint's host serves the "
+                              "rendezvous), static (--node-rank, --master-addr, --master-port), "
+                              "etcd or etcd-v2 (an etcd: survives the loss of any node); default "
+                              "{}",
+                              Torchrun::rdzv_backend));
   sub->add_option("--rdzv-endpoint,--rdzv_endpoint", o->rdzv_endpoint,
-                  "torchrun: HOST[:PORT] of the rendezvous (c10d: default port 29400; etcd: the "
-                  "etcd's, as --rdzv etcd://HOST:PORT)");
-  sub->add_option("--rdzv-id,--rdzv_id", o->rdzv_id, "torchrun: the job id (as --job-id)");
-  sub->add_option("--rdzv-conf,--rdzv_conf", o->rdzv_conf,
-                  "torchrun: key=value,...: join_timeout (or timeout), last_call_timeout (as "
+                  fmt::format("torchrun: HOST[:PORT] of the rendezvous (c10d: default port {}; "
+                              "etcd: the etcd's, as --rdzv etcd://HOST:PORT)",
+                              Torchrun::c10d_port));
+  sub->add_option(
+      "--rdzv-id,--rdzv_id", o->rdzv_id,
+      fmt::format("torchrun: the job id (as --job-id; default '{}')", Torchrun::rdzv_id));
+  sub->add_option(
+      "--rdzv-conf,--rdzv_conf", o->rdzv_conf,
+      fmt::format("torchrun: key=value,...: join_timeout (or timeout), last_call_timeout (as "
                   "--settle), read_timeout, keep_alive_interval x keep_alive_max_attempt (as "
-                  "--lease-ttl), protocol=https, cacert, cert, key (as --rdzv-cacert ...)");
+                  "--lease-ttl; default {} x {}), protocol=https, cacert, cert, key (as "
+                  "--rdzv-cacert ...)",
+                  Torchrun::keep_alive_interval, Torchrun::keep_alive_max_attempt));
   sub->add_option("--monitor-interval,--monitor_interval", o->monitor_interval,
                   "torchrun: seconds between checks of the workers (as --poll-interval)");
   sub->add_option("--shutdown-timeout,--shutdown_timeout", o->shutdown_timeout,
                   "torchrun: seconds between SIGTERM and SIGKILL (as --stop-grace)");
-  sub->add_option("--role", o->agent.role, "torchrun: the workers' ROLE_NAME (default 'default')");
+  sub->add_option("--role", o->agent.role,
+                  fmt::format("torchrun: the workers' ROLE_NAME (default '{}')", defaults.role));
   sub->add_option("--local-addr,--local_addr", o->local_addr, "torchrun: as --node-addr");
   sub->add_option("--signals-to-handle,--signals_to_handle", o->agent.signals_to_handle,
                   "torchrun: the workers' TORCHELASTIC_SIGNALS_TO_HANDLE");
@@ -126,12 +161,16 @@ void register_agent_command(CLI::App& app, CliContext& context) {
   sub->add_flag("--standalone", o->standalone,
                 "torchrun: one node with its own rendezvous (nothing else started)");
   sub->add_option("--node-rank,--node_rank", o->node_rank,
-                  "torchrun's static rendezvous: this node's rank (0 hosts the store)")
-      ->each([o](const std::string&) { o->node_rank_given = true; });
+                  fmt::format("torchrun's static rendezvous: this node's rank (0 hosts the store; "
+                              "default {})",
+                              Torchrun::node_rank));
   sub->add_option("--master-addr,--master_addr", o->master_addr,
-                  "torchrun's static rendezvous: node rank 0's address (default 127.0.0.1)");
+                  fmt::format("torchrun's static rendezvous: node rank 0's address (default {})",
+                              Torchrun::master_addr));
   sub->add_option("--master-port,--master_port", o->master_port,
-                  "torchrun's static rendezvous: the port of node rank 0's store (default 29500)");
+                  fmt::format("torchrun's static rendezvous: the port of node rank 0's store "
+                              "(default {})",
+                              Torchrun::master_port));
   sub->add_option("--log-dir,--log_dir", o->log_dir,
                   "torchrun: the workers' log files go to DIR/<rdzv-id>_XXXXXX/attempt_<round>/"
                   "<local rank>/ (with their error files)");

@@ -1,7 +1,7 @@
 // The leader's pass: it reads the members' done, saved and draining marks
 // and the failure and checkpoint records of the round, asks the policy
 // (rendezvous.hpp) what to do, and writes the next round, with the place
-// of its workers' store. See agent_impl.hpp.
+// of its workers' store. See leadership.hpp.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -10,10 +10,13 @@
 #include <algorithm>
 #include <fstream>
 #include <random>
+#include <system_error>
 
 #include <fmt/format.h>
 
-#include "agent_impl.hpp"
+#include "ductile/error.hpp"
+
+#include "leadership.hpp"
 
 namespace ductile::agent {
 
@@ -55,12 +58,42 @@ int free_port(int avoid) {
 
 }  // namespace
 
-std::vector<std::string> Agent::marked(const std::string& what, const RoundRecord& round,
-                                       const std::vector<NodeInfo>& alive) {
+void Leadership::serve_fixed_worker_store() {
+  try {
+    worker_store_ = std::make_unique<StoreServer>(o_.master_port, nullptr);
+  } catch (const std::system_error& e) {
+    throw Error(ErrorKind::invalid_argument,
+                fmt::format("--master-port {} cannot be served on this host: {}; is another "
+                            "job (or torchrun) using it? give another --master-port",
+                            o_.master_port, e.code().message()));
+  }
+}
+
+void Leadership::start_mpi_server() {
+  if (o_.mpi_world) mpi_server_ = std::make_unique<OmpiServer>();
+}
+
+void Leadership::drop_stale_worker_store(const RoundRecord& round) {
+  if (worker_store_ && o_.master_port == 0 &&
+      (round.master_addr != self_.addr || round.master_port != worker_store_->port()))
+    worker_store_.reset();
+}
+
+void Leadership::track_membership(const std::vector<NodeInfo>& alive) {
+  std::vector<std::string> ids;
+  for (const auto& n : alive) ids.push_back(n.id);
+  if (ids != last_alive_) {
+    last_alive_ = ids;
+    last_membership_change_ = now_ms();
+  }
+}
+
+std::vector<std::string> Leadership::marked(const std::string& what, const RoundRecord& round,
+                                            const std::vector<NodeInfo>& alive) {
   const std::string r = std::to_string(round.round);
-  const std::string prefix = key(what + "/" + r + "/");
+  const std::string prefix = self_.key(what + "/" + r + "/");
   std::vector<std::string> out;
-  for (const auto& kv : store_->get_prefix(prefix)) {
+  for (const auto& kv : conn_.store().get_prefix(prefix)) {
     const std::string node = kv.key.substr(prefix.size());
     auto member = std::find(round.members.begin(), round.members.end(), node);
     auto it =
@@ -77,16 +110,16 @@ std::vector<std::string> Agent::marked(const std::string& what, const RoundRecor
             "{} record: it is not on the lease of node {}'s registration", what, excerpt(node)));
       out.push_back(node);
     } catch (const MalformedRecord& e) {
-      ignore_record(kv, e.what(), "not counted");
+      conn_.ignore_record(kv, e.what(), "not counted");
     }
   }
   return out;
 }
 
-std::vector<std::string> Agent::draining(const std::vector<NodeInfo>& alive) {
-  const std::string prefix = key("draining/");
+std::vector<std::string> Leadership::draining(const std::vector<NodeInfo>& alive) {
+  const std::string prefix = self_.key("draining/");
   std::vector<std::string> out;
-  for (const auto& kv : store_->get_prefix(prefix)) {
+  for (const auto& kv : conn_.store().get_prefix(prefix)) {
     const std::string node = kv.key.substr(prefix.size());
     auto it =
         std::find_if(alive.begin(), alive.end(), [&](const NodeInfo& n) { return n.id == node; });
@@ -97,19 +130,19 @@ std::vector<std::string> Agent::draining(const std::vector<NodeInfo>& alive) {
             "draining record: it is not on the lease of node {}'s registration", excerpt(node)));
       out.push_back(node);
     } catch (const MalformedRecord& e) {
-      ignore_record(kv, e.what(), "the node is not draining");
+      conn_.ignore_record(kv, e.what(), "the node is not draining");
     }
   }
   return out;
 }
 
-void Agent::clear_previous_run() {
+void Leadership::clear_previous_run() {
   for (const char* records : {"failure/", "done/", "checkpoint/", "saved/"})
-    store_->erase_prefix(key(records));
+    conn_.store().erase_prefix(self_.key(records));
 }
 
-void Agent::place_worker_store(RoundRecord& next, const NodeInfo& rank0,
-                               std::unique_ptr<StoreServer>& server) {
+void Leadership::place_worker_store(RoundRecord& next, const NodeInfo& rank0,
+                                    std::unique_ptr<StoreServer>& server) {
   if (!o_.agent_store) {
     // Rank 0's worker creates the store there (torchrun's etcd rendezvous).
     next.master_addr = rank0.addr;
@@ -122,7 +155,8 @@ void Agent::place_worker_store(RoundRecord& next, const NodeInfo& rank0,
     // round, emptied for the new round's workers.
     next.master_addr = o_.master_addr;
     next.master_port = o_.master_port;
-    StoreServer* fixed = rdzv_server_ ? rdzv_server_.get() : worker_store_.get();
+    StoreServer* fixed =
+        conn_.rendezvous_server() ? conn_.rendezvous_server() : worker_store_.get();
     if (fixed) fixed->reset_worker_store();
     return;
   }
@@ -133,19 +167,21 @@ void Agent::place_worker_store(RoundRecord& next, const NodeInfo& rank0,
   next.master_port = server->port();
 }
 
-void Agent::lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& round_kv,
-                 std::optional<RoundRecord>& round) {
+void Leadership::lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& round_kv,
+                      std::optional<RoundRecord>& round) {
   // The record holds a previous run's last round: this run's first round
   // replaces it.
-  const bool previous = round_kv && !round && previous_run_logged_ == round_kv->mod_revision;
-  if (round_kv && !round && !previous && last_good_round_) {
+  const bool previous =
+      round_kv && !round && membership_.previous_run_revision() == round_kv->mod_revision;
+  if (round_kv && !round && !previous && membership_.last_good_round()) {
     // A record no agent wrote: put back the last valid one (the workers of
     // every member go on in their round).
-    if (store_->compare_and_swap(key("round"), round_kv->mod_revision,
-                                 to_json(*last_good_round_))) {
-      log(fmt::format("leader: restored round {} in {}", last_good_round_->round, key("round")));
-      round_kv = store_->get(key("round"));
-      round = read_round(round_kv);
+    if (conn_.store().compare_and_swap(self_.key("round"), round_kv->mod_revision,
+                                       to_json(*membership_.last_good_round()))) {
+      self_.log(fmt::format("leader: restored round {} in {}", membership_.last_good_round()->round,
+                            self_.key("round")));
+      round_kv = conn_.store().get(self_.key("round"));
+      round = membership_.read_round(round_kv);
     }
     return;
   }
@@ -156,13 +192,13 @@ void Agent::lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& ro
   seen.round = round;
   if (seen.round && !seen.round->members.empty()) {
     std::string r = std::to_string(seen.round->round);
-    if (auto f = store_->get(key("failure/" + r))) {
+    if (auto f = conn_.store().get(self_.key("failure/" + r))) {
       try {
         seen.failure = failure_from_json(f->value);
         auto [it, inserted] = failure_seen_.try_emplace(seen.round->round, seen.now);
         seen.failure_seen = it->second;
       } catch (const MalformedRecord& e) {
-        ignore_record(*f, e.what(), "not counted as a failure");
+        conn_.ignore_record(*f, e.what(), "not counted as a failure");
       }
     }
     auto done = marked("done", *seen.round, alive);
@@ -174,11 +210,11 @@ void Agent::lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& ro
   seen.draining = draining(alive);
   if (settings_.checkpoint_timeout.count() > 0 && seen.round && !seen.round->members.empty()) {
     std::string r = std::to_string(seen.round->round);
-    if (auto c = store_->get(key("checkpoint/" + r))) {
+    if (auto c = conn_.store().get(self_.key("checkpoint/" + r))) {
       try {
         seen.checkpoint = checkpoint_from_json(c->value, seen.round->round);
       } catch (const MalformedRecord& e) {
-        ignore_record(*c, e.what(), "no checkpoint asked");
+        conn_.ignore_record(*c, e.what(), "no checkpoint asked");
       }
     }
     seen.saved = marked("saved", *seen.round, alive);
@@ -186,11 +222,11 @@ void Agent::lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& ro
   Decision d = decide(seen, settings_);
   if (d.action == Action::keep) return;
   if (d.action == Action::request_checkpoint) {
-    CheckpointRequest request{seen.round->round, id_, excerpt(d.reason, kMaxTextChars - 3),
+    CheckpointRequest request{seen.round->round, self_.id, excerpt(d.reason, kMaxTextChars - 3),
                               seen.now.count()};
-    if (store_->compare_and_swap(key("checkpoint/" + std::to_string(seen.round->round)), 0,
-                                 to_json(request), lease_))
-      log(fmt::format(
+    if (conn_.store().compare_and_swap(self_.key("checkpoint/" + std::to_string(seen.round->round)),
+                                       0, to_json(request), conn_.lease()))
+      self_.log(fmt::format(
           "leader: asked the workers of round {} to checkpoint before re-forming ({}); waiting "
           "up to {} ms",
           seen.round->round, d.reason, settings_.checkpoint_timeout.count()));
@@ -199,7 +235,7 @@ void Agent::lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& ro
   RoundRecord next = seen.round.value_or(RoundRecord{});
   std::unique_ptr<StoreServer> next_store;  // the new round's workers' store, when new
   if (d.action == Action::new_round) {
-    next.round = std::max(next.round, highest_round_) + 1;
+    next.round = std::max(next.round, membership_.highest_round()) + 1;
     next.members.clear();
     next.member_revisions.clear();
     for (const auto& n : d.members) {
@@ -226,14 +262,15 @@ void Agent::lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& ro
   next.reason = excerpt(d.reason, kMaxTextChars - 3);  // what every reader accepts
   std::string text = to_json(next);
   if (previous) clear_previous_run();
-  if (store_->compare_and_swap(key("round"), round_kv ? round_kv->mod_revision : 0, text)) {
+  if (conn_.store().compare_and_swap(self_.key("round"), round_kv ? round_kv->mod_revision : 0,
+                                     text)) {
     if (next_store) worker_store_ = std::move(next_store);  // the old round's goes
     if (d.action == Action::new_round)
-      log(fmt::format("leader: round {} formed: {}", next.round, d.reason));
+      self_.log(fmt::format("leader: round {} formed: {}", next.round, d.reason));
     else
-      log(fmt::format("leader: job {}: {}", to_string(next.state), d.reason));
-    round_kv = store_->get(key("round"));
-    round = read_round(round_kv);
+      self_.log(fmt::format("leader: job {}: {}", to_string(next.state), d.reason));
+    round_kv = conn_.store().get(self_.key("round"));
+    round = membership_.read_round(round_kv);
   }
 }
 

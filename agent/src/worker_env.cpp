@@ -1,11 +1,11 @@
 // The environment of a round's workers: torchrun's worker contract (every
 // variable torchrun 2.13's LocalElasticAgent and its process context set,
-// with the same meaning) plus ductile's batch plan. See agent_impl.hpp.
+// with the same meaning) plus ductile's batch plan. See agent_common.hpp.
 #include <algorithm>
 #include <cstdlib>
 #include <iterator>
 
-#include "agent_impl.hpp"
+#include "agent_common.hpp"
 
 extern char** environ;
 

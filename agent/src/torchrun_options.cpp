@@ -1,6 +1,6 @@
 // torchrun's command line read into the agent's options (see
-// agent_options.hpp and docs/elastic-agent.md, "torchrun's command line").
-#include "agent_options.hpp"
+// torchrun_options.hpp and docs/elastic-agent.md, "torchrun's command line").
+#include "ductile/agent/torchrun_options.hpp"
 
 #include <unistd.h>
 
@@ -18,8 +18,16 @@
 
 #include "ductile/error.hpp"
 
-namespace ductile::cli {
+namespace ductile::agent {
 namespace {
+
+using Defaults = TorchrunDefaults;
+
+// What --rdzv-conf says besides the agent's options.
+struct RdzvConf {
+  std::string protocol;         // http or https
+  std::optional<bool> is_host;  // c10d: this agent hosts the rendezvous
+};
 
 [[noreturn]] void bad(const std::string& message) {
   throw Error(ErrorKind::invalid_argument, message);
@@ -101,7 +109,7 @@ std::int64_t workers_per_node(const std::string& text) {
 }
 
 // torchrun's --rdzv-conf: key=value pairs separated by commas.
-void apply_rdzv_conf(const std::string& text, AgentCliOptions& o) {
+void apply_rdzv_conf(const std::string& text, LaunchArguments& o, RdzvConf& rdzv) {
   std::map<std::string, std::string> conf;
   std::size_t from = 0;
   while (from < text.size()) {
@@ -115,8 +123,8 @@ void apply_rdzv_conf(const std::string& text, AgentCliOptions& o) {
       bad(fmt::format("--rdzv-conf '{}': '{}' is not key=value", text, pair));
     conf[pair.substr(0, eq)] = pair.substr(eq + 1);
   }
-  double keep_alive_interval = -1;
-  std::int64_t keep_alive_attempts = -1;
+  std::optional<double> keep_alive_interval;
+  std::optional<std::int64_t> keep_alive_attempts;
   for (const auto& [key, value] : conf) {
     std::string what = "--rdzv-conf " + key;
     if (key == "join_timeout" || key == "timeout") {
@@ -134,19 +142,18 @@ void apply_rdzv_conf(const std::string& text, AgentCliOptions& o) {
     } else if (key == "protocol") {
       if (value != "http" && value != "https")
         bad(fmt::format("{}={} is invalid: give http or https", what, value));
-      o.rdzv_protocol = value;
+      rdzv.protocol = value;
     } else if (key == "is_host") {
       // torchrun's c10d: whether this agent hosts the rendezvous' store.
       std::string v = value;
       std::transform(v.begin(), v.end(), v.begin(),
                      [](unsigned char c) { return std::tolower(c); });
       if (v == "1" || v == "true" || v == "t" || v == "yes" || v == "y")
-        o.is_host = true;
+        rdzv.is_host = true;
       else if (v == "0" || v == "false" || v == "f" || v == "no" || v == "n")
-        o.is_host = false;
+        rdzv.is_host = false;
       else
         bad(fmt::format("{}={} is invalid: give true or false", what, value));
-      o.is_host_given = true;
     } else if (key == "cacert" || key == "cert" || key == "key") {
       // torch's etcd rendezvous' names for the TLS files.
       std::string& file = key == "cacert" ? o.agent.tls.ca_file
@@ -163,24 +170,26 @@ void apply_rdzv_conf(const std::string& text, AgentCliOptions& o) {
                       key));
     }
   }
-  if (keep_alive_interval >= 0 || keep_alive_attempts >= 0) {
+  if (keep_alive_interval || keep_alive_attempts) {
     // torchrun declares a node dead after interval x attempts without a
     // heartbeat; the agent's lease TTL means the same.
-    double ttl = (keep_alive_interval >= 0 ? keep_alive_interval : 5) *
-                 static_cast<double>(keep_alive_attempts >= 0 ? keep_alive_attempts : 3);
-    if (o.lease_ttl == -1) o.lease_ttl = std::max<std::int64_t>(2, std::llround(std::ceil(ttl)));
+    double ttl =
+        keep_alive_interval.value_or(Defaults::keep_alive_interval) *
+        static_cast<double>(keep_alive_attempts.value_or(Defaults::keep_alive_max_attempt));
+    if (!o.lease_ttl)
+      o.lease_ttl = std::max<std::int64_t>(kMinLeaseTtl.count(), std::llround(std::ceil(ttl)));
   }
 }
 
 // torchrun's --nnodes: N or MIN:MAX.
-void apply_nnodes(const std::string& text, AgentCliOptions& o) {
+void apply_nnodes(const std::string& text, LaunchArguments& o) {
   auto colon = text.find(':');
   std::string low = text.substr(0, colon);
   std::string high = colon == std::string::npos ? low : text.substr(colon + 1);
   std::int64_t min = whole_number("--nnodes", low), max = whole_number("--nnodes", high);
   if (min < 1 || max < min)
     bad(fmt::format("--nnodes '{}' is invalid: give N or MIN:MAX with 1 <= MIN <= MAX", text));
-  if (o.min_nodes != -1 || o.max_nodes != -1)
+  if (o.min_nodes || o.max_nodes)
     bad("--nnodes and --min-nodes/--max-nodes say the same: give one of them");
   o.min_nodes = min;
   o.max_nodes = max;
@@ -239,12 +248,10 @@ bool agent_store_shared() {
 // The rendezvous, from ductile's --rdzv etcd://HOST:PORT or torchrun's
 // options, as torchrun 2.13 reads them (run.py's run() and
 // config_from_args()).
-void apply_rendezvous(AgentCliOptions& o) {
+void apply_rendezvous(LaunchArguments& o, const RdzvConf& rdzv) {
   auto& a = o.agent;
-  using agent::Hosting;
-  using agent::RendezvousKind;
   const std::int64_t max_nodes =
-      o.max_nodes != -1 ? o.max_nodes : std::max<std::int64_t>(1, o.min_nodes);
+      o.max_nodes ? *o.max_nodes : std::max<std::int64_t>(1, a.min_nodes);
   const bool torchrun_spelling = a.rdzv.empty();
   if (!a.rdzv.empty() && (!o.rdzv_endpoint.empty() || o.standalone ||
                           !(o.rdzv_backend.empty() || o.rdzv_backend.starts_with("etcd"))))
@@ -256,17 +263,17 @@ void apply_rendezvous(AgentCliOptions& o) {
                       o.rdzv_id));
     a.job_id = o.rdzv_id;
   }
-  std::string backend = o.rdzv_backend.empty() ? "static" : o.rdzv_backend;
+  std::string backend = o.rdzv_backend.empty() ? Defaults::rdzv_backend : o.rdzv_backend;
   // One node without a rendezvous: torchrun makes it a standalone one.
-  if (torchrun_spelling && backend == "static" && o.rdzv_endpoint.empty() && o.master_port == -1 &&
+  if (torchrun_spelling && backend == "static" && o.rdzv_endpoint.empty() && !o.master_port &&
       max_nodes == 1)
     o.standalone = true;
   const bool static_rdzv = torchrun_spelling && !o.standalone && backend == "static";
-  if (!static_rdzv && (o.node_rank_given && o.node_rank != 0))
+  if (!static_rdzv && o.node_rank && *o.node_rank != Defaults::node_rank)
     std::fprintf(stderr,
                  "ductile agent: --node-rank is used by a static rendezvous only (as torchrun "
                  "uses it); ignored: the rendezvous ranks the nodes\n");
-  if (!static_rdzv && (!o.master_addr.empty() || o.master_port != -1))
+  if (!static_rdzv && (!o.master_addr.empty() || o.master_port))
     std::fprintf(stderr,
                  "ductile agent: --master-addr and --master-port are used by a static "
                  "rendezvous only (as torchrun uses them); ignored: the leading agent publishes "
@@ -285,7 +292,7 @@ void apply_rendezvous(AgentCliOptions& o) {
     a.agent_store = agent_store_shared();
     return;
   }
-  if (a.job_id.empty() && torchrun_spelling) a.job_id = "none";  // torchrun's --rdzv-id default
+  if (a.job_id.empty() && torchrun_spelling) a.job_id = Defaults::rdzv_id;
   if (!a.rdzv.empty()) {
     a.rendezvous = RendezvousKind::etcd;
     a.agent_store = true;
@@ -296,8 +303,8 @@ void apply_rendezvous(AgentCliOptions& o) {
     const std::string endpoint =
         !o.rdzv_endpoint.empty()
             ? o.rdzv_endpoint
-            : fmt::format("{}:{}", o.master_addr.empty() ? "127.0.0.1" : o.master_addr,
-                          o.master_port == -1 ? 29500 : o.master_port);
+            : fmt::format("{}:{}", o.master_addr.empty() ? Defaults::master_addr : o.master_addr,
+                          o.master_port.value_or(Defaults::master_port));
     auto [host, port] = host_and_port(
         o.rdzv_endpoint.empty() ? "--master-addr/--master-port" : "--rdzv-endpoint", endpoint, -1);
     if (port <= 0)
@@ -305,12 +312,12 @@ void apply_rendezvous(AgentCliOptions& o) {
           fmt::format("a static rendezvous needs the port of node rank 0's store: give "
                       "--master-port (or --rdzv-endpoint {}:PORT)",
                       host));
-    if (o.node_rank < 0 || o.node_rank >= max_nodes)
-      bad(fmt::format("--node-rank {} is invalid for --nnodes {}: give 0 to {}", o.node_rank,
+    const std::int64_t node_rank = o.node_rank.value_or(Defaults::node_rank);
+    if (node_rank < 0 || node_rank >= max_nodes)
+      bad(fmt::format("--node-rank {} is invalid for --nnodes {}: give 0 to {}", node_rank,
                       max_nodes, max_nodes - 1));
     // torchrun's static rendezvous waits for --nnodes' maximum.
     a.min_nodes = a.max_nodes.emplace(max_nodes);
-    o.min_nodes = o.max_nodes = max_nodes;
     a.agent_store = true;
     a.master_addr = host;
     a.master_port = port;
@@ -322,15 +329,15 @@ void apply_rendezvous(AgentCliOptions& o) {
     a.rdzv_name = "static";
     a.rdzv_host = host;
     a.rdzv_port = port;
-    a.node_rank = o.node_rank;
-    a.hosting = o.node_rank == 0 ? Hosting::always : Hosting::never;
+    a.node_rank = node_rank;
+    a.hosting = node_rank == 0 ? Hosting::always : Hosting::never;
     return;
   }
   if (backend == "c10d") {
     if (o.rdzv_endpoint.empty())
       bad("--rdzv-backend c10d needs the rendezvous' host: give --rdzv-endpoint HOST[:PORT] (a "
           "node every node reaches; its agent serves the rendezvous)");
-    auto [host, port] = host_and_port("--rdzv-endpoint", o.rdzv_endpoint, 29400);
+    auto [host, port] = host_and_port("--rdzv-endpoint", o.rdzv_endpoint, Defaults::c10d_port);
     a.agent_store = agent_store_shared();
     if (port == 0) {
       // torchrun binds a free port: only this node can know it.
@@ -346,7 +353,9 @@ void apply_rendezvous(AgentCliOptions& o) {
     a.rdzv_name = "c10d";
     a.rdzv_host = host;
     a.rdzv_port = port;
-    a.hosting = !o.is_host_given ? Hosting::if_local : o.is_host ? Hosting::always : Hosting::never;
+    a.hosting = !rdzv.is_host   ? Hosting::if_local
+                : *rdzv.is_host ? Hosting::always
+                                : Hosting::never;
     return;
   }
   if (backend == "etcd" || backend == "etcd-v2" || backend == "etcd-v3") {
@@ -354,11 +363,11 @@ void apply_rendezvous(AgentCliOptions& o) {
       bad(fmt::format("--rdzv-backend {} needs the etcd: give --rdzv-endpoint HOST:PORT", backend));
     a.rendezvous = RendezvousKind::etcd;
     a.rdzv = o.rdzv_endpoint.find("://") == std::string::npos
-                 ? (o.rdzv_protocol == "https" ? "https://" : "etcd://") + o.rdzv_endpoint
+                 ? (rdzv.protocol == "https" ? "https://" : "etcd://") + o.rdzv_endpoint
                  : o.rdzv_endpoint;
-    if (!o.rdzv_protocol.empty() && a.rdzv.starts_with("https://") != (o.rdzv_protocol == "https"))
+    if (!rdzv.protocol.empty() && a.rdzv.starts_with("https://") != (rdzv.protocol == "https"))
       bad(fmt::format("--rdzv-conf protocol={} and the endpoint {} differ: give one of them",
-                      o.rdzv_protocol, a.rdzv));
+                      rdzv.protocol, a.rdzv));
     // torchrun's etcd handler leaves the store to rank 0's worker; its
     // etcd-v2 (a dynamic rendezvous) shares the agent's.
     a.agent_store = backend != "etcd" && agent_store_shared();
@@ -373,8 +382,8 @@ void apply_rendezvous(AgentCliOptions& o) {
 
 // torchrun's --redirects / --tee: 0-3 for every local rank, or
 // LOCAL_RANK:STREAMS,... for some.
-agent::StreamsByRank streams_option(const std::string& option, const std::string& text) {
-  agent::StreamsByRank out;
+StreamsByRank streams_option(const std::string& option, const std::string& text) {
+  StreamsByRank out;
   auto digit = [&](const std::string& v) {
     if (v.size() != 1 || v[0] < '0' || v[0] > '3')
       bad(
@@ -400,7 +409,7 @@ agent::StreamsByRank streams_option(const std::string& option, const std::string
   return out;
 }
 
-void apply_output_options(AgentCliOptions& o) {
+void apply_output_options(LaunchArguments& o) {
   auto& out = o.agent.output;
   out.log_dir = o.log_dir;
   if (!o.redirects.empty()) out.redirects = streams_option("--redirects", o.redirects);
@@ -444,7 +453,7 @@ void apply_output_options(AgentCliOptions& o) {
 // and its arguments, run as torchrun runs them ($PYTHON_EXEC or python3,
 // -u, -m for --module; as given with --no-python).
 std::vector<std::string> worker_command(const std::vector<std::string>& rest,
-                                        const AgentCliOptions& o) {
+                                        const LaunchArguments& o) {
   if (!rest.empty() && rest.front() == "--")
     return std::vector<std::string>(rest.begin() + 1, rest.end());
   if (!rest.empty() && rest.front().starts_with("-"))
@@ -472,36 +481,40 @@ std::vector<std::string> worker_command(const std::vector<std::string>& rest,
 
 }  // namespace
 
-agent::AgentOptions agent_options(AgentCliOptions& o, const std::vector<std::string>& rest) {
+AgentOptions agent_options(const LaunchArguments& arguments, const std::vector<std::string>& rest) {
+  LaunchArguments o = arguments;
   auto& a = o.agent;
+  RdzvConf rdzv;
   if (!o.nnodes.empty()) apply_nnodes(o.nnodes, o);
-  if (!o.rdzv_conf.empty()) apply_rdzv_conf(o.rdzv_conf, o);
-  if (o.min_nodes != -1) a.min_nodes = o.min_nodes;
-  if (o.max_nodes != -1) a.max_nodes = o.max_nodes;
-  apply_rendezvous(o);
+  if (!o.rdzv_conf.empty()) apply_rdzv_conf(o.rdzv_conf, o, rdzv);
+  if (o.min_nodes) a.min_nodes = *o.min_nodes;
+  if (o.max_nodes) a.max_nodes = *o.max_nodes;
+  apply_rendezvous(o, rdzv);
   apply_output_options(o);
-  a.nproc_per_node = workers_per_node(o.nproc_per_node);
+  if (o.nproc_per_node) a.nproc_per_node = workers_per_node(*o.nproc_per_node);
   if (!o.local_addr.empty()) {
     if (!a.node_addr.empty() && a.node_addr != o.local_addr)
       bad("--node-addr and --local-addr differ: give one of them");
     a.node_addr = o.local_addr;
   }
   a.command = worker_command(rest, o);
-  a.lease_ttl = std::chrono::seconds(o.lease_ttl == -1 ? 5 : o.lease_ttl);
-  a.poll_interval =
-      seconds_option(o.monitor_interval >= 0 ? "--monitor-interval" : "--poll-interval",
-                     o.poll_interval >= 0      ? o.poll_interval
-                     : o.monitor_interval >= 0 ? o.monitor_interval
-                                               : 0.25);
-  if (a.poll_interval.count() == 0) bad("--poll-interval (--monitor-interval) must be > 0");
-  a.settle = seconds_option("--settle", o.settle >= 0 ? o.settle : 2);
-  a.stop_grace = seconds_option(o.shutdown_timeout >= 0 ? "--shutdown-timeout" : "--stop-grace",
-                                o.shutdown_timeout >= 0 ? o.shutdown_timeout : o.stop_grace);
-  a.store_timeout = seconds_option("--store-timeout", o.store_timeout);
-  if (o.min_time != -1) a.min_time = seconds_option("--min-time", o.min_time);
-  if (o.failure_grace != -1) a.failure_grace = seconds_option("--failure-grace", o.failure_grace);
-  a.checkpoint_timeout = seconds_option("--checkpoint-timeout", o.checkpoint_timeout);
+  if (o.lease_ttl) a.lease_ttl = std::chrono::seconds(*o.lease_ttl);
+  if (o.poll_interval || o.monitor_interval) {
+    a.poll_interval = seconds_option(o.monitor_interval ? "--monitor-interval" : "--poll-interval",
+                                     o.poll_interval ? *o.poll_interval : *o.monitor_interval);
+    if (a.poll_interval.count() == 0) bad("--poll-interval (--monitor-interval) must be > 0");
+  }
+  if (o.settle) a.settle = seconds_option("--settle", *o.settle);
+  if (o.shutdown_timeout)
+    a.stop_grace = seconds_option("--shutdown-timeout", *o.shutdown_timeout);
+  else if (o.stop_grace)
+    a.stop_grace = seconds_option("--stop-grace", *o.stop_grace);
+  if (o.store_timeout) a.store_timeout = seconds_option("--store-timeout", *o.store_timeout);
+  if (o.min_time) a.min_time = seconds_option("--min-time", *o.min_time);
+  if (o.failure_grace) a.failure_grace = seconds_option("--failure-grace", *o.failure_grace);
+  if (o.checkpoint_timeout)
+    a.checkpoint_timeout = seconds_option("--checkpoint-timeout", *o.checkpoint_timeout);
   return a;
 }
 
-}  // namespace ductile::cli
+}  // namespace ductile::agent

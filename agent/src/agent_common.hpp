@@ -1,0 +1,89 @@
+// What the parts of the agent share: who this agent is (NodeIdentity), the
+// clocks and host names it uses, its directory of error and log files, and
+// the environment of a round's workers (worker_env.cpp). Internal to
+// libductile_agent; see agent_impl.hpp for the parts and agent.hpp for the
+// contract.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "ductile/agent/agent_options.hpp"
+#include "ductile/agent/job_policy.hpp"
+#include "ductile/agent/records.hpp"
+#include "ductile/agent/workers.hpp"
+
+namespace ductile::agent {
+
+// This agent in the job: its node id and address and the job's key prefix
+// (set once at start-up, read by every part), and its log.
+struct NodeIdentity {
+  std::string prefix;  // /ductile/agent/<job id>/
+  std::string id;
+  std::string addr;  // published as MASTER_ADDR when this node leads
+  std::string key(const std::string& name) const { return prefix + name; }
+  void log(const std::string& message) const {
+    write_line(true, fmt::format("ductile agent {}: {}", id, message));
+  }
+};
+
+// What a round's workers are started with (worker_env.cpp).
+struct WorkerSetup {
+  const AgentOptions& options;
+  const JobPolicy& policy;
+  const RoundRecord& round;
+  std::size_t group_rank;
+  const std::string& node_id;
+  const std::filesystem::path& run_dir;  // the agent's directory of error files
+};
+std::vector<WorkerSpec> worker_specs(const WorkerSetup& setup);
+// TORCHELASTIC_ERROR_FILE of a worker: <run_dir>/attempt_<round>/<local rank>/error.json.
+std::filesystem::path error_file_of(const std::filesystem::path& run_dir, std::int64_t round,
+                                    std::int64_t local_rank);
+// DUCTILE_CHECKPOINT_REQUEST of a round's workers (the agent creates it when
+// it asks them to save) and DUCTILE_CHECKPOINT_SAVED of one (the worker
+// creates it when it saved).
+std::filesystem::path checkpoint_request_of(const std::filesystem::path& run_dir,
+                                            std::int64_t round);
+std::filesystem::path checkpoint_saved_of(const std::filesystem::path& run_dir, std::int64_t round,
+                                          std::int64_t local_rank);
+
+// How many of the oldest registrations an agent reads each pass to find the
+// leader (the oldest live one); the leader reads them all.
+inline constexpr std::int64_t kLeaderWindow = 16;
+
+// hosts.cpp
+std::chrono::milliseconds now_ms();
+std::string host_name();
+// This host's fully qualified name, as Python's socket.getfqdn() finds it
+// (torchrun's default node address); the host name when it finds none.
+std::string fully_qualified_host_name();
+// True when `host` names this machine: localhost, a loopback address, its
+// host name or an address of one of its interfaces (torchrun's test for
+// the host of a c10d rendezvous).
+bool names_this_machine(const std::string& host);
+
+// A directory of the agent's own for its workers' error files and log
+// files: $TMPDIR/ductile-agent-<job>-XXXXXX, removed with its contents when
+// destroyed; or, when the workers' output goes to files,
+// <log dir or $TMPDIR>/<job>_XXXXXX, kept (torchrun's layout).
+class RunDir {
+ public:
+  RunDir(const std::string& job_id, const WorkerOutput& output);
+  ~RunDir();
+  RunDir(const RunDir&) = delete;
+  RunDir& operator=(const RunDir&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+  bool kept() const { return kept_; }
+
+ private:
+  std::filesystem::path path_;
+  bool kept_ = false;
+};
+
+}  // namespace ductile::agent

@@ -1,0 +1,72 @@
+// The agent's options checked, each against what is valid (see
+// agent_options.hpp).
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "agent_common.hpp"
+#include "ductile/agent/agent_options.hpp"
+#include "ductile/error.hpp"
+
+namespace ductile::agent {
+
+using std::chrono::milliseconds;
+
+void check_options(const AgentOptions& o) {
+  auto bad = [](const std::string& message) { throw Error(ErrorKind::invalid_argument, message); };
+  if (!valid_node_id(o.job_id))
+    bad(fmt::format("--job-id '{}' is invalid: use 1 to {} letters, digits, '.', '_' and '-'",
+                    o.job_id, kMaxNodeIdChars));
+  if (!o.node_id.empty() && !valid_node_id(o.node_id))
+    bad(fmt::format("--node-id '{}' is invalid: use 1 to {} letters, digits, '.', '_' and '-'",
+                    o.node_id, kMaxNodeIdChars));
+  if (o.nproc_per_node < 1 || o.nproc_per_node > kMaxCount)
+    bad(
+        fmt::format("--nproc-per-node {} is invalid: give the number of workers of this node "
+                    "(>= 1)",
+                    o.nproc_per_node));
+  if (o.min_nodes < 1 || o.min_nodes > kMaxCount)
+    bad(fmt::format("--min-nodes {} is invalid: give 1 or more", o.min_nodes));
+  if (o.max_nodes && (*o.max_nodes < 1 || *o.max_nodes < o.min_nodes || *o.max_nodes > kMaxCount))
+    bad(fmt::format("--max-nodes {} is invalid: it must be at least --min-nodes ({})", *o.max_nodes,
+                    o.min_nodes));
+  if (o.max_restarts < 0 || o.max_restarts > kMaxCount)
+    bad(fmt::format("--max-restarts {} is invalid: give 0 or more", o.max_restarts));
+  if (o.command.empty())
+    bad("no worker command: give it after '--', e.g. ductile agent ... -- python3 train.py");
+  if (o.lease_ttl < kMinLeaseTtl)
+    bad(fmt::format("--lease-ttl {} is invalid: etcd leases last at least {} seconds",
+                    o.lease_ttl.count(), kMinLeaseTtl.count()));
+  if (o.poll_interval <= milliseconds(0) || o.stop_grace < milliseconds(0) ||
+      o.settle < milliseconds(0) || o.store_timeout <= milliseconds(0) ||
+      o.request_timeout <= milliseconds(0) || o.checkpoint_timeout < milliseconds(0) ||
+      (o.join_timeout && *o.join_timeout <= milliseconds(0)))
+    bad("--poll-interval, --store-timeout and the rendezvous' read_timeout and join_timeout must "
+        "be > 0, --settle, --stop-grace and --checkpoint-timeout >= 0");
+  if (o.rendezvous == RendezvousKind::hosted &&
+      (o.rdzv_host.empty() || o.rdzv_port < 1 || o.rdzv_port > 65535))
+    bad(fmt::format("the {} rendezvous' endpoint '{}:{}' is invalid: give HOST:PORT", o.rdzv_name,
+                    o.rdzv_host, o.rdzv_port));
+  if (o.node_rank >= 0 &&
+      (!o.max_nodes || *o.max_nodes != o.min_nodes || o.node_rank >= *o.max_nodes))
+    bad(
+        fmt::format("--node-rank {} is invalid: a static rendezvous has a fixed node count "
+                    "(--nnodes N) and ranks from 0 to N-1",
+                    o.node_rank));
+  if (o.master_port < 0 || o.master_port > 65535 || (o.master_port > 0 && o.master_addr.empty()))
+    bad(
+        fmt::format("--master-port {} is invalid: give a port from 1 to 65535 with "
+                    "--master-addr",
+                    o.master_port));
+  if (!valid_node_id(o.role))
+    bad(fmt::format("--role '{}' is invalid: use 1 to {} letters, digits, '.', '_' and '-'",
+                    excerpt(o.role), kMaxNodeIdChars));
+  std::string addr = o.node_addr.empty() ? fully_qualified_host_name() : o.node_addr;
+  if (addr.empty() || addr.size() > kMaxAddrChars ||
+      !std::all_of(addr.begin(), addr.end(), [](char c) {
+        return static_cast<unsigned char>(c) > 0x20 && static_cast<unsigned char>(c) < 0x7f;
+      }))
+    bad(fmt::format("--node-addr '{}' is invalid: give a host name or address", excerpt(addr)));
+}
+
+}  // namespace ductile::agent

@@ -1,0 +1,74 @@
+// The agent's line to its job's rendezvous: the store of the options' kind
+// (an etcd, a hosted store this agent serves or joins, or its own), this
+// agent's lease and the thread that keeps it alive (and fences the workers
+// when it cannot), and the log of records it ignored. Internal to
+// libductile_agent; owned by Agent (agent_impl.hpp).
+//
+// Threading: used by the agent's thread only; the keep-alive runs threads
+// of its own (keep_alive.hpp).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "agent_common.hpp"
+#include "ductile/agent/kv_store.hpp"
+#include "ductile/agent/memory_store.hpp"
+#include "ductile/agent/store_server.hpp"
+#include "keep_alive.hpp"
+
+namespace ductile::agent {
+
+class RendezvousConnection {
+ public:
+  RendezvousConnection(const AgentOptions& options, const NodeIdentity& self)
+      : o_(options), self_(self) {}
+
+  // Opens the rendezvous store of this agent's kind and, hosting one, its
+  // server. Throws ductile::Error for a bad endpoint or a port in use.
+  void open();
+  // The first lease, waiting for a hosted rendezvous' host to come up.
+  void grant_first_lease();
+  // The lease is kept alive from now on.
+  void start_keep_alive();
+  // A new lease in place of one that was lost or revoked.
+  void renew_lease();
+  // Stops the keep-alive and revokes the lease (when the store answers; the
+  // lease expires on its own otherwise).
+  void close();
+
+  KeyValueStore& store() { return *store_; }
+  std::int64_t lease() const { return lease_; }
+  KeepAlive& keep_alive() { return *keep_alive_; }
+  // The guards of the workers the fence kills (empty: none); nothing before
+  // the keep-alive started or after close().
+  void fence_workers(const std::vector<int>& guard_pids);
+  // The server of the rendezvous this agent hosts; null when it hosts none.
+  StoreServer* rendezvous_server() { return rdzv_server_.get(); }
+  // Hosting a rendezvous: before leaving, until the other agents left or
+  // their leases could have expired, so that every one reads the end.
+  void linger_as_host();
+  // Logs a record that is ignored, once per key and revision.
+  void ignore_record(const KeyValue& kv, const std::string& problem, const std::string& outcome);
+  // The key holds a valid record again: a bad one is logged anew.
+  void forget_ignored(const std::string& key) { ignored_.erase(key); }
+
+ private:
+  const AgentOptions& o_;
+  const NodeIdentity& self_;
+  std::unique_ptr<KeyValueStore> store_;
+  KeepAlive::StoreFactory make_store_;  // a store for the keep-alive thread
+  // Hosting or embedding the rendezvous: its store, and (hosting) its
+  // server, which may also serve the workers' store (static).
+  std::shared_ptr<MemoryStore> memory_;
+  std::unique_ptr<StoreServer> rdzv_server_;
+  std::int64_t lease_ = 0;
+  KeepAlive::Clock::time_point granted_at_;  // when the first lease's grant was sent
+  std::unique_ptr<KeepAlive> keep_alive_;
+  std::map<std::string, std::int64_t> ignored_;  // key -> mod revision logged
+};
+
+}  // namespace ductile::agent

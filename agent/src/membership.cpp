@@ -1,0 +1,104 @@
+// The live nodes' registrations and the round records, as this agent reads
+// them from the rendezvous. See membership.hpp.
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "membership.hpp"
+
+namespace ductile::agent {
+
+std::vector<NodeInfo> Membership::live_nodes(const std::vector<KeyValue>& kvs, bool* own_ok,
+                                             bool every_key) {
+  std::vector<NodeInfo> alive;
+  std::map<std::string, NodeInfo> known;
+  const std::string nodes = self_.key("nodes/");
+  *own_ok = false;
+  for (const auto& kv : kvs) {
+    std::string id = kv.key.substr(nodes.size());
+    if (kv.lease == 0) {
+      conn_.ignore_record(kv, "it has no lease, so no agent keeps it alive",
+                          "not counted as a node (a stale or hand-written key?)");
+      continue;
+    }
+    try {
+      alive.push_back(node_from_json(kv.value, id, kv.create_revision));
+      alive.back().lease = kv.lease;
+      known[kv.key] = alive.back();
+      if (id == self_.id) *own_ok = kv.lease == conn_.lease() && alive.back().addr == self_.addr;
+    } catch (const MalformedRecord& e) {
+      // A key that held a node's valid record was overwritten (its create
+      // revision is the same): the node stays as it was; else it is not one.
+      auto it = known_nodes_.find(kv.key);
+      bool was_valid = it != known_nodes_.end() && it->second.create_revision == kv.create_revision;
+      conn_.ignore_record(
+          kv, e.what(),
+          was_valid ? "the node's last valid record stands" : "not counted as a node");
+      if (was_valid) {
+        alive.push_back(it->second);
+        alive.back().lease = kv.lease;
+        known[kv.key] = it->second;
+      }
+    }
+  }
+  if (every_key) {
+    known_nodes_ = std::move(known);
+  } else {
+    // Some of the keys: what is known of the others stays.
+    for (auto& [k, node] : known) known_nodes_[k] = std::move(node);
+  }
+  // By age; a static job's nodes by their node rank.
+  std::sort(alive.begin(), alive.end(),
+            [ranked = o_.node_rank >= 0](const NodeInfo& a, const NodeInfo& b) {
+              if (ranked && a.rank != b.rank) return a.rank < b.rank;
+              return a.create_revision < b.create_revision;
+            });
+  return alive;
+}
+
+bool Membership::own_registration_ok(const std::vector<KeyValue>& own) {
+  if (own.size() != 1 || own.front().lease != conn_.lease()) return false;
+  try {
+    own_revision_ = own.front().create_revision;
+    return node_from_json(own.front().value, self_.id, own.front().create_revision).addr ==
+           self_.addr;
+  } catch (const MalformedRecord& e) {
+    conn_.ignore_record(own.front(), e.what(), "this agent writes its registration again");
+    return false;
+  }
+}
+
+bool Membership::previous_run(const RoundRecord& round, const KeyValue& kv) const {
+  return round.state != RoundState::running && kv.mod_revision < first_revision_;
+}
+
+std::optional<RoundRecord> Membership::read_round(const std::optional<KeyValue>& kv) {
+  if (!kv) return std::nullopt;
+  try {
+    RoundRecord round = round_from_json(kv->value);
+    check_round_fits(round, o_.nproc_per_node, settings_.valid_gpus);
+    highest_round_ = std::max(highest_round_, round.round);
+    conn_.forget_ignored(kv->key);
+    if (previous_run(round, *kv)) {
+      // Whatever order this run's agents registered in, none of them takes
+      // the old run's end for its own: the leader starts a new run.
+      if (previous_run_logged_ != kv->mod_revision)
+        self_.log(
+            fmt::format("round {} of job '{}' {} before this agent registered: a previous run; "
+                        "this is a new run",
+                        round.round, o_.job_id, to_string(round.state)));
+      previous_run_logged_ = kv->mod_revision;
+      return std::nullopt;
+    }
+    last_good_round_ = round;
+    return round;
+  } catch (const MalformedRecord& e) {
+    conn_.ignore_record(
+        *kv, e.what(),
+        "this node keeps its round; the leader replaces the record with the last valid "
+        "one");
+    return std::nullopt;
+  }
+}
+
+}  // namespace ductile::agent

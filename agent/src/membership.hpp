@@ -1,0 +1,98 @@
+// The job's membership as this agent sees it: its own registration
+// (registration.cpp: the node's key, claimed at start and again when lost,
+// and the job's settings), the live nodes' registrations and the round
+// records (membership.cpp). Internal to libductile_agent; owned by Agent
+// (agent_impl.hpp).
+//
+// Threading: the agent's thread only. Errors: StoreError from the store;
+// ductile::Error (after withdrawing from the job) when another agent holds
+// this node's id or node rank, or the job runs with other settings.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "agent_common.hpp"
+#include "connection.hpp"
+#include "ductile/agent/job_policy.hpp"
+#include "ductile/agent/rendezvous.hpp"
+#include "ductile/error.hpp"
+
+namespace ductile::agent {
+
+class Membership {
+ public:
+  // `settings`: the job's, set before register_node().
+  Membership(const AgentOptions& options, const RendezvousSettings& settings,
+             const NodeIdentity& self, RendezvousConnection& conn)
+      : o_(options), settings_(settings), self_(self), conn_(conn) {}
+
+  // registration.cpp
+  // At start: claims the node's key, waiting for the registration of a
+  // previous run of this node to expire; throws ductile::Error when another
+  // live agent holds the id.
+  void register_node();
+  // After register_node(): notes this registration's revision and checks
+  // this agent's settings against the job's (writing them when it is the
+  // first agent of a run).
+  void join(const JobPolicy& policy);
+  // In the loop: registers again when this node's key is gone or was
+  // overwritten (a lost lease, a deletion, a hostile write).
+  void reclaim_node_key(const std::string& why);
+
+  // membership.cpp
+  // The live agents' registrations: leased keys holding valid records (or
+  // a valid record before it was overwritten), sorted by age. Sets *own_ok
+  // when this agent's own key holds its own record on its lease. every_key:
+  // kvs are every registration (else some: the others' last valid records
+  // are kept).
+  std::vector<NodeInfo> live_nodes(const std::vector<KeyValue>& kvs, bool* own_ok, bool every_key);
+  // This agent's key holds its own record on its lease (and own_revision()
+  // is that key's create revision).
+  bool own_registration_ok(const std::vector<KeyValue>& own);
+  // The round record, when it is one that fits this job.
+  std::optional<RoundRecord> read_round(const std::optional<KeyValue>& kv);
+  // A round that ended (succeeded or failed) before this agent first
+  // registered: a previous run's, not this one's.
+  bool previous_run(const RoundRecord& round, const KeyValue& kv) const;
+
+  // The create revision of this agent's registration: a round lists it for
+  // each member, and a round that lists this node's id with another one was
+  // formed for an earlier run of the node.
+  std::int64_t own_revision() const { return own_revision_; }
+  std::int64_t highest_round() const { return highest_round_; }  // the highest seen
+  const std::optional<RoundRecord>& last_good_round() const { return last_good_round_; }
+  // The revision of the round record read_round() took for a previous run's.
+  std::int64_t previous_run_revision() const { return previous_run_logged_; }
+
+ private:
+  enum class Claim { held, taken, retry };
+  // One attempt to hold nodes/<id> on this agent's lease: held (written),
+  // taken (a live registration of another lease; *holder set), retry (the
+  // key changed meanwhile). A key without a lease, or with a record no
+  // agent writes, is replaced.
+  Claim claim_node_key(std::optional<KeyValue>* holder);
+  void check_settings(const std::vector<NodeInfo>& others, const JobPolicy& policy);
+  [[noreturn]] void refuse_duplicate(const KeyValue& holder, const std::string& how);
+  // Leaves the job before it joined (the lease revoked) and throws `error`.
+  [[noreturn]] void withdraw(const Error& error);
+
+  const AgentOptions& o_;
+  const RendezvousSettings& settings_;
+  const NodeIdentity& self_;
+  RendezvousConnection& conn_;
+  std::int64_t own_revision_ = 0;
+  // The revision of this agent's first registration: a round that ended
+  // before it was a previous run's.
+  std::int64_t first_revision_ = 0;
+  std::int64_t highest_round_ = 0;
+  std::optional<RoundRecord> last_good_round_;   // the last valid round record seen
+  std::int64_t previous_run_logged_ = 0;         // the round record's revision logged
+  std::map<std::string, NodeInfo> known_nodes_;  // key -> its last valid record
+};
+
+}  // namespace ductile::agent

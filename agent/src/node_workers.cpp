@@ -1,0 +1,171 @@
+// This node's workers: started for their round, stopped, their exits and
+// error files reported; and their directory. See node_workers.hpp.
+#include "node_workers.hpp"
+
+#include <fcntl.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "ductile/error.hpp"
+
+namespace ductile::agent {
+
+RunDir::RunDir(const std::string& job_id, const WorkerOutput& output) : kept_(output.any_file()) {
+  const std::filesystem::path base =
+      output.log_dir.empty() ? std::filesystem::temp_directory_path() : output.log_dir;
+  if (!output.log_dir.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(base, ec);
+    if (ec)
+      throw Error(ErrorKind::io, fmt::format("--log-dir '{}' cannot be made: {}; give a "
+                                             "writable directory",
+                                             base.string(), ec.message()));
+  }
+  std::string pattern =
+      (base / (kept_ ? job_id + "_XXXXXX" : "ductile-agent-" + job_id + "-XXXXXX")).string();
+  if (!mkdtemp(pattern.data()))
+    throw Error(ErrorKind::io,
+                fmt::format("cannot make a directory {} for the workers' error and log files: {}; "
+                            "{}",
+                            pattern, strerror(errno),
+                            output.log_dir.empty() ? "set TMPDIR to a writable directory"
+                                                   : "give --log-dir a writable directory"));
+  path_ = pattern;
+}
+
+RunDir::~RunDir() {
+  if (kept_) return;  // the workers' log files, as torchrun keeps them
+  std::error_code ignored;
+  std::filesystem::remove_all(path_, ignored);
+}
+
+void NodeWorkers::enter_round(std::int64_t round, bool member) {
+  current_round_ = round;
+  member_ = member;
+  reported_ = false;
+  local_failure_.reset();
+  local_error_.reset();
+}
+
+void NodeWorkers::notice_fence() {
+  if (fenced_ || !conn_.keep_alive().fenced()) return;
+  // The fence killed the workers (keep_alive.cpp): they are not a failure
+  // of the round, and this node rejoins once etcd answers.
+  fenced_ = true;
+  stop(std::chrono::milliseconds(0));
+}
+
+void NodeWorkers::start(const RoundRecord& round, std::size_t group_rank, const JobPolicy& policy) {
+  for (std::int64_t local = 0; local < o_.nproc_per_node; ++local) {
+    auto file = error_file_of(run_dir(), round.round, local);
+    std::error_code ignored;
+    std::filesystem::create_directories(file.parent_path(), ignored);
+    std::filesystem::remove(file, ignored);
+  }
+  auto specs = worker_specs({o_, policy, round, group_rank, self_.id, run_dir()});
+  BatchPlan plan = policy.plan(round.world_size);
+  self_.log(fmt::format(
+      "round {} started: world size {} ({} nodes x {}), group rank {}, master {}:{}{}{}, "
+      "restarts {}, started_ms={} ({})",
+      round.round, round.world_size, round.members.size(), o_.nproc_per_node, group_rank,
+      round.master_addr, round.master_port,
+      round.mpi_join_port ? fmt::format(", MPI world joined at port {}", round.mpi_join_port) : "",
+      policy.has_config()
+          ? fmt::format(", global batch {} = micro {} x accumulation {} x {}", plan.global_batch,
+                        plan.micro_batch, plan.gradient_accumulation_steps, round.world_size)
+          : "",
+      round.restarts, round.started_ms, round.reason));
+  group_.start(specs);
+  conn_.fence_workers(group_.guard_pids());
+  joined_ = true;
+}
+
+std::optional<WorkerError> NodeWorkers::read_error(std::int64_t local_rank) {
+  const auto file = error_file_of(run_dir(), current_round_, local_rank);
+  // The worker's file: not followed if it is a link, never read past the
+  // cap, never blocked on (a FIFO).
+  int fd = ::open(file.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return std::nullopt;
+  struct stat info {};
+  std::string text;
+  if (fstat(fd, &info) == 0 && S_ISREG(info.st_mode)) {
+    char buffer[65536];
+    ssize_t n;
+    while (text.size() <= kMaxErrorFileBytes && (n = ::read(fd, buffer, sizeof buffer)) > 0)
+      text.append(buffer, static_cast<std::size_t>(n));
+  }
+  ::close(fd);
+  try {
+    return worker_error_from_json(text);
+  } catch (const MalformedRecord& e) {
+    self_.log(fmt::format("the error file {} of local rank {} is not torch's: {}", file.string(),
+                          local_rank, e.what()));
+    return std::nullopt;
+  }
+}
+
+bool NodeWorkers::all_saved() const {
+  for (std::int64_t local = 0; local < o_.nproc_per_node; ++local) {
+    std::error_code ec;
+    if (!std::filesystem::exists(checkpoint_saved_of(run_dir(), current_round_, local), ec))
+      return false;
+  }
+  return true;
+}
+
+void NodeWorkers::report_exit() {
+  if (reported_ || group_.empty()) return;
+  if (auto failure = group_.first_failure()) {
+    if (!local_failure_) {
+      local_failure_ = failure;
+      local_error_ = read_error(failure->local_rank);
+      self_.log(fmt::format("worker rank {} exited with status {}{}; stopping this node's workers",
+                            failure->rank, failure->status,
+                            local_error_ ? ": " + local_error_->message : ""));
+      stop(o_.stop_grace);
+    }
+    FailureReport report{self_.id,
+                         local_failure_->rank,
+                         local_failure_->local_rank,
+                         std::clamp(local_failure_->status, 1, 255),
+                         {},
+                         local_error_ ? local_error_->message : "",
+                         local_error_ ? local_error_->traceback : ""};
+    for (const auto& line : local_failure_->last_lines)
+      report.last_lines.push_back(excerpt(line, kMaxTextChars - 3));
+    if (report.last_lines.size() > kMaxReportLines)
+      report.last_lines.erase(report.last_lines.begin(), report.last_lines.end() - kMaxReportLines);
+    const std::string k = self_.key("failure/" + std::to_string(current_round_));
+    if (conn_.store().compare_and_swap(k, 0, to_json(report))) {
+      reported_ = true;
+    } else if (auto existing = conn_.store().get(k)) {
+      try {
+        failure_from_json(existing->value);
+        reported_ = true;  // another worker's failure came first
+      } catch (const MalformedRecord& e) {
+        conn_.ignore_record(*existing, e.what(), "replaced by this node's failure report");
+        reported_ = conn_.store().compare_and_swap(k, existing->mod_revision, to_json(report));
+      }
+    }
+  } else if (group_.all_succeeded()) {
+    conn_.store().put(self_.key("done/" + std::to_string(current_round_) + "/" + self_.id),
+                      mark_json(self_.id, current_round_), conn_.lease());
+    self_.log(fmt::format("round {}: this node's workers finished", current_round_));
+    reported_ = true;
+  }
+}
+
+void NodeWorkers::stop(std::chrono::milliseconds grace) {
+  group_.stop(grace);
+  conn_.fence_workers({});
+}
+
+}  // namespace ductile::agent

@@ -1,0 +1,74 @@
+// This node's workers in the current round: started for a round that lists
+// this node, stopped (and taken off the lease's fence) for the next, their
+// exits and the error files they wrote reported to the rendezvous, their
+// directory of error, log and checkpoint files. Internal to
+// libductile_agent; owned by Agent (agent_impl.hpp).
+//
+// Threading: the agent's thread only. Errors: StoreError from the store
+// (report_exit); ductile::Error when the run directory cannot be made.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+
+#include "agent_common.hpp"
+#include "connection.hpp"
+
+namespace ductile::agent {
+
+class NodeWorkers {
+ public:
+  NodeWorkers(const AgentOptions& options, const NodeIdentity& self, RendezvousConnection& conn)
+      : o_(options), self_(self), conn_(conn) {}
+
+  // Makes the directory of the workers' error and log files.
+  void make_run_dir() { run_dir_.emplace(o_.job_id, o_.output); }
+  const std::filesystem::path& run_dir() const { return run_dir_->path(); }
+
+  // A new round: what this node's workers did in the last one is dropped;
+  // `member`: this node runs workers in it.
+  void enter_round(std::int64_t round, bool member);
+  void start(const RoundRecord& round, std::size_t group_rank, const JobPolicy& policy);
+  // Stops the workers and takes them off the fence.
+  void stop(std::chrono::milliseconds grace);
+  void pump(std::chrono::milliseconds wait) { group_.pump(wait); }
+  // When the lease's fence killed the workers: stops what is left of them
+  // (not a failure of the round); fenced() until rejoined().
+  void notice_fence();
+  bool fenced() const { return fenced_; }
+  void rejoined() { fenced_ = false; }
+  // Writes this round's worker exit to the store once: the first failure
+  // (failure/<round>) or the workers' success (done/<round>/<id>).
+  void report_exit();
+  // Every local worker of the round saved its checkpoint.
+  bool all_saved() const;
+
+  std::int64_t current_round() const { return current_round_; }
+  bool member() const { return member_; }
+  bool running() const { return group_.running(); }
+  bool empty() const { return group_.empty(); }
+  bool joined() const { return joined_; }  // this node's workers ran in some round
+  const std::optional<WorkerExit>& local_failure() const { return local_failure_; }
+
+ private:
+  // What the worker of `local_rank` wrote to its TORCHELASTIC_ERROR_FILE in
+  // the current round, if it wrote torch's format.
+  std::optional<WorkerError> read_error(std::int64_t local_rank);
+
+  const AgentOptions& o_;
+  const NodeIdentity& self_;
+  RendezvousConnection& conn_;
+  std::optional<RunDir> run_dir_;  // before group_: outlives the workers
+  WorkerGroup group_;
+  std::int64_t current_round_ = 0;
+  bool member_ = false;
+  bool reported_ = false;  // this round's worker exit is in the store
+  std::optional<WorkerExit> local_failure_;
+  std::optional<WorkerError> local_error_;  // its TORCHELASTIC_ERROR_FILE
+  bool joined_ = false;
+  bool fenced_ = false;  // the fence killed the workers
+};
+
+}  // namespace ductile::agent
