@@ -181,7 +181,8 @@ ConfigDocument ConfigDocument::from_entries(std::vector<ConfigEntry> entries,
   return doc;
 }
 
-ConfigDocument ConfigDocument::section_document(std::string_view name, bool top_level_keys) const {
+ConfigDocument ConfigDocument::section_document(std::string_view name, bool top_level_keys,
+                                                std::optional<ConfigEntry> unnamed) const {
   ConfigDocument doc;
   doc.impl_->source_name = impl_->source_name;
   doc.impl_->base_dir = impl_->base_dir;
@@ -192,6 +193,15 @@ ConfigDocument ConfigDocument::section_document(std::string_view name, bool top_
     for (auto&& [key, node] : impl_->root)
       if (!node.is_table()) keys.insert(key, node);
     doc.impl_->root.insert(name, std::move(keys));
+  }
+  if (unnamed) {
+    const auto spec = find_section_spec(name);
+    const toml::table* table = doc.impl_->root.get_as<toml::table>(name);
+    auto has = [&](const std::string& key) {
+      return table && !key.empty() && table->contains(key);
+    };
+    if (spec && !has(spec->selector) && !(spec->alias && has(spec->alias->key)))
+      doc.impl_->entries.push_back(std::move(*unnamed));
   }
   return doc;
 }

@@ -243,9 +243,11 @@ TEST_CASE("config check reads a DeepSpeed JSON config through the one mapping, n
   auto r = cli({"config", "check", bad.string()});
   CHECK(r.exit_code == 2);
   for (const char* expected :
-       {": zero_optimization.stage3_max_live_parameters = -1 is out of range",
-        ": zero_optimization.offload_optimizer.ratio = 2 is out of range",
-        ": elasticity.max_train_batch_size = 0 is out of range"})
+       {": zero_optimization.stage3_max_live_parameters = -1.0 is out of range: must be >= 0",
+        ": zero_optimization.offload_optimizer.ratio = 2.0 is out of range: must be between 0 "
+        "and 1",
+        ": elasticity.max_train_batch_size: elasticity (v0.2): max_train_batch_size = 0 is "
+        "invalid"})
     CHECK_MESSAGE(contains(r.err, bad.string() + expected), r.err);
   // The coordinator's own check (a whole number of elements), at the user's key.
   auto half = dir.write("half.json", R"({"zero_optimization": {"stage": 3,

@@ -172,7 +172,7 @@ def test_deepspeeds_offload_keys_are_honoured_or_warned_about():
     with pytest.raises(ductile.ConfigError,
                        match=r'offload_optimizer.device = "gpu"; valid: "cpu", "nvme"'):
         _config.resolve(deepspeed(offload_optimizer={"device": "gpu"}), None, None, None)
-    with pytest.raises(ductile.ConfigError, match=r"offload_optimizer.ratio = 2 is out of range"):
+    with pytest.raises(ductile.ConfigError, match=r"offload_optimizer.ratio = 2.0 is out of range"):
         _config.resolve(deepspeed(offload_optimizer={"device": "cpu", "ratio": 2}), None, None,
                         None)
 
@@ -186,8 +186,8 @@ def test_the_zero_sections_offload_keys_read_as_deepspeeds():
     assert settings.offload.ratio == 0.25
     assert not _config.resolve(toml, None, None, None).offload.optimizer
     with pytest.raises(ductile.ConfigError,
-                       match=r'\[zero\] offload_optimizer = "gpu" is not allowed; valid values: '
-                             r'none, cpu'):
+                       match=r'\[zero\] offload_optimizer = "gpu" is not allowed .*; valid '
+                             r'values: none, cpu'):
         _config.resolve(toml + 'offload_optimizer = "gpu"\n', None, None, None)
 
 

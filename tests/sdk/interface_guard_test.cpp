@@ -89,11 +89,14 @@ struct Pin {
 const std::vector<Pin> kPins = {
     // Re-pinned without a bump for PluginKind::optimizer: a new kind of
     // interface (its enum value, name and revision); nothing existing moved.
+    // Again for ParamSpec's default member initialisers (designated
+    // initialisers in schemas; layout unchanged) and the param_local flag (a
+    // new bit older hosts ignore).
     {{"plugin.hpp", "params.hpp", "error.hpp", "export.hpp"},
      "DUCTILE_ABI_MAJOR * 1000 + DUCTILE_ABI_MINOR",
      kAbiVersion,
      2002,
-     0x21a8482055e43628ull},
+     0xdb41e75a6fa8861eull},
     {{"elasticity_policy.hpp"},
      "DUCTILE_INTERFACE_REVISION_ELASTICITY",
      DUCTILE_INTERFACE_REVISION_ELASTICITY,

@@ -2,6 +2,7 @@
 // ductile/pipeline/deepspeed_config.hpp.
 #include "ductile/pipeline/deepspeed_config.hpp"
 
+#include <optional>
 #include <utility>
 
 #include <fmt/format.h>
@@ -77,10 +78,11 @@ class Mapping {
     if (info)
       for (const auto& s : info->params)
         if (key == s.key) spec = &s;
-    if (!spec)
-      if (auto host = core::find_section_spec(section))
-        for (const auto& s : host->host_keys)
-          if (key == s.key) spec = &s;
+    // The section's host keys (a copy of the section table, kept while used).
+    const std::optional<core::SectionSpec> host = core::find_section_spec(section);
+    if (!spec && host)
+      for (const auto& s : host->host_keys)
+        if (key == s.key) spec = &s;
     if (!spec) throw Error(ErrorKind::internal, fmt::format("[{}] has no key {}", section, key));
     auto typed = json_to_param(value, spec->type);
     if (!typed) {
@@ -249,11 +251,15 @@ void Mapping::offload_optimizer(const json& zero) {
 DeepSpeedSections deepspeed_sections(std::string_view json_text, std::string_view origin,
                                      const fs::path& base_dir, const core::PluginRegistry& registry,
                                      const DeepSpeedOptions& options) {
-  const json root = parse_bounded_json(json_text, origin, "invalid JSON", ErrorKind::config);
+  // A caller that wants the elasticity block reports its JSON as DeepSpeed's
+  // elasticity does (ElasticityConfigError).
+  const std::string type = options.require_elasticity ? kElasticityConfigError : "";
+  const json root = parse_bounded_json(json_text, origin, "invalid JSON", ErrorKind::config, type);
   if (!root.is_object())
     throw Error(ErrorKind::config,
                 fmt::format("{}: a DeepSpeed config must be a JSON object, got {}", origin,
-                            json_excerpt(root)));
+                            json_excerpt(root)),
+                type);
   Mapping mapping(origin, registry);
   mapping.elasticity(root, options);
   mapping.zero(root, options);

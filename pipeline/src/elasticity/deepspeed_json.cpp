@@ -216,8 +216,13 @@ ElasticitySource elasticity_from_toml_text(std::string_view toml_text, std::stri
   // The core's reader and checks, as for a job's own file: the [elasticity]
   // table, or top-level keys standing for it.
   try {
-    const auto document = core::ConfigDocument::from_string(toml_text, origin)
-                              .section_document("elasticity", /*top_level_keys=*/true);
+    // As in DeepSpeed JSON: no version means the latest, 0.2.
+    const auto document =
+        core::ConfigDocument::from_string(toml_text, origin)
+            .section_document(
+                "elasticity", /*top_level_keys=*/true,
+                core::ConfigEntry{"elasticity", "version", ParamValue(std::string("0.2")),
+                                  "[elasticity] version (absent: 0.2)"});
     const core::Config config = core::Config::validate(document, registry);
     const core::PluginSection* section = config.section(PluginKind::elasticity);
     ElasticitySource source;

@@ -40,10 +40,7 @@ std::vector<std::string> differences(const core::PluginInfo& info,
                     "passed to the runtime",
                     field, a, field, b));
   };
-  if (scheduler.policy != runtime.policy) {
-    differ("policy", scheduler.policy, runtime.policy);
-    return out;
-  }
+  if (scheduler.policy != runtime.policy) differ("policy", scheduler.policy, runtime.policy);
   for (const auto& spec : info.params) {
     if (spec.flags & param_local) continue;
     const std::string a = shown(scheduler.params, spec.key), b = shown(runtime.params, spec.key);
@@ -87,9 +84,20 @@ bool check_scheduler_elasticity(const ElasticityFingerprint& runtime,
       scheduler = elasticity_from_toml_text(text, name, registry);
     // Both sides complete: the schema's defaults stand for absent keys.
     const core::PluginInfo& info = registry.find(PluginKind::elasticity, scheduler.policy);
-    const Params complete =
-        core::complete_params(info, core::schema_params(info, scheduler.params));
-    for (auto& d : differences(info, fingerprint_of(scheduler.policy, complete), runtime))
+    auto complete = [&](const ElasticityFingerprint& f) {
+      // Each side by its own policy's schema, where the registry has it.
+      const core::PluginInfo* own = &info;
+      if (f.policy != scheduler.policy) {
+        own = nullptr;
+        for (const auto& p : registry.plugins())
+          if (p.kind == PluginKind::elasticity && p.name == f.policy) own = &p;
+      }
+      if (!own) return f;
+      return ElasticityFingerprint{
+          f.policy, core::complete_params(*own, core::schema_params(*own, f.params))};
+    };
+    for (auto& d : differences(info, complete(fingerprint_of(scheduler.policy, scheduler.params)),
+                               complete(runtime)))
       problems.push_back(fmt::format("{}: {}", name, d));
   }
   if (!problems.empty())

@@ -135,6 +135,8 @@ TEST_CASE("an out-of-tree elasticity policy builds against the installed SDK and
     if (!entry.empty()) py_env.push_back(entry);
   auto with_contract = [&](const std::string& text) {
     auto out = py_env;
+    std::erase_if(
+        out, [](const std::string& e) { return e.starts_with("DEEPSPEED_ELASTICITY_CONFIG="); });
     out.push_back("DEEPSPEED_ELASTICITY_CONFIG=" + text);
     return out;
   };

@@ -6,6 +6,7 @@
 
 #include "ductile/core/runtime.hpp"
 #include "ductile/pipeline/elasticity.hpp"
+#include "ductile/pipeline/json.hpp"
 #include "temp_dir.hpp"
 
 using namespace ductile;

@@ -20,7 +20,7 @@
 
 using namespace ductile;
 using nlohmann::json;
-namespace bj = ductile::pipeline::detail;
+namespace bj = ductile::pipeline;
 
 namespace {
 

@@ -173,8 +173,11 @@ class ConfigDocument {
   // `top_level_keys`, a document without that table has its top-level keys
   // (those that are not tables) read as the section. For a copy of a
   // configuration that only one section of is wanted from (the scheduler's
-  // copy of [elasticity]).
-  ConfigDocument section_document(std::string_view name, bool top_level_keys) const;
+  // copy of [elasticity]). `unnamed`, when given, is added as an entry if the
+  // section names no plugin (neither its selector key nor its alias): the
+  // plugin another tool's default selects.
+  ConfigDocument section_document(std::string_view name, bool top_level_keys,
+                                  std::optional<ConfigEntry> unnamed = std::nullopt) const;
 
   const std::string& source_name() const;
   // Directory that relative paths in the file are resolved against.
