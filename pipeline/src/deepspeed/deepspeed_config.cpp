@@ -101,6 +101,10 @@ class Mapping {
   void zero(const json& root, const DeepSpeedOptions& options);
   void offload_param(const json& zero, core::PluginInfo const* coordinator);
   void offload_optimizer(const json& zero);
+  // An offload object's device: "none", "cpu" or "nvme" (`absent` when not
+  // given); nullopt after reporting any other value.
+  std::optional<std::string> device_of(const json& offload, const std::string& where,
+                                       const char* absent);
 
   DeepSpeedSections finish(const fs::path& base_dir) {
     if (!problems_.empty()) throw core::ConfigError(std::move(problems_));
@@ -179,19 +183,26 @@ void Mapping::zero(const json& root, const DeepSpeedOptions& options) {
     set_plugin("accelerator", "backend", options.accelerator_backend, "the accelerator in use");
 }
 
+std::optional<std::string> Mapping::device_of(const json& offload, const std::string& where,
+                                              const char* absent) {
+  const json* device = child(offload, "device");
+  if (unset(device)) return absent;
+  if (device->is_string()) {
+    const auto& name = device->get_ref<const std::string&>();
+    if (name == "none" || name == "cpu" || name == "nvme") return name;
+  }
+  problem(where + ".device",
+          fmt::format("= {}; valid: \"cpu\", \"nvme\", \"none\"", json_excerpt(*device)));
+  return std::nullopt;
+}
+
 void Mapping::offload_param(const json& zero, const core::PluginInfo* coordinator) {
   const std::string where = "zero_optimization.offload_param";
   const json* offload = object(zero, "offload_param", where);
   if (!offload) return;
-  const json* device = child(*offload, "device");
-  const std::string name = unset(device)         ? "none"
-                           : device->is_string() ? device->get<std::string>()
-                                                 : "";
-  if (name != "none" && name != "cpu" && name != "nvme") {
-    problem(where + ".device",
-            fmt::format("= {}; valid: \"cpu\", \"nvme\", \"none\"", json_excerpt(*device)));
-    return;
-  }
+  const auto device = device_of(*offload, where, "none");
+  if (!device) return;
+  const std::string& name = *device;
   if (name == "nvme") {
     const json* path = child(*offload, "nvme_path");
     if (unset(path))
@@ -216,16 +227,9 @@ void Mapping::offload_optimizer(const json& zero) {
   const json* offload = object(zero, "offload_optimizer", where);
   if (!offload) return;
   // DeepSpeed's default device of an offload_optimizer object is "cpu".
-  const json* device = child(*offload, "device");
-  const std::string name = unset(device)         ? "cpu"
-                           : device->is_string() ? device->get<std::string>()
-                                                 : "";
-  if (name != "none" && name != "cpu" && name != "nvme") {
-    problem(where + ".device",
-            fmt::format("= {}; valid: \"cpu\", \"nvme\", \"none\"", json_excerpt(*device)));
-    return;
-  }
-  if (name == "none") return;
+  const auto device = device_of(*offload, where, "cpu");
+  if (!device || *device == "none") return;
+  const std::string& name = *device;
   if (name == "nvme")
     warn(where + ".device",
          "\"nvme\" keeps the optimizer state in host memory (as \"cpu\"), not on NVMe");
