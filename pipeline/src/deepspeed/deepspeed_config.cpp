@@ -63,7 +63,10 @@ class Mapping {
   }
 
   void problem(const std::string& user_key, const std::string& what) {
-    problems_.push_back({{std::string(origin_), 0, 0}, fmt::format("{} {}", user_key, what)});
+    core::Diagnostic diagnostic;
+    diagnostic.where.file = origin_;
+    diagnostic.message = fmt::format("{} {}", user_key, what);
+    problems_.push_back(std::move(diagnostic));
   }
   void warn(const std::string& user_key, const std::string& why) {
     warnings_.push_back(fmt::format("{}: {} is accepted but ignored: {}", origin_, user_key, why));

@@ -3,8 +3,8 @@
 // schema. See ductile/pipeline/elasticity.hpp.
 #include <algorithm>
 #include <cctype>
-#include <charconv>
 #include <cmath>
+#include <cstdlib>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -122,9 +122,13 @@ std::string policy_for_elasticity_version(std::string_view written, std::string_
                                           std::string_view origin) {
   // The one parse of a version, whatever wrote it: the whole text is a
   // number, or it is refused.
-  double version = 0;
-  const auto [end, ec] = std::from_chars(written.data(), written.data() + written.size(), version);
-  if (written.empty() || ec != std::errc() || end != written.data() + written.size())
+  // (strtod, not std::from_chars: the latter pulls libm into the program
+  // that links the static runtime.)
+  const std::string text(written);
+  char* end = nullptr;
+  const double version = std::strtod(text.c_str(), &end);
+  if (text.empty() || std::isspace(static_cast<unsigned char>(text.front())) ||
+      end != text.c_str() + text.size())
     elasticity_config_error(fmt::format(
         "{}: elasticity version must be a number such as 0.1 or 0.2, got {}", origin, shown));
   if (std::isnan(version))
