@@ -226,6 +226,9 @@ TEST_CASE("agent: hosts in network namespaces - a cut host fences its workers an
       "cut host (lease TTL 4 s): fenced %.2f s after the cut; the others' round 2 started "
       "%.2f s after it; %.3f s between the cut host's last heartbeat and the new group's first\n",
       fenced_s, reformed_s, (new_group.front() - cut_beats.back()) / 1e9);
+  // The workers' lines reach the agents' output through their pipes, after
+  // the beats reach the files: wait for the line, then count it.
+  wait_until([&] { return count_of(output(), "met round=2 world=2") >= 1; }, 30s);
   CHECK(count_of(output(), "met round=2 world=2") == 1);
 
   // Restore the link: the host registers anew and is admitted again.
