@@ -494,7 +494,7 @@ TEST_CASE("agent: zero3 workers resume from their checkpoint at the new world si
   CHECK(marked_processes(job.marker).empty());
 }
 
-// A planned re-form loses no step (issue 24 item 2): two agents train zero3
+// A planned re-form loses no step: two agents train zero3
 // workers at world size 2 and save nothing until asked; a third agent
 // arrives, the leader asks the round to checkpoint (--checkpoint-timeout),
 // the workers agree on a step (ductile.torch.elastic.should_checkpoint

@@ -1,6 +1,5 @@
-// `ductile agent` with torchrun's rendezvous backends and no etcd (issue 39
-// items 1 to 3): --standalone and one node with the agent's own store,
-// c10d hosted by the agent on the endpoint's host, static with node ranks
+// `ductile agent` with torchrun's rendezvous backends and no etcd: --standalone and one node with
+// the agent's own store, c10d hosted by the agent on the endpoint's host, static with node ranks
 // and the master's port; torchrun's log options; the interpreter of a
 // Python script. Real agent processes on loopback; every test ends with no
 // process of its job left.

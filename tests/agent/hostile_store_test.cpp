@@ -1,4 +1,4 @@
-// `ductile agent` against a hostile or stale store (issue 26): records no
+// `ductile agent` against a hostile or stale store: records no
 // agent wrote, keys without a lease, and two agents with one node id. Every
 // bad record is logged with its key and ignored; the job goes on in its
 // round. A real etcd started by each test.

@@ -1,4 +1,4 @@
-// `ductile agent` across hosts (issue 24 item 3): agents in network
+// `ductile agent` across hosts: agents in network
 // namespaces of their own (an address each, veth pairs on a bridge, made and
 // removed by the test), one host's link cut and restored; and a job on a
 // 3-member etcd cluster that loses one member, then two, then gets them back.

@@ -1,4 +1,4 @@
-// A job id used again after its run finished (issue 39 item 4): agents
+// A job id used again after its run finished: agents
 // started in the same instant on the id of a finished run start a new run,
 // whatever the order they register in, 50 times over. A real etcd.
 #include <doctest/doctest.h>

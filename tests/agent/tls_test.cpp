@@ -1,6 +1,6 @@
 // `ductile agent` to an etcd that speaks only TLS and authenticates its
 // clients by certificate (--client-cert-auth), with certificates the test
-// makes with openssl (issue 24 item 4).
+// makes with openssl.
 #include <doctest/doctest.h>
 
 #include "agent_job.hpp"
