@@ -20,19 +20,6 @@ struct CheckOptions {
   bool allow_config_plugins = false;
 };
 
-// A DeepSpeed JSON config, mapped onto ductile's sections (every section it
-// sets checked as a TOML file's would be, naming the user's keys).
-core::Runtime deepspeed_runtime(const std::string& file, const std::string& text,
-                                core::RuntimeOptions runtime_options,
-                                std::vector<std::string>& warnings) {
-  std::error_code ec;
-  const std::filesystem::path path(file);
-  const auto base_dir =
-      std::filesystem::absolute(path.has_parent_path() ? path.parent_path() : ".", ec);
-  return pipeline::runtime_from_deepspeed(text, file, base_dir, std::move(runtime_options), {},
-                                          &warnings);
-}
-
 int check_config(const CliContext& context, const CheckOptions& options) {
   const std::string text = core::read_user_file(options.file, "configuration file");
   const bool deepspeed = pipeline::is_json_config(options.file, text);
@@ -53,7 +40,10 @@ int check_config(const CliContext& context, const CheckOptions& options) {
       "named by the file's [plugins] path; `ductile config check` loads no plugin from there "
       "unless given --allow-config-plugins";
   std::vector<std::string> warnings;
-  auto runtime = deepspeed ? deepspeed_runtime(options.file, text, runtime_options, warnings)
+  // A DeepSpeed JSON config is mapped onto ductile's sections, each checked
+  // as a TOML file's would be, naming the user's keys.
+  auto runtime = deepspeed ? pipeline::runtime_from_deepspeed_file(options.file, text,
+                                                                   runtime_options, {}, &warnings)
                            : core::Runtime::from_document(*document, runtime_options);
   const auto& config = runtime.config();
   std::cout << fmt::format("{}: valid{}\n", options.file, deepspeed ? " (DeepSpeed JSON)" : "");

@@ -77,30 +77,38 @@ std::chrono::milliseconds JobPolicy::min_time() const {
   return std::chrono::minutes(impl_->loaded->effective_params.get_int_or("min_time", 0));
 }
 
+namespace {
+
+// A policy's parameters as one JSON object, each under its schema's name.
+json params_json(const Params& params) {
+  json out = json::object();
+  for (const auto& [key, value] : params.values())
+    std::visit([&, &key = key](const auto& v) { out[key] = v; }, value);
+  return out;
+}
+
+}  // namespace
+
 std::string JobPolicy::settings_json() const {
-  json params = json::object();
-  if (!impl_->loaded) return json{{"policy", policy_name()}, {"params", params}}.dump();
-  for (const auto& [key, value] : impl_->loaded->effective_params.values())
-    std::visit([&, &key = key](const auto& v) { params[key] = v; }, value);
+  const json params = impl_->loaded ? params_json(impl_->loaded->effective_params) : json::object();
   return json{{"policy", policy_name()}, {"params", params}}.dump();
 }
 
 std::string JobPolicy::scheduler_config_json() const {
   if (!impl_->loaded) return "";
   const auto& loaded = *impl_->loaded;
-  auto f = pipeline::fingerprint_of(loaded.source.policy, loaded.effective_params);
-  json block = {{"enabled", true}};
-  // DeepSpeed knows its policies by version; other policies by name.
-  if (f.policy == "v0.1")
-    block["version"] = 0.1;
-  else if (f.policy == "v0.2")
-    block["version"] = 0.2;
-  else
-    block["policy"] = f.policy;
+  const std::string& policy = loaded.source.policy;
   // Every parameter of the policy, as its schema names it: DeepSpeed reads
   // its own keys and ignores the others.
-  for (const auto& [key, value] : f.params.values())
-    if (key != "enabled") std::visit([&, &key = key](const auto& v) { block[key] = v; }, value);
+  json block = params_json(loaded.effective_params);
+  block["enabled"] = true;
+  // DeepSpeed knows its policies by version; other policies by name.
+  if (policy == "v0.1")
+    block["version"] = 0.1;
+  else if (policy == "v0.2")
+    block["version"] = 0.2;
+  else
+    block["policy"] = policy;
   // The bare block: DeepSpeed's ensure_immutable_elastic_config() reads the
   // variable with ElasticityConfig(json.loads(...)), which takes the block
   // itself (a wrapping {"elasticity": ...} would read as all defaults).

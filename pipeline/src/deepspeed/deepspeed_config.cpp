@@ -299,4 +299,15 @@ core::Runtime runtime_from_deepspeed(std::string_view json_text, std::string_vie
                                 warnings);
 }
 
+core::Runtime runtime_from_deepspeed_file(const fs::path& file, std::string_view json_text,
+                                          core::RuntimeOptions runtime_options,
+                                          const DeepSpeedOptions& options,
+                                          std::vector<std::string>* warnings) {
+  std::error_code ec;
+  const fs::path base_dir =
+      fs::absolute(file.has_parent_path() ? file.parent_path() : fs::path("."), ec);
+  return runtime_from_deepspeed(json_text, file.string(), base_dir, std::move(runtime_options),
+                                options, warnings);
+}
+
 }  // namespace ductile::pipeline

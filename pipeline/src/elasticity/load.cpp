@@ -69,11 +69,8 @@ LoadedElasticity load_elasticity(const fs::path& file, std::string_view text,
     return elasticity_from_runtime(
         Runtime::from_document(core::ConfigDocument::from_file_text(file, text), options));
   std::vector<std::string> warnings;
-  std::error_code ec;
-  const fs::path base_dir =
-      fs::absolute(file.has_parent_path() ? file.parent_path() : fs::path("."), ec);
-  auto runtime = runtime_from_deepspeed(text, file.string(), base_dir, std::move(options),
-                                        kElasticityWanted, &warnings);
+  auto runtime =
+      runtime_from_deepspeed_file(file, text, std::move(options), kElasticityWanted, &warnings);
   for (const auto& w : warnings)
     if (runtime.logger()) runtime.logger()->warn("{}", w);
   auto setup = deepspeed_setup(runtime, std::move(warnings));

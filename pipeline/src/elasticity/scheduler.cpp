@@ -88,11 +88,12 @@ bool check_scheduler_elasticity(const ElasticityFingerprint& runtime,
       // Each side by its own policy's schema, where the registry has it.
       const core::PluginInfo* own = &info;
       if (f.policy != scheduler.policy) {
-        own = nullptr;
-        for (const auto& p : registry.plugins())
-          if (p.kind == PluginKind::elasticity && p.name == f.policy) own = &p;
+        try {
+          own = &registry.find(PluginKind::elasticity, f.policy);
+        } catch (const Error&) {
+          return f;  // not installed here: compared as given
+        }
       }
-      if (!own) return f;
       return ElasticityFingerprint{
           f.policy, core::complete_params(*own, core::schema_params(*own, f.params))};
     };

@@ -80,6 +80,14 @@ core::Runtime runtime_from_deepspeed(std::string_view json_text, std::string_vie
                                      const DeepSpeedOptions& options = {},
                                      std::vector<std::string>* warnings = nullptr);
 
+// The same for the text of `file` that the caller has read already: named
+// by the file, relative paths resolved against its directory.
+core::Runtime runtime_from_deepspeed_file(const std::filesystem::path& file,
+                                          std::string_view json_text,
+                                          core::RuntimeOptions runtime_options,
+                                          const DeepSpeedOptions& options = {},
+                                          std::vector<std::string>* warnings = nullptr);
+
 // The same on the registry of `base` (shared with the result).
 core::Runtime runtime_from_deepspeed(const core::Runtime& base, std::string_view json_text,
                                      std::string_view origin, const std::filesystem::path& base_dir,
