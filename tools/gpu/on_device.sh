@@ -17,13 +17,22 @@
 # on this host's CPU, which has the AVX-512 the development machine lacks);
 # offload (python/test_zero3_offload_cuda: zero3's optimizer offload to
 # pinned host memory against the same training on the GPU, fp32 and bf16,
-# its steps under torch's sync debug mode "error", and a device memory budget).
+# its steps under torch's sync debug mode "error", and a device memory budget);
+# compile (bench_zero3.py --compile: each block under torch.compile, FSDP2
+# against ductile).
 # Every stage but build and wheel needs build. A stage that fails is
 # reported and the next one runs; the exit status is that of the first
 # failure. DeepSpeed and the packages it needs
 # come from .gpu-carry/wheels (tools/gpu/prepare.sh), installed into
 # /tmp/ductile-site.
 set -uo pipefail
+# The image's CC and CXX (/opt/gcc/bin/gcc, g++) link libstdc++ statically
+# into every shared library: the core and the Python extension then each
+# carried a copy of the C++ runtime with its own locale facets, and the
+# shared TOML++ parsing a float through one of them crashed in a process that
+# had imported torch (seen 2026-11-26). The system's GCC links the one
+# libstdc++.so.6 that torch uses too.
+export CC=/usr/bin/gcc CXX=/usr/bin/g++
 out=${OUT:-/tmp/ductile-gpu}
 mkdir -p "$out"
 stages=("$@")
@@ -41,7 +50,7 @@ note() { echo "== $(date -u +%H:%M:%S) $*"; }
   nvcc --version | tail -1
   "$python" -c "import torch, transformers; print('torch', torch.__version__, 'cuda',
 torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'transformers', transformers.__version__)"
-  g++ --version | head -1
+  "$CXX" --version | head -1
 } >"$out/machine.txt" 2>&1
 cat "$out/machine.txt"
 
@@ -107,9 +116,11 @@ stage_wheel() {
   ls .gpu-carry/wheels/*.whl >/dev/null 2>&1 ||
     { echo "on_device.sh: .gpu-carry/wheels is empty: run tools/gpu/prepare.sh here and carry .gpu-carry"; return 2; }
   rm -rf $tools $venv /tmp/ductile-wheel && mkdir -p /tmp/ductile-wheel || return 1
+  # PYTHONPATH emptied: with /tmp/ductile-site on it, pip finds auditwheel
+  # there, installs nothing, and wheel_support.py (run without it) misses it.
   "$python" -m venv --system-site-packages $tools &&
-    $tools/bin/python -m pip install -q --no-index --no-deps --disable-pip-version-check \
-      .gpu-carry/wheels/*.whl || return 1
+    PYTHONPATH= $tools/bin/python -m pip install -q --no-index --no-deps \
+      --disable-pip-version-check .gpu-carry/wheels/*.whl || return 1
   note "wheel: pip wheel + auditwheel repair"
   local wheel
   wheel=$(CMAKE_PREFIX_PATH=$deps/usr CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) PYTHONPATH= \
@@ -153,6 +164,13 @@ stage_zero3a() {
     --engines ddp,fsdp2,deepspeed,ductile,ductile-mpi || return 1
   bench_zero3 --batch 8 --precision bf16 --gpu-profile --engines fsdp2,deepspeed,ductile,ductile-mpi
 }
+# torch.compile on each GPT-2 block, the hooks outside the compiled regions,
+# FSDP2 and ductile (torchrun, mpirun), batch 8, bf16 then fp32 (not in the
+# default list; needs build).
+stage_compile() {
+  bench_zero3 --batch 8 --precision bf16 --compile --engines fsdp2,ductile,ductile-mpi || return 1
+  bench_zero3 --batch 8 --precision fp32 --compile --engines fsdp2,ductile
+}
 stage_zero3b() {
   bench_zero3 --batch 32 --precision fp32 --engines fsdp2,deepspeed,ductile,ductile-mpi || return 1
   bench_zero3 --batch 32 --precision bf16 --engines fsdp2,deepspeed,ductile,ductile-mpi
@@ -171,6 +189,7 @@ for stage in "${stages[@]}"; do
     zero3a | zero3b) run_stage "$stage" "stage_$stage" ;;
     wheel) run_stage wheel stage_wheel ;;
     offload) run_stage offload stage_offload ;;
+    compile) run_stage compile stage_compile ;;
     flatten)
       run_stage flatten timeout 420 "$python" tests/benchmarks/python/bench_flatten.py llama-gpu \
         400 3
@@ -183,7 +202,7 @@ for stage in "${stages[@]}"; do
       ;;
     *)
       echo "on_device.sh: stage '$stage' is not valid; use build, tests, copy, zero3 (zero3a," \
-        "zero3b), flatten, wheel, cpu_adam or offload"
+        "zero3b), flatten, wheel, cpu_adam, offload or compile"
       exit 2
       ;;
   esac

@@ -22,7 +22,7 @@ reduction everywhere).
   PYTHONPATH=build/python .venv/bin/python tests/benchmarks/python/bench_zero3.py \\
       [--steps N] [--engines a,b,...] [--size race|small|overhead|gpu]
       [--device cpu|cuda] [--ranks N] [--batch B] [--precision fp32|bf16]
-      [--calls] [--gpu-profile]
+      [--calls] [--gpu-profile] [--compile]
 
 Sizes: race (GPT-2 of 41.7 M parameters, 2 x 128 tokens a rank); overhead
 (24 GPT-2 blocks of width 64, 2 x 16 tokens a rank: the compute is tiny, so
@@ -34,7 +34,10 @@ that can block the host on a GPU (collective waits and completion polls,
 .item(), synchronize). --gpu-profile (cuda): 3 more steps under
 torch.profiler: the GPU's idle time per step (the step's wall time minus
 the union of its kernels and copies) and the CUDA runtime's synchronising
-calls per step.
+calls per step. --compile: torch.compile on each transformer block, the
+engines' hooks outside the compiled regions (as torchtitan does with FSDP2;
+DeepSpeed is left out: its ZeRO-3 hooks live inside the blocks); the warm-up
+steps absorb the compilation.
 
 With --device cuda (tools/gpu/ runs it on a lent GPU): one rank on one GPU;
 step times after torch.cuda.synchronize(), peak =
@@ -107,16 +110,21 @@ def rss_bytes():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def build_model(size, device):
+def build_model(size, device, compile_blocks=False):
     """GPT-2 of `size`, built on `device` (on cuda, initialised there: the
-    same values for every engine of a run)."""
+    same values for every engine of a run); with `compile_blocks`, each
+    transformer block wrapped by torch.compile."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
     config = GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                         attn_implementation="eager", **SIZES[size])
     with torch.device(device):
-        return GPT2LMHeadModel(config)
+        model = GPT2LMHeadModel(config)
+    if compile_blocks:
+        for i, block in enumerate(model.transformer.h):
+            model.transformer.h[i] = torch.compile(block)
+    return model
 
 
 def batch(step, rank, world, vocab, size, context):
@@ -196,7 +204,8 @@ def gpu_profile(train_step, next_ids, steps):
             "syncs": {k: v / steps for k, v in sorted(syncs.items())}}
 
 
-def worker(engine_name, size, steps, out, device, global_batch, precision, calls, profile_gpu):
+def worker(engine_name, size, steps, out, device, global_batch, precision, calls, profile_gpu,
+           compile_blocks):
     import torch
     import torch.distributed as dist
 
@@ -216,7 +225,7 @@ def worker(engine_name, size, steps, out, device, global_batch, precision, calls
     if engine_name.startswith("ductile"):
         import ductile.torch.zero3 as zero3
     baseline = torch.cuda.memory_allocated() if cuda else rss_bytes()
-    model = build_model(size, device)
+    model = build_model(size, device, compile_blocks)
     vocab = model.config.vocab_size
     numel = sum(p.numel() for p in model.parameters())
     stats_of = None
@@ -381,6 +390,7 @@ def launch(engine, args, folder):
               "--ranks", str(ranks), "--precision", args.precision]
     script += ["--calls"] if args.calls else []
     script += ["--gpu-profile"] if args.gpu_profile else []
+    script += ["--compile"] if args.compile else []
     if engine == "ductile-mpi":
         command = [os.environ.get("DUCTILE_MPIEXEC", "mpirun"), "--allow-run-as-root",
                    "--oversubscribe", "--mca", "btl", "self,vader", "--bind-to", "none", "-np",
@@ -412,6 +422,7 @@ def main():
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     parser.add_argument("--calls", action="store_true")
     parser.add_argument("--gpu-profile", action="store_true")
+    parser.add_argument("--compile", action="store_true")
     parser.add_argument("--worker")
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -423,9 +434,12 @@ def main():
         parser.error(f"--batch {args.batch} must be a positive multiple of the {args.ranks} ranks")
     if args.worker:
         worker(args.worker, args.size, args.steps, args.out, args.device, args.batch,
-               args.precision, args.calls, args.gpu_profile)
+               args.precision, args.calls, args.gpu_profile, args.compile)
         return
     engines = args.engines.split(",")
+    if args.compile and "deepspeed" in engines:
+        parser.error("--compile: leave deepspeed out of --engines (its hooks are inside the "
+                     "blocks)")
     results, failures = {}, {}
     with tempfile.TemporaryDirectory() as folder:
         for engine in engines:
@@ -442,9 +456,11 @@ def report(args, engines, results, failures):
     if first:
         where = f"{args.ranks} rank(s) on one GPU" if args.device == "cuda" \
             else f"{args.ranks} rank(s) (1 thread each)"
+        compiled = ", blocks under torch.compile" if args.compile else ""
         print(f"model: GPT-2 {SIZES[args.size]}, {first[0]['numel']:,} parameters; global batch "
               f"{args.batch} x {CONTEXTS.get(args.size, CONTEXT)} tokens on {where}, "
-              f"{args.precision}, Adam; medians of {args.steps} steps after {WARMUP} warm-up")
+              f"{args.precision}, Adam{compiled}; medians of {args.steps} steps after {WARMUP} "
+              "warm-up")
     med = {e: statistics.median(r[0]["times"]) for e, r in results.items()}
 
     def ratio(engine, rival):
