@@ -245,6 +245,36 @@ py::dict plugin_info(const core::PluginInfo& info) {
   return d;
 }
 
+// pipeline::DeepSpeedTraining field by field; what is not set is None.
+py::dict training_dict(const pipeline::DeepSpeedTraining& t) {
+  auto optional = [](const std::optional<double>& v) {
+    return v ? py::object(py::float_(*v)) : py::object(py::none());
+  };
+  py::dict d;
+  d["precision"] = t.precision;
+  d["loss_scale"] = t.loss_scale;
+  d["initial_scale_power"] = t.initial_scale_power;
+  d["loss_scale_window"] = t.loss_scale_window;
+  d["hysteresis"] = t.hysteresis;
+  d["min_loss_scale"] = t.min_loss_scale;
+  d["gradient_clipping"] = optional(t.gradient_clipping);
+  if (t.optimizer) {
+    const auto& o = *t.optimizer;
+    py::dict opt;
+    opt["type"] = o.type;
+    opt["decoupled_weight_decay"] = o.decoupled_weight_decay;
+    opt["lr"] = optional(o.lr);
+    opt["eps"] = optional(o.eps);
+    opt["weight_decay"] = optional(o.weight_decay);
+    opt["betas"] =
+        o.betas ? py::object(py::make_tuple((*o.betas)[0], (*o.betas)[1])) : py::object(py::none());
+    d["optimizer"] = opt;
+  } else {
+    d["optimizer"] = py::none();
+  }
+  return d;
+}
+
 }  // namespace
 
 namespace {
@@ -293,23 +323,40 @@ void register_runtime(py::module_& m) {
           "from_deepspeed",
           [](const std::string& text, const std::string& origin, const py::object& plugin_path,
              const std::string& base_dir, bool require_elasticity, bool require_zero_stage3,
-             const std::string& accelerator_backend) {
+             const std::string& accelerator_backend, bool read_training) {
             auto base = plain_runtime(paths_from(plugin_path));
             std::vector<std::string> warnings;
+            pipeline::DeepSpeedTraining training;
             std::lock_guard lock(base->mutex);
             auto runtime = pipeline::runtime_from_deepspeed(
                 base->runtime, text, origin, base_dir, /*plugin_checks=*/false,
                 {.require_elasticity = require_elasticity,
                  .require_zero_stage3 = require_zero_stage3,
-                 .accelerator_backend = accelerator_backend},
-                &warnings);
-            return py::make_tuple(std::make_shared<RuntimeHandle>(std::move(runtime)), warnings);
+                 .accelerator_backend = accelerator_backend,
+                 .read_training = read_training},
+                &warnings, &training);
+            return py::make_tuple(std::make_shared<RuntimeHandle>(std::move(runtime)), warnings,
+                                  training_dict(training));
           },
           py::arg("text"), py::arg("origin"), py::arg("plugin_path") = py::none(),
           py::arg("base_dir") = "", py::arg("require_elasticity") = false,
           py::arg("require_zero_stage3") = false, py::arg("accelerator_backend") = "",
+          py::arg("read_training") = false,
           "A DeepSpeed JSON config mapped onto ductile's sections and validated "
-          "(pipeline::runtime_from_deepspeed): (runtime, warnings).")
+          "(pipeline::runtime_from_deepspeed): (runtime, warnings, training), training "
+          "being pipeline::DeepSpeedTraining as a dict (its defaults unless read_training).")
+      .def(
+          "offload_optimizer",
+          [](RuntimeHandle& h, const std::string& json_object, const std::string& origin) {
+            std::vector<std::string> warnings;
+            std::lock_guard lock(h.mutex);
+            auto params = pipeline::deepspeed_offload_optimizer(json_object, origin,
+                                                                h.runtime.registry(), &warnings);
+            return py::make_tuple(dict_from_params(params), warnings);
+          },
+          py::arg("json_object"), py::arg("origin"),
+          "[zero]'s optimizer offload keys of a DeepSpeed offload_optimizer object given "
+          "apart from a config (pipeline::deepspeed_offload_optimizer): (keys, warnings).")
       .def_static(
           "plain",
           [](const py::object& plugin_path) { return plain_runtime(paths_from(plugin_path)); },

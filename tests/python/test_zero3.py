@@ -234,6 +234,37 @@ def test_config_errors_name_what_is_missing():
         zero3.initialize("model", None, CONFIG)
 
 
+def test_a_dict_is_a_deepspeed_config_here_as_for_load_config():
+    """zero3.initialize reads a dict as deepspeed.initialize and
+    ductile.load_config do; its precision, clipping and optimizer come
+    typed from the pipeline's one pass over the config."""
+    ds = {"train_batch_size": 2, "gradient_clipping": 0.5,
+          "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 1000},
+          "fp16": {"enabled": True, "initial_scale_power": 10, "loss_scale_window": 7},
+          "optimizer": {"type": "Adam", "params": {"lr": 5e-3, "adam_w_mode": False,
+                                                   "betas": [0.8, 0.9]}}}
+    assert ductile.load_config(ds).format == "deepspeed"
+    engine = zero3.initialize(make_model(layers=1), None, ds)
+    try:
+        assert engine.config.format == "deepspeed"
+        assert engine.config.runtime.section("zero")["params"]["prefetch_bucket_size"] == 1000
+        assert engine.mixed_precision.param_dtype == torch.float16
+        assert engine.mixed_precision.loss_scaler.scale == 2.0 ** 10
+        assert engine.gradient_clipping == 0.5
+        assert type(engine.optimizer).__name__ == "Adam"
+        group = engine.optimizer.param_groups[0]
+        assert group["lr"] == 5e-3 and group["betas"] == (0.8, 0.9)
+    finally:
+        engine.close()
+    with pytest.raises(ductile.ConfigError,
+                       match=r"<dict>: fp16.hysteresis = 0; valid: an integer >= 1"):
+        zero3.initialize(make_model(layers=1), None,
+                         dict(ds, fp16={"enabled": True, "hysteresis": 0}))
+    with pytest.raises(ductile.ConfigError,
+                       match=r'optimizer.type = "SGD"; valid: "Adam", "AdamW"'):
+        zero3.initialize(make_model(layers=1), None, dict(ds, optimizer={"type": "SGD"}))
+
+
 def test_unsupported_dtype_names_the_parameter():
     model = make_model(layers=1)
     model.counter = torch.nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)

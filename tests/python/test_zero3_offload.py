@@ -177,6 +177,37 @@ def test_deepspeeds_offload_keys_are_honoured_or_warned_about():
                         None)
 
 
+def test_the_offload_argument_is_checked_by_the_deepspeed_mapping():
+    """initialize(offload_optimizer=...) goes through the pipeline's mapping
+    of an offload_optimizer object: the same checks, warnings and messages."""
+    def start(offload):
+        return zero3.initialize(make_model(layers=1), lambda ps: torch.optim.Adam(ps), CONFIG,
+                                offload_optimizer=offload)
+    with pytest.raises(ductile.ConfigError,
+                       match=r"zero3.initialize: offload_optimizer.ratio = 2.0 is out of range"):
+        start({"device": "cpu", "ratio": 2})
+    with pytest.raises(ductile.ConfigError,
+                       match=r'zero3.initialize: offload_optimizer.device = "gpu"; valid: '
+                             r'"cpu", "nvme", "none"'):
+        start("gpu")
+    with pytest.raises(ductile.ConfigError, match=r"zero3.initialize: offload_optimizer = "
+                                                  r"\{'device': \{1, 2\}\}; valid: None"):
+        start({"device": {1, 2}})
+    with pytest.warns(UserWarning, match=r"zero3.initialize: offload_optimizer.fast_init is "
+                                         r"accepted but ignored"):
+        engine = start({"device": "cpu", "fast_init": True, "pin_memory": False})
+    try:
+        stats = engine.stats()
+        assert len(stats["offloaded_groups"]) == stats["groups"]
+    finally:
+        engine.close()
+    engine = start("none")
+    try:
+        assert engine.stats()["offloaded_groups"] == []
+    finally:
+        engine.close()
+
+
 def test_the_zero_sections_offload_keys_read_as_deepspeeds():
     from ductile.torch.zero3 import _config
     toml = '[accelerator]\nbackend = "cpu"\n[zero]\n'

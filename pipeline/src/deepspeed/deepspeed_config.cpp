@@ -104,6 +104,10 @@ class Mapping {
   void zero(const json& root, const DeepSpeedOptions& options);
   void offload_param(const json& zero, core::PluginInfo const* coordinator);
   void offload_optimizer(const json& zero);
+  void offload_optimizer_object(const json& offload, const std::string& where);
+  void training(const json& root);
+  void fp16_scaling(const json& fp16);
+  void optimizer(const json& section);
   // An offload object's device: "none", "cpu" or "nvme" (`absent` when not
   // given); nullopt after reporting any other value.
   std::optional<std::string> device_of(const json& offload, const std::string& where,
@@ -112,10 +116,32 @@ class Mapping {
   DeepSpeedSections finish(const fs::path& base_dir) {
     if (!problems_.empty()) throw core::ConfigError(std::move(problems_));
     return {core::ConfigDocument::from_entries(std::move(entries_), origin_, base_dir),
-            std::move(warnings_)};
+            std::move(warnings_), std::move(training_)};
   }
 
  private:
+  // `value` if it is a number (not a boolean) that `in_range` accepts;
+  // otherwise nullopt after a problem saying what is `valid`.
+  template <typename InRange>
+  std::optional<double> number(const json& value, const std::string& user_key, InRange in_range,
+                               const char* valid) {
+    if (value.is_number() && in_range(value.get<double>())) return value.get<double>();
+    problem(user_key, fmt::format("= {}; valid: {}", json_excerpt(value), valid));
+    return std::nullopt;
+  }
+  // The same for an integer.
+  template <typename InRange>
+  std::optional<std::int64_t> integer(const json& value, const std::string& user_key,
+                                      InRange in_range, const char* valid) {
+    if (value.is_number_integer() && in_range(value.get<std::int64_t>()))
+      return value.get<std::int64_t>();
+    problem(user_key, fmt::format("= {}; valid: {}", json_excerpt(value), valid));
+    return std::nullopt;
+  }
+  // `section`.enabled: true, false, or absent (false).
+  bool enabled(const json& root, const char* section);
+
+  DeepSpeedTraining training_;
   std::string origin_;
   const core::PluginRegistry& registry_;
   std::vector<core::ConfigEntry> entries_;
@@ -227,8 +253,12 @@ void Mapping::offload_param(const json& zero, const core::PluginInfo* coordinato
 
 void Mapping::offload_optimizer(const json& zero) {
   const std::string where = "zero_optimization.offload_optimizer";
-  const json* offload = object(zero, "offload_optimizer", where);
-  if (!offload) return;
+  if (const json* offload = object(zero, "offload_optimizer", where))
+    offload_optimizer_object(*offload, where);
+}
+
+void Mapping::offload_optimizer_object(const json& offload_object, const std::string& where) {
+  const json* offload = &offload_object;
   // DeepSpeed's default device of an offload_optimizer object is "cpu".
   const auto device = device_of(*offload, where, "cpu");
   if (!device || *device == "none") return;
@@ -253,6 +283,114 @@ void Mapping::offload_optimizer(const json& zero) {
   }
 }
 
+bool Mapping::enabled(const json& root, const char* section) {
+  const json* object_value = object(root, section, section);
+  if (!object_value) return false;
+  const json* on = child(*object_value, "enabled");
+  if (unset(on)) return false;
+  if (on->is_boolean()) return on->get<bool>();
+  problem(fmt::format("{}.enabled", section),
+          fmt::format("= {}; valid: true or false", json_excerpt(*on)));
+  return false;
+}
+
+void Mapping::training(const json& root) {
+  const bool bf16 = enabled(root, "bf16") || enabled(root, "bfloat16");
+  const bool fp16 = enabled(root, "fp16");
+  if (bf16 && fp16) {
+    problem("bf16.enabled", "and fp16.enabled are both true; enable one of them");
+  } else if (bf16) {
+    training_.precision = "bf16";
+  } else if (fp16) {
+    training_.precision = "fp16";
+    fp16_scaling(root.at("fp16"));
+  }
+  if (const json* clip = child(root, "gradient_clipping"); !unset(clip)) {
+    const auto norm = number(
+        *clip, "gradient_clipping", [](double v) { return v >= 0; },
+        "a number >= 0 (0: no clipping)");
+    if (norm && *norm > 0) training_.gradient_clipping = *norm;
+  }
+  if (const json* section = object(root, "optimizer", "optimizer")) optimizer(*section);
+}
+
+void Mapping::fp16_scaling(const json& fp16) {
+  DeepSpeedTraining& t = training_;
+  for (auto it = fp16.begin(); it != fp16.end(); ++it) {
+    const std::string& key = it.key();
+    const json& value = it.value();
+    const std::string user_key = "fp16." + key;
+    if (key == "enabled" || unset(&value)) continue;
+    if (key == "loss_scale") {
+      if (auto v = number(
+              value, user_key, [](double x) { return x >= 0; },
+              "0 (dynamic scaling) or a positive number"))
+        t.loss_scale = *v;
+    } else if (key == "initial_scale_power") {
+      if (auto v = integer(
+              value, user_key, [](std::int64_t x) { return x >= 0 && x <= 64; },
+              "an integer in [0, 64]"))
+        t.initial_scale_power = *v;
+    } else if (key == "loss_scale_window" || key == "hysteresis") {
+      if (auto v = integer(
+              value, user_key, [](std::int64_t x) { return x >= 1; }, "an integer >= 1"))
+        (key == "hysteresis" ? t.hysteresis : t.loss_scale_window) = *v;
+    } else if (key == "min_loss_scale") {
+      if (auto v = number(
+              value, user_key, [](double x) { return x > 0; }, "a number > 0"))
+        t.min_loss_scale = *v;
+    } else {
+      warn(user_key, "ductile does not act on this key");
+    }
+  }
+}
+
+void Mapping::optimizer(const json& section) {
+  const json* type = child(section, "type");
+  std::string lowered;
+  if (type && type->is_string())
+    for (char c : type->get_ref<const std::string&>())
+      lowered += static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
+  if (lowered != "adam" && lowered != "adamw") {
+    problem("optimizer.type", fmt::format("= {}; valid: \"Adam\", \"AdamW\"",
+                                          type ? json_excerpt(*type) : std::string("(missing)")));
+    return;
+  }
+  DeepSpeedTraining::Optimizer optimizer;
+  optimizer.type = type->get<std::string>();
+  bool adam_w_mode = true;
+  if (const json* params = object(section, "params", "optimizer.params"))
+    for (auto it = params->begin(); it != params->end(); ++it) {
+      const std::string& key = it.key();
+      const json& value = it.value();
+      const std::string user_key = "optimizer.params." + key;
+      if (unset(&value)) continue;
+      if (key == "lr" || key == "eps" || key == "weight_decay") {
+        auto v = number(
+            value, user_key, [](double x) { return x >= 0; }, "a number >= 0");
+        (key == "lr" ? optimizer.lr : key == "eps" ? optimizer.eps : optimizer.weight_decay) = v;
+      } else if (key == "betas") {
+        auto beta = [](const json& b) {
+          return b.is_number() && b.get<double>() >= 0 && b.get<double>() < 1;
+        };
+        if (value.is_array() && value.size() == 2 && beta(value[0]) && beta(value[1]))
+          optimizer.betas = std::array<double, 2>{value[0].get<double>(), value[1].get<double>()};
+        else
+          problem(user_key,
+                  fmt::format("= {}; valid: [beta1, beta2], each in [0, 1)", json_excerpt(value)));
+      } else if (key == "adam_w_mode") {
+        if (value.is_boolean())
+          adam_w_mode = value.get<bool>();
+        else
+          problem(user_key, fmt::format("= {}; valid: true or false", json_excerpt(value)));
+      } else if (key != "torch_adam") {  // which implementation: the framework's own
+        warn(user_key, "ductile's Adam and AdamW have no such setting");
+      }
+    }
+  optimizer.decoupled_weight_decay = lowered == "adamw" || adam_w_mode;
+  training_.optimizer = std::move(optimizer);
+}
+
 }  // namespace
 
 DeepSpeedSections deepspeed_sections(std::string_view json_text, std::string_view origin,
@@ -270,14 +408,37 @@ DeepSpeedSections deepspeed_sections(std::string_view json_text, std::string_vie
   Mapping mapping(origin, registry);
   mapping.elasticity(root, options);
   mapping.zero(root, options);
+  if (options.read_training) mapping.training(root);
   return mapping.finish(base_dir);
+}
+
+Params deepspeed_offload_optimizer(std::string_view json_object, std::string_view origin,
+                                   const core::PluginRegistry& registry,
+                                   std::vector<std::string>* warnings) {
+  const json value = parse_bounded_json(json_object, origin, "invalid JSON", ErrorKind::config, "");
+  const std::string where = "offload_optimizer";
+  Mapping mapping(origin, registry);
+  if (value.is_object())
+    mapping.offload_optimizer_object(value, where);
+  else
+    mapping.problem(where, fmt::format("must be an object, got {}", json_excerpt(value)));
+  // The keys are the section's own: any coordinator takes them.
+  mapping.set_plugin("zero", "coordinator", kZeroCoordinator, where);
+  auto mapped = mapping.finish({});
+  const auto config = core::Config::validate(mapped.document, registry);
+  for (auto& w : mapped.warnings)
+    if (warnings) warnings->push_back(std::move(w));
+  const core::PluginSection* zero = config.section(PluginKind::zero);
+  return zero ? zero->host_params : Params{};
 }
 
 core::Runtime runtime_from_deepspeed(const core::Runtime& base, std::string_view json_text,
                                      std::string_view origin, const fs::path& base_dir,
                                      bool plugin_checks, const DeepSpeedOptions& options,
-                                     std::vector<std::string>* warnings) {
+                                     std::vector<std::string>* warnings,
+                                     DeepSpeedTraining* training) {
   auto mapped = deepspeed_sections(json_text, origin, base_dir, base.registry(), options);
+  if (training) *training = std::move(mapped.training);
   auto runtime = base.with_config(mapped.document, plugin_checks);
   for (auto& w : mapped.warnings) {
     if (warnings)

@@ -15,13 +15,15 @@
 //                                                     offload_ratio
 //
 // ([zero] only for stage 3; dynamic batching and its learning rate are read
-// by parse_deepspeed_batching, deepspeed_batching.hpp.) Each value is typed
-// once, here, by the schema of the plugin that takes it, and then checked by
-// core::Config::validate like a TOML file's: bounds, allowed strings and the
-// plugin's validate hook. Every message names the user's file and the
-// user's key ("zero_optimization.stage3_prefetch_bucket_size"). A value
-// "auto" (Hugging Face's placeholder) keeps ductile's default. Keys DeepSpeed
-// has and ductile does not act on are dropped with a warning saying so.
+// by parse_deepspeed_batching, deepspeed_batching.hpp.) What configures the
+// training framework rather than a plugin is read in the same pass, when
+// DeepSpeedOptions::read_training asks, into DeepSpeedTraining: bf16 / fp16 (with fp16's loss
+// scaling), gradient_clipping, optimizer {type Adam or AdamW, params}. Each value is typed once,
+// here, by the schema of the plugin that takes it, and then checked by core::Config::validate like
+// a TOML file's: bounds, allowed strings and the plugin's validate hook. Every message names the
+// user's file and the user's key ("zero_optimization.stage3_prefetch_bucket_size"). A value "auto"
+// (Hugging Face's placeholder) keeps ductile's default. Keys DeepSpeed has and ductile does not act
+// on are dropped with a warning saying so.
 //
 // Errors: core::ConfigError for values the schemas refuse; Error typed
 // ElasticityConfigError (ErrorKind::config) for an elasticity block
@@ -30,7 +32,10 @@
 // Threading: no shared state; a registry is only read.
 #pragma once
 
+#include <array>
+#include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -53,11 +58,46 @@ struct DeepSpeedOptions {
   // [accelerator] section. A DeepSpeed config names no backend: the caller
   // knows the device.
   std::string accelerator_backend{};
+  // Also read what configures the training framework (DeepSpeedTraining):
+  // zero3 builds torch objects from it. Off, those keys are not looked at
+  // (an elastic job's config may name any optimizer DeepSpeed has).
+  bool read_training = false;
+};
+
+// What a DeepSpeed config sets for the training framework (the torch objects
+// ductile.torch.zero3 builds), typed and checked; "auto" or absent keeps the
+// default written here.
+struct DeepSpeedTraining {
+  // "bf16" (bf16.enabled, or bfloat16.enabled), "fp16" (fp16.enabled) or
+  // "fp32"; both enabled is an error.
+  std::string precision = "fp32";
+  // fp16: a static scale (loss_scale > 0), or dynamic scaling (loss_scale 0)
+  // from 2^initial_scale_power, grown after loss_scale_window steps without
+  // overflow, backed off after `hysteresis` overflows, never below
+  // min_loss_scale.
+  double loss_scale = 0.0;
+  std::int64_t initial_scale_power = 16;
+  std::int64_t loss_scale_window = 1000;
+  std::int64_t hysteresis = 2;
+  double min_loss_scale = 1.0;
+  // gradient_clipping > 0 (0 or absent: no clipping).
+  std::optional<double> gradient_clipping;
+  // optimizer {type, params}: Adam or AdamW (DeepSpeed's Adam decouples its
+  // weight decay unless params.adam_w_mode is false); a parameter not given
+  // keeps the framework's default.
+  struct Optimizer {
+    std::string type;  // as written
+    bool decoupled_weight_decay = true;
+    std::optional<double> lr, eps, weight_decay;
+    std::optional<std::array<double, 2>> betas;
+  };
+  std::optional<Optimizer> optimizer;
 };
 
 struct DeepSpeedSections {
   core::ConfigDocument document;      // entries naming the user's keys
   std::vector<std::string> warnings;  // keys accepted but not acted on
+  DeepSpeedTraining training;
 };
 
 // Maps `json_text` (a whole DeepSpeed config; for elasticity also the block
@@ -88,10 +128,23 @@ core::Runtime runtime_from_deepspeed_file(const std::filesystem::path& file,
                                           const DeepSpeedOptions& options = {},
                                           std::vector<std::string>* warnings = nullptr);
 
-// The same on the registry of `base` (shared with the result).
+// The same on the registry of `base` (shared with the result); the
+// framework's settings are stored in `training` when given.
 core::Runtime runtime_from_deepspeed(const core::Runtime& base, std::string_view json_text,
                                      std::string_view origin, const std::filesystem::path& base_dir,
                                      bool plugin_checks, const DeepSpeedOptions& options = {},
-                                     std::vector<std::string>* warnings = nullptr);
+                                     std::vector<std::string>* warnings = nullptr,
+                                     DeepSpeedTraining* training = nullptr);
+
+// [zero]'s optimizer offload keys (offload_optimizer, offload_ratio,
+// offload_pin_memory, defaults filled in) of `json_object`, a DeepSpeed
+// offload_optimizer object given apart from a config (zero3.initialize's
+// offload_optimizer argument), mapped and checked exactly as the one inside
+// zero_optimization; messages name `origin` and "offload_optimizer.<key>".
+// Warnings as runtime_from_deepspeed's. Throws core::ConfigError, or
+// Error(config) for invalid JSON.
+Params deepspeed_offload_optimizer(std::string_view json_object, std::string_view origin,
+                                   const core::PluginRegistry& registry,
+                                   std::vector<std::string>* warnings);
 
 }  // namespace ductile::pipeline

@@ -59,10 +59,13 @@ def initialize(model, optimizer_factory=None, config=None, *, plugin_path=None,
     ``optimizer_factory``: called with the list of shard parameters (one flat
     tensor per parameter, in ``model.named_parameters()`` order, fp32 masters
     with mixed precision), returns a ``torch.optim`` optimizer (or None: no
-    optimizer). ``config``: a ductile TOML (path, text, or dict of sections)
-    with a ``[zero]`` section (e.g. ``coordinator = "partitioned"``) and an
-    ``[accelerator]`` section, or a DeepSpeed JSON config (ZeRO stage 3; its
-    bf16/fp16 and gradient_clipping keys are honoured). When
+    optimizer). ``config``: a ductile TOML (path or text; a dict of sections
+    through ``ductile.load_config(d, format="toml")``) with a ``[zero]``
+    section (e.g. ``coordinator = "partitioned"``) and an ``[accelerator]``
+    section, or a DeepSpeed JSON config (path, text, or dict, as
+    ``deepspeed.initialize`` takes it: ZeRO stage 3; its bf16/fp16,
+    gradient_clipping and optimizer keys are honoured), or a loaded
+    ``ductile.Config``. When
     torch.distributed is initialised (torchrun) and ``[accelerator]
     communicator`` is "auto" or "host", its process group (``group``, or the
     default one) is the world: no MPI. ``mixed_precision``: a
@@ -94,8 +97,8 @@ def initialize(model, optimizer_factory=None, config=None, *, plugin_path=None,
     wrong device, a bad ``groups``).
     """
     if config is not None:
-        config = load_config(config, format="toml" if isinstance(config, dict) else None,
-                             plugin_path=plugin_path, allow_config_plugins=allow_config_plugins)
+        config = load_config(config, plugin_path=plugin_path,
+                             allow_config_plugins=allow_config_plugins)
     return Zero3Engine(model, optimizer_factory, config, plugin_path=plugin_path,
                        mixed_precision=mixed_precision, load_from=load_from, group=group,
                        step_in_backward=step_in_backward, groups=groups,

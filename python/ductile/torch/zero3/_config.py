@@ -1,5 +1,6 @@
 """zero3's configuration: a ductile TOML with [zero] and [accelerator]
-sections, or a DeepSpeed JSON config.
+sections, or a DeepSpeed JSON config (a dict is one, as for
+``deepspeed.initialize(config=...)``).
 
 A DeepSpeed config's ZeRO keys are mapped onto [zero] by the pipeline's one
 mapping (``pipeline::deepspeed_sections``, also behind ``ductile config
@@ -7,11 +8,11 @@ check``): ``zero_optimization.stage3_*`` (the coordinator's limits),
 ``offload_param`` (device "nvme": nvme_path, buffer_count) and
 ``offload_optimizer`` (device, pin_memory, ratio: [zero] offload_optimizer,
 offload_pin_memory, offload_ratio), with warnings for the keys accepted but
-not acted on. Read here, because they configure torch objects: the
-``bf16`` / ``fp16`` sections (MixedPrecision, _precision.py),
-``gradient_clipping`` (engine.step() clips to it first) and ``optimizer``
-(type Adam/AdamW and params, when no optimizer_factory is given). A value
-"auto" (Hugging Face's placeholder) keeps ductile's default.
+not acted on. The same pass reads, into a typed dict, what configures torch
+objects here: the ``bf16`` / ``fp16`` sections (MixedPrecision,
+_precision.py), ``gradient_clipping`` (engine.step() clips to it first) and
+``optimizer`` (type Adam/AdamW and params, when no optimizer_factory is
+given). A value "auto" (Hugging Face's placeholder) keeps ductile's default.
 """
 
 import json
@@ -23,6 +24,7 @@ from ... import _ductile
 from ..._config import Config, load_config
 from ..._errors import ConfigError
 from . import _precision
+
 
 class Settings:
     """What zero3 takes from its configuration."""
@@ -47,60 +49,26 @@ class OffloadSettings:
         self.pin = pin
 
 
-_IGNORED_OPTIMIZER_KEYS = ("nvme_path", "buffer_count", "fast_init", "pipeline_read",
-                           "pipeline_write", "pipeline")
-
-
-def _offload_device(section, where, default, keys):
-    """The ``device`` of an offload_optimizer / offload_param object."""
-    if not isinstance(section, dict):
-        raise ConfigError(f"{where} = {section!r}; valid: an object with {keys}")
-    device = section.get("device", default)
-    if device not in ("cpu", "nvme", "none", None):
-        raise ConfigError(f"{where}.device = {device!r}; valid: \"cpu\", \"nvme\", \"none\"")
-    return device
-
-
-def _ignored(where, key, why):
-    warnings.warn(f"{where}.{key} is accepted but ignored: {why}", UserWarning, stacklevel=4)
-
-
-def offload_settings(value, where):
-    """OffloadSettings from initialize(offload_optimizer=...) or DeepSpeed's
-    zero_optimization.offload_optimizer: None/False/"none" (off), True or
-    "cpu" (on), or a dict of DeepSpeed's keys."""
+def offload_argument(value, runtime):
+    """OffloadSettings from initialize(offload_optimizer=...): None, False or
+    "none" (off), True or "cpu" (on), or a dict of DeepSpeed's
+    offload_optimizer keys, mapped and checked by the pipeline as the same
+    object inside a DeepSpeed config (``pipeline::deepspeed_offload_optimizer``)."""
+    where = "zero3.initialize"
     if value is None or value is False:
         return OffloadSettings()
-    if value is True:
-        return OffloadSettings(True)
-    if isinstance(value, str):
-        value = {"device": value}
-    device = _offload_device(value, where, "cpu", "device, pin_memory, ratio")
-    if device in ("none", None):
-        return OffloadSettings()
-    if device == "nvme":
-        _ignored(where, "device", "\"nvme\" keeps the optimizer state in host memory (as "
-                 "\"cpu\"), not on NVMe")
-    for key in _IGNORED_OPTIMIZER_KEYS:
-        if value.get(key) not in (None, "auto"):
-            _ignored(where, key, "it configures NVMe swapping, which zero3 does not do for the "
-                     "optimizer state")
-    pin = value.get("pin_memory", True)
-    if pin == "auto":
-        pin = True
-    if not isinstance(pin, bool):
-        raise ConfigError(f"{where}.pin_memory = {pin!r}; valid: true or false")
-    ratio = value.get("ratio")
-    if ratio == "auto":
-        ratio = None
-    if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float))
-                              or not 0.0 <= ratio <= 1.0):
-        raise ConfigError(f"{where}.ratio = {ratio!r}; valid: a number in [0, 1]")
-    known = {"device", "pin_memory", "ratio", *_IGNORED_OPTIMIZER_KEYS}
-    unknown = sorted(set(value) - known)
-    for key in unknown:
-        _ignored(where, key, "zero3 does not know this key")
-    return OffloadSettings(True, None if ratio in (None, 1, 1.0) else float(ratio), pin)
+    if value is True or isinstance(value, str):
+        value = {"device": "cpu" if value is True else value}
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: offload_optimizer = {value!r}; valid: None, True, False, "
+                          f"\"cpu\", \"none\" or a dict of DeepSpeed's offload_optimizer "
+                          f"keys ({e})") from e
+    keys, warns = runtime.offload_optimizer(text, where)
+    for message in warns:
+        warnings.warn(message, UserWarning, stacklevel=4)
+    return _offload_of_keys(keys)
 
 
 def _backend(world):
@@ -109,47 +77,39 @@ def _backend(world):
     return "cpu"
 
 
-def _offload_of(runtime):
-    """OffloadSettings of a validated [zero] section (TOML, or mapped from
-    DeepSpeed's offload_optimizer)."""
-    section = runtime.section("zero")
-    if section is None:
-        return OffloadSettings()
-    keys = section["host_params"]
+def _offload_of_keys(keys):
+    """OffloadSettings of [zero]'s validated offload keys."""
     if keys["offload_optimizer"] != "cpu":
         return OffloadSettings()
     ratio = keys["offload_ratio"]
     return OffloadSettings(True, None if ratio == 1.0 else ratio, keys["offload_pin_memory"])
 
 
+def _offload_of(runtime):
+    """OffloadSettings of a validated [zero] section (TOML, or mapped from
+    DeepSpeed's offload_optimizer)."""
+    section = runtime.section("zero")
+    return OffloadSettings() if section is None else _offload_of_keys(section["host_params"])
+
+
 def resolve(config, plugin_path, mixed_precision, world):
-    """Loads `config` (TOML path/text/dict, or a DeepSpeed JSON path/text);
-    returns Settings. `mixed_precision` (given to initialize) wins over the
-    config's bf16/fp16 sections."""
-    loaded = load_config(config, format="toml" if isinstance(config, dict) else None,
-                         plugin_path=plugin_path)
+    """Loads `config` (TOML path/text, DeepSpeed JSON path/text/dict, or a
+    loaded ductile.Config); returns Settings. `mixed_precision` (given to
+    initialize) wins over the config's bf16/fp16 sections."""
+    loaded = load_config(config, plugin_path=plugin_path)
     clipping = None
     precision = None
     optimizer = None
     if loaded.format == "deepspeed":
-        runtime, warns = _ductile.Runtime.from_deepspeed(
+        runtime, warns, training = _ductile.Runtime.from_deepspeed(
             loaded.deepspeed, loaded.origin, plugin_path, loaded.base_dir,
-            require_zero_stage3=True, accelerator_backend=_backend(world))
+            require_zero_stage3=True, accelerator_backend=_backend(world), read_training=True)
         for message in warns:
             warnings.warn(message, UserWarning, stacklevel=4)
-        ds = json.loads(loaded.deepspeed)  # valid JSON: the mapping parsed it
-        precision = _precision.from_deepspeed(ds, loaded.origin)
-        clip = ds.get("gradient_clipping")
-        if clip not in (None, "auto", 0, 0.0):
-            if not isinstance(clip, (int, float)) or isinstance(clip, bool) or clip < 0:
-                raise ConfigError(f"{loaded.origin}: gradient_clipping = {clip!r}; a number >= 0")
-            clipping = float(clip)
-        section = ds.get("optimizer")
-        if section is not None:
-            if not isinstance(section, dict):
-                raise ConfigError(f"{loaded.origin}: optimizer = {section!r}; valid: an object "
-                                  "with type and params")
-            optimizer = optimizer_factory(section, loaded.origin)
+        precision = _precision.from_training(training)
+        clipping = training["gradient_clipping"]
+        if training["optimizer"] is not None:
+            optimizer = optimizer_factory(training["optimizer"], loaded.origin)
         loaded = Config("deepspeed", loaded.origin, runtime, loaded.deepspeed, loaded.base_dir)
     if mixed_precision is not None:
         if not isinstance(mixed_precision, _precision.MixedPrecision):
@@ -167,29 +127,17 @@ def torch_world(group):
     return TorchWorld(group)
 
 
-def optimizer_factory(section, origin):
-    """An optimizer_factory for a DeepSpeed config's ``optimizer`` section
-    (type Adam or AdamW; DeepSpeed's Adam is AdamW unless adam_w_mode is
-    false, as DeepSpeed builds it)."""
-    where = f"{origin}: optimizer"
-    kind = str(section.get("type", "")).lower()
-    if kind not in ("adam", "adamw"):
-        raise ConfigError(f"{where}.type = {section.get('type')!r}; valid: \"Adam\", \"AdamW\" "
-                          "(or pass optimizer_factory to zero3.initialize)")
-    params = section.get("params") or {}
-    if not isinstance(params, dict):
-        raise ConfigError(f"{where}.params = {params!r}; valid: an object")
-    decoupled = kind == "adamw" or params.get("adam_w_mode", True) is not False
-    known = {"lr", "betas", "eps", "weight_decay"}
-    kwargs = {k: (tuple(v) if k == "betas" else v) for k, v in params.items()
-              if k in known and v != "auto"}
-    for key in sorted(set(params) - known - {"adam_w_mode", "torch_adam"}):
-        _ignored(where + ".params", key, "torch's Adam/AdamW has no such setting")
-    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+def optimizer_factory(optimizer, origin):
+    """An optimizer_factory for a DeepSpeed config's ``optimizer`` section, as
+    the pipeline read and checked it: torch's AdamW, or Adam when the weight
+    decay is not decoupled (``adam_w_mode`` false), with the parameters given."""
+    cls = torch.optim.AdamW if optimizer["decoupled_weight_decay"] else torch.optim.Adam
+    kwargs = {k: optimizer[k] for k in ("lr", "betas", "eps", "weight_decay")
+              if optimizer[k] is not None}
 
     def factory(shards):
         try:
             return cls(shards, **kwargs)
         except (TypeError, ValueError) as e:
-            raise ConfigError(f"{where}.params: {e}") from e
+            raise ConfigError(f"{origin}: optimizer.params: {e}") from e
     return factory

@@ -74,8 +74,9 @@ class Zero3Engine:
                 f"zero3.initialize: model must be a torch.nn.Module, got {type(model).__name__}")
         if config is None:
             raise InvalidArgumentError(
-                "zero3.initialize: config is required: a ductile TOML (path, text or dict) with "
-                "[zero] and [accelerator] sections, or a DeepSpeed JSON config")
+                "zero3.initialize: config is required: a ductile TOML (path or text) with "
+                "[zero] and [accelerator] sections, or a DeepSpeed JSON config (path, text or "
+                "dict)")
         world = _config.torch_world(group)
         settings = _config.resolve(config, plugin_path, mixed_precision, world)
         self.config = settings.loaded
@@ -84,8 +85,7 @@ class Zero3Engine:
             optimizer_factory = settings.optimizer
         offload = settings.offload
         if offload_optimizer is not None:
-            offload = _config.offload_settings(offload_optimizer,
-                                               "zero3.initialize: offload_optimizer")
+            offload = _config.offload_argument(offload_optimizer, settings.loaded.runtime)
 
         sharded = ShardedModel(model, settings.loaded.runtime, world, precision, groups,
                                offload, max_device_memory, load_from,

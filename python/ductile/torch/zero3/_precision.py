@@ -20,16 +20,17 @@ checked for inf/NaN on every rank (one all-reduce); a step with an overflow
 is skipped and the scale halved (after ``hysteresis`` overflows in a row),
 and after ``growth_interval`` steps without one it doubles.
 
-``from_deepspeed(ds)`` reads DeepSpeed's ``bf16``/``fp16`` sections
-(``enabled``, ``loss_scale`` (0: dynamic), ``initial_scale_power``,
-``loss_scale_window``, ``hysteresis``, ``min_loss_scale``).
+``from_training(training)`` builds them from a DeepSpeed config's ``bf16``
+/ ``fp16`` sections as the pipeline read them (``enabled``, ``loss_scale``
+(0: dynamic), ``initial_scale_power``, ``loss_scale_window``,
+``hysteresis``, ``min_loss_scale``).
 """
 
 import math
 
 import torch
 
-from ..._errors import ConfigError, InvalidArgumentError
+from ..._errors import InvalidArgumentError
 
 _NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -146,27 +147,18 @@ class DynamicLossScaler:
         return f"DynamicLossScaler(scale={self.scale})"
 
 
-def from_deepspeed(ds, where):
-    """A MixedPrecision from a DeepSpeed config dict, or None (fp32)."""
-    bf16 = ds.get("bf16") or ds.get("bfloat16") or {}
-    fp16 = ds.get("fp16") or {}
-    if not isinstance(bf16, dict) or not isinstance(fp16, dict):
-        raise ConfigError(f"{where}: 'bf16' and 'fp16' must be objects")
-    if bf16.get("enabled") and fp16.get("enabled"):
-        raise ConfigError(f"{where}: 'bf16' and 'fp16' are both enabled; enable one")
-    if bf16.get("enabled"):
+def from_training(training):
+    """A MixedPrecision from a DeepSpeed config's precision settings, as the
+    pipeline read and checked them (``_ductile.Runtime.from_deepspeed``'s
+    training dict), or None (fp32)."""
+    if training["precision"] == "bf16":
         return MixedPrecision(torch.bfloat16)
-    if not fp16.get("enabled"):
+    if training["precision"] != "fp16":
         return None
-    static = fp16.get("loss_scale", 0)
-    if not isinstance(static, (int, float)) or isinstance(static, bool) or static < 0:
-        raise ConfigError(f"{where}: fp16.loss_scale = {static!r}; 0 (dynamic) or a positive "
-                          "number")
-    if static:
-        return MixedPrecision(torch.float16, loss_scale=float(static))
-    power = fp16.get("initial_scale_power", 16)
-    scaler = DynamicLossScaler(initial_scale=2.0 ** power,
-                               growth_interval=fp16.get("loss_scale_window", 1000),
-                               hysteresis=fp16.get("hysteresis", 2),
-                               min_scale=fp16.get("min_loss_scale", 1))
+    if training["loss_scale"]:
+        return MixedPrecision(torch.float16, loss_scale=training["loss_scale"])
+    scaler = DynamicLossScaler(initial_scale=2.0 ** training["initial_scale_power"],
+                               growth_interval=training["loss_scale_window"],
+                               hysteresis=training["hysteresis"],
+                               min_scale=training["min_loss_scale"])
     return MixedPrecision(torch.float16, loss_scale=scaler)

@@ -1,0 +1,174 @@
+// pipeline::deepspeed_sections' reading of what configures the training
+// framework (precision and fp16 loss scaling, gradient clipping, the
+// optimizer), and pipeline::deepspeed_offload_optimizer: an offload object
+// given apart from a config, checked as the one inside zero_optimization.
+#include <doctest/doctest.h>
+
+#include <string>
+#include <vector>
+
+#include "ductile/core/config.hpp"
+#include "ductile/core/runtime.hpp"
+#include "ductile/pipeline/deepspeed_config.hpp"
+
+using namespace ductile;
+
+namespace {
+
+const core::Runtime& plugins() {
+  static const core::Runtime runtime = core::Runtime::from_string("", "deepspeed config test");
+  return runtime;
+}
+
+pipeline::DeepSpeedSections mapped(const std::string& json,
+                                   std::vector<std::string>* warnings = nullptr) {
+  auto sections = pipeline::deepspeed_sections(json, "ds.json", {}, plugins().registry(),
+                                               {.read_training = true});
+  if (warnings) *warnings = sections.warnings;
+  return sections;
+}
+
+std::string message_of(const std::string& json) {
+  try {
+    mapped(json);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+bool any_contains(const std::vector<std::string>& lines, const std::string& part) {
+  for (const auto& line : lines)
+    if (line.find(part) != std::string::npos) return true;
+  return false;
+}
+
+}  // namespace
+
+TEST_CASE("a config without precision, clipping or optimizer keeps the framework's defaults") {
+  const auto t = mapped(R"({"train_batch_size": 8})").training;
+  CHECK(t.precision == "fp32");
+  CHECK_FALSE(t.gradient_clipping);
+  CHECK_FALSE(t.optimizer);
+}
+
+TEST_CASE("bf16, fp16 and their loss scaling are read with their types checked") {
+  CHECK(mapped(R"({"bf16": {"enabled": true}})").training.precision == "bf16");
+  CHECK(mapped(R"({"bfloat16": {"enabled": true}})").training.precision == "bf16");
+  CHECK(mapped(R"({"bf16": {"enabled": "auto"}})").training.precision == "fp32");
+  const auto t = mapped(R"({"fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 12,
+                                     "loss_scale_window": 50, "hysteresis": 3,
+                                     "min_loss_scale": 0.5}})")
+                     .training;
+  CHECK(t.precision == "fp16");
+  CHECK(t.loss_scale == 0.0);
+  CHECK(t.initial_scale_power == 12);
+  CHECK(t.loss_scale_window == 50);
+  CHECK(t.hysteresis == 3);
+  CHECK(t.min_loss_scale == 0.5);
+  CHECK(mapped(R"({"fp16": {"enabled": true, "loss_scale": 128}})").training.loss_scale == 128.0);
+  // Hugging Face's "auto" keeps the default.
+  CHECK(mapped(R"({"fp16": {"enabled": true, "initial_scale_power": "auto"}})")
+            .training.initial_scale_power == 16);
+
+  CHECK(message_of(R"({"bf16": {"enabled": true}, "fp16": {"enabled": true}})") ==
+        "ds.json: bf16.enabled and fp16.enabled are both true; enable one of them");
+  CHECK(message_of(R"({"fp16": {"enabled": "yes"}})") ==
+        "ds.json: fp16.enabled = \"yes\"; valid: true or false");
+  CHECK(message_of(R"({"fp16": {"enabled": true, "loss_scale": -1}})") ==
+        "ds.json: fp16.loss_scale = -1; valid: 0 (dynamic scaling) or a positive number");
+  CHECK(message_of(R"({"fp16": {"enabled": true, "initial_scale_power": 16.5}})") ==
+        "ds.json: fp16.initial_scale_power = 16.5; valid: an integer in [0, 64]");
+  CHECK(message_of(R"({"fp16": {"enabled": true, "hysteresis": 0}})") ==
+        "ds.json: fp16.hysteresis = 0; valid: an integer >= 1");
+  CHECK(message_of(R"({"fp16": 3})") == "ds.json: fp16 must be an object, got 3");
+
+  std::vector<std::string> warnings;
+  mapped(R"({"fp16": {"enabled": true, "auto_cast": true}})", &warnings);
+  CHECK(any_contains(warnings, "ds.json: fp16.auto_cast is accepted but ignored"));
+}
+
+TEST_CASE("gradient_clipping: a number >= 0, 0 meaning none") {
+  CHECK(*mapped(R"({"gradient_clipping": 1.5})").training.gradient_clipping == 1.5);
+  CHECK_FALSE(mapped(R"({"gradient_clipping": 0})").training.gradient_clipping);
+  CHECK_FALSE(mapped(R"({"gradient_clipping": "auto"})").training.gradient_clipping);
+  CHECK(message_of(R"({"gradient_clipping": -1})") ==
+        "ds.json: gradient_clipping = -1; valid: a number >= 0 (0: no clipping)");
+  CHECK(message_of(R"({"gradient_clipping": true})") ==
+        "ds.json: gradient_clipping = true; valid: a number >= 0 (0: no clipping)");
+}
+
+TEST_CASE("optimizer: Adam or AdamW, its parameters typed, DeepSpeed's adam_w_mode honoured") {
+  const auto adamw = mapped(R"({"optimizer": {"type": "AdamW", "params": {
+      "lr": 0.002, "betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.1, "torch_adam": true}}})")
+                         .training.optimizer;
+  REQUIRE(adamw);
+  CHECK(adamw->type == "AdamW");
+  CHECK(adamw->decoupled_weight_decay);
+  CHECK(*adamw->lr == 0.002);
+  CHECK((*adamw->betas)[0] == 0.8);
+  CHECK((*adamw->betas)[1] == 0.99);
+  CHECK(*adamw->eps == 1e-6);
+  CHECK(*adamw->weight_decay == 0.1);
+  // DeepSpeed's Adam decouples its weight decay unless adam_w_mode is false.
+  CHECK(mapped(R"({"optimizer": {"type": "adam"}})").training.optimizer->decoupled_weight_decay);
+  const auto adam =
+      mapped(R"({"optimizer": {"type": "Adam", "params": {"adam_w_mode": false, "lr": "auto"}}})")
+          .training.optimizer;
+  CHECK_FALSE(adam->decoupled_weight_decay);
+  CHECK_FALSE(adam->lr);
+
+  CHECK(message_of(R"({"optimizer": {"type": "SGD"}})") ==
+        "ds.json: optimizer.type = \"SGD\"; valid: \"Adam\", \"AdamW\"");
+  CHECK(message_of(R"({"optimizer": {"params": {}}})") ==
+        "ds.json: optimizer.type = (missing); valid: \"Adam\", \"AdamW\"");
+  CHECK(message_of(R"({"optimizer": {"type": "Adam", "params": {"betas": [0.9]}}})") ==
+        "ds.json: optimizer.params.betas = [0.9]; valid: [beta1, beta2], each in [0, 1)");
+  CHECK(message_of(R"({"optimizer": {"type": "Adam", "params": {"lr": -1}}})") ==
+        "ds.json: optimizer.params.lr = -1; valid: a number >= 0");
+  std::vector<std::string> warnings;
+  mapped(R"({"optimizer": {"type": "Adam", "params": {"amsgrad": true}}})", &warnings);
+  CHECK(any_contains(warnings, "ds.json: optimizer.params.amsgrad is accepted but ignored"));
+}
+
+TEST_CASE("without read_training, the framework's keys are not looked at") {
+  // An elastic job's DeepSpeed config may name any optimizer DeepSpeed has.
+  auto sections = pipeline::deepspeed_sections(
+      R"({"optimizer": {"type": "Lamb"}, "fp16": {"enabled": true, "hysteresis": 0}})", "ds.json",
+      {}, plugins().registry());
+  CHECK(sections.training.precision == "fp32");
+  CHECK_FALSE(sections.training.optimizer);
+  CHECK(sections.warnings.empty());
+}
+
+TEST_CASE("an offload_optimizer object given alone is checked as inside zero_optimization") {
+  std::vector<std::string> warnings;
+  const Params keys = pipeline::deepspeed_offload_optimizer(
+      R"({"device": "cpu", "pin_memory": false, "ratio": 0.5, "buffer_count": 4})",
+      "zero3.initialize", plugins().registry(), &warnings);
+  CHECK(keys.get_string("offload_optimizer") == "cpu");
+  CHECK(keys.get_double("offload_ratio") == 0.5);
+  CHECK_FALSE(keys.get_bool("offload_pin_memory"));
+  CHECK(any_contains(warnings, "zero3.initialize: offload_optimizer.buffer_count is accepted"));
+
+  const Params off = pipeline::deepspeed_offload_optimizer(
+      R"({"device": "none"})", "zero3.initialize", plugins().registry(), nullptr);
+  CHECK(off.get_string("offload_optimizer") == "none");
+
+  auto message = [](const std::string& json) -> std::string {
+    try {
+      pipeline::deepspeed_offload_optimizer(json, "zero3.initialize", plugins().registry(),
+                                            nullptr);
+    } catch (const std::exception& e) {
+      return e.what();
+    }
+    return "";
+  };
+  CHECK(message(R"({"device": "gpu"})") ==
+        "zero3.initialize: offload_optimizer.device = \"gpu\"; valid: \"cpu\", \"nvme\", "
+        "\"none\"");
+  CHECK(message(R"({"ratio": 2})")
+            .find("zero3.initialize: offload_optimizer.ratio = 2.0 is out "
+                  "of range") != std::string::npos);
+  CHECK(message("[1]") == "zero3.initialize: offload_optimizer must be an object, got [1]");
+}
