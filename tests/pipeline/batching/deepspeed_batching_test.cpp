@@ -92,23 +92,24 @@ TEST_CASE("mistakes name the key path and the value") {
       CHECK(std::string(e.what()).find("bad.json") != std::string::npos);
     }
   };
-  fails_with("{", "not valid JSON");
-  fails_with("{}", "data_efficiency.data_sampling.dynamic_batching: missing");
+  fails_with("{", "invalid JSON");
+  fails_with("{}", "data_efficiency.data_sampling.dynamic_batching is missing");
   fails_with(R"({"data_efficiency": {"data_sampling": {"dynamic_batching": {}}}})",
-             "max_tokens: missing");
+             "max_tokens is missing (the token budget is required)");
   fails_with(R"({"data_efficiency": {"data_sampling": {"dynamic_batching": {"max_tokens": "x"}}}})",
-             "\"x\" is not an integer");
+             "max_tokens must be an integer, got \"x\"");
   fails_with(R"({"data_efficiency": {"data_sampling": {"dynamic_batching": {"max_tokens": 0}}}})",
-             "must be >= 1");
+             "max_tokens = 0 is out of range: must be between 1 and");
   fails_with(R"({"data_efficiency": {"data_sampling": {"dynamic_batching": {"max_tokens": 9,
              "sequence_picking_order": "shortest"}}}})",
-             "'shortest' is not valid");
+             "sequence_picking_order = \"shortest\" is not allowed; valid values: "
+             "dataloader, seqlen, random");
   fails_with(R"({"data_efficiency": {"data_sampling": {"dynamic_batching": {"max_tokens": 9,
              "lr_scaling_method": "cubic"}}}})",
              "'cubic' is not valid");
   fails_with(R"({"data_efficiency": {"data_sampling": {"dynamic_batching": {"max_tokens": 9,
              "max_tokenz": 3}}}})",
-             "max_tokenz: unknown key");
+             "max_tokenz is an unknown key");
 }
 
 TEST_CASE("micro batch x gradient accumulation past int64 is refused, naming both keys") {

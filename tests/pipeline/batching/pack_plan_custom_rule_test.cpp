@@ -77,9 +77,9 @@ TEST_CASE("a custom lr plugin is chosen from DeepSpeed JSON, with parameters its
   }
   CHECK(varied);  // the packing gives steps of different sizes, so the rule matters
 
-  // Its default parameters when none are given.
+  // Its default parameters when none are given, filled in as for a TOML [lr].
   const auto plain = pipeline::parse_deepspeed_batching(ds_config(""), "ds.json", {}, registry);
-  CHECK(plain.lr_params.values().empty());
+  CHECK(plain.lr_params.get_double("exponent") == 1.0);
   const auto linear_like =
       pipeline::pack_plan(runtime, lengths, pipeline::pack_setup_from_deepspeed(plain).options);
   for (std::size_t s = 0; s < linear_like.step_count(); ++s)
@@ -93,13 +93,12 @@ TEST_CASE("DeepSpeed JSON rule errors name the key, the value and what is valid"
       error_of(ds_config(R"(, "lr_scaling_params": {"exponent": 9})"), registry).find("exponent") !=
       std::string::npos);
   CHECK(error_of(ds_config(R"(, "lr_scaling_params": {"exponnt": 1})"), registry)
-            .find("lr_scaling_params.exponnt: rule 'fixture_power' has no such parameter; "
+            .find("lr_scaling_params.exponnt is not a parameter of rule 'fixture_power'; "
                   "valid: exponent") != std::string::npos);
   CHECK(error_of(ds_config(R"(, "lr_scaling_params": {"exponent": "two"})"), registry)
-            .find("lr_scaling_params.exponent: \"two\" is not a number") != std::string::npos);
-  CHECK(
-      error_of(ds_config(R"(, "lr_scaling_params": [1])"), registry).find("[1] is not an object") !=
-      std::string::npos);
+            .find("lr_scaling_params.exponent must be a number, got \"two\"") != std::string::npos);
+  CHECK(error_of(ds_config(R"(, "lr_scaling_params": [1])"), registry)
+            .find("lr_scaling_params must be an object, got [1]") != std::string::npos);
   // Without the fixture on the search path the rule is not installed: the
   // message lists what is.
   const core::PluginRegistry builtin(core::PluginRegistry::default_search_path(), nullptr);

@@ -1,7 +1,10 @@
-// DeepSpeed JSON configurations for dynamic batching: maps
+// DeepSpeed JSON configurations for dynamic batching:
 // data_efficiency.data_sampling.dynamic_batching (same keys and defaults as
-// DeepSpeed) onto the greedy sampler's parameters, the LR scaling rule and
-// the base learning-rate schedule.
+// DeepSpeed) as the greedy sampler's parameters, the LR scaling rule and the
+// base learning-rate schedule. The keys are mapped by the one DeepSpeed
+// mapping (deepspeed_config.hpp, read_batching) onto [batching] and [lr],
+// which are validated as a TOML file's and read as a TOML file's
+// (pack_setup_from_config): one route for both formats.
 //
 // DeepSpeed keys read: dynamic_batching.{enabled (false), max_tokens
 // (required), lr_scaling_method ("linear"), sequence_picking_order
@@ -13,9 +16,10 @@
 // accumulation; else 1); optimizer.params.lr; scheduler WarmupDecayLR with
 // warmup_type "linear" (others are refused with a clear error).
 //
-// Errors: ductile::Error(ErrorKind::config) naming the source, the key path
-// and the bad value. Threading: no shared state; safe to call concurrently
-// (a registry is only read).
+// Errors: core::ConfigError (ErrorKind::config) naming the source, the key
+// path and the bad value; Error(unsupported) for a scheduler with no ductile
+// equivalent. Threading: no shared state; safe to call concurrently (a
+// registry is only read).
 #pragma once
 
 #include <filesystem>

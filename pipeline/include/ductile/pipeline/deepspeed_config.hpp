@@ -3,27 +3,39 @@
 // and the agent alike.
 //
 //   elasticity.{version, policy, enabled, <the policy's keys>}  -> [elasticity]
-//   zero_optimization.stage3_prefetch_bucket_size                -> [zero] prefetch_bucket_size
-//   zero_optimization.stage3_max_live_parameters                 -> [zero] max_live_parameters
-//   zero_optimization.stage3_max_reuse_distance                  -> [zero] max_reuse_distance
-//   zero_optimization.stage3_param_persistence_threshold         -> [zero]
-//   param_persistence_threshold zero_optimization.offload_param {device "nvme", nvme_path,
-//   buffer_count}
-//                                                  -> [zero] nvme_path, nvme_buffer_count
+//   zero_optimization.stage3_prefetch_bucket_size    -> [zero] prefetch_bucket_size
+//   zero_optimization.stage3_max_live_parameters     -> [zero] max_live_parameters
+//   zero_optimization.stage3_max_reuse_distance      -> [zero] max_reuse_distance
+//   zero_optimization.stage3_param_persistence_threshold
+//                                                    -> [zero] param_persistence_threshold
+//   zero_optimization.offload_param {device "nvme", nvme_path, buffer_count}
+//                                                    -> [zero] nvme_path, nvme_buffer_count
 //   zero_optimization.offload_optimizer {device, pin_memory, ratio}
-//                                                  -> [zero] offload_optimizer, offload_pin_memory,
-//                                                     offload_ratio
+//                                                    -> [zero] offload_optimizer,
+//                                                       offload_pin_memory, offload_ratio
+//   data_efficiency.data_sampling.dynamic_batching {max_tokens, min_batch_size,
+//     max_batch_size, sequence_picking_order, metrics_path}, data_efficiency.seed,
+//   train_batch_size (or micro batch x gradient accumulation)
+//                                                    -> [batching] sampler "greedy" and its keys,
+//                                                       lengths (metrics_path's seqlen files)
+//   dynamic_batching.{lr_scaling_method, lr_scaling_params}, optimizer.params.lr,
+//   scheduler WarmupDecayLR {warmup_min_lr, warmup_max_lr, warmup_num_steps, total_num_steps}
+//                                                    -> [lr] rule and its keys, base_lr,
+//                                                       base_batch_size, schedule, ...
 //
-// ([zero] only for stage 3; dynamic batching and its learning rate are read
-// by parse_deepspeed_batching, deepspeed_batching.hpp.) What configures the
-// training framework rather than a plugin is read in the same pass, when
-// DeepSpeedOptions::read_training asks, into DeepSpeedTraining: bf16 / fp16 (with fp16's loss
-// scaling), gradient_clipping, optimizer {type Adam or AdamW, params}. Each value is typed once,
-// here, by the schema of the plugin that takes it, and then checked by core::Config::validate like
-// a TOML file's: bounds, allowed strings and the plugin's validate hook. Every message names the
-// user's file and the user's key ("zero_optimization.stage3_prefetch_bucket_size"). A value "auto"
-// (Hugging Face's placeholder) keeps ductile's default. Keys DeepSpeed has and ductile does not act
-// on are dropped with a warning saying so.
+// [zero] only for stage 3; [batching] and [lr] when DeepSpeedOptions::
+// read_batching asks (parse_deepspeed_batching, deepspeed_batching.hpp).
+// What configures the training framework rather than a plugin is read in the
+// same pass, when DeepSpeedOptions::read_training asks, into
+// DeepSpeedTraining: bf16 / fp16 (with fp16's loss scaling),
+// gradient_clipping, optimizer {type Adam or AdamW, params}. Each value is
+// typed once, here, by the schema of the plugin that takes it, and then
+// checked by core::Config::validate like a TOML file's: bounds, allowed
+// strings and the plugin's validate hook. Every message names the user's
+// file and the user's key ("zero_optimization.stage3_prefetch_bucket_size").
+// A value "auto" (Hugging Face's placeholder) keeps ductile's default. Keys
+// DeepSpeed has and ductile does not act on are dropped with a warning
+// saying so.
 //
 // Errors: core::ConfigError for values the schemas refuse; Error typed
 // ElasticityConfigError (ErrorKind::config) for an elasticity block
@@ -62,6 +74,11 @@ struct DeepSpeedOptions {
   // zero3 builds torch objects from it. Off, those keys are not looked at
   // (an elastic job's config may name any optimizer DeepSpeed has).
   bool read_training = false;
+  // Also map data_efficiency.data_sampling.dynamic_batching (required then)
+  // onto [batching] (the greedy sampler, DeepSpeed's batch_by_seqlens) and
+  // [lr] (lr_scaling_method's rule, optimizer.params.lr, WarmupDecayLR):
+  // parse_deepspeed_batching asks.
+  bool read_batching = false;
 };
 
 // What a DeepSpeed config sets for the training framework (the torch objects
@@ -98,6 +115,7 @@ struct DeepSpeedSections {
   core::ConfigDocument document;      // entries naming the user's keys
   std::vector<std::string> warnings;  // keys accepted but not acted on
   DeepSpeedTraining training;
+  bool batching_enabled = false;  // dynamic_batching.enabled (read_batching)
 };
 
 // Maps `json_text` (a whole DeepSpeed config; for elasticity also the block
