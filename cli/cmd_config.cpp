@@ -41,10 +41,12 @@ int check_config(const CliContext& context, const CheckOptions& options) {
       "unless given --allow-config-plugins";
   std::vector<std::string> warnings;
   // A DeepSpeed JSON config is mapped onto ductile's sections, each checked
-  // as a TOML file's would be, naming the user's keys.
-  auto runtime = deepspeed ? pipeline::runtime_from_deepspeed_file(options.file, text,
-                                                                   runtime_options, {}, &warnings)
-                           : core::Runtime::from_document(*document, runtime_options);
+  // as a TOML file's would be, naming the user's keys; its dynamic batching
+  // block too, when it has one (as `ductile pack` reads it).
+  auto runtime = deepspeed
+                     ? pipeline::runtime_from_deepspeed_file(options.file, text, runtime_options,
+                                                             {.read_batching = true}, &warnings)
+                     : core::Runtime::from_document(*document, runtime_options);
   const auto& config = runtime.config();
   std::cout << fmt::format("{}: valid{}\n", options.file, deepspeed ? " (DeepSpeed JSON)" : "");
   for (const auto& w : warnings) std::cout << fmt::format("  warning: {}\n", w);

@@ -271,6 +271,31 @@ TEST_CASE("config check reads a DeepSpeed JSON config through the one mapping, n
   CHECK(contains(o.out, "offload_optimizer = \"cpu\""));
   CHECK(contains(o.out, "[elasticity] elasticity plugin 'v0.2'"));
   CHECK(contains(o.out, "zero_optimization.offload_param.device is accepted but ignored"));
+
+  // Its dynamic batching block, when it has one, as `ductile pack` reads it.
+  auto batching = dir.write("batching.json", R"({"train_batch_size": 4,
+      "optimizer": {"type": "Lamb", "params": {"lr": 0.5}},
+      "data_efficiency": {"data_sampling": {"dynamic_batching": {"max_tokens": 0,
+          "sequence_picking_order": "shortest", "lr_scaling_method": "SQRT"}}}})");
+  auto b = cli({"config", "check", batching.string()});
+  CHECK(b.exit_code == 2);
+  for (const char* expected :
+       {": data_efficiency.data_sampling.dynamic_batching.max_tokens = 0 is out of range: must "
+        "be between 1 and",
+        ": data_efficiency.data_sampling.dynamic_batching.sequence_picking_order = \"shortest\" "
+        "is not allowed; valid values: dataloader, seqlen, random"})
+    CHECK_MESSAGE(contains(b.err, batching.string() + expected), b.err);
+  auto packs = dir.write("packs.json", R"({"train_batch_size": 4,
+      "optimizer": {"type": "Lamb", "params": {"lr": 0.5}},
+      "data_efficiency": {"data_sampling": {"dynamic_batching": {"max_tokens": 64,
+          "lr_scaling_method": "SQRT"}}}})");
+  auto p = cli({"config", "check", packs.string()});
+  CHECK_MESSAGE(p.exit_code == 0, p.err);
+  CHECK(contains(p.out, "[batching] batching plugin 'greedy'"));
+  CHECK(contains(p.out, "max_tokens = 64"));
+  CHECK(contains(p.out, "effective_batch_size = 4"));
+  CHECK(contains(p.out, "[lr] lr plugin 'sqrt'"));
+  CHECK(contains(p.out, "base_lr = 0.5"));
 }
 
 TEST_CASE("deep nesting and huge values in TOML are refused cleanly, quoted in excerpts") {

@@ -1,5 +1,5 @@
 // DeepSpeed's dynamic batching read as ductile's [batching] and [lr]
-// sections: the one mapping (deepspeed_config.hpp, read_batching), the
+// sections: the one mapping (deepspeed_config.hpp, require_batching), the
 // sections validated as a TOML file's, the packing options taken from them
 // as from a TOML file's (pack_setup_from_config).
 #include "ductile/pipeline/deepspeed_batching.hpp"
@@ -20,7 +20,7 @@ DeepSpeedBatching parse_deepspeed_batching(std::string_view text, std::string_vi
 DeepSpeedBatching parse_deepspeed_batching(std::string_view text, std::string_view source,
                                            const std::filesystem::path& base_dir,
                                            const core::PluginRegistry& registry) {
-  auto mapped = deepspeed_sections(text, source, base_dir, registry, {.read_batching = true});
+  auto mapped = deepspeed_sections(text, source, base_dir, registry, {.require_batching = true});
   const auto config = core::Config::validate(mapped.document, registry, /*plugin_checks=*/true);
   const PackSetup setup = pack_setup_from_config(config);
   DeepSpeedBatching out;

@@ -109,7 +109,7 @@ class Mapping {
   void offload_optimizer(const json& zero);
   void offload_optimizer_object(const json& offload, const std::string& where);
   void training(const json& root);
-  void batching(const json& root);
+  void batching(const json& root, bool required);
   void lr_schedule(const json& root);
   // train_batch_size, else micro batch x gradient accumulation, else 1: the
   // micro-batches of one step (nullopt after reporting a problem).
@@ -426,14 +426,15 @@ std::optional<std::int64_t> Mapping::step_batch(const json& root) {
   return product;
 }
 
-void Mapping::batching(const json& root) {
+void Mapping::batching(const json& root, bool required) {
   const std::string base = "data_efficiency.data_sampling.dynamic_batching";
   const json* efficiency = object(root, "data_efficiency", "data_efficiency");
   const json* sampling =
       efficiency ? object(*efficiency, "data_sampling", "data_efficiency.data_sampling") : nullptr;
   const json* dynamic = sampling ? object(*sampling, "dynamic_batching", base) : nullptr;
   if (!dynamic) {
-    if (problems_.empty()) problem(base, "is missing: the config has no dynamic batching block");
+    if (required && problems_.empty())
+      problem(base, "is missing: the config has no dynamic batching block");
     return;
   }
   // DeepSpeed's keys, and ductile's lr_scaling_params (the rule's parameters).
@@ -610,7 +611,8 @@ DeepSpeedSections deepspeed_sections(std::string_view json_text, std::string_vie
   mapping.elasticity(root, options);
   mapping.zero(root, options);
   if (options.read_training) mapping.training(root);
-  if (options.read_batching) mapping.batching(root);
+  if (options.read_batching || options.require_batching)
+    mapping.batching(root, options.require_batching);
   return mapping.finish(base_dir);
 }
 

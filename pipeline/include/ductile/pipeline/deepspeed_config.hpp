@@ -74,11 +74,13 @@ struct DeepSpeedOptions {
   // zero3 builds torch objects from it. Off, those keys are not looked at
   // (an elastic job's config may name any optimizer DeepSpeed has).
   bool read_training = false;
-  // Also map data_efficiency.data_sampling.dynamic_batching (required then)
+  // Also map data_efficiency.data_sampling.dynamic_batching, when present,
   // onto [batching] (the greedy sampler, DeepSpeed's batch_by_seqlens) and
   // [lr] (lr_scaling_method's rule, optimizer.params.lr, WarmupDecayLR):
-  // parse_deepspeed_batching asks.
+  // `ductile config check` and parse_deepspeed_batching ask.
   bool read_batching = false;
+  // The dynamic_batching block must be there (parse_deepspeed_batching).
+  bool require_batching = false;
 };
 
 // What a DeepSpeed config sets for the training framework (the torch objects
