@@ -246,7 +246,8 @@ torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
 plain = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
 plain.load_state_dict(model.state_dict())
-config = {"accelerator": {"backend": "cpu"}, "zero": {"coordinator": "partitioned"}}
+config = ductile.load_config({"accelerator": {"backend": "cpu"},
+                              "zero": {"coordinator": "partitioned"}}, format="toml")
 engine = zero3.initialize(model, lambda ps: torch.optim.SGD(ps, lr=0.1), config)
 reference = torch.optim.SGD(plain.parameters(), lr=0.1)
 x, y = torch.randn(32, 8), torch.randn(32, 1)  # the same batch on both ranks

@@ -263,6 +263,14 @@ def test_a_dict_is_a_deepspeed_config_here_as_for_load_config():
     with pytest.raises(ductile.ConfigError,
                        match=r'optimizer.type = "SGD"; valid: "Adam", "AdamW"'):
         zero3.initialize(make_model(layers=1), None, dict(ds, optimizer={"type": "SGD"}))
+    # ductile's sections as a dict: said so, with the way to pass them.
+    sections = {"accelerator": {"backend": "cpu"}, "zero": {"coordinator": "partitioned"}}
+    with pytest.raises(ductile.ConfigError, match=r'<dict>: zero is a ductile section, not a '
+                                                  r'DeepSpeed key .*format="toml"'):
+        zero3.initialize(make_model(layers=1), None, sections)
+    engine = zero3.initialize(make_model(layers=1), None,
+                              ductile.load_config(sections, format="toml"))
+    engine.close()
 
 
 def test_unsupported_dtype_names_the_parameter():

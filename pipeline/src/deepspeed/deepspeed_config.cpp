@@ -608,6 +608,13 @@ DeepSpeedSections deepspeed_sections(std::string_view json_text, std::string_vie
                             json_excerpt(root)),
                 type);
   Mapping mapping(origin, registry);
+  // ductile's own sections given where a DeepSpeed config was expected (a
+  // dict of sections passed to zero3.initialize): DeepSpeed has no such keys.
+  for (const char* section : {"zero", "accelerator"})
+    if (root.contains(section))
+      mapping.problem(section, fmt::format("is a ductile section, not a DeepSpeed key (DeepSpeed's "
+                                           "ZeRO is zero_optimization): give ductile's sections "
+                                           "as TOML, or ductile.load_config(d, format=\"toml\")"));
   mapping.elasticity(root, options);
   mapping.zero(root, options);
   if (options.read_training) mapping.training(root);
