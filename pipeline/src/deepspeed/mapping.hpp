@@ -1,0 +1,150 @@
+// The DeepSpeed JSON -> ductile sections mapping's state and steps, shared
+// by its source files (deepspeed_config.cpp: elasticity, [zero], offload and
+// the public functions; deepspeed_training.cpp: what configures the training
+// framework; deepspeed_batching_sections.cpp: [batching] and [lr]).
+// Internal to the pipeline; ductile/pipeline/deepspeed_config.hpp is the API.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "ductile/core/config.hpp"
+#include "ductile/core/registry.hpp"
+#include "ductile/pipeline/deepspeed_config.hpp"
+#include "ductile/pipeline/json.hpp"
+
+namespace ductile::pipeline::deepspeed_mapping {
+
+using nlohmann::json;
+
+// The coordinator a DeepSpeed stage-3 config selects.
+inline constexpr const char* kZeroCoordinator = "partitioned";
+
+// DeepSpeed's absent values: a key missing, null, or Hugging Face's "auto".
+inline bool unset(const json* value) {
+  return value == nullptr || value->is_null() || (value->is_string() && *value == "auto");
+}
+
+class Mapping {
+ public:
+  Mapping(std::string_view origin, const core::PluginRegistry& registry)
+      : origin_(origin), registry_(registry) {}
+
+  const json* child(const json& parent, const char* key) const {
+    auto it = parent.find(key);
+    return it == parent.end() ? nullptr : &*it;
+  }
+
+  // An object-valued key (absent or null: nullptr); anything else is a
+  // problem naming it.
+  const json* object(const json& parent, const char* key, const std::string& path) {
+    const json* value = child(parent, key);
+    if (unset(value)) return nullptr;
+    if (!value->is_object()) {
+      problem(path, fmt::format("must be an object, got {}", json_excerpt(*value)));
+      return nullptr;
+    }
+    return value;
+  }
+
+  void problem(const std::string& user_key, const std::string& what) {
+    core::Diagnostic diagnostic;
+    diagnostic.where.file = origin_;
+    diagnostic.message = fmt::format("{} {}", user_key, what);
+    problems_.push_back(std::move(diagnostic));
+  }
+  void warn(const std::string& user_key, const std::string& why) {
+    warnings_.push_back(fmt::format("{}: {} is accepted but ignored: {}", origin_, user_key, why));
+  }
+
+  // The value typed by the schema of the plugin that takes `key`: the one
+  // conversion of a JSON value (bounds and the rest are checked by
+  // Config::validate).
+  void set(const std::string& section, const core::PluginInfo* info, const std::string& key,
+           const json& value, const std::string& user_key) {
+    const ParamSpec* spec = nullptr;
+    if (info)
+      for (const auto& s : info->params)
+        if (key == s.key) spec = &s;
+    // The section's host keys (a copy of the section table, kept while used).
+    const std::optional<core::SectionSpec> host = core::find_section_spec(section);
+    if (!spec && host)
+      for (const auto& s : host->host_keys)
+        if (key == s.key) spec = &s;
+    if (!spec) throw Error(ErrorKind::internal, fmt::format("[{}] has no key {}", section, key));
+    auto typed = json_to_param(value, spec->type);
+    if (!typed) {
+      problem(user_key, fmt::format("must be {}, got {}", param_type_expectation(spec->type),
+                                    json_excerpt(value)));
+      return;
+    }
+    entries_.push_back({section, key, std::move(*typed), user_key});
+  }
+  void set_plugin(const std::string& section, const std::string& selector, std::string plugin,
+                  const std::string& user_key) {
+    entries_.push_back({section, selector, ParamValue(std::move(plugin)), user_key});
+  }
+
+  void elasticity(const json& root, const DeepSpeedOptions& options);
+  void zero(const json& root, const DeepSpeedOptions& options);
+  void offload_param(const json& zero, core::PluginInfo const* coordinator);
+  void offload_optimizer(const json& zero);
+  void offload_optimizer_object(const json& offload, const std::string& where);
+  void training(const json& root);
+  void batching(const json& root, bool required);
+  void lr_schedule(const json& root);
+  // train_batch_size, else micro batch x gradient accumulation, else 1: the
+  // micro-batches of one step (nullopt after reporting a problem).
+  std::optional<std::int64_t> step_batch(const json& root);
+  void fp16_scaling(const json& fp16);
+  void optimizer(const json& section);
+  // An offload object's device: "none", "cpu" or "nvme" (`absent` when not
+  // given); nullopt after reporting any other value.
+  std::optional<std::string> device_of(const json& offload, const std::string& where,
+                                       const char* absent);
+
+  DeepSpeedSections finish(const std::filesystem::path& base_dir) {
+    if (!problems_.empty()) throw core::ConfigError(std::move(problems_));
+    return {core::ConfigDocument::from_entries(std::move(entries_), origin_, base_dir),
+            std::move(warnings_), std::move(training_), batching_enabled_};
+  }
+
+ private:
+  // `value` if it is a number (not a boolean) that `in_range` accepts;
+  // otherwise nullopt after a problem saying what is `valid`.
+  template <typename InRange>
+  std::optional<double> number(const json& value, const std::string& user_key, InRange in_range,
+                               const char* valid) {
+    if (value.is_number() && in_range(value.get<double>())) return value.get<double>();
+    problem(user_key, fmt::format("= {}; valid: {}", json_excerpt(value), valid));
+    return std::nullopt;
+  }
+  // The same for an integer.
+  template <typename InRange>
+  std::optional<std::int64_t> integer(const json& value, const std::string& user_key,
+                                      InRange in_range, const char* valid) {
+    if (value.is_number_integer() && in_range(value.get<std::int64_t>()))
+      return value.get<std::int64_t>();
+    problem(user_key, fmt::format("= {}; valid: {}", json_excerpt(value), valid));
+    return std::nullopt;
+  }
+  // `section`.enabled: true, false, or absent (false).
+  bool enabled(const json& root, const char* section);
+
+  DeepSpeedTraining training_;
+  bool batching_enabled_ = false;
+  std::string origin_;
+  const core::PluginRegistry& registry_;
+  std::vector<core::ConfigEntry> entries_;
+  std::vector<core::Diagnostic> problems_;
+  std::vector<std::string> warnings_;
+};
+
+}  // namespace ductile::pipeline::deepspeed_mapping
