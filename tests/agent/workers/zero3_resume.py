@@ -64,6 +64,7 @@ def save(engine, out, step, world, env):
 
 
 def worker(out, steps, on_request):
+    import ductile
     import ductile.torch.zero3 as zero3
     from ductile.torch import elastic
 
@@ -72,9 +73,11 @@ def worker(out, steps, on_request):
     batch = int(env["DUCTILE_GLOBAL_BATCH"])
     micro, accumulation = int(env["DUCTILE_MICRO_BATCH"]), int(env["DUCTILE_GRADIENT_ACCUMULATION_STEPS"])
     assert batch == micro * accumulation * world, "the agent's plan splits the global batch"
-    config = {"accelerator": {"backend": "cpu", "communicator": "auto", "timeout": 120},
-              "zero": {"coordinator": "partitioned", "prefetch_bucket_size": 5000,
-                       "max_live_parameters": 20000, "param_persistence_threshold": 100}}
+    config = ductile.load_config(
+        {"accelerator": {"backend": "cpu", "communicator": "auto", "timeout": 120},
+         "zero": {"coordinator": "partitioned", "prefetch_bucket_size": 5000,
+                  "max_live_parameters": 20000, "param_persistence_threshold": 100}},
+        format="toml")
     engine = zero3.initialize(make_model(seed=0, **MODEL),
                               lambda params: torch.optim.Adam(params, lr=LR), config)
     assert engine.world_size == world and engine.rank == int(env["RANK"]), "the joined MPI world"
