@@ -84,7 +84,7 @@ int run_pack(const CliContext& context, const PackFlags& o) {
             "{}: dynamic_batching.enabled is false (DeepSpeed would not batch "
             "dynamically); packing as asked",
             o.config);
-      setup = pipeline::pack_setup_from_deepspeed(ds);
+      setup = std::move(ds.setup);
     } else {
       runtime.emplace(context.load_runtime(core::ConfigDocument::from_file_text(config, text)));
       setup = pipeline::pack_setup_from_config(runtime->config());

@@ -257,8 +257,9 @@ py::tuple settings_from_deepspeed(const std::string& json_text, const std::strin
                                   const std::filesystem::path& base_dir,
                                   const std::shared_ptr<RuntimeHandle>& runtime) {
   std::lock_guard lock(runtime->mutex);
-  return settings(pipeline::pack_setup_from_deepspeed(pipeline::parse_deepspeed_batching(
-      json_text, origin, base_dir, runtime->runtime.registry())));
+  return settings(
+      pipeline::parse_deepspeed_batching(json_text, origin, base_dir, runtime->runtime.registry())
+          .setup);
 }
 
 py::tuple settings_from_config(const std::shared_ptr<RuntimeHandle>& runtime) {

@@ -22,7 +22,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   fuzz::expect_clean([&] {
     auto mapped = batching_api::parse_deepspeed_batching(fuzz::as_text(data, size), "fuzz.json",
                                                          "/fuzz-base");
-    auto sampler = runtime.create<ductile::BatchSampler>(mapped.sampler, mapped.sampler_params);
+    const auto& options = mapped.setup.options;
+    auto sampler = runtime.create<ductile::BatchSampler>(options.sampler, options.sampler_params);
     auto result = sampler->pack({lengths, std::nullopt});
     if (result.microbatch_offsets.back() != result.sample_ids.size()) __builtin_trap();
   });

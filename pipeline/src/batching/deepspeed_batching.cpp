@@ -22,18 +22,9 @@ DeepSpeedBatching parse_deepspeed_batching(std::string_view text, std::string_vi
                                            const core::PluginRegistry& registry) {
   auto mapped = deepspeed_sections(text, source, base_dir, registry, {.require_batching = true});
   const auto config = core::Config::validate(mapped.document, registry, /*plugin_checks=*/true);
-  const PackSetup setup = pack_setup_from_config(config);
-  DeepSpeedBatching out;
-  out.enabled = mapped.batching_enabled;
-  out.sampler = setup.options.sampler;
-  out.sampler_params = setup.options.sampler_params;
-  out.lr_rule = setup.options.lr_rule.value_or("none");
-  out.lr_params = setup.options.lr_params;
-  out.base_batch_size = setup.options.base_batch_size.value_or(1.0);
-  out.schedule = setup.options.schedule;
-  out.lengths_prefix = setup.lengths;
+  DeepSpeedBatching out{mapped.batching_enabled, pack_setup_from_config(config)};
   try {
-    check_lr_schedule(out.schedule);
+    check_lr_schedule(out.setup.options.schedule);
   } catch (const Error& e) {
     throw Error(ErrorKind::config, std::string(source) + ": scheduler: " + e.what());
   }

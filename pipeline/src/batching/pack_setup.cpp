@@ -1,5 +1,5 @@
 // Packing options from a configuration: a TOML file's [batching] and [lr]
-// sections, or a DeepSpeed JSON config (see ductile/pipeline/pack_plan.hpp).
+// sections (a DeepSpeed JSON config's are mapped onto them: deepspeed_batching.hpp).
 #include "ductile/pipeline/pack_plan.hpp"
 
 namespace ductile::pipeline {
@@ -32,20 +32,6 @@ PackSetup pack_setup_from_config(const core::Config& config) {
     o.schedule.warmup_steps = host.get_int("warmup_steps");
     o.schedule.total_steps = host.get_int("total_steps");
   }
-  return setup;
-}
-
-PackSetup pack_setup_from_deepspeed(const DeepSpeedBatching& ds) {
-  PackSetup setup;
-  auto& o = setup.options;
-  o.sampler = ds.sampler;
-  o.sampler_params = ds.sampler_params;
-  o.lr_rule = ds.lr_rule;
-  o.lr_params = ds.lr_params;
-  o.base_batch_size = ds.base_batch_size;
-  o.schedule = ds.schedule;
-  setup.lengths = ds.lengths_prefix;
-  setup.read.format = LengthFormat::mmidx;
   return setup;
 }
 

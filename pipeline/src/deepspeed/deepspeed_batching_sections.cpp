@@ -4,7 +4,6 @@
 // (DeepSpeed's batch_by_seqlens), lr_scaling_method onto an lr rule,
 // optimizer.params.lr and WarmupDecayLR onto [lr]'s base schedule.
 #include <algorithm>
-#include <cctype>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -130,9 +129,7 @@ void Mapping::batching(const json& root, bool required) {
       problem(method_key, fmt::format("= {}; valid: a rule's name, or null", json_excerpt(*v)));
       return;
     }
-    rule.clear();
-    for (char c : v->get_ref<const std::string&>())
-      rule += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    rule = lowercase(v->get_ref<const std::string&>());
     const auto rules = registry_.names(PluginKind::lr);
     if (std::find(rules.begin(), rules.end(), rule) == rules.end()) {
       problem(method_key, fmt::format("'{}' is not valid; valid: {} (or null)",

@@ -75,10 +75,8 @@ void Mapping::fp16_scaling(const json& fp16) {
 
 void Mapping::optimizer(const json& section) {
   const json* type = child(section, "type");
-  std::string lowered;
-  if (type && type->is_string())
-    for (char c : type->get_ref<const std::string&>())
-      lowered += static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
+  const std::string lowered =
+      type && type->is_string() ? lowercase(type->get_ref<const std::string&>()) : "";
   if (lowered != "adam" && lowered != "adamw") {
     problem("optimizer.type", fmt::format("= {}; valid: \"Adam\", \"AdamW\"",
                                           type ? json_excerpt(*type) : std::string("(missing)")));

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -30,6 +31,14 @@ inline constexpr const char* kZeroCoordinator = "partitioned";
 // DeepSpeed's absent values: a key missing, null, or Hugging Face's "auto".
 inline bool unset(const json* value) {
   return value == nullptr || value->is_null() || (value->is_string() && *value == "auto");
+}
+
+// `text` in ASCII lower case: DeepSpeed's names are case-insensitive
+// ("AdamW", "SQRT").
+inline std::string lowercase(std::string_view text) {
+  std::string out(text);
+  for (char& c : out) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
+  return out;
 }
 
 class Mapping {

@@ -31,17 +31,18 @@ TEST_CASE("the PR's example config maps key by key, with DeepSpeed's defaults") 
   })";
   auto ds = parse_deepspeed_batching(config, "ds.json", "/data/run");
   CHECK(ds.enabled);
-  CHECK(ds.sampler == "greedy");
-  CHECK(ds.sampler_params.get_int("max_tokens") == 100);
-  CHECK(ds.sampler_params.get_int("max_batch_size") == 10);
-  CHECK(ds.sampler_params.get_int("min_batch_size") == 1);
-  CHECK(ds.sampler_params.get_string("order") == "random");
-  CHECK(ds.sampler_params.get_int("seed") == 42);
-  CHECK(ds.sampler_params.get_int("effective_batch_size") == 16);
-  CHECK(ds.base_batch_size == 16);
-  CHECK(ds.lr_rule == "sqrt");
-  CHECK(ds.schedule.base_lr == 0.0003);
-  CHECK(ds.lengths_prefix ==
+  const auto& o = ds.setup.options;
+  CHECK(o.sampler == "greedy");
+  CHECK(o.sampler_params.get_int("max_tokens") == 100);
+  CHECK(o.sampler_params.get_int("max_batch_size") == 10);
+  CHECK(o.sampler_params.get_int("min_batch_size") == 1);
+  CHECK(o.sampler_params.get_string("order") == "random");
+  CHECK(o.sampler_params.get_int("seed") == 42);
+  CHECK(o.sampler_params.get_int("effective_batch_size") == 16);
+  CHECK(o.base_batch_size == 16);
+  CHECK(o.lr_rule == "sqrt");
+  CHECK(o.schedule.base_lr == 0.0003);
+  CHECK(ds.setup.lengths ==
         std::filesystem::path("/data/run/./curriculum_output/seqlen/seqlen_sample_to_metric"));
 
   auto minimal = parse_deepspeed_batching(
@@ -49,11 +50,12 @@ TEST_CASE("the PR's example config maps key by key, with DeepSpeed's defaults") 
           "lr_scaling_method": null, "sentence_picking_order": "seqlen"}}}})",
       "min.json");
   CHECK_FALSE(minimal.enabled);
-  CHECK(minimal.sampler_params.get_int("seed") == 1234);
-  CHECK(minimal.sampler_params.get_int("max_batch_size") == 0);
-  CHECK(minimal.sampler_params.get_string("order") == "seqlen");
-  CHECK(minimal.sampler_params.get_int("effective_batch_size") == 1);
-  CHECK(minimal.lr_rule == "none");
+  const auto& m = minimal.setup.options;
+  CHECK(m.sampler_params.get_int("seed") == 1234);
+  CHECK(m.sampler_params.get_int("max_batch_size") == 0);
+  CHECK(m.sampler_params.get_string("order") == "seqlen");
+  CHECK(m.sampler_params.get_int("effective_batch_size") == 1);
+  CHECK(m.lr_rule == "none");
 }
 
 TEST_CASE("WarmupDecayLR with linear warm-up becomes warmup_linear, other schedulers are refused") {
@@ -65,11 +67,12 @@ TEST_CASE("WarmupDecayLR with linear warm-up becomes warmup_linear, other schedu
              "warmup_max_lr": 0.001, "warmup_num_steps": 10, "total_num_steps": 100,
              "warmup_type": "linear"}}})",
       "s.json");
-  CHECK(ds.schedule.kind == ductile::pipeline::LrScheduleKind::warmup_linear);
-  CHECK(ds.schedule.base_lr == 0.001);
-  CHECK(ds.schedule.min_lr == 0.0001);
-  CHECK(ds.schedule.warmup_steps == 10);
-  CHECK(ds.schedule.total_steps == 100);
+  const auto& schedule = ds.setup.options.schedule;
+  CHECK(schedule.kind == ductile::pipeline::LrScheduleKind::warmup_linear);
+  CHECK(schedule.base_lr == 0.001);
+  CHECK(schedule.min_lr == 0.0001);
+  CHECK(schedule.warmup_steps == 10);
+  CHECK(schedule.total_steps == 100);
   CHECK_THROWS_WITH_AS(
       parse_deepspeed_batching("{" + dyn + R"(, "scheduler": {"type": "OneCycle"}})", "s.json"),
       doctest::Contains("'OneCycle'"), ductile::Error);
@@ -135,5 +138,6 @@ TEST_CASE("micro batch x gradient accumulation past int64 is refused, naming bot
     "data_efficiency": {"data_sampling": {"dynamic_batching": {"max_tokens": 64}}}
   })",
                                      "ds.json");
-  CHECK(ds.sampler_params.get_int("effective_batch_size") == 3037000499LL * 3037000499LL);
+  CHECK(ds.setup.options.sampler_params.get_int("effective_batch_size") ==
+        3037000499LL * 3037000499LL);
 }

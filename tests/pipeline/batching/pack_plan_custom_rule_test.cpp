@@ -57,13 +57,13 @@ TEST_CASE("a custom lr plugin is chosen from DeepSpeed JSON, with parameters its
   const auto registry = fixture_registry();
   const auto ds = pipeline::parse_deepspeed_batching(
       ds_config(R"(, "lr_scaling_params": {"exponent": 2})"), "ds.json", "/run", registry);
-  CHECK(ds.lr_rule == "fixture_power");
-  CHECK(ds.lr_params.get_double("exponent") == 2.0);
-  CHECK(ds.base_batch_size == 2.0);
+  CHECK(ds.setup.options.lr_rule == "fixture_power");
+  CHECK(ds.setup.options.lr_params.get_double("exponent") == 2.0);
+  CHECK(ds.setup.options.base_batch_size == 2.0);
 
   // The rule computes every step's learning rate of the plan.
   auto runtime = core::Runtime::from_string("", "custom rule test", with_fixture());
-  auto setup = pipeline::pack_setup_from_deepspeed(ds);
+  const auto& setup = ds.setup;
   CHECK(setup.lengths == std::filesystem::path("/run/metrics/seqlen/seqlen_sample_to_metric"));
   const std::vector<std::int64_t> lengths = {5, 5, 5, 2, 2, 2, 2, 2, 2, 11, 1, 1, 1, 1};
   const auto plan = pipeline::pack_plan(runtime, lengths, setup.options);
@@ -79,9 +79,8 @@ TEST_CASE("a custom lr plugin is chosen from DeepSpeed JSON, with parameters its
 
   // Its default parameters when none are given, filled in as for a TOML [lr].
   const auto plain = pipeline::parse_deepspeed_batching(ds_config(""), "ds.json", {}, registry);
-  CHECK(plain.lr_params.get_double("exponent") == 1.0);
-  const auto linear_like =
-      pipeline::pack_plan(runtime, lengths, pipeline::pack_setup_from_deepspeed(plain).options);
+  CHECK(plain.setup.options.lr_params.get_double("exponent") == 1.0);
+  const auto linear_like = pipeline::pack_plan(runtime, lengths, plain.setup.options);
   for (std::size_t s = 0; s < linear_like.step_count(); ++s)
     CHECK(linear_like.lrs[s] ==
           doctest::Approx(0.01 * static_cast<double>(linear_like.batch_sizes[s]) / 2.0));

@@ -28,19 +28,17 @@
 
 #include "ductile/core/registry.hpp"
 #include "ductile/params.hpp"
-#include "ductile/pipeline/lr_schedule.hpp"
+#include "ductile/pipeline/pack_plan.hpp"
 
 namespace ductile::pipeline {
 
 struct DeepSpeedBatching {
-  bool enabled = false;
-  std::string sampler = "greedy";
-  Params sampler_params;  // keys of the greedy sampler's schema
-  std::string lr_rule = "linear";
-  Params lr_params;  // the rule's parameters (lr_scaling_params), checked by its schema
-  double base_batch_size = 1;
-  LrScheduleSpec schedule;               // constant at optimizer.params.lr unless a scheduler maps
-  std::filesystem::path lengths_prefix;  // <metrics_path>/seqlen/seqlen_sample_to_metric
+  bool enabled = false;  // dynamic_batching.enabled: DeepSpeed batches dynamically only then
+  // The greedy sampler with DeepSpeed's parameters, the lr rule and base
+  // schedule, lengths from <metrics_path>/seqlen/seqlen_sample_to_metric
+  // (DeepSpeed's metric files): what pack_setup_from_config reads from the
+  // [batching] and [lr] sections the config maps onto.
+  PackSetup setup;
 };
 
 // `source` names the text in messages; relative metrics paths resolve

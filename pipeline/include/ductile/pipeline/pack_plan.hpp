@@ -47,7 +47,6 @@
 #include "ductile/batch_sampler.hpp"
 #include "ductile/core/runtime.hpp"
 #include "ductile/params.hpp"
-#include "ductile/pipeline/deepspeed_batching.hpp"
 #include "ductile/pipeline/lengths.hpp"
 #include "ductile/pipeline/lr_schedule.hpp"
 
@@ -199,10 +198,5 @@ struct PackSetup {
 // From a TOML configuration's [batching] and [lr] sections (relative paths
 // resolve against the config's folder); a missing section leaves defaults.
 PackSetup pack_setup_from_config(const core::Config& config);
-
-// From a DeepSpeed JSON config (see deepspeed_batching.hpp): the greedy
-// sampler with DeepSpeed's parameters, lengths from the metric files under
-// metrics_path, the lr rule and schedule it maps to.
-PackSetup pack_setup_from_deepspeed(const DeepSpeedBatching& deepspeed);
 
 }  // namespace ductile::pipeline
