@@ -48,7 +48,8 @@ bool register_sections() {
         .allowed_values = kLengthFormatNames,
         .doc = "Format of the lengths file (auto: from the extension)"}});
   // What the front ends that run ZeRO-3 (ductile.torch.zero3) read beside
-  // the coordinator's keys; DeepSpeed's zero_optimization.offload_optimizer.
+  // the coordinator's keys; DeepSpeed's zero_optimization.offload_optimizer
+  // and offload_param (device "cpu").
   core::extend_section(
       "zero",
       {{.key = "offload_optimizer",
@@ -57,6 +58,12 @@ bool register_sections() {
         .allowed_values = kOffloadDevices,
         .doc = "Where the optimizer state and step live: none (the device) or cpu (host memory, "
                "stepped by cpu_adam)"},
+       {.key = "offload_param",
+        .type = ParamType::string,
+        .default_value = "\"none\"",
+        .allowed_values = kOffloadDevices,
+        .doc = "Where the parameter shards live: none (the device) or cpu (pinned host memory, "
+               "copied to the device for each gather; the optimizer is offloaded with them)"},
        {.key = "offload_ratio",
         .type = ParamType::floating,
         .flags = param_has_min | param_has_max,

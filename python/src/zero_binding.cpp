@@ -124,6 +124,7 @@ class ZeroSession {
     zero_ = rt.get<ParameterCoordinator>();
     storage_ = dynamic_cast<ShardStorage*>(zero_.get());
     groups_ = dynamic_cast<ParameterGroups*>(zero_.get());
+    placement_ = dynamic_cast<ShardPlacement*>(zero_.get());
     world_ = accel_->world();
     stream_ = accel_->create_stream();
   }
@@ -134,6 +135,23 @@ class ZeroSession {
   int size() const { return world_->size(); }
   bool has_shard_storage() const { return storage_ != nullptr; }
   bool has_parameter_groups() const { return groups_ != nullptr; }
+  bool has_shard_placement() const { return placement_ != nullptr; }
+  // "device" for a coordinator that cannot place shards elsewhere (nor
+  // says so): NVMe shards are then only reachable through set_shard().
+  std::string shard_location(ParameterId id) const {
+    return placement_ ? to_string(placement_->shard_location(id)) : "device";
+  }
+  void move_shard(ParameterId id, const std::string& where) {
+    if (!placement_)
+      throw Error(ErrorKind::unsupported,
+                  "zero: the configured coordinator cannot keep shards in host memory "
+                  "(ShardPlacement)");
+    if (where != "device" && where != "host")
+      throw Error(ErrorKind::invalid_argument, "zero: move_shard(" + std::to_string(id) +
+                                                   ", where=\"" + where +
+                                                   "\"); valid: \"device\", \"host\"");
+    placement_->move_shard(id, where == "host" ? ShardLocation::host : ShardLocation::device);
+  }
   void register_group(ParameterId id, const std::vector<std::size_t>& member_numels,
                       const std::string& type) {
     if (!groups_)
@@ -223,9 +241,10 @@ class ZeroSession {
   std::shared_ptr<RuntimeHandle> runtime_;
   std::shared_ptr<Accelerator> accel_;
   std::shared_ptr<ParameterCoordinator> zero_;
-  ShardStorage* storage_ = nullptr;    // zero_ itself, when it has the capability
-  ParameterGroups* groups_ = nullptr;  // likewise
-  bool host_world_ = false;            // the world is the host's communicator
+  ShardStorage* storage_ = nullptr;      // zero_ itself, when it has the capability
+  ParameterGroups* groups_ = nullptr;    // likewise
+  ShardPlacement* placement_ = nullptr;  // likewise
+  bool host_world_ = false;              // the world is the host's communicator
   void after_compute() {
     if (!compute_stream_) return;
     if (!compute_done_) compute_done_ = accel_->create_event();
@@ -265,6 +284,10 @@ void register_zero(py::module_& m) {
       .def_property_readonly("size", &Z::size)
       .def_property_readonly("has_shard_storage", &Z::has_shard_storage)
       .def_property_readonly("has_parameter_groups", &Z::has_parameter_groups)
+      .def_property_readonly("has_shard_placement", &Z::has_shard_placement)
+      .def("shard_location", &Z::shard_location, py::arg("id"))
+      .def("move_shard", &Z::move_shard, py::arg("id"), py::arg("where"),
+           py::call_guard<py::gil_scoped_release>())
       .def("register_group", &Z::register_group, py::arg("id"), py::arg("member_numels"),
            py::arg("dtype"))
       .def(

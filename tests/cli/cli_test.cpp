@@ -261,7 +261,8 @@ TEST_CASE("config check reads a DeepSpeed JSON config through the one mapping, n
   // A valid one: its sections as ductile reads them, and what is not acted on.
   auto ok = dir.write("ok.json", R"({"zero_optimization": {"stage": 3,
       "stage3_prefetch_bucket_size": 5e7, "stage3_max_live_parameters": "auto",
-      "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
+      "offload_param": {"device": "cpu", "pin_memory": true},
+      "offload_optimizer": {"device": "cpu"}},
       "elasticity": {"enabled": true, "max_train_batch_size": 100, "micro_batch_sizes": [2]}})");
   auto o = cli({"config", "check", ok.string()});
   CHECK_MESSAGE(o.exit_code == 0, o.err);
@@ -270,7 +271,8 @@ TEST_CASE("config check reads a DeepSpeed JSON config through the one mapping, n
   CHECK(contains(o.out, "prefetch_bucket_size = 50000000"));
   CHECK(contains(o.out, "offload_optimizer = \"cpu\""));
   CHECK(contains(o.out, "[elasticity] elasticity plugin 'v0.2'"));
-  CHECK(contains(o.out, "zero_optimization.offload_param.device is accepted but ignored"));
+  CHECK(contains(o.out, "offload_param = \"cpu\""));
+  CHECK(contains(o.out, "zero_optimization.offload_param.pin_memory is accepted but ignored"));
 
   // Its dynamic batching block, when it has one, as `ductile pack` reads it.
   auto batching = dir.write("batching.json", R"({"train_batch_size": 4,

@@ -12,6 +12,11 @@ training with everything on the device:
   same;
 - a checkpoint of an offloaded run resumes on 3 ranks, offloaded, and on 1
   rank without offload;
+- offload_param="cpu": every group's parameter shard in host memory (the
+  coordinator's ShardPlacement), copied to the device for each gather, and
+  its optimizer with it: the same losses and parameters, in fp32 and bf16,
+  and its checkpoint resumes on 3 ranks; a budget below what the device
+  needs with every optimizer on the host moves only some shards;
 - DeepSpeed's offload_optimizer / offload_param keys, and the errors.
 
 On the cpu backend the "device" and the host are the same memory: the
@@ -34,6 +39,8 @@ from zero3_launch import BLOCKS_CONFIG, CONFIG, launch  # noqa: E402
 from zero3_model import Windows, loss_of, make_model  # noqa: E402
 
 WORKER = os.path.join(HERE, "zero3_offload_worker.py")
+PARAM_CONFIG = BLOCKS_CONFIG.replace("[zero]\n", "[zero]\noffload_param = \"cpu\"\n")
+assert PARAM_CONFIG != BLOCKS_CONFIG
 STEPS = 6
 TRAINING = {"steps": STEPS, "accumulate": 2, "no_sync": True, "clip": 0.5, "save_at": [3]}
 
@@ -75,6 +82,15 @@ def runs(tmp_path_factory):
     early = {"steps": 4, "accumulate": 2, "no_sync": True, "step_in_backward": True}
     r["early"] = run(tmp, "early", early)
     r["early_offload"] = run(tmp, "early_offload", dict(early, offload="cpu"))
+    r["param"] = run(tmp, "param", TRAINING, config=PARAM_CONFIG)
+    # Below what the device needs with every optimizer on the host: some
+    # parameter shards must go too.
+    shard_budget = r["offload"][0]["stats"]["device_need_bytes"] - 1
+    r["shard_budget"] = run(tmp, "shard_budget", dict(TRAINING, budget=shard_budget))
+    r["param_resumed"] = run(tmp, "param_resumed", {
+        "steps": STEPS, "start": 3, "accumulate": 2, "no_sync": True, "clip": 0.5,
+        "load": str(tmp / "param" / "step3")}, ranks=3, config=PARAM_CONFIG)
+    r["bf16_param"] = run(tmp, "bf16_param", bf16, config=PARAM_CONFIG)
     return r
 
 
@@ -149,6 +165,49 @@ def test_step_in_backward_steps_each_group_on_the_host_as_its_gradient_lands(run
     assert offload["stats"]["offload_steps"] == 4 * offload["stats"]["groups"]
 
 
+def test_parameter_shards_in_host_memory_train_as_on_the_device(runs):
+    device, params_device, _ = runs["device"]
+    param, params_param, _ = runs["param"]
+    assert_losses_match(param, device, range(STEPS))
+    for key, ref in params_device.items():
+        diff = (params_param[key] - ref).abs().max().item()
+        assert diff <= 1e-5 * ref.abs().max().item(), f"{key}: max difference {diff}"
+    stats = param["stats"]
+    groups = stats["groups"]
+    assert len(stats["host_shard_groups"]) == len(stats["offloaded_groups"]) == groups
+    shards = device["stats"]["placement"]["parameters"]
+    assert stats["placement"]["parameters"] == {"device": 0, "host": shards["device"]}
+    # The host step writes the coordinator's shard itself: nothing is copied
+    # back to a device shard.
+    assert stats["offload_param_copies"] == 0 and stats["offload_steps"] == groups * STEPS
+    assert stats["device_high_water_bytes"] < runs["offload"][0]["stats"][
+        "device_high_water_bytes"]
+    resumed = runs["param_resumed"][0]
+    assert resumed["world"] == 3 and resumed["client_state"] == {"step": 3}
+    assert_losses_match(resumed, param, range(3, STEPS))
+
+
+def test_a_budget_below_every_optimizer_on_the_host_moves_some_shards(runs):
+    result = runs["shard_budget"][0]
+    stats = result["stats"]
+    budget = stats["max_device_memory"]
+    assert runs["offload"][0]["stats"]["device_need_bytes"] > budget >= stats["device_need_bytes"]
+    assert len(stats["offloaded_groups"]) == stats["groups"]
+    assert 0 < len(stats["host_shard_groups"]) < stats["groups"]
+    placement = stats["placement"]["parameters"]
+    assert placement["device"] > 0 and placement["host"] > 0
+    for s in range(STEPS):
+        assert 0 < result["high_water"][str(s)] <= budget, (s, result["high_water"], budget)
+    assert_losses_match(result, runs["device"][0], range(STEPS))
+
+
+def test_bf16_shards_in_host_memory_train_as_bf16_on_the_device(runs):
+    device, param = runs["bf16"][0], runs["bf16_param"][0]
+    assert param["stats"]["placement"]["parameters"]["device"] == 0
+    worst = max(relative(param["losses"][str(s)], device["losses"][str(s)]) for s in range(4))
+    assert worst <= 1e-4, (param["losses"], device["losses"])
+
+
 # --- in this process: one rank, no launcher ------------------------------------------------
 
 
@@ -164,10 +223,10 @@ def test_deepspeeds_offload_keys_are_honoured_or_warned_about():
                                "buffer_count": 4},
             offload_param={"device": "cpu", "max_in_cpu": 10}), None, None, None)
     assert settings.offload.optimizer and not settings.offload.pin
-    assert settings.offload.ratio == 0.5
+    assert settings.offload.ratio == 0.5 and settings.offload.param
     shown = [str(w.message) for w in caught]
     assert any("offload_optimizer.buffer_count is accepted but ignored" in m for m in shown)
-    assert any("offload_param.device is accepted but ignored" in m for m in shown)
+    assert not any("offload_param.device" in m for m in shown)
     assert any("offload_param.max_in_cpu is accepted but ignored" in m for m in shown)
     with pytest.raises(ductile.ConfigError,
                        match=r'offload_optimizer.device = "gpu"; valid: "cpu", "nvme"'):
@@ -216,6 +275,12 @@ def test_the_zero_sections_offload_keys_read_as_deepspeeds():
     assert settings.offload.optimizer and not settings.offload.pin
     assert settings.offload.ratio == 0.25
     assert not _config.resolve(toml, None, None, None).offload.optimizer
+    assert not _config.resolve(toml, None, None, None).offload.param
+    assert _config.resolve(toml + 'offload_param = "cpu"\n', None, None, None).offload.param
+    with pytest.raises(ductile.ConfigError,
+                       match=r'\[zero\] offload_param = "nvme" is not allowed .*; valid '
+                             r'values: none, cpu'):
+        _config.resolve(toml + 'offload_param = "nvme"\n', None, None, None)
     with pytest.raises(ductile.ConfigError,
                        match=r'\[zero\] offload_optimizer = "gpu" is not allowed .*; valid '
                              r'values: none, cpu'):

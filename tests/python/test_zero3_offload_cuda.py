@@ -11,7 +11,9 @@ memory, fp32 and bf16:
   with a stream or the device (a host step waits only for the event of the
   gradient copy it reads);
 - under max_device_memory below the model's needs, the engine's accounting
-  stays within the budget at every step."""
+  stays within the budget at every step;
+- with offload_param = "cpu" (every parameter shard in pinned host memory,
+  copied to the GPU for each gather), the same losses."""
 
 import os
 import sys
@@ -31,9 +33,13 @@ STEPS = 8
 WORKER = os.path.join(HERE, "zero3_offload_worker.py")
 
 
-def run(tmp, name, spec):
+PARAM_CONFIG = CUDA_CONFIG.replace("[zero]\n", "[zero]\noffload_param = \"cpu\"\n")
+assert PARAM_CONFIG != CUDA_CONFIG
+
+
+def run(tmp, name, spec, config=CUDA_CONFIG):
     return launch(tmp, name, dict(spec, device="cuda"), ranks=1, launcher="torchrun",
-                  config=CUDA_CONFIG, env=CUDA_ENV, worker=WORKER, timeout=300)[0]
+                  config=config, env=CUDA_ENV, worker=WORKER, timeout=300)[0]
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +52,8 @@ def runs(tmp_path_factory):
             spec["precision"] = "bf16"
         r[precision] = run(tmp, precision, spec)
         r[precision + "_offload"] = run(tmp, precision + "_offload", dict(spec, offload="cpu"))
+        spec.pop("sync_debug")  # a gather from host shards is waited for by the host
+        r[precision + "_param"] = run(tmp, precision + "_param", spec, config=PARAM_CONFIG)
     budget = min(r["fp32"]["high_water"].values()) - 1
     r["budget"] = run(tmp, "budget", {"steps": STEPS, "optimizer": "adamw", "budget": budget})
     return r
@@ -69,3 +77,14 @@ def test_a_budget_on_a_gpu_holds_at_every_step(runs):
         assert 0 < result["high_water"][str(s)] <= budget
         a, b = result["losses"][str(s)], runs["fp32"]["losses"][str(s)]
         assert abs(a - b) <= 1e-5 * abs(b), f"step {s}: loss {a} vs {b}"
+
+
+@pytest.mark.parametrize("precision,tolerance", [("fp32", 1e-5), ("bf16", 1e-4)])
+def test_parameter_shards_in_host_memory_train_as_on_the_gpu(runs, precision, tolerance):
+    device, param = runs[precision], runs[precision + "_param"]
+    stats = param["stats"]
+    assert len(stats["host_shard_groups"]) == stats["groups"]
+    assert stats["placement"]["parameters"]["device"] == 0
+    for s in range(STEPS):
+        a, b = param["losses"][str(s)], device["losses"][str(s)]
+        assert abs(a - b) <= tolerance * abs(b), f"step {s}: loss {a} vs {b}"

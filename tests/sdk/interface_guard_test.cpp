@@ -120,13 +120,15 @@ const std::vector<Pin> kPins = {
      DUCTILE_INTERFACE_REVISION_ACCELERATOR,
      1,
      0x5d305d5670853aedull},
-    // Re-pinned without a bump for GatherMemory and ParameterGroups (and the
-    // ones above), new optional interfaces; no existing class or type changed.
+    // Re-pinned without a bump for GatherMemory, ParameterGroups and
+    // ShardPlacement (with its ShardLocation), and the ones above: new
+    // optional interfaces; no existing class or type changed (ShardStorage's
+    // comment now says shard_data() of a host shard is a host pointer).
     {{"parameter_coordinator.hpp", "accelerator.hpp"},
      "DUCTILE_INTERFACE_REVISION_ZERO",
      DUCTILE_INTERFACE_REVISION_ZERO,
      1,
-     0x41f136917b405c92ull},
+     0x34c1164fcb6231c6ull},
     {{"optimizer.hpp"},
      "DUCTILE_INTERFACE_REVISION_OPTIMIZER",
      DUCTILE_INTERFACE_REVISION_OPTIMIZER,

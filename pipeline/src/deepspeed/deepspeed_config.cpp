@@ -126,14 +126,15 @@ void Mapping::offload_param(const json& zero, const core::PluginInfo* coordinato
     if (const json* count = child(*offload, "buffer_count"); !unset(count))
       set("zero", coordinator, "nvme_buffer_count", *count, where + ".buffer_count");
   } else if (name == "cpu") {
-    warn(where + ".device",
-         "\"cpu\" keeps the parameter shards on the device; max_device_memory offloads the "
-         "optimizer state and master weights as far as needed, \"nvme\" keeps the shards in "
-         "files");
+    set("zero", nullptr, "offload_param", json("cpu"), where + ".device");
+    if (const json* count = child(*offload, "buffer_count"); !unset(count))
+      warn(where + ".buffer_count", "host shards are copied to the gather's own buffers");
   }
-  if (name != "none")
-    for (const char* key : {"pin_memory", "buffer_size", "max_in_cpu"})
-      if (!unset(child(*offload, key))) warn(where + "." + key, "ductile sizes its own buffers");
+  if (name == "none") return;
+  if (!unset(child(*offload, "pin_memory")))
+    warn(where + ".pin_memory", "ductile always pins its host buffers on cuda");
+  for (const char* key : {"buffer_size", "max_in_cpu"})
+    if (!unset(child(*offload, key))) warn(where + "." + key, "ductile sizes its own buffers");
 }
 
 void Mapping::offload_optimizer(const json& zero) {

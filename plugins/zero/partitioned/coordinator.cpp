@@ -62,6 +62,7 @@ std::shared_ptr<Accelerator> required_accelerator(const HostContext& ctx) {
 class PartitionedCoordinator final : public ParameterCoordinator,
                                      public ParameterGroups,
                                      public ShardStorage,
+                                     public ShardPlacement,
                                      public GatherMemory {
  public:
   // The plugin's validate hook: every [zero] value a run would refuse.
@@ -135,7 +136,8 @@ class PartitionedCoordinator final : public ParameterCoordinator,
         nvme_->free_buffers();
       }
     }
-    pipeline_->add_parameter(pi, member_numels, info.type, on_nvme);
+    pipeline_->add_parameter(pi, member_numels, info.type,
+                             on_nvme ? ShardLocation::nvme : ShardLocation::device);
     planner_.add_parameter(info.id, info.numel);
     types_.push_back(info.type);
   }
@@ -207,6 +209,28 @@ class PartitionedCoordinator final : public ParameterCoordinator,
 
   void shard_written(ParameterId id) override {
     drop_copy("shard_written", planner_.parameter_index(id));
+  }
+
+  // --- ShardPlacement ---
+
+  ShardLocation shard_location(ParameterId id) const override {
+    return pipeline_->location(planner_.parameter_index(id));
+  }
+
+  void move_shard(ParameterId id, ShardLocation where) override {
+    const std::uint32_t pi = planner_.parameter_index(id);
+    if (where == ShardLocation::nvme)
+      throw Error(ErrorKind::invalid_argument,
+                  fmt::format("zero: move_shard({}, nvme): a shard goes to NVMe only at "
+                              "registration ([zero] nvme_path); valid: device, host",
+                              id));
+    if (pipeline_->on_nvme(pi))
+      throw Error(
+          ErrorKind::unsupported,
+          fmt::format("zero: move_shard({}): the shard lives in a file under nvme_path", id));
+    if (pipeline_->location(pi) == where) return;
+    drop_copy("move_shard", pi);
+    pipeline_->move_shard(pi, where);
   }
 
   // --- GatherMemory ---
@@ -479,5 +503,5 @@ static constexpr ParamSpec kSchema[] = {
 }  // namespace ductile::zero
 
 DUCTILE_PLUGIN(ductile::zero::PartitionedCoordinator, "partitioned", "1.0.0",
-               "ZeRO-3 partitioned parameters: trace, prefetch, release, NVMe offload",
+               "ZeRO-3 partitioned parameters: trace, prefetch, release, host and NVMe offload",
                ductile::zero::kSchema)

@@ -19,6 +19,10 @@ std::uint64_t elapsed_ns(Clock::time_point since) {
       std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - since).count());
 }
 
+MemoryKind memory_of(ShardLocation where) {
+  return where == ShardLocation::host ? MemoryKind::pinned_host : MemoryKind::device;
+}
+
 }  // namespace
 
 GatherPipeline::GatherPipeline(std::shared_ptr<Accelerator> accel,
@@ -55,13 +59,13 @@ GatherPipeline::~GatherPipeline() {
   for (std::uint32_t pi = 0; pi < params_.size(); ++pi) {
     auto& p = params_[pi];
     if (p.full) pool_.give(p.full, shard_bytes(pi) * world_);
-    if (p.shard) accel_->deallocate(p.shard, MemoryKind::device);
+    if (p.shard) accel_->deallocate(p.shard, memory_of(p.location));
   }
   pool_.trim();
 }
 
 void GatherPipeline::add_parameter(std::uint32_t pi, std::span<const std::size_t> member_numels,
-                                   DataType type, bool on_nvme) {
+                                   DataType type, ShardLocation where) {
   if (params_.size() <= pi) params_.resize(pi + 1);
   DeviceParameter& p = params_[pi];
   p.members.clear();
@@ -73,22 +77,59 @@ void GatherPipeline::add_parameter(std::uint32_t pi, std::span<const std::size_t
   }
   p.element_size = size_of(type);
   p.type = type;
-  p.on_nvme = on_nvme;
-  if (!on_nvme) {
+  p.location = where;
+  if (where == ShardLocation::device) {
     p.shard = accel_->allocate(shard_bytes(pi), MemoryKind::device);
     accel_->memset_async(p.shard, 0, shard_bytes(pi), *copy_stream_);
     copy_stream_->synchronize();
+  } else if (where == ShardLocation::host) {
+    p.shard = accel_->allocate(shard_bytes(pi), MemoryKind::pinned_host);
+    std::memset(p.shard, 0, shard_bytes(pi));
+    ++host_shards_;
   }
 }
 
 void GatherPipeline::write_shard(std::uint32_t pi, const void* host, std::size_t bytes) {
+  if (params_[pi].location == ShardLocation::host) {
+    if (bytes) std::memcpy(params_[pi].shard, host, bytes);
+    return;
+  }
   accel_->copy_async(params_[pi].shard, host, bytes, CopyKind::host_to_device, *copy_stream_);
   copy_stream_->synchronize();
 }
 
 void GatherPipeline::read_shard(std::uint32_t pi, void* host, std::size_t bytes) {
+  if (params_[pi].location == ShardLocation::host) {
+    if (bytes) std::memcpy(host, params_[pi].shard, bytes);
+    return;
+  }
   accel_->copy_async(host, params_[pi].shard, bytes, CopyKind::device_to_host, *copy_stream_);
   copy_stream_->synchronize();
+}
+
+void GatherPipeline::move_shard(std::uint32_t pi, ShardLocation where) {
+  DeviceParameter& p = params_[pi];
+  if (p.location == where) return;
+  const std::size_t bytes = shard_bytes(pi);
+  void* moved = accel_->allocate(bytes, memory_of(where));
+  try {
+    // The shard may have been written on the compute stream (an optimizer
+    // step) or be read by its work still.
+    if (compute_stream_) compute_stream_->synchronize();
+    accel_->copy_async(
+        moved, p.shard, bytes,
+        where == ShardLocation::host ? CopyKind::device_to_host : CopyKind::host_to_device,
+        *copy_stream_);
+    copy_stream_->synchronize();
+  } catch (...) {
+    accel_->deallocate(moved, memory_of(where));
+    throw;
+  }
+  accel_->deallocate(p.shard, memory_of(p.location));
+  if (where == ShardLocation::host) ++host_shards_;
+  if (p.location == ShardLocation::host) --host_shards_;
+  p.shard = moved;
+  p.location = where;
 }
 
 void GatherPipeline::slice_full(std::uint32_t pi, int rank, const unsigned char* full,
@@ -126,14 +167,15 @@ void GatherPipeline::stage_own(std::span<const std::uint32_t> params) {
     unstage(own_);
     own_staged_ = false;
   }
-  if (!nvme_ || params.empty()) return;  // device shards need no staging and cannot fail
+  // Device shards need no staging and cannot fail.
+  if ((!nvme_ && host_shards_ == 0) || params.empty()) return;
   stage(params, own_);
   own_staged_ = true;
 }
 
 void GatherPipeline::stage(std::span<const std::uint32_t> params, Staging& out) {
   out.sources.clear();
-  if (!nvme_) {  // device shards: nothing to read, nothing can fail
+  if (!nvme_ && host_shards_ == 0) {  // device shards: nothing to read, nothing can fail
     for (std::uint32_t pi : params) out.sources.push_back(params_[pi].shard);
     return;
   }
@@ -141,14 +183,15 @@ void GatherPipeline::stage(std::span<const std::uint32_t> params, Staging& out) 
   try {
     for (std::uint32_t pi : params) {
       const DeviceParameter& p = params_[pi];
-      if (!p.on_nvme) {
+      if (p.location == ShardLocation::device) {
         out.sources.push_back(p.shard);
         continue;
       }
-      const void* host = nvme_->take(pi, out.shards);
-      void* device = accel_->allocate(shard_bytes(pi), MemoryKind::device);
-      out.device.push_back(device);
-      accel_->copy_async(device, host, shard_bytes(pi), CopyKind::host_to_device, *comm_stream_);
+      const void* host = p.location == ShardLocation::host ? p.shard : nvme_->take(pi, out.shards);
+      const std::size_t bytes = shard_bytes(pi);
+      void* device = pool_.take(bytes);
+      out.device.push_back({device, bytes});
+      accel_->copy_async(device, host, bytes, CopyKind::host_to_device, *comm_stream_);
       out.sources.push_back(device);
     }
   } catch (...) {
@@ -165,7 +208,7 @@ void GatherPipeline::unstage(Staging& staging) {
     } catch (...) {
     }
   }
-  for (void* d : staging.device) accel_->deallocate(d, MemoryKind::device);
+  for (const DeviceCopy& d : staging.device) pool_.give(d.pointer, d.bytes);
   if (nvme_) nvme_->give_back(staging.shards);
   staging.clear();
 }
@@ -277,7 +320,7 @@ void GatherPipeline::finish(Batch& b) {
     b.handle->wait();
   }
   if (compute_stream_ && b.event) compute_stream_->wait_event(*b.event);
-  for (void* d : b.staging.device) accel_->deallocate(d, MemoryKind::device);
+  for (const DeviceCopy& d : b.staging.device) pool_.give(d.pointer, d.bytes);
   b.staging.device.clear();
   if (nvme_) nvme_->give_back(b.staging.shards);
   b.done = true;

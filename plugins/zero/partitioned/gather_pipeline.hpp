@@ -12,8 +12,12 @@
 //   that read NVMe shards is still waited for: its host buffers go back);
 // - a released copy goes back to the pool only once the compute stream has
 //   passed the work enqueued before the release (record_stream semantics).
-// NVMe shards come from the read-ahead (nvme_read_ahead.hpp) when one is
-// given.
+// Shards live in device memory, in pinned host memory (ShardPlacement) or
+// on NVMe, from the read-ahead (nvme_read_ahead.hpp) when one is given. A
+// host or NVMe shard is copied to a device buffer of the copy pool on the
+// communication stream before its gather, and the host waits for such a
+// gather before it returns the buffers: the host may write the shard once
+// the gather is retired.
 //
 // Threading: the coordinator's thread. Errors: Error from the accelerator
 // (communication, ...) or from NVMe reads (io). A gather that cannot be
@@ -50,15 +54,20 @@ class GatherPipeline {
 
   // Parameter index `pi` (dense, in order), a group of tensors of
   // `member_numels` elements each (one for a plain parameter), each sharded
-  // on its own (ParameterGroups in the SDK): a zero-filled device shard, or
-  // none when the shard lives on NVMe.
+  // on its own (ParameterGroups in the SDK): a zero-filled shard in device
+  // or host memory (`where`), or none when the shard lives on NVMe.
   void add_parameter(std::uint32_t pi, std::span<const std::size_t> member_numels, DataType type,
-                     bool on_nvme);
+                     ShardLocation where);
   std::size_t shard_numel(std::uint32_t pi) const { return params_[pi].shard_numel; }
   std::size_t shard_bytes(std::uint32_t pi) const {
     return params_[pi].shard_numel * params_[pi].element_size;
   }
-  bool on_nvme(std::uint32_t pi) const { return params_[pi].on_nvme; }
+  ShardLocation location(std::uint32_t pi) const { return params_[pi].location; }
+  bool on_nvme(std::uint32_t pi) const { return location(pi) == ShardLocation::nvme; }
+  // Moves the shard of `pi` between device and host memory, values kept
+  // (`where`: device or host). The caller has retired its gathers and
+  // dropped its copy. Throws the accelerator's error with nothing moved.
+  void move_shard(std::uint32_t pi, ShardLocation where);
   void* full(std::uint32_t pi) const { return params_[pi].full; }
   void* shard(std::uint32_t pi) const { return params_[pi].shard; }
   void write_shard(std::uint32_t pi, const void* host, std::size_t bytes);
@@ -114,15 +123,19 @@ class GatherPipeline {
     std::size_t shard_numel = 0;  // sum of the members' slices
     std::size_t element_size = 0;
     DataType type = DataType::f32;
-    bool on_nvme = false;
+    ShardLocation location = ShardLocation::device;
     std::vector<Member> members;
-    void* shard = nullptr;  // device memory (not on NVMe)
+    void* shard = nullptr;  // device or pinned host memory (none on NVMe)
     void* full = nullptr;   // gathered copy, world * shard_numel elements, member-major
+  };
+  struct DeviceCopy {
+    void* pointer;
+    std::size_t bytes;
   };
   // Sources of one gather and what holds them until it completes.
   struct Staging {
     std::vector<const void*> sources;
-    std::vector<void*> device;  // device copies of NVMe shards
+    std::vector<DeviceCopy> device;  // of host and NVMe shards, from the pool
     StagedShards shards;
     void clear() {
       sources.clear();
@@ -181,6 +194,7 @@ class GatherPipeline {
   Staging own_;          // staged by stage_own() for the next own gather
   bool own_staged_ = false;
   std::vector<GatherItem> items_;  // scratch
+  std::size_t host_shards_ = 0;    // parameters whose shard is in host memory
 };
 
 }  // namespace ductile::zero

@@ -288,7 +288,8 @@ class DUCTILE_SDK_API ShardStorage {
 
   // Device pointer to this rank's shard of `id` (shard_numel() elements of
   // the parameter's type, the padding of the last rank's shard included),
-  // valid as long as the coordinator. Reading is allowed at any time;
+  // or a host pointer when the shard lives in host memory (ShardPlacement),
+  // valid as long as the coordinator (or until the shard moves). Reading is allowed at any time;
   // writing only while no gather is in flight (after end_step() or
   // release_all(), before the next fetch()), and every write must be
   // followed by shard_written(). Throws invalid_argument for an unknown id,
@@ -339,6 +340,59 @@ class DUCTILE_SDK_API ParameterGroups {
   // empty, holds a 0 or does not sum to info.numel (nothing is registered).
   virtual void register_group(const ParameterInfo& info,
                               std::span<const std::size_t> member_numels) = 0;
+};
+
+// Where this rank's shard of a parameter lives (see ShardPlacement).
+enum class ShardLocation : std::uint32_t {
+  device,  // device memory (the default)
+  host,    // pinned host memory: copied to the device for each gather
+  nvme,    // a file under the coordinator's NVMe directory
+};
+
+DUCTILE_SDK_API inline const char* to_string(ShardLocation l) noexcept {
+  switch (l) {
+    case ShardLocation::device:
+      return "device";
+    case ShardLocation::host:
+      return "host";
+    case ShardLocation::nvme:
+      return "nvme";
+  }
+  return "unknown";
+}
+
+// Optional capability of a coordinator: shards kept in host memory instead
+// of device memory (parameter offload), chosen per parameter, so that a
+// framework under a device-memory budget moves only what does not fit.
+// Find it with dynamic_cast<ShardPlacement*>(coordinator.get()); a separate
+// interface (like ShardStorage) so that coordinators built without it
+// still load.
+//
+// A host shard is brought to the device for each gather of its parameter
+// (a copy to a device buffer of shard_numel() elements, then the gather
+// from it), and a gather of one is waited for by the host before its
+// module computes: the host may write the shard after end_step() or
+// release_all() without racing a copy. Through ShardStorage, shard_data()
+// of a host shard is a host pointer, with the same rules for writing.
+//
+// Threading, collectives and errors as for ParameterCoordinator; no call
+// here communicates.
+class DUCTILE_SDK_API ShardPlacement {
+ public:
+  virtual ~ShardPlacement() = default;
+
+  // Where the shard of `id` lives. Throws invalid_argument for an unknown id.
+  virtual ShardLocation shard_location(ParameterId id) const = 0;
+
+  // Moves the shard of `id`, values kept, into device or pinned host memory
+  // (`where`: device or host; the same place is a no-op). Allowed when
+  // ShardStorage allows writing (no module using the parameter is fetched);
+  // a gathered copy no fetched module uses is dropped first. A pointer from
+  // shard_data() is invalid afterwards. Throws invalid_argument for an
+  // unknown id or `where` = nvme, unsupported for a shard in a file,
+  // incompatible while a fetched module uses the parameter, and the
+  // accelerator's error when the memory cannot be had (nothing moved).
+  virtual void move_shard(ParameterId id, ShardLocation where) = 0;
 };
 
 // Counters of the memory a coordinator gathers into, for tests and

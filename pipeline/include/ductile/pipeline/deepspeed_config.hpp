@@ -10,6 +10,7 @@
 //                                                    -> [zero] param_persistence_threshold
 //   zero_optimization.offload_param {device "nvme", nvme_path, buffer_count}
 //                                                    -> [zero] nvme_path, nvme_buffer_count
+//   zero_optimization.offload_param {device "cpu"}   -> [zero] offload_param
 //   zero_optimization.offload_optimizer {device, pin_memory, ratio}
 //                                                    -> [zero] offload_optimizer,
 //                                                       offload_pin_memory, offload_ratio

@@ -16,8 +16,13 @@ Offloading a group's optimizer moves its state *and* its master to the host:
 the host steps them, so the master must be where the state is (moving the
 state alone would bring it back to the device every step). Under a budget,
 the groups whose optimizer takes the most device memory go first, until the
-rest fits. Parameters are the last resort and are not offloaded to host
-memory yet: a budget that needs it is an error naming the numbers.
+rest fits; then, as the last resort, the parameter shards of the largest
+groups go to host memory (the coordinator's ShardPlacement), whose optimizers
+are on the host by then. A host shard costs a device buffer of its size
+while its gather is in flight (``staging``: at most the coordinator's
+gathers in flight at once, each at most a group or a prefetch bucket, over
+the world size). A budget that cannot be met even so is an error naming
+the numbers.
 
 The accounting is the engine's own: the bytes of the tensors it keeps, and
 the coordinator's pool of gathered copies (the larger of its high-water of
@@ -82,30 +87,48 @@ class GroupBytes:
 class Placement:
     """Which groups' optimizers are on the host, and the device bytes."""
 
-    def __init__(self, groups, master_dtype, states, gather_reserve):
+    def __init__(self, groups, master_dtype, states, gather_reserve, staging_cap):
         self.master_dtype = master_dtype  # of the optimizer's shards; None: the shards' own
         self.bytes = [GroupBytes(g, master_dtype, states) for g in groups]
         self.gather_reserve = gather_reserve
-        self.offloaded = set()  # group ids
+        self.staging_cap = staging_cap
+        self.world = groups[0].world if groups else 1
+        self.offloaded = set()  # group ids whose optimizer is on the host
+        self.shards_on_host = set()  # group ids whose parameter shard is in host memory
         self.budget = None
         self.warned = False
 
-    def device_need(self, offloaded=None):
-        offloaded = self.offloaded if offloaded is None else offloaded
-        total = self.gather_reserve
+    def staging(self):
+        """Device bytes of host shards copied for gathers in flight: at most
+        all of them, the staging cap, and the gathered copies' reserve over
+        the world size (a shard is 1/world of its gathered copy)."""
+        on_host = sum(b.parameters for b in self.bytes if b.group.id in self.shards_on_host)
+        return min(on_host, self.staging_cap, -(-self.gather_reserve // self.world))
+
+    def device_need(self):
+        total = self.gather_reserve + self.staging()
         for b in self.bytes:
-            total += b.parameters + b.gradients
-            if b.group.id not in offloaded:
+            total += b.gradients
+            if b.group.id not in self.shards_on_host:
+                total += b.parameters
+            if b.group.id not in self.offloaded:
                 total += b.optimizer
         return total
 
-    def choose(self, budget, all_optimizers, ratio=None):
+    def choose(self, budget, all_optimizers, ratio=None, all_shards=False):
         """Offloads every group's optimizer (`all_optimizers`; with
-        `ratio`, the largest ones until that share of the optimizer bytes),
-        and then, under `budget`, the largest of the rest until the need
-        fits. IncompatibleError naming the numbers when it cannot."""
+        `ratio`, the largest ones until that share of the optimizer bytes)
+        and every parameter shard with its optimizer (`all_shards`); then,
+        under `budget`, the largest of the other optimizers until the need
+        fits, and then the largest shards. IncompatibleError naming the
+        numbers when it cannot."""
         candidates = sorted((b for b in self.bytes if b.optimizer_state),
                             key=lambda b: (-b.optimizer, b.group.id))
+        if all_shards:
+            for b in self.bytes:
+                self.shards_on_host.add(b.group.id)
+                if b.optimizer_state:
+                    self.offloaded.add(b.group.id)
         if all_optimizers:
             total = sum(b.optimizer for b in candidates)
             moved = 0
@@ -121,16 +144,21 @@ class Placement:
             if self.device_need() <= budget:
                 break
             self.offloaded.add(b.group.id)
+        # The last resort: parameter shards, the largest first (their
+        # optimizers are all on the host by now).
+        for b in sorted(self.bytes, key=lambda b: (-b.parameters, b.group.id)):
+            if self.device_need() <= budget:
+                break
+            self.shards_on_host.add(b.group.id)
         need = self.device_need()
         if need > budget:
             raise IncompatibleError(
                 f"zero3: max_device_memory = {budget} bytes cannot be met: with the optimizer "
-                f"state and master weights of every group on the host, the device still needs "
-                f"{need} bytes (parameter shards {self.total('parameters')}, gradient shards "
-                f"{self.total('gradients')}, gathered copies up to {self.gather_reserve}); "
-                f"valid: max_device_memory >= {need} (parameters are not offloaded to host "
-                "memory; lower [zero] max_live_parameters or prefetch_bucket_size to gather "
-                "less at once)")
+                f"state, master weights and parameter shards of every group on the host, the "
+                f"device still needs {need} bytes (gradient shards {self.total('gradients')}, "
+                f"gathered copies up to {self.gather_reserve}, host shards copied for them up "
+                f"to {self.staging()}); valid: max_device_memory >= {need} (or lower [zero] "
+                "max_live_parameters or prefetch_bucket_size to gather less at once)")
         return self.offloaded
 
     def check(self, high_water, step):
@@ -146,8 +174,11 @@ class Placement:
     def total(self, kind, where="device"):
         out = 0
         for b in self.bytes:
-            on_host = b.group.id in self.offloaded and kind in ("optimizer_state",
-                                                                 "master_weights")
+            if kind == "parameters":
+                on_host = b.group.id in self.shards_on_host
+            else:
+                on_host = b.group.id in self.offloaded and kind in ("optimizer_state",
+                                                                     "master_weights")
             if on_host == (where == "host"):
                 out += getattr(b, kind)
         return out
@@ -173,6 +204,21 @@ def gather_reserve(session, groups):
     return min(everything, limit + 2 * largest) * size
 
 
+def staging_cap(groups, zero_params):
+    """The most bytes of host shards the coordinator copies to the device at
+    once: a buffer for each gather in flight, at most
+    ``max_ongoing_fetch_events`` of them plus the one a fetch waits for,
+    each of at most the larger of a group and a prefetch bucket, over the
+    world size. `zero_params`: the [zero] section's coordinator keys (a
+    coordinator without them is taken to prefetch 2 gathers ahead)."""
+    events = int(zero_params.get("max_ongoing_fetch_events", 2))
+    bucket = int(zero_params.get("prefetch_bucket_size", 0))
+    world = groups[0].world
+    size = max(g.element_size for g in groups)
+    largest = max(max(g.world * g.shard_numel for g in groups), bucket)
+    return (events + 1) * -(-largest // world) * size
+
+
 def account(resident, session, placement, gradient_bytes):
     """A step's device bytes by the engine's accounting: `resident` (the
     shards, the masters and optimizer state on the device:
@@ -190,7 +236,8 @@ def resident_bytes(groups, optimizer):
     total = 0
     state = optimizer.state if optimizer is not None else {}
     for group in groups:
-        total += group.shard_numel * group.element_size
+        if not group.shard_on_host:
+            total += group.shard_numel * group.element_size
         if group.host is None:
             if group.master is not group.store:
                 total += group.master.numel() * group.master.element_size()

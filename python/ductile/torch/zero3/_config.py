@@ -39,14 +39,16 @@ class Settings:
 
 
 class OffloadSettings:
-    """Optimizer offload as asked: ``optimizer`` (every group's optimizer on
-    the host), ``ratio`` (only that share of the optimizer bytes), ``pin``
-    (pinned host buffers on cuda)."""
+    """Offload as asked: ``optimizer`` (every group's optimizer on the
+    host), ``ratio`` (only that share of the optimizer bytes), ``pin``
+    (pinned host buffers on cuda), ``param`` (every group's parameter shard
+    in host memory, and its optimizer with it)."""
 
-    def __init__(self, optimizer=False, ratio=None, pin=True):
+    def __init__(self, optimizer=False, ratio=None, pin=True, param=False):
         self.optimizer = optimizer
         self.ratio = ratio
         self.pin = pin
+        self.param = param
 
 
 def offload_argument(value, runtime):
@@ -79,10 +81,12 @@ def _backend(world):
 
 def _offload_of_keys(keys):
     """OffloadSettings of [zero]'s validated offload keys."""
+    param = keys.get("offload_param") == "cpu"
     if keys["offload_optimizer"] != "cpu":
-        return OffloadSettings()
+        return OffloadSettings(pin=keys["offload_pin_memory"], param=param)
     ratio = keys["offload_ratio"]
-    return OffloadSettings(True, None if ratio == 1.0 else ratio, keys["offload_pin_memory"])
+    return OffloadSettings(True, None if ratio == 1.0 else ratio, keys["offload_pin_memory"],
+                           param)
 
 
 def _offload_of(runtime):

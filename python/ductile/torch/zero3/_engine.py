@@ -85,7 +85,9 @@ class Zero3Engine:
             optimizer_factory = settings.optimizer
         offload = settings.offload
         if offload_optimizer is not None:
+            param = offload.param  # the argument is about the optimizer only
             offload = _config.offload_argument(offload_optimizer, settings.loaded.runtime)
+            offload.param = param
 
         sharded = ShardedModel(model, settings.loaded.runtime, world, precision, groups,
                                offload, max_device_memory, load_from,
@@ -249,6 +251,7 @@ class Zero3Engine:
         s["groups"] = len(self._groups)
         s["placement"] = self._placement.report()
         s["offloaded_groups"] = sorted(g.name for g in self._groups if g.host is not None)
+        s["host_shard_groups"] = sorted(g.name for g in self._groups if g.shard_on_host)
         s["max_device_memory"] = self._placement.budget
         s["device_need_bytes"] = self._placement.device_need()
         s["device_high_water_bytes"] = self._steps.device_high_water

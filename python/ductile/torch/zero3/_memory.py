@@ -2,8 +2,10 @@
 element types both sides understand.
 
 On the cpu backend the coordinator's "device" memory is host memory: a
-writable memoryview over it goes to ``torch.frombuffer``. On cuda it is
-device memory: ``__cuda_array_interface__`` goes to ``torch.as_tensor``. The
+writable memoryview over it goes to ``torch.frombuffer``; so does a shard
+the coordinator keeps in host memory on any backend (parameter offload). On
+cuda device memory goes through ``__cuda_array_interface__`` to
+``torch.as_tensor``. The
 tensors never own the memory; whoever makes one keeps it only while the
 coordinator keeps the buffer (see materialize and dematerialize in _param.py).
 """
@@ -65,8 +67,14 @@ class DeviceMemory:
     def tensor(self, address, numel, dtype):
         """A 1-D tensor of `numel` elements of `dtype` at `address`."""
         if self.backend == "cpu":
-            view = _ductile.zero.host_view(address, numel * _ELEMENT_SIZE[dtype])
-            return torch.frombuffer(view, dtype=dtype)
+            return self.host_tensor(address, numel, dtype)
         typestr = _TYPES[dtype][1]
         t = torch.as_tensor(_CudaArray(address, numel, typestr), device=self.device)
         return t.view(dtype) if dtype == torch.bfloat16 else t
+
+    @staticmethod
+    def host_tensor(address, numel, dtype):
+        """A 1-D cpu tensor of `numel` elements of `dtype` over the
+        coordinator's host memory at `address`."""
+        view = _ductile.zero.host_view(address, numel * _ELEMENT_SIZE[dtype])
+        return torch.frombuffer(view, dtype=dtype)

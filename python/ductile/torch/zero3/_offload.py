@@ -59,6 +59,16 @@ class HostShard:
         self.params_copied = None  # event: the last copy to the device is done
         self.sent = False          # a step's copy to the device was issued, not yet waited on
 
+    def share_shard(self, store, group):
+        """The group's parameter shard lives in host memory (`store`, the
+        coordinator's): the step writes it directly, as the master (fp32)
+        or as the rounded copy (mixed precision); nothing goes to a device."""
+        if store.dtype == torch.float32:
+            self.master = store
+        else:
+            self.half = store
+            self.half_views = store.split(group.sizes)
+
     @property
     def host_bytes(self):
         return sum(t.numel() * t.element_size()
@@ -217,6 +227,9 @@ class OptimizerOffload:
         has queued)."""
         host = group.host
         source = host.half if host.half is not None else host.master
+        if source is group.store:  # a shard in host memory, written by the step itself
+            host.sent = True
+            return
         if self.cuda:
             if ready is not None:
                 self.copy_stream.wait_event(ready)
@@ -244,7 +257,7 @@ class OptimizerOffload:
                 host.half.copy_(host.master)
             self._send(group)
         host.sent = False
-        if self.cuda:
+        if self.cuda and host.params_copied is not None:
             torch.cuda.current_stream(self.device).wait_event(host.params_copied)
 
     def masters_changed(self):
@@ -264,11 +277,15 @@ class OptimizerOffload:
 
 
 def place(groups, placement, offload, budget, has_optimizer, step_in_backward, device):
-    """Chooses the groups whose optimizer lives on the host (all that
-    `offload` asks for, and what does not fit under `budget`) and gives them
-    host buffers, before their shards are made; returns the
-    OptimizerOffload, or None when no group is offloaded."""
-    chosen = placement.choose(budget, offload.optimizer and has_optimizer, offload.ratio)
+    """Chooses the groups whose optimizer lives on the host and those whose
+    parameter shard does (all that `offload` asks for, and what does not fit
+    under `budget`) and gives the former host buffers, before their shards
+    are made; returns the OptimizerOffload, or None when no group's
+    optimizer is offloaded."""
+    chosen = placement.choose(budget, offload.optimizer and has_optimizer, offload.ratio,
+                              offload.param)
+    for group in groups:
+        group.shard_on_host = group.id in placement.shards_on_host
     if not chosen:
         return None
     if step_in_backward:

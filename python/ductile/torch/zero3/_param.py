@@ -90,7 +90,7 @@ class ParamGroup:
                  "shard_numel", "numel", "sizes", "numels", "store", "master", "direct",
                  "persistent", "users", "full", "full_address", "full_bytes", "_cache",
                  "trained", "grad_flat", "grad_views", "accumulated", "accumulated_mask",
-                 "name", "placeholder", "host")
+                 "name", "placeholder", "host", "shard_on_host")
 
     def __init__(self, gid, name, members, world):
         self.id = gid
@@ -128,6 +128,7 @@ class ParamGroup:
         self.accumulated_mask = None
         self.placeholder = None  # param.data between uses (an empty tensor)
         self.host = None  # its optimizer offload (_offload.HostShard), or None
+        self.shard_on_host = False  # the coordinator keeps its shard in host memory
 
     def views_at(self, memory, address):
         """(full, member views) over the gathered copy at `address`."""

@@ -134,19 +134,29 @@ class Sharding:
                 f"{session.shard_numel(group.id)} elements a rank, the engine expects "
                 f"{group.shard_numel} (ceil(numel / world) a member)")
         group.persistent = session.is_persistent(group.id)
+        if group.shard_on_host:
+            if not session.has_shard_placement:
+                raise UnsupportedError(
+                    f"zero3: '{group.name}''s parameter shard is to live in host memory "
+                    "([zero] offload_param = \"cpu\", or max_device_memory), and the configured "
+                    "coordinator cannot keep shards there (ShardPlacement); valid: coordinator = "
+                    "\"partitioned\"")
+            session.move_shard(group.id, "host")  # zero-filled: nothing to copy yet
 
     def _make_shards(self, group):
         """The coordinator's flat shard (`store`), the optimizer's (`master`)
         and each member's views of them."""
         session = self.session
         store = None
+        on_host = session.shard_location(group.id) == "host"
         if session.has_shard_storage:
             try:
                 address = session.shard_data(group.id)
             except UnsupportedError:
                 address = None
             if address is not None:
-                store = self.memory.tensor(address, group.shard_numel, group.dtype)
+                store = (self.memory.host_tensor if on_host else self.memory.tensor)(
+                    address, group.shard_numel, group.dtype)
         group.direct = store is not None
         if store is None:
             store = torch.zeros(group.shard_numel, dtype=group.dtype, device=self.memory.device)
@@ -154,7 +164,16 @@ class Sharding:
         precision = self.precision
         master_dtype = precision.master_dtype if precision is not None else None
         if group.host is not None:
+            if on_host and group.direct:
+                # Shard and optimizer both on the host: the host step writes
+                # the coordinator's shard itself (fp32), or its rounding
+                # (mixed precision), and nothing is copied between them.
+                group.host.share_shard(store, group)
             master = group.host.master  # the optimizer is offloaded: the master is on the host
+        elif on_host and group.trained:
+            # The optimizer steps on the device: its master stays there.
+            master = torch.zeros(group.shard_numel, dtype=master_dtype or group.dtype,
+                                 device=self.memory.device)
         elif master_dtype is None or master_dtype == group.dtype:
             master = store
         else:
