@@ -19,7 +19,9 @@
 # pinned host memory against the same training on the GPU, fp32 and bf16,
 # its steps under torch's sync debug mode "error", and a device memory budget);
 # compile (bench_zero3.py --compile: each block under torch.compile, FSDP2
-# against ductile).
+# against ductile); offload_race (bench_offload.py: GPT-2 of 1.31 B
+# parameters under a 12 GiB cap, ductile's optimizer and parameter offload
+# against DeepSpeed ZeRO-3's offload_optimizer + offload_param).
 # Every stage but build and wheel needs build. A stage that fails is
 # reported and the next one runs; the exit status is that of the first
 # failure. DeepSpeed and the packages it needs
@@ -171,6 +173,12 @@ stage_compile() {
   bench_zero3 --batch 8 --precision bf16 --compile --engines fsdp2,ductile,ductile-mpi || return 1
   bench_zero3 --batch 8 --precision fp32 --compile --engines fsdp2,ductile
 }
+# The offload race (not in the default list; needs build): bf16, one rank,
+# the process capped at 12 GiB; DeepSpeed JIT-builds its CPU Adam first.
+stage_offload_race() {
+  timeout 540 "$python" tests/benchmarks/python/bench_offload.py --device cuda --size 1.3b \
+    --cap-gib 12 --steps 4
+}
 stage_zero3b() {
   bench_zero3 --batch 32 --precision fp32 --engines fsdp2,deepspeed,ductile,ductile-mpi || return 1
   bench_zero3 --batch 32 --precision bf16 --engines fsdp2,deepspeed,ductile,ductile-mpi
@@ -190,6 +198,7 @@ for stage in "${stages[@]}"; do
     wheel) run_stage wheel stage_wheel ;;
     offload) run_stage offload stage_offload ;;
     compile) run_stage compile stage_compile ;;
+    offload_race) run_stage offload_race stage_offload_race ;;
     flatten)
       run_stage flatten timeout 420 "$python" tests/benchmarks/python/bench_flatten.py llama-gpu \
         400 3
@@ -202,7 +211,7 @@ for stage in "${stages[@]}"; do
       ;;
     *)
       echo "on_device.sh: stage '$stage' is not valid; use build, tests, copy, zero3 (zero3a," \
-        "zero3b), flatten, wheel, cpu_adam, offload or compile"
+        "zero3b), flatten, wheel, cpu_adam, offload, offload_race or compile"
       exit 2
       ;;
   esac

@@ -94,4 +94,17 @@ inline bool gathered_matches(ParameterCoordinator& zero, ParameterId id, std::si
   return got == param_bytes(id, bytes, version);
 }
 
+// True when this rank's shard (read_shard()) holds its slice of the
+// original bytes of `version`, zero-padded past the parameter's end.
+inline bool shard_matches(ParameterCoordinator& zero, int rank, ParameterId id, std::size_t bytes,
+                          int version) {
+  std::vector<std::uint8_t> shard(zero.shard_numel(id) * 4);
+  zero.read_shard(id, shard.data(), shard.size());
+  auto full = param_bytes(id, bytes, version);
+  const std::size_t first = static_cast<std::size_t>(rank) * shard.size();
+  for (std::size_t i = 0; i < shard.size(); ++i)
+    if (shard[i] != (first + i < full.size() ? full[first + i] : 0)) return false;
+  return true;
+}
+
 }  // namespace zero_test
