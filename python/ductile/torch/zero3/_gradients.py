@@ -81,10 +81,14 @@ class GradientReducer:
         """The members' gradients rank-major ((world, shard_numel)), in
         `dtype`; a missing one as zeros."""
         flats = []
-        # Where the gradients are (a shard may live in host memory).
-        device = next((g.device for g in grads if g is not None), group.store.device)
         for zp, g in zip(group.members, grads):
             if g is None:
+                # Where the other gradients are (the shard may be in host memory).
+                device = group.store.device
+                for other in grads:
+                    if other is not None:
+                        device = other.device
+                        break
                 g = torch.zeros(zp.numel, dtype=group.dtype, device=device)
             flats.append(g.reshape(-1))
         if out is None:
