@@ -161,11 +161,14 @@ BLOCKING = re.compile(r"\b(wait|item|tolist|synchronize|is_completed|query)\b")
 def count_calls(stats, steps):
     """Python function calls per step: all, ductile's own, and the ones that
     can block the host on a GPU (by name), from a pstats.Stats."""
+    import ductile
+    # The package's own files (a checkout folder may be named "ductile" too).
+    package = os.path.dirname(os.path.abspath(ductile.__file__)) + os.sep
     total = ours = 0
     blocking = {}
     for (path, _, name), (_, calls, _, _, _) in stats.stats.items():
         total += calls
-        if f"{os.sep}ductile{os.sep}" in path:
+        if path.startswith(package):
             ours += calls
         if path == "~" and BLOCKING.search(name):
             blocking[name] = blocking.get(name, 0) + calls
