@@ -167,15 +167,14 @@ void GatherPipeline::stage_own(std::span<const std::uint32_t> params) {
     unstage(own_);
     own_staged_ = false;
   }
-  // Device shards need no staging and cannot fail.
-  if ((!nvme_ && host_shards_ == 0) || params.empty()) return;
+  if (all_on_device() || params.empty()) return;  // nothing to stage, nothing can fail
   stage(params, own_);
   own_staged_ = true;
 }
 
 void GatherPipeline::stage(std::span<const std::uint32_t> params, Staging& out) {
   out.sources.clear();
-  if (!nvme_ && host_shards_ == 0) {  // device shards: nothing to read, nothing can fail
+  if (all_on_device()) {  // nothing to read, nothing can fail
     for (std::uint32_t pi : params) out.sources.push_back(params_[pi].shard);
     return;
   }

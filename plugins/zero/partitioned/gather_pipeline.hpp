@@ -163,6 +163,8 @@ class GatherPipeline {
     std::shared_ptr<Event> event;
   };
 
+  // No shard lives on the host or NVMe: a gather reads the shards themselves.
+  bool all_on_device() const { return !nvme_ && host_shards_ == 0; }
   void stage(std::span<const std::uint32_t> params, Staging& out);
   void unstage(Staging& staging);
   void issue(const Plan& plan, const Step& step, Batch& b);

@@ -42,32 +42,35 @@ from ._grad_shards import clip_coefficient, global_norm
 class HostShard:
     """A group's host buffers: the fp32 master (what the optimizer's
     parameters view), the fp32 gradient copy, and under mixed precision the
-    rounded copy that goes to the device."""
+    rounded copy that goes to the device. The master and the rounded copy
+    are made with the group's shards (``attach``)."""
 
     def __init__(self, group, device, pin):
         pin = bool(pin) and device.type == "cuda"
-        n = group.shard_numel
         self.pinned = pin
-        self.master = torch.zeros(n, dtype=torch.float32, pin_memory=pin)
-        self.grad = torch.zeros(n, dtype=torch.float32, pin_memory=pin)
+        self.master = None
+        self.grad = torch.zeros(group.shard_numel, dtype=torch.float32, pin_memory=pin)
         self.grad_views = self.grad.split(group.sizes)
         self.half = None
-        if group.dtype != torch.float32:
-            self.half = torch.zeros(n, dtype=group.dtype, pin_memory=pin)
-        self.half_views = self.half.split(group.sizes) if self.half is not None else None
+        self.half_views = None
         self.grad_copied = None   # event: the last gradient copy to the host is done
         self.params_copied = None  # event: the last copy to the device is done
         self.sent = False          # a step's copy to the device was issued, not yet waited on
 
-    def share_shard(self, store, group):
-        """The group's parameter shard lives in host memory (`store`, the
-        coordinator's): the step writes it directly, as the master (fp32)
-        or as the rounded copy (mixed precision); nothing goes to a device."""
-        if store.dtype == torch.float32:
-            self.master = store
+    def attach(self, group, shard=None):
+        """Makes the master (and the rounded copy under mixed precision).
+        `shard`: the coordinator's shard when it lives in host memory; it
+        serves as the master (fp32) or the rounded copy, so the step writes
+        it directly and nothing goes to a device."""
+        n = group.shard_numel
+        if shard is not None and shard.dtype == torch.float32:
+            self.master = shard
         else:
-            self.half = store
-            self.half_views = store.split(group.sizes)
+            self.master = torch.zeros(n, dtype=torch.float32, pin_memory=self.pinned)
+        if group.dtype != torch.float32:
+            self.half = shard if shard is not None else \
+                torch.zeros(n, dtype=group.dtype, pin_memory=self.pinned)
+            self.half_views = self.half.split(group.sizes)
 
     @property
     def host_bytes(self):

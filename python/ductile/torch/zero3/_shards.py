@@ -164,12 +164,11 @@ class Sharding:
         precision = self.precision
         master_dtype = precision.master_dtype if precision is not None else None
         if group.host is not None:
-            if on_host and group.direct:
-                # Shard and optimizer both on the host: the host step writes
-                # the coordinator's shard itself (fp32), or its rounding
-                # (mixed precision), and nothing is copied between them.
-                group.host.share_shard(store, group)
-            master = group.host.master  # the optimizer is offloaded: the master is on the host
+            # The optimizer is offloaded: the master is on the host. With the
+            # shard there too, the host step writes the coordinator's shard
+            # itself (fp32), or its rounding (mixed precision).
+            group.host.attach(group, store if on_host and group.direct else None)
+            master = group.host.master
         elif on_host and group.trained:
             # The optimizer steps on the device: its master stays there.
             master = torch.zeros(group.shard_numel, dtype=master_dtype or group.dtype,
