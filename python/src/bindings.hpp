@@ -71,5 +71,7 @@ void register_elasticity(py::module_& m);
 void register_batching(py::module_& m);
 void register_zero(py::module_& m);
 void register_optimizer(py::module_& m);
+// _ductile.optimizer.HostBuffer (host_buffer.cpp).
+void register_host_buffer(py::module_& m);
 
 }  // namespace ductile::python

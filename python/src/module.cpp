@@ -442,4 +442,5 @@ PYBIND11_MODULE(_ductile, m) {
   dp::register_zero(zero);
   auto optimizer = m.def_submodule("optimizer");
   dp::register_optimizer(optimizer);
+  dp::register_host_buffer(optimizer);
 }

@@ -117,6 +117,56 @@ def test_threads_do_not_change_a_bit():
         assert torch.equal(a, b)
 
 
+def test_steps_on_torchs_openmp_workers_with_the_pools_bits():
+    # torch has loaded its OpenMP runtime: the default steps on its workers
+    # (loaded_openmp.hpp says why); "pool" on the plugin's own threads.
+    initial = random_tensors([1_000_003, 129], 8)
+    shared, opt = run(lambda ps: DuctileCPUAdam(ps, plugin_params={"threads": 2}), initial, 3)
+    assert opt.implementation.endswith("2 threads (OpenMP: libgomp.so.1)")
+    own, opt = run(lambda ps: DuctileCPUAdam(
+        ps, plugin_params={"threads": 2, "threading": "pool"}), initial, 3)
+    assert opt.implementation.endswith("2 threads (own pool)")
+    for a, b in zip(shared, own):
+        assert torch.equal(a, b)
+
+
+def test_large_moments_lie_in_huge_page_aligned_host_buffers():
+    from ductile._ductile.optimizer import HostBuffer
+    huge = HostBuffer.huge_page_bytes
+    assert huge == 2 << 20
+    initial = random_tensors([huge // 4 + 5, 100], 9)  # one above the threshold, one below
+    params, opt = run(lambda ps: DuctileCPUAdam(ps), initial, 2)
+    big, small = (opt.state[p] for p in params)
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert big[name].data_ptr() % huge == 0
+        assert big[name].shape == params[0].shape and big[name].is_contiguous()
+    # torch.frombuffer keeps the buffer alive with the tensor: the moments
+    # outlive the optimizer, and a state_dict round trip keeps every bit.
+    saved = copy.deepcopy(opt.state_dict())
+    moment = big["exp_avg"]
+    expected = moment.clone()
+    del opt, big, small
+    assert torch.equal(moment, expected)
+    reloaded = DuctileCPUAdam(params)
+    reloaded.load_state_dict(saved)
+    state = reloaded.state[params[0]]
+    assert state["exp_avg"].data_ptr() % huge == 0  # copied into a buffer of its own
+    assert torch.equal(state["exp_avg"], saved["state"][0]["exp_avg"])
+    assert torch.equal(state["exp_avg_sq"], saved["state"][0]["exp_avg_sq"])
+    # Stepping on from the reloaded state equals stepping on in one run.
+    for p, g in zip(params, random_tensors([p.numel() for p in params], 2, 0.1)):
+        p.grad = g
+    reloaded.step()
+    straight, _ = run(lambda ps: DuctileCPUAdam(ps), initial, 3)
+    for a, b in zip(params, straight):
+        assert torch.equal(a, b)
+    buffer = HostBuffer(3)
+    assert buffer.nbytes == 3 and bytes(memoryview(buffer)) == b"\0\0\0"
+    for bad, message in ((0, "bytes = 0 is out of range"), (1.5, "bytes = 1.5 is not an integer")):
+        with pytest.raises(ductile.InvalidArgumentError, match=message):
+            HostBuffer(bad)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_copy_of_the_parameters_rounds_as_torch(dtype):
     initial = random_tensors([33, 70_001], 5, 100.0)

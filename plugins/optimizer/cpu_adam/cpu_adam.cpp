@@ -1,6 +1,7 @@
 // Optimizer "cpu_adam": Adam and AdamW over flat fp32 buffers on the host,
 // vectorised (AVX-512 or AVX2 when the CPU has it, chosen when the plugin
-// is created) and split over a pool of threads.
+// is created) and split over threads: the process's OpenMP runtime when it
+// has one loaded (loaded_openmp.hpp says why), else a pool of our own.
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -14,6 +15,7 @@
 
 #include "adam_kernel.hpp"
 #include "ductile/optimizer.hpp"
+#include "loaded_openmp.hpp"
 #include "work_pool.hpp"
 
 namespace ductile::cpu_adam {
@@ -59,6 +61,7 @@ constexpr Isa kIsas[] = {
 };
 
 const char* const kSimdChoices[] = {"auto", "avx512", "avx2", "scalar", nullptr};
+const char* const kThreadingChoices[] = {"auto", "openmp", "pool", nullptr};
 
 constexpr ParamSpec kSchema[] = {
     {.key = "threads",
@@ -75,6 +78,13 @@ constexpr ParamSpec kSchema[] = {
      .doc =
          "Instruction set: \"auto\" (the best this CPU has: avx512, avx2, else scalar) or one of "
          "them, refused when the CPU lacks it"},
+    {.key = "threading",
+     .type = ParamType::string,
+     .default_value = "\"auto\"",
+     .allowed_values = kThreadingChoices,
+     .doc = "Whose threads run a step: \"openmp\" (the OpenMP runtime this process has "
+            "loaded, as torch does; refused when none is), \"pool\" (the plugin's own), or "
+            "\"auto\" (openmp when a runtime is loaded when the plugin is created, else pool)"},
 };
 
 std::size_t usable_cores() {
@@ -101,6 +111,17 @@ const Isa& choose_isa(const std::string& simd) {
   throw ParamError(ErrorKind::unsupported, "simd",
                    "cpu_adam: simd = \"" + simd + "\" is not available on this CPU; it has: " +
                        available_isas() + " (or use \"auto\")");
+}
+
+std::unique_ptr<LoadedOpenMP> choose_openmp(const std::string& threading) {
+  if (threading == "pool") return nullptr;
+  auto found = LoadedOpenMP::find();
+  if (!found && threading == "openmp")
+    throw ParamError(ErrorKind::unsupported, "threading",
+                     "cpu_adam: threading = \"openmp\" needs an OpenMP runtime loaded in this "
+                     "process, and none is (looked for " +
+                         LoadedOpenMP::searched() + "); use \"auto\" or \"pool\"");
+  return found;
 }
 
 // What one step hands each chunk.
@@ -131,7 +152,8 @@ class CpuAdam final : public Optimizer {
         threads_(context.params().get_int("threads") > 0
                      ? static_cast<std::size_t>(context.params().get_int("threads"))
                      : usable_cores()),
-        pool_(threads_ - 1) {
+        openmp_(choose_openmp(context.params().get_string("threading"))),
+        pool_(openmp_ ? 0 : threads_ - 1) {
     context.logger()->debug("optimizer cpu_adam: {}", implementation());
   }
 
@@ -139,7 +161,8 @@ class CpuAdam final : public Optimizer {
 
   std::string implementation() const override {
     return std::string(isa_.name) + ", " + std::to_string(threads_) +
-           (threads_ == 1 ? " thread" : " threads");
+           (threads_ == 1 ? " thread" : " threads") +
+           (openmp_ ? " (OpenMP: " + openmp_->soname() + ")" : std::string(" (own pool)"));
   }
 
   void step(const OptimizerBuffers& b, const OptimizerHyperParams& h, std::uint64_t step) override {
@@ -150,7 +173,11 @@ class CpuAdam final : public Optimizer {
                   {b.params, b.grads, b.state[0], b.state[1],
                    static_cast<std::uint16_t*>(b.copy_out), b.numel},
                   chunk_size(b.numel)};
-    pool_.run((b.numel + work.chunk - 1) / work.chunk, &StepWork::run_chunk, &work);
+    const std::size_t chunks = (b.numel + work.chunk - 1) / work.chunk;
+    if (openmp_)
+      openmp_->run(chunks, &StepWork::run_chunk, &work, threads_);
+    else
+      pool_.run(chunks, &StepWork::run_chunk, &work);
   }
 
  private:
@@ -189,7 +216,8 @@ class CpuAdam final : public Optimizer {
 
   const Isa& isa_;
   std::size_t threads_;
-  WorkPool pool_;
+  std::unique_ptr<LoadedOpenMP> openmp_;  // null: pool_ runs the steps
+  WorkPool pool_;                         // no workers when openmp_ does
 };
 
 }  // namespace

@@ -61,6 +61,17 @@ class DuctileCPUAdam(torch.optim.Optimizer):
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
 
+    def load_state_dict(self, state_dict):
+        """torch's ``load_state_dict``; the loaded moments are then copied
+        into buffers of the kind the step makes (see _zeroed_state)."""
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            for name in self._state_names:
+                loaded = state.get(name)
+                if isinstance(loaded, torch.Tensor) and loaded.dtype == torch.float32 \
+                        and loaded.device.type == "cpu":
+                    state[name] = _zeroed_state(loaded).copy_(loaded)
+
     @torch.no_grad()
     def step(self, closure=None, fp16_param_groups=None):
         """One step of every parameter that has a gradient. ``closure``
@@ -127,7 +138,7 @@ class DuctileCPUAdam(torch.optim.Optimizer):
         if len(state) == 0:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)  # as torch keeps it
             for name in self._state_names:
-                state[name] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                state[name] = _zeroed_state(p)
         buffers = [state[name] for name in self._state_names]
         for name, buffer in zip(self._state_names, buffers):
             _check_fp32(buffer, f"{where} (its {name})", like=p)
@@ -146,6 +157,16 @@ class DuctileCPUAdam(torch.optim.Optimizer):
 
 # DeepSpeed's name, so that swapping the import is the only change.
 DeepSpeedCPUAdam = DuctileCPUAdam
+
+
+def _zeroed_state(like):
+    """A zero fp32 cpu tensor of `like`'s shape for a moment of the step. A
+    large one lies in a HostBuffer (on huge pages: the step streams through
+    it, host_buffer.cpp says how much that gains); the tensor keeps it alive."""
+    nbytes = like.numel() * 4
+    if nbytes < _native.HostBuffer.huge_page_bytes:
+        return torch.zeros(like.shape, dtype=torch.float32)
+    return torch.frombuffer(_native.HostBuffer(nbytes), dtype=torch.float32).view(like.shape)
 
 
 def _check_fp32(tensor, where, like=None):

@@ -3,6 +3,7 @@
 // plugins` lists and describes it, and a bad call or parameter is an error
 // naming the field, the value and what is valid, leaving the buffers as
 // they were.
+#include <dlfcn.h>
 #include <doctest/doctest.h>
 
 #include <string>
@@ -39,7 +40,7 @@ TEST_CASE("[optimizer] chooses cpu_adam by default and passes its parameters") {
   auto runtime = runtime_of("[optimizer]\nthreads = 3\nsimd = \"scalar\"\n");
   REQUIRE(runtime.has(ductile::PluginKind::optimizer));
   auto opt = runtime.get<Optimizer>();
-  CHECK(opt->implementation() == "scalar, 3 threads");
+  CHECK(opt->implementation().starts_with("scalar, 3 threads ("));
   CHECK(opt->state_names() == std::vector<std::string>{"exp_avg", "exp_avg_sq"});
   const auto& info = runtime.registry().find(ductile::PluginKind::optimizer, "cpu_adam");
   CHECK(info.kind == ductile::PluginKind::optimizer);
@@ -163,4 +164,25 @@ TEST_CASE("ductile plugins and config check know the optimizer kind") {
   CHECK(checked.exit_code == 2);
   CHECK(contains(checked.err, "bad.toml:3:11"));
   CHECK(contains(checked.err, "threads"));
+}
+
+TEST_CASE("threading = \"openmp\" in a process without an OpenMP runtime is refused") {
+  // ctest runs each case in a process of its own, and nothing this one
+  // links uses OpenMP (cpu_adam_test's OpenMP case loads one for good).
+  REQUIRE_MESSAGE(dlopen("libgomp.so.1", RTLD_NOW | RTLD_NOLOAD) == nullptr,
+                  "an OpenMP runtime is already loaded in this process: run this case alone");
+  std::string message;
+  try {
+    cpu_adam("auto", 2, "openmp");
+  } catch (const Error& e) {
+    CHECK(e.kind() == ErrorKind::unsupported);
+    message = e.what();
+  }
+  CHECK(contains(message, "threading = \"openmp\" needs an OpenMP runtime loaded"));
+  CHECK(contains(message, "libgomp.so.1"));
+  CHECK(contains(message, "use \"auto\" or \"pool\""));
+  CHECK(cpu_adam("auto", 2)->implementation().ends_with("2 threads (own pool)"));
+  // The [optimizer] section passes the key through.
+  auto runtime = runtime_of("[optimizer]\nthreading = \"pool\"\n");
+  CHECK(runtime.get<Optimizer>()->implementation().ends_with("(own pool)"));
 }

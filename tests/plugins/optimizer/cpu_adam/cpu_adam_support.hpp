@@ -22,10 +22,12 @@ inline core::Runtime& cpu_adam_runtime() {
 }
 
 inline std::shared_ptr<Optimizer> cpu_adam(const std::string& simd = "auto",
-                                           std::int64_t threads = 1) {
+                                           std::int64_t threads = 1,
+                                           const std::string& threading = "auto") {
   Params params;
   params.set("simd", simd);
   params.set("threads", threads);
+  params.set("threading", threading);
   return cpu_adam_runtime().create<Optimizer>("cpu_adam", params);
 }
 

@@ -3,6 +3,7 @@
 // against the scalar kernel bit for bit (sizes with every tail), the same
 // bits with 1 and several threads and from concurrent callers, and the
 // bf16/fp16 copy of the parameters against an independent rounding.
+#include <dlfcn.h>
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -222,6 +223,48 @@ TEST_CASE("one thread or several, one caller or several at once: the same bits")
     });
   for (auto& c : callers) c.join();
   for (std::size_t k = 0; k < alone.size(); ++k) CHECK(alone[k] == together[k]);
+}
+
+TEST_CASE("on the OpenMP runtime the process has loaded: the pool's bits, from several callers") {
+  // As torch does: an OpenMP runtime loaded before the optimizer is made
+  // (Debian's libgomp; torch's wheel carries its own of the same soname).
+  // It stays loaded for the rest of this process.
+  void* gomp = dlopen("libgomp.so.1", RTLD_NOW | RTLD_GLOBAL);
+  REQUIRE_MESSAGE(gomp != nullptr, "libgomp.so.1 (gcc's runtime) is not installed: " << dlerror());
+  const OptimizerHyperParams h{.lr = 1e-3, .weight_decay = 0.01};
+  auto pool = cpu_adam("auto", 3, "pool");
+  auto openmp = cpu_adam("auto", 3, "openmp");
+  auto chosen = cpu_adam("auto", 2);
+  CHECK(pool->implementation().ends_with("3 threads (own pool)"));
+  CHECK(openmp->implementation().ends_with("3 threads (OpenMP: libgomp.so.1)"));
+  CHECK(chosen->implementation().ends_with("(OpenMP: libgomp.so.1)"));
+  const std::size_t n = 1'000'003;
+  Shard a(n, 5), b(n, 5);
+  for (std::uint64_t t = 1; t <= 3; ++t) {
+    a.step(*pool, h, t);
+    b.step(*openmp, h, t);
+  }
+  CHECK(a == b);
+  // Four callers at once on one optimizer: a team each.
+  std::vector<Shard> alone, together;
+  for (std::uint32_t k = 0; k < 4; ++k) {
+    alone.emplace_back(200'000 + 29 * k, 70 + k);
+    together.emplace_back(200'000 + 29 * k, 70 + k);
+  }
+  for (auto& s : alone)
+    for (std::uint64_t t = 1; t <= 4; ++t) s.step(*pool, h, t);
+  std::vector<std::thread> callers;
+  for (auto& s : together)
+    callers.emplace_back([&s, &openmp, &h] {
+      for (std::uint64_t t = 1; t <= 4; ++t) s.step(*openmp, h, t);
+    });
+  for (auto& c : callers) c.join();
+  for (std::size_t k = 0; k < alone.size(); ++k) CHECK(alone[k] == together[k]);
+  // The optimizers hold their own reference to the runtime.
+  CHECK(dlclose(gomp) == 0);
+  Shard c(n, 5);
+  for (std::uint64_t t = 1; t <= 3; ++t) c.step(*openmp, h, t);
+  CHECK(c == b);
 }
 
 namespace {

@@ -1,0 +1,79 @@
+#include "loaded_openmp.hpp"
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+
+namespace ductile::cpu_adam {
+
+namespace {
+
+// libgomp (GCC; torch's wheels carry one), LLVM's libomp, Intel's.
+constexpr const char* kSonames[] = {"libgomp.so.1", "libomp.so", "libomp.so.5", "libiomp5.so"};
+
+struct Team {
+  std::size_t count;
+  LoadedOpenMP::Chunk chunk;
+  const void* context;
+  std::atomic<std::size_t> next{0};
+};
+
+// What every thread of the team runs: chunks taken in turn until none is
+// left, so that a thread slowed by others on its core leaves its share.
+void drain(void* data) {
+  auto& team = *static_cast<Team*>(data);
+  for (;;) {
+    const std::size_t i = team.next.fetch_add(1, std::memory_order_relaxed);
+    if (i >= team.count) return;
+    team.chunk(team.context, i);
+  }
+}
+
+}  // namespace
+
+std::unique_ptr<LoadedOpenMP> LoadedOpenMP::find() {
+  for (const char* soname : kSonames) {
+    // RTLD_NODELETE: once a step has run on its workers the runtime stays
+    // loaded for good. Its idle workers live on in its code; unloading it
+    // when the last holder lets go (as a test that loaded it itself may)
+    // would pull the code from under them.
+    void* handle = dlopen(soname, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD | RTLD_NODELETE);
+    if (handle == nullptr) continue;
+    if (void* parallel = dlsym(handle, "GOMP_parallel"))
+      return std::unique_ptr<LoadedOpenMP>(
+          new LoadedOpenMP(handle, reinterpret_cast<Parallel>(parallel), soname));
+    dlclose(handle);
+  }
+  return nullptr;
+}
+
+std::string LoadedOpenMP::searched() {
+  std::string out;
+  for (const char* soname : kSonames) out += (out.empty() ? "" : ", ") + std::string(soname);
+  return out;
+}
+
+LoadedOpenMP::LoadedOpenMP(void* handle, Parallel parallel, std::string soname)
+    : handle_(handle), parallel_(parallel), soname_(std::move(soname)) {}
+
+LoadedOpenMP::~LoadedOpenMP() {
+  dlclose(handle_);  // drops our reference; RTLD_NODELETE keeps the code mapped
+}
+
+void LoadedOpenMP::run(std::size_t count, Chunk chunk, const void* context,
+                       std::size_t threads) const {
+  if (count == 0) return;
+  const std::size_t team_size = std::min({count, threads, std::size_t{UINT_MAX}});
+  if (team_size <= 1) {
+    for (std::size_t i = 0; i < count; ++i) chunk(context, i);
+    return;
+  }
+  Team team{count, chunk, context};
+  // GOMP_parallel(fn, data, num_threads, flags): runs fn(data) on the team,
+  // the caller as thread 0, and returns after the region's closing barrier.
+  parallel_(&drain, &team, static_cast<unsigned>(team_size), 0);
+}
+
+}  // namespace ductile::cpu_adam
