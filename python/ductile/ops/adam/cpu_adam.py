@@ -30,7 +30,8 @@ class DuctileCPUAdam(torch.optim.Optimizer):
     ``bias_correction=False`` steps with lr and the raw moments, as
     DeepSpeed does. Keyword-only: ``plugin`` names the optimizer plugin,
     ``plugin_params`` its parameters (cpu_adam: ``{"threads": N, "simd":
-    "avx2"}``; default: every core, the best instruction set),
+    "avx2", "threading": "pool"}``; default: every core, the best
+    instruction set, on torch's OpenMP workers),
     ``plugin_path`` extra plugin directories. Raises ConfigError for bad
     plugin parameters, NotFoundError for an unknown plugin.
     """
@@ -53,7 +54,7 @@ class DuctileCPUAdam(torch.optim.Optimizer):
 
     @property
     def implementation(self):
-        """How the plugin steps, e.g. ``"avx2, 8 threads"``."""
+        """How the plugin steps, e.g. ``"avx2, 8 threads (OpenMP: libgomp.so.1)"``."""
         return self._native.implementation
 
     def __setstate__(self, state):
