@@ -9,7 +9,12 @@ source .ci/setup.sh
 
 ductile_install_packages
 ductile_python_env
-ductile_configure_and_build build-test RelWithDebInfo ON -DDUCTILE_BUILD_BENCHMARKS=OFF
+# -O1 -g1: AddressSanitizer's recommended optimisation, and line tables
+# only (what its reports need): each file compiles in about half the time
+# of RelWithDebInfo's -O2 -g (cmd_pack.cpp 79 -> 41 s, zero_binding.cpp
+# 75 -> 37 s, agent_test.cpp 75 -> 36 s, measured one by one without ccache).
+ductile_configure_and_build build-test RelWithDebInfo ON -DDUCTILE_BUILD_BENCHMARKS=OFF \
+  "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG" "-DCMAKE_C_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG"
 
 cd build-test
 # No retries: a test that fails once has failed (tests/stress/run.sh repeats
