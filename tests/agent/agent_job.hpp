@@ -29,6 +29,14 @@ struct Job {
   std::string marker = new_marker();
   EtcdServer etcd{dir.path()};
   std::filesystem::path config = dir.write("job.toml", kJobToml);
+  // The agents' $TMPDIR: an agent a test kills (SIGKILL, a lost node)
+  // leaves its run directory (and ompi-server's) behind; here it goes with
+  // the test's directory instead of piling up in /tmp.
+  std::filesystem::path tmp = [this] {
+    auto made = dir / "tmp";
+    std::filesystem::create_directories(made);
+    return made;
+  }();
   std::vector<std::unique_ptr<Child>> agents;
 
   Child& start(const std::string& name, std::vector<std::string> options,
@@ -43,7 +51,8 @@ struct Job {
     std::filesystem::path log = dir / (name + ".log");
     for (int n = 2; std::filesystem::exists(log); ++n)
       log = dir / (name + "-" + std::to_string(n) + ".log");
-    agents.push_back(std::make_unique<Child>(argv, std::vector<std::string>{marker}, log));
+    agents.push_back(std::make_unique<Child>(
+        argv, std::vector<std::string>{marker, "TMPDIR=" + tmp.string()}, log));
     return *agents.back();
   }
   std::string all_output() const {

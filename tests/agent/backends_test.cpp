@@ -117,8 +117,11 @@ TEST_CASE(
   args.insert(args.end(), worker.begin(), worker.end());
   std::vector<std::unique_ptr<Child>> agents;
   for (int i = 0; i < 3; ++i)
-    agents.push_back(std::make_unique<Child>(agent_argv(args), std::vector<std::string>{marker},
-                                             dir / ("agent" + std::to_string(i) + ".log")));
+    // $TMPDIR in the test's directory: the agent killed below leaves its
+    // run directory behind.
+    agents.push_back(std::make_unique<Child>(
+        agent_argv(args), std::vector<std::string>{marker, "TMPDIR=" + dir.path().string()},
+        dir / ("agent" + std::to_string(i) + ".log")));
   auto all_output = [&] {
     std::string out;
     for (auto& a : agents) out += a->output();
@@ -190,9 +193,10 @@ TEST_CASE("agent: static - node ranks, the store at --master-port, one agent per
     return agent_argv(args);
   };
   // Node rank 1 first: it waits for node rank 0's store.
-  Child one(args_of("1", waiting_worker(stop)), {marker}, dir / "rank1.log");
+  const std::string tmpdir = "TMPDIR=" + dir.path().string();  // what a killed agent leaves
+  Child one(args_of("1", waiting_worker(stop)), {marker, tmpdir}, dir / "rank1.log");
   CHECK(one.wait_for_output("waiting for the static rendezvous at 127.0.0.1:" + port, 30s));
-  Child zero(args_of("0", waiting_worker(stop)), {marker}, dir / "rank0.log");
+  Child zero(args_of("0", waiting_worker(stop)), {marker, tmpdir}, dir / "rank0.log");
   bool formed = wait_until(
       [&] { return count_of(zero.output() + one.output(), " of 4 round 1 ") == 4; }, 60s);
   if (!formed) std::cout << zero.output() << one.output();

@@ -52,7 +52,7 @@ TEST_CASE("agent: agents started together on a finished run's id start a new run
       argv.push_back("--");
       argv.insert(argv.end(), worker.begin(), worker.end());
       agents.push_back(std::make_unique<Child>(
-          argv, std::vector<std::string>{job.marker},
+          argv, std::vector<std::string>{job.marker, "TMPDIR=" + job.tmp.string()},
           job.dir / ("run" + std::to_string(run) + "-n" + std::to_string(i) + ".log")));
     }
     bool at_gate = wait_until(
