@@ -192,37 +192,51 @@ TEST_CASE("every instruction set gives the scalar kernel's bits, whatever the ta
   }
 }
 
+namespace {
+
+const OptimizerHyperParams kDecayed{.lr = 1e-3, .weight_decay = 0.01};
+
+// `tested` leaves a shard of many chunks and a ragged last one as
+// `reference` does, bit for bit, over 3 steps.
+void check_same_bits(Optimizer& reference, Optimizer& tested, std::uint32_t seed) {
+  const std::size_t n = 1'000'003;
+  Shard a(n, seed), b(n, seed);
+  for (std::uint64_t t = 1; t <= 3; ++t) {
+    a.step(reference, kDecayed, t);
+    b.step(tested, kDecayed, t);
+  }
+  CHECK(a == b);
+}
+
+// Four callers step their own shards on `tested` at the same time, as an
+// offload engine steps parameter groups while others' gradients arrive;
+// each shard ends as a lone caller on `reference` leaves it.
+void check_concurrent_callers(Optimizer& reference, Optimizer& tested, std::uint32_t seed) {
+  std::vector<Shard> alone, together;
+  for (std::uint32_t k = 0; k < 4; ++k) {
+    alone.emplace_back(300'000 + 17 * k, seed + k);
+    together.emplace_back(300'000 + 17 * k, seed + k);
+  }
+  for (auto& s : alone)
+    for (std::uint64_t t = 1; t <= 5; ++t) s.step(reference, kDecayed, t);
+  std::vector<std::thread> callers;
+  for (auto& s : together)
+    callers.emplace_back([&s, &tested] {
+      for (std::uint64_t t = 1; t <= 5; ++t) s.step(tested, kDecayed, t);
+    });
+  for (auto& c : callers) c.join();
+  for (std::size_t k = 0; k < alone.size(); ++k) CHECK(alone[k] == together[k]);
+}
+
+}  // namespace
+
 TEST_CASE("one thread or several, one caller or several at once: the same bits") {
-  const OptimizerHyperParams h{.lr = 1e-3, .weight_decay = 0.01};
-  const std::size_t n = 1'000'003;  // many chunks and a ragged last one
   auto one = cpu_adam("auto", 1);
   auto three = cpu_adam("auto", 3);
   CHECK(one->implementation().find("1 thread") != std::string::npos);
   CHECK(three->implementation().find("3 threads") != std::string::npos);
-  Shard a(n, 3), b(n, 3);
-  for (std::uint64_t t = 1; t <= 3; ++t) {
-    a.step(*one, h, t);
-    b.step(*three, h, t);
-  }
-  CHECK(a == b);
-
-  // Four callers step their own shards on one optimizer at the same time,
-  // as an offload engine steps parameter groups while others' gradients
-  // arrive; each shard ends as a lone caller would leave it.
-  std::vector<Shard> alone, together;
-  for (std::uint32_t k = 0; k < 4; ++k) {
-    alone.emplace_back(300'000 + 17 * k, 50 + k);
-    together.emplace_back(300'000 + 17 * k, 50 + k);
-  }
-  for (auto& s : alone)
-    for (std::uint64_t t = 1; t <= 5; ++t) s.step(*one, h, t);
-  std::vector<std::thread> callers;
-  for (auto& s : together)
-    callers.emplace_back([&s, &three, &h] {
-      for (std::uint64_t t = 1; t <= 5; ++t) s.step(*three, h, t);
-    });
-  for (auto& c : callers) c.join();
-  for (std::size_t k = 0; k < alone.size(); ++k) CHECK(alone[k] == together[k]);
+  check_same_bits(*one, *three, 3);
+  check_concurrent_callers(*one, *three, 50);
 }
 
 TEST_CASE("on the OpenMP runtime the process has loaded: the pool's bits, from several callers") {
@@ -231,40 +245,18 @@ TEST_CASE("on the OpenMP runtime the process has loaded: the pool's bits, from s
   // It stays loaded for the rest of this process.
   void* gomp = dlopen("libgomp.so.1", RTLD_NOW | RTLD_GLOBAL);
   REQUIRE_MESSAGE(gomp != nullptr, "libgomp.so.1 (gcc's runtime) is not installed: " << dlerror());
-  const OptimizerHyperParams h{.lr = 1e-3, .weight_decay = 0.01};
   auto pool = cpu_adam("auto", 3, "pool");
   auto openmp = cpu_adam("auto", 3, "openmp");
   auto chosen = cpu_adam("auto", 2);
   CHECK(pool->implementation().ends_with("3 threads (own pool)"));
   CHECK(openmp->implementation().ends_with("3 threads (OpenMP: libgomp.so.1)"));
   CHECK(chosen->implementation().ends_with("(OpenMP: libgomp.so.1)"));
-  const std::size_t n = 1'000'003;
-  Shard a(n, 5), b(n, 5);
-  for (std::uint64_t t = 1; t <= 3; ++t) {
-    a.step(*pool, h, t);
-    b.step(*openmp, h, t);
-  }
-  CHECK(a == b);
-  // Four callers at once on one optimizer: a team each.
-  std::vector<Shard> alone, together;
-  for (std::uint32_t k = 0; k < 4; ++k) {
-    alone.emplace_back(200'000 + 29 * k, 70 + k);
-    together.emplace_back(200'000 + 29 * k, 70 + k);
-  }
-  for (auto& s : alone)
-    for (std::uint64_t t = 1; t <= 4; ++t) s.step(*pool, h, t);
-  std::vector<std::thread> callers;
-  for (auto& s : together)
-    callers.emplace_back([&s, &openmp, &h] {
-      for (std::uint64_t t = 1; t <= 4; ++t) s.step(*openmp, h, t);
-    });
-  for (auto& c : callers) c.join();
-  for (std::size_t k = 0; k < alone.size(); ++k) CHECK(alone[k] == together[k]);
-  // The optimizers hold their own reference to the runtime.
+  check_same_bits(*pool, *openmp, 5);
+  check_concurrent_callers(*pool, *openmp, 70);  // a team each
+  // The optimizers hold their own reference to the runtime: with the
+  // test's handle gone, they still step.
   CHECK(dlclose(gomp) == 0);
-  Shard c(n, 5);
-  for (std::uint64_t t = 1; t <= 3; ++t) c.step(*openmp, h, t);
-  CHECK(c == b);
+  check_same_bits(*pool, *openmp, 6);
 }
 
 namespace {
