@@ -32,10 +32,8 @@ std::size_t round_up(std::size_t n, std::size_t to) {
 // Owns one anonymous mapping. Not copyable; the GIL guards its use.
 class HostBuffer {
  public:
+  // `bytes` > 0, checked by the binding.
   explicit HostBuffer(std::size_t bytes) : size_(bytes) {
-    if (bytes == 0 || bytes > (std::size_t{1} << 48))
-      throw Error(ErrorKind::invalid_argument, "HostBuffer: bytes = " + std::to_string(bytes) +
-                                                   " is not valid; valid: 1 to 2^48 bytes");
     const bool huge = bytes >= kHugePage;
     // Over-map by one huge page so that a 2 MiB-aligned start fits, then
     // give back the ends.
@@ -86,8 +84,6 @@ void register_host_buffer(py::module_& m) {
            }),
            py::arg("bytes"))
       .def_property_readonly("nbytes", &HostBuffer::size)
-      .def_property_readonly(
-          "address", [](const HostBuffer& b) { return reinterpret_cast<std::uintptr_t>(b.data()); })
       .def_readonly_static("huge_page_bytes", &kHugePage)
       .def_buffer([](HostBuffer& b) {
         return py::buffer_info(b.data(), 1, py::format_descriptor<std::uint8_t>::format(), 1,

@@ -3,7 +3,6 @@
 #include <dlfcn.h>
 
 #include <algorithm>
-#include <atomic>
 #include <climits>
 
 namespace ductile::cpu_adam {
@@ -13,22 +12,9 @@ namespace {
 // libgomp (GCC; torch's wheels carry one), LLVM's libomp, Intel's.
 constexpr const char* kSonames[] = {"libgomp.so.1", "libomp.so", "libomp.so.5", "libiomp5.so"};
 
-struct Team {
-  std::size_t count;
-  LoadedOpenMP::Chunk chunk;
-  const void* context;
-  std::atomic<std::size_t> next{0};
-};
-
-// What every thread of the team runs: chunks taken in turn until none is
-// left, so that a thread slowed by others on its core leaves its share.
-void drain(void* data) {
-  auto& team = *static_cast<Team*>(data);
-  for (;;) {
-    const std::size_t i = team.next.fetch_add(1, std::memory_order_relaxed);
-    if (i >= team.count) return;
-    team.chunk(team.context, i);
-  }
+// What every thread of the team runs.
+void drain(void* queue) {
+  static_cast<ChunkQueue*>(queue)->drain();
 }
 
 }  // namespace
@@ -70,10 +56,13 @@ void LoadedOpenMP::run(std::size_t count, Chunk chunk, const void* context,
     for (std::size_t i = 0; i < count; ++i) chunk(context, i);
     return;
   }
-  Team team{count, chunk, context};
+  ChunkQueue queue;
+  queue.count = count;
+  queue.chunk = chunk;
+  queue.context = context;
   // GOMP_parallel(fn, data, num_threads, flags): runs fn(data) on the team,
   // the caller as thread 0, and returns after the region's closing barrier.
-  parallel_(&drain, &team, static_cast<unsigned>(team_size), 0);
+  parallel_(&drain, &queue, static_cast<unsigned>(team_size), 0);
 }
 
 }  // namespace ductile::cpu_adam

@@ -23,14 +23,12 @@
 #include <memory>
 #include <string>
 
+#include "work_pool.hpp"
+
 namespace ductile::cpu_adam {
 
 class LoadedOpenMP {
  public:
-  // The function run() calls for each chunk: chunk(context, index). It must
-  // not throw.
-  using Chunk = void (*)(const void* context, std::size_t index);
-
   // The runtime this process has loaded, or null when it has none (a
   // process that never loaded torch or another OpenMP user). The runtime
   // is marked never to be unloaded (RTLD_NODELETE): its workers outlive

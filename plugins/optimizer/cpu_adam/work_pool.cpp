@@ -18,14 +18,6 @@ WorkPool::~WorkPool() {
   for (auto& t : threads_) t.join();
 }
 
-void WorkPool::drain(Job& job) {
-  for (;;) {
-    const std::size_t i = job.next.fetch_add(1, std::memory_order_relaxed);
-    if (i >= job.count) return;
-    job.chunk(job.context, i);
-  }
-}
-
 void WorkPool::retire(Job& job) {
   auto it = std::find(jobs_.begin(), jobs_.end(), &job);
   if (it != jobs_.end()) jobs_.erase(it);
@@ -50,7 +42,7 @@ void WorkPool::run(std::size_t count, Chunk chunk, const void* context) {
     wake_.notify_all();
   else
     for (std::size_t i = 0; i + 1 < count; ++i) wake_.notify_one();
-  drain(job);
+  job.drain();
   // Every chunk is claimed; those claimed by workers are done once no
   // worker is inside the job (a worker enters under the mutex, before it
   // claims anything, and leaves after its last chunk returned).
@@ -67,7 +59,7 @@ void WorkPool::work() {
     Job& job = *jobs_.front();
     ++job.workers_inside;
     lock.unlock();
-    drain(job);
+    job.drain();
     lock.lock();
     retire(job);
     if (--job.workers_inside == 0) left_.notify_all();

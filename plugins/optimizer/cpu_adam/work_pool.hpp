@@ -15,12 +15,31 @@
 
 namespace ductile::cpu_adam {
 
+// The function a run calls for each chunk: chunk(context, index). It must
+// not throw.
+using Chunk = void (*)(const void* context, std::size_t index);
+
+// The chunks [0, count) of one run, claimed in turn by every thread that
+// works on it (the pool's, or an OpenMP team's: loaded_openmp.hpp), so that
+// a thread slowed by others on its core leaves its share to the rest.
+struct ChunkQueue {
+  std::size_t count = 0;
+  Chunk chunk = nullptr;
+  const void* context = nullptr;
+  std::atomic<std::size_t> next{0};
+
+  // Runs chunks until none is left unclaimed; thread-safe.
+  void drain() {
+    for (;;) {
+      const std::size_t i = next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= count) return;
+      chunk(context, i);
+    }
+  }
+};
+
 class WorkPool {
  public:
-  // The function run() calls for each chunk: chunk(context, index). It must
-  // not throw.
-  using Chunk = void (*)(const void* context, std::size_t index);
-
   // Starts `workers` threads (0: run() works alone on the caller's thread).
   explicit WorkPool(std::size_t workers);
   // Stops and joins the workers; no run() may be in flight.
@@ -36,15 +55,10 @@ class WorkPool {
   std::size_t workers() const { return threads_.size(); }
 
  private:
-  struct Job {
-    std::size_t count = 0;
-    Chunk chunk = nullptr;
-    const void* context = nullptr;
-    std::atomic<std::size_t> next{0};
+  struct Job : ChunkQueue {
     std::size_t workers_inside = 0;  // guarded by mutex_
   };
 
-  static void drain(Job& job);
   void retire(Job& job);  // takes the job off the queue; mutex_ held
   void work();
 
