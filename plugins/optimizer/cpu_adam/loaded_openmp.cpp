@@ -50,16 +50,9 @@ LoadedOpenMP::~LoadedOpenMP() {
 
 void LoadedOpenMP::run(std::size_t count, Chunk chunk, const void* context,
                        std::size_t threads) const {
-  if (count == 0) return;
+  ChunkQueue queue(count, chunk, context);
   const std::size_t team_size = std::min({count, threads, std::size_t{UINT_MAX}});
-  if (team_size <= 1) {
-    for (std::size_t i = 0; i < count; ++i) chunk(context, i);
-    return;
-  }
-  ChunkQueue queue;
-  queue.count = count;
-  queue.chunk = chunk;
-  queue.context = context;
+  if (team_size <= 1) return queue.drain();
   // GOMP_parallel(fn, data, num_threads, flags): runs fn(data) on the team,
   // the caller as thread 0, and returns after the region's closing barrier.
   parallel_(&drain, &queue, static_cast<unsigned>(team_size), 0);

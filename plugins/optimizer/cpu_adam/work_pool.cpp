@@ -24,15 +24,8 @@ void WorkPool::retire(Job& job) {
 }
 
 void WorkPool::run(std::size_t count, Chunk chunk, const void* context) {
-  if (count == 0) return;
-  if (threads_.empty() || count == 1) {
-    for (std::size_t i = 0; i < count; ++i) chunk(context, i);
-    return;
-  }
-  Job job;
-  job.count = count;
-  job.chunk = chunk;
-  job.context = context;
+  Job job(count, chunk, context);
+  if (threads_.empty() || count <= 1) return job.drain();
   {
     std::lock_guard lock(mutex_);
     jobs_.push_back(&job);

@@ -23,9 +23,11 @@ using Chunk = void (*)(const void* context, std::size_t index);
 // works on it (the pool's, or an OpenMP team's: loaded_openmp.hpp), so that
 // a thread slowed by others on its core leaves its share to the rest.
 struct ChunkQueue {
-  std::size_t count = 0;
-  Chunk chunk = nullptr;
-  const void* context = nullptr;
+  ChunkQueue(std::size_t n, Chunk f, const void* c) : count(n), chunk(f), context(c) {}
+
+  const std::size_t count;
+  const Chunk chunk;
+  const void* const context;
   std::atomic<std::size_t> next{0};
 
   // Runs chunks until none is left unclaimed; thread-safe.
@@ -56,6 +58,7 @@ class WorkPool {
 
  private:
   struct Job : ChunkQueue {
+    using ChunkQueue::ChunkQueue;
     std::size_t workers_inside = 0;  // guarded by mutex_
   };
 
