@@ -40,9 +40,10 @@ BUILD = os.environ["DUCTILE_BINARY_DIR"]
 HAS_CUDA_PLUGIN = os.path.exists(
     os.path.join(BUILD, "lib", "ductile", "plugins", "libductile_accelerator_cuda.so"))
 MPIEXEC = os.environ.get("DUCTILE_MPIEXEC") or "mpirun"
-# The wheel's CMake tree, kept between runs, beside this build tree: at the
-# depth of run.sh's build/, so that ccache (paths relative to the checkout)
-# serves the wheel the objects of a Release build/ compiled before.
+# The wheel's CMake tree, kept between runs (an unchanged checkout rebuilds
+# nothing), beside this build tree. It is a unity build (pyproject.toml), so
+# it shares no object with run.sh's build/; ccache (paths relative to the
+# checkout) serves it its own objects when the tree is gone.
 WHEEL_BUILD = os.path.join(os.path.dirname(BUILD), os.path.basename(BUILD) + "-wheel")
 
 

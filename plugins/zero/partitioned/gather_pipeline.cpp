@@ -2,22 +2,15 @@
 #include "gather_pipeline.hpp"
 
 #include <algorithm>
-#include <chrono>
 #include <cstring>
 
 #include <fmt/format.h>
 
 #include "ductile/error.hpp"
+#include "wait_clock.hpp"
 
 namespace ductile::zero {
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-std::uint64_t elapsed_ns(Clock::time_point since) {
-  return static_cast<std::uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - since).count());
-}
 
 MemoryKind memory_of(ShardLocation where) {
   return where == ShardLocation::host ? MemoryKind::pinned_host : MemoryKind::device;
@@ -312,7 +305,7 @@ void GatherPipeline::finish(Batch& b) {
     return;
   }
   if (timing_) {
-    auto t0 = Clock::now();
+    auto t0 = WaitClock::now();
     b.handle->wait();
     wait_ns += elapsed_ns(t0);
   } else {

@@ -2,23 +2,13 @@
 #include "nvme_read_ahead.hpp"
 
 #include <algorithm>
-#include <chrono>
 
 #include <fmt/format.h>
 
 #include "ductile/error.hpp"
+#include "wait_clock.hpp"
 
 namespace ductile::zero {
-namespace {
-
-using Clock = std::chrono::steady_clock;
-
-std::uint64_t elapsed_ns(Clock::time_point since) {
-  return static_cast<std::uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - since).count());
-}
-
-}  // namespace
 
 NvmeReadAhead::NvmeReadAhead(std::shared_ptr<Accelerator> accel, std::unique_ptr<NvmeStore> store,
                              std::size_t buffer_count)
@@ -106,7 +96,7 @@ const void* NvmeReadAhead::take(std::uint32_t pi, StagedShards& staged) {
   Shard& shard = shards_[pi];
   if (shard.slot >= 0) {
     Slot& slot = slots_[static_cast<std::size_t>(shard.slot)];
-    auto t0 = Clock::now();
+    auto t0 = WaitClock::now();
     try {
       store_->wait(*slot.job);
     } catch (...) {
@@ -120,7 +110,7 @@ const void* NvmeReadAhead::take(std::uint32_t pi, StagedShards& staged) {
   }
   void* temp = accel_->allocate(shard.bytes, MemoryKind::pinned_host);
   try {
-    auto t0 = Clock::now();
+    auto t0 = WaitClock::now();
     store_->read(shard.id, temp, shard.bytes);
     wait_ns += elapsed_ns(t0);
   } catch (...) {
