@@ -21,7 +21,7 @@ import ductile.torch.zero3 as zero3
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from zero3_launch import CONFIG, launch  # noqa: E402
+from zero3_launch import CONFIG, launch, launch_batch  # noqa: E402
 from zero3_model import Windows, loss_of, make_model  # noqa: E402
 
 STEPS = 30
@@ -34,12 +34,38 @@ def run(tmp, name, spec, ranks=None, launcher="torchrun"):
     return launch(tmp, name, dict(spec, groups="module"), ranks=ranks, launcher=launcher)
 
 
+FEATURES = {"steps": 8, "model": {"reuse_first_block": True}, "external": True,
+            "frozen": ["lm.pos.weight"]}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def two_ranks(tmp_path_factory):
+    """The 2-rank torchrun runs of the fixtures below, one after another in
+    one job:
+    - np2: the reference run, its step-10 checkpoint resumed on 3 ranks;
+    - features: a module called twice per pass (blocks[0]), a parameter
+      used by the root's forward (declared external), a frozen parameter,
+      and one no_grad evaluation pass after 8 steps;
+    - checkpoint, keyword_calls: 8 steps of the model whose blocks run under
+      non-reentrant activation checkpointing, and of the one whose layers
+      get their input by keyword.
+    Returns (their folder, {name: (result.json, params.pt, stderr)})."""
+    tmp = tmp_path_factory.mktemp("zero3_two_ranks")
+    specs = {"np2": {"steps": STEPS, "save_at": [10]},
+             "features": dict(FEATURES, eval_after=8),
+             "checkpoint": {"steps": 8, "model": {"checkpoint": True}},
+             "keyword_calls": {"steps": 8, "model": {"keyword_calls": True}}}
+    return tmp, launch_batch(tmp, [(name, dict(spec, mode="zero3", groups="module"), CONFIG)
+                                   for name, spec in specs.items()], ranks=2)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, two_ranks):
     tmp = tmp_path_factory.mktemp("zero3")
     r = {}
     r["plain"] = run(tmp, "plain", {"mode": "plain", "steps": STEPS})
-    r["np2"] = run(tmp, "np2", {"mode": "zero3", "steps": STEPS, "save_at": [10]}, ranks=2)
+    folder, by_name = two_ranks
+    r["np2"] = by_name["np2"]
     r["np2_mpirun"] = run(tmp, "np2_mpirun", {"mode": "zero3", "steps": STEPS}, ranks=2,
                           launcher="mpirun")
     r["np3"] = run(tmp, "np3", {"mode": "zero3", "steps": STEPS}, ranks=3)
@@ -47,7 +73,7 @@ def runs(tmp_path_factory):
     # ranks, save at 20, resume that on 1 rank to the end.
     r["np3_resumed"] = run(tmp, "np3_resumed", {
         "mode": "zero3", "start": 10, "steps": 20, "save_at": [20],
-        "load": str(tmp / "np2" / "step10")}, ranks=3)
+        "load": str(folder / "np2" / "step10")}, ranks=3)
     r["np1_resumed"] = run(tmp, "np1_resumed", {
         "mode": "zero3", "start": 20, "steps": STEPS,
         "load": str(tmp / "np3_resumed" / "step20")})
@@ -55,27 +81,15 @@ def runs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def features(tmp_path_factory):
-    """A module called twice per pass (blocks[0]), a parameter used by the
-    root's forward (declared external), a frozen parameter, and one no_grad
-    evaluation pass after 8 steps: against plain torch on the same model."""
-    tmp = tmp_path_factory.mktemp("zero3_features")
-    spec = {"steps": 8, "model": {"reuse_first_block": True}, "external": True,
-            "frozen": ["lm.pos.weight"]}
-    plain = run(tmp, "plain", dict(spec, mode="plain"))
-    zero = run(tmp, "np2", dict(spec, mode="zero3", eval_after=8), ranks=2)
-    return plain, zero
+def features(tmp_path_factory, two_ranks):
+    """FEATURES (two_ranks' "features") against plain torch on the same model."""
+    plain = run(tmp_path_factory.mktemp("zero3_features"), "plain", dict(FEATURES, mode="plain"))
+    return plain, two_ranks[1]["features"]
 
 
 @pytest.fixture(scope="module")
-def backward_variants(tmp_path_factory):
-    """2 ranks, 8 steps, of the model whose blocks run under non-reentrant
-    activation checkpointing, and of the one whose layers get their input by
-    keyword."""
-    tmp = tmp_path_factory.mktemp("zero3_backward")
-    return {option: run(tmp, option, {"mode": "zero3", "steps": 8, "model": {option: True}},
-                        ranks=2)
-            for option in ("checkpoint", "keyword_calls")}
+def backward_variants(two_ranks):
+    return {option: two_ranks[1][option] for option in ("checkpoint", "keyword_calls")}
 
 
 def relative(a, b):

@@ -20,7 +20,7 @@ import ductile.torch.zero3 as zero3
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from zero3_launch import BLOCKS_CONFIG as BLOCKS  # noqa: E402
-from zero3_launch import CONFIG, launch  # noqa: E402
+from zero3_launch import CONFIG, launch, launch_batch  # noqa: E402
 from zero3_model import Windows, loss_of, make_model  # noqa: E402
 
 STEPS = 8
@@ -43,16 +43,14 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("zero3_groups")
     r = {}
     r["plain"] = launch(tmp, "plain", {"mode": "plain", "steps": STEPS}, config=BLOCKS)
-    r["auto"] = launch(tmp, "auto", {"mode": "zero3", "steps": STEPS, "save_at": [4],
-                                     "profile_calls": True}, ranks=2, launcher="torchrun",
-                       config=BLOCKS)
+    # auto_bias: the same blocks with one more parameter each (a bias on
+    # qkv). One torchrun job runs both.
+    r.update(launch_batch(tmp, [
+        ("auto", {"mode": "zero3", "steps": STEPS, "save_at": [4], "profile_calls": True}, BLOCKS),
+        ("auto_bias", {"mode": "zero3", "steps": 2, "model": {"qkv_bias": True},
+                       "profile_calls": True}, BLOCKS)], ranks=2))
     r["auto_mpirun"] = launch(tmp, "auto_mpirun", {"mode": "zero3", "steps": STEPS}, ranks=2,
                               launcher="mpirun", config=BLOCKS)
-    # The same blocks with one more parameter each (a bias on qkv).
-    r["auto_bias"] = launch(tmp, "auto_bias", {"mode": "zero3", "steps": 2,
-                                               "model": {"qkv_bias": True},
-                                               "profile_calls": True},
-                            ranks=2, launcher="torchrun", config=BLOCKS)
     # The step-4 checkpoint of the block groups, resumed on 3 ranks by module.
     r["modules_resumed"] = launch(tmp, "modules_resumed", {
         "mode": "zero3", "start": 4, "steps": STEPS, "groups": "module",

@@ -35,7 +35,7 @@ import ductile.torch.zero3 as zero3
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from zero3_launch import BLOCKS_CONFIG, CONFIG, launch  # noqa: E402
+from zero3_launch import BLOCKS_CONFIG, CONFIG, launch_batch  # noqa: E402
 from zero3_model import Windows, loss_of, make_model  # noqa: E402
 
 WORKER = os.path.join(HERE, "zero3_offload_worker.py")
@@ -55,42 +55,42 @@ def assert_losses_match(result, reference, steps, tolerance=1e-5):
         assert relative(a, b) <= tolerance, f"step {s}: loss {a} vs {b}"
 
 
-def run(tmp, name, spec, ranks=2, config=BLOCKS_CONFIG):
-    return launch(tmp, name, spec, ranks=ranks, launcher="torchrun", config=config,
-                  worker=WORKER, timeout=400)
+def run(tmp, runs, ranks=2):
+    """The (name, spec, config) runs, one after another in one torchrun job:
+    {name: (result, params, stderr)}."""
+    return launch_batch(tmp, runs, ranks=ranks, launcher="torchrun", worker=WORKER, timeout=400)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("zero3_offload")
-    r = {"device": run(tmp, "device", TRAINING),
-         "offload": run(tmp, "offload", dict(TRAINING, offload="cpu"))}
+    bf16 = {"steps": 4, "precision": "bf16", "optimizer": "adamw", "clip": 1.0}
+    early = {"steps": 4, "accumulate": 2, "no_sync": True, "step_in_backward": True}
+    r = run(tmp, [("device", TRAINING, BLOCKS_CONFIG),
+                  ("offload", dict(TRAINING, offload="cpu"), BLOCKS_CONFIG),
+                  ("bf16", bf16, BLOCKS_CONFIG),
+                  ("bf16_offload", dict(bf16, offload="cpu"), BLOCKS_CONFIG),
+                  ("early", early, BLOCKS_CONFIG),
+                  ("early_offload", dict(early, offload="cpu"), BLOCKS_CONFIG),
+                  ("param", TRAINING, PARAM_CONFIG),
+                  ("bf16_param", bf16, PARAM_CONFIG)])
     # A budget just below what the device held at every step without
     # offload: the plan (which counts the most the coordinator may gather)
     # must offload part of the optimizer state.
     budget = min(r["device"][0]["high_water"].values()) - 1
-    r["budget"] = run(tmp, "budget", dict(TRAINING, budget=budget))
-    r["resumed"] = run(tmp, "resumed", {"steps": STEPS, "start": 3, "accumulate": 2,
-                                        "no_sync": True, "clip": 0.5, "offload": "cpu",
-                                        "load": str(tmp / "offload" / "step3")}, ranks=3)
-    r["resumed_on_device"] = run(tmp, "resumed_on_device", {
-        "steps": STEPS, "start": 3, "accumulate": 2, "no_sync": True, "clip": 0.5,
-        "load": str(tmp / "offload" / "step3")}, ranks=1)
-    bf16 = {"steps": 4, "precision": "bf16", "optimizer": "adamw", "clip": 1.0}
-    r["bf16"] = run(tmp, "bf16", bf16)
-    r["bf16_offload"] = run(tmp, "bf16_offload", dict(bf16, offload="cpu"))
-    early = {"steps": 4, "accumulate": 2, "no_sync": True, "step_in_backward": True}
-    r["early"] = run(tmp, "early", early)
-    r["early_offload"] = run(tmp, "early_offload", dict(early, offload="cpu"))
-    r["param"] = run(tmp, "param", TRAINING, config=PARAM_CONFIG)
     # Below what the device needs with every optimizer on the host: some
     # parameter shards must go too.
     shard_budget = r["offload"][0]["stats"]["device_need_bytes"] - 1
-    r["shard_budget"] = run(tmp, "shard_budget", dict(TRAINING, budget=shard_budget))
-    r["param_resumed"] = run(tmp, "param_resumed", {
-        "steps": STEPS, "start": 3, "accumulate": 2, "no_sync": True, "clip": 0.5,
-        "load": str(tmp / "param" / "step3")}, ranks=3, config=PARAM_CONFIG)
-    r["bf16_param"] = run(tmp, "bf16_param", bf16, config=PARAM_CONFIG)
+    r.update(run(tmp, [("budget", dict(TRAINING, budget=budget), BLOCKS_CONFIG),
+                       ("shard_budget", dict(TRAINING, budget=shard_budget), BLOCKS_CONFIG)]))
+    resumed = {"steps": STEPS, "start": 3, "accumulate": 2, "no_sync": True, "clip": 0.5}
+    r.update(run(tmp, [
+        ("resumed", dict(resumed, offload="cpu", load=str(tmp / "offload" / "step3")),
+         BLOCKS_CONFIG),
+        ("param_resumed", dict(resumed, load=str(tmp / "param" / "step3")), PARAM_CONFIG)],
+        ranks=3))
+    r.update(run(tmp, [("resumed_on_device", dict(resumed, load=str(tmp / "offload" / "step3")),
+                        BLOCKS_CONFIG)], ranks=1))
     return r
 
 

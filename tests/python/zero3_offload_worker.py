@@ -1,8 +1,9 @@
 """One rank of a zero3 offload test run (not a test by itself;
 test_zero3_offload.py starts it under torchrun).
 
-  zero3_offload_worker.py SPEC.json
+  zero3_offload_worker.py SPEC.json [SPEC.json ...]
 
+(several specs: one run after another, in the same process group.)
 SPEC keys: out (folder), zero_config (TOML path, or a DeepSpeed JSON path
 when it ends in .json), steps, start (first step, after `load`), load
 (checkpoint folder), save_at (steps after which to save to out/step<k>),
@@ -39,8 +40,9 @@ LR = 3e-3
 def main(spec):
     import ductile.torch.zero3 as zero3
     device = spec.get("device", "cpu")
-    dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    atexit.register(dist.destroy_process_group)
+    if not dist.is_initialized():  # the first run of the job
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+        atexit.register(dist.destroy_process_group)
     kind = torch.optim.AdamW if spec.get("optimizer") == "adamw" else torch.optim.Adam
     kwargs = {"weight_decay": 0.01} if kind is torch.optim.AdamW else {}
     engine = zero3.initialize(
@@ -108,8 +110,9 @@ def main(spec):
 
 
 if __name__ == "__main__":
-    with open(sys.argv[1]) as f:
-        spec = json.load(f)
-    if spec.get("device") == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    main(spec)
+    for path in sys.argv[1:]:
+        with open(path) as f:
+            spec = json.load(f)
+        if spec.get("device") == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        main(spec)

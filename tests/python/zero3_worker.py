@@ -1,7 +1,9 @@
 """One rank of a zero3 test run (not a test by itself; test_zero3.py starts
 it, under mpirun for more than one rank).
 
-  zero3_worker.py SPEC.json
+  zero3_worker.py SPEC.json [SPEC.json ...]
+
+(several specs: one run after another, in the same process group.)
 
 SPEC keys: mode ("plain": torch alone, one process; "zero3"), out (folder),
 steps, start (first step, after `load`), load (checkpoint folder or null),
@@ -345,10 +347,11 @@ def profile_calls(train_step, batches, engine):
 
 
 if __name__ == "__main__":
-    with open(sys.argv[1]) as f:
-        spec = json.load(f)
-    if spec.get("device") == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if spec["mode"] != "plain":
-        init_distributed(spec.get("device", "cpu"))
-    {"plain": run_plain, "zero3": run_zero3, "load_error": run_load_error}[spec["mode"]](spec)
+    for path in sys.argv[1:]:
+        with open(path) as f:
+            spec = json.load(f)
+        if spec.get("device") == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if spec["mode"] != "plain":
+            init_distributed(spec.get("device", "cpu"))
+        {"plain": run_plain, "zero3": run_zero3, "load_error": run_load_error}[spec["mode"]](spec)
