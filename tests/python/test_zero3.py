@@ -83,13 +83,15 @@ def runs(tmp_path_factory, two_ranks):
 @pytest.fixture(scope="module")
 def features(tmp_path_factory, two_ranks):
     """FEATURES (two_ranks' "features") against plain torch on the same model."""
+    _, by_name = two_ranks
     plain = run(tmp_path_factory.mktemp("zero3_features"), "plain", dict(FEATURES, mode="plain"))
-    return plain, two_ranks[1]["features"]
+    return plain, by_name["features"]
 
 
 @pytest.fixture(scope="module")
 def backward_variants(two_ranks):
-    return {option: two_ranks[1][option] for option in ("checkpoint", "keyword_calls")}
+    _, by_name = two_ranks
+    return {option: by_name[option] for option in ("checkpoint", "keyword_calls")}
 
 
 def relative(a, b):

@@ -55,10 +55,10 @@ def assert_losses_match(result, reference, steps, tolerance=1e-5):
         assert relative(a, b) <= tolerance, f"step {s}: loss {a} vs {b}"
 
 
-def run(tmp, runs, ranks=2):
-    """The (name, spec, config) runs, one after another in one torchrun job:
-    {name: (result, params, stderr)}."""
-    return launch_batch(tmp, runs, ranks=ranks, launcher="torchrun", worker=WORKER, timeout=400)
+def run(tmp, batch, ranks=2):
+    """The (name, spec, config) runs of `batch`, one after another in one
+    torchrun job: {name: (result, params, stderr)}."""
+    return launch_batch(tmp, batch, ranks=ranks, launcher="torchrun", worker=WORKER, timeout=400)
 
 
 @pytest.fixture(scope="module")
