@@ -12,8 +12,10 @@
 #include "bindings.hpp"
 #include "ductile/accelerator.hpp"
 #include "ductile/parameter_coordinator.hpp"
+#include "group_gradients.hpp"
 #include "host_world.hpp"
 #include "saved_views.hpp"
+#include "unit_passes.hpp"
 
 namespace ductile::python {
 
@@ -349,6 +351,8 @@ void register_zero(py::module_& m) {
       .def("trim_gather_memory", &Z::trim_gather_memory);
 
   register_saved_views(m);
+  register_unit_passes(m);
+  register_group_gradients(m);
   m.def("host_view", &host_view, py::arg("address"), py::arg("bytes"),
         "A writable memoryview over host memory owned by the coordinator (cpu backend).");
 }

@@ -5,8 +5,9 @@ layers, for the ways a module can learn that its backward starts and ends:
 - none: no hook (the floor);
 - identity nodes: an autograd Function on the module's inputs and outputs
   whose backward runs the action (zero3's code path before torch 2);
-- zero3's hooks (ductile.torch.zero3._hooks): tensor hooks on the outputs
-  and the input;
+- tensor hooks on the outputs and the input, each acting once per backward
+  (the mechanism zero3's step path uses, in C++ there:
+  python/src/unit_passes.cpp; written here in Python);
 - torch.autograd.graph.register_multi_grad_hook on outputs (mode "any") and
   inputs (mode "all");
 - full backward hooks: Module.register_full_backward_pre_hook and
@@ -26,7 +27,6 @@ import time
 import torch
 import torch.nn as nn
 
-from ductile.torch.zero3 import _hooks
 
 
 class Counter:
@@ -62,12 +62,45 @@ def identity_nodes(module, counter, per_pass):
     return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
 
 
-def zero3_hooks(module, counter, per_pass):
+def tensors_requiring_grad(*values):
+    """The distinct tensors requiring grad in nested tuples, lists and dicts."""
+    found = {}
+    stack = list(reversed(values))
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            if value.requires_grad:
+                found.setdefault(id(value), value)
+        elif isinstance(value, (tuple, list)):
+            stack.extend(reversed(value))
+        elif isinstance(value, dict):
+            stack.extend(reversed(list(value.values())))
+    return list(found.values())
+
+
+def once_per_backward(action):
+    last = [None]
+
+    def hook(grad):
+        task = torch._C._current_graph_task_id()
+        if last[0] != task:
+            last[0] = task
+            action()
+    return hook
+
+
+def tensor_hooks(module, counter, per_pass):
     def pre(mod, args, kwargs):
-        per_pass.extend(_hooks.after_backward(counter.end, args, kwargs))
+        inputs = tensors_requiring_grad(args, kwargs)
+        if len(inputs) == 1:
+            per_pass.append(inputs[0].register_hook(once_per_backward(counter.end)))
+        elif inputs:
+            per_pass.append(torch.autograd.graph.register_multi_grad_hook(
+                inputs, lambda grads: counter.end(), mode="all"))
 
     def post(mod, args, kwargs, output):
-        per_pass.extend(_hooks.before_backward(counter.start, output))
+        hook = once_per_backward(counter.start)
+        per_pass.extend(t.register_hook(hook) for t in tensors_requiring_grad(output))
     return [module.register_forward_pre_hook(pre, with_kwargs=True),
             module.register_forward_hook(post, with_kwargs=True)]
 
@@ -76,11 +109,11 @@ def multi_grad_hooks(module, counter, per_pass):
     register = torch.autograd.graph.register_multi_grad_hook
 
     def pre(mod, args, kwargs):
-        per_pass.append(register(_hooks.tensors_requiring_grad(args, kwargs), counter.end,
+        per_pass.append(register(tensors_requiring_grad(args, kwargs), counter.end,
                                  mode="all"))
 
     def post(mod, args, kwargs, output):
-        per_pass.append(register(_hooks.tensors_requiring_grad(output), counter.start,
+        per_pass.append(register(tensors_requiring_grad(output), counter.start,
                                  mode="any"))
     return [module.register_forward_pre_hook(pre, with_kwargs=True),
             module.register_forward_hook(post, with_kwargs=True)]
@@ -92,7 +125,7 @@ def full_backward_hooks(module, counter, per_pass):
 
 
 VARIANTS = {"none": None, "identity nodes (before torch 2)": identity_nodes,
-            "zero3 now: tensor hooks": zero3_hooks,
+            "zero3: tensor hooks": tensor_hooks,
             "register_multi_grad_hook": multi_grad_hooks,
             "full backward hooks": full_backward_hooks}
 

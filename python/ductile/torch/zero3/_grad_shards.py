@@ -10,13 +10,15 @@ import math
 
 import torch
 
+from ... import _ductile
+
 
 def gradient_tensors(groups):
     """The gradient shards of `groups`: each group's flat shard while its
     members still hold views of it, else the members' own gradients."""
     out = []
     for group in groups:
-        if group.grads_attached():
+        if _ductile.zero.grads_attached(group):
             out.append(group.grad_flat)
         else:
             out.extend(zp.shard.grad for zp in group.members if zp.shard.grad is not None)

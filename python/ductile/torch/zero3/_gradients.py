@@ -1,7 +1,9 @@
 """Gradients of a zero3 engine, by group: when a unit's backward is done
 (_passes.py), the full gradients of its group's parameters are laid out
 rank-major in one flat buffer (``torch._chunk_cat``: member by member, each
-split into the ranks' slices as the shards are), reduce-scattered (summed,
+split into the ranks' slices as the shards are; ``_ductile.zero.
+take_gradients``, python/src/group_gradients.hpp, one C++ call a group),
+reduce-scattered (summed,
 then divided by the world size) into this rank's flat gradient shard, and
 dropped. Groups smaller than ``bucket_bytes`` share a collective: their
 rank-major layouts are joined side by side (rank r's slices of every group
@@ -47,7 +49,11 @@ import time
 
 import torch
 
+from ... import _ductile
 from ._collectives import Done
+
+_take_gradients = _ductile.zero.take_gradients
+_add_grad_shard = _ductile.zero.add_grad_shard
 
 
 class GradientReducer:
@@ -77,48 +83,26 @@ class GradientReducer:
         self.counters = {"reduce_scatters": 0, "reduced_groups": 0, "reduced_params": 0,
                          "reduced_numel": 0, "grad_wait_ns": 0, "accumulated_grads": 0}
 
-    def _layout(self, group, grads, dtype, out=None):
-        """The members' gradients rank-major ((world, shard_numel)), in
-        `dtype`; a missing one as zeros."""
-        flats = []
-        for zp, g in zip(group.members, grads):
-            if g is None:
-                # Where the other gradients are (the shard may be in host memory).
-                device = group.store.device
-                for other in grads:
-                    if other is not None:
-                        device = other.device
-                        break
-                g = torch.zeros(zp.numel, dtype=group.dtype, device=device)
-            flats.append(g.reshape(-1))
-        if out is None:
-            out = torch.empty(self._world, group.shard_numel, dtype=dtype,
-                              device=flats[0].device)
-        return torch._chunk_cat(flats, 0, self._world, out=out)
-
     def reduce(self, group):
         """Reduce-scatters the gradients the group's parameters hold now
         (none: nothing to do) and drops them: at once, or with the next
         groups when it is small (see the module's notes)."""
         if not group.trained:
             return
-        grads = [p.grad for p in group.params]
-        mask = [g is not None for g in grads]
-        if not any(mask):
-            return
-        for p in group.params:
-            p.grad = None
         dtype = self._reduce_dtype or group.dtype
+        taken = _take_gradients(group, self._world, dtype)
+        if taken is None:
+            return
+        send, mask = taken
         if not self.sync:
             if group.accumulated is None:
-                group.accumulated = self._layout(group, grads, dtype)
+                group.accumulated = send
                 group.accumulated_mask = mask
             else:
-                group.accumulated.add_(self._layout(group, grads, grads[mask.index(True)].dtype))
+                group.accumulated.add_(send)
                 group.accumulated_mask = [a or b for a, b in zip(group.accumulated_mask, mask)]
             self.counters["accumulated_grads"] += sum(mask)
             return
-        send = self._layout(group, grads, dtype)
         if group.accumulated is not None:
             send.add_(group.accumulated)
             mask = [a or b for a, b in zip(group.accumulated_mask, mask)]
@@ -167,14 +151,7 @@ class GradientReducer:
             recv.div_(self._world)
         shards = recv.split([group.shard_numel for group, _ in entries])
         for (group, mask), shard in zip(entries, shards):
-            if group.grads_attached():
-                group.grad_flat.add_(shard)
-                for zp, view, had in zip(group.members, group.member_grads(), mask):
-                    if had and zp.shard.grad is None:
-                        zp.shard.grad = view
-            else:
-                master = group.members[0].shard.dtype
-                group.attach_grads(shard if shard.dtype == master else shard.to(master), mask)
+            _add_grad_shard(group, shard, mask)
             if self.on_group_ready is not None:
                 self.on_group_ready(group)
 

@@ -182,8 +182,11 @@ class OptimizerStep:
     # --- device memory --------------------------------------------------------------
 
     def _gradient_bytes(self):
-        return sum(g.grad_flat.numel() * g.grad_flat.element_size()
-                   for g in self.groups if g.grad_flat is not None)
+        total = 0
+        for g in self.groups:  # a loop, not a generator: no Python call a group
+            if g.grad_flat is not None:
+                total += g.grad_flat.numel() * g.grad_flat.element_size()
+        return total
 
     def _account(self, gradient_bytes):
         state = self.optimizer.state if self.optimizer is not None else {}

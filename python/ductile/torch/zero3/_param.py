@@ -27,6 +27,11 @@ is a view of the group's flat gradient shard) and ``store`` (its slice of
 the group's store). ``param.data`` is a view of the gathered copy while a
 module using it runs, an empty placeholder otherwise.
 
+Materialising a group (pointing its parameters at views of the gathered
+copy) and releasing it are done by the step path in C++
+(python/src/unit_passes.cpp), which writes ``users``, ``full`` and
+``full_address`` here.
+
 The live copies (``_ductile.zero.LiveCopies``, C++) map addresses to
 materialised groups, so that a tensor autograd saves for backward that lies
 in a gathered copy (a weight, ``weight.t()``) is saved as "this view of
@@ -142,36 +147,6 @@ class ParamGroup:
             cached = self._cache[address] = (full, views)
         return cached
 
-    def attach_grads(self, flat, mask=None):
-        """Makes `flat` (shard_numel elements, master dtype) this group's
-        gradient shard: each trained member whose gradient was computed
-        (`mask`, all when None) gets its slice as ``shard.grad`` (with the
-        optimizer offloaded, its slice of the host copy: the shard is a host
-        tensor, and the device's flat shard is what clipping reads)."""
-        views = flat.split(self.sizes)
-        self.grad_flat = flat
-        self.grad_views = views
-        for zp, view, had in zip(self.members, self.member_grads(),
-                                 mask or (True,) * len(views)):
-            if had and zp.requires_grad:
-                zp.shard.grad = view
-
-    def member_grads(self):
-        """What the members' ``shard.grad`` are while the gradient shard is
-        attached: views of grad_flat, or of the host copy when offloaded."""
-        return self.host.grad_views if self.host is not None else self.grad_views
-
-    def grads_attached(self):
-        """The members' shard gradients are still the views of grad_flat
-        (nobody cleared or replaced them since)."""
-        if self.grad_flat is None:
-            return False
-        for zp, view in zip(self.members, self.member_grads()):
-            grad = zp.shard.grad
-            if grad is not None:
-                return grad is view
-        return False
-
 
 class Placeholders:
     """One empty tensor per dtype: ``param.data`` between uses."""
@@ -186,29 +161,3 @@ class Placeholders:
             t = self._by_dtype[dtype] = torch.empty(0, dtype=dtype, device=self._device)
         return t
 
-
-def materialize(group, session, memory, live):
-    """Points the group's parameters at its gathered copy (one more user)."""
-    if group.users == 0:
-        address = session.full_data(group.id)
-        cached = group._cache.get(address)
-        full, views = cached if cached is not None else group.views_at(memory, address)
-        group.full = full
-        group.full_address = address
-        for param, view in zip(group.params, views):
-            param.data = view
-        live.add(address, group.full_bytes, group)
-    group.users += 1
-
-
-def dematerialize(group, live):
-    """One user fewer; the last one gives the placeholder back."""
-    group.users -= 1
-    if group.users == 0:
-        placeholder = group.placeholder
-        for param in group.params:
-            param.data = placeholder
-        live.remove(group.full_address)
-        # The copy may be freed now: never touch it again.
-        group.full = None
-        group.full_address = 0
