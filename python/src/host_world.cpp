@@ -3,8 +3,10 @@
 
 #include <Python.h>
 
+#include <map>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -113,6 +115,104 @@ class HostHandle final : public CollectiveHandle {
   bool done_ = false;
 };
 
+// A shared object holding Python objects, deleted under the GIL from any
+// thread (or leaked once the interpreter is finalising).
+template <class T>
+std::shared_ptr<const T> held_by_python(T* object) {
+  return std::shared_ptr<const T>(object, [](const T* p) {
+    if (!interpreter_alive()) return;  // leaked: its references cannot be dropped
+    py::gil_scoped_acquire gil;
+    delete p;
+  });
+}
+
+// One run of a planned coalesced gather (see host_world.hpp): what
+// TorchWorld.gather_plan returned for it, kept by the communicator.
+struct GatherRun {
+  py::object send;   // the shard (a tensor), or None: `sends` are joined
+  py::object sends;  // the shards of several small groups (a list), or None
+  py::object recv;   // the output, when `outs` is None: gathered straight into it
+  py::object outs;   // else the members' places ((world, count) views), with
+  py::object sizes;  // their counts: copied out of a (world, total) scratch
+  std::int64_t total = 0;
+  bool clone = false;  // the send lies in the output: copied first
+};
+
+// torch's functions a planned gather calls, looked up once per world.
+struct GatherOps {
+  py::object collective;  // all_gather_into_tensor(out, in, group=, async_op=True)
+  py::object group;
+  py::object cat, empty, split_copy;
+};
+
+// The collectives of a planned gather in flight, a scratch buffer each
+// whose output is copied out into the members' places once it completes.
+class PlannedGather final : public CollectiveHandle {
+ public:
+  struct Part {
+    py::object work;       // torch.distributed's Work
+    py::object gathered;   // the scratch buffer, or None (gathered in place)
+    const GatherRun* run;  // in plan_
+  };
+  PlannedGather(std::vector<Part> parts, std::shared_ptr<const std::vector<GatherRun>> plan,
+                std::shared_ptr<const GatherOps> ops, int size, std::string what)
+      : parts_(std::move(parts)),
+        plan_(std::move(plan)),
+        ops_(std::move(ops)),
+        size_(size),
+        what_(std::move(what)) {}
+  ~PlannedGather() override {
+    for (Part& part : parts_) {
+      drop(part.work);
+      drop(part.gathered);
+    }
+  }
+  PlannedGather(const PlannedGather&) = delete;
+  PlannedGather& operator=(const PlannedGather&) = delete;
+
+  bool query() override {
+    if (done_ == parts_.size()) return true;
+    py::gil_scoped_acquire gil;
+    try {
+      while (done_ < parts_.size()) {
+        if (!parts_[done_].work.attr("is_completed")().cast<bool>()) return false;
+        finish(parts_[done_++]);
+      }
+    } catch (py::error_already_set& e) {
+      rethrow(what_, e);
+    }
+    return true;
+  }
+
+  void wait() override {
+    if (done_ == parts_.size()) return;
+    py::gil_scoped_acquire gil;
+    try {
+      while (done_ < parts_.size()) finish(parts_[done_++]);
+    } catch (py::error_already_set& e) {
+      rethrow(what_, e);
+    }
+  }
+
+ private:
+  // Waits for the part (torch releases the GIL inside) and copies it out.
+  void finish(Part& part) {
+    part.work.attr("wait")();
+    if (part.gathered.is_none()) return;
+    const GatherRun& run = *part.run;
+    ops_->split_copy(part.gathered.attr("view")(size_, run.total), run.sizes, py::arg("dim") = 1,
+                     py::arg("out") = run.outs);
+    part.gathered = py::none();
+  }
+
+  std::vector<Part> parts_;
+  std::size_t done_ = 0;  // parts finished, in order
+  std::shared_ptr<const std::vector<GatherRun>> plan_;
+  std::shared_ptr<const GatherOps> ops_;
+  int size_;
+  std::string what_;
+};
+
 class HostWorldCommunicator final : public Communicator {
  public:
   HostWorldCommunicator(py::object world, NativeStreamHandles* streams)
@@ -120,6 +220,12 @@ class HostWorldCommunicator final : public Communicator {
     rank_ = world_.attr("rank").cast<int>();
     size_ = world_.attr("size").cast<int>();
     label_ = py::str(world_.attr("kind")).cast<std::string>();
+    if (size_ > 1 && py::hasattr(world_, "gather_plan")) {
+      const py::module_ torch = py::module_::import("torch");
+      ops_ = held_by_python(new GatherOps{world_.attr("gather_collective"), world_.attr("group"),
+                                          torch.attr("cat"), torch.attr("empty"),
+                                          torch.attr("split_with_sizes_copy")});
+    }
   }
   ~HostWorldCommunicator() override { drop(world_); }
   HostWorldCommunicator(const HostWorldCommunicator&) = delete;
@@ -144,6 +250,7 @@ class HostWorldCommunicator final : public Communicator {
     }
     const std::optional<std::uintptr_t> native = ready(stream);
     py::gil_scoped_acquire gil;
+    if (!native && ops_ != nullptr) return planned_gather(items);
     const py::object on = stream_argument(native);
     py::list list;
     for (const GatherItem& item : items)
@@ -186,6 +293,58 @@ class HostWorldCommunicator final : public Communicator {
   }
 
  private:
+  using PlanKey = std::vector<std::tuple<std::uintptr_t, std::uintptr_t, std::size_t, DataType>>;
+
+  // A coalesced gather on host streams, issued here from the plan the
+  // Python world made for these items the first time (the coordinator
+  // gathers the same groups into the same buffers every pass): no Python
+  // function of ductile's runs. The GIL held.
+  std::shared_ptr<CollectiveHandle> planned_gather(std::span<const GatherItem> items) {
+    std::string what =
+        fmt::format("all_gather_coalesced ({} host world, rank {} of {})", label_, rank_, size_);
+    try {
+      PlanKey key;
+      key.reserve(items.size());
+      for (const GatherItem& item : items)
+        key.emplace_back(address(item.send), address(item.recv), item.count, item.type);
+      auto at = plans_.find(key);
+      if (at == plans_.end()) {
+        if (plans_.size() >= kPlanLimit) plans_.clear();
+        py::list list;
+        for (const auto& [send, recv, count, type] : key)
+          list.append(py::make_tuple(send, recv, count, type_name(type)));
+        std::vector<GatherRun> runs;
+        for (py::handle run : world_.attr("gather_plan")(list)) {
+          const py::tuple t = py::reinterpret_borrow<py::tuple>(run);
+          runs.push_back(GatherRun{t[0], t[1], t[2], t[3], t[4], t[5].cast<std::int64_t>(),
+                                   t[6].cast<bool>()});
+        }
+        at = plans_.emplace(std::move(key), held_by_python(new std::vector(std::move(runs)))).first;
+      }
+      const GatherOps& ops = *ops_;
+      const std::shared_ptr<const std::vector<GatherRun>>& plan = at->second;
+      std::vector<PlannedGather::Part> parts;
+      parts.reserve(plan->size());
+      for (const GatherRun& run : *plan) {
+        py::object send = run.sends.is_none() ? run.send : ops.cat(run.sends);
+        if (run.clone) send = send.attr("clone")();
+        py::object out = run.recv;
+        py::object gathered = py::none();
+        if (!run.outs.is_none()) {
+          gathered = ops.empty(size_ * run.total, py::arg("dtype") = send.attr("dtype"),
+                               py::arg("device") = send.attr("device"));
+          out = gathered;
+        }
+        py::object work =
+            ops.collective(out, send, py::arg("group") = ops.group, py::arg("async_op") = true);
+        parts.push_back({std::move(work), std::move(gathered), &run});
+      }
+      return std::make_shared<PlannedGather>(std::move(parts), plan, ops_, size_, std::move(what));
+    } catch (py::error_already_set& e) {
+      rethrow(what, e);
+    }
+  }
+
   static void check(const void* buffer, std::size_t count, const char* call) {
     if (buffer == nullptr && count != 0)
       throw Error(ErrorKind::invalid_argument,
@@ -236,8 +395,14 @@ class HostWorldCommunicator final : public Communicator {
     return issue(call, [&] { return world_.attr(method)(std::forward<Args>(args)..., on); });
   }
 
+  // Plans kept before the cache starts over (as the Python world's caches).
+  static constexpr std::size_t kPlanLimit = 4096;
+
   py::object world_;
-  NativeStreamHandles* streams_;  // the accelerator's, or null (host streams)
+  NativeStreamHandles* streams_;          // the accelerator's, or null (host streams)
+  std::shared_ptr<const GatherOps> ops_;  // null: the world makes no plans
+  // By items; a handle in flight shares its plan.
+  std::map<PlanKey, std::shared_ptr<const std::vector<GatherRun>>> plans_;
   int rank_ = 0;
   int size_ = 1;
   std::string label_;

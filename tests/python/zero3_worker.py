@@ -248,6 +248,7 @@ def run_zero3(spec):
 
     calls = None
     if spec.get("profile_calls"):
+        engine.module_callback = None  # the test's own Python, not the engine's
         batches = [tuple(t.to(device) for t in windows.step(s, rank, world))
                    for s in (20_000, 20_001)]
         calls = profile_calls(quiet_step, batches, engine)
@@ -312,7 +313,7 @@ def profile_calls(train_step, batches, engine):
     # and the test's model code is not the engine's.
     package = os.path.dirname(os.path.abspath(ductile.__file__)) + os.sep
     total = ours = completion = 0
-    blocking, by_name = {}, {}
+    blocking, by_name, ours_by_function = {}, {}, {}
     optimizer = f"{os.sep}torch{os.sep}optim{os.sep}"
     for (path, _, name), (_, calls, _, _, callers) in pstats.Stats(profiler).stats.items():
         total += calls
@@ -322,6 +323,8 @@ def profile_calls(train_step, batches, engine):
             completion += calls
         elif path.startswith(package):
             ours += calls
+            key = f"{os.path.basename(path)}:{name}"
+            ours_by_function[key] = ours_by_function.get(key, 0) + calls / 2
         if path == "~" and BLOCKING.search(name):
             # torch's optimizers read their step counters (cpu tensors): not
             # the engine's, and no device wait.
@@ -338,6 +341,7 @@ def profile_calls(train_step, batches, engine):
                               by_name.get("reduce_scatter_tensor", 0)),
         "all_reduce": by_name.get("all_reduce", 0)}
     return {"all": total / 2, "ductile": ours / 2, "ductile_completion": completion / 2,
+            "ductile_by_function": ours_by_function,
             "blocking": {k: v / 2 for k, v in blocking.items()},
             "collectives": {k: v / 2 for k, v in collectives.items()},
             "gathered_groups": gathered / 2,

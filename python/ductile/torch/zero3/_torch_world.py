@@ -259,12 +259,8 @@ class TorchWorld:
             inp = inp.clone()  # in place: the collective must not read what it writes
         return self._on(stream, lambda: self.all_gather(out, inp))
 
-    def all_gather_coalesced_at(self, items, stream=None):
-        """One all-gather a run of back-to-back members (a parameter
-        group), straight into the output for a single member or one rank,
-        else into a scratch buffer copied out into the members' places."""
-        if len(items) == 1:
-            return self.all_gather_at(*items[0], stream)
+    def _plan(self, items):
+        """The runs of a coalesced gather of `items`, made once per items."""
         key = tuple(items)
         runs = self._plans.get(key)
         if runs is None:
@@ -273,6 +269,15 @@ class TorchWorld:
             if len(self._plans) >= _CACHE_LIMIT:
                 self._plans.clear()
             self._plans[key] = runs
+        return runs
+
+    def all_gather_coalesced_at(self, items, stream=None):
+        """One all-gather a run of back-to-back members (a parameter
+        group), straight into the output for a single member or one rank,
+        else into a scratch buffer copied out into the members' places."""
+        if len(items) == 1:
+            return self.all_gather_at(*items[0], stream)
+        runs = self._plan(items)
         if stream is None:
             works = [self._gather_run(run) for run in runs]
             return works[0] if len(works) == 1 else _Works(works)
@@ -281,6 +286,26 @@ class TorchWorld:
             for run in runs:
                 self._gather_run(run).wait()
             return _OnStream(s)
+
+    # The C++ host world (python/src/host_world.cpp) issues coalesced
+    # gathers on host streams (cpu, more than one rank) itself, from the
+    # plan made here the first time it sees their items, with this
+    # collective on `group`: the coordinator gathers the same groups into
+    # the same buffers every pass, so no Python function of ductile's runs.
+    gather_collective = staticmethod(_all_gather)
+
+    def gather_plan(self, items):
+        """How to gather coalesced `items` (see all_gather_coalesced_at):
+        per collective, (send, sends, recv, outs, sizes, total, clone) as
+        in _Run; `clone`: a single item gathered in place, whose send the
+        collective must not read while it writes."""
+        if len(items) == 1:
+            send, recv, count, dtype = items[0]
+            clone = send == recv + self.rank * count * _SIZES[dtype]
+            return [(self._at(send, count, dtype), None, self._at(recv, count * self.size, dtype),
+                     None, None, count, clone)]
+        return [(run.send, run.sends, run.recv, run.outs, run.sizes, run.total, False)
+                for run in self._plan(items)]
 
     def _gather_run(self, run):
         send = run.send
