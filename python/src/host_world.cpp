@@ -155,10 +155,12 @@ class PlannedGather final : public CollectiveHandle {
     const GatherRun* run;  // in plan_
   };
   PlannedGather(std::vector<Part> parts, std::shared_ptr<const std::vector<GatherRun>> plan,
-                std::shared_ptr<const GatherOps> ops, int size, std::string what)
+                std::shared_ptr<const GatherOps> ops, std::shared_ptr<HostWorldWaits> waits,
+                int size, std::string what)
       : parts_(std::move(parts)),
         plan_(std::move(plan)),
         ops_(std::move(ops)),
+        waits_(std::move(waits)),
         size_(size),
         what_(std::move(what)) {}
   ~PlannedGather() override {
@@ -175,6 +177,7 @@ class PlannedGather final : public CollectiveHandle {
     py::gil_scoped_acquire gil;
     try {
       while (done_ < parts_.size()) {
+        if (waits_ != nullptr) ++waits_->polls;
         if (!parts_[done_].work.attr("is_completed")().cast<bool>()) return false;
         finish(parts_[done_++]);
       }
@@ -197,6 +200,7 @@ class PlannedGather final : public CollectiveHandle {
  private:
   // Waits for the part (torch releases the GIL inside) and copies it out.
   void finish(Part& part) {
+    if (waits_ != nullptr) ++waits_->waits;
     part.work.attr("wait")();
     if (part.gathered.is_none()) return;
     const GatherRun& run = *part.run;
@@ -209,14 +213,16 @@ class PlannedGather final : public CollectiveHandle {
   std::size_t done_ = 0;  // parts finished, in order
   std::shared_ptr<const std::vector<GatherRun>> plan_;
   std::shared_ptr<const GatherOps> ops_;
+  std::shared_ptr<HostWorldWaits> waits_;
   int size_;
   std::string what_;
 };
 
 class HostWorldCommunicator final : public Communicator {
  public:
-  HostWorldCommunicator(py::object world, NativeStreamHandles* streams)
-      : world_(std::move(world)), streams_(streams) {
+  HostWorldCommunicator(py::object world, NativeStreamHandles* streams,
+                        std::shared_ptr<HostWorldWaits> waits)
+      : world_(std::move(world)), streams_(streams), waits_(std::move(waits)) {
     rank_ = world_.attr("rank").cast<int>();
     size_ = world_.attr("size").cast<int>();
     label_ = py::str(world_.attr("kind")).cast<std::string>();
@@ -339,7 +345,8 @@ class HostWorldCommunicator final : public Communicator {
             ops.collective(out, send, py::arg("group") = ops.group, py::arg("async_op") = true);
         parts.push_back({std::move(work), std::move(gathered), &run});
       }
-      return std::make_shared<PlannedGather>(std::move(parts), plan, ops_, size_, std::move(what));
+      return std::make_shared<PlannedGather>(std::move(parts), plan, ops_, waits_, size_,
+                                             std::move(what));
     } catch (py::error_already_set& e) {
       rethrow(what, e);
     }
@@ -399,8 +406,9 @@ class HostWorldCommunicator final : public Communicator {
   static constexpr std::size_t kPlanLimit = 4096;
 
   py::object world_;
-  NativeStreamHandles* streams_;          // the accelerator's, or null (host streams)
-  std::shared_ptr<const GatherOps> ops_;  // null: the world makes no plans
+  NativeStreamHandles* streams_;           // the accelerator's, or null (host streams)
+  std::shared_ptr<const GatherOps> ops_;   // null: the world makes no plans
+  std::shared_ptr<HostWorldWaits> waits_;  // or null
   // By items; a handle in flight shares its plan.
   std::map<PlanKey, std::shared_ptr<const std::vector<GatherRun>>> plans_;
   int rank_ = 0;
@@ -410,8 +418,9 @@ class HostWorldCommunicator final : public Communicator {
 
 }  // namespace
 
-std::shared_ptr<Communicator> make_host_world(py::object world, NativeStreamHandles* streams) {
-  return std::make_shared<HostWorldCommunicator>(std::move(world), streams);
+std::shared_ptr<Communicator> make_host_world(py::object world, NativeStreamHandles* streams,
+                                              std::shared_ptr<HostWorldWaits> waits) {
+  return std::make_shared<HostWorldCommunicator>(std::move(world), streams, std::move(waits));
 }
 
 }  // namespace ductile::python

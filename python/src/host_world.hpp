@@ -42,6 +42,8 @@
 // finalising).
 #pragma once
 
+#include <atomic>
+#include <cstdint>
 #include <memory>
 
 #include <pybind11/pybind11.h>
@@ -50,7 +52,17 @@
 
 namespace ductile::python {
 
-// `streams` may be null; it must outlive the communicator.
-std::shared_ptr<Communicator> make_host_world(pybind11::object world, NativeStreamHandles* streams);
+// The host's waits inside planned gathers, which no Python profiler sees:
+// `waits`, the collectives waited for (Work.wait()); `polls`, the
+// completion checks (Work.is_completed()). Written by any thread.
+struct HostWorldWaits {
+  std::atomic<std::uint64_t> waits{0};
+  std::atomic<std::uint64_t> polls{0};
+};
+
+// `streams` may be null; it must outlive the communicator. `waits` (may be
+// null) counts the planned gathers' waits.
+std::shared_ptr<Communicator> make_host_world(pybind11::object world, NativeStreamHandles* streams,
+                                              std::shared_ptr<HostWorldWaits> waits);
 
 }  // namespace ductile::python

@@ -365,11 +365,20 @@ def worker(engine_name, size, steps, out, device, global_batch, precision, calls
         import pstats
         profiled = cProfile.Profile()
         ids = [next_ids() for _ in range(3)]
+        start = stats_of() if stats_of else None
         profiled.enable()
         for i in range(3):
             train_step(ids[i])
         profiled.disable()
         record["calls"] = count_calls(pstats.Stats(profiled), 3)
+        if start is not None:
+            # The host world's waits in C++ (planned gathers), which
+            # cProfile does not see.
+            end = stats_of()
+            for key, name in (("host_world_waits", "host world (C++): wait"),
+                              ("host_world_polls", "host world (C++): is_completed")):
+                if end[key] > start[key]:
+                    record["calls"]["blocking"][name] = (end[key] - start[key]) / 3
     if profile_gpu and cuda:
         record["gpu"] = gpu_profile(train_step, next_ids, 3)
     with open(f"{out}.rank{rank}", "w") as f:
