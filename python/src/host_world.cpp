@@ -226,7 +226,7 @@ class HostWorldCommunicator final : public Communicator {
     rank_ = world_.attr("rank").cast<int>();
     size_ = world_.attr("size").cast<int>();
     label_ = py::str(world_.attr("kind")).cast<std::string>();
-    if (size_ > 1 && py::hasattr(world_, "gather_plan")) {
+    if (py::hasattr(world_, "gather_plan")) {
       const py::module_ torch = py::module_::import("torch");
       ops_ = held_by_python(new GatherOps{world_.attr("gather_collective"), world_.attr("group"),
                                           torch.attr("cat"), torch.attr("empty"),
@@ -333,6 +333,11 @@ class HostWorldCommunicator final : public Communicator {
       parts.reserve(plan->size());
       for (const GatherRun& run : *plan) {
         py::object send = run.sends.is_none() ? run.send : ops.cat(run.sends);
+        if (size_ == 1) {  // the gather is a copy, or nothing when in place
+          if (!send.attr("data_ptr")().equal(run.recv.attr("data_ptr")()))
+            run.recv.attr("copy_")(send);
+          continue;
+        }
         if (run.clone) send = send.attr("clone")();
         py::object out = run.recv;
         py::object gathered = py::none();

@@ -22,17 +22,16 @@
 // wait() returned).
 //
 // Planned gathers: when the object also has gather_plan(items) and
-// `gather_collective` and `group` (TorchWorld does), and there is more than
-// one rank, a coalesced gather on host streams is issued here, not in
-// Python: gather_plan is asked once per distinct item list and returns, per
-// collective, (send, sends, recv, outs, sizes, total, clone) tensors over
-// the coordinator's buffers (see TorchWorld.gather_plan); each time those
-// items come again, the send (`sends` joined with torch.cat, or cloned) is
-// gathered with gather_collective(out, send, group=group, async_op=True)
-// into `recv`, or into a scratch buffer copied out into `outs` (torch's
+// `gather_collective` and `group` (TorchWorld does), a coalesced gather on
+// host streams is issued here, not in Python: gather_plan is asked once per distinct item list and
+// returns, per collective, (send, sends, recv, outs, sizes, total, clone) tensors over the
+// coordinator's buffers (see TorchWorld.gather_plan); each time those items come again, the send
+// (`sends` joined with torch.cat, or cloned) is gathered with gather_collective(out, send,
+// group=group, async_op=True) into `recv`, or into a scratch buffer copied out into `outs` (torch's
 // split_with_sizes_copy) once the work completes (query() true or wait()).
-// The plans are kept by item list (4096 at most: the coordinator reuses a
-// few buffers); a handle in flight keeps its plan.
+// With one rank each run is a copy of the send into `recv` (none when they
+// are the same memory), done before the call returns. The plans are kept by item list (4096 at
+// most: the coordinator reuses a few buffers); a handle in flight keeps its plan.
 //
 // Threading: any thread; every call takes the GIL for the Python part and
 // releases it while it synchronises a stream. Errors: a Python exception

@@ -288,7 +288,7 @@ class TorchWorld:
             return _OnStream(s)
 
     # The C++ host world (python/src/host_world.cpp) issues coalesced
-    # gathers on host streams (cpu, more than one rank) itself, from the
+    # gathers on host streams (cpu) itself, from the
     # plan made here the first time it sees their items, with this
     # collective on `group`: the coordinator gathers the same groups into
     # the same buffers every pass, so no Python function of ductile's runs.
