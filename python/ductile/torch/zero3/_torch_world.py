@@ -9,7 +9,8 @@ host framework supplies the communication, so a job started by torchrun
   arrive as addresses, byte counts and element type names (``*_at`` calls),
   wrapped here into tensors over that memory without copying (kept by
   address: the coordinator reuses a few buffers, so after the first passes
-  no tensor is made);
+  no tensor is made); on host streams a coalesced gather is asked for here
+  once, as a plan (``gather_plan``), and issued from C++ after that;
 - the engine (gradients, checkpoints, all_reduce), on tensors (the calls of
   _collectives.py).
 
@@ -288,10 +289,10 @@ class TorchWorld:
             return _OnStream(s)
 
     # The C++ host world (python/src/host_world.cpp) issues coalesced
-    # gathers on host streams (cpu) itself, from the
-    # plan made here the first time it sees their items, with this
-    # collective on `group`: the coordinator gathers the same groups into
-    # the same buffers every pass, so no Python function of ductile's runs.
+    # gathers on host streams (cpu) itself, from the plan made here the
+    # first time it sees their items, with this collective on `group`: the
+    # coordinator gathers the same groups into the same buffers every pass,
+    # so no Python function of ductile's runs.
     gather_collective = staticmethod(_all_gather)
 
     def gather_plan(self, items):
