@@ -128,8 +128,6 @@ class UnitPasses : public std::enable_shared_from_this<UnitPasses> {
     }
   }
 
-  std::int64_t fetched_count(std::size_t mid) { return unit(mid).fetched; }
-
   // --- backward ----------------------------------------------------------------
 
   // From inside autograd's backward: the first call of a pass queues the
@@ -222,7 +220,6 @@ class UnitPasses : public std::enable_shared_from_this<UnitPasses> {
 
   bool pass_open = false;
   bool backward_active = false;
-  bool in_forward = false;
   py::object module_callback = py::none();
 
  private:
@@ -422,13 +419,7 @@ void register_unit_passes(py::module_& zero) {
            py::arg("live"), py::arg("memory"), py::arg("owner"))
       .def("add_unit", &P::add_unit, py::arg("name"), py::arg("groups"), py::arg("own"),
            "Registers a unit gathering `groups` and owning `own`; returns its id.")
-      .def("fetch", &P::fetch, py::arg("unit"))
-      .def("release", &P::release, py::arg("unit"))
       .def("release_everything", &P::release_everything)
-      .def("fetched_count", &P::fetched_count, py::arg("unit"))
-      .def("enter_backward", &P::enter_backward)
-      .def("pre_backward", &P::pre_backward, py::arg("unit"))
-      .def("post_backward", &P::post_backward, py::arg("unit"))
       .def(
           "pre_forward_hook",
           [](const std::shared_ptr<P>& p, std::size_t mid) {
@@ -447,7 +438,6 @@ void register_unit_passes(py::module_& zero) {
       .def("close", &P::close)
       .def_readwrite("pass_open", &P::pass_open)
       .def_readwrite("backward_active", &P::backward_active)
-      .def_readwrite("in_forward", &P::in_forward)
       .def_readwrite("module_callback", &P::module_callback);
 }
 

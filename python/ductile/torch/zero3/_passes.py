@@ -96,15 +96,12 @@ class Passes:
         self.placeholders = Placeholders(memory.device)
         self._guarded_modules = []  # (module, GuardedParameters, plain dict)
         self._guarded = False
+        self.in_forward = False   # the root's forward is running (GuardedParameters)
         self._handles = []
 
-    # The state of the passes, kept by the C++ step path.
-    pass_open = property(lambda self: self.core.pass_open,
-                         lambda self, value: setattr(self.core, "pass_open", value))
-    backward_active = property(lambda self: self.core.backward_active,
-                               lambda self, value: setattr(self.core, "backward_active", value))
-    in_forward = property(lambda self: self.core.in_forward,
-                          lambda self, value: setattr(self.core, "in_forward", value))
+    # The state of the passes the C++ step path keeps and acts on.
+    pass_open = property(lambda self: self.core.pass_open)
+    backward_active = property(lambda self: self.core.backward_active)
     module_callback = property(lambda self: self.core.module_callback,
                                lambda self, value: setattr(self.core, "module_callback", value))
 
@@ -189,15 +186,6 @@ class Passes:
         if recording != self._guarded:
             self._set_guards(recording)
 
-    def fetch(self, mid):
-        self.core.fetch(mid)
-
-    def release(self, mid):
-        self.core.release(mid)
-
-    def fetched_count(self, mid):
-        return self.core.fetched_count(mid)
-
     def abandon(self):
         """After a forward or backward that raised: releases what it had
         fetched and waits for its gradients, locally (no collective: the
@@ -211,10 +199,9 @@ class Passes:
 
     def root_forward(self, forward, args, kwargs):
         """The model's forward, with the saved-tensor hooks on."""
-        core = self.core
-        if core.backward_active:
+        if self.core.backward_active:
             self.abandon()  # the last backward raised before it ended
-        core.in_forward = True
+        self.in_forward = True
         try:
             with torch.autograd.graph.saved_tensors_hooks(self.live.pack,
                                                           _ductile.zero.unpack_saved):
@@ -223,8 +210,8 @@ class Passes:
             self.abandon()
             raise
         finally:
-            core.in_forward = False
-        if not torch.is_grad_enabled() and core.pass_open:
+            self.in_forward = False
+        if not torch.is_grad_enabled() and self.core.pass_open:
             self.end_pass()  # no backward follows a pass without grad
         return output
 

@@ -94,22 +94,6 @@ class Work:
         self._done = True
 
 
-class _Works:
-    """Several collectives seen as one."""
-
-    __slots__ = ("_works",)
-
-    def __init__(self, works):
-        self._works = works
-
-    def query(self):
-        return all(w.query() for w in self._works)
-
-    def wait(self):
-        for w in self._works:
-            w.wait()
-
-
 class _OnStream:
     """Collectives already ordered on a cuda stream (their copy-outs too):
     done when the event recorded after them is."""
@@ -272,19 +256,17 @@ class TorchWorld:
             self._plans[key] = runs
         return runs
 
-    def all_gather_coalesced_at(self, items, stream=None):
+    def all_gather_coalesced_at(self, items, stream):
         """One all-gather a run of back-to-back members (a parameter
         group), straight into the output for a single member or one rank,
-        else into a scratch buffer copied out into the members' places."""
+        else into a scratch buffer copied out into the members' places;
+        ordered on the cuda stream `stream`. On host streams the C++ host
+        world issues these gathers itself (gather_plan)."""
         if len(items) == 1:
             return self.all_gather_at(*items[0], stream)
-        runs = self._plan(items)
-        if stream is None:
-            works = [self._gather_run(run) for run in runs]
-            return works[0] if len(works) == 1 else _Works(works)
         s = self._stream(stream)
         with torch.cuda.stream(s):
-            for run in runs:
+            for run in self._plan(items):
                 self._gather_run(run).wait()
             return _OnStream(s)
 
