@@ -8,6 +8,7 @@
 
 #include <fstream>
 #include <sstream>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -38,6 +39,18 @@ OmpiServer::OmpiServer(std::chrono::milliseconds limit, std::string program) {
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
+  // Its session directory under its own folder: Open MPI creates
+  // <tmpdir>/ompi.<host>.<uid> with a check-then-mkdir that fails ("File
+  // exists") when another Open MPI process on the host (another agent's
+  // server, a worker) creates the same directory at the same moment. Built
+  // before fork: the child only calls async-signal-safe functions.
+  const std::string tmpdir_key = "OMPI_MCA_orte_tmpdir_base=";
+  std::string own_tmpdir = tmpdir_key + dir_.string();
+  std::vector<char*> envp;
+  for (char** e = environ; *e != nullptr; ++e)
+    if (std::string_view(*e).substr(0, tmpdir_key.size()) != tmpdir_key) envp.push_back(*e);
+  envp.push_back(own_tmpdir.data());
+  envp.push_back(nullptr);
   pid_t parent = getpid();
   pid_ = fork();
   if (pid_ < 0) throw Error(ErrorKind::config, "--mpi-world: cannot fork for ompi-server");
@@ -52,7 +65,7 @@ OmpiServer::OmpiServer(std::chrono::milliseconds limit, std::string program) {
       dup2(fd, 1);
       dup2(fd, 2);
     }
-    execvp(argv[0], argv.data());
+    execvpe(argv[0], argv.data(), envp.data());
     _exit(127);
   }
   auto deadline = std::chrono::steady_clock::now() + limit;
