@@ -261,6 +261,9 @@ class PartitionedCoordinator final : public ParameterCoordinator,
     plan_.clear();
     planner_.release(mi, plan_);
     pipeline_->free_copies(plan_);
+    // Every use of the trace is covered by a gather issued already: no
+    // idle buffer is taken again before the next pass.
+    if (planner_.mode() == TraceMode::complete && planner_.upcoming().empty()) pipeline_->rest();
   }
 
   void end_step() override {

@@ -2,6 +2,12 @@
 #include "copy_pool.hpp"
 
 #include <algorithm>
+#include <cstdint>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
 
 namespace ductile::zero {
 
@@ -10,6 +16,7 @@ CopyPool::~CopyPool() {
 }
 
 void* CopyPool::take(std::size_t bytes) {
+  resting_ = false;
   SizeClass& size = sizes_[bytes];
   void* pointer = nullptr;
   if (!size.idle.empty()) {
@@ -39,12 +46,37 @@ void CopyPool::give(void* pointer, std::size_t bytes) noexcept {
     try {
       size->idle.push_back(pointer);
       stats_.idle_bytes += bytes;
+      if (resting_) drop_pages(pointer, bytes);
       return;
     } catch (...) {  // no memory for the list: free it instead
     }
   }
   accel_->deallocate(pointer, MemoryKind::device);
   ++stats_.frees;
+}
+
+void CopyPool::rest() noexcept {
+  if (!host_ || resting_) return;
+  resting_ = true;
+  for (auto& [bytes, size] : sizes_)
+    for (void* p : size.idle) drop_pages(p, bytes);
+}
+
+void CopyPool::drop_pages(void* pointer, std::size_t bytes) noexcept {
+#if defined(__linux__)
+  static const auto page = static_cast<std::uintptr_t>(sysconf(_SC_PAGESIZE));
+  const auto start = reinterpret_cast<std::uintptr_t>(pointer);
+  const std::uintptr_t first = (start + page - 1) / page * page;
+  const std::uintptr_t last = (start + bytes) / page * page;
+  // Private anonymous pages (the accelerator's aligned_alloc): the next
+  // touch maps a zeroed page, and a gather writes its buffer whole before
+  // anything reads it. Pages the buffer shares with the heap's other chunks
+  // (its first and last, partly) are left alone.
+  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
+#else
+  (void)pointer;
+  (void)bytes;
+#endif
 }
 
 void CopyPool::trim() noexcept {

@@ -12,6 +12,17 @@
 // needs, so no gather allocates after the first pass; the extra memory is
 // at most one busiest set per size (a few layers' worth in a transformer).
 //
+// Resting (rest(), the host only): once a pass has issued its last gather,
+// no idle buffer is taken before the next pass, and the end of a backward
+// is where a step holds the most (the embedding's gradients, the last
+// reduce-scatters). On the host an idle buffer's pages are then given back
+// to the system (madvise MADV_DONTNEED) while its address stays in the
+// pool: the memory serves the model meanwhile, and the next pass's gathers
+// fault the pages in anew (a page fault each, once a pass, against a
+// buffer's worth of resident memory held through the backward's peak). The
+// accounting (idle_bytes, allocations) is unchanged. A device buffer stays
+// as it is: freeing it would synchronise the device.
+//
 // The caller gives a buffer back only once its last use has completed (the
 // gather pipeline defers that until the compute stream has passed the
 // release: record_stream semantics).
@@ -44,6 +55,10 @@ class CopyPool {
   void give(void* pointer, std::size_t bytes) noexcept;
   // Frees every idle buffer.
   void trim() noexcept;
+  // Until the next take(): on the host, the idle buffers' pages and those
+  // of buffers given meanwhile go back to the system (see above); on a
+  // device, nothing.
+  void rest() noexcept;
 
   GatherMemoryStats stats() const { return stats_; }
 
@@ -53,7 +68,11 @@ class CopyPool {
     std::size_t in_use = 0;
     std::size_t most_in_use = 0;
   };
+  static void drop_pages(void* pointer, std::size_t bytes) noexcept;
+
   std::shared_ptr<Accelerator> accel_;
+  bool host_ = accel_->backend() == "cpu";  // buffers of host memory
+  bool resting_ = false;
   std::unordered_map<std::size_t, SizeClass> sizes_;
   GatherMemoryStats stats_;
 };

@@ -101,6 +101,8 @@ class GatherPipeline {
   // (a pass ended, or a shard was written): that gather waits for it.
   void after_shard_writes() { order_after_compute_ = true; }
   GatherMemoryStats memory_stats() const { return pool_.stats(); }
+  // The pass has issued its last gather: the pool rests (copy_pool.hpp).
+  void rest() { pool_.rest(); }
   // Frees the pool's idle buffers (after the pending frees that completed).
   void trim() {
     reap_frees();

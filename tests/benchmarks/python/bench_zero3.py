@@ -45,12 +45,21 @@ torch.cuda.max_memory_allocated above what was allocated before the model.
 
 Per engine, one line in this shape:
   engine <name>: step <ms> ms, x<ratio> DeepSpeed, x<ratio> FSDP2, peak <MiB> MiB/rank
+      (before the first step <MiB>)
 then the parameter and optimizer bytes per rank, the first losses (the
 engines agree), and for ductile the gather wait per step. Step: median over
 the measured steps of rank 0's forward + backward + optimizer step. Peak
 (cpu): the largest resident set of the ranks during the run, above the one
 each had right before building its model (libraries and interpreter left
-out, as they differ between engines).
+out, as they differ between engines); in brackets, the same once the engine
+is built, before its first step. glibc keeps freed memory mapped (its heap
+and arenas; buffers it mapped on their own only above a threshold that
+rises with the sizes freed), so the resident set holds 0.5-0.8 GB more than
+the live tensors of the race size and moves by 100 MB between runs of one
+engine. Run with MALLOC_MMAP_THRESHOLD_=1048576 (every engine inherits it)
+to make glibc map each buffer of 1 MiB or more alone and unmap it when
+freed: the peak is then that of the memory in use (step times grow by a
+third: every such buffer is faulted in anew).
 """
 
 import argparse
@@ -316,6 +325,11 @@ def worker(engine_name, size, steps, out, device, global_batch, precision, calls
         stats_of = engine.stats
 
     per_rank = global_batch // world
+    # The high-water mark once the engine is built, before any step: whether
+    # a peak comes from setting up (the full model and its shards at once)
+    # or from the steps.
+    setup_peak = None if cuda else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
     step_number = [0]
 
     def next_ids():
@@ -358,7 +372,7 @@ def worker(engine_name, size, steps, out, device, global_batch, precision, calls
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
     record = {"rank": rank, "times": times[WARMUP:], "losses": losses[:3], "numel": numel,
-              "peak": peak, "param_bytes": param_bytes(),
+              "peak": peak, "setup_peak": setup_peak, "param_bytes": param_bytes(),
               "optimizer_bytes": optimizer_bytes(optimizer), "waits": waits[WARMUP:]}
     if calls:
         import cProfile
@@ -483,8 +497,10 @@ def report(args, engines, results, failures):
             continue
         r = results[engine]
         peak = max(x["peak"] for x in r) / 2**20
+        setup = "" if r[0]["setup_peak"] is None else \
+            f" (before the first step {max(x['setup_peak'] for x in r) / 2**20:.0f})"
         print(f"engine {engine}: step {med[engine] * 1e3:.1f} ms, {ratio(engine, 'deepspeed')} "
-              f"DeepSpeed, {ratio(engine, 'fsdp2')} FSDP2, peak {peak:.0f} MiB/rank")
+              f"DeepSpeed, {ratio(engine, 'fsdp2')} FSDP2, peak {peak:.0f} MiB/rank{setup}")
     print()
     for engine, r in results.items():
         print(f"  {engine:20} parameters {max(x['param_bytes'] for x in r) / 2**20:8.1f} MiB/rank"

@@ -63,11 +63,16 @@ class GradientReducer:
     `max_inflight_bytes`: the layout buffers handed to reduce-scatters not
     yet complete are kept within it (the oldest is finished first), so that
     a transport slower than backward (gloo's one worker thread) cannot pile
-    up every full gradient of the model; one larger bucket may go alone.
+    up every full gradient of the model; a larger bucket goes alone, once
+    those before it are finished. A transport runs its collectives one
+    after another, so a deeper queue would not finish them sooner: it
+    would only hold more layouts at the backward's peak (GPT-2 of 41.7 M
+    parameters on 2 ranks: 170 MB more with twice the largest group, 131 MB,
+    allowed in flight than with 16 MiB).
     `bucket_bytes`: the layout bytes (what a rank sends) up to which groups
     wait for others to share a reduce-scatter (0: one a group)."""
 
-    def __init__(self, comm, reduce_dtype=None, max_inflight_bytes=64 << 20,
+    def __init__(self, comm, reduce_dtype=None, max_inflight_bytes=16 << 20,
                  bucket_bytes=4 << 20):
         self._comm = comm
         self._world = comm.size

@@ -68,11 +68,7 @@ class ShardedModel:
         self.sharding.offload = self.offload
         self.sharding.partition(model, load_from)
         reduce_dtype = precision.reduce_dtype if precision is not None else None
-        largest = max(self.world_size * g.shard_numel *
-                      torch.empty((), dtype=reduce_dtype or g.dtype).element_size()
-                      for g in self.groups)
-        self.gradients = GradientReducer(self.comm, reduce_dtype,
-                                         max_inflight_bytes=max(2 * largest, 16 << 20))
+        self.gradients = GradientReducer(self.comm, reduce_dtype)
         self.passes = Passes(self.session, self.memory, self.params, self.groups,
                              self.gradients, self.begin_pass)
         self.passes.register_units(units)

@@ -1,0 +1,102 @@
+// The partitioned coordinator's pool of gathered copies (GatherMemory) on
+// the real cpu backend under mpirun with 1 and 2 ranks: copies reuse the
+// pool's buffers once the trace runs, and on the host an idle buffer holds
+// no resident page once its pass has issued its last gather.
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "zero_support.hpp"
+
+using namespace zero_test;
+
+namespace {
+
+// Resident pages among the whole pages inside [pointer, pointer + bytes).
+struct Residency {
+  std::size_t pages = 0;
+  std::size_t resident = 0;
+};
+
+Residency residency(const void* pointer, std::size_t bytes) {
+  const auto page = static_cast<std::uintptr_t>(sysconf(_SC_PAGESIZE));
+  const auto start = reinterpret_cast<std::uintptr_t>(pointer);
+  const std::uintptr_t first = (start + page - 1) / page * page;
+  const std::uintptr_t last = (start + bytes) / page * page;
+  Residency r;
+  if (last <= first) return r;
+  r.pages = (last - first) / page;
+  std::vector<unsigned char> map(r.pages);
+  REQUIRE(mincore(reinterpret_cast<void*>(first), last - first, map.data()) == 0);
+  for (unsigned char m : map) r.resident += m & 1;
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("GatherMemory: on the host, idle copies give their pages back once a pass gathered all") {
+  auto& e = env();
+  ZeroConfig config;
+  config.prefetch_bucket_size = 0;  // each module gathers at its fetch
+  config.max_reuse_distance = 0;    // and is freed at its release
+  auto zero = make_coordinator(config);
+  auto* memory = dynamic_cast<GatherMemory*>(zero.get());
+  REQUIRE(memory != nullptr);
+  // Three modules of one parameter each, of distinct sizes (each its own
+  // buffer in the pool), many pages each.
+  const std::vector<std::size_t> sizes = {96 * 1024, 160 * 1024, 224 * 1024};
+  for (ParameterId p = 0; p < sizes.size(); ++p) {
+    register_f32(*zero, p, sizes[p]);
+    zero->register_module(p, std::vector<ParameterId>{p});
+  }
+  auto bytes_of = [&](ParameterId p) { return zero->shard_numel(p) * 4 * e.size; };
+  auto pass = [&] {
+    for (ModuleId m = 0; m < sizes.size(); ++m) {
+      zero->fetch(m);
+      zero->release(m);
+    }
+    zero->end_step();
+  };
+  pass();  // records the trace
+  pass();  // runs it: the pool now holds a buffer of each size
+  const auto allocations = memory->gather_memory().allocations;
+
+  std::vector<void*> copies(sizes.size());
+  for (ModuleId m = 0; m < sizes.size(); ++m) {
+    zero->fetch(m);
+    copies[m] = zero->full_data(m);
+    CHECK(gathered_matches(*zero, m, sizes[m] * 4, 0));
+    const Residency used = residency(copies[m], bytes_of(m));
+    REQUIRE(used.pages > 16);
+    CHECK(used.resident == used.pages);
+    zero->release(m);
+    if (m + 1 < sizes.size()) {
+      // Gathers of this pass are still to come: the idle copies keep their pages.
+      for (ModuleId k = 0; k <= m; ++k) {
+        const Residency idle = residency(copies[k], bytes_of(k));
+        CHECK(idle.resident == idle.pages);
+      }
+    }
+  }
+  // The pass has gathered all it will: every idle copy gave its pages back,
+  // and kept its buffer (nothing was freed or allocated).
+  for (ModuleId m = 0; m < sizes.size(); ++m)
+    CHECK(residency(copies[m], bytes_of(m)).resident == 0);
+  CHECK(memory->gather_memory().idle_bytes == bytes_of(0) + bytes_of(1) + bytes_of(2));
+  zero->end_step();
+
+  // The next pass gathers into the same buffers, whole and right.
+  for (ModuleId m = 0; m < sizes.size(); ++m) {
+    zero->fetch(m);
+    CHECK(zero->full_data(m) == copies[m]);
+    CHECK(gathered_matches(*zero, m, sizes[m] * 4, 0));
+    const Residency used = residency(copies[m], bytes_of(m));
+    CHECK(used.resident == used.pages);
+    zero->release(m);
+  }
+  zero->end_step();
+  CHECK(memory->gather_memory().allocations == allocations);
+  zero->check_invariants();
+}
