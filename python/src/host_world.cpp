@@ -143,6 +143,10 @@ struct GatherOps {
   py::object collective;  // all_gather_into_tensor(out, in, group=, async_op=True)
   py::object group;
   py::object cat, empty, split_copy;
+  // With TorchWorld.direct_exchange (gloo; _direct_exchange.py): its
+  // ProcessGroup's send([t], dst, tag) and recv([t], src, tag), else None.
+  py::object send, recv;
+  int tag = 0;
 };
 
 // The collectives of a planned gather in flight, a scratch buffer each
@@ -150,7 +154,7 @@ struct GatherOps {
 class PlannedGather final : public CollectiveHandle {
  public:
   struct Part {
-    py::object work;       // torch.distributed's Work
+    py::list works;        // torch.distributed's Work: the collective, or an exchange's messages
     py::object gathered;   // the scratch buffer, or None (gathered in place)
     const GatherRun* run;  // in plan_
   };
@@ -165,7 +169,7 @@ class PlannedGather final : public CollectiveHandle {
         what_(std::move(what)) {}
   ~PlannedGather() override {
     for (Part& part : parts_) {
-      drop(part.work);
+      drop(part.works);
       drop(part.gathered);
     }
   }
@@ -177,8 +181,10 @@ class PlannedGather final : public CollectiveHandle {
     py::gil_scoped_acquire gil;
     try {
       while (done_ < parts_.size()) {
-        if (waits_ != nullptr) ++waits_->polls;
-        if (!parts_[done_].work.attr("is_completed")().cast<bool>()) return false;
+        for (py::handle work : parts_[done_].works) {
+          if (waits_ != nullptr) ++waits_->polls;
+          if (!work.attr("is_completed")().cast<bool>()) return false;
+        }
         finish(parts_[done_++]);
       }
     } catch (py::error_already_set& e) {
@@ -200,8 +206,10 @@ class PlannedGather final : public CollectiveHandle {
  private:
   // Waits for the part (torch releases the GIL inside) and copies it out.
   void finish(Part& part) {
-    if (waits_ != nullptr) ++waits_->waits;
-    part.work.attr("wait")();
+    for (py::handle work : part.works) {
+      if (waits_ != nullptr) ++waits_->waits;
+      work.attr("wait")();
+    }
     if (part.gathered.is_none()) return;
     const GatherRun& run = *part.run;
     ops_->split_copy(part.gathered.attr("view")(size_, run.total), run.sizes, py::arg("dim") = 1,
@@ -228,9 +236,20 @@ class HostWorldCommunicator final : public Communicator {
     label_ = py::str(world_.attr("kind")).cast<std::string>();
     if (py::hasattr(world_, "gather_plan")) {
       const py::module_ torch = py::module_::import("torch");
-      ops_ = held_by_python(new GatherOps{world_.attr("gather_collective"), world_.attr("group"),
-                                          torch.attr("cat"), torch.attr("empty"),
-                                          torch.attr("split_with_sizes_copy")});
+      auto* ops = new GatherOps{.collective = world_.attr("gather_collective"),
+                                .group = world_.attr("group"),
+                                .cat = torch.attr("cat"),
+                                .empty = torch.attr("empty"),
+                                .split_copy = torch.attr("split_with_sizes_copy"),
+                                .send = py::none(),
+                                .recv = py::none()};
+      const py::object direct = py::getattr(world_, "direct_exchange", py::none());
+      if (!direct.is_none()) {
+        ops->send = direct.attr("send");
+        ops->recv = direct.attr("recv");
+        ops->tag = world_.attr("direct_tag").cast<int>();
+      }
+      ops_ = held_by_python(ops);
     }
   }
   ~HostWorldCommunicator() override { drop(world_); }
@@ -346,15 +365,37 @@ class HostWorldCommunicator final : public Communicator {
                                py::arg("device") = send.attr("device"));
           out = gathered;
         }
-        py::object work =
-            ops.collective(out, send, py::arg("group") = ops.group, py::arg("async_op") = true);
-        parts.push_back({std::move(work), std::move(gathered), &run});
+        parts.push_back({issue_gather(ops, out, send, run.total), std::move(gathered), &run});
       }
       return std::make_shared<PlannedGather>(std::move(parts), plan, ops_, waits_, size_,
                                              std::move(what));
     } catch (py::error_already_set& e) {
       rethrow(what, e);
     }
+  }
+
+  // One gather of `count` elements a rank into `out`: the collective, or
+  // with a direct exchange this rank's piece sent to every other rank and
+  // theirs received into their places (_direct_exchange.DirectGather).
+  py::list issue_gather(const GatherOps& ops, const py::object& out, const py::object& send,
+                        std::int64_t count) const {
+    py::list works;
+    if (ops.send.is_none()) {
+      works.append(
+          ops.collective(out, send, py::arg("group") = ops.group, py::arg("async_op") = true));
+      return works;
+    }
+    if (waits_ != nullptr) ++waits_->exchanges;
+    const py::object own = out.attr("narrow")(0, rank_ * count, count);
+    if (!own.attr("data_ptr")().equal(send.attr("data_ptr")())) own.attr("copy_")(send);
+    for (int k = 1; k < size_; ++k) {
+      const int dst = (rank_ + k) % size_;
+      const int src = (rank_ - k + size_) % size_;
+      works.append(ops.send(py::make_tuple(own), dst, ops.tag));
+      works.append(
+          ops.recv(py::make_tuple(out.attr("narrow")(0, src * count, count)), src, ops.tag));
+    }
+    return works;
   }
 
   static void check(const void* buffer, std::size_t count, const char* call) {

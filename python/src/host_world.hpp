@@ -52,11 +52,15 @@
 namespace ductile::python {
 
 // The host's waits inside planned gathers, which no Python profiler sees:
-// `waits`, the collectives waited for (Work.wait()); `polls`, the
-// completion checks (Work.is_completed()). Written by any thread.
+// `waits`, the works waited for (Work.wait(): a collective's, or each
+// message of a direct exchange); `polls`, the completion checks
+// (Work.is_completed()); `exchanges`, the gathers issued as direct
+// exchanges instead of collectives (TorchWorld.direct_exchange). Written by
+// any thread.
 struct HostWorldWaits {
   std::atomic<std::uint64_t> waits{0};
   std::atomic<std::uint64_t> polls{0};
+  std::atomic<std::uint64_t> exchanges{0};
 };
 
 // `streams` may be null; it must outlive the communicator. `waits` (may be

@@ -344,6 +344,7 @@ void register_zero(py::module_& m) {
              // Python profiler sees them).
              d["host_world_waits"] = z.host_waits().waits.load();
              d["host_world_polls"] = z.host_waits().polls.load();
+             d["host_world_exchanges"] = z.host_waits().exchanges.load();
              return d;
            })
       .def("check_invariants", [](Z& z) { z.zero().check_invariants(); })

@@ -301,6 +301,11 @@ def profile_calls(train_step, batches, engine):
     import cProfile
     import pstats
     before = engine.stats()
+    # The engine's gathers and reduce-scatters by direct exchange on gloo
+    # (_direct_exchange.py): collectives too, which cProfile does not see
+    # as such.
+    exchanges = getattr(engine.comm, "exchanges", None)
+    exchanges_before = dict(exchanges) if exchanges is not None else {}
     profiler = cProfile.Profile()
     profiler.enable()
     for batch in batches:
@@ -317,7 +322,8 @@ def profile_calls(train_step, batches, engine):
     optimizer = f"{os.sep}torch{os.sep}optim{os.sep}"
     for (path, _, name), (_, calls, _, _, callers) in pstats.Stats(profiler).stats.items():
         total += calls
-        if path.endswith(f"{os.sep}_torch_world.py") and name in ("query", "wait", "<genexpr>"):
+        if path.endswith((f"{os.sep}_torch_world.py", f"{os.sep}_direct_exchange.py")) and \
+                name in ("query", "wait", "<genexpr>"):
             # How often the coordinator polls a collective before it
             # completes is the machine's timing, not the engine's work.
             completion += calls
@@ -333,13 +339,17 @@ def profile_calls(train_step, batches, engine):
                 blocking[name] = blocking.get(name, 0) + engine_calls
         if path.endswith("distributed_c10d.py"):
             by_name[name] = by_name.get(name, 0) + calls
-    # torch.distributed's collectives issued (the older name calls the newer).
+    # The collectives issued: torch.distributed's (the older name calls the
+    # newer), and the direct exchanges that replace them on gloo.
     collectives = {
         "all_gather": max(by_name.get("all_gather_single", 0),
                           by_name.get("all_gather_into_tensor", 0)),
         "reduce_scatter": max(by_name.get("reduce_scatter_single", 0),
                               by_name.get("reduce_scatter_tensor", 0)),
         "all_reduce": by_name.get("all_reduce", 0)}
+    for key, before_count in exchanges_before.items():
+        collectives[key] += exchanges[key] - before_count
+    collectives["all_gather"] += after["host_world_exchanges"] - before["host_world_exchanges"]
     # The host world's waits in C++ (planned gathers), which cProfile does
     # not see.
     for key, name in (("host_world_waits", "host world (C++): wait"),

@@ -20,11 +20,15 @@ gather of a parameter group (its members' slices back to back in the
 shard, each member whole in the output) is one all-gather of the flat
 shard and one copy-out (``split_with_sizes_copy``) into the members'
 places, as FSDP2 does; the small groups of one coalesced gather (a
-prefetch) share one all-gather, their shards copied in back to back.
+prefetch) share one all-gather, their shards copied in back to back. On
+gloo (up to _direct_exchange.MAX_RANKS ranks) an all-gather, and a sum
+reduce-scatter, is a direct exchange instead: sends and receives straight
+into the output (_direct_exchange.py says why).
 
 Stream semantics. cpu: the collective runs on gloo's threads; its output
 (copied out) is complete when the work is (``query()`` true, or
-``wait()``). cuda: the coordinator passes the stream it issues on (its
+``wait()``; an exchange's ``query()`` is true only once it was waited
+for). cuda: the coordinator passes the stream it issues on (its
 communication stream, ``stream``: a ``cudaStream_t`` as an int); the
 collective is ordered after that stream's work, the stream's later work
 after the collective (``Work.wait()`` there, a device-side wait) and the
@@ -40,6 +44,7 @@ import torch.distributed as dist
 from ... import _ductile
 from ..._errors import InvalidArgumentError
 from ._collectives import Done
+from ._direct_exchange import MAX_RANKS, TAG, DirectGather, DirectReduceScatter
 from ._memory import DeviceMemory
 
 _DTYPES = {
@@ -195,6 +200,16 @@ class TorchWorld:
         else:
             self.device = torch.device("cpu")
         self._memory = DeviceMemory(self.device.type, self.device)
+        # gloo: gathers and sum reduce-scatters by direct exchange
+        # (_direct_exchange.py), the C++ host world's planned gathers too
+        # (with direct_tag); None: by torch's collectives.
+        self.direct_exchange = None
+        if self.device.type == "cpu" and "gloo" in self.backend and 1 < self.size <= MAX_RANKS:
+            self.direct_exchange = group if group is not None else dist.group.WORLD
+        self.direct_tag = TAG
+        # The engine's calls done by exchange (the C++ host world counts its
+        # own: stats()["host_world_exchanges"]).
+        self.exchanges = {"all_gather": 0, "reduce_scatter": 0}
         self._root = {}     # group rank -> global rank (broadcast takes a global one)
         self._tensors = {}  # (address, numel, dtype) -> tensor over that memory
         self._plans = {}    # coalesced gather items -> [_Run]
@@ -240,7 +255,7 @@ class TorchWorld:
     def all_gather_at(self, send, recv, count, dtype, stream=None):
         out = self._at(recv, count * self.size, dtype)
         inp = self._at(send, count, dtype)
-        if send == recv + self.rank * count * _SIZES[dtype]:
+        if send == recv + self.rank * count * _SIZES[dtype] and self.direct_exchange is None:
             inp = inp.clone()  # in place: the collective must not read what it writes
         return self._on(stream, lambda: self.all_gather(out, inp))
 
@@ -272,9 +287,10 @@ class TorchWorld:
 
     # The C++ host world (python/src/host_world.cpp) issues coalesced
     # gathers on host streams (cpu) itself, from the plan made here the
-    # first time it sees their items, with this collective on `group`: the
-    # coordinator gathers the same groups into the same buffers every pass,
-    # so no Python function of ductile's runs.
+    # first time it sees their items, with this collective on `group` (or,
+    # with direct_exchange, by sends and receives on it): the coordinator
+    # gathers the same groups into the same buffers every pass, so no
+    # Python function of ductile's runs.
     gather_collective = staticmethod(_all_gather)
 
     def gather_plan(self, items):
@@ -284,7 +300,8 @@ class TorchWorld:
         collective must not read while it writes."""
         if len(items) == 1:
             send, recv, count, dtype = items[0]
-            clone = send == recv + self.rank * count * _SIZES[dtype]
+            clone = send == recv + self.rank * count * _SIZES[dtype] and \
+                self.direct_exchange is None  # an exchange sends from the output itself
             return [(self._at(send, count, dtype), None, self._at(recv, count * self.size, dtype),
                      None, None, count, clone)]
         return [(run.send, run.sends, run.recv, run.outs, run.sizes, run.total, False)
@@ -331,12 +348,18 @@ class TorchWorld:
             if out.data_ptr() != inp.data_ptr():
                 out.copy_(inp)
             return Done
+        if self.direct_exchange is not None:
+            self.exchanges["all_gather"] += 1
+            return DirectGather(self.direct_exchange, self.rank, self.size, out, inp)
         return Work(_all_gather(out, inp, group=self.group, async_op=True))
 
     def reduce_scatter(self, out, inp, op="sum"):
         if self.size == 1:
             out.copy_(inp)
             return Done
+        if self.direct_exchange is not None and op == "sum":
+            self.exchanges["reduce_scatter"] += 1
+            return DirectReduceScatter(self.direct_exchange, self.rank, self.size, out, inp)
         return Work(_reduce_scatter(out, inp, op=_OPS[op], group=self.group, async_op=True))
 
     def all_reduce(self, tensor, op="sum"):

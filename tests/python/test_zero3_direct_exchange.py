@@ -1,0 +1,36 @@
+"""TorchWorld's gathers and reduce-scatters on gloo by direct exchange
+(python/ductile/torch/zero3/_direct_exchange.py, and the C++ host world's
+planned gathers, which every zero3 training test on torchrun runs): on 2
+and 3 ranks under torchrun, equal to torch's own collectives on the same
+inputs, several in flight at once, in place, of every size down to none."""
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from zero3_launch import command, environment
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_exchanges_equal_torchs_collectives(tmp_path, ranks):
+    out = str(tmp_path / "report")
+    proc = subprocess.run(
+        command(ranks, "torchrun", os.path.join(HERE, "zero3_exchange_worker.py"), out),
+        capture_output=True, text=True, env=environment(), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in range(ranks):
+        with open(f"{out}.rank{rank}") as f:
+            report = json.load(f)
+        assert report["size"] == ranks and report["direct"], report
+        assert report["checks"] and all(report["checks"].values()), report["checks"]
+        # gloo tells an exchange is complete only once it is waited for.
+        assert report["query_before_wait"] == [False] * 4, report
+        assert report["query_after_wait"], report
+        # 5 + 1 + 3 gathers and 2 sum reduce-scatters went by exchange;
+        # max and the world without one, by torch's collectives.
+        assert report["exchanges"] == {"all_gather": 9, "reduce_scatter": 2}, report
+        assert report["collective_exchanges"] == {"all_gather": 0, "reduce_scatter": 0}, report

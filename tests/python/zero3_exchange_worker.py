@@ -1,0 +1,89 @@
+"""One rank of test_zero3_direct_exchange.py under torchrun (gloo): the
+gathers and reduce-scatters of TorchWorld by direct exchange
+(_direct_exchange.py) against torch's own collectives on the same inputs.
+Writes what it saw to <out>.rank<r> (JSON)."""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from ductile.torch.zero3._torch_world import TorchWorld
+
+
+def values(count, rank, dtype, salt):
+    # Different on every rank and element, exact in bfloat16 for small counts.
+    return (torch.arange(count, dtype=torch.float64) % 61 + 100 * rank + salt).to(dtype)
+
+
+def main(out_path):
+    dist.init_process_group("gloo")
+    world = TorchWorld()
+    rank, size = world.rank, world.size
+    report = {"rank": rank, "size": size, "direct": world.direct_exchange is not None,
+              "checks": {}}
+    checks = report["checks"]
+
+    # Gathers of several sizes and dtypes, all issued before any is waited
+    # for, waited in reverse: the messages of one tag match in posting order.
+    cases = [(5, torch.float32), (100_003, torch.float32), (1, torch.bfloat16),
+             (4_096, torch.float64), (0, torch.float32)]
+    issued = []
+    for i, (count, dtype) in enumerate(cases):
+        inp = values(count, rank, dtype, i)
+        out = torch.full((size * count,), -1.0, dtype=dtype)
+        issued.append((count, dtype, inp, out, world.all_gather(out, inp)))
+    polled = [entry[4].query() for entry in issued if entry[0] > 0]
+    for count, dtype, inp, out, work in reversed(issued):
+        work.wait()
+        expected = torch.empty(size * count, dtype=dtype)
+        dist.all_gather_into_tensor(expected, inp)
+        checks[f"gather {count} {dtype}"] = torch.equal(out, expected)
+    report["query_before_wait"] = polled
+    report["query_after_wait"] = all(work.query() for *_, work in issued)
+
+    # In place: the input is this rank's slot of the output.
+    count = 777
+    out = torch.zeros(size * count)
+    out[rank * count:(rank + 1) * count] = values(count, rank, torch.float32, 9)
+    world.all_gather(out, out[rank * count:(rank + 1) * count]).wait()
+    expected = torch.cat([values(count, r, torch.float32, 9) for r in range(size)])
+    checks["gather in place"] = torch.equal(out, expected)
+
+    # Reduce-scatters (sum: by exchange; max: torch's collective), with a
+    # gather in flight between them.
+    for count, op in ((3, "sum"), (50_001, "sum"), (1_000, "max")):
+        inp = values(size * count, rank, torch.float32, count) * (rank + 1)
+        out = torch.full((count,), -1.0)
+        work = world.reduce_scatter(out, inp, op)
+        side_in = values(count, rank, torch.float32, 5)
+        side_out = torch.empty(size * count)
+        side = world.all_gather(side_out, side_in)
+        side.wait()
+        work.wait()
+        expected = torch.empty(count)
+        dist.reduce_scatter_tensor(expected, inp.clone(),
+                                   op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        checks[f"reduce_scatter {op} {count}"] = torch.equal(out, expected)
+        checks[f"gather between reduce_scatters {count}"] = torch.equal(
+            side_out, torch.cat([values(count, r, torch.float32, 5) for r in range(size)]))
+    # Without an exchange (NCCL, more than MAX_RANKS ranks): torch's
+    # collectives, the same values.
+    collectives = TorchWorld()
+    collectives.direct_exchange = None
+    count = 1_001
+    inp = values(count, rank, torch.float32, 3)
+    out = torch.empty(size * count)
+    collectives.all_gather(out, inp).wait()
+    checks["gather by torch's collective"] = torch.equal(
+        out, torch.cat([values(count, r, torch.float32, 3) for r in range(size)]))
+    report["exchanges"] = world.exchanges
+    report["collective_exchanges"] = collectives.exchanges
+    with open(f"{out_path}.rank{rank}", "w") as f:
+        json.dump(report, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
