@@ -40,11 +40,28 @@ TAG = 0x64756374
 REDUCE_SCATTER_TAG = TAG + 1
 
 
-class DirectGather:
+class _Exchange:
+    """Messages in flight: complete once each was waited for."""
+
+    __slots__ = ("_works", "_done")
+
+    def query(self):
+        return self._done
+
+    def wait(self):
+        if self._done:
+            return
+        for work in self._works:
+            work.wait()
+        self._works = ()
+        self._done = True
+
+
+class DirectGather(_Exchange):
     """``out`` (ranks x n elements) gets every rank's ``inp`` (n elements)
     in rank order; issued at once, complete after ``wait()``."""
 
-    __slots__ = ("_works", "_done")
+    __slots__ = ()
 
     def __init__(self, group, rank, size, out, inp):
         n = inp.numel()
@@ -62,25 +79,14 @@ class DirectGather:
             works.append(group.recv([out[src * n:(src + 1) * n]], src, TAG))
         self._works = works
 
-    def query(self):
-        return self._done
 
-    def wait(self):
-        if self._done:
-            return
-        for work in self._works:
-            work.wait()
-        self._works = ()
-        self._done = True
-
-
-class DirectReduceScatter:
+class DirectReduceScatter(_Exchange):
     """``out`` (n elements) gets the sum over ranks of their ``inp`` slice
     ``rank`` (``inp``: ranks x n elements, each rank's slice sent to it);
     the other ranks' slices arrive in buffers of their own and are added
     by ``wait()``. ``inp`` must stay unchanged until then."""
 
-    __slots__ = ("_works", "_received", "_mine", "_out", "_done")
+    __slots__ = ("_received", "_mine", "_out")
 
     def __init__(self, group, rank, size, out, inp):
         n = out.numel()
@@ -97,18 +103,13 @@ class DirectReduceScatter:
         self._out = out
         self._done = False
 
-    def query(self):
-        return self._done
-
     def wait(self):
         if self._done:
             return
-        for work in self._works:
-            work.wait()
+        _Exchange.wait(self)
         received = self._received
         torch.add(self._mine, received[0], out=self._out)
         for buffer in received[1:]:
             self._out.add_(buffer)
-        self._works = self._received = ()
+        self._received = ()
         self._mine = self._out = None
-        self._done = True
