@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from zero3_launch import command, environment
+from zero3_launch import BLOCKS_CONFIG, command, environment, launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -34,3 +34,23 @@ def test_exchanges_equal_torchs_collectives(tmp_path, ranks):
         # max and the world without one, by torch's collectives.
         assert report["exchanges"] == {"all_gather": 9, "reduce_scatter": 2}, report
         assert report["collective_exchanges"] == {"all_gather": 0, "reduce_scatter": 0}, report
+
+
+def test_a_groups_large_member_is_exchanged_alone_and_trains_as_plain_torch(tmp_path):
+    """The root group of the tied LM with a 4096-token vocabulary: its
+    embedding (1 MiB gathered) is exchanged alone straight into its place,
+    the group's small members together through a scratch buffer; the
+    losses are plain torch's on one rank."""
+    config = BLOCKS_CONFIG.replace("max_live_parameters = 150000", "max_live_parameters = 600000")
+    assert config != BLOCKS_CONFIG
+    spec = {"steps": 4, "model": {"vocab": 4096}}
+    plain = launch(tmp_path, "plain", dict(spec, mode="plain"), config=config)[0]
+    zero = launch(tmp_path, "zero3", dict(spec, mode="zero3", profile_calls=True), ranks=2,
+                  launcher="torchrun", config=config)[0]
+    for step, loss in plain["losses"].items():
+        reference = zero["losses"][step]
+        assert abs(loss - reference) <= 1e-5 * abs(reference), (step, loss, reference)
+    calls = zero["calls"]
+    # A gather a step more than the groups gathered (and the ranks' token):
+    # the root's embedding went alone.
+    assert calls["collectives"]["all_gather"] > calls["gathers"] + 1, calls

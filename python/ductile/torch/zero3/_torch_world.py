@@ -62,6 +62,12 @@ _CACHE_LIMIT = 4096  # tensors and gather plans kept by address before the cache
 # _PACK_LIMIT bounds the bytes a rank sends in one pack.
 _SMALL_GROUP_BYTES = 4 << 20
 _PACK_LIMIT = 16 << 20
+# With direct exchanges, a group's member of _ALONE_BYTES gathered or more
+# is exchanged alone, straight into its place: the group's scratch buffer
+# and its copy-out then hold only the small members (a message pair a peer
+# costs less than copying a member this size twice; its smaller neighbours
+# stay together).
+_ALONE_BYTES = 1 << 20
 _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX,
         "prod": dist.ReduceOp.PRODUCT}
 
@@ -141,18 +147,19 @@ class _Run:
                          for _, recv, count, _ in items]
 
 
-def _packed(runs, limit, size):
+def _packed(runs, limit, size, member_alone=None):
     """Groups of runs gathered by one collective each: small runs of one
     dtype together (within `limit` bytes a rank), a larger one (gathered,
-    _SMALL_GROUP_BYTES or more) alone; each alone on one rank (no
-    collective to save)."""
+    _SMALL_GROUP_BYTES or more, or a single member of `member_alone` or
+    more) alone; each alone on one rank (no collective to save)."""
     if size == 1:
         return [[run] for run in runs]
     out, small, small_bytes = [], [], 0
     for run in runs:
         dtype = run[0][3]
         nbytes = sum(count for _, _, count, _ in run) * _SIZES[dtype]
-        if nbytes * size >= _SMALL_GROUP_BYTES or nbytes > limit:
+        if nbytes * size >= _SMALL_GROUP_BYTES or nbytes > limit or \
+                (member_alone is not None and len(run) == 1 and nbytes * size >= member_alone):
             out.append([run])
             continue
         if small and (small[0][0][3] != dtype or small_bytes + nbytes > limit):
@@ -162,6 +169,25 @@ def _packed(runs, limit, size):
         small_bytes += nbytes
     if small:
         out.append(small)
+    return out
+
+
+def _members_alone(runs, size, threshold):
+    """Runs with each member of `threshold` gathered bytes or more split
+    out as a run of its own."""
+    out = []
+    for run in runs:
+        current = []
+        for item in run:
+            if len(run) > 1 and item[2] * size * _SIZES[item[3]] >= threshold:
+                if current:
+                    out.append(current)
+                    current = []
+                out.append([item])
+            else:
+                current.append(item)
+        if current:
+            out.append(current)
     return out
 
 
@@ -259,13 +285,21 @@ class TorchWorld:
             inp = inp.clone()  # in place: the collective must not read what it writes
         return self._on(stream, lambda: self.all_gather(out, inp))
 
+    def _packing(self, runs):
+        """The collectives of a coalesced gather's runs (see _packed); with
+        direct exchanges, large members alone (_ALONE_BYTES)."""
+        if self.direct_exchange is None:
+            return _packed(runs, _PACK_LIMIT, self.size)
+        return _packed(_members_alone(runs, self.size, _ALONE_BYTES), _PACK_LIMIT, self.size,
+                       _ALONE_BYTES)
+
     def _plan(self, items):
         """The runs of a coalesced gather of `items`, made once per items."""
         key = tuple(items)
         runs = self._plans.get(key)
         if runs is None:
             runs = [_Run(self, packed)
-                    for packed in _packed(_runs(items, self.size), _PACK_LIMIT, self.size)]
+                    for packed in self._packing(_runs(items, self.size))]
             if len(self._plans) >= _CACHE_LIMIT:
                 self._plans.clear()
             self._plans[key] = runs
