@@ -2,7 +2,10 @@
 (python/ductile/torch/zero3/_direct_exchange.py, and the C++ host world's
 planned gathers, which every zero3 training test on torchrun runs): on 2
 and 3 ranks under torchrun, equal to torch's own collectives on the same
-inputs, several in flight at once, in place, of every size down to none."""
+inputs, several in flight at once, in place, of every size down to none,
+and in a process group of two of the ranks (group ranks address the
+messages); a group's large member alone, in a model that trains as plain
+torch."""
 
 import json
 import os

@@ -78,6 +78,25 @@ def main(out_path):
     collectives.all_gather(out, inp).wait()
     checks["gather by torch's collective"] = torch.equal(
         out, torch.cat([values(count, r, torch.float32, 3) for r in range(size)]))
+    # A group of the last two ranks: group ranks, not global ones, address
+    # the messages (on 2 ranks, the whole world again).
+    members = [size - 2, size - 1]
+    sub = dist.new_group(members)
+    if rank in members:
+        sub_world = TorchWorld(sub)
+        count = 333
+        inp = values(count, rank, torch.float32, 7)
+        out = torch.empty(2 * count)
+        sub_world.all_gather(out, inp).wait()
+        checks["gather in a group of 2"] = sub_world.direct_exchange is sub and torch.equal(
+            out, torch.cat([values(count, r, torch.float32, 7) for r in members]))
+        reduced = torch.empty(count)
+        layout = values(2 * count, rank, torch.float32, 1)
+        sub_world.reduce_scatter(reduced, layout).wait()
+        mine = members.index(rank)
+        checks["reduce_scatter in a group of 2"] = torch.equal(
+            reduced, sum(values(2 * count, r, torch.float32, 1)[mine * count:(mine + 1) * count]
+                         for r in members))
     report["exchanges"] = world.exchanges
     report["collective_exchanges"] = collectives.exchanges
     with open(f"{out_path}.rank{rank}", "w") as f:
