@@ -143,9 +143,12 @@ struct GatherOps {
   py::object collective;  // all_gather_into_tensor(out, in, group=, async_op=True)
   py::object group;
   py::object cat, empty, split_copy;
-  // With TorchWorld.direct_exchange (gloo; _direct_exchange.py): its
-  // ProcessGroup's send([t], dst, tag) and recv([t], src, tag), else None.
-  py::object send, recv;
+  // With TorchWorld.direct_exchange (gloo; _direct_exchange.py):
+  // ProcessGroup.send(group, [t], dst, tag) and .recv(group, [t], src,
+  // tag), unbound, else None; `groups`, torch.distributed.group, whose
+  // WORLD is the default group, looked up at each gather (held, a
+  // ProcessGroup would outlive destroy_process_group()).
+  py::object send, recv, groups;
   int tag = 0;
 };
 
@@ -242,11 +245,14 @@ class HostWorldCommunicator final : public Communicator {
                                 .empty = torch.attr("empty"),
                                 .split_copy = torch.attr("split_with_sizes_copy"),
                                 .send = py::none(),
-                                .recv = py::none()};
-      const py::object direct = py::getattr(world_, "direct_exchange", py::none());
-      if (!direct.is_none()) {
-        ops->send = direct.attr("send");
-        ops->recv = direct.attr("recv");
+                                .recv = py::none(),
+                                .groups = py::none()};
+      if (py::getattr(world_, "direct_exchange", py::bool_(false)).cast<bool>()) {
+        const py::module_ distributed = py::module_::import("torch.distributed");
+        const py::object process_group = distributed.attr("ProcessGroup");
+        ops->send = process_group.attr("send");
+        ops->recv = process_group.attr("recv");
+        ops->groups = distributed.attr("group");
         ops->tag = world_.attr("direct_tag").cast<int>();
       }
       ops_ = held_by_python(ops);
@@ -386,14 +392,15 @@ class HostWorldCommunicator final : public Communicator {
       return works;
     }
     if (waits_ != nullptr) ++waits_->exchanges;
+    const py::object group = ops.group.is_none() ? ops.groups.attr("WORLD") : ops.group;
     const py::object own = out.attr("narrow")(0, rank_ * count, count);
     if (!own.attr("data_ptr")().equal(send.attr("data_ptr")())) own.attr("copy_")(send);
     for (int k = 1; k < size_; ++k) {
       const int dst = (rank_ + k) % size_;
       const int src = (rank_ - k + size_) % size_;
-      works.append(ops.send(py::make_tuple(own), dst, ops.tag));
+      works.append(ops.send(group, py::make_tuple(own), dst, ops.tag));
       works.append(
-          ops.recv(py::make_tuple(out.attr("narrow")(0, src * count, count)), src, ops.tag));
+          ops.recv(group, py::make_tuple(out.attr("narrow")(0, src * count, count)), src, ops.tag));
     }
     return works;
   }

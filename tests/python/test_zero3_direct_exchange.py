@@ -5,7 +5,7 @@ and 3 ranks under torchrun, equal to torch's own collectives on the same
 inputs, several in flight at once, in place, of every size down to none,
 and in a process group of two of the ranks (group ranks address the
 messages); a group's large member alone, in a model that trains as plain
-torch."""
+torch; an engine holds no reference to the default group."""
 
 import json
 import os
@@ -29,6 +29,8 @@ def test_exchanges_equal_torchs_collectives(tmp_path, ranks):
         with open(f"{out}.rank{rank}") as f:
             report = json.load(f)
         assert report["size"] == ranks and report["direct"], report
+        # The default group is looked up at each exchange, never held.
+        assert report["group_references_an_engine_holds"] == 0, report
         assert report["checks"] and all(report["checks"].values()), report["checks"]
         # gloo tells an exchange is complete only once it is waited for.
         assert report["query_before_wait"] == [False] * 4, report

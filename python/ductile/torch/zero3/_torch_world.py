@@ -228,10 +228,13 @@ class TorchWorld:
         self._memory = DeviceMemory(self.device.type, self.device)
         # gloo: gathers and sum reduce-scatters by direct exchange
         # (_direct_exchange.py), the C++ host world's planned gathers too
-        # (with direct_tag); None: by torch's collectives.
-        self.direct_exchange = None
-        if self.device.type == "cpu" and "gloo" in self.backend and 1 < self.size <= MAX_RANKS:
-            self.direct_exchange = group if group is not None else dist.group.WORLD
+        # (with direct_tag); False: by torch's collectives. The default
+        # group is looked up at each call, never held: a ProcessGroup kept
+        # alive past destroy_process_group() outlives the interpreter, and a
+        # gloo thread dropping its tensors then aborts the process (see
+        # "The world" in docs/python.md).
+        self.direct_exchange = self.device.type == "cpu" and "gloo" in self.backend and \
+            1 < self.size <= MAX_RANKS
         self.direct_tag = TAG
         # The engine's calls done by exchange (the C++ host world counts its
         # own: stats()["host_world_exchanges"]).
@@ -281,14 +284,14 @@ class TorchWorld:
     def all_gather_at(self, send, recv, count, dtype, stream=None):
         out = self._at(recv, count * self.size, dtype)
         inp = self._at(send, count, dtype)
-        if send == recv + self.rank * count * _SIZES[dtype] and self.direct_exchange is None:
+        if send == recv + self.rank * count * _SIZES[dtype] and not self.direct_exchange:
             inp = inp.clone()  # in place: the collective must not read what it writes
         return self._on(stream, lambda: self.all_gather(out, inp))
 
     def _packing(self, runs):
         """The collectives of a coalesced gather's runs (see _packed); with
         direct exchanges, large members alone (_ALONE_BYTES)."""
-        if self.direct_exchange is None:
+        if not self.direct_exchange:
             return _packed(runs, _PACK_LIMIT, self.size)
         return _packed(_members_alone(runs, self.size, _ALONE_BYTES), _PACK_LIMIT, self.size,
                        _ALONE_BYTES)
@@ -335,7 +338,7 @@ class TorchWorld:
         if len(items) == 1:
             send, recv, count, dtype = items[0]
             clone = send == recv + self.rank * count * _SIZES[dtype] and \
-                self.direct_exchange is None  # an exchange sends from the output itself
+                not self.direct_exchange  # an exchange sends from the output itself
             return [(self._at(send, count, dtype), None, self._at(recv, count * self.size, dtype),
                      None, None, count, clone)]
         return [(run.send, run.sends, run.recv, run.outs, run.sizes, run.total, False)
@@ -382,18 +385,20 @@ class TorchWorld:
             if out.data_ptr() != inp.data_ptr():
                 out.copy_(inp)
             return Done
-        if self.direct_exchange is not None:
+        if self.direct_exchange:
             self.exchanges["all_gather"] += 1
-            return DirectGather(self.direct_exchange, self.rank, self.size, out, inp)
+            return DirectGather(self.group if self.group is not None else dist.group.WORLD,
+                                self.rank, self.size, out, inp)
         return Work(_all_gather(out, inp, group=self.group, async_op=True))
 
     def reduce_scatter(self, out, inp, op="sum"):
         if self.size == 1:
             out.copy_(inp)
             return Done
-        if self.direct_exchange is not None and op == "sum":
+        if self.direct_exchange and op == "sum":
             self.exchanges["reduce_scatter"] += 1
-            return DirectReduceScatter(self.direct_exchange, self.rank, self.size, out, inp)
+            return DirectReduceScatter(self.group if self.group is not None else dist.group.WORLD,
+                                       self.rank, self.size, out, inp)
         return Work(_reduce_scatter(out, inp, op=_OPS[op], group=self.group, async_op=True))
 
     def all_reduce(self, tensor, op="sum"):
