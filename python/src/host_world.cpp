@@ -143,12 +143,11 @@ struct GatherOps {
   py::object collective;  // all_gather_into_tensor(out, in, group=, async_op=True)
   py::object group;
   py::object cat, empty, split_copy;
-  // With TorchWorld.direct_exchange (gloo; _direct_exchange.py):
-  // ProcessGroup.send(group, [t], dst, tag) and .recv(group, [t], src,
-  // tag), unbound, else None; `groups`, torch.distributed.group, whose
-  // WORLD is the default group, looked up at each gather (held, a
-  // ProcessGroup would outlive destroy_process_group()).
-  py::object send, recv, groups;
+  // With TorchWorld.direct_exchange (gloo), torch.distributed.group, whose
+  // WORLD is the default group, looked up at each gather when `group` is
+  // None (held, a ProcessGroup would outlive destroy_process_group()); else
+  // None: gathered by `collective`.
+  py::object groups;
   int tag = 0;
 };
 
@@ -244,15 +243,9 @@ class HostWorldCommunicator final : public Communicator {
                                 .cat = torch.attr("cat"),
                                 .empty = torch.attr("empty"),
                                 .split_copy = torch.attr("split_with_sizes_copy"),
-                                .send = py::none(),
-                                .recv = py::none(),
                                 .groups = py::none()};
       if (py::getattr(world_, "direct_exchange", py::bool_(false)).cast<bool>()) {
-        const py::module_ distributed = py::module_::import("torch.distributed");
-        const py::object process_group = distributed.attr("ProcessGroup");
-        ops->send = process_group.attr("send");
-        ops->recv = process_group.attr("recv");
-        ops->groups = distributed.attr("group");
+        ops->groups = py::module_::import("torch.distributed").attr("group");
         ops->tag = world_.attr("direct_tag").cast<int>();
       }
       ops_ = held_by_python(ops);
@@ -371,7 +364,7 @@ class HostWorldCommunicator final : public Communicator {
                                py::arg("device") = send.attr("device"));
           out = gathered;
         }
-        parts.push_back({issue_gather(ops, out, send, run.total), std::move(gathered), &run});
+        parts.push_back({issue_gather(ops, out, send), std::move(gathered), &run});
       }
       return std::make_shared<PlannedGather>(std::move(parts), plan, ops_, waits_, size_,
                                              std::move(what));
@@ -380,29 +373,18 @@ class HostWorldCommunicator final : public Communicator {
     }
   }
 
-  // One gather of `count` elements a rank into `out`: the collective, or
-  // with a direct exchange this rank's piece sent to every other rank and
-  // theirs received into their places (_direct_exchange.DirectGather).
-  py::list issue_gather(const GatherOps& ops, const py::object& out, const py::object& send,
-                        std::int64_t count) const {
-    py::list works;
-    if (ops.send.is_none()) {
+  // One gather of `count` elements a rank into `out`: the collective, or a
+  // direct exchange.
+  py::list issue_gather(const GatherOps& ops, const py::object& out, const py::object& send) const {
+    if (ops.groups.is_none()) {
+      py::list works;
       works.append(
           ops.collective(out, send, py::arg("group") = ops.group, py::arg("async_op") = true));
       return works;
     }
     if (waits_ != nullptr) ++waits_->exchanges;
-    const py::object group = ops.group.is_none() ? ops.groups.attr("WORLD") : ops.group;
-    const py::object own = out.attr("narrow")(0, rank_ * count, count);
-    if (!own.attr("data_ptr")().equal(send.attr("data_ptr")())) own.attr("copy_")(send);
-    for (int k = 1; k < size_; ++k) {
-      const int dst = (rank_ + k) % size_;
-      const int src = (rank_ - k + size_) % size_;
-      works.append(ops.send(group, py::make_tuple(own), dst, ops.tag));
-      works.append(
-          ops.recv(group, py::make_tuple(out.attr("narrow")(0, src * count, count)), src, ops.tag));
-    }
-    return works;
+    return issue_direct_gather(ops.group.is_none() ? ops.groups.attr("WORLD") : ops.group, rank_,
+                               size_, out, send, ops.tag);
   }
 
   static void check(const void* buffer, std::size_t count, const char* call) {
@@ -470,6 +452,24 @@ class HostWorldCommunicator final : public Communicator {
 };
 
 }  // namespace
+
+py::list issue_direct_gather(const py::object& group, int rank, int size, const py::object& out,
+                             const py::object& send, int tag) {
+  py::list works;
+  const auto count = send.attr("numel")().cast<std::int64_t>();
+  if (count == 0) return works;
+  const py::object own = out.attr("narrow")(0, rank * count, count);
+  if (!own.attr("data_ptr")().equal(send.attr("data_ptr")())) own.attr("copy_")(send);
+  const py::object send_to = group.attr("send");
+  const py::object receive_from = group.attr("recv");
+  for (int k = 1; k < size; ++k) {
+    const int dst = (rank + k) % size;
+    const int src = (rank - k + size) % size;
+    works.append(send_to(py::make_tuple(own), dst, tag));
+    works.append(receive_from(py::make_tuple(out.attr("narrow")(0, src * count, count)), src, tag));
+  }
+  return works;
+}
 
 std::shared_ptr<Communicator> make_host_world(py::object world, NativeStreamHandles* streams,
                                               std::shared_ptr<HostWorldWaits> waits) {

@@ -63,6 +63,25 @@ struct HostWorldWaits {
   std::atomic<std::uint64_t> exchanges{0};
 };
 
+// A gather by direct exchange (TorchWorld.direct_exchange, gloo;
+// python/ductile/torch/zero3/_direct_exchange.py says why): `send` (a
+// tensor of n elements) is copied into its place in `out` (a 1-D tensor of
+// size x n, rank order) unless it lies there, then sent from there to every
+// other rank, and theirs are received into their places, over `group` (a
+// torch ProcessGroup, whose ranks address the messages) with `tag`.
+// Returns the messages' Work objects (a send and a receive a peer; none
+// when n is 0); the gather is complete once each was waited for. Every
+// rank issues its gathers in the same order. The one implementation of the
+// exchange: the planned gathers here and DirectGather (bound as
+// _ductile.zero.direct_gather) both call it.
+//
+// Threading: the GIL held. Errors: Python's, as py::error_already_set.
+// Ownership: the works keep the tensors alive until they complete; `out`
+// and `send` must not be written until then.
+pybind11::list issue_direct_gather(const pybind11::object& group, int rank, int size,
+                                   const pybind11::object& out, const pybind11::object& send,
+                                   int tag);
+
 // `streams` may be null; it must outlive the communicator. `waits` (may be
 // null) counts the planned gathers' waits.
 std::shared_ptr<Communicator> make_host_world(pybind11::object world, NativeStreamHandles* streams,

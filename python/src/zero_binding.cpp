@@ -364,6 +364,10 @@ void register_zero(py::module_& m) {
   register_saved_views(m);
   register_unit_passes(m);
   register_group_gradients(m);
+  m.def("direct_gather", &issue_direct_gather, py::arg("group"), py::arg("rank"), py::arg("size"),
+        py::arg("out"), py::arg("inp"), py::arg("tag"),
+        "Issues an all-gather of `inp` into `out` over a torch ProcessGroup by direct exchange "
+        "(sends and receives with `tag`); returns the messages' works (see host_world.hpp).");
   m.def("host_view", &host_view, py::arg("address"), py::arg("bytes"),
         "A writable memoryview over host memory owned by the coordinator (cpu backend).");
 }

@@ -14,8 +14,9 @@ the same bytes a ring does, (ranks - 1) pieces a rank.
 
 Where: TorchWorld uses it on gloo up to ``MAX_RANKS`` ranks (each rank
 then keeps (ranks - 1) sends and receives in flight); NCCL's collectives
-run on the device and are kept. The C++ host world issues its planned
-gathers the same way (python/src/host_world.cpp, with ``TAG``).
+run on the device and are kept. A gather's messages are issued by one C++
+function (``issue_direct_gather`` in python/src/host_world.cpp), which the
+C++ host world's planned gathers call too, with ``TAG``.
 
 Order: messages between two ranks with one tag are matched in the order
 they were posted, so every rank posts its exchanges in the same order, as
@@ -31,11 +32,13 @@ the bytes are in.
 
 import torch
 
+from ... import _ductile
+
 # Ranks up to which TorchWorld exchanges directly on gloo. Beyond, gloo's
 # ring keeps 2 messages in flight a rank instead of 2 x (ranks - 1).
 MAX_RANKS = 8
-# gloo's point-to-point tags of the gathers (python/src/host_world.cpp
-# sends with the same) and of the reduce-scatters.
+# gloo's point-to-point tags of the gathers (the C++ host world's planned
+# gathers get it as TorchWorld.direct_tag) and of the reduce-scatters.
 TAG = 0x64756374
 REDUCE_SCATTER_TAG = TAG + 1
 
@@ -59,25 +62,16 @@ class _Exchange:
 
 class DirectGather(_Exchange):
     """``out`` (ranks x n elements) gets every rank's ``inp`` (n elements)
-    in rank order; issued at once, complete after ``wait()``."""
+    in rank order; issued at once, complete after ``wait()``. The messages
+    are issued in C++ (``_ductile.zero.direct_gather``, which the C++ host
+    world's planned gathers call too)."""
 
     __slots__ = ()
 
     def __init__(self, group, rank, size, out, inp):
-        n = inp.numel()
-        self._works = ()
-        self._done = n == 0
-        if n == 0:
-            return
-        own = out[rank * n:(rank + 1) * n]
-        if own.data_ptr() != inp.data_ptr():
-            own.copy_(inp)
-        works = []
-        for k in range(1, size):
-            works.append(group.send([own], (rank + k) % size, TAG))
-            src = (rank - k) % size
-            works.append(group.recv([out[src * n:(src + 1) * n]], src, TAG))
+        works = _ductile.zero.direct_gather(group, rank, size, out, inp, TAG)
         self._works = works
+        self._done = not works
 
 
 class DirectReduceScatter(_Exchange):
