@@ -86,6 +86,11 @@ inline void register_f32(ParameterCoordinator& zero, ParameterId id, std::size_t
   zero.set_full(id, bytes.data(), bytes.size());
 }
 
+// True when the parameter has a gathered copy (fetched, prefetched or kept).
+inline bool gathered(ParameterCoordinator& zero, ParameterId id) {
+  return zero.status(id) != ParameterStatus::not_available;
+}
+
 // True when the gathered copy equals the original bytes of `version`.
 inline bool gathered_matches(ParameterCoordinator& zero, ParameterId id, std::size_t bytes,
                              int version) {
