@@ -63,15 +63,8 @@ TEST_CASE("ShardPlacement: host shards gather what they hold, prefetched along t
     CHECK(std::memcmp(storage.shard_data(p), shard.data(), shard.size()) == 0);
   }
 
-  const std::vector<ModuleId> order = {0, 1, 2, 3, 4, 5, 5, 4, 3, 2, 1, 0};
   for (int pass = 0; pass < 4; ++pass) {
-    for (ModuleId m : order) {
-      zero->fetch(m);
-      for (ParameterId p : {m, m + 1}) CHECK(gathered_matches(*zero, p, sizes[p] * 4, pass));
-      zero->release(m);
-      zero->check_invariants();
-    }
-    zero->end_step();
+    chain_pass(*zero, sizes, pass, [] {});
     // The next version: through set_full() for half of them, written in
     // place through shard_data() (an optimizer's step) for the rest.
     for (ParameterId p = 0; p < sizes.size(); ++p) {
@@ -98,13 +91,7 @@ TEST_CASE("ShardPlacement: host shards gather what they hold, prefetched along t
   for (ParameterId p = 0; p < sizes.size(); ++p) placement.move_shard(p, ShardLocation::device);
   for (ParameterId p = 0; p < sizes.size(); ++p)
     CHECK(placement.shard_location(p) == ShardLocation::device);
-  for (ModuleId m : order) {
-    zero->fetch(m);
-    for (ParameterId p : {m, m + 1}) CHECK(gathered_matches(*zero, p, sizes[p] * 4, 4));
-    zero->release(m);
-  }
-  zero->end_step();
-  zero->check_invariants();
+  chain_pass(*zero, sizes, 4, [] {});
 }
 
 TEST_CASE("ShardPlacement: what cannot move is an error naming the call and what is valid") {

@@ -99,6 +99,27 @@ inline bool gathered_matches(ParameterCoordinator& zero, ParameterId id, std::si
   return got == param_bytes(id, bytes, version);
 }
 
+// One training pass over a chain model (module m uses parameters m and
+// m + 1), forward then backward, ended by end_step(): every copy gathered
+// holds the bytes of `version`, and `after_release` runs after each
+// module's release.
+template <class AfterRelease>
+void chain_pass(ParameterCoordinator& zero, const std::vector<std::size_t>& sizes, int version,
+                AfterRelease&& after_release) {
+  const ModuleId modules = sizes.size() - 1;
+  std::vector<ModuleId> order;
+  for (ModuleId m = 0; m < modules; ++m) order.push_back(m);
+  for (ModuleId m = modules; m-- > 0;) order.push_back(m);
+  for (ModuleId m : order) {
+    zero.fetch(m);
+    for (ParameterId p : {m, m + 1}) CHECK(gathered_matches(zero, p, sizes[p] * 4, version));
+    zero.release(m);
+    zero.check_invariants();
+    after_release();
+  }
+  zero.end_step();
+}
+
 // True when this rank's shard (read_shard()) holds its slice of the
 // original bytes of `version`, zero-padded past the parameter's end.
 inline bool shard_matches(ParameterCoordinator& zero, int rank, ParameterId id, std::size_t bytes,
