@@ -373,7 +373,7 @@ class HostWorldCommunicator final : public Communicator {
     }
   }
 
-  // One gather of `count` elements a rank into `out`: the collective, or a
+  // One gather of every rank's `send` into `out`: the collective, or a
   // direct exchange.
   py::list issue_gather(const GatherOps& ops, const py::object& out, const py::object& send) const {
     if (ops.groups.is_none()) {
