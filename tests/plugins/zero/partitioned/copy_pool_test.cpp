@@ -17,8 +17,10 @@
 #include "copy_pool.hpp"
 #include "ductile/accelerator.hpp"
 #include "ductile/core/runtime.hpp"
+#include "residency.hpp"
 
 using namespace ductile;
+using zero_test::residency;
 
 namespace {
 
@@ -28,21 +30,6 @@ std::shared_ptr<Accelerator> cpu_accelerator() {
                                      "\"]\n[accelerator]\nbackend = \"cpu\"\n",
                                  "copy_pool_test.toml");
   return runtime.get<Accelerator>();
-}
-
-// Resident pages among the whole pages inside [pointer, pointer + bytes).
-std::size_t resident_pages(const void* pointer, std::size_t bytes, std::size_t* pages) {
-  const auto page = static_cast<std::uintptr_t>(sysconf(_SC_PAGESIZE));
-  const auto start = reinterpret_cast<std::uintptr_t>(pointer);
-  const std::uintptr_t first = (start + page - 1) / page * page;
-  const std::uintptr_t last = (start + bytes) / page * page;
-  *pages = last > first ? (last - first) / page : 0;
-  std::vector<unsigned char> map(*pages);
-  if (*pages == 0) return 0;
-  REQUIRE(mincore(reinterpret_cast<void*>(first), last - first, map.data()) == 0);
-  std::size_t resident = 0;
-  for (unsigned char m : map) resident += m & 1;
-  return resident;
 }
 
 // Whether this kernel populates on request (Linux 5.14 and later).
@@ -71,10 +58,9 @@ TEST_CASE("CopyPool: a rested buffer is taken back with its pages mapped, and ze
   pool.give(a, bytes);
   pool.rest();
   pool.give(b, bytes);  // given while resting: rests too
-  std::size_t pages = 0;
-  CHECK(resident_pages(a, bytes, &pages) == 0);
-  CHECK(resident_pages(b, bytes, &pages) == 0);
-  REQUIRE(pages > 0);
+  CHECK(residency(a, bytes).resident == 0);
+  CHECK(residency(b, bytes).resident == 0);
+  REQUIRE(residency(a, bytes).pages > 0);
 
   // Taken again, before anything writes it.
   void* first = pool.take(bytes);
@@ -85,7 +71,8 @@ TEST_CASE("CopyPool: a rested buffer is taken back with its pages mapped, and ze
   CAPTURE(populates);
   for (void* p : {first, second}) {
     CHECK((p == a || p == b));
-    CHECK(resident_pages(p, bytes, &pages) == (populates ? pages : 0));
+    const auto [pages, resident] = residency(p, bytes);
+    CHECK(resident == (populates ? pages : 0));
     // The whole pages were given back: they read as zero, not as 0x5a.
     const auto page = static_cast<std::uintptr_t>(sysconf(_SC_PAGESIZE));
     const auto whole = (reinterpret_cast<std::uintptr_t>(p) + page - 1) / page * page;
@@ -105,8 +92,8 @@ TEST_CASE("CopyPool: a buffer that did not rest is taken back as it was") {
   pool.give(a, bytes);
   void* again = pool.take(bytes);
   REQUIRE(again == a);
-  std::size_t pages = 0;
-  CHECK(resident_pages(a, bytes, &pages) == pages);
+  const auto [pages, resident] = residency(a, bytes);
+  CHECK(resident == pages);
   CHECK(static_cast<const unsigned char*>(a)[bytes / 2] == 0x33);
   pool.give(again, bytes);
 }

@@ -2,39 +2,13 @@
 // the real cpu backend under mpirun with 1 and 2 ranks: copies reuse the
 // pool's buffers once the trace runs, and on the host an idle buffer holds
 // no resident page once its pass has issued its last gather.
-#include <sys/mman.h>
-#include <unistd.h>
-
 #include <cstdint>
 #include <vector>
 
+#include "residency.hpp"
 #include "zero_support.hpp"
 
 using namespace zero_test;
-
-namespace {
-
-// Resident pages among the whole pages inside [pointer, pointer + bytes).
-struct Residency {
-  std::size_t pages = 0;
-  std::size_t resident = 0;
-};
-
-Residency residency(const void* pointer, std::size_t bytes) {
-  const auto page = static_cast<std::uintptr_t>(sysconf(_SC_PAGESIZE));
-  const auto start = reinterpret_cast<std::uintptr_t>(pointer);
-  const std::uintptr_t first = (start + page - 1) / page * page;
-  const std::uintptr_t last = (start + bytes) / page * page;
-  Residency r;
-  if (last <= first) return r;
-  r.pages = (last - first) / page;
-  std::vector<unsigned char> map(r.pages);
-  REQUIRE(mincore(reinterpret_cast<void*>(first), last - first, map.data()) == 0);
-  for (unsigned char m : map) r.resident += m & 1;
-  return r;
-}
-
-}  // namespace
 
 TEST_CASE("GatherMemory: on the host, idle copies give their pages back once a pass gathered all") {
   auto& e = env();
