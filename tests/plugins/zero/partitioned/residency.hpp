@@ -12,10 +12,12 @@
 
 namespace zero_test {
 
-// Resident pages among the whole pages inside [pointer, pointer + bytes).
+// Resident pages among the whole pages inside [pointer, pointer + bytes),
+// the first of which starts at `first`.
 struct Residency {
   std::size_t pages = 0;
   std::size_t resident = 0;
+  std::uintptr_t first = 0;
 };
 
 inline Residency residency(const void* pointer, std::size_t bytes) {
@@ -24,6 +26,7 @@ inline Residency residency(const void* pointer, std::size_t bytes) {
   const std::uintptr_t first = (start + page - 1) / page * page;
   const std::uintptr_t last = (start + bytes) / page * page;
   Residency r;
+  r.first = first;
   if (last <= first) return r;
   r.pages = (last - first) / page;
   std::vector<unsigned char> map(r.pages);
