@@ -66,7 +66,8 @@ void register_optimizer(py::module_& m) {
              const py::object& lr, const py::object& beta1, const py::object& beta2,
              const py::object& eps, const py::object& weight_decay, const py::object& adamw_mode,
              const py::object& bias_correction, const py::object& grad_scale,
-             const py::object& copy_out, const std::string& copy_out_type) {
+             const py::object& copy_out, const std::string& copy_out_type,
+             const py::object& threads) {
             std::vector<float*> states;
             for (std::size_t i = 0; i < state.size(); ++i)
               states.push_back(pointer<float>(state[i], "state"));
@@ -77,6 +78,7 @@ void register_optimizer(py::module_& m) {
             b.numel = static_cast<std::size_t>(int_argument(numel, "numel", 0));
             b.copy_out = copy_out.is_none() ? nullptr : pointer<void>(copy_out, "copy_out");
             b.copy_out_type = half_type(copy_out_type);
+            b.threads = static_cast<std::size_t>(int_argument(threads, "threads", 0, 1 << 20));
             OptimizerHyperParams hyper;
             hyper.lr = real_argument(lr, "lr");
             hyper.beta1 = real_argument(beta1, "beta1");
@@ -94,9 +96,10 @@ void register_optimizer(py::module_& m) {
           py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
           py::arg("weight_decay"), py::arg("adamw_mode"), py::arg("bias_correction"),
           py::arg("grad_scale") = 1.0, py::arg("copy_out") = py::none(),
-          py::arg("copy_out_type") = "bfloat16",
+          py::arg("copy_out_type") = "bfloat16", py::arg("threads") = 0,
           "One step over the buffers at these addresses (numel fp32 values each; copy_out: "
-          "numel 16-bit values of copy_out_type, or None). Blocks until done, without the GIL.");
+          "numel 16-bit values of copy_out_type, or None) on at most `threads` threads (0: as "
+          "many as the plugin's parameters say). Blocks until done, without the GIL.");
 }
 
 }  // namespace ductile::python

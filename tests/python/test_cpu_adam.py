@@ -1,12 +1,14 @@
 """ductile.ops.adam.DuctileCPUAdam (the cpu_adam plugin) against
 torch.optim.AdamW and torch.optim.Adam: the same parameters and states to
 1e-6 relative after several steps, on random data of many sizes (every
-vector tail), with and without weight decay; torch's state_dict layout both
-ways; the bf16/fp16 copy; a real training loop; errors."""
+vector tail), with and without weight decay; torch's thread count followed,
+with the same bits; torch's state_dict layout both ways; the bf16/fp16
+copy; a real training loop; errors."""
 
 import copy
 import inspect
 import os
+import threading
 
 import pytest
 import torch
@@ -115,6 +117,82 @@ def test_threads_do_not_change_a_bit():
     assert "2 threads" in opt.implementation
     for a, b in zip(one, two):
         assert torch.equal(a, b)
+
+
+def cpu_ticks_by_thread():
+    """CPU time (user + system, clock ticks) of each thread of this process,
+    from /proc/self/task/<tid>/stat."""
+    ticks = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended
+        ticks[tid] = int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks
+
+
+def threads_that_worked(work):
+    """How many threads did a real share of `work`'s CPU time: at least a
+    quarter of the busiest one's (an idle OpenMP worker that spins a
+    moment after a region gets far less)."""
+    before = cpu_ticks_by_thread()
+    work()
+    after = cpu_ticks_by_thread()
+    spent = [ticks - before.get(tid, 0) for tid, ticks in after.items()]
+    busiest = max(spent)
+    assert busiest >= 8, f"the work took {busiest} ticks; too little to tell threads apart"
+    return sum(1 for t in spent if t >= busiest / 4)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2
+                    or not os.path.isdir("/proc/self/task"),
+                    reason="needs 2 cores and Linux's /proc")
+def test_steps_follow_torchs_thread_count_with_the_same_bits():
+    """As DeepSpeedCPUAdam: torch.set_num_threads(1) steps on one thread
+    (counted from the threads' CPU times, not timed), 2 on two; the plugin
+    reads the count at every step, so a change between steps is followed;
+    the bits do not depend on it."""
+    initial = random_tensors([8_000_037], 12)
+    grads = random_tensors([8_000_037], 13, 0.1)
+    before = torch.get_num_threads()
+    try:
+        results, counts = [], []
+        for threads in (1, 2):
+            p = initial[0].clone().requires_grad_()
+            p.grad = grads[0].clone()
+            optimizer = DuctileCPUAdam([p], lr=1e-3, weight_decay=0.01)
+            torch.set_num_threads(threads)
+
+            def steps():
+                for _ in range(40):
+                    optimizer.step()
+            counts.append(threads_that_worked(steps))
+            results.append(p.detach().clone())
+        assert counts == [1, 2]
+        assert torch.equal(results[0], results[1])
+        # The offload engine steps with step_parameters, from a thread of its
+        # own under step_in_backward: torch's count holds there too.
+        p = initial[0].clone().requires_grad_()
+        engine_like = DuctileCPUAdam([p], lr=1e-3, weight_decay=0.01)
+        torch.set_num_threads(1)
+
+        counted = []  # counted on the worker, before it ends and its times go
+        worker = threading.Thread(target=lambda: counted.append(threads_that_worked(
+            lambda: [engine_like.step_parameters([p], grads) for _ in range(40)])))
+        worker.start()
+        worker.join()
+        assert counted == [1]
+        assert torch.equal(p.detach(), results[0])
+        # A count fixed in plugin_params wins over torch's.
+        p = initial[0].clone().requires_grad_()
+        p.grad = grads[0].clone()
+        fixed = DuctileCPUAdam([p], lr=1e-3, weight_decay=0.01, plugin_params={"threads": 1})
+        torch.set_num_threads(2)
+        assert threads_that_worked(lambda: [fixed.step() for _ in range(40)]) == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_steps_on_torchs_openmp_workers_with_the_pools_bits():

@@ -129,11 +129,13 @@ const std::vector<Pin> kPins = {
      DUCTILE_INTERFACE_REVISION_ZERO,
      1,
      0x34c1164fcb6231c6ull},
+    // Revision 2: OptimizerBuffers::threads (a step's thread count) changed
+    // the layout of a type passed through step().
     {{"optimizer.hpp"},
      "DUCTILE_INTERFACE_REVISION_OPTIMIZER",
      DUCTILE_INTERFACE_REVISION_OPTIMIZER,
-     1,
-     0xd6f1549eb4ef821bull},
+     2,
+     0x8815ab85082ab21bull},
 };
 
 }  // namespace

@@ -1,6 +1,7 @@
 // Optimizer "cpu_adam": Adam and AdamW over flat fp32 buffers on the host,
 // vectorised (AVX-512 or AVX2 when the CPU has it, chosen when the plugin
-// is created) and split over threads: the process's OpenMP runtime when it
+// is created) and split over as many threads as the caller gives with the
+// step (else its `threads` parameter): the process's OpenMP runtime when it
 // has one loaded (loaded_openmp.hpp says why), else a pool of our own.
 #include <algorithm>
 #include <cmath>
@@ -69,8 +70,9 @@ constexpr ParamSpec kSchema[] = {
      .flags = param_has_min | param_has_max,
      .default_value = "0",
      .max_value = 4096,
-     .doc =
-         "Threads one step uses, the caller's included (0: one per core this process may run on)"},
+     .doc = "Threads a step uses when the caller does not give a count with it (Python's "
+            "DuctileCPUAdam gives torch.get_num_threads() unless this is set); 0: one per core "
+            "this process may run on"},
     {.key = "simd",
      .type = ParamType::string,
      .default_value = "\"auto\"",
@@ -154,6 +156,10 @@ class CpuAdam final : public Optimizer {
                      : usable_cores()),
         openmp_(choose_openmp(context.params().get_string("threading"))),
         pool_(openmp_ ? 0 : threads_ - 1) {
+    // Now, not with the first step: torch's forward and backward before it
+    // would otherwise run with workers that spin their full count
+    // (loaded_openmp.hpp).
+    if (openmp_ && threads_ > 1) openmp_->prepare();
     context.logger()->debug("optimizer cpu_adam: {}", implementation());
   }
 
@@ -168,16 +174,19 @@ class CpuAdam final : public Optimizer {
   void step(const OptimizerBuffers& b, const OptimizerHyperParams& h, std::uint64_t step) override {
     check_optimizer_step(b, h, step, 2);
     if (b.numel == 0) return;
+    // The caller's count wins: it knows how many cores are its share.
+    const std::size_t threads = b.threads > 0 ? b.threads : threads_;
     StepWork work{isa_.kernel,
                   constants(b, h, step),
                   {b.params, b.grads, b.state[0], b.state[1],
                    static_cast<std::uint16_t*>(b.copy_out), b.numel},
-                  chunk_size(b.numel)};
+                  chunk_size(b.numel, threads)};
     const std::size_t chunks = (b.numel + work.chunk - 1) / work.chunk;
-    if (openmp_)
-      openmp_->run(chunks, &StepWork::run_chunk, &work, threads_);
-    else
-      pool_.run(chunks, &StepWork::run_chunk, &work);
+    if (openmp_) {
+      if (threads > 1 && chunks > 1) openmp_->prepare();
+      openmp_->run(chunks, &StepWork::run_chunk, &work, threads);
+    } else
+      pool_.run(chunks, &StepWork::run_chunk, &work, threads);
   }
 
  private:
@@ -209,13 +218,14 @@ class CpuAdam final : public Optimizer {
 
   // About 16 chunks per thread, so that a thread slowed by others on its
   // core leaves its share to the rest, and the last chunk's wait is short.
-  std::size_t chunk_size(std::size_t numel) const {
-    std::size_t chunk = std::max(kMinChunk, numel / (threads_ * 16));
+  // (Chunks never change a result: each element's update is its own.)
+  static std::size_t chunk_size(std::size_t numel, std::size_t threads) {
+    std::size_t chunk = std::max(kMinChunk, numel / (threads * 16));
     return (chunk + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
   }
 
   const Isa& isa_;
-  std::size_t threads_;
+  std::size_t threads_;                   // when a step gives no count
   std::unique_ptr<LoadedOpenMP> openmp_;  // null: pool_ runs the steps
   WorkPool pool_;                         // no workers when openmp_ does
 };

@@ -5,6 +5,10 @@
 #include <algorithm>
 #include <climits>
 
+#if defined(__linux__)
+#include <sys/prctl.h>
+#endif
+
 namespace ductile::cpu_adam {
 
 namespace {
@@ -16,6 +20,10 @@ constexpr const char* kSonames[] = {"libgomp.so.1", "libomp.so", "libomp.so.5", 
 void drain(void* queue) {
   static_cast<ChunkQueue*>(queue)->drain();
 }
+
+// The chunks of the idle team's one region: the team is made, nothing is
+// computed.
+void no_work(const void*, std::size_t) {}
 
 }  // namespace
 
@@ -45,7 +53,31 @@ LoadedOpenMP::LoadedOpenMP(void* handle, Parallel parallel, std::string soname)
     : handle_(handle), parallel_(parallel), soname_(std::move(soname)) {}
 
 LoadedOpenMP::~LoadedOpenMP() {
+  {
+    std::lock_guard lock(mutex_);
+    stop_ = true;
+  }
+  changed_.notify_all();
+  // Its team goes with it: the runtime frees a thread's pool as it exits.
+  if (idle_leader_.joinable()) idle_leader_.join();
   dlclose(handle_);  // drops our reference; RTLD_NODELETE keeps the code mapped
+}
+
+void LoadedOpenMP::prepare() {
+  std::unique_lock lock(mutex_);
+  if (idle_leader_.joinable()) return;
+  idle_leader_ = std::thread([this] {
+#if defined(__linux__)
+    prctl(PR_SET_NAME, "ductile-adam", 0, 0, 0);
+#endif
+    ChunkQueue nothing(2, &no_work, nullptr);
+    parallel_(&drain, &nothing, 2, 0);
+    std::unique_lock held(mutex_);
+    idle_team_ = true;
+    changed_.notify_all();
+    changed_.wait(held, [&] { return stop_; });
+  });
+  changed_.wait(lock, [&] { return idle_team_; });
 }
 
 void LoadedOpenMP::run(std::size_t count, Chunk chunk, const void* context,

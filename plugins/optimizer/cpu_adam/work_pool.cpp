@@ -23,18 +23,26 @@ void WorkPool::retire(Job& job) {
   if (it != jobs_.end()) jobs_.erase(it);
 }
 
-void WorkPool::run(std::size_t count, Chunk chunk, const void* context) {
-  Job job(count, chunk, context);
-  if (threads_.empty() || count <= 1) return job.drain();
+WorkPool::Job* WorkPool::open_job() {
+  for (Job* job : jobs_)
+    if (job->workers_inside < job->max_workers) return job;
+  return nullptr;
+}
+
+void WorkPool::run(std::size_t count, Chunk chunk, const void* context, std::size_t threads) {
+  // Workers beyond the chunks left for them would only wake to find none.
+  const std::size_t helpers =
+      std::min({threads_.size(), count - std::min<std::size_t>(count, 1), threads - 1});
+  Job job(count, chunk, context, helpers);
+  if (threads == 0 || helpers == 0) return job.drain();
   {
     std::lock_guard lock(mutex_);
     jobs_.push_back(&job);
   }
-  // More workers than chunks left for them would only wake to find none.
-  if (count - 1 >= threads_.size())
+  if (helpers == threads_.size())
     wake_.notify_all();
   else
-    for (std::size_t i = 0; i + 1 < count; ++i) wake_.notify_one();
+    for (std::size_t i = 0; i < helpers; ++i) wake_.notify_one();
   job.drain();
   // Every chunk is claimed; those claimed by workers are done once no
   // worker is inside the job (a worker enters under the mutex, before it
@@ -47,16 +55,15 @@ void WorkPool::run(std::size_t count, Chunk chunk, const void* context) {
 void WorkPool::work() {
   std::unique_lock lock(mutex_);
   for (;;) {
-    wake_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
+    Job* job = nullptr;
+    wake_.wait(lock, [&] { return stop_ || (job = open_job()) != nullptr; });
     if (stop_) return;
-    Job& job = *jobs_.front();
-    ++job.workers_inside;
+    ++job->workers_inside;
     lock.unlock();
-    job.drain();
+    job->drain();
     lock.lock();
-    retire(job);
-    if (--job.workers_inside == 0) left_.notify_all();
+    retire(*job);
+    if (--job->workers_inside == 0) left_.notify_all();
   }
 }
-
 }  // namespace ductile::cpu_adam

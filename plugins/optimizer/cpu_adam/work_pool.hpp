@@ -50,19 +50,23 @@ class WorkPool {
   WorkPool& operator=(const WorkPool&) = delete;
 
   // Calls chunk(context, i) once for every i in [0, count), on the caller's
-  // thread and the pool's, and returns when every call has returned (their
-  // writes are then visible to the caller). Thread-safe.
-  void run(std::size_t count, Chunk chunk, const void* context);
+  // thread and at most `threads - 1` of the pool's, and returns when every
+  // call has returned (their writes are then visible to the caller).
+  // Thread-safe.
+  void run(std::size_t count, Chunk chunk, const void* context, std::size_t threads);
 
   std::size_t workers() const { return threads_.size(); }
 
  private:
   struct Job : ChunkQueue {
-    using ChunkQueue::ChunkQueue;
+    Job(std::size_t n, Chunk f, const void* c, std::size_t helpers)
+        : ChunkQueue(n, f, c), max_workers(helpers) {}
+    const std::size_t max_workers;   // workers that may join
     std::size_t workers_inside = 0;  // guarded by mutex_
   };
 
   void retire(Job& job);  // takes the job off the queue; mutex_ held
+  Job* open_job();        // the first job a worker may join, or null; mutex_ held
   void work();
 
   std::mutex mutex_;

@@ -33,11 +33,13 @@
 //   An offload engine may thus step one parameter group from a background
 //   thread while the gradients of other groups are still arriving. A call
 //   returns when its buffers are fully updated. An optimizer may split a
-//   call's work over threads of its own; its parameters say how many.
-//   (cpu_adam keeps one pool of `threads - 1` workers for all calls, and the
-//   calling thread works too: a call progresses even while the pool serves
-//   other calls, and concurrent calls share the pool instead of starting
-//   threads of their own.) An optimizer never calls back into the caller.
+//   call's work over threads of its own: at most OptimizerBuffers::threads
+//   of them when the caller gives that count (its own intra-op thread
+//   count, torch.get_num_threads() in Python, read at every call so that a
+//   change is followed), else as many as its parameters say. Several
+//   processes on one node, each given its share of the cores, thus never
+//   each take every core. (cpu_adam: see its README for whose threads.)
+//   An optimizer never calls back into the caller.
 //   Destroying it while a call is in flight is undefined: join the calling
 //   threads first.
 // - Errors: throws ductile::Error(ErrorKind::invalid_argument) naming the
@@ -73,7 +75,8 @@ DUCTILE_SDK_API inline const char* to_string(HalfType type) noexcept {
   return type == HalfType::bf16 ? "bf16" : "f16";
 }
 
-// The buffers of one step: numel elements each, caller-owned, any alignment.
+// The buffers of one step: numel elements each, caller-owned, any alignment;
+// and how many threads may work on them.
 struct OptimizerBuffers {
   float* params = nullptr;       // fp32 parameters (the master copy), updated in place
   const float* grads = nullptr;  // fp32 gradients, read only
@@ -84,6 +87,9 @@ struct OptimizerBuffers {
   // numel values of copy_out_type (2 bytes each).
   void* copy_out = nullptr;
   HalfType copy_out_type = HalfType::bf16;
+  // At most this many threads work on the step at once (see Threading
+  // above); 0: as many as the optimizer's parameters say.
+  std::size_t threads = 0;
 };
 
 // The hyper-parameters of one step, named as torch.optim.Adam and

@@ -69,7 +69,7 @@
 #define DUCTILE_INTERFACE_REVISION_LR 1           // lr_scaling_rule.hpp
 #define DUCTILE_INTERFACE_REVISION_ACCELERATOR 1  // accelerator.hpp
 #define DUCTILE_INTERFACE_REVISION_ZERO 1         // parameter_coordinator.hpp, accelerator.hpp
-#define DUCTILE_INTERFACE_REVISION_OPTIMIZER 1    // optimizer.hpp
+#define DUCTILE_INTERFACE_REVISION_OPTIMIZER 2    // optimizer.hpp
 
 #if defined(__clang__)
 #define DUCTILE_COMPILER_TAG "clang-" DUCTILE_STRINGIFY(__clang_major__)

@@ -30,10 +30,15 @@ class DuctileCPUAdam(torch.optim.Optimizer):
     ``bias_correction=False`` steps with lr and the raw moments, as
     DeepSpeed does. Keyword-only: ``plugin`` names the optimizer plugin,
     ``plugin_params`` its parameters (cpu_adam: ``{"threads": N, "simd":
-    "avx2", "threading": "pool"}``; default: every core, the best
-    instruction set, on torch's OpenMP workers),
-    ``plugin_path`` extra plugin directories. Raises ConfigError for bad
-    plugin parameters, NotFoundError for an unknown plugin.
+    "avx2", "threading": "pool"}``; default: the best instruction set, on
+    the OpenMP runtime torch loaded), ``plugin_path`` extra plugin
+    directories. Raises ConfigError for bad plugin parameters, NotFoundError
+    for an unknown plugin.
+
+    Threads: each step runs on as many threads as torch's intra-op count at
+    that moment (``torch.get_num_threads()``: ``torch.set_num_threads``,
+    ``OMP_NUM_THREADS``), as DeepSpeedCPUAdam does, so that ranks sharing a
+    node share its cores; ``plugin_params={"threads": N}`` fixes N instead.
     """
 
     def __init__(self, model_params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
@@ -49,6 +54,8 @@ class DuctileCPUAdam(torch.optim.Optimizer):
         self.adam_w_mode = adamw_mode  # DeepSpeedCPUAdam's attribute
         self.fp32_optimizer_states = fp32_optimizer_states
         self._native = _native.Optimizer(plugin, plugin_params, plugin_path)
+        # A count the caller fixed wins over torch's (0: the plugin's own).
+        self._follow_torch = not (plugin_params or {}).get("threads")
         self._state_names = self._native.state_names
         self._where = None  # id(parameter) -> (group, index), for step_parameters
 
@@ -84,6 +91,7 @@ class DuctileCPUAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        threads = self._threads()
         for g, group in enumerate(self.param_groups):
             self._check_group(g, group)
             for i, p in enumerate(group["params"]):
@@ -92,7 +100,7 @@ class DuctileCPUAdam(torch.optim.Optimizer):
                 copy = None
                 if fp16_param_groups is not None:
                     copy = fp16_param_groups[g][i]
-                self._step_one(g, group, i, p, p.grad, copy, 1.0)
+                self._step_one(g, group, i, p, p.grad, copy, 1.0, threads)
         return loss
 
     @torch.no_grad()
@@ -105,7 +113,9 @@ class DuctileCPUAdam(torch.optim.Optimizer):
         gradients apart from the parameters steps a layer as soon as its
         gradients are on the host, from a thread of its own; calls on
         disjoint parameters may run at the same time (the plugin allows it),
-        each reads its parameter group's hyper-parameters when it starts."""
+        each reads its parameter group's hyper-parameters when it starts,
+        and torch's thread count."""
+        threads = self._threads()
         where = self._where
         if where is None or len(where) != sum(len(g["params"]) for g in self.param_groups):
             where = self._where = {id(p): (g, i) for g, group in enumerate(self.param_groups)
@@ -120,7 +130,13 @@ class DuctileCPUAdam(torch.optim.Optimizer):
             group = self.param_groups[g]
             self._check_group(g, group)
             self._step_one(g, group, i, p, grad, None if copy_out is None else copy_out[k],
-                           grad_scale)
+                           grad_scale, threads)
+
+    def _threads(self):
+        """The thread count a step passes to the plugin: torch's intra-op
+        count now (per thread: torch's count as this thread sees it), or 0
+        for the plugin's own when ``plugin_params`` fixed one."""
+        return torch.get_num_threads() if self._follow_torch else 0
 
     def _check_group(self, g, group):
         # A group loaded from torch.optim.AdamW's state_dict lacks the
@@ -131,7 +147,7 @@ class DuctileCPUAdam(torch.optim.Optimizer):
             raise UnsupportedError(f"DuctileCPUAdam: param group {g} has amsgrad=True; "
                                    "only amsgrad=False is supported")
 
-    def _step_one(self, g, group, i, p, grad, copy, grad_scale):
+    def _step_one(self, g, group, i, p, grad, copy, grad_scale, threads):
         where = f"param group {g}, parameter {i}"
         _check_fp32(p, where)
         _check_fp32(grad, where + " (its gradient)", like=p)
@@ -152,7 +168,8 @@ class DuctileCPUAdam(torch.optim.Optimizer):
             step, group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
             group["adamw_mode"], group["bias_correction"], grad_scale=grad_scale,
             copy_out=None if copy is None else copy.data_ptr(),
-            copy_out_type=_HALF_TYPES[copy.dtype] if copy is not None else "bfloat16")
+            copy_out_type=_HALF_TYPES[copy.dtype] if copy is not None else "bfloat16",
+            threads=threads)
         _set_step(state, step)
 
 

@@ -1,8 +1,9 @@
 // cpu_adam's numbers: one step against a double-precision Adam/AdamW from
 // the same inputs (relative 1e-6), every instruction set this CPU has
 // against the scalar kernel bit for bit (sizes with every tail), the same
-// bits with 1 and several threads and from concurrent callers, and the
-// bf16/fp16 copy of the parameters against an independent rounding.
+// bits with 1 and several threads (a step's own count winning over the
+// parameter) and from concurrent callers, and the bf16/fp16 copy of the
+// parameters against an independent rounding.
 #include <dlfcn.h>
 #include <doctest/doctest.h>
 
@@ -10,9 +11,14 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <iomanip>
+#include <iterator>
 #include <limits>
+#include <map>
 #include <random>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -46,10 +52,13 @@ struct Shard {
     for (auto& g : grads) g = normal(rng) * 0.1f;
   }
   void step(Optimizer& opt, const OptimizerHyperParams& h, std::uint64_t t,
-            HalfType* copy_type = nullptr) {
+            HalfType* copy_type = nullptr, std::size_t threads = 0) {
     float* state[] = {exp_avg.data(), exp_avg_sq.data()};
-    OptimizerBuffers b{
-        .params = params.data(), .grads = grads.data(), .state = state, .numel = params.size()};
+    OptimizerBuffers b{.params = params.data(),
+                       .grads = grads.data(),
+                       .state = state,
+                       .numel = params.size(),
+                       .threads = threads};
     if (copy_type) {
       copy.assign(params.size(), 0);
       b.copy_out = copy.data();
@@ -167,10 +176,10 @@ TEST_CASE("each step equals Adam and AdamW computed in double, to 1e-6") {
 TEST_CASE("every instruction set gives the scalar kernel's bits, whatever the tail") {
   const auto simd = available_simd();
   REQUIRE(simd.front() == "scalar");
-  MESSAGE("instruction sets compared with the scalar kernel: " << (simd.size() == 1 ? "none"
-                                                                   : simd.size() == 2
-                                                                       ? "avx2"
-                                                                       : "avx2, avx512"));
+  const std::string compared = simd.size() == 1   ? "none"
+                               : simd.size() == 2 ? "avx2"
+                                                  : "avx2, avx512";
+  MESSAGE("instruction sets compared with the scalar kernel: " << compared);
   if (simd.size() < 3)
     MESSAGE("this CPU lacks " << (simd.size() == 1 ? "avx2 and avx512" : "avx512")
                               << ": that kernel is not exercised here");
@@ -257,6 +266,57 @@ TEST_CASE("on the OpenMP runtime the process has loaded: the pool's bits, from s
   // test's handle gone, they still step.
   CHECK(dlclose(gomp) == 0);
   check_same_bits(*pool, *openmp, 6);
+}
+
+namespace {
+
+// CPU time (user + system, clock ticks) of each thread of this process.
+std::map<std::string, long> cpu_ticks_by_thread() {
+  std::map<std::string, long> ticks;
+  for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream in(task.path() / "stat");
+    std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const auto end_of_name = stat.rfind(')');
+    if (end_of_name == std::string::npos) continue;  // the thread ended
+    std::istringstream fields(stat.substr(end_of_name + 2));
+    std::string field;
+    long utime = 0, stime = 0;
+    for (int k = 0; k < 13 && fields >> field; ++k)
+      if (k == 11)
+        utime = std::stol(field);
+      else if (k == 12)
+        stime = std::stol(field);
+    ticks[task.path().filename().string()] = utime + stime;
+  }
+  return ticks;
+}
+
+// How many threads did a real share of `work`'s CPU time (at least a
+// quarter of the busiest one's): counted, not timed.
+template <class Work>
+int threads_that_worked(Work work) {
+  const auto before = cpu_ticks_by_thread();
+  work();
+  std::vector<long> spent;
+  for (const auto& [tid, ticks] : cpu_ticks_by_thread())
+    spent.push_back(ticks - (before.count(tid) ? before.at(tid) : 0));
+  const long busiest = *std::max_element(spent.begin(), spent.end());
+  REQUIRE_MESSAGE(busiest >= 8, "the work took " << busiest << " ticks: too little to tell");
+  return static_cast<int>(
+      std::count_if(spent.begin(), spent.end(), [&](long t) { return 4 * t >= busiest; }));
+}
+
+}  // namespace
+
+TEST_CASE("a step's own thread count wins over the parameter, with the same bits") {
+  // As torch's intra-op count reaches the plugin through DuctileCPUAdam.
+  auto three = cpu_adam("auto", 3, "pool");
+  Shard given(4'000'037, 80), fixed(4'000'037, 80);
+  CHECK(threads_that_worked([&] {
+          for (std::uint64_t t = 1; t <= 40; ++t) given.step(*three, kDecayed, t, nullptr, 1);
+        }) == 1);
+  for (std::uint64_t t = 1; t <= 40; ++t) fixed.step(*three, kDecayed, t);
+  CHECK(given == fixed);
 }
 
 namespace {
