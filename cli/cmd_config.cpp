@@ -9,7 +9,9 @@
 #include "ductile/core/config.hpp"
 #include "ductile/core/files.hpp"
 #include "ductile/core/logging.hpp"
+#include "ductile/elasticity_policy.hpp"
 #include "ductile/pipeline/deepspeed_config.hpp"
+#include "ductile/pipeline/elasticity.hpp"
 #include "ductile/pipeline/json.hpp"
 
 namespace ductile::cli {
@@ -40,16 +42,59 @@ int check_config(const CliContext& context, const CheckOptions& options) {
       "named by the file's [plugins] path; `ductile config check` loads no plugin from there "
       "unless given --allow-config-plugins";
   std::vector<std::string> warnings;
+  // DeepSpeedConfig's rules for an elasticity block beside the batch keys
+  // (the world size aside: that is `ductile elastic --world-size`'s), checked
+  // once the mapping has reported its own errors, every one of them.
+  std::optional<nlohmann::json> root;
+  std::string mapped_text = text;
+  if (deepspeed) {
+    root = pipeline::parse_bounded_json(text, options.file, "invalid JSON", ErrorKind::config,
+                                        kElasticityConfigError);
+    // DeepSpeed never reads a disabled block: neither is it mapped here.
+    if (root->is_object() && root->contains("elasticity")) {
+      const auto& block = root->at("elasticity");
+      const auto enabled = block.is_object() ? block.find("enabled") : block.end();
+      if (block.is_object() &&
+          (enabled == block.end() || (enabled->is_boolean() && !enabled->get<bool>()))) {
+        auto without = *root;
+        without.erase("elasticity");
+        mapped_text = without.dump();
+      }
+    }
+  }
   // A DeepSpeed JSON config is mapped onto ductile's sections, each checked
   // as a TOML file's would be, naming the user's keys; its dynamic batching
   // block too, when it has one (as `ductile pack` reads it).
-  auto runtime = deepspeed
-                     ? pipeline::runtime_from_deepspeed_file(options.file, text, runtime_options,
-                                                             {.read_batching = true}, &warnings)
-                     : core::Runtime::from_document(*document, runtime_options);
+  auto runtime =
+      deepspeed ? pipeline::runtime_from_deepspeed_file(options.file, mapped_text, runtime_options,
+                                                        {.read_batching = true}, &warnings)
+                : core::Runtime::from_document(*document, runtime_options);
+  std::optional<pipeline::DeepSpeedElasticityMode> mode;
+  if (root) {
+    mode = pipeline::deepspeed_elasticity_mode(*root, options.file);
+    warnings.insert(warnings.end(), mode->warnings.begin(), mode->warnings.end());
+  }
   const auto& config = runtime.config();
+  // The resource scheduler's copy must match an elastic job's, as DeepSpeed
+  // requires when it starts one (silent when the scheduler passed none).
+  const core::PluginSection* elasticity = config.section(PluginKind::elasticity);
+  if (elasticity && (!mode || mode->elastic))
+    pipeline::check_scheduler_elasticity(
+        pipeline::fingerprint_of(elasticity->plugin, elasticity->params), nullptr,
+        runtime.registry());
   std::cout << fmt::format("{}: valid{}\n", options.file, deepspeed ? " (DeepSpeed JSON)" : "");
   for (const auto& w : warnings) std::cout << fmt::format("  warning: {}\n", w);
+  if (mode && mode->has_block && !mode->elastic) {
+    const auto& k = mode->batch;
+    std::cout << "  elasticity disabled: a non-elastic job; DeepSpeed takes its batch from";
+    if (k.train_batch_size) std::cout << fmt::format(" train_batch_size = {}", *k.train_batch_size);
+    if (k.micro_batch_per_gpu)
+      std::cout << fmt::format(" train_micro_batch_size_per_gpu = {}", *k.micro_batch_per_gpu);
+    if (k.gradient_accumulation_steps)
+      std::cout << fmt::format(" gradient_accumulation_steps = {}", *k.gradient_accumulation_steps);
+    for (const auto& key : k.automatic) std::cout << fmt::format(" {} = \"auto\"", key);
+    std::cout << "\n";
+  }
   for (const auto& skipped : runtime.registry().skipped())
     std::cout << fmt::format("  not searched: '{}' ({})\n", skipped.directory.string(),
                              skipped.reason);

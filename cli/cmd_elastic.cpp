@@ -1,6 +1,8 @@
 // ductile elastic --config FILE [--world-size N] [--json]: the elastic plan of
 // a configuration (TOML, or a DeepSpeed JSON config), like DeepSpeed's
-// ds_elastic; and the elasticity part of `ductile demo`.
+// ds_elastic, with DeepSpeedConfig's rules for a DeepSpeed config's batch keys
+// (a disabled block: the batch of a non-elastic job); and the elasticity part
+// of `ductile demo`.
 #include <algorithm>
 #include <fstream>
 #include <iostream>
@@ -28,9 +30,8 @@ struct ElasticOptions {
   bool json = false;
 };
 
-pipeline::LoadedElasticity load(const CliContext& context, const std::string& file) {
-  // Checks the file (regular, within the cap) and tells JSON from TOML.
-  const std::string text = core::read_user_file(file, "configuration file");
+pipeline::LoadedElasticity load(const CliContext& context, const std::string& file,
+                                const std::string& text) {
   if (pipeline::is_json_config(file, text))
     return pipeline::load_elasticity(file, text, context.runtime_options());
   return pipeline::elasticity_from_runtime(
@@ -51,6 +52,7 @@ std::string list_text(const std::vector<std::int64_t>& v) {
 
 void print_json(const pipeline::LoadedElasticity& loaded, const ElasticityResult& r) {
   nlohmann::json j = pipeline::to_json(r);
+  j["elastic"] = true;  // false: a disabled block's non-elastic batch (run_non_elastic)
   j["policy"] = loaded.source.policy;
   j["source"] = loaded.source.origin;
   std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;
@@ -84,13 +86,94 @@ void print_human(const pipeline::LoadedElasticity& loaded, const ElasticityResul
   for (const auto& w : r.warnings) std::cout << "warning: " << w << "\n";
 }
 
+// A DeepSpeed config whose elasticity block is disabled: DeepSpeed trains it
+// as a non-elastic job with the batch of its batch keys, so the answer is
+// that batch (for --world-size, its micro batch and accumulation steps).
+int run_non_elastic(const ElasticOptions& options, const pipeline::DeepSpeedElasticityMode& mode,
+                    const std::string& enabled_shown) {
+  if (options.micro_batch && !options.world_size_given)
+    throw Error(ErrorKind::invalid_argument,
+                fmt::format("{}: --micro-batch needs --world-size: the micro batch of a "
+                            "non-elastic job depends on the world size",
+                            options.config),
+                kElasticityError);
+  const auto r = pipeline::non_elastic_plan(
+      mode.batch, options.world_size_given ? options.world_size : 0, options.config);
+  if (options.json) {
+    auto j = pipeline::non_elastic_json(mode.batch, r);
+    j["policy"] = nullptr;
+    j["source"] = options.config;
+    std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;
+    return kExitOk;
+  }
+  const std::string rule(42, '-');
+  std::cout << rule << "\nElasticity is disabled in " << options.config << " (elasticity.enabled"
+            << enabled_shown << "): a non-elastic job; DeepSpeed takes its batch from\n";
+  for (const auto& [key, value] :
+       {std::pair{"train_batch_size", mode.batch.train_batch_size},
+        {"train_micro_batch_size_per_gpu", mode.batch.micro_batch_per_gpu},
+        {"gradient_accumulation_steps", mode.batch.gradient_accumulation_steps}})
+    if (value) std::cout << fmt::format("  {} = {}\n", key, *value);
+  std::cout << rule << "\n";
+  if (r.world_size)
+    std::cout << fmt::format("Calculated results for world size {}:\n", *r.world_size);
+  else
+    std::cout << "Calculated results:\n";
+  std::cout << rule << "\n";
+  if (r.final_batch_size > 0)
+    std::cout << fmt::format("final_batch_size .... {}\n", r.final_batch_size);
+  else
+    std::cout << "final_batch_size .... train_micro_batch_size_per_gpu x "
+                 "gradient_accumulation_steps x world size (give --world-size)\n";
+  if (r.micro_batch_size) {
+    std::cout << fmt::format("micro_batch_size .... {}\n", *r.micro_batch_size);
+    std::cout << fmt::format("gradient_accumulation_steps .... {}\n",
+                             *r.gradient_accumulation_steps);
+  }
+  return kExitOk;
+}
+
+bool is_disabled_without_batch(const nlohmann::json& root) {
+  if (!root.is_object() || !root.contains("elasticity")) return false;
+  const auto& block = root.at("elasticity");
+  if (!block.is_object()) return false;
+  const auto enabled = block.find("enabled");
+  if (enabled != block.end() && (!enabled->is_boolean() || enabled->get<bool>())) return false;
+  for (const char* key :
+       {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"})
+    if (root.contains(key)) return false;
+  return true;
+}
+
 int run_elastic(const CliContext& context, const ElasticOptions& options) {
   if (options.world_size_given && options.world_size < 1)
     throw Error(ErrorKind::invalid_argument,
                 fmt::format("--world-size {} is invalid: give the total number of GPUs (>= 1)",
                             options.world_size),
                 kElasticityError);
-  auto loaded = load(context, options.config);
+  // Checks the file (regular, within the cap) and tells JSON from TOML.
+  const std::string text = core::read_user_file(options.config, "configuration file");
+  std::vector<std::string> rule_warnings;
+  if (pipeline::is_json_config(options.config, text)) {
+    // DeepSpeedConfig's rules for the block beside the batch keys, first.
+    const auto root = pipeline::parse_bounded_json(text, options.config, "invalid JSON",
+                                                   ErrorKind::config, kElasticityConfigError);
+    // A disabled block without any batch key is neither an elastic nor a
+    // non-elastic job: the policy refuses it below, as compute_elastic_config does.
+    if (!is_disabled_without_batch(root)) {
+      const auto mode = pipeline::deepspeed_elasticity_mode(root, options.config);
+      // (A bare block, the scheduler's form, has no batch keys beside it.)
+      if (mode.has_block && !mode.elastic && root.contains("elasticity")) {
+        const auto& block = root.at("elasticity");
+        const auto enabled = block.find("enabled");
+        return run_non_elastic(options, mode,
+                               enabled == block.end() ? std::string(" absent, default false")
+                                                      : " = " + pipeline::json_excerpt(*enabled));
+      }
+      rule_warnings = mode.warnings;
+    }
+  }
+  auto loaded = load(context, options.config, text);
   pipeline::check_scheduler_elasticity(
       pipeline::fingerprint_of(loaded.source.policy, loaded.effective_params), core::logger(),
       loaded.runtime.registry());
@@ -98,6 +181,7 @@ int run_elastic(const CliContext& context, const ElasticOptions& options) {
   request.world_size = options.world_size_given ? options.world_size : 0;
   request.require_micro_batch = options.micro_batch;
   auto result = loaded.policy->compute(request);
+  result.warnings.insert(result.warnings.begin(), rule_warnings.begin(), rule_warnings.end());
   if (options.json)
     print_json(loaded, result);
   else

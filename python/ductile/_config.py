@@ -124,7 +124,10 @@ def load_config(source, *, format=None, plugin_path=None, allow_config_plugins=F
     read, not run; a plugin it selects from there is a ConfigError naming
     the directory and this argument). A DeepSpeed config names no plugin
     directory.
-    Raises ConfigError (file:line:col messages), NotFoundError.
+    A DeepSpeed config with an elasticity block is checked by DeepSpeedConfig's
+    rules for it (ductile.elasticity.deepspeed_config_plan).
+    Raises ConfigError (file:line:col messages; ElasticityConfigError for
+    those rules), NotFoundError.
     """
     if format not in (None, "toml", "deepspeed"):
         raise InvalidArgumentError(
@@ -140,7 +143,7 @@ def load_config(source, *, format=None, plugin_path=None, allow_config_plugins=F
             return Config("toml", "<dict>",
                           Runtime.from_toml(toml_from_dict(source), "<dict>", plugin_path,
                                             allow_config_plugins))
-        return Config("deepspeed", "<dict>", Runtime.plain(plugin_path), _json_of(source))
+        return _deepspeed_config("<dict>", Runtime.plain(plugin_path), _json_of(source))
     is_path = isinstance(source, os.PathLike)
     if isinstance(source, str) and not _utf8_text(source):
         try:
@@ -179,18 +182,30 @@ def load_config(source, *, format=None, plugin_path=None, allow_config_plugins=F
             except UnicodeDecodeError as e:
                 raise ConfigError(f"{shown}: the DeepSpeed config is not UTF-8 text (byte "
                                   f"{e.start})") from e
-            return Config("deepspeed", shown, Runtime.plain(plugin_path), text,
-                          os.path.dirname(os.path.abspath(path)))
+            return _deepspeed_config(shown, Runtime.plain(plugin_path), text,
+                                     os.path.dirname(os.path.abspath(path)))
         runtime = Runtime.from_file(path, plugin_path, allow_config_plugins)
         return Config("toml", path, runtime, None, runtime.base_dir)
     if isinstance(source, str):
         if format == "deepspeed" or (format is None and _looks_like_json(source)):
-            return Config("deepspeed", "<string>", Runtime.plain(plugin_path), source,
-                          os.getcwd())
+            return _deepspeed_config("<string>", Runtime.plain(plugin_path), source, os.getcwd())
         return Config("toml", "<string>", Runtime.from_toml(source, "<string>", plugin_path,
                                                             allow_config_plugins))
     raise InvalidArgumentError(
         f"config: expected a path, a TOML/JSON string or a dict, got {type(source).__name__}")
+
+
+def _deepspeed_config(origin, runtime, text, base_dir=""):
+    """A DeepSpeed config, checked by DeepSpeedConfig's elasticity rules when
+    it has an elasticity block (the world size aside); other errors are the
+    reader's that uses it."""
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict) and "elasticity" in parsed:
+        _ductile.elasticity.deepspeed_mode(text, origin)
+    return Config("deepspeed", origin, runtime, text, base_dir)
 
 
 def plugins(kind=None, *, plugin_path=None):

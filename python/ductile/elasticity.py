@@ -29,7 +29,7 @@ __all__ = [
     "compute_elastic_config", "elasticity_enabled", "ensure_immutable_elastic_config",
     "ElasticityError", "ElasticityConfigError", "ElasticityIncompatibleWorldSize",
     "ElasticityResult", "ElasticPolicy", "load", "MINIMUM_DEEPSPEED_VERSION",
-    "LATEST_ELASTICITY_VERSION", "DEEPSPEED_ELASTICITY_CONFIG",
+    "LATEST_ELASTICITY_VERSION", "DEEPSPEED_ELASTICITY_CONFIG", "deepspeed_config_plan",
 ]
 
 _log = logging.getLogger("ductile.elasticity")
@@ -96,8 +96,44 @@ def load(config, *, plugin_path=None, allow_config_plugins=False):
     config = load_config(config, plugin_path=plugin_path,
                          allow_config_plugins=allow_config_plugins)
     if config.format == "deepspeed":
+        mode = _ductile.elasticity.deepspeed_mode(config.deepspeed, config.origin)
+        if mode["has_block"] and not mode["elastic"]:
+            raise ElasticityConfigError(
+                f"{config.origin}: elasticity is disabled (elasticity.enabled is not true): "
+                "DeepSpeed trains this config as a non-elastic job, which has no elasticity "
+                "policy; deepspeed_config_plan() gives its batch, or set elasticity.enabled = "
+                "true for an elastic plan")
+        for warning in mode["warnings"]:
+            _log.warning("%s", warning)
         return ElasticPolicy(_policy_from_json(config.deepspeed, config.origin, plugin_path))
     return ElasticPolicy(_ductile.elasticity.from_runtime(config.runtime))
+
+
+def deepspeed_config_plan(config, world_size=0, *, plugin_path=None):
+    """What DeepSpeed's ``DeepSpeedConfig`` makes of a DeepSpeed config's batch
+    for ``world_size`` data-parallel ranks (0: none), with its elasticity
+    rules: an enabled block beside train_batch_size,
+    train_micro_batch_size_per_gpu or gradient_accumulation_steps is refused
+    unless ``ignore_non_elastic_batch_info`` is true; the scheduler's copy
+    (DEEPSPEED_ELASTICITY_CONFIG) must match; a disabled block is a
+    non-elastic job whose batch comes from those keys.
+
+    Returns the dict ``ductile elastic --config FILE --json`` prints:
+    ``elastic`` (bool), ``final_batch_size``, ``micro_batch_size``,
+    ``gradient_accumulation_steps``, ``world_size``, ``valid_gpus`` (None for
+    a non-elastic job), ``warnings``. Raises ElasticityConfigError,
+    ElasticityIncompatibleWorldSize, ElasticityError."""
+    config = load_config(config, format="deepspeed", plugin_path=plugin_path)
+    world_size = _ductile.int_argument(world_size, "world_size")
+    mode = _ductile.elasticity.deepspeed_mode(config.deepspeed, config.origin)
+    if mode["has_block"] and not mode["elastic"]:
+        return _ductile.elasticity.non_elastic_plan(config.deepspeed, config.origin, world_size)
+    handle = _policy_from_json(config.deepspeed, config.origin, plugin_path)
+    handle.check_scheduler()
+    plan = handle.compute(world_size, False)
+    plan.update(elastic=True, policy=handle.name, source=config.origin,
+                warnings=mode["warnings"] + plan["warnings"])
+    return plan
 
 
 # Policies created from DeepSpeed configs, by (JSON text, plugin path):

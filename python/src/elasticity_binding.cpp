@@ -87,6 +87,30 @@ void register_elasticity(py::module_& m) {
       "Whether a configuration is JSON: a .json path, or another than .toml with content whose "
       "first non-blank character is '{' (the one detection of every front end).");
   m.def(
+      "deepspeed_mode",
+      [](const std::string& json_text, const std::string& origin) {
+        const auto mode = pipeline::parse_deepspeed_elasticity_mode(json_text, origin);
+        py::dict d;
+        d["has_block"] = mode.has_block;
+        d["elastic"] = mode.elastic;
+        d["warnings"] = mode.warnings;
+        return d;
+      },
+      py::arg("json_text"), py::arg("origin"),
+      "DeepSpeedConfig's rules for the elasticity block beside the batch keys "
+      "(pipeline::deepspeed_elasticity_mode): {has_block, elastic, warnings}.");
+  m.def(
+      "non_elastic_plan",
+      [](const std::string& json_text, const std::string& origin, std::int64_t world_size) {
+        const auto mode = pipeline::parse_deepspeed_elasticity_mode(json_text, origin);
+        const auto plan = pipeline::non_elastic_plan(mode.batch, world_size, origin);
+        return py::module_::import("json").attr("loads")(
+            pipeline::non_elastic_json(mode.batch, plan).dump());
+      },
+      py::arg("json_text"), py::arg("origin"), py::arg("world_size") = 0,
+      "The batch of a non-elastic DeepSpeed config for a world size "
+      "(pipeline::non_elastic_plan), as `ductile elastic --json` prints it.");
+  m.def(
       "check_scheduler_deepspeed",
       [](const std::string& json_text, const std::string& origin) {
         auto source = pipeline::elasticity_from_deepspeed_json(

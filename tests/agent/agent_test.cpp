@@ -298,7 +298,7 @@ TEST_CASE("agent: bad input exits 2 with a message naming it") {
 TEST_CASE("agent: SIGTERM and SIGINT stop an agent's workers and the others re-form") {
   Job job;
   // A DeepSpeed JSON config this time; workers check the scheduler's copy.
-  job.config = job.dir.write("ds_config.json", R"({"train_batch_size": 24, "elasticity": {
+  job.config = job.dir.write("ds_config.json", R"({"elasticity": {
       "enabled": true, "version": 0.1, "max_train_batch_size": 24,
       "micro_batch_sizes": [1, 2, 3], "min_gpus": 1, "max_gpus": 6}})");
   std::string stop = (job.dir / "stop").string();

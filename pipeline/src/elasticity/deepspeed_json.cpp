@@ -31,6 +31,11 @@ core::PluginRegistry default_registry() {
   return core::PluginRegistry(core::PluginRegistry::default_search_path(), nullptr);
 }
 
+bool looks_like_block(const json& object) {
+  return object.contains("version") || object.contains("policy") || object.contains("enabled") ||
+         object.contains("max_train_batch_size") || object.contains("micro_batch_sizes");
+}
+
 }  // namespace detail
 
 namespace {
@@ -51,11 +56,6 @@ std::vector<std::string> schema_keys(const core::PluginInfo& info) {
   std::vector<std::string> keys;
   for (const auto& spec : info.params) keys.emplace_back(spec.key);
   return keys;
-}
-
-bool looks_like_block(const json& object) {
-  return object.contains("version") || object.contains("policy") || object.contains(kEnabledKey) ||
-         object.contains("max_train_batch_size") || object.contains("micro_batch_sizes");
 }
 
 // The policy named by a block's `version` (DeepSpeed's default: the latest)
@@ -178,7 +178,7 @@ std::optional<ElasticitySource> elasticity_of_deepspeed(const json& root, std::s
       elasticity_config_error(
           fmt::format("{}: 'elasticity' must be an object, got {}", origin, json_excerpt(*it)));
     block = &*it;
-  } else if (looks_like_block(root)) {
+  } else if (detail::looks_like_block(root)) {
     block = &root;
   } else {
     return std::nullopt;

@@ -18,6 +18,10 @@ namespace ductile::pipeline::detail {
 // A registry on the default search path, for the overloads given none.
 core::PluginRegistry default_registry();
 
+// Whether a JSON object is an elasticity block given alone (the form the
+// scheduler's copy takes) rather than a whole config.
+bool looks_like_block(const nlohmann::json& object);
+
 // The elasticity block of a parsed DeepSpeed config (`root` an object: a
 // whole config or the block itself), typed by its policy's schema; nullopt
 // when it has none. Throws as elasticity_from_deepspeed_json does.

@@ -20,7 +20,7 @@ min_gpus = 32
 max_gpus = 4096
 TOML
 cat >"$work/heavy.json" <<'JSON'
-{"train_batch_size": 1000, "elasticity": {"enabled": true, "version": 0.1,
+{"elasticity": {"enabled": true, "version": 0.1,
  "max_train_batch_size": 1000000, "micro_batch_sizes": [2, 4, 6, 8, 12, 16, 17, 24, 32],
  "min_gpus": 32, "max_gpus": 4096}}
 JSON

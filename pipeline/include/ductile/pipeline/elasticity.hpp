@@ -21,6 +21,7 @@
 // Threading: free functions without shared state; call from any thread.
 #pragma once
 
+#include <cstdint>
 #include <filesystem>
 #include <memory>
 #include <optional>
@@ -84,6 +85,67 @@ ElasticitySource elasticity_from_toml_text(std::string_view toml_text, std::stri
 // its own name (absent optionals as null): what `ductile elastic --json`
 // prints and what ductile.elasticity's results are built from.
 nlohmann::json to_json(const ElasticityResult& result);
+
+// DeepSpeed's non-elastic batch keys of a whole config, typed: absent or
+// null is nullopt; "auto" (Hugging Face's placeholder, filled in before
+// DeepSpeed sees the config) is remembered in `automatic`.
+struct DeepSpeedBatchKeys {
+  std::optional<std::int64_t> train_batch_size;
+  std::optional<std::int64_t> micro_batch_per_gpu;  // train_micro_batch_size_per_gpu
+  std::optional<std::int64_t> gradient_accumulation_steps;
+  std::vector<std::string> given;      // the keys present, null included (DeepSpeed's `in`)
+  std::vector<std::string> automatic;  // the keys given as "auto"
+};
+
+// What DeepSpeed's DeepSpeedConfig makes of a config's "elasticity" block
+// beside its batch keys.
+struct DeepSpeedElasticityMode {
+  bool has_block = false;  // the config has an "elasticity" object
+  bool elastic = false;    // ... with enabled = true: the elastic plan sets the batch
+  DeepSpeedBatchKeys batch;
+  std::vector<std::string> warnings;  // batch keys the elastic plan overrides
+};
+
+// DeepSpeedConfig's elasticity rules that hold for every world size, on a
+// whole DeepSpeed config (`root` a JSON object; a bare elasticity block, as
+// the scheduler passes it, has no batch keys and is returned as elastic or
+// not by its `enabled`):
+// - an enabled block beside train_batch_size, train_micro_batch_size_per_gpu
+//   or gradient_accumulation_steps (even null) is refused unless the block
+//   sets ignore_non_elastic_batch_info = true (then they are overridden, a
+//   warning each);
+// - a disabled block (enabled false or absent) is a non-elastic job: its
+//   batch comes from those keys, which must be integers >= 1 (or "auto"),
+//   train_batch_size or train_micro_batch_size_per_gpu given, and together
+//   valid for at least one world size (train_batch_size a multiple of the
+//   others' product).
+// Throws Error typed ElasticityConfigError naming `origin`, the keys, their
+// values and what would be valid. The policy's own checks (model_parallel_size,
+// num_gpus_per_node >= 1, ...) stay with the policy.
+DeepSpeedElasticityMode deepspeed_elasticity_mode(const nlohmann::json& root,
+                                                  std::string_view origin);
+// The same for a config's text (parsed as every DeepSpeed JSON is).
+DeepSpeedElasticityMode parse_deepspeed_elasticity_mode(std::string_view json_text,
+                                                        std::string_view origin);
+
+// The batch DeepSpeedConfig derives from non-elastic batch keys for
+// `world_size` GPUs (data-parallel ranks): the missing keys computed as
+// DeepSpeed does (floor divisions; gradient accumulation 1 when only a batch
+// or a micro batch is given), then train_batch_size = micro x accumulation x
+// world size required. world_size 0: no world size, the result carries
+// train_batch_size alone (or nothing when it depends on the world size).
+// The result has no valid_gpus (any world size satisfying that product is
+// valid). Throws ElasticityConfigError for keys DeepSpeed refuses whatever
+// the world size (none of train_batch_size, train_micro_batch_size_per_gpu;
+// "auto"), ElasticityIncompatibleWorldSize when they do not fit this one,
+// both naming `origin`, keys and values.
+ElasticityResult non_elastic_plan(const DeepSpeedBatchKeys& keys, std::int64_t world_size,
+                                  std::string_view origin);
+
+// The non-elastic plan as JSON (what `ductile elastic --json` prints for a
+// disabled block): "elastic": false, the result's fields that apply, and
+// the batch keys as given.
+nlohmann::json non_elastic_json(const DeepSpeedBatchKeys& keys, const ElasticityResult& result);
 
 // A policy created from its settings: `effective_params` are its parameters
 // with schema defaults filled in.
