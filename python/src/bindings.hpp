@@ -24,6 +24,10 @@
 #include "ductile/core/runtime.hpp"
 #include "ductile/params.hpp"
 
+namespace ductile::pipeline {
+struct DeepSpeedScheduleSpec;
+}
+
 namespace ductile::python {
 
 namespace py = pybind11;
@@ -73,5 +77,9 @@ void register_zero(py::module_& m);
 void register_optimizer(py::module_& m);
 // _ductile.optimizer.HostBuffer (host_buffer.cpp).
 void register_host_buffer(py::module_& m);
+// _ductile.lr_schedules: DeepSpeed's schedulers (lr_schedules_binding.cpp),
+// and a read scheduler block as {"type", "params"} (Runtime.from_deepspeed).
+void register_lr_schedules(py::module_& m);
+py::object deepspeed_scheduler_dict(const pipeline::DeepSpeedScheduleSpec& spec);
 
 }  // namespace ductile::python

@@ -272,6 +272,17 @@ py::dict training_dict(const pipeline::DeepSpeedTraining& t) {
   } else {
     d["optimizer"] = py::none();
   }
+  auto count = [](const std::optional<std::int64_t>& v) {
+    return v ? py::object(py::int_(*v)) : py::object(py::none());
+  };
+  d["train_batch_size"] = count(t.train_batch_size);
+  d["train_micro_batch_size_per_gpu"] = count(t.train_micro_batch_size_per_gpu);
+  d["gradient_accumulation_steps"] = count(t.gradient_accumulation_steps);
+  d["steps_per_print"] = count(t.steps_per_print);
+  d["wall_clock_breakdown"] = t.wall_clock_breakdown;
+  d["dataloader_drop_last"] = t.dataloader_drop_last;
+  d["log_level"] = t.log_level;
+  d["scheduler"] = t.scheduler ? deepspeed_scheduler_dict(*t.scheduler) : py::none();
   return d;
 }
 
@@ -443,4 +454,6 @@ PYBIND11_MODULE(_ductile, m) {
   auto optimizer = m.def_submodule("optimizer");
   dp::register_optimizer(optimizer);
   dp::register_host_buffer(optimizer);
+  auto lr_schedules = m.def_submodule("lr_schedules");
+  dp::register_lr_schedules(lr_schedules);
 }

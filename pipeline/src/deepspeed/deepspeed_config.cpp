@@ -32,6 +32,43 @@ constexpr std::pair<const char*, const char*> kStage3Keys[] = {
 constexpr const char* kNvmeOptimizerKeys[] = {"nvme_path",     "buffer_count",   "fast_init",
                                               "pipeline_read", "pipeline_write", "pipeline"};
 
+// zero_optimization keys that tune DeepSpeed's own buckets, overlap and
+// memory management: ductile's coordinator plans these itself.
+constexpr const char* kZeroTuningKeys[] = {"overlap_comm",
+                                           "contiguous_gradients",
+                                           "reduce_bucket_size",
+                                           "reduce_scatter",
+                                           "allgather_partitions",
+                                           "allgather_bucket_size",
+                                           "sub_group_size",
+                                           "round_robin_gradients",
+                                           "elastic_checkpoint",
+                                           "load_from_fp32_weights",
+                                           "stage3_max_live_parameters",
+                                           "ignore_unused_parameters",
+                                           "legacy_stage1",
+                                           "memory_efficient_linear",
+                                           "cpu_offload",
+                                           "cpu_offload_params",
+                                           "cpu_offload_use_pin_memory",
+                                           "prefetch_bucket_size",
+                                           "param_persistence_threshold",
+                                           "model_persistence_threshold",
+                                           "max_live_parameters",
+                                           "max_reuse_distance",
+                                           "stage3_model_persistence_threshold",
+                                           "zero_hpz_partition_size",
+                                           "zero_quantized_weights",
+                                           "zero_quantized_nontrainable_weights",
+                                           "zero_quantized_gradients",
+                                           "mics_shard_size",
+                                           "mics_hierarchical_params_gather",
+                                           "use_multi_rank_bucket_allreduce",
+                                           "pipeline_loading_checkpoint",
+                                           "override_module_apply",
+                                           "log_trace_cache_warnings",
+                                           "use_all_reduce_for_fetch_params"};
+
 }  // namespace
 
 void Mapping::elasticity(const json& root, const DeepSpeedOptions& options) {
@@ -93,6 +130,20 @@ void Mapping::zero(const json& root, const DeepSpeedOptions& options) {
   }
   offload_param(*zero, &coordinator);
   offload_optimizer(*zero);
+  for (auto it = zero->begin(); it != zero->end(); ++it) {
+    const std::string& key = it.key();
+    if (unset(&it.value())) continue;
+    bool mapped = key == "stage" || key == "offload_param" || key == "offload_optimizer" ||
+                  key == "stage3_gather_16bit_weights_on_model_save" ||
+                  key == "gather_16bit_weights_on_model_save";
+    for (const auto& [theirs, ours] : kStage3Keys) mapped = mapped || key == theirs;
+    if (mapped) continue;
+    bool tuning = false;
+    for (const char* known : kZeroTuningKeys) tuning = tuning || key == known;
+    warn("zero_optimization." + key, tuning
+                                         ? "ductile's coordinator plans its own buckets and overlap"
+                                         : "ductile does not know this key");
+  }
   if (!options.accelerator_backend.empty())
     set_plugin("accelerator", "backend", options.accelerator_backend, "the accelerator in use");
 }
@@ -196,9 +247,13 @@ DeepSpeedSections deepspeed_sections(std::string_view json_text, std::string_vie
       mapping.problem(section, fmt::format("is a ductile section, not a DeepSpeed key (DeepSpeed's "
                                            "ZeRO is zero_optimization): give ductile's sections "
                                            "as TOML, or ductile.load_config(d, format=\"toml\")"));
+  mapping.top_level_keys(root, options.read_training);
   mapping.elasticity(root, options);
   mapping.zero(root, options);
-  if (options.read_training) mapping.training(root);
+  if (options.read_training) {
+    mapping.training(root);
+    mapping.engine_keys(root);
+  }
   if (options.read_batching || options.require_batching)
     mapping.batching(root, options.require_batching);
   return mapping.finish(base_dir);

@@ -1,7 +1,7 @@
 // What a DeepSpeed config sets for the training framework rather than for a
 // plugin (DeepSpeedTraining, deepspeed_config.hpp): precision and fp16 loss
-// scaling, gradient clipping, the optimizer. Read in the mapping's one pass
-// when DeepSpeedOptions::read_training asks.
+// scaling, gradient clipping, the optimizer, the learning-rate scheduler.
+// Read in the mapping's one pass when DeepSpeedOptions::read_training asks.
 #include <array>
 #include <string>
 
@@ -40,6 +40,7 @@ void Mapping::training(const json& root) {
     if (norm && *norm > 0) training_.gradient_clipping = *norm;
   }
   if (const json* section = object(root, "optimizer", "optimizer")) optimizer(*section);
+  if (const json* section = object(root, "scheduler", "scheduler")) scheduler(*section);
 }
 
 void Mapping::fp16_scaling(const json& fp16) {
@@ -115,6 +116,26 @@ void Mapping::optimizer(const json& section) {
     }
   optimizer.decoupled_weight_decay = lowered == "adamw" || adam_w_mode;
   training_.optimizer = std::move(optimizer);
+}
+
+void Mapping::scheduler(const json& section) {
+  const json* params = child(section, "params");
+  if (!unset(params) && !params->is_object()) {
+    problem("scheduler.params", fmt::format("must be an object, got {}", json_excerpt(*params)));
+    return;
+  }
+  const json* type = child(section, "type");
+  static const json kMissing;
+  ScheduleReport report{
+      [this](const std::string& key, const std::string& what) { problem(key, what); },
+      [this](const std::string& key, const std::string& why) { warn(key, why); }};
+  auto spec =
+      read_deepspeed_schedule(unset(type) ? kMissing : *type, unset(params) ? nullptr : params,
+                              "scheduler.type", "scheduler.params.", report);
+  for (auto it = section.begin(); it != section.end(); ++it)
+    if (it.key() != "type" && it.key() != "params")
+      warn("scheduler." + it.key(), "a scheduler block has only \"type\" and \"params\"");
+  if (spec) training_.scheduler = std::move(*spec);
 }
 
 }  // namespace ductile::pipeline::deepspeed_mapping

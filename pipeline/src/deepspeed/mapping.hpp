@@ -107,6 +107,11 @@ class Mapping {
   void offload_optimizer(const json& zero);
   void offload_optimizer_object(const json& offload, const std::string& where);
   void training(const json& root);
+  // Warns about (or, where `trains`, refuses) every top-level key ductile
+  // does not act on, naming it (deepspeed_keys.cpp).
+  void top_level_keys(const json& root, bool trains);
+  // The engine's own keys into DeepSpeedTraining (deepspeed_keys.cpp).
+  void engine_keys(const json& root);
   void batching(const json& root, bool required);
   void lr_schedule(const json& root);
   // train_batch_size, else micro batch x gradient accumulation, else 1: the
@@ -114,6 +119,7 @@ class Mapping {
   std::optional<std::int64_t> step_batch(const json& root);
   void fp16_scaling(const json& fp16);
   void optimizer(const json& section);
+  void scheduler(const json& section);
   // An offload object's device: "none", "cpu" or "nvme" (`absent` when not
   // given); nullopt after reporting any other value.
   std::optional<std::string> device_of(const json& offload, const std::string& where,

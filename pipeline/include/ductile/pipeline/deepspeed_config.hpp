@@ -29,14 +29,20 @@
 // What configures the training framework rather than a plugin is read in the
 // same pass, when DeepSpeedOptions::read_training asks, into
 // DeepSpeedTraining: bf16 / fp16 (with fp16's loss scaling),
-// gradient_clipping, optimizer {type Adam or AdamW, params}. Each value is
+// gradient_clipping, optimizer {type Adam or AdamW, params}, scheduler
+// {type, params} (deepspeed_schedules.hpp), the batch triple,
+// steps_per_print, wall_clock_breakdown, log_level, dataloader_drop_last.
+// Each value is
 // typed once, here, by the schema of the plugin that takes it, and then
 // checked by core::Config::validate like a TOML file's: bounds, allowed
 // strings and the plugin's validate hook. Every message names the user's
 // file and the user's key ("zero_optimization.stage3_prefetch_bucket_size").
-// A value "auto" (Hugging Face's placeholder) keeps ductile's default. Keys
-// DeepSpeed has and ductile does not act on are dropped with a warning
-// saying so.
+// A value "auto" (Hugging Face's placeholder) keeps ductile's default.
+// Every top-level key and every zero_optimization key is accounted for
+// (deepspeed_keys.cpp): one ductile does not act on is warned about by
+// name; one that would change what is trained (amp, progressive layer drop,
+// ...) is refused when read_training asks, and warned about otherwise; a
+// key DeepSpeed does not have is warned about.
 //
 // Errors: core::ConfigError for values the schemas refuse; Error typed
 // ElasticityConfigError (ErrorKind::config) for an elasticity block
@@ -56,6 +62,7 @@
 #include "ductile/core/config.hpp"
 #include "ductile/core/registry.hpp"
 #include "ductile/core/runtime.hpp"
+#include "ductile/pipeline/deepspeed_schedules.hpp"
 
 namespace ductile::pipeline {
 
@@ -112,6 +119,21 @@ struct DeepSpeedTraining {
     std::optional<std::array<double, 2>> betas;
   };
   std::optional<Optimizer> optimizer;
+  // The batch triple as written (each >= 1; the engine completes it with
+  // the world size as DeepSpeed does), steps_per_print (absent: no
+  // progress lines), wall_clock_breakdown, dataloader_drop_last.
+  std::optional<std::int64_t> train_batch_size, train_micro_batch_size_per_gpu,
+      gradient_accumulation_steps, steps_per_print;
+  bool wall_clock_breakdown = false;
+  bool dataloader_drop_last = false;
+  // log_level, lower case ("debug" ... "critical"): the level of the
+  // engine's progress lines' logger, as DeepSpeed's; absent: "warning".
+  std::string log_level = "warning";
+  // scheduler {type, params}: one of DeepSpeed's five schedulers
+  // (deepspeed_schedules.hpp), each parameter typed and checked; a parameter
+  // the type does not have is warned about and dropped. nullopt: no
+  // scheduler (the optimizer's rate throughout).
+  std::optional<DeepSpeedScheduleSpec> scheduler;
 };
 
 struct DeepSpeedSections {
