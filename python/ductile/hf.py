@@ -1,14 +1,22 @@
-"""ductile for the Hugging Face ``Trainer``: token-budget micro-batches,
-padding-free packs and the variable-batch learning rate, in place of the
-Trainer's fixed-size batches and its scheduler.
+"""ductile for the Hugging Face ``Trainer``: ductile's ZeRO-3 engine under
+the Trainer's DeepSpeed integration, and optionally token-budget
+micro-batches, padding-free packs and the variable-batch learning rate in
+place of the Trainer's fixed-size batches and its scheduler.
 
-    from ductile.hf import DuctileTrainer                 # instead of transformers.Trainer
-    trainer = DuctileTrainer(model=model, args=args, train_dataset=dataset,
-                             max_tokens=4096, lr_rule="sqrt", base_batch_size=64)
+    from ductile.hf import DuctileTrainer as Trainer      # the one changed line
+    args = TrainingArguments(..., deepspeed="ds.json")     # or --deepspeed ds.json
+    trainer = Trainer(model=model, args=args, train_dataset=dataset)
     trainer.train()
 
-``DuctileTrainer`` overrides two methods of ``transformers.Trainer`` and
-nothing else:
+**ZeRO-3.** With ``args.deepspeed`` (a DeepSpeed config with ZeRO stage 3),
+the Trainer runs its DeepSpeed integration as it always does (Accelerate
+fills the config's "auto" values, builds the optimizer and scheduler it
+names, saves ``save_steps`` checkpoints, resumes, gathers the model for
+``save_model``), but the engine it gets is ductile's: during ``train``,
+``evaluate`` and ``predict``, ``deepspeed.initialize`` is
+``ductile.deepspeed.initialize`` (docs/deepspeed.md).
+
+**Packs** (with ``max_tokens``), in place of the Trainer's own:
 
 - ``get_train_dataloader``: a ``DynamicBatchSampler`` over the dataset's
   lengths, ``args.gradient_accumulation_steps`` micro-batches per rank and
@@ -22,22 +30,81 @@ nothing else:
   steps, scaled every step by ``lr_rule`` for the step's real batch size.
 
 The Trainer's own gradient accumulation and token-weighted loss
-(``num_items_in_batch``) apply unchanged. ``trainer.train(resume_from_checkpoint=...)``
-at the same world size continues with exactly the micro-batches, rates and
-losses of an uninterrupted run: the sampler's packing is a function of its
-seed and epoch, the Trainer skips the micro-batches the checkpoint had done,
-and the scheduler's state is in the checkpoint (tests/python/test_hf_resume.py).
-Resuming at another world size (an elastic re-form) is not the Trainer's:
-its skip counts this rank's micro-batches; use ``DynamicBatchSampler.state_dict``
-and ``load_state_dict`` in your own loop for that.
+(``num_items_in_batch``) apply unchanged. The steps are the sampler's: each
+epoch runs its own step count (a packing's epochs differ by a few steps), and
+``max_steps`` is the sum over ``args.num_train_epochs`` epochs (or
+``args.max_steps``).
+
+**Resume.** Every checkpoint holds ``ductile_sampler.json``: the sampler's
+state after the checkpoint's step (epoch, micro-batches done in it, the steps
+run at earlier world sizes) and the settings the data depends on.
+``trainer.train(resume_from_checkpoint=...)`` restores the sampler from it,
+not from the Trainer's skip (which counts this rank's micro-batches in the
+checkpoint's world size):
+
+- at the same world size and ``gradient_accumulation_steps``, the run goes
+  on with exactly the micro-batches, rates and losses of an uninterrupted
+  run (tests/python/test_hf_resume.py);
+- at another world size or ``gradient_accumulation_steps`` (an elastic
+  re-form), the samples the checkpoint's epoch has not trained are packed
+  again for the new layout (``DynamicBatchSampler.load_state_dict``); later
+  epochs are packed whole at the new layout. No sample is repeated or
+  skipped (tests/python/test_hf_elastic_resume.py, 2 ranks -> 1 and 1 -> 2);
+- with more ``num_train_epochs`` or a larger ``max_steps`` (training longer),
+  the run goes on into the new epochs.
+
+In each case the Trainer's ``global_step`` continues from the checkpoint's,
+``max_steps`` is planned again from the sampler, and ``state.epoch`` counts
+the sampler's steps. The learning rate continues from the checkpoint's step;
+its schedule's total (and ``args.get_warmup_steps`` of it) is the new plan.
+So every later step gets the base schedule's rate at its global step for the
+new total, scaled by ``lr_rule`` for its real batch size: at the resume step a
+linear or cosine decay moves from the old plan's rate to the new plan's (up
+when the run got more steps: fewer ranks, more epochs), then decays to end at
+the new last step, as the Trainer's own schedulers do when a run is extended.
+A checkpoint whose run had another ``max_tokens``, ``args.seed``, ``order``,
+number of samples or sample lengths, learning rate or schedule is refused
+(``ductile.IncompatibleError`` naming the setting and both values), as is one
+without ``ductile_sampler.json``. ``args.ignore_data_skip`` does not apply to
+packs.
 """
+
+import contextlib
+import json
+import math
+import os
 
 import numpy as np
 import torch
 import transformers
 
-from ._errors import InvalidArgumentError
+from ._errors import IncompatibleError, InvalidArgumentError
 from .torch import DynamicBatchSampler, FlattenCollate, VariableBatchLRScheduler
+
+_logger = transformers.utils.logging.get_logger(__name__)
+
+# In every checkpoint of a run with packs: where the data stands (the
+# sampler's state at the checkpoint's step) and the settings it depends on.
+RESUME_FILE = "ductile_sampler.json"
+_RESUME_FORMAT = "ductile.hf.DuctileTrainer"
+
+
+@contextlib.contextmanager
+def _ductile_engine(enabled):
+    """While it lasts, ``deepspeed.initialize`` (which Accelerate's
+    DeepSpeed integration calls) is ductile's."""
+    if not enabled:
+        yield
+        return
+    import deepspeed
+
+    from . import deepspeed as ductile_deepspeed
+    original = deepspeed.initialize
+    deepspeed.initialize = ductile_deepspeed.initialize
+    try:
+        yield
+    finally:
+        deepspeed.initialize = original
 
 __all__ = ["DuctileTrainer"]
 
@@ -51,6 +118,33 @@ def _sample_length(sample):
     return len(ids)
 
 
+class _StepScheduler(VariableBatchLRScheduler):
+    """The Trainer loads a checkpoint's scheduler state with
+    ``load_state_dict(state)``; the run's steps may have been planned again
+    since (another world size, more epochs), so the state's totals give way
+    to this run's."""
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state, replan=True)
+
+
+class _EpochProgress(transformers.TrainerCallback):
+    """``state.epoch`` from the sampler's steps: the Trainer's own fraction
+    counts the micro-batches of this call's loop, which in a resumed epoch
+    are not the epoch's."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        if trainer.ductile_sampler is not None and trainer._ductile_epoch is not None:
+            epoch = trainer._ductile_epoch
+            sampler = trainer.ductile_sampler
+            state.epoch = epoch + (state.global_step - sampler.first_step(epoch)) / len(
+                sampler.batch_sizes(epoch))
+
+
 class _EpochDataLoader(torch.utils.data.DataLoader):
     """The Trainer stops taking micro-batches once an epoch's steps are done,
     before the sampler's iterator ends, and moves to the next epoch by
@@ -61,28 +155,50 @@ class _EpochDataLoader(torch.utils.data.DataLoader):
 
 
 class DuctileTrainer(transformers.Trainer):
-    """A ``transformers.Trainer`` on ductile's variable batches. Keyword
-    arguments beyond the Trainer's:
+    """A ``transformers.Trainer`` on ductile's ZeRO-3 engine (with
+    ``args.deepspeed``) and, with ``max_tokens``, on ductile's variable
+    batches. Keyword arguments beyond the Trainer's, all optional:
 
-    - ``max_tokens`` (required): the token budget of a micro-batch;
+    - ``max_tokens``: the token budget of a micro-batch (None: the Trainer's
+      own batches and scheduler);
     - ``lengths``: one length per training sample (default: the length of
       each sample's ``input_ids``, read once);
     - ``lr_rule`` ("sqrt", "linear", "none" or another lr plugin) and
       ``base_batch_size`` (the batch size ``args.learning_rate`` is tuned
-      for; required unless ``lr_rule="none"``);
+      for; required with max_tokens unless ``lr_rule="none"``);
     - ``order`` ("random", "seqlen", "dataloader") and any other keyword of
       ``DynamicBatchSampler`` as ``sampler_options``.
     """
 
-    def __init__(self, *args, max_tokens, lengths=None, lr_rule="sqrt", base_batch_size=None,
-                 order="random", sampler_options=None, **kwargs):
+    def __init__(self, *args, max_tokens=None, lengths=None, lr_rule="sqrt",
+                 base_batch_size=None, order="random", sampler_options=None, **kwargs):
         if len(args) > 2:
             raise InvalidArgumentError(
                 "DuctileTrainer: pass the Trainer's arguments after model and args by keyword "
                 "(data_collator=..., train_dataset=...)")
-        if kwargs.get("data_collator") is None:
+        packs = max_tokens is not None
+        if not packs:
+            given = [name for name, value in (("lengths", lengths), ("base_batch_size",
+                                                                     base_batch_size),
+                                              ("sampler_options", sampler_options))
+                     if value is not None]
+            if given:
+                raise InvalidArgumentError(
+                    f"DuctileTrainer: {', '.join(given)} configure ductile's packs, which are "
+                    "on only with max_tokens: give max_tokens (the token budget of a "
+                    "micro-batch) too")
+        if packs and kwargs.get("data_collator") is None:
             kwargs["data_collator"] = FlattenCollate()
         super().__init__(*args, **kwargs)
+        self.ductile_sampler = None
+        self._flatten = False
+        self._ductile_epoch = None  # the epoch the training loop is in
+        if packs:
+            self._set_up_packs(max_tokens, lengths, lr_rule, base_batch_size, order,
+                               sampler_options)
+
+    def _set_up_packs(self, max_tokens, lengths, lr_rule, base_batch_size, order,
+                      sampler_options):
         if lr_rule != "none" and base_batch_size is None:
             raise InvalidArgumentError(
                 f"DuctileTrainer: lr_rule '{lr_rule}' needs base_batch_size (the batch size "
@@ -108,8 +224,35 @@ class DuctileTrainer(transformers.Trainer):
         self._lr_rule = lr_rule
         self._base_batch_size = 1.0 if base_batch_size is None else base_batch_size
         self._flatten = isinstance(self.data_collator, FlattenCollate)
+        # What a checkpoint's data position depends on: a resume with any
+        # of them changed would not continue the same run.
+        self._resume_settings = {
+            "train_dataset samples": len(self.ductile_sampler.lengths),
+            "max_tokens": self.ductile_sampler.max_tokens, "args.seed": self.args.seed,
+            "order": order, "args.lr_scheduler_type": schedule,
+            "args.learning_rate": self.args.learning_rate, "lr_rule": lr_rule,
+            "base_batch_size": base_batch_size,
+            "sampler_options": {k: v for k, v in (sampler_options or {}).items()
+                                if isinstance(v, (bool, int, float, str, type(None)))}}
+        self.callback_handler.callbacks.insert(0, _EpochProgress(self))
+        self._fresh_sampler_state = self.ductile_sampler.state_dict()
+        self._resumed_step = 0
+
+    def train(self, *args, **kwargs):
+        with _ductile_engine(self.is_deepspeed_enabled):
+            return super().train(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        with _ductile_engine(self.is_deepspeed_enabled):
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        with _ductile_engine(self.is_deepspeed_enabled):
+            return super().predict(*args, **kwargs)
 
     def get_train_dataloader(self):
+        if self.ductile_sampler is None:
+            return super().get_train_dataloader()
         # Not through accelerator.prepare: the sampler already gives this
         # rank its own micro-batches, and sharding them again would lose some.
         return _EpochDataLoader(
@@ -118,16 +261,198 @@ class DuctileTrainer(transformers.Trainer):
             pin_memory=self.args.dataloader_pin_memory)
 
     def create_scheduler(self, num_training_steps, optimizer=None):
+        if self.ductile_sampler is None:
+            return super().create_scheduler(num_training_steps, optimizer)
         if self.lr_scheduler is None:
             schedule, warms_up = self._schedule
             warmup = self.args.get_warmup_steps(num_training_steps) if warms_up else 0
-            self.lr_scheduler = VariableBatchLRScheduler(
+            self.lr_scheduler = _StepScheduler(
                 optimizer or self.optimizer, self.ductile_sampler, lr_rule=self._lr_rule,
                 base_batch_size=self._base_batch_size, base_lr=self.args.learning_rate,
                 schedule=schedule, warmup_steps=warmup,
                 total_steps=max(num_training_steps, warmup + 1))
             self._created_lr_scheduler = True
         return self.lr_scheduler
+
+    # -- Resume. The sampler, not the Trainer, knows which samples a step
+    # took: the Trainer's own skip counts this rank's micro-batches in the
+    # checkpoint's world size, and its epoch length is the first epoch's.
+
+    def _inner_training_loop(self, batch_size=None, args=None, resume_from_checkpoint=None,
+                             trial=None, ignore_keys_for_eval=None):
+        if self.ductile_sampler is not None:
+            self._ductile_epoch = None
+            self._resumed_step = 0
+            if resume_from_checkpoint is None:
+                self.ductile_sampler.load_state_dict(self._fresh_sampler_state)
+            else:
+                self._resume_sampler(resume_from_checkpoint)
+        return super()._inner_training_loop(
+            batch_size=batch_size, args=args, resume_from_checkpoint=resume_from_checkpoint,
+            trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
+
+    def _resume_sampler(self, checkpoint):
+        """Restores the sampler's position from the checkpoint's RESUME_FILE,
+        re-packing the rest of its epoch when the world size or the
+        micro-batches per step changed."""
+        path = os.path.join(checkpoint, RESUME_FILE)
+        if not os.path.isfile(path):
+            raise IncompatibleError(
+                f"DuctileTrainer: resume_from_checkpoint '{checkpoint}' has no {RESUME_FILE} "
+                "(which samples its steps took): it was not saved by a DuctileTrainer with "
+                "max_tokens. "
+                "Resume from a checkpoint of such a run, or train without resume_from_checkpoint")
+        try:
+            with open(path, encoding="utf-8") as f:
+                saved = json.load(f)
+        except (OSError, ValueError) as error:
+            raise InvalidArgumentError(
+                f"DuctileTrainer: {path} cannot be read ({error}): the checkpoint is damaged") \
+                from error
+        keys = {"format", "version", "global_step", "world_size", "gradient_accumulation_steps",
+                "max_steps", "num_train_epochs", "settings", "sampler"}
+        if (not isinstance(saved, dict) or saved.get("format") != _RESUME_FORMAT
+                or saved.get("version") != 1 or not keys <= saved.keys()
+                or not isinstance(saved["settings"], dict)
+                or not isinstance(saved["sampler"], dict)):
+            raise InvalidArgumentError(
+                f"DuctileTrainer: {path} is not a version 1 {_RESUME_FORMAT} record (with "
+                f"{', '.join(sorted(keys))}): the checkpoint is damaged")
+        for key, value in self._resume_settings.items():
+            was = saved["settings"].get(key)
+            if was != value:
+                raise IncompatibleError(
+                    f"DuctileTrainer: resume_from_checkpoint '{checkpoint}' was saved with {key} "
+                    f"= {was!r}, this run has {value!r}: its steps took their samples and rates "
+                    f"by that setting, so the rest of the run can be planned only with {key} = "
+                    f"{was!r}; give that, or train without resume_from_checkpoint")
+        sampler = self.ductile_sampler
+        state = dict(saved["sampler"])
+        if state.get("lengths_sha256") != self._fresh_sampler_state["lengths_sha256"]:
+            raise IncompatibleError(
+                f"DuctileTrainer: resume_from_checkpoint '{checkpoint}' was saved for samples "
+                f"of other lengths (train_dataset or lengths changed; both runs have "
+                f"{len(sampler.lengths)} samples): resume with the checkpoint's data")
+        if (state.get("world_size") == sampler.world_size
+                and state.get("effective_batch_size") == sampler.effective_batch_size):
+            # At a step's end every rank has taken as many micro-batches, so
+            # rank 0's position is every rank's.
+            state["rank"] = sampler.rank
+        sampler.load_state_dict(state)
+        epoch, step = sampler.epoch, saved["global_step"]
+        left = (len(sampler) - sampler.position) // sampler.gradient_accumulation_steps
+        if sampler.first_step(epoch) + len(sampler.batch_sizes(epoch)) - left != step:
+            raise InvalidArgumentError(
+                f"DuctileTrainer: {path} has global_step {step!r}, but its sampler state "
+                f"ends epoch {epoch} {left} steps after step {sampler.first_step(epoch)}: "
+                "the checkpoint is damaged")
+        trainer_state = os.path.join(checkpoint, "trainer_state.json")
+        if os.path.isfile(trainer_state):
+            with open(trainer_state, encoding="utf-8") as f:
+                recorded = json.load(f).get("global_step")
+            if recorded != step:
+                raise InvalidArgumentError(
+                    f"DuctileTrainer: {trainer_state} has global_step {recorded!r} and {path} "
+                    f"{step}: they are of different checkpoints")
+        self._resumed_step = step
+        if (saved["world_size"], saved["gradient_accumulation_steps"]) != (
+                sampler.world_size, sampler.gradient_accumulation_steps):
+            _logger.warning(
+                f"DuctileTrainer: resuming at world size {sampler.world_size} with "
+                f"{sampler.gradient_accumulation_steps} micro-batches per rank and step (the "
+                f"checkpoint: {saved['world_size']} and {saved['gradient_accumulation_steps']}): "
+                f"the samples epoch {epoch} has left after step {step} are packed again, and "
+                "the learning-rate schedule is planned again over the new step count")
+
+    def set_initial_training_values(self, args, dataloader):
+        values = super().set_initial_training_values(args, dataloader)
+        if self.ductile_sampler is None:
+            return values
+        _, _, num_examples, num_train_samples, total_batch_size, _, _ = values
+        sampler, done = self.ductile_sampler, self._resumed_step
+        # Each epoch of a packing has its own step count: the plan adds
+        # them up, from where the sampler stands.
+        if args.max_steps > 0:
+            max_steps = args.max_steps
+            planned = f"args.max_steps {max_steps}"
+        else:
+            whole = math.floor(args.num_train_epochs)
+            max_steps = sampler.first_step(whole) if whole >= sampler.resume_epoch else 0
+            if args.num_train_epochs > whole and whole >= sampler.resume_epoch:
+                max_steps += math.ceil((args.num_train_epochs - whole)
+                                       * len(sampler.batch_sizes(whole)))
+            planned = f"args.num_train_epochs {args.num_train_epochs} ({max_steps} steps)"
+        if max_steps <= done:
+            raise IncompatibleError(
+                f"DuctileTrainer: {planned} ends at or before the checkpoint, which has run "
+                f"{done} steps (into epoch {sampler.epoch}): to train longer give more epochs, "
+                f"or max_steps above {done}")
+        try:
+            num_train_epochs = sampler.epoch_of(max_steps - 1) + 1
+        except InvalidArgumentError as error:
+            raise InvalidArgumentError(
+                f"DuctileTrainer: {planned} reaches further than the sampler plans ahead "
+                f"({error}); give fewer steps, or train in parts") from error
+        steps = len(sampler.batch_sizes(sampler.epoch))
+        return (num_train_epochs, steps, num_examples, num_train_samples, total_batch_size,
+                steps * sampler.gradient_accumulation_steps, max_steps)
+
+    def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs,
+                             resume_from_checkpoint, trial):
+        epochs_trained, skipped = super()._init_training_state(
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint,
+            trial)
+        if self.ductile_sampler is None:
+            return epochs_trained, skipped
+        # Nothing for the Trainer to skip: the sampler starts where the
+        # checkpoint was.
+        return self.ductile_sampler.epoch, 0
+
+    def _run_epoch(self, model, epoch, train_dataloader, steps_in_epoch,
+                   num_update_steps_per_epoch, trial, ignore_keys_for_eval, start_time,
+                   resume_from_checkpoint, epochs_trained, steps_trained_in_current_epoch):
+        if self.ductile_sampler is not None:
+            # This epoch's own steps (all of them, or those a resume left).
+            sampler = self.ductile_sampler
+            self._ductile_epoch = epoch
+            num_update_steps_per_epoch = len(sampler.batch_sizes(epoch)) - max(
+                self.state.global_step - sampler.first_step(epoch), 0)
+            steps_in_epoch = num_update_steps_per_epoch * sampler.gradient_accumulation_steps
+            steps_trained_in_current_epoch = 0
+        return super()._run_epoch(
+            model=model, epoch=epoch, train_dataloader=train_dataloader,
+            steps_in_epoch=steps_in_epoch, num_update_steps_per_epoch=num_update_steps_per_epoch,
+            trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, start_time=start_time,
+            resume_from_checkpoint=resume_from_checkpoint, epochs_trained=epochs_trained,
+            steps_trained_in_current_epoch=steps_trained_in_current_epoch)
+
+    def _save_rng_state(self, output_dir):
+        super()._save_rng_state(output_dir)
+        if self.ductile_sampler is not None and self.args.should_save:
+            self._save_sampler_state(output_dir)
+
+    def _save_sampler_state(self, output_dir):
+        """Writes RESUME_FILE: the sampler's state after the checkpoint's
+        step, counted from the Trainer's steps (DataLoader workers may have
+        fetched ahead of them)."""
+        sampler = self.ductile_sampler
+        epoch = sampler.epoch if self._ductile_epoch is None else self._ductile_epoch
+        done = self.state.global_step - sampler.first_step(epoch)
+        if done >= len(sampler.batch_sizes(epoch)):
+            epoch, done = epoch + 1, 0
+        record = {"format": _RESUME_FORMAT, "version": 1, "global_step": self.state.global_step,
+                  "world_size": sampler.world_size,
+                  "gradient_accumulation_steps": sampler.gradient_accumulation_steps,
+                  "max_steps": self.state.max_steps,
+                  "num_train_epochs": self.state.num_train_epochs,
+                  "settings": self._resume_settings,
+                  "sampler": sampler.state_dict(
+                      consumed=done * sampler.gradient_accumulation_steps, epoch=epoch)}
+        os.makedirs(output_dir, exist_ok=True)
+        path = os.path.join(output_dir, RESUME_FILE)
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=1)
+        os.replace(path + ".tmp", path)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self._flatten:

@@ -55,6 +55,19 @@ class StepRates(TrainerCallback):
         self.lrs.append(optimizer.param_groups[0]["lr"])
 
 
+class StopAt(TrainerCallback):
+    """Saves a checkpoint at step `step` and ends the run there, as a job
+    that is killed right after a save."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_save = True
+            control.should_training_stop = True
+
+
 def main():
     out = sys.argv[1]
     torch.set_num_threads(1)

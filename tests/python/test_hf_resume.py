@@ -8,27 +8,14 @@ import sys
 
 import pytest
 import torch
-from transformers import TrainerCallback, TrainingArguments
+from transformers import TrainingArguments
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from hf_models import tiny_model  # noqa: E402
-from hf_trainer_worker import SAMPLES, SETTINGS, Recorded, StepRates  # noqa: E402
+from hf_trainer_worker import SAMPLES, SETTINGS, Recorded, StepRates, StopAt  # noqa: E402
 
 from ductile.hf import DuctileTrainer  # noqa: E402
-
-
-class StopAt(TrainerCallback):
-    """Saves a checkpoint at step `step` and ends the run there, as a job
-    that is killed right after a save."""
-
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_save = True
-            control.should_training_stop = True
 
 
 def train(out, stop_at=None, resume=None):

@@ -134,3 +134,33 @@ def launch_batch(tmp, runs, ranks, launcher="torchrun", worker=WORKER, timeout=2
     assert proc.returncode == 0, \
         f"{names} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     return {name: results(tmp / name, ranks, False, proc.stderr) for name, _, _ in runs}
+
+
+def one_line_changed(script, old, new, folder):
+    """A copy of `script` in `folder` with its line `old` replaced by `new`
+    and nothing else changed (the drop-in tests' one-line migration); its
+    path."""
+    text = open(script).read()
+    assert text.count(old) == 1, f"{script} has {text.count(old)} lines {old!r}"
+    changed = text.replace(old, new)
+    differing = [a for a, b in zip(text.splitlines(), changed.splitlines()) if a != b]
+    assert len(text.splitlines()) == len(changed.splitlines()) and len(differing) == 1
+    path = os.path.join(folder, "changed_" + os.path.basename(script))
+    with open(path, "w") as f:
+        f.write(changed)
+    return path
+
+
+def torchrun_script(script, args, ranks=2, timeout=400):
+    """`script args` on `ranks` ranks under torchrun (DeepSpeed on its CPU
+    accelerator); its stdout. Fails the test, with the output's end, when
+    the job fails."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                              str(ranks), "--master-addr", "127.0.0.1", "--master-port",
+                              str(free_port()), script, *args]
+    env = environment()
+    env["DS_ACCELERATOR"] = "cpu"
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{command}:\n" + done.stdout[-3000:] + done.stderr[-6000:]
+    return done.stdout
+

@@ -179,6 +179,31 @@ stage_offload_race() {
   timeout 540 "$python" tests/benchmarks/python/bench_offload.py --device cuda --size 1.3b \
     --cap-gib 12 --steps 4
 }
+# The Hugging Face Trainer on ductile's ZeRO-3 engine on one GPU (NCCL):
+# tests/python/hf_clm_script.py with its Trainer import changed to
+# DuctileTrainer, as tests/python/test_hf_deepspeed.py does on the CPU;
+# then the same script on DeepSpeed's engine. Each prints its log history.
+stage_hf_trainer() {
+  local folder
+  folder=$(mktemp -d)
+  sed 's/^from transformers import Trainer$/from ductile.hf import DuctileTrainer as Trainer/' \
+    tests/python/hf_clm_script.py >"$folder/ductile_clm.py"
+  printf '%s' '{"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+    "train_batch_size": "auto", "gradient_clipping": "auto",
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0,
+      "warmup_max_lr": "auto", "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+    "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": true}}' \
+    >"$folder/ds.json"
+  local script
+  for script in "$folder/ductile_clm.py" tests/python/hf_clm_script.py; do
+    note "hf_trainer: $script"
+    timeout 240 "$python" -m torch.distributed.run --nproc-per-node 1 --master-addr 127.0.0.1 \
+      --master-port 29731 "$script" --train_file tests/data/text/gpl-3.0.txt \
+      --output_dir "$folder/out_$(basename "$script" .py)" --deepspeed "$folder/ds.json" \
+      --device cuda || return 1
+  done
+}
 stage_zero3b() {
   bench_zero3 --batch 32 --precision fp32 --engines fsdp2,deepspeed,ductile,ductile-mpi || return 1
   bench_zero3 --batch 32 --precision bf16 --engines fsdp2,deepspeed,ductile,ductile-mpi
@@ -199,6 +224,7 @@ for stage in "${stages[@]}"; do
     offload) run_stage offload stage_offload ;;
     compile) run_stage compile stage_compile ;;
     offload_race) run_stage offload_race stage_offload_race ;;
+    hf_trainer) run_stage hf_trainer stage_hf_trainer ;;
     flatten)
       run_stage flatten timeout 420 "$python" tests/benchmarks/python/bench_flatten.py llama-gpu \
         400 3
@@ -211,7 +237,7 @@ for stage in "${stages[@]}"; do
       ;;
     *)
       echo "on_device.sh: stage '$stage' is not valid; use build, tests, copy, zero3 (zero3a," \
-        "zero3b), flatten, wheel, cpu_adam, offload, offload_race or compile"
+        "zero3b), flatten, wheel, cpu_adam, offload, offload_race, hf_trainer or compile"
       exit 2
       ;;
   esac

@@ -110,10 +110,17 @@ class VariableBatchLRScheduler:
                 "lr_scheduler": None if self.lr_scheduler is None
                 else self.lr_scheduler.state_dict()}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state, *, replan=False):
         """Restores a state_dict: the following steps get exactly the rates
         they would have had. Raises InvalidArgumentError for a state of
-        another configuration."""
+        another configuration.
+
+        ``replan=True`` (a run whose steps were planned again on resume: at
+        another world size, or trained longer) also takes a state whose
+        ``warmup_steps`` and ``total_steps`` differ from this scheduler's:
+        the steps go on from the state's last step, each at the rate this
+        scheduler's schedule gives that global step (so a decay bends at the
+        resume to end at the new last step). Every other setting must match."""
         if not isinstance(state, dict) or state.get("format") != "ductile.VariableBatchLRScheduler":
             raise InvalidArgumentError(
                 "load_state_dict: not a VariableBatchLRScheduler state_dict")
@@ -148,11 +155,24 @@ class VariableBatchLRScheduler:
             raise InvalidArgumentError(
                 f"load_state_dict: unscaled = {unscaled!r} must be {len(self.base_lrs)} finite "
                 "rates, one per param group: the state is damaged")
+        if not isinstance(state["schedule"], dict):
+            raise InvalidArgumentError(
+                f"load_state_dict: schedule = {state['schedule']!r} must be a dict of the "
+                "schedule's settings: the state is damaged")
+        replanned = ("warmup_steps", "total_steps") if replan else ()
+        compared = {"schedule": {k: v for k, v in state["schedule"].items() if k not in replanned}}
+        mine["schedule"] = {k: v for k, v in mine["schedule"].items() if k not in replanned}
         for key in ("base_batch_size", "rule", "schedule", "base_lrs"):
-            if state[key] != mine[key]:
+            if compared.get(key, state[key]) != mine[key]:
+                steps_only = key == "schedule" and not replan and all(
+                    state[key].get(k) == v for k, v in mine[key].items()
+                    if k not in ("warmup_steps", "total_steps"))
                 raise InvalidArgumentError(
                     f"load_state_dict: the state has {key} = {state[key]!r}, this scheduler "
-                    f"{mine[key]!r}: it was saved with another configuration")
+                    f"{mine[key]!r}: " + (
+                        "only the planned steps differ; load_state_dict(state, replan=True) "
+                        "goes on with this scheduler's steps" if steps_only else
+                        "it was saved with another configuration"))
         if (state["lr_scheduler"] is None) != (self.lr_scheduler is None):
             raise InvalidArgumentError("load_state_dict: the state was saved "
                                        + ("with" if state["lr_scheduler"] else "without")

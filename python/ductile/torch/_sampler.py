@@ -332,23 +332,40 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
         self._position = 0
         self.epoch += 1
 
-    def state_dict(self, consumed=None):
+    def state_dict(self, consumed=None, epoch=None):
         """Where this rank stands: epoch and micro-batches handed out in it.
         With DataLoader workers (which fetch ahead) pass ``consumed``, the
-        micro-batches the training loop has processed in this epoch."""
-        position = self._position if consumed is None else int(consumed)
-        if not 0 <= position <= len(self):
+        micro-batches the training loop has processed in this epoch, and
+        ``epoch``, the epoch the loop is in (the sampler's own may be ahead):
+        ``consumed=0, epoch=e + 1`` once epoch e's last step is done."""
+        if epoch is None:
+            epoch = self.epoch
+        else:
+            epoch = _check_epoch(_int(epoch, "state_dict: epoch", 0, MAX_EPOCH), self.seed,
+                                 "state_dict: epoch")
+            if epoch < self._anchor_epoch:
+                raise InvalidArgumentError(
+                    f"state_dict: epoch {epoch} ran before the state this sampler resumed "
+                    f"from (epoch {self._anchor_epoch}); give epoch {self._anchor_epoch} or later")
+        if consumed is None and epoch != self.epoch:
             raise InvalidArgumentError(
-                f"state_dict: consumed {position} is out of range; this rank has {len(self)} "
-                f"micro-batches in epoch {self.epoch}")
-        return {"format": "ductile.DynamicBatchSampler", "version": 2, "epoch": self.epoch,
+                f"state_dict: epoch {epoch} is not the sampler's ({self.epoch}): give consumed, "
+                "the micro-batches processed in it, too")
+        position = self._position if consumed is None else int(consumed)
+        if position != 0:  # an epoch's start needs no packing to check
+            available = len(self.plan(epoch).rank_microbatches[self.rank])
+            if not 0 <= position <= available:
+                raise InvalidArgumentError(
+                    f"state_dict: consumed {position} is out of range; this rank has "
+                    f"{available} micro-batches in epoch {epoch}")
+        return {"format": "ductile.DynamicBatchSampler", "version": 2, "epoch": epoch,
                 "position": position, "seed": self.seed, "order": self.order, "rank": self.rank,
                 "world_size": self.world_size, "samples": len(self.lengths),
                 "lengths_sha256": self._fingerprint, "max_tokens": self.max_tokens,
                 "effective_batch_size": self.effective_batch_size,
-                "first_step": self.first_step(),
+                "first_step": self.first_step(epoch),
                 "segments": [list(s) for s in self._segments]
-                if self.epoch == self._anchor_epoch else []}
+                if epoch == self._anchor_epoch else []}
 
     def load_state_dict(self, state):
         """Restores a state_dict. At the world size and batch settings it was

@@ -111,7 +111,10 @@ param_persistence_threshold = {PERSIST}
 max_ongoing_fetch_events = 2
 """
 
-ENGINES = ("ddp", "fsdp2", "deepspeed", "ductile", "ductile-mpi", "ductile-noprefetch")
+# ductile-deepspeed: the deepspeed engine's code and config as they are,
+# with `import ductile.deepspeed as deepspeed` (docs/deepspeed.md).
+ENGINES = ("ddp", "fsdp2", "deepspeed", "ductile", "ductile-deepspeed", "ductile-mpi",
+           "ductile-noprefetch")
 
 
 def rss_bytes():
@@ -234,6 +237,8 @@ def worker(engine_name, size, steps, out, device, global_batch, precision, calls
         dist.init_process_group("nccl" if cuda else "gloo")
     if engine_name == "deepspeed":
         import deepspeed  # imported before the baseline: its own memory is not the model's
+    elif engine_name == "ductile-deepspeed":
+        import ductile.deepspeed as deepspeed
     if engine_name.startswith("ductile"):
         import ductile.torch.zero3 as zero3
     baseline = torch.cuda.memory_allocated() if cuda else rss_bytes()
@@ -279,7 +284,7 @@ def worker(engine_name, size, steps, out, device, global_batch, precision, calls
 
         def param_bytes():
             return tensor_bytes(list(model.parameters()))
-    elif engine_name == "deepspeed":
+    elif engine_name in ("deepspeed", "ductile-deepspeed"):
         rank, world = dist.get_rank(), dist.get_world_size()
         config = {
             "train_micro_batch_size_per_gpu": global_batch // world, "gradient_accumulation_steps": 1,
@@ -302,9 +307,16 @@ def worker(engine_name, size, steps, out, device, global_batch, precision, calls
             ds_engine.step()
             return loss
 
-        def param_bytes():
-            return tensor_bytes([p.ds_tensor for p in model.parameters()])
-        optimizer = ds_optimizer.optimizer
+        if engine_name == "deepspeed":
+            def param_bytes():
+                return tensor_bytes([p.ds_tensor for p in model.parameters()])
+            optimizer = ds_optimizer.optimizer
+        else:
+            def param_bytes():
+                s = ds_engine.zero3.stats()
+                return s["shard_bytes"] + s["master_bytes"]
+            optimizer = ds_optimizer
+            stats_of = ds_engine.zero3.stats
     else:
         prefetch = 0 if engine_name == "ductile-noprefetch" else PREFETCH
         engine = zero3.initialize(model, lambda ps: torch.optim.Adam(ps, lr=1e-4),
@@ -506,7 +518,7 @@ def report(args, engines, results, failures):
         print(f"  {engine:20} parameters {max(x['param_bytes'] for x in r) / 2**20:8.1f} MiB/rank"
               f"  optimizer {max(x['optimizer_bytes'] for x in r) / 2**20:8.1f} MiB/rank"
               f"  first losses {', '.join(f'{v:.5f}' for v in r[0]['losses'])}")
-    for engine in ("ductile", "ductile-noprefetch", "ductile-mpi"):
+    for engine in ("ductile", "ductile-deepspeed", "ductile-noprefetch", "ductile-mpi"):
         if engine in results and results[engine][0]["waits"]:
             print(f"  {engine}: gather wait {statistics.median(results[engine][0]['waits']) * 1e3:.1f}"
                   " ms per step (median)")

@@ -64,7 +64,8 @@ def initialize(model, optimizer_factory=None, config=None, *, plugin_path=None,
     section (e.g. ``coordinator = "partitioned"``) and an ``[accelerator]``
     section, or a DeepSpeed JSON config (path, text, or dict, as
     ``deepspeed.initialize`` takes it: ZeRO stage 3; its bf16/fp16,
-    gradient_clipping and optimizer keys are honoured), or a loaded
+    gradient_clipping, optimizer and scheduler keys are honoured: the
+    scheduler is ``engine.lr_scheduler``, stepped by ``step()``), or a loaded
     ``ductile.Config``. When
     torch.distributed is initialised (torchrun) and ``[accelerator]
     communicator`` is "auto" or "host", its process group (``group``, or the
@@ -99,7 +100,13 @@ def initialize(model, optimizer_factory=None, config=None, *, plugin_path=None,
     if config is not None:
         config = load_config(config, plugin_path=plugin_path,
                              allow_config_plugins=allow_config_plugins)
-    return Zero3Engine(model, optimizer_factory, config, plugin_path=plugin_path,
-                       mixed_precision=mixed_precision, load_from=load_from, group=group,
-                       step_in_backward=step_in_backward, groups=groups,
-                       offload_optimizer=offload_optimizer, max_device_memory=max_device_memory)
+    engine = Zero3Engine(model, optimizer_factory, config, plugin_path=plugin_path,
+                         mixed_precision=mixed_precision, load_from=load_from, group=group,
+                         step_in_backward=step_in_backward, groups=groups,
+                         offload_optimizer=offload_optimizer,
+                         max_device_memory=max_device_memory)
+    scheduler = (engine.training or {}).get("scheduler")
+    if scheduler is not None and engine.optimizer is not None:
+        from ...deepspeed.lr_schedules import scheduler_from_config
+        engine.lr_scheduler = scheduler_from_config(scheduler, engine.optimizer)
+    return engine

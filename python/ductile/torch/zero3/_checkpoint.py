@@ -123,16 +123,21 @@ def save(engine, root, client_state=None, tag=None):
 
 
 def _save(engine, root, client_state, tag, step, rank, world, what, staging, written):
+    scheduler = engine.lr_scheduler
+    scheduler_state = scheduler.state_dict() if scheduler is not None else None
+
     def prepare():
         optimizer, groups = optimizer_view(engine)
         parameters, opt = describe(engine, optimizer, groups)
         manifest_text = None
         if rank == 0:
-            try:
-                json.dumps(client_state)
-            except (TypeError, ValueError, RecursionError) as e:
-                raise InvalidArgumentError(
-                    f"zero3 checkpoint: client_state cannot be written as JSON: {e}") from e
+            for name, value in (("client_state", client_state),
+                                ("the lr_scheduler's state_dict()", scheduler_state)):
+                try:
+                    json.dumps(value)
+                except (TypeError, ValueError, RecursionError) as e:
+                    raise InvalidArgumentError(
+                        f"zero3 checkpoint: {name} cannot be written as JSON: {e}") from e
             try:
                 fs("mkdir", root)
                 os.makedirs(root, exist_ok=True)
@@ -182,6 +187,7 @@ def _save(engine, root, client_state, tag, step, rank, world, what, staging, wri
             "tag": tag, "world_size": world, "shards": shards, "parameters": parameters,
             "optimizer": opt, "client_state": client_state,
             "loss_scaler": engine._scaler.state_dict() if engine._scaler is not None else None,
+            "lr_scheduler": scheduler_state,
         }
         text = json.dumps(manifest, indent=1).encode()
         checksum = hashlib.sha256(text).hexdigest()
@@ -320,7 +326,7 @@ def _optimizer_state(engine, path, groups, saved_opt, saved, values):
     return {"state": state, "param_groups": param_groups}
 
 
-def load(engine, root):
+def load(engine, root, lr_scheduler=True):
     if engine._pass_open:
         raise IncompatibleError(
             "zero3: load() in the middle of a pass (a forward without its backward)")
@@ -355,6 +361,13 @@ def load(engine, root):
     scaler = engine._scaler
     if scaler is not None and manifest.get("loss_scaler") is not None:
         scaler.load_state_dict(manifest["loss_scaler"])
+    saved_scheduler = manifest.get("lr_scheduler")
+    if lr_scheduler and engine.lr_scheduler is not None and saved_scheduler is not None:
+        try:
+            engine.lr_scheduler.load_state_dict(saved_scheduler)
+        except Exception as e:
+            raise IoError(f"{root}: the learning-rate scheduler's state does not load into the "
+                          f"{type(engine.lr_scheduler).__name__}: {type(e).__name__}: {e}") from e
     if engine.rank == 0 and os.path.lexists(os.path.join(root, LATEST)):
         clean_after_load(root)  # a checkpoint root (not a tag folder given alone)
     return manifest.get("client_state")

@@ -273,9 +273,10 @@ def check_entries(path, manifest):
         state = optimizer.get("state")
         if not isinstance(state, dict) or not all(isinstance(v, dict) for v in state.values()):
             bad("optimizer.state", "an object of objects")
-    scaler = manifest.get("loss_scaler")
-    if scaler is not None and not isinstance(scaler, dict):
-        bad("'loss_scaler'", "null or an object")
+    for key in ("loss_scaler", "lr_scheduler"):
+        value = manifest.get(key)
+        if value is not None and not isinstance(value, dict):
+            bad(f"'{key}'", "null or an object")
 
 
 def check_loss_scaler(engine, path, manifest):

@@ -30,8 +30,11 @@ class Settings:
     """What zero3 takes from its configuration."""
 
     def __init__(self, loaded, mixed_precision, gradient_clipping, offload=None,
-                 optimizer=None):
+                 optimizer=None, training=None):
         self.loaded = loaded
+        # What a DeepSpeed config sets for the training framework, as the
+        # mapping read it (pipeline::DeepSpeedTraining); None for a TOML.
+        self.training = training
         self.mixed_precision = mixed_precision
         self.gradient_clipping = gradient_clipping
         self.offload = offload or OffloadSettings()
@@ -98,9 +101,13 @@ def _offload_of(runtime):
 
 def resolve(config, plugin_path, mixed_precision, world):
     """Loads `config` (TOML path/text, DeepSpeed JSON path/text/dict, or a
-    loaded ductile.Config); returns Settings. `mixed_precision` (given to
-    initialize) wins over the config's bf16/fp16 sections."""
+    loaded ductile.Config, or Settings resolved already); returns Settings.
+    `mixed_precision` (given to initialize) wins over the config's
+    bf16/fp16 sections."""
+    if isinstance(config, Settings):
+        return config
     loaded = load_config(config, plugin_path=plugin_path)
+    training = None
     clipping = None
     precision = None
     optimizer = None
@@ -119,7 +126,8 @@ def resolve(config, plugin_path, mixed_precision, world):
         if not isinstance(mixed_precision, _precision.MixedPrecision):
             mixed_precision = _precision.MixedPrecision(mixed_precision)
         precision = mixed_precision
-    return Settings(loaded, precision, clipping, _offload_of(loaded.runtime), optimizer)
+    return Settings(loaded, precision, clipping, _offload_of(loaded.runtime), optimizer,
+                    training)
 
 
 def torch_world(group):

@@ -80,6 +80,9 @@ class Zero3Engine:
         world = _config.torch_world(group)
         settings = _config.resolve(config, plugin_path, mixed_precision, world)
         self.config = settings.loaded
+        # A DeepSpeed config's training keys as the mapping read them; None
+        # for a TOML.
+        self.training = settings.training
         self.mixed_precision = precision = settings.mixed_precision
         if optimizer_factory is None:
             optimizer_factory = settings.optimizer
@@ -117,6 +120,9 @@ class Zero3Engine:
                                     settings.gradient_clipping, step_in_backward)
         self.optimizer = self._steps.optimizer
         self.step_in_backward = self._steps.step_in_backward
+        # Stepped after every applied step(): a DeepSpeed config's
+        # "scheduler" (zero3.initialize builds it), or one set by the caller.
+        self.lr_scheduler = None
 
     @property
     def gradient_clipping(self):
@@ -136,6 +142,34 @@ class Zero3Engine:
     @global_step.setter
     def global_step(self, value):
         self._steps.global_step = value
+
+    @property
+    def device(self):
+        """The torch device of the gathered parameters (cpu or cuda)."""
+        return self._memory.device
+
+    @property
+    def step_applied(self):
+        """Whether the last step() changed the shards (False after an fp16
+        overflow skipped it, and before the first step)."""
+        return self._steps.step_applied
+
+    @property
+    def grad_norm(self):
+        """The global gradient norm before clipping of the last step that
+        computed it (a 0-d tensor; None before): every step with
+        gradient_clipping, or with ``measure_grad_norm`` on."""
+        return self._steps.grad_norm
+
+    @property
+    def measure_grad_norm(self):
+        """Whether step() computes the global gradient norm even without
+        clipping (one more scalar all-reduce a step)."""
+        return self._steps.measure_grad_norm
+
+    @measure_grad_norm.setter
+    def measure_grad_norm(self, value):
+        self._steps.measure_grad_norm = bool(value)
 
     # --- shards and passes --------------------------------------------------------
 
@@ -209,12 +243,15 @@ class Zero3Engine:
         first). The host does not wait for the device."""
         return self._steps.clip_grad_norm_(max_norm, norm_type)
 
-    def step(self):
-        """Steps the optimizer on the shards, then clears the gradient shards.
+    def step(self, lr_kwargs=None):
+        """Steps the optimizer on the shards, then clears the gradient shards
+        and steps ``lr_scheduler`` (with ``lr_kwargs``) when there is one.
         With gradient_clipping (DeepSpeed config) the gradient is clipped
         first; with fp16 loss scaling a step whose gradient overflowed on
-        any rank is skipped and the scale lowered."""
+        any rank is skipped (the scheduler too) and the scale lowered."""
         self._steps.step()
+        if self.lr_scheduler is not None and self._steps.step_applied:
+            self.lr_scheduler.step(**(lr_kwargs or {}))
 
     def zero_grad(self):
         """Clears the gradient shards (step() does it after stepping)."""
@@ -327,20 +364,22 @@ class Zero3Engine:
                 zp.param.data = full[zp.name]
 
     def save(self, directory, client_state=None, tag=None):
-        """Writes a checkpoint into `directory`/<tag> (tag: "step<N>" by
-        default) and commits it atomically by pointing `directory`/latest
+        """Writes a checkpoint (shards, optimizer state, global_step, the
+        lr_scheduler's state, `client_state`) into `directory`/<tag> (tag:
+        "step<N>" by default) and commits it atomically by pointing `directory`/latest
         at it: an interrupted save leaves the previous checkpoint whole.
         Collective; an error on any rank is raised on every rank. See
         _checkpoint.py."""
         from . import _checkpoint
         _checkpoint.save(self, directory, client_state, tag)
 
-    def load(self, directory):
-        """Restores shards, optimizer state and global_step from the
-        checkpoint `directory`/latest names (or from `directory` itself
-        when it holds a manifest), saved at any world size; returns the
-        client_state given to save(). Everything is read and checked on
-        every rank first: on any error, every rank raises and the model
-        and optimizer are unchanged. Collective."""
+    def load(self, directory, lr_scheduler=True):
+        """Restores shards, optimizer state, global_step and (with
+        ``lr_scheduler``) the scheduler's state from the checkpoint
+        `directory`/latest names (or from `directory` itself when it holds a
+        manifest), saved at any world size; returns the client_state given
+        to save(). Everything is read and checked on every rank first: on
+        any error, every rank raises and the model and optimizer are
+        unchanged. Collective."""
         from . import _checkpoint
-        return _checkpoint.load(self, directory)
+        return _checkpoint.load(self, directory, lr_scheduler)

@@ -33,8 +33,14 @@ class OptimizerStep:
         self.gradients = sharded.gradients
         self.passes = sharded.passes
         self.scaling = scaling  # LossScaling with fp16, else None
+        self._measure_grad_norm = False
         self.set_gradient_clipping(gradient_clipping)
         self.global_step = 0        # optimizer steps taken (saved in checkpoints)
+        self.step_applied = False   # the last step changed the shards (no fp16 overflow)
+        # The global gradient norm before clipping, of the last step that
+        # clipped or measured it (a 0-d tensor); measured without clipping
+        # only when measure_grad_norm is set (DeepSpeed's engine reports it).
+        self.grad_norm = None
         self.device_high_water = 0  # of the last step, by the engine's accounting
         self._resident_key = None   # the optimizer state's size when _resident was counted
         self._resident = 0
@@ -68,8 +74,18 @@ class OptimizerStep:
 
     def set_gradient_clipping(self, value):
         self.gradient_clipping = value
-        # Whether a step first clips or unscales the gradient shards.
-        self.prepares_gradients = bool(value) or self.scaling is not None
+        # Whether a step first clips, measures or unscales the gradient shards.
+        self.prepares_gradients = (bool(value) or self.scaling is not None
+                                   or self._measure_grad_norm)
+
+    @property
+    def measure_grad_norm(self):
+        return self._measure_grad_norm
+
+    @measure_grad_norm.setter
+    def measure_grad_norm(self, value):
+        self._measure_grad_norm = bool(value)
+        self.set_gradient_clipping(self.gradient_clipping)
 
     def _make_offloaded_optimizer(self, optimizer_factory):
         made = optimizer_factory([zp.shard for zp in self.params])
@@ -123,7 +139,13 @@ class OptimizerStep:
         scaling unscales and updates the scale; True when the step must be
         skipped (the gradient overflowed on some rank)."""
         if self.gradient_clipping:
-            self.clip_grad_norm_(self.gradient_clipping)
+            self.grad_norm = self.clip_grad_norm_(self.gradient_clipping)
+        elif self.measure_grad_norm and self.offload is None and self.scaling is None:
+            # The norm alone: no pass over the gradients to scale them by 1.
+            self.grad_norm = _grad_shards.global_norm(
+                _grad_shards.gradient_tensors(self.groups), self.comm, self.device, 2.0)
+        elif self.measure_grad_norm:
+            self.grad_norm = self.clip_grad_norm_(float("inf"))
         return self.scaling is not None and self.scaling.update()
 
     # --- the step -------------------------------------------------------------------
@@ -140,12 +162,14 @@ class OptimizerStep:
             return
         if self.step_in_backward:
             self.global_step += 1  # every parameter was stepped during backward
+            self.step_applied = True
             self.zero_grad()
             return
         skip = self._clip_and_scale() if self.prepares_gradients else False
         gradient_bytes = self._gradient_bytes()
         if not skip:
             self.optimizer.step()
+        self.step_applied = not skip
         self.global_step += 1
         self.zero_grad()
         self._account(gradient_bytes)
@@ -161,6 +185,7 @@ class OptimizerStep:
                 if not skip:
                     self.optimizer.step_device()
             self.offload.step(skip)
+            self.step_applied = not skip
         except BaseException:
             self.offload.abandon()
             raise

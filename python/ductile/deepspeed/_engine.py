@@ -1,0 +1,441 @@
+"""DeepSpeed's engine contract over ductile's ZeRO-3 engine.
+
+``DeepSpeedEngine`` is a ``torch.nn.Module`` whose ``module`` is the user's
+model, with the methods and properties DeepSpeed's engine has that training
+scripts, Hugging Face Accelerate and the HF Trainer call (the list is kept
+in tests/python/test_deepspeed_engine.py). The sharding, gathers, gradient
+reduction, clipping, mixed precision and the optimizer step are the zero3
+engine's (``ductile.torch.zero3.Zero3Engine``); this file adds what
+DeepSpeed's engine does around them:
+
+- gradient accumulation counted by micro-steps: ``backward`` divides the
+  loss by ``gradient_accumulation_steps`` (``scale_wrt_gas``), and ``step``
+  steps the optimizer and the scheduler only at an accumulation boundary;
+- the counters ``global_steps``, ``global_samples``, ``micro_steps``,
+  ``skipped_steps``, saved with the scheduler's state in checkpoints;
+- ``steps_per_print`` and ``wall_clock_breakdown``: DeepSpeed's progress,
+  throughput and timing lines, through the ``ductile.deepspeed`` logger on
+  rank 0.
+"""
+
+import contextlib
+import logging
+import os
+import sys
+import time
+import warnings
+
+import torch
+
+from .._errors import InvalidArgumentError, IoError
+
+_logger = logging.getLogger("ductile.deepspeed")
+
+
+class _StdoutHandler(logging.StreamHandler):
+    """A handler writing to whatever sys.stdout is when a line is logged
+    (a test's capture, a redirected stream), as print() does."""
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+def _progress_logger(level=None):
+    """The logger of the progress lines, printing to stdout at the config's
+    log_level (default "warning", so the step lines are silent) as
+    DeepSpeed's logger does, unless the application configured it."""
+    if not _logger.handlers:
+        handler = _StdoutHandler()
+        handler.setFormatter(logging.Formatter(
+            "[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d:%(funcName)s] %(message)s"))
+        _logger.addHandler(handler)
+        _logger.propagate = False
+    if level is not None:
+        _logger.setLevel(level.upper())
+    return _logger
+
+
+class _Timers:
+    """Wall-clock time of forward, backward and step since the last boundary
+    (wall_clock_breakdown), and the step's samples/s (steps_per_print)."""
+
+    def __init__(self):
+        self.spent = {"fwd": 0.0, "bwd": 0.0, "step": 0.0}
+        self.step_start = None  # the first forward of the current step
+        self.trained_time = 0.0  # seconds of the steps counted in the running average
+        self.trained_steps = 0
+
+    @contextlib.contextmanager
+    def timed(self, name):
+        start = time.perf_counter()
+        if self.step_start is None:
+            self.step_start = start
+        try:
+            yield
+        finally:
+            self.spent[name] += time.perf_counter() - start
+
+    def end_step(self):
+        """Seconds since the step's first forward (0 without one)."""
+        start, self.step_start = self.step_start, None
+        return 0.0 if start is None else time.perf_counter() - start
+
+    def take(self):
+        spent, self.spent = self.spent, dict.fromkeys(self.spent, 0.0)
+        return spent
+
+
+class DeepSpeedEngine(torch.nn.Module):
+    """What ``ductile.deepspeed.initialize`` returns first: DeepSpeed's
+    engine over ``zero3``, the ductile ZeRO-3 engine of ``module``."""
+
+    def __init__(self, module, zero3, batch, training, lr_scheduler=None,
+                 training_dataloader=None, config=None):
+        super().__init__()
+        self.module = module
+        self._zero3 = zero3
+        self._config = config
+        self._train_batch_size, self._micro_batch, self._accumulation = batch
+        self._steps_per_print = training["steps_per_print"]
+        self._wall_clock_breakdown = training["wall_clock_breakdown"]
+        _progress_logger(training["log_level"])
+        self.optimizer = zero3.optimizer
+        zero3.lr_scheduler = lr_scheduler  # stepped by zero3's step()
+        self.training_dataloader = training_dataloader
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._boundary = None  # set_gradient_accumulation_boundary's override
+        self._timers = _Timers()
+        # DeepSpeed's engine reports the gradient norm of every step.
+        zero3.measure_grad_norm = True
+
+    # --- what DeepSpeed's engine is -------------------------------------------------
+
+    @property
+    def zero3(self):
+        """The ductile ZeRO-3 engine underneath (``stats()``, ``units()``,
+        ``full_parameters()``, ...)."""
+        return self._zero3
+
+    @property
+    def lr_scheduler(self):
+        """The scheduler stepped after each applied optimizer step (the
+        config's, or the one given to initialize), or None."""
+        return self._zero3.lr_scheduler
+
+    @property
+    def config(self):
+        """The DeepSpeed config as given (a dict)."""
+        return self._config
+
+    @property
+    def global_rank(self):
+        return self._zero3.rank
+
+    @property
+    def world_size(self):
+        return self._zero3.world_size
+
+    @property
+    def dp_world_size(self):
+        return self._zero3.world_size
+
+    @property
+    def local_rank(self):
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    @property
+    def device(self):
+        return self._zero3.device
+
+    def train_batch_size(self):
+        return self._train_batch_size
+
+    def train_micro_batch_size_per_gpu(self):
+        return self._micro_batch
+
+    def gradient_accumulation_steps(self):
+        return self._accumulation
+
+    def set_train_batch_size(self, train_batch_size):
+        """Changes the global batch by changing gradient_accumulation_steps,
+        as DeepSpeed's does (the micro-batch and the world stay)."""
+        per_step = self._micro_batch * self.world_size
+        if not isinstance(train_batch_size, int) or train_batch_size <= 0 \
+                or train_batch_size % per_step:
+            raise InvalidArgumentError(
+                f"set_train_batch_size: train_batch_size {train_batch_size!r} is not a positive "
+                f"multiple of micro-batch x world size = {per_step}")
+        self._train_batch_size = train_batch_size
+        self._accumulation = train_batch_size // per_step
+
+    def zero_optimization(self):
+        return True
+
+    def zero_optimization_stage(self):
+        return 3
+
+    def zero_optimization_partition_weights(self):
+        return True
+
+    def zero_optimization_partition_gradients(self):
+        return True
+
+    def zero_offload_optimizer(self):
+        return self._zero3.stats()["offloaded_groups"] != []
+
+    def fp16_enabled(self):
+        precision = self._zero3.mixed_precision
+        return precision is not None and precision.param_dtype == torch.float16
+
+    def bfloat16_enabled(self):
+        precision = self._zero3.mixed_precision
+        return precision is not None and precision.param_dtype == torch.bfloat16
+
+    def gradient_clipping(self):
+        return self._zero3.gradient_clipping or 0.0
+
+    def steps_per_print(self):
+        return self._steps_per_print
+
+    def wall_clock_breakdown(self):
+        return self._wall_clock_breakdown
+
+    def get_lr(self):
+        return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer else []
+
+    def get_mom(self):
+        if self.optimizer is None:
+            return []
+        return [g["betas"] if "betas" in g else g.get("momentum") for g in
+                self.optimizer.param_groups]
+
+    def get_global_grad_norm(self):
+        """The global gradient norm (before clipping) of the last step, as a
+        float; None before the first step."""
+        norm = self._zero3.grad_norm
+        return None if norm is None else float(norm)
+
+    def was_step_applied(self):
+        """Whether the last boundary's optimizer step changed the model
+        (False after an fp16 overflow skipped it)."""
+        return self._zero3.step_applied
+
+    @property
+    def loss_scale(self):
+        return self._zero3.loss_scale
+
+    @property
+    def cur_scale(self):
+        return self._zero3.loss_scale
+
+    # --- the training loop ---------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        if not self._wall_clock_breakdown and self._steps_per_print is None:
+            return self.module(*args, **kwargs)
+        with self._timers.timed("fwd"):
+            return self.module(*args, **kwargs)
+
+    def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
+        """Back-propagates ``loss`` divided by gradient_accumulation_steps
+        (with ``scale_wrt_gas``, as DeepSpeed does); returns that loss.
+        The gradient shards are complete when it returns."""
+        if self.optimizer is None:
+            raise InvalidArgumentError(
+                "DeepSpeedEngine.backward: the engine has no optimizer; give initialize() an "
+                "optimizer or an \"optimizer\" section in the config")
+        if scale_wrt_gas and self._accumulation > 1:
+            loss = loss / self._accumulation
+        with self._timers.timed("bwd"):
+            self._zero3.backward(loss, retain_graph=retain_graph)
+        return loss
+
+    def is_gradient_accumulation_boundary(self):
+        if self._boundary is not None:
+            return self._boundary
+        return (self.micro_steps + 1) % self._accumulation == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary):
+        """Overrides the micro-step count's boundary (DeepSpeed's manual
+        boundary, used by pipelines of micro-batches of their own)."""
+        self._boundary = bool(is_boundary)
+
+    def step(self, lr_kwargs=None):
+        """At an accumulation boundary: clips, steps the optimizer on the
+        shards and the scheduler (unless an fp16 overflow skipped the step),
+        clears the gradients, counts the step and prints progress every
+        steps_per_print steps. Always counts the micro-step."""
+        if self.optimizer is None:
+            raise InvalidArgumentError(
+                "DeepSpeedEngine.step: the engine has no optimizer; give initialize() an "
+                "optimizer or an \"optimizer\" section in the config")
+        if self.is_gradient_accumulation_boundary():
+            with self._timers.timed("step"):
+                self._zero3.step(lr_kwargs)  # the scheduler too, unless skipped
+            if not self._zero3.step_applied:
+                self.skipped_steps += 1
+            self._report(self._timers.end_step())
+            self.global_steps += 1
+            self.global_samples += self._train_batch_size
+        self.micro_steps += 1
+
+    def _report(self, step_seconds):
+        step = self.global_steps + 1
+        self._timers.trained_time += step_seconds
+        self._timers.trained_steps += 1
+        spent = self._timers.take()
+        if self.global_rank != 0:
+            return
+        log = _progress_logger()
+        if self._steps_per_print is not None and step % self._steps_per_print == 0:
+            log.info(f"[Rank 0] step={step}, skipped={self.skipped_steps}, lr={self.get_lr()}, "
+                     f"mom={self.get_mom()}")
+            average = self._timers.trained_steps * self._train_batch_size / max(
+                self._timers.trained_time, 1e-9)
+            current = self._train_batch_size / max(step_seconds, 1e-9)
+            allocated, peak = self._memory_gb()
+            log.info(f"[Rank 0] epoch=0/micro_step={self.micro_steps + 1}/global_step={step}, "
+                     f"RunningAvgSamplesPerSec={average}, CurrSamplesPerSec={current}, "
+                     f"MemAllocated={allocated}GB, MaxMemAllocated={peak}GB")
+        if self._wall_clock_breakdown:
+            print("time (ms) | " + " | ".join(f"{name}: {seconds * 1e3:.2f}"
+                                              for name, seconds in spent.items()), flush=True)
+
+    def _memory_gb(self):
+        device = self._zero3.device
+        if device.type == "cuda":
+            return (round(torch.cuda.memory_allocated(device) / 1024**3, 2),
+                    round(torch.cuda.max_memory_allocated(device) / 1024**3, 2))
+        import resource
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        with open("/proc/self/statm") as f:
+            resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return round(resident / 1024**3, 2), round(peak / 1024**3, 2)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside keep full gradients locally; the first
+        backward after it reduces their sum (``Zero3Engine.no_sync``).
+        DeepSpeed refuses this under ZeRO-3; ductile can do it."""
+        with self._zero3.no_sync():
+            yield
+
+    def zero_grad(self):
+        self._zero3.zero_grad()
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0):
+        return self._zero3.clip_grad_norm_(max_norm, norm_type)
+
+    # --- checkpoints and weights ------------------------------------------------------
+
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
+                        exclude_frozen_parameters=False):
+        """Writes a checkpoint into ``save_dir/tag`` (tag: "global_step<N>")
+        and points ``save_dir/latest`` at it (the commit of
+        ``Zero3Engine.save``): shards, optimizer state, the scheduler's
+        state, the counters and ``client_state`` (a JSON-able dict).
+        Loadable at any world size. Collective; returns True."""
+        if not save_latest:
+            warnings.warn("save_checkpoint: save_latest=False is accepted, has no effect in "
+                          "ductile: a save commits by pointing 'latest' at it", UserWarning,
+                          stacklevel=2)
+        if exclude_frozen_parameters:
+            warnings.warn("save_checkpoint: exclude_frozen_parameters=True is accepted, has no "
+                          "effect in ductile: every parameter's shard is saved", UserWarning,
+                          stacklevel=2)
+        if tag is None:
+            tag = f"global_step{self.global_steps}"
+        state = {
+            "client_state": client_state,
+            "global_steps": self.global_steps, "global_samples": self.global_samples,
+            "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps,
+        }
+        self._zero3.save(save_dir, client_state={"deepspeed_engine": state}, tag=str(tag))
+        return True
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True,
+                        load_optimizer_states=True, load_lr_scheduler_states=True,
+                        load_module_only=False, custom_load_fn=None):
+        """Restores a checkpoint of ``save_checkpoint`` (``load_dir/latest``,
+        or ``load_dir/tag``), saved at any world size. Returns
+        ``(path, client_state)``, or ``(None, None)`` with a warning when
+        ``load_dir`` holds no checkpoint, as DeepSpeed does. Collective."""
+        if custom_load_fn is not None:
+            raise InvalidArgumentError(
+                "load_checkpoint: custom_load_fn is not supported by ductile; valid: None")
+        if not load_optimizer_states or load_module_only:
+            raise InvalidArgumentError(
+                "load_checkpoint: load_optimizer_states=False / load_module_only=True are not "
+                "supported by ductile: a load restores shards and optimizer state together; "
+                "for weights alone load a save_16bit_model() file into the model before "
+                "initialize")
+        path = load_dir if tag is None else os.path.join(load_dir, str(tag))
+        if tag is None and not os.path.lexists(os.path.join(load_dir, "latest")):
+            _logger.warning(f"Unable to find latest file at {os.path.join(load_dir, 'latest')}, "
+                            "if trying to load latest checkpoint please ensure this file exists "
+                            "or pass an explicit checkpoint tag when loading a checkpoint.")
+            return None, None
+        saved = self._zero3.load(path, lr_scheduler=load_lr_scheduler_states)
+        if not isinstance(saved, dict) or "deepspeed_engine" not in saved:
+            raise IoError(f"{path}: a checkpoint of Zero3Engine.save, not of save_checkpoint "
+                          "(no engine state); load it with engine.zero3.load()")
+        state = saved["deepspeed_engine"]
+        self.global_steps = state["global_steps"]
+        self.global_samples = state["global_samples"]
+        self.micro_steps = state["micro_steps"]
+        self.skipped_steps = state["skipped_steps"]
+        return os.path.abspath(path), state["client_state"]
+
+    def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin",
+                         exclude_frozen_parameters=False):
+        """Writes the whole model's state dict (in the model's dtype) to
+        ``save_dir/save_filename`` with torch.save on rank 0, as DeepSpeed
+        does; ``.safetensors`` file names are written as safetensors.
+        Collective; returns True."""
+        state = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+        if self.global_rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            path = os.path.join(save_dir, save_filename)
+            if save_filename.endswith(".safetensors"):
+                from safetensors.torch import save_file
+                save_file({k: v.contiguous() for k, v in state.items()}, path)
+            else:
+                torch.save(state, path)
+        return True
+
+    def module_state_dict(self, destination=None, prefix="", keep_vars=False,
+                          exclude_frozen_parameters=False):
+        """The model's whole state dict (collective)."""
+        return self._zero3.state_dict()
+
+    def zero_gather_16bit_weights_on_model_save(self):
+        """zero_optimization.stage3_gather_16bit_weights_on_model_save: HF
+        Accelerate and the Trainer save the whole model only when true."""
+        zero = (self._config or {}).get("zero_optimization") or {}
+        value = zero.get("stage3_gather_16bit_weights_on_model_save",
+                         zero.get("gather_16bit_weights_on_model_save", False))
+        return value is True
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters=False):
+        """The whole model's state dict on rank 0 (an empty dict elsewhere),
+        as HF Accelerate's get_state_dict takes it. Collective."""
+        state = self._zero3.state_dict(rank0_only=True)
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        return state
+
+    _consolidated_16bit_state_dict = _zero3_consolidated_16bit_state_dict
+
+    def destroy(self):
+        """Removes the hooks and gives the model its whole parameters back
+        (``Zero3Engine.close``). Collective."""
+        self._zero3.close()
