@@ -92,19 +92,24 @@ def main():
         json.dump({"seen": dataset.seen, "lrs": rates.lrs, "steps": trainer.state.global_step,
                    "max_steps": trainer.state.max_steps,
                    "losses": losses, "world_size": args.world_size}, f)
+
+
+def exit_rank():
+    """Ends a Trainer rank once its results are written and closed: the
+    ranks meet, the process group goes, and the interpreter's finalisation
+    is skipped. The Trainer's DDP wrapper keeps the gloo group alive after
+    destroy_process_group; a gloo thread that drops a finished collective's
+    tensors while the interpreter finalises needs the GIL, cannot have it,
+    and aborts the rank ("terminate called without an active exception": 2
+    runs in 6 under load; torch's own issue, pytorch/pytorch#190489)."""
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
     main()
-    # Skip the interpreter's finalisation. The Trainer's DDP wrapper keeps the
-    # gloo group alive after destroy_process_group; a gloo thread that drops
-    # a finished collective's tensors while the interpreter finalises needs
-    # the GIL, cannot have it, and aborts the rank ("terminate called without
-    # an active exception": 2 runs in 6 under load; torch's own issue,
-    # pytorch/pytorch#190489). The results are written and closed above.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_rank()

@@ -22,7 +22,8 @@ from transformers import TrainingArguments
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from hf_models import tiny_model  # noqa: E402
-from hf_trainer_worker import SAMPLES, SETTINGS, Recorded, StepRates, StopAt  # noqa: E402
+from hf_trainer_worker import (SAMPLES, SETTINGS, Recorded, StepRates, StopAt,  # noqa: E402
+                               exit_rank)
 
 import ductile  # noqa: E402
 from ductile.hf import RESUME_FILE, DuctileTrainer  # noqa: E402
@@ -225,16 +226,8 @@ def main():
     rank = int(os.environ.get("RANK", "0"))
     with open(os.path.join(out, f"{tag}_rank{rank}.json"), "w") as f:
         json.dump(record, f)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    # As hf_trainer_worker.py: skip the interpreter's finalisation, where a
-    # gloo thread of the Trainer's DDP wrapper can abort the rank. The
-    # results are written and closed above.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_rank()
