@@ -66,8 +66,7 @@ def main():
         per_device_train_batch_size=2, per_device_eval_batch_size=2,
         gradient_accumulation_steps=2, max_steps=cli.max_steps, learning_rate=3e-3,
         weight_decay=0.01, warmup_steps=3, lr_scheduler_type="linear", max_grad_norm=1.0,
-        logging_steps=1, save_steps=10, save_strategy="steps", eval_strategy="steps",
-        eval_steps=10, seed=42, report_to=[], disable_tqdm=True, dataloader_drop_last=True)
+        logging_steps=1, save_steps=10, save_strategy="steps", seed=42, report_to=[], disable_tqdm=True, dataloader_drop_last=True)
     set_seed(args.seed)
     tokenizer = build_tokenizer(cli.train_file)
     with open(cli.train_file, encoding="utf-8") as f:
