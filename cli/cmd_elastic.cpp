@@ -58,6 +58,17 @@ void print_json(const pipeline::LoadedElasticity& loaded, const ElasticityResult
   std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;
 }
 
+// The rule above the results, their heading (the world size when given),
+// and the rule under it.
+void print_results_heading(const ElasticityResult& r, const std::string& rule) {
+  std::cout << rule << "\n";
+  if (r.world_size)
+    std::cout << fmt::format("Calculated results for world size {}:\n", *r.world_size);
+  else
+    std::cout << "Calculated results:\n";
+  std::cout << rule << "\n";
+}
+
 void print_human(const pipeline::LoadedElasticity& loaded, const ElasticityResult& r) {
   const std::string rule(42, '-');
   std::cout << rule << "\nElasticity config (policy " << loaded.source.policy << ", from "
@@ -65,12 +76,7 @@ void print_human(const pipeline::LoadedElasticity& loaded, const ElasticityResul
             << rule << "\n";
   for (const auto& [key, value] : loaded.effective_params.values())
     std::cout << fmt::format("  {} = {}\n", key, core::format_param_value(value));
-  std::cout << rule << "\n";
-  if (r.world_size)
-    std::cout << fmt::format("Calculated results for world size {}:\n", *r.world_size);
-  else
-    std::cout << "Calculated results:\n";
-  std::cout << rule << "\n";
+  print_results_heading(r, rule);
   std::cout << fmt::format("final_batch_size .... {}\n", r.final_batch_size);
   std::cout << fmt::format("valid_gpus .......... {}\n", list_text(r.valid_gpus));
   if (r.model_parallel_size > 1)
@@ -114,12 +120,7 @@ int run_non_elastic(const ElasticOptions& options, const pipeline::DeepSpeedElas
         {"train_micro_batch_size_per_gpu", mode.batch.micro_batch_per_gpu},
         {"gradient_accumulation_steps", mode.batch.gradient_accumulation_steps}})
     if (value) std::cout << fmt::format("  {} = {}\n", key, *value);
-  std::cout << rule << "\n";
-  if (r.world_size)
-    std::cout << fmt::format("Calculated results for world size {}:\n", *r.world_size);
-  else
-    std::cout << "Calculated results:\n";
-  std::cout << rule << "\n";
+  print_results_heading(r, rule);
   if (r.final_batch_size > 0)
     std::cout << fmt::format("final_batch_size .... {}\n", r.final_batch_size);
   else

@@ -212,13 +212,16 @@ void Mapping::engine_keys(const json& root) {
   positive("train_micro_batch_size_per_gpu", t.train_micro_batch_size_per_gpu);
   positive("gradient_accumulation_steps", t.gradient_accumulation_steps);
   positive("steps_per_print", t.steps_per_print);
-  if (const json* value = child(root, "wall_clock_breakdown"); !unset(value)) {
+  auto flag = [&](const char* key, bool& out) {
+    const json* value = child(root, key);
+    if (unset(value)) return;
     if (value->is_boolean())
-      t.wall_clock_breakdown = value->get<bool>();
+      out = value->get<bool>();
     else
-      problem("wall_clock_breakdown",
-              fmt::format("= {}; valid: true or false", json_excerpt(*value)));
-  }
+      problem(key, fmt::format("= {}; valid: true or false", json_excerpt(*value)));
+  };
+  flag("wall_clock_breakdown", t.wall_clock_breakdown);
+  flag("dataloader_drop_last", t.dataloader_drop_last);
   if (const json* value = child(root, "log_level"); !unset(value)) {
     const std::string level = value->is_string() ? lowercase(value->get<std::string>()) : "";
     if (level == "debug" || level == "info" || level == "warning" || level == "error" ||
@@ -228,13 +231,6 @@ void Mapping::engine_keys(const json& root) {
       problem("log_level", fmt::format("= {}; valid: \"debug\", \"info\", \"warning\", "
                                        "\"error\", \"critical\"",
                                        json_excerpt(*value)));
-  }
-  if (const json* value = child(root, "dataloader_drop_last"); !unset(value)) {
-    if (value->is_boolean())
-      t.dataloader_drop_last = value->get<bool>();
-    else
-      problem("dataloader_drop_last",
-              fmt::format("= {}; valid: true or false", json_excerpt(*value)));
   }
 }
 

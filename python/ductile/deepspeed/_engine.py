@@ -104,6 +104,8 @@ class DeepSpeedEngine(torch.nn.Module):
         self._steps_per_print = training["steps_per_print"]
         self._wall_clock_breakdown = training["wall_clock_breakdown"]
         _progress_logger(training["log_level"])
+        # Steps are timed only for the lines that print the times.
+        self._timed = self._wall_clock_breakdown or self._steps_per_print is not None
         self.optimizer = zero3.optimizer
         zero3.lr_scheduler = lr_scheduler  # stepped by zero3's step()
         self.training_dataloader = training_dataloader
@@ -238,23 +240,27 @@ class DeepSpeedEngine(torch.nn.Module):
 
     # --- the training loop ---------------------------------------------------------
 
+    def _timing(self, name):
+        return self._timers.timed(name) if self._timed else contextlib.nullcontext()
+
+    def _require_optimizer(self, what):
+        if self.optimizer is None:
+            raise InvalidArgumentError(
+                f"DeepSpeedEngine.{what}: the engine has no optimizer; give initialize() an "
+                "optimizer or an \"optimizer\" section in the config")
+
     def forward(self, *args, **kwargs):
-        if not self._wall_clock_breakdown and self._steps_per_print is None:
-            return self.module(*args, **kwargs)
-        with self._timers.timed("fwd"):
+        with self._timing("fwd"):
             return self.module(*args, **kwargs)
 
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
         """Back-propagates ``loss`` divided by gradient_accumulation_steps
         (with ``scale_wrt_gas``, as DeepSpeed does); returns that loss.
         The gradient shards are complete when it returns."""
-        if self.optimizer is None:
-            raise InvalidArgumentError(
-                "DeepSpeedEngine.backward: the engine has no optimizer; give initialize() an "
-                "optimizer or an \"optimizer\" section in the config")
+        self._require_optimizer("backward")
         if scale_wrt_gas and self._accumulation > 1:
             loss = loss / self._accumulation
-        with self._timers.timed("bwd"):
+        with self._timing("bwd"):
             self._zero3.backward(loss, retain_graph=retain_graph)
         return loss
 
@@ -273,16 +279,14 @@ class DeepSpeedEngine(torch.nn.Module):
         shards and the scheduler (unless an fp16 overflow skipped the step),
         clears the gradients, counts the step and prints progress every
         steps_per_print steps. Always counts the micro-step."""
-        if self.optimizer is None:
-            raise InvalidArgumentError(
-                "DeepSpeedEngine.step: the engine has no optimizer; give initialize() an "
-                "optimizer or an \"optimizer\" section in the config")
+        self._require_optimizer("step")
         if self.is_gradient_accumulation_boundary():
-            with self._timers.timed("step"):
+            with self._timing("step"):
                 self._zero3.step(lr_kwargs)  # the scheduler too, unless skipped
             if not self._zero3.step_applied:
                 self.skipped_steps += 1
-            self._report(self._timers.end_step())
+            if self._timed:
+                self._report(self._timers.end_step())
             self.global_steps += 1
             self.global_samples += self._train_batch_size
         self.micro_steps += 1
