@@ -85,7 +85,11 @@ def test_training_matches_hf_deepspeed(runs):
     (theirs, _, _), (ours, _, _) = runs["deepspeed"], runs["ductile"]
     assert len(steps_of(theirs)) == 20
     assert_same_steps(steps_of(theirs), steps_of(ours))
-    assert ours["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=1e-5)
+    # DeepSpeed's own evaluation after training varies from run to run on the
+    # CPU (4.00035-4.00130 over 5 runs of the same script, its training
+    # steps equal each time; ductile's 4.000589 every time): its loss is
+    # compared within that spread, the weights below to 1e-4.
+    assert ours["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=1e-3)
     assert ours["train_loss"] == pytest.approx(theirs["train_loss"], rel=1e-5)
     # The same files in the output folder: checkpoints, the model, its
     # config and the tokenizer.
