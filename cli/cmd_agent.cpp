@@ -20,6 +20,7 @@
 #include "agent_command.hpp"
 #include "ductile/agent/agent.hpp"
 #include "ductile/agent/torchrun_options.hpp"
+#include "ductile/agent/workers.hpp"
 
 namespace ductile::cli {
 namespace {
@@ -38,6 +39,10 @@ std::string in_seconds(std::chrono::milliseconds duration) {
 int run_agent_command(const CliContext& context, const agent::LaunchArguments& arguments,
                       const std::vector<std::string>& rest) {
   agent::AgentOptions a = agent::agent_options(arguments, rest);
+  // Which Python runs the workers is said first: a wrong one shows before
+  // the job starts.
+  if (!a.interpreter_choice.empty())
+    agent::write_line(true, fmt::format("ductile agent: the workers run {}", a.interpreter_choice));
   a.runtime = context.runtime_options();
   a.stop_signal = &g_stop_signal;
   struct sigaction action {};
@@ -115,7 +120,7 @@ void register_agent_command(CLI::App& app, CliContext& context) {
                   "min_time (minutes)");
   sub->add_option("--failure-grace", o->failure_grace,
                   "Seconds a worker failure waits for a lost node to explain it before it "
-                  "counts as a restart (default: --lease-ttl)");
+                  "counts as a restart (default: --lease-ttl; 0 with --standalone)");
   sub->add_option("--checkpoint-timeout", o->checkpoint_timeout,
                   fmt::format("Seconds the workers get to save before a planned re-form (a "
                               "scale-up, a node drained with SIGTERM; default {}); 0: re-form at "
@@ -154,7 +159,10 @@ void register_agent_command(CLI::App& app, CliContext& context) {
   sub->add_option("--signals-to-handle,--signals_to_handle", o->agent.signals_to_handle,
                   "torchrun: the workers' TORCHELASTIC_SIGNALS_TO_HANDLE");
   sub->add_flag("--no-python,--no_python", o->no_python,
-                "torchrun: run the training script as is, not with python");
+                "torchrun: run the training script as is, not with Python. Without it the "
+                "script runs under $PYTHON_EXEC; else the interpreter of the environment whose "
+                "`ductile` console script ran the agent; else $VIRTUAL_ENV/bin/python; else "
+                "python3 on PATH (the agent's first line names the one chosen, and why)");
   sub->add_flag("-m,--module", o->module, "torchrun: the training script is a Python module");
   sub->add_flag("--run-path,--run_path", o->run_path,
                 "torchrun: run the script with python (the default here)");
@@ -172,13 +180,15 @@ void register_agent_command(CLI::App& app, CliContext& context) {
                               "(default {})",
                               Torchrun::master_port));
   sub->add_option("--log-dir,--log_dir", o->log_dir,
-                  "torchrun: the workers' log files go to DIR/<rdzv-id>_XXXXXX/attempt_<round>/"
-                  "<local rank>/ (with their error files)");
+                  "torchrun: the workers' log files go to DIR/<rdzv-id>_XXXXXX/attempt_<restart "
+                  "count>/<local rank>/ (with their error files)");
   sub->add_option("-r,--redirects", o->redirects,
                   "torchrun: streams to the log files only: 0 none, 1 stdout, 2 stderr, 3 both; "
                   "or per local rank, e.g. 0:1,1:2");
   sub->add_option("-t,--tee", o->tee,
-                  "torchrun: streams to the log files and the console (as --redirects)");
+                  "torchrun: streams to the log files and the console, each line prefixed "
+                  "\"[<role><local rank>]:\" (as --redirects). Without --tee and --redirects "
+                  "the workers write the agent's own stdout and stderr (a terminal stays one)");
   sub->add_option("--local-ranks-filter,--local_ranks_filter", o->local_ranks_filter,
                   "torchrun: only these local ranks' lines on the console, e.g. 0,1");
   sub->add_option("--start-method,--start_method", o->start_method,

@@ -42,7 +42,11 @@ void Agent::setup() {
   settings_.max_restarts = o_.max_restarts;
   settings_.min_time = o_.min_time.value_or(policy_->min_time());
   settings_.settle = o_.settle;
-  settings_.failure_grace = o_.failure_grace.value_or(milliseconds(o_.lease_ttl));
+  // The grace lets a lost node explain a failure; one node alone (the
+  // embedded rendezvous: --standalone) has no other node, so it restarts
+  // at once.
+  settings_.failure_grace = o_.failure_grace.value_or(
+      o_.rendezvous == RendezvousKind::embedded ? milliseconds(0) : milliseconds(o_.lease_ttl));
   settings_.checkpoint_timeout = o_.checkpoint_timeout;
 
   self_.prefix = "/ductile/agent/" + o_.job_id + "/";
@@ -76,6 +80,10 @@ std::optional<int> Agent::apply(const RoundRecord& round) {
     if (f && f->node == self_.id) {
       std::string lines;
       for (const auto& l : f->last_lines) lines += "\n  | " + l;
+      if (lines.empty())
+        lines =
+            " <N/A> (its output went to the console: --tee 3 --log-dir DIR keeps it in log "
+            "files)";
       std::string error;
       if (!f->error_message.empty()) {
         // torchrun's "Root Cause": the worker's exception, from its
@@ -88,6 +96,10 @@ std::optional<int> Agent::apply(const RoundRecord& round) {
           error += "\n  ! " + f->error_traceback.substr(from, eol - from);
           from = eol + 1;
         }
+      } else {
+        error =
+            "\n  its error (TORCHELASTIC_ERROR_FILE): <N/A> (it wrote none; to enable traceback "
+            "see: https://pytorch.org/docs/stable/elastic/errors.html)";
       }
       self_.log(fmt::format(
           "job failed: worker rank {} (local rank {}) exited with status {} after {} "
@@ -121,7 +133,7 @@ std::optional<int> Agent::apply(const RoundRecord& round) {
   const bool earlier_run = it != round.members.end() && !round.member_revisions.empty() &&
                            round.member_revisions[index] != membership_.own_revision();
   const bool member = it != round.members.end() && !earlier_run;
-  workers_.enter_round(round.round, member);
+  workers_.enter_round(round.round, round.restarts, member);
   checkpoints_.enter_round();
   if (member) {
     workers_.start(round, index, *policy_);

@@ -42,8 +42,11 @@ struct WorkerSetup {
   const std::filesystem::path& run_dir;  // the agent's directory of error files
 };
 std::vector<WorkerSpec> worker_specs(const WorkerSetup& setup);
-// TORCHELASTIC_ERROR_FILE of a worker: <run_dir>/attempt_<round>/<local rank>/error.json.
-std::filesystem::path error_file_of(const std::filesystem::path& run_dir, std::int64_t round,
+// torchrun's directory of an attempt's files: <run_dir>/attempt_<restarts>,
+// made afresh for each round (a re-form without a failure reuses it).
+std::filesystem::path attempt_dir_of(const std::filesystem::path& run_dir, std::int64_t restarts);
+// TORCHELASTIC_ERROR_FILE of a worker: <attempt dir>/<local rank>/error.json.
+std::filesystem::path error_file_of(const std::filesystem::path& run_dir, std::int64_t restarts,
                                     std::int64_t local_rank);
 // DUCTILE_CHECKPOINT_REQUEST of a round's workers (the agent creates it when
 // it asks them to save) and DUCTILE_CHECKPOINT_SAVED of one (the worker

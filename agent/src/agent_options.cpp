@@ -1,6 +1,10 @@
 // The agent's options checked, each against what is valid (see
 // agent_options.hpp).
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdlib>
+#include <filesystem>
 
 #include <fmt/format.h>
 
@@ -11,6 +15,34 @@
 namespace ductile::agent {
 
 using std::chrono::milliseconds;
+
+namespace {
+
+std::string env_path() {
+  // Unset: the worker's search path (workers.cpp).
+  const char* path = std::getenv("PATH");
+  return path ? path : "/usr/local/bin:/usr/bin:/bin";
+}
+
+bool runnable_file(const std::string& file) {
+  std::error_code ec;
+  return access(file.c_str(), X_OK) == 0 && std::filesystem::is_regular_file(file, ec);
+}
+
+// As execvp searches: each directory of PATH (an empty one is '.').
+std::string found_on_path(const std::string& name) {
+  const std::string dirs = env_path();
+  for (std::size_t begin = 0; begin <= dirs.size();) {
+    auto end = std::min(dirs.find(':', begin), dirs.size());
+    const std::string dir = dirs.substr(begin, end - begin);
+    const std::string candidate = (dir.empty() ? "." : dir) + "/" + name;
+    if (runnable_file(candidate)) return candidate;
+    begin = end + 1;
+  }
+  return "";
+}
+
+}  // namespace
 
 void check_options(const AgentOptions& o) {
   auto bad = [](const std::string& message) { throw Error(ErrorKind::invalid_argument, message); };
@@ -67,6 +99,16 @@ void check_options(const AgentOptions& o) {
         return static_cast<unsigned char>(c) > 0x20 && static_cast<unsigned char>(c) < 0x7f;
       }))
     bad(fmt::format("--node-addr '{}' is invalid: give a host name or address", excerpt(addr)));
+  // The workers inherit this PATH: a command not found now would fail in
+  // every round.
+  const std::string& program = o.command.front();
+  if (program.find('/') != std::string::npos ? !runnable_file(program)
+                                             : found_on_path(program).empty())
+    bad(fmt::format("the worker command '{}' {}: give an executable file{}", excerpt(program),
+                    program.find('/') != std::string::npos
+                        ? "is not an executable file"
+                        : fmt::format("is not on PATH '{}'", excerpt(env_path(), 400)),
+                    program.find('/') != std::string::npos ? "" : " or a command on PATH"));
 }
 
 }  // namespace ductile::agent

@@ -47,8 +47,9 @@ RunDir::~RunDir() {
   std::filesystem::remove_all(path_, ignored);
 }
 
-void NodeWorkers::enter_round(std::int64_t round, bool member) {
+void NodeWorkers::enter_round(std::int64_t round, std::int64_t restarts, bool member) {
   current_round_ = round;
+  current_restarts_ = restarts;
   member_ = member;
   reported_ = false;
   local_failure_.reset();
@@ -64,12 +65,16 @@ void NodeWorkers::notice_fence() {
 }
 
 void NodeWorkers::start(const RoundRecord& round, std::size_t group_rank, const JobPolicy& policy) {
-  for (std::int64_t local = 0; local < o_.nproc_per_node; ++local) {
-    auto file = error_file_of(run_dir(), round.round, local);
-    std::error_code ignored;
-    std::filesystem::create_directories(file.parent_path(), ignored);
-    std::filesystem::remove(file, ignored);
-  }
+  // As torchrun: the attempt's directory afresh, a directory for each
+  // local rank in it.
+  std::error_code ignored;
+  std::filesystem::remove_all(attempt_dir_of(run_dir(), round.restarts), ignored);
+  for (std::int64_t local = 0; local < o_.nproc_per_node; ++local)
+    std::filesystem::create_directories(
+        error_file_of(run_dir(), round.restarts, local).parent_path(), ignored);
+  if (o_.checkpoint_timeout.count() > 0)
+    std::filesystem::create_directories(checkpoint_request_of(run_dir(), round.round).parent_path(),
+                                        ignored);
   auto specs = worker_specs({o_, policy, round, group_rank, self_.id, run_dir()});
   BatchPlan plan = policy.plan(round.world_size);
   self_.log(fmt::format(
@@ -89,7 +94,7 @@ void NodeWorkers::start(const RoundRecord& round, std::size_t group_rank, const 
 }
 
 std::optional<WorkerError> NodeWorkers::read_error(std::int64_t local_rank) {
-  const auto file = error_file_of(run_dir(), current_round_, local_rank);
+  const auto file = error_file_of(run_dir(), current_restarts_, local_rank);
   // The worker's file: not followed if it is a link, never read past the
   // cap, never blocked on (a FIFO).
   int fd = ::open(file.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);

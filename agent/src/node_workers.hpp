@@ -28,8 +28,9 @@ class NodeWorkers {
   const std::filesystem::path& run_dir() const { return run_dir_->path(); }
 
   // A new round: what this node's workers did in the last one is dropped;
-  // `member`: this node runs workers in it.
-  void enter_round(std::int64_t round, bool member);
+  // `member`: this node runs workers in it; `restarts`: its restart count
+  // (the attempt its files are under).
+  void enter_round(std::int64_t round, std::int64_t restarts, bool member);
   void start(const RoundRecord& round, std::size_t group_rank, const JobPolicy& policy);
   // Stops the workers and takes them off the fence.
   void stop(std::chrono::milliseconds grace);
@@ -63,6 +64,7 @@ class NodeWorkers {
   std::optional<RunDir> run_dir_;  // before group_: outlives the workers
   WorkerGroup group_;
   std::int64_t current_round_ = 0;
+  std::int64_t current_restarts_ = 0;
   bool member_ = false;
   bool reported_ = false;  // this round's worker exit is in the store
   std::optional<WorkerExit> local_failure_;

@@ -13,6 +13,7 @@
 #include <random>
 #include <set>
 #include <thread>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -449,11 +450,44 @@ void apply_output_options(LaunchArguments& o) {
         "with it (torch.cuda.set_device(LOCAL_RANK))");
 }
 
+bool is_executable_file(const std::string& path) {
+  std::error_code ec;
+  return access(path.c_str(), X_OK) == 0 && std::filesystem::is_regular_file(path, ec);
+}
+
+// The workers' Python, and why: $PYTHON_EXEC (as torchrun); else the
+// interpreter of the environment whose `ductile` console script ran the
+// agent (torchrun runs its own sys.executable); else an active virtual
+// environment's bin/python; else python3 on PATH.
+std::pair<std::string, std::string> workers_python() {
+  if (const char* exec = std::getenv("PYTHON_EXEC"); exec && *exec) return {exec, "$PYTHON_EXEC"};
+  if (const char* console = std::getenv("DUCTILE_CONSOLE_PYTHON"); console && *console)
+    return {console, "the interpreter whose `ductile` console script ran the agent"};
+  if (const char* venv = std::getenv("VIRTUAL_ENV"); venv && *venv) {
+    const std::string python = (std::filesystem::path(venv) / "bin" / "python").string();
+    if (is_executable_file(python)) return {python, "the active virtual environment, $VIRTUAL_ENV"};
+  }
+  const char* path = std::getenv("PATH");
+  const std::string dirs = path ? path : "";
+  for (std::size_t begin = 0; begin <= dirs.size();) {
+    auto end = std::min(dirs.find(':', begin), dirs.size());
+    const std::string dir = dirs.substr(begin, end - begin);
+    const std::string candidate = (dir.empty() ? "." : dir) + "/python3";
+    if (is_executable_file(candidate)) return {candidate, "python3 on PATH"};
+    begin = end + 1;
+  }
+  bad(
+      fmt::format("no Python for the workers: PYTHON_EXEC and VIRTUAL_ENV are unset and PATH "
+                  "'{}' has no python3; set PYTHON_EXEC to the interpreter, run the agent with "
+                  "the `ductile` of the training environment, or give --no-python",
+                  dirs));
+}
+
 // The worker command: after '--' as given; else torchrun's training script
-// and its arguments, run as torchrun runs them ($PYTHON_EXEC or python3,
-// -u, -m for --module; as given with --no-python).
+// and its arguments, run as torchrun runs them (the workers' Python, -u,
+// -m for --module; as given with --no-python).
 std::vector<std::string> worker_command(const std::vector<std::string>& rest,
-                                        const LaunchArguments& o) {
+                                        const LaunchArguments& o, std::string& interpreter_choice) {
   if (!rest.empty() && rest.front() == "--")
     return std::vector<std::string>(rest.begin() + 1, rest.end());
   if (!rest.empty() && rest.front().starts_with("-"))
@@ -466,14 +500,9 @@ std::vector<std::string> worker_command(const std::vector<std::string>& rest,
     if (o.module) bad("--no-python and --module cannot be given together (as with torchrun)");
     return rest;
   }
-  // As torchrun: $PYTHON_EXEC, else the interpreter of the environment that
-  // ran `ductile` (its console script says which), else python3.
-  const char* python = std::getenv("PYTHON_EXEC");
-  const char* console = std::getenv("DUCTILE_CONSOLE_PYTHON");
-  std::vector<std::string> command = {python && *python     ? python
-                                      : console && *console ? console
-                                                            : "python3",
-                                      "-u"};
+  auto [python, why] = workers_python();
+  interpreter_choice = fmt::format("{} ({})", python, why);
+  std::vector<std::string> command = {python, "-u"};
   if (o.module) command.push_back("-m");
   command.insert(command.end(), rest.begin(), rest.end());
   return command;
@@ -497,7 +526,7 @@ AgentOptions agent_options(const LaunchArguments& arguments, const std::vector<s
       bad("--node-addr and --local-addr differ: give one of them");
     a.node_addr = o.local_addr;
   }
-  a.command = worker_command(rest, o);
+  a.command = worker_command(rest, o, a.interpreter_choice);
   if (o.lease_ttl) a.lease_ttl = std::chrono::seconds(*o.lease_ttl);
   if (o.poll_interval || o.monitor_interval) {
     a.poll_interval = seconds_option(o.monitor_interval ? "--monitor-interval" : "--poll-interval",

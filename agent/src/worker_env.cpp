@@ -34,20 +34,26 @@ std::string env_or(const char* name, const std::string& fallback) {
 
 }  // namespace
 
-std::filesystem::path error_file_of(const std::filesystem::path& run_dir, std::int64_t round,
-                                    std::int64_t local_rank) {
-  return run_dir / ("attempt_" + std::to_string(round)) / std::to_string(local_rank) / "error.json";
+std::filesystem::path attempt_dir_of(const std::filesystem::path& run_dir, std::int64_t restarts) {
+  return run_dir / ("attempt_" + std::to_string(restarts));
 }
 
+std::filesystem::path error_file_of(const std::filesystem::path& run_dir, std::int64_t restarts,
+                                    std::int64_t local_rank) {
+  return attempt_dir_of(run_dir, restarts) / std::to_string(local_rank) / "error.json";
+}
+
+// Per round, not per attempt: a planned re-form keeps the attempt, and a
+// mark of the last round's must not count for the next.
 std::filesystem::path checkpoint_request_of(const std::filesystem::path& run_dir,
                                             std::int64_t round) {
-  return run_dir / ("attempt_" + std::to_string(round)) / "checkpoint_request";
+  return run_dir / "checkpoints" / ("round_" + std::to_string(round)) / "checkpoint_request";
 }
 
 std::filesystem::path checkpoint_saved_of(const std::filesystem::path& run_dir, std::int64_t round,
                                           std::int64_t local_rank) {
-  return run_dir / ("attempt_" + std::to_string(round)) / std::to_string(local_rank) /
-         "checkpoint_saved";
+  return run_dir / "checkpoints" / ("round_" + std::to_string(round)) /
+         ("checkpoint_saved_" + std::to_string(local_rank));
 }
 
 std::vector<WorkerSpec> worker_specs(const WorkerSetup& s) {
@@ -106,15 +112,17 @@ std::vector<WorkerSpec> worker_specs(const WorkerSetup& s) {
     // MASTER_PORT (torchrun's c10d, static, standalone); False: rank 0's
     // worker creates it there (torchrun's etcd rendezvous).
     set("TORCHELASTIC_USE_AGENT_STORE", o.agent_store ? "True" : "False");
-    const auto error_file = error_file_of(s.run_dir, round.round, local);
+    const auto error_file = error_file_of(s.run_dir, round.restarts, local);
     set("TORCHELASTIC_ERROR_FILE", error_file.string());
-    // torchrun's log files: <run dir>/attempt_<round>/<local rank>/std*.log.
+    // torchrun's log files: <run dir>/attempt_<restarts>/<local rank>/std*.log
+    // (TORCHELASTIC_RESTART_COUNT names the attempt, as torchrun's).
     const int redirect = o.output.redirects.of(local), tee = o.output.tee.of(local);
     const bool shown = !o.output.console_ranks || o.output.console_ranks->count(local) > 0;
     if ((redirect | tee) & kStdout) spec.stdout_file = error_file.parent_path() / "stdout.log";
     if ((redirect | tee) & kStderr) spec.stderr_file = error_file.parent_path() / "stderr.log";
     spec.stdout_console = shown && (!(redirect & kStdout) || (tee & kStdout));
     spec.stderr_console = shown && (!(redirect & kStderr) || (tee & kStderr));
+    spec.line_prefix = "[" + o.role + std::to_string(local) + "]:";
     set("TORCHELASTIC_SIGNALS_TO_HANDLE", signals);
     set("TORCH_NCCL_ASYNC_ERROR_HANDLING", nccl_async);
     if (!omp_threads.empty()) set("OMP_NUM_THREADS", omp_threads);

@@ -6,9 +6,11 @@
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -16,12 +18,8 @@
 #include <mutex>
 #include <system_error>
 
-#include <fmt/format.h>
-
 namespace ductile::agent {
 namespace {
-
-constexpr std::size_t kKeptLines = 20;
 
 std::mutex& output_mutex() {
   static std::mutex m;
@@ -94,6 +92,10 @@ int encode_status(int status) {
     if (devnull >= 0) dup2(devnull, 0);
     dup2(out_fd, 1);
     dup2(err_fd, 2);
+    // The agent's own stdout and stderr, inherited as they are: dup2 onto
+    // the same descriptor keeps a close-on-exec flag it may carry.
+    fcntl(1, F_SETFD, 0);
+    fcntl(2, F_SETFD, 0);
     execve(path, argv, envp);
     int e = errno;
     write_all(2, "ductile agent: cannot execute ");
@@ -127,6 +129,70 @@ int encode_status(int status) {
   }
 }
 
+// Where a worker's stream goes: the agent's own descriptor (1, 2), a log
+// file, /dev/null or a pipe the agent reads; fd_to_close: the agent's copy
+// of it, closed once the guard has its own.
+struct StreamTarget {
+  int worker_fd = -1;
+  int fd_to_close = -1;
+  int pipe_read = -1;  // teed: the agent's end
+  int teed_file = -1;  // teed: the log file the agent writes
+};
+
+void close_target(StreamTarget& t) {
+  for (int* fd : {&t.fd_to_close, &t.pipe_read, &t.teed_file})
+    if (*fd >= 0) {
+      close(*fd);
+      *fd = -1;
+    }
+}
+
+int open_log_file(const std::filesystem::path& file) {
+  std::error_code ignored;
+  std::filesystem::create_directories(file.parent_path(), ignored);
+  int fd = ::open(file.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (fd < 0)
+    throw std::system_error(errno, std::generic_category(), "cannot open " + file.string());
+  return fd;
+}
+
+StreamTarget target_of(const std::filesystem::path& file, bool console, int own_fd) {
+  StreamTarget t;
+  if (file.empty()) {
+    if (console) {
+      t.worker_fd = own_fd;
+    } else {
+      t.fd_to_close = t.worker_fd = ::open("/dev/null", O_WRONLY | O_CLOEXEC);
+      if (t.worker_fd < 0)
+        throw std::system_error(errno, std::generic_category(), "cannot open /dev/null");
+    }
+    return t;
+  }
+  if (!console) {
+    t.fd_to_close = t.worker_fd = open_log_file(file);
+    return t;
+  }
+  t.teed_file = open_log_file(file);
+  int ends[2];
+  if (pipe2(ends, O_CLOEXEC) != 0) {
+    const int e = errno;
+    close_target(t);
+    throw std::system_error(e, std::generic_category(), "pipe");
+  }
+  t.pipe_read = ends[0];
+  t.fd_to_close = t.worker_fd = ends[1];
+  fcntl(t.pipe_read, F_SETFL, O_NONBLOCK);
+  return t;
+}
+
+void write_to_console(bool to_stderr, const std::string& text) {
+  if (text.empty()) return;
+  std::lock_guard lock(output_mutex());
+  FILE* f = to_stderr ? stderr : stdout;
+  std::fflush(f);
+  write_all(to_stderr ? 2 : 1, text.data(), text.size());
+}
+
 }  // namespace
 
 int StreamsByRank::of(std::int64_t local_rank) const {
@@ -141,6 +207,94 @@ void write_line(bool to_stderr, const std::string& line) {
   std::fwrite(line.data(), 1, line.size(), f);
   std::fputc('\n', f);
   std::fflush(f);
+}
+
+void LineSplitter::feed(const char* data, std::size_t n, const std::string& prefix,
+                        std::string& out) {
+  std::size_t begin = 0;
+  if (n > 0 && after_cr_ && data[0] == '\n') begin = 1;  // the rest of a "\r\n"
+  after_cr_ = false;
+  auto emit = [&](const char* text, std::size_t size) {
+    out += prefix;
+    out += partial_;
+    out.append(text, size);
+    out += '\n';
+    partial_.clear();
+  };
+  while (begin < n) {
+    // The scan starts where the last ended: each byte is looked at once (twice
+    // when a line over the bound is cut).
+    std::size_t end = begin;
+    while (end < n && data[end] != '\n' && data[end] != '\r') ++end;
+    if (end == n) {
+      std::size_t rest = n - begin;
+      while (partial_.size() + rest >= kMaxTeedLineBytes) {
+        std::size_t take = kMaxTeedLineBytes - partial_.size();
+        emit(data + begin, take);
+        begin += take;
+        rest -= take;
+      }
+      partial_.append(data + begin, rest);
+      return;
+    }
+    if (partial_.size() + (end - begin) > kMaxTeedLineBytes) {
+      std::size_t take = kMaxTeedLineBytes - partial_.size();
+      emit(data + begin, take);
+      begin += take;
+      continue;
+    }
+    emit(data + begin, end - begin);
+    if (data[end] == '\r') {
+      if (end + 1 == n) {
+        after_cr_ = true;
+      } else if (data[end + 1] == '\n') {
+        ++end;
+      }
+    }
+    begin = end + 1;
+  }
+}
+
+void LineSplitter::finish(const std::string& prefix, std::string& out) {
+  if (!partial_.empty()) {
+    out += prefix;
+    out += partial_;
+    out += '\n';
+  }
+  partial_.clear();
+  after_cr_ = false;
+}
+
+std::vector<std::string> last_lines_of(const std::filesystem::path& file, std::size_t count) {
+  std::vector<std::string> lines;
+  if (file.empty()) return lines;
+  int fd = ::open(file.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return lines;
+  struct stat info {};
+  std::string text;
+  constexpr off_t kTail = 65536;
+  if (fstat(fd, &info) == 0 && S_ISREG(info.st_mode)) {
+    const off_t from = info.st_size > kTail ? info.st_size - kTail : 0;
+    text.resize(static_cast<std::size_t>(info.st_size - from));
+    ssize_t n = pread(fd, text.data(), text.size(), from);
+    text.resize(n > 0 ? static_cast<std::size_t>(n) : 0);
+    // A cut first line is not one of the worker's.
+    if (from > 0) text.erase(0, std::min(text.size(), text.find_first_of("\r\n") + 1));
+  }
+  close(fd);
+  LineSplitter splitter;
+  std::string joined;
+  splitter.feed(text.data(), text.size(), "", joined);
+  splitter.finish("", joined);
+  std::size_t from = 0;
+  while (from < joined.size()) {
+    auto eol = joined.find('\n', from);
+    lines.push_back(joined.substr(from, eol - from));
+    from = eol + 1;
+  }
+  while (!lines.empty() && lines.back().empty()) lines.pop_back();
+  if (lines.size() > count) lines.erase(lines.begin(), lines.end() - static_cast<long>(count));
+  return lines;
 }
 
 WorkerGroup::~WorkerGroup() {
@@ -161,88 +315,66 @@ void WorkerGroup::start(const std::vector<WorkerSpec>& specs) {
     envp.push_back(nullptr);
     // The log files first: a worker is started only once its output has
     // somewhere to go.
-    int files[2] = {-1, -1};
-    for (int i = 0; i < 2; ++i) {
-      const auto& file = i == 0 ? spec.stdout_file : spec.stderr_file;
-      if (file.empty()) continue;
-      std::error_code ignored;
-      std::filesystem::create_directories(file.parent_path(), ignored);
-      files[i] = ::open(file.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-      if (files[i] < 0) {
-        const int e = errno;
-        if (i == 1 && files[0] >= 0) close(files[0]);
-        throw std::system_error(e, std::generic_category(), "cannot open " + file.string());
-      }
-    }
-    auto close_files = [&] {
-      for (int fd : files)
-        if (fd >= 0) close(fd);
-    };
-    int out[2], err[2];
-    if (pipe2(out, O_CLOEXEC) != 0) {
-      const int e = errno;
-      close_files();
-      throw std::system_error(e, std::generic_category(), "pipe");
-    }
-    if (pipe2(err, O_CLOEXEC) != 0) {
-      const int e = errno;
-      close(out[0]);
-      close(out[1]);
-      close_files();
-      throw std::system_error(e, std::generic_category(), "pipe");
+    StreamTarget out = target_of(spec.stdout_file, spec.stdout_console, 1);
+    StreamTarget err;
+    try {
+      err = target_of(spec.stderr_file, spec.stderr_console, 2);
+    } catch (...) {
+      close_target(out);
+      throw;
     }
     pid_t guard = fork();
     if (guard < 0) {
       int e = errno;
-      for (int fd : {out[0], out[1], err[0], err[1]}) close(fd);
-      close_files();
+      close_target(out);
+      close_target(err);
       throw std::system_error(e, std::generic_category(), "fork");
     }
-    if (guard == 0) run_guard(agent, path.c_str(), argv.data(), envp.data(), out[1], err[1]);
+    if (guard == 0)
+      run_guard(agent, path.c_str(), argv.data(), envp.data(), out.worker_fd, err.worker_fd);
     setpgid(guard, guard);
-    close(out[1]);
-    close(err[1]);
-    fcntl(out[0], F_SETFL, O_NONBLOCK);
-    fcntl(err[0], F_SETFL, O_NONBLOCK);
+    for (StreamTarget* t : {&out, &err})
+      if (t->fd_to_close >= 0) {
+        close(t->fd_to_close);
+        t->fd_to_close = -1;
+      }
     Worker w;
     w.spec = spec;
     w.guard_pid = guard;
-    w.out_fd = out[0];
-    w.err_fd = err[0];
-    w.out_file = files[0];
-    w.err_file = files[1];
+    w.exit_fd = static_cast<int>(syscall(SYS_pidfd_open, guard, 0));
+    w.out_fd = out.pipe_read;
+    w.err_fd = err.pipe_read;
+    w.out_file = out.teed_file;
+    w.err_file = err.teed_file;
     workers_.push_back(std::move(w));
   }
 }
 
-void WorkerGroup::emit_line(Worker& w, const std::string& line, bool is_err) {
-  if (is_err ? w.spec.stderr_console : w.spec.stdout_console)
-    write_line(is_err, fmt::format("[rank {}]: {}", w.spec.rank, line));
-  w.last_lines.push_back(line);
-  if (w.last_lines.size() > kKeptLines) w.last_lines.pop_front();
-}
-
-void WorkerGroup::read_output(Worker& w, int& fd, std::string& partial, bool is_err) {
+void WorkerGroup::read_output(Worker& w, bool is_err) {
+  int& fd = is_err ? w.err_fd : w.out_fd;
   if (fd < 0) return;
-  char buffer[16384];
-  for (;;) {
+  LineSplitter& lines = is_err ? w.err_lines : w.out_lines;
+  char buffer[65536];
+  // One buffer for every read: its capacity is kept, nothing is allocated
+  // per piece.
+  std::string& shown = console_buffer_;
+  // At most a few pieces a call: the other workers' streams get their turn.
+  for (int pieces = 0; pieces < 16; ++pieces) {
     ssize_t n = read(fd, buffer, sizeof buffer);
     if (n > 0) {
       if (int file = is_err ? w.err_file : w.out_file; file >= 0)
         write_all(file, buffer, static_cast<std::size_t>(n));
-      partial.append(buffer, static_cast<std::size_t>(n));
-      std::size_t pos;
-      while ((pos = partial.find('\n')) != std::string::npos) {
-        emit_line(w, partial.substr(0, pos), is_err);
-        partial.erase(0, pos + 1);
-      }
+      shown.clear();
+      lines.feed(buffer, static_cast<std::size_t>(n), w.spec.line_prefix, shown);
+      write_to_console(is_err, shown);
       continue;
     }
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
     // End of file (or an error): the worker and its children closed it.
-    if (!partial.empty()) emit_line(w, partial, is_err);
-    partial.clear();
+    shown.clear();
+    lines.finish(w.spec.line_prefix, shown);
+    write_to_console(is_err, shown);
     close(fd);
     fd = -1;
     return;
@@ -257,8 +389,18 @@ void WorkerGroup::reap() {
     pid_t r = waitpid(w.guard_pid, &status, WNOHANG);
     if (r == w.guard_pid) {
       // Output written just before the exit is still in the pipe.
-      read_output(w, w.out_fd, w.out_partial, false);
-      read_output(w, w.err_fd, w.err_partial, true);
+      for (int pieces = 0; pieces < 1024 && (w.out_fd >= 0 || w.err_fd >= 0); ++pieces) {
+        const bool more_out = w.out_fd >= 0, more_err = w.err_fd >= 0;
+        read_output(w, false);
+        read_output(w, true);
+        // A pipe still open after the guard's exit is held by a child the
+        // worker left (killed with its group): what is buffered is shown.
+        if (more_out == (w.out_fd >= 0) && more_err == (w.err_fd >= 0)) break;
+      }
+      if (w.exit_fd >= 0) {
+        close(w.exit_fd);
+        w.exit_fd = -1;
+      }
       w.status = encode_status(status);
       if (*w.status != 0 && !first_failed_) first_failed_ = i;
     }
@@ -267,19 +409,23 @@ void WorkerGroup::reap() {
 
 void WorkerGroup::pump(std::chrono::milliseconds wait) {
   std::vector<pollfd> fds;
+  bool unwatched = false;  // a running worker without a pidfd
   for (auto& w : workers_) {
     if (w.out_fd >= 0) fds.push_back({w.out_fd, POLLIN, 0});
     if (w.err_fd >= 0) fds.push_back({w.err_fd, POLLIN, 0});
+    if (w.exit_fd >= 0)
+      fds.push_back({w.exit_fd, POLLIN, 0});
+    else if (!w.status)
+      unwatched = true;
   }
-  if (fds.empty()) {
-    if (wait.count() > 0) usleep(static_cast<useconds_t>(wait.count() * 1000));
-  } else {
-    int rc = poll(fds.data(), fds.size(), static_cast<int>(wait.count()));
-    (void)rc;
-  }
+  // A worker's exit wakes the poll through its guard's pidfd; without one
+  // (a kernel before 5.3) it is looked for in short steps.
+  if (unwatched) wait = std::min<std::chrono::milliseconds>(wait, std::chrono::milliseconds(20));
+  int rc = poll(fds.data(), fds.size(), static_cast<int>(wait.count()));
+  (void)rc;
   for (auto& w : workers_) {
-    read_output(w, w.out_fd, w.out_partial, false);
-    read_output(w, w.err_fd, w.err_partial, true);
+    read_output(w, false);
+    read_output(w, true);
   }
   reap();
 }
@@ -300,8 +446,9 @@ std::vector<int> WorkerGroup::guard_pids() const {
 std::optional<WorkerExit> WorkerGroup::first_failure() const {
   if (!first_failed_) return std::nullopt;
   const auto& w = workers_[*first_failed_];
-  return WorkerExit{w.spec.rank, w.spec.local_rank, *w.status,
-                    std::vector<std::string>(w.last_lines.begin(), w.last_lines.end())};
+  auto lines = last_lines_of(w.spec.stderr_file, kKeptLines);
+  if (lines.empty()) lines = last_lines_of(w.spec.stdout_file, kKeptLines);
+  return WorkerExit{w.spec.rank, w.spec.local_rank, *w.status, std::move(lines)};
 }
 
 bool WorkerGroup::all_succeeded() const {
@@ -337,9 +484,9 @@ void WorkerGroup::stop(std::chrono::milliseconds grace) {
     }
   }
   for (auto& w : workers_) {
-    read_output(w, w.out_fd, w.out_partial, false);
-    read_output(w, w.err_fd, w.err_partial, true);
-    for (int* fd : {&w.out_fd, &w.err_fd, &w.out_file, &w.err_file})
+    read_output(w, false);
+    read_output(w, true);
+    for (int* fd : {&w.out_fd, &w.err_fd, &w.out_file, &w.err_file, &w.exit_fd})
       if (*fd >= 0) {
         close(*fd);
         *fd = -1;

@@ -70,7 +70,7 @@ TEST_CASE("agent: --standalone runs one node on its own rendezvous - nothing els
   auto worker = waiting_worker(stop);
   args.insert(args.end(), worker.begin(), worker.end());
   Child agent(agent_argv(args), {marker}, dir / "agent.log");
-  bool up = agent.wait_for_output("]: up group 0 rank", 60s, 2);
+  bool up = agent.wait_for_output("\nup group 0 rank", 60s, 2);
   if (!up) std::cout << agent.output();
   REQUIRE(up);
   // The agent's children are its workers' guards, each with its worker:
@@ -85,7 +85,7 @@ TEST_CASE("agent: --standalone runs one node on its own rendezvous - nothing els
   }
   std::string out = agent.output();
   // torchrun's standalone: a uuid run id, the agent's store, one node.
-  const auto run = out.find(" run ", out.find("]: up group 0 rank 0"));
+  const auto run = out.find(" run ", out.find("\nup group 0 rank 0"));
   REQUIRE(run != std::string::npos);
   CHECK(is_uuid4(out.substr(run + 5, 36)));
   CHECK(out.find("of 2 round 1 master ") != std::string::npos);
@@ -204,7 +204,8 @@ TEST_CASE("agent: static - node ranks, the store at --master-port, one agent per
   // The group rank is the node rank; MASTER_* the master's, its store.
   CHECK(count_of(one.output(), "up group 1 rank ") == 2);
   CHECK(count_of(zero.output(), "up group 0 rank ") == 2);
-  CHECK(one.output().find("[rank 3]: up group 1 rank 3 of 4") != std::string::npos);
+  // Unprefixed: the workers write the agent's own streams.
+  CHECK(one.output().find("\nup group 1 rank 3 of 4") != std::string::npos);
   CHECK(count_of(zero.output() + one.output(), "master 127.0.0.1:" + port +
                                                    " store True run "
                                                    "none") == 4);
@@ -246,11 +247,12 @@ TEST_CASE("agent: --log-dir, --redirects, --tee and --local-ranks-filter as torc
     all.insert(all.end(), worker.begin(), worker.end());
     return run_process(agent_argv(all), {marker});
   };
-  // The files of local rank `local` under `logs`: <job>_XXXXXX/attempt_1/<local>/.
+  // The files of local rank `local` under `logs`: <job>_XXXXXX/attempt_0/<local>/
+  // (attempt: the restart count, as torchrun's).
   auto files_of = [](const std::filesystem::path& logs, int local) {
     std::filesystem::path found;
     for (const auto& job : std::filesystem::directory_iterator(logs))
-      found = job.path() / "attempt_1" / std::to_string(local);
+      found = job.path() / "attempt_0" / std::to_string(local);
     return found;
   };
 
@@ -272,8 +274,11 @@ TEST_CASE("agent: --log-dir, --redirects, --tee and --local-ranks-filter as torc
   logs = dir / "teed";
   r = run({"--log-dir", logs.string(), "--tee", "1", "--local-ranks-filter", "1"});
   CHECK(r.exit_code == 0);
-  CHECK(r.out.find("[rank 1]: out 1") != std::string::npos);
-  CHECK(r.err.find("[rank 1]: err 1") != std::string::npos);
+  // Teed: prefixed as torchrun's tail prefixes ("[<role><local rank>]:");
+  // stderr, not teed, written by the worker itself.
+  CHECK(r.out.find("[default1]:out 1\n") != std::string::npos);
+  CHECK(r.err.find("\nerr 1\n") != std::string::npos);
+  CHECK(r.err.find("]:err 1") == std::string::npos);
   CHECK(r.out.find("out 0") == std::string::npos);
   CHECK(r.err.find("err 0") == std::string::npos);
   for (int local : {0, 1}) {
@@ -290,8 +295,9 @@ TEST_CASE("agent: --log-dir, --redirects, --tee and --local-ranks-filter as torc
   r = run_process(agent_argv(all), {marker, "TMPDIR=" + tmp.string()});
   CHECK(r.exit_code == 0);
   CHECK(r.out.find("out 0") == std::string::npos);
-  CHECK(r.out.find("[rank 1]: out 1") != std::string::npos);
-  CHECK(r.err.find("[rank 0]: err 0") != std::string::npos);
+  CHECK(r.out.find("out 1\n") != std::string::npos);
+  CHECK(r.err.find("\nerr 0\n") != std::string::npos);
+  CHECK(r.out.find("]:") == std::string::npos);
   CHECK(read_text(files_of(tmp, 0) / "stdout.log") == "out 0\n");
 
   // Values torchrun refuses too.
@@ -325,34 +331,37 @@ TEST_CASE(
                        env);
   INFO(r.out << r.err);
   CHECK(r.exit_code == 0);
-  CHECK(r.out.find("[rank 0]: interpreter " + std::string(DUCTILE_PYTHON) +
-                   " args ['--lr', '3e-4']") != std::string::npos);
+  CHECK(r.out.find("interpreter " + std::string(DUCTILE_PYTHON) + " args ['--lr', '3e-4']") !=
+        std::string::npos);
+  // The agent says which Python, and why, first.
+  CHECK(r.err.starts_with("ductile agent: the workers run " + std::string(DUCTILE_PYTHON) +
+                          " (the interpreter whose `ductile` console script ran the agent)\n"));
   // PYTHON_EXEC first, as torchrun.
   auto exec_env = env;
   exec_env.push_back("PYTHON_EXEC=/usr/bin/python3");
   r = run_process({DUCTILE_PYTHON, console, "agent", "--nproc-per-node", "1", script.string()},
                   exec_env);
   CHECK(r.exit_code == 0);
-  CHECK(r.out.find("[rank 0]: interpreter /usr/bin/python3 args []") != std::string::npos);
+  CHECK(r.out.find("interpreter /usr/bin/python3 args []") != std::string::npos);
   // -m: a module of the script's directory (PYTHONPATH), run the same way.
   auto module_env = env;
   module_env.push_back("PYTHONPATH=" + dir.path().string());
   r = run_process({DUCTILE_PYTHON, console, "agent", "--nproc-per-node", "1", "-m", "where", "x"},
                   module_env);
   CHECK(r.exit_code == 0);
-  CHECK(r.out.find("[rank 0]: interpreter " + std::string(DUCTILE_PYTHON) + " args ['x']") !=
+  CHECK(r.out.find("interpreter " + std::string(DUCTILE_PYTHON) + " args ['x']") !=
         std::string::npos);
   // --no-python: the command as it is.
   r = run_process({DUCTILE_PYTHON, console, "agent", "--nproc-per-node", "1", "--no-python",
                    "/bin/echo", "as", "is"},
                   env);
   CHECK(r.exit_code == 0);
-  CHECK(r.out.find("[rank 0]: as is") != std::string::npos);
+  CHECK(r.out == "as is\n");
   // The console script's variable is the agent's, not the workers'.
   r = run_process({DUCTILE_PYTHON, console, "agent", "--nproc-per-node", "1", "--no-python",
                    "/bin/sh", "-c", "echo \"console=${DUCTILE_CONSOLE_PYTHON-unset}\""},
                   env);
-  CHECK(r.out.find("[rank 0]: console=unset") != std::string::npos);
+  CHECK(r.out == "console=unset\n");
   CHECK(no_marked_processes(marker));
 }
 #endif

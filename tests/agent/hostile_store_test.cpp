@@ -135,7 +135,7 @@ TEST_CASE("agent: malformed records are logged with their key and ignored - the 
 
   // Still round 1, every agent running, no worker restarted.
   out = job.all_output();
-  CHECK(count_of(out, "]: up rank") == 2);
+  CHECK(count_of(out, "\nup rank") == 2);
   CHECK(out.find("round 2") == std::string::npos);
   CHECK(out.find("internal error") == std::string::npos);
   for (Child* agent : {&a, &b, &c}) CHECK_FALSE(agent->poll().has_value());

@@ -70,10 +70,10 @@ TEST_CASE("agent: agents started together on a finished run's id start a new run
     for (auto& agent : agents) {
       auto status = agent->wait(60s);
       const std::string out = agent->output();
-      if (status != std::optional<int>(0) || count_of(out, "]: ran in round ") != 1)
+      if (status != std::optional<int>(0) || count_of(out, "\nran in round ") != 1)
         std::cout << out;
       CHECK(status == std::optional<int>(0));
-      CHECK(count_of(out, "]: ran in round ") == 1);  // it ran its worker, once
+      CHECK(count_of(out, "\nran in round ") == 1);  // it ran its worker, once
       if (run > 0) {
         // Each saw the previous run's end, and none took it for its own.
         CHECK(count_of(out, "job finished") == 1);

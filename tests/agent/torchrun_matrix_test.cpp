@@ -8,6 +8,8 @@
 // python-etcd package (they are compared in torchrun_contract_test.cpp).
 #include <doctest/doctest.h>
 
+#include <algorithm>
+
 #include "launchers.hpp"
 #include "temp_dir.hpp"
 
@@ -52,6 +54,25 @@ std::map<std::string, std::string> log_files(const std::filesystem::path& logs) 
         read_text(f.path());
   }
   return out;
+}
+
+// The workers' lines on a launcher's console, byte for byte with their
+// prefixes (none, or a teed stream's "[<role><local rank>]:"), sorted:
+// workers write at once, in no set order. The launchers' own lines (with
+// their timestamps) are left out.
+std::vector<std::string> worker_lines(const std::string& console) {
+  std::vector<std::string> lines;
+  std::size_t from = 0;
+  while (from < console.size()) {
+    auto eol = std::min(console.find('\n', from), console.size());
+    std::string text = console.substr(from, eol - from);
+    if (text.find("dumped rank ") != std::string::npos ||
+        text.find("noted rank ") != std::string::npos)
+      lines.push_back(std::move(text));
+    from = eol + 1;
+  }
+  std::sort(lines.begin(), lines.end());
+  return lines;
 }
 
 SideBySide run_line(const CommandLine& line) {
@@ -104,6 +125,8 @@ SideBySide run_line(const CommandLine& line) {
       CHECK((s.ductile_output.find(text) != std::string::npos) ==
             (s.torchrun_output.find(text) != std::string::npos));
     }
+  // The same console lines, prefixes included.
+  CHECK(worker_lines(s.ductile_output) == worker_lines(s.torchrun_output));
   return s;
 }
 

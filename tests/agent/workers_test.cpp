@@ -1,11 +1,15 @@
-// WorkerGroup without an agent: prefixed output, exit statuses, and stopping
-// a group whose workers started children of their own.
+// WorkerGroup without an agent: where output goes, teed lines split as
+// torchrun's tail splits them, exit statuses, and stopping a group whose
+// workers started children of their own.
 #include <doctest/doctest.h>
 
 #include <unistd.h>
 
+#include <filesystem>
+
 #include "agent_support.hpp"
 #include "ductile/agent/workers.hpp"
+#include "temp_dir.hpp"
 
 using namespace ductile::agent;
 using namespace ductile::test;
@@ -17,27 +21,79 @@ WorkerSpec shell(std::int64_t rank, const std::string& script, const std::string
   return spec;
 }
 
-}  // namespace
-
-TEST_CASE("workers: statuses and last lines of a failing worker") {
-  std::string marker = new_marker();
-  WorkerGroup group;
-  group.start({shell(0, "echo zero; exit 0", marker),
-               shell(1, "echo one; echo 'last words' >&2; exit 7", marker)});
+void run_to_the_end(WorkerGroup& group) {
   REQUIRE(wait_until(
       [&] {
         group.pump(std::chrono::milliseconds(20));
         return !group.running();
       },
       30s));
+}
+
+std::string split(const std::vector<std::string>& pieces) {
+  LineSplitter splitter;
+  std::string out;
+  for (const auto& piece : pieces) splitter.feed(piece.data(), piece.size(), "[p]:", out);
+  splitter.finish("[p]:", out);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("workers: statuses, and the last lines of a failing worker from its log file") {
+  TempDir dir;
+  std::string marker = new_marker();
+  WorkerGroup group;
+  WorkerSpec failing = shell(1, "echo one; echo 'last words' >&2; exit 7", marker);
+  failing.stdout_file = dir / "1" / "stdout.log";
+  failing.stderr_file = dir / "1" / "stderr.log";
+  failing.stdout_console = failing.stderr_console = false;
+  group.start({shell(0, "echo zero; exit 0", marker), failing});
+  run_to_the_end(group);
   CHECK_FALSE(group.all_succeeded());
   auto failure = group.first_failure();
   REQUIRE(failure);
   CHECK(failure->rank == 1);
   CHECK(failure->status == 7);
-  CHECK(failure->last_lines == std::vector<std::string>{"one", "last words"});
+  // stderr's log file first.
+  CHECK(failure->last_lines == std::vector<std::string>{"last words"});
+  CHECK(read_text(dir / "1" / "stdout.log") == "one\n");
   group.stop(std::chrono::milliseconds(0));
   CHECK(group.empty());
+
+  // Output on the console only: no lines to report (no pipe was read).
+  WorkerGroup console;
+  console.start({shell(0, "echo shown >&2; exit 3", marker)});
+  run_to_the_end(console);
+  REQUIRE(console.first_failure());
+  CHECK(console.first_failure()->last_lines.empty());
+}
+
+TEST_CASE("workers: a console stream is the agent's own descriptor, not a pipe") {
+  TempDir dir;
+  const std::string marker = new_marker();
+  char own[256] = {};
+  REQUIRE(readlink("/proc/self/fd/2", own, sizeof own - 1) > 0);
+  WorkerGroup group;
+  WorkerSpec spec = shell(0, "readlink /proc/$$/fd/2 > " + (dir / "fd2").string(), marker);
+  group.start({spec});
+  run_to_the_end(group);
+  CHECK(group.all_succeeded());
+  CHECK(read_text(dir / "fd2") == std::string(own) + "\n");
+}
+
+TEST_CASE("workers: teed lines end as Python's universal newlines end them") {
+  CHECK(split({"a\nb\rc\r\nd"}) == "[p]:a\n[p]:b\n[p]:c\n[p]:d\n");
+  // "\r\n" split across two reads is one ending.
+  CHECK(split({"a\r", "\nb\r", "", "c\n"}) == "[p]:a\n[p]:b\n[p]:c\n");
+  CHECK(split({"\r\r"}) == "[p]:\n[p]:\n");
+  // A line longer than the bound is shown in pieces; nothing more is held.
+  const std::string long_line(kMaxTeedLineBytes + 10, 'x');
+  LineSplitter splitter;
+  std::string out;
+  splitter.feed(long_line.data(), long_line.size(), "", out);
+  CHECK(out == std::string(kMaxTeedLineBytes, 'x') + "\n");
+  CHECK(splitter.held() == 10);
 }
 
 TEST_CASE("workers: a command that cannot run exits 127 - a signal is 128 + its number") {

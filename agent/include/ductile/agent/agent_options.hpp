@@ -61,7 +61,10 @@ struct AgentOptions {
   std::optional<std::int64_t> max_nodes;
   std::int64_t max_restarts = 0;     // restarts after worker failures, job-wide
   std::vector<std::string> command;  // the worker command line
-  std::string role = "default";      // ROLE_NAME of the workers (torchrun's --role)
+  // How the workers' Python was chosen ("/usr/bin/python3 (python3 on
+  // PATH)"); empty when the command is not run by one the agent chose.
+  std::string interpreter_choice;
+  std::string role = "default";  // ROLE_NAME of the workers (torchrun's --role)
   // TORCHELASTIC_SIGNALS_TO_HANDLE of the workers; empty: the agent's own
   // environment's, else torchrun's default "SIGTERM,SIGINT,SIGHUP,SIGQUIT".
   std::string signals_to_handle;

@@ -6,11 +6,18 @@
 // the agent, even when it is killed with SIGKILL. The worker itself also gets
 // PR_SET_PDEATHSIG from its guard.
 //
-// Output: every line a worker writes is copied to the agent's stdout or stderr
-// (as the worker wrote it) with the prefix "[rank R]: ", unless the spec
-// keeps it off the console; each stream's bytes go to its log file when the
-// spec names one; the last lines of each worker are kept for failure
-// reports.
+// Output, stream by stream, as torchrun 2.13 places it:
+//  - on the console, no log file: the worker inherits the agent's stdout or
+//    stderr itself (a terminal stays a terminal, nothing is prefixed);
+//  - off the console, no log file: /dev/null;
+//  - a log file, off the console (redirected): the worker writes the file;
+//  - a log file and the console (teed): the worker writes a pipe; the agent
+//    copies its bytes to the file and its lines, prefixed with the spec's
+//    line_prefix ("[default0]:"), to its own stream. Lines end at '\n', '\r'
+//    or "\r\n" (as Python's universal newlines, which torchrun's tail of
+//    the log file reads with); a line longer than kMaxTeedLineBytes is
+//    shown in pieces of that size.
+// A failed worker's last lines come from its log files (stderr first).
 //
 // Threading: one thread drives a WorkerGroup (start, pump, stop).
 // Errors: start() throws std::system_error when processes, pipes or log
@@ -20,7 +27,6 @@
 
 #include <chrono>
 #include <cstdint>
-#include <deque>
 #include <filesystem>
 #include <map>
 #include <optional>
@@ -67,12 +73,41 @@ struct WorkerSpec {
   // lines reach the agent's own stdout / stderr.
   std::filesystem::path stdout_file{}, stderr_file{};
   bool stdout_console = true, stderr_console = true;
+  // Put before each teed line on the console (torchrun's
+  // "[{role}{local_rank}]:").
+  std::string line_prefix{};
 };
+
+// Longest piece of a teed line the agent holds before it shows it.
+inline constexpr std::size_t kMaxTeedLineBytes = 65536;
+// Lines of a failed worker's log file kept for its failure report.
+inline constexpr std::size_t kKeptLines = 20;
+
+// Splits teed output into lines as Python's universal newlines do, in one
+// pass over each piece and with at most kMaxTeedLineBytes held.
+class LineSplitter {
+ public:
+  // Appends each complete line of `data` (without its ending) to `out`
+  // as `prefix` + line + '\n'.
+  void feed(const char* data, std::size_t n, const std::string& prefix, std::string& out);
+  // The end of the stream: what is held, as a last line.
+  void finish(const std::string& prefix, std::string& out);
+  std::size_t held() const { return partial_.size(); }
+
+ private:
+  std::string partial_;
+  bool after_cr_ = false;  // the last byte seen was '\r': a '\n' next ends nothing
+};
+
+// The last `count` lines of a file (read from its last 64 KiB at most).
+std::vector<std::string> last_lines_of(const std::filesystem::path& file, std::size_t count);
 
 struct WorkerExit {
   std::int64_t rank = 0;
   std::int64_t local_rank = 0;
   int status = 0;  // exit code, or 128 + signal number
+  // The last lines of its log files (stderr's, else stdout's); empty when
+  // its output went to the console or /dev/null only.
   std::vector<std::string> last_lines;
 };
 
@@ -84,7 +119,8 @@ class WorkerGroup {
   WorkerGroup& operator=(const WorkerGroup&) = delete;
 
   void start(const std::vector<WorkerSpec>& workers);
-  // Copies output and reaps exited workers, waiting up to `wait` for output.
+  // Copies teed output and reaps exited workers, waiting up to `wait` for
+  // output or a worker's exit (its guard's pidfd wakes it).
   void pump(std::chrono::milliseconds wait);
   bool running() const;  // some worker has not exited yet
   // The guard processes of the workers not reaped yet (this process's
@@ -103,18 +139,18 @@ class WorkerGroup {
   struct Worker {
     WorkerSpec spec;
     int guard_pid = -1;  // also the process group id
-    int out_fd = -1;
+    int exit_fd = -1;    // the guard's pidfd: readable once it exited
+    int out_fd = -1;     // the pipes of teed streams
     int err_fd = -1;
-    int out_file = -1, err_file = -1;  // the log files, when named
-    std::string out_partial, err_partial;
-    std::deque<std::string> last_lines;
+    int out_file = -1, err_file = -1;  // the log files of teed streams
+    LineSplitter out_lines, err_lines;
     std::optional<int> status;
   };
-  void read_output(Worker& w, int& fd, std::string& partial, bool is_err);
-  void emit_line(Worker& w, const std::string& line, bool is_err);
+  void read_output(Worker& w, bool is_err);
   void reap();
   std::vector<Worker> workers_;
   std::optional<std::size_t> first_failed_;
+  std::string console_buffer_;  // teed lines on their way to the console
 };
 
 // Lines written by the agent itself go through the same lock as worker lines
