@@ -18,6 +18,7 @@
 #include "ductile/elasticity_policy.hpp"
 #include "ductile/pipeline/elasticity.hpp"
 #include "ductile/pipeline/json.hpp"
+#include "progress.hpp"
 
 namespace ductile::cli {
 namespace {
@@ -181,7 +182,14 @@ int run_elastic(const CliContext& context, const ElasticOptions& options) {
   ElasticityRequest request;
   request.world_size = options.world_size_given ? options.world_size : 0;
   request.require_micro_batch = options.micro_batch;
+  // A policy's search (the optimal policy's over a large cap) can take
+  // seconds and reports nothing while it runs: on a terminal, a bar shows
+  // the time it has taken so far, ended before the results are printed.
+  ProgressBar progress("ductile elastic");
+  progress.begin_stage(
+      loaded.source.policy == "optimal" ? "searching batch sizes" : "computing the plan", 0);
   auto result = loaded.policy->compute(request);
+  progress.finish();
   result.warnings.insert(result.warnings.begin(), rule_warnings.begin(), rule_warnings.end());
   if (options.json)
     print_json(loaded, result);

@@ -18,6 +18,7 @@
 #include "ductile/pipeline/elasticity.hpp"
 #include "ductile/pipeline/json.hpp"
 #include "ductile/pipeline/pack_plan.hpp"
+#include "progress.hpp"
 
 namespace ductile::cli {
 namespace {
@@ -148,15 +149,22 @@ int run_pack(const CliContext& context, const PackFlags& o) {
   if (setup.lengths.empty())
     throw Error(ErrorKind::invalid_argument,
                 "no lengths file: give --lengths FILE (or [batching] lengths in the config)");
+  // On a terminal, a run past a second shows its progress on stderr; the
+  // bar ends before anything is printed on stdout (often the same terminal).
+  ProgressBar progress("ductile pack");
+  progress.begin_stage("reading lengths", 0);
   const auto lengths = pipeline::read_lengths(setup.lengths, setup.read);
-  const pipeline::PackPlan plan = pipeline::pack_plan(*runtime, lengths, options);
+  const pipeline::PackPlan plan = pipeline::pack_plan(*runtime, lengths, options, progress.sink());
   const auto& s = plan.stats;
   const auto ranks = options.ranks;
 
   if (o.json) {
-    std::cout << pipeline::to_json(plan) << "\n";
+    const std::string json = pipeline::to_json(plan, true, progress.sink());
+    progress.finish();
+    std::cout << json << "\n";
     return kExitOk;
   }
+  progress.finish();
 
   auto& out = std::cout;
   out << fmt::format("ductile pack: {} ({} samples) with sampler '{}'\n", setup.lengths.string(),

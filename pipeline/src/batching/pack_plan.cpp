@@ -1,6 +1,6 @@
 // The packing pipeline (see ductile/pipeline/pack_plan.hpp): options checked
 // against the runtime's plugins, one sampler run, ranks and learning rates
-// derived from its result.
+// derived from its result, each stage reported to an optional ProgressSink.
 #include "ductile/pipeline/pack_plan.hpp"
 
 #include <algorithm>
@@ -12,6 +12,7 @@
 #include <fmt/ranges.h>
 
 #include "ductile/lr_scaling_rule.hpp"
+#include "ductile/pipeline/progress.hpp"
 
 namespace ductile::pipeline {
 namespace {
@@ -60,16 +61,20 @@ Params sampler_params_of(const PackPlanOptions& o) {
 // Totals over every micro-batch: each sample is below 2^31, so a total
 // passes 2^63 - 1 only past 2^32 samples (a 32 GiB lengths file), and is
 // then an error rather than a wrapped count.
-void add_checked(std::int64_t& total, std::int64_t value, const char* what) {
-  if (__builtin_add_overflow(total, value, &total))
-    throw Error(
-        ErrorKind::invalid_argument,
-        fmt::format("the packing's {} exceed 2^63 - 1: pack fewer samples at a time", what));
+// The throw stays out of line: the check runs once per packed sample.
+[[noreturn, gnu::cold, gnu::noinline]] void throw_total_overflow(const char* what) {
+  throw Error(ErrorKind::invalid_argument,
+              fmt::format("the packing's {} exceed 2^63 - 1: pack fewer samples at a time", what));
 }
 
-void fill_stats(PackPlan& plan, std::span<const std::int64_t> lengths) {
+inline void add_checked(std::int64_t& total, std::int64_t value, const char* what) {
+  if (__builtin_add_overflow(total, value, &total)) throw_total_overflow(what);
+}
+
+void fill_stats(PackPlan& plan, std::span<const std::int64_t> lengths, ProgressSink* progress) {
   auto& s = plan.stats;
-  for (std::size_t m = 0; m < plan.microbatch_count(); ++m) {
+  report_stage(progress, "counting tokens", plan.microbatch_count());
+  for_each_reporting(plan.microbatch_count(), progress, [&](std::size_t m) {
     std::int64_t longest = 0, tokens = 0;
     const auto ids = plan.microbatch(m);
     for (auto id : ids) {
@@ -82,7 +87,7 @@ void fill_stats(PackPlan& plan, std::span<const std::int64_t> lengths) {
     if (__builtin_mul_overflow(longest, static_cast<std::int64_t>(ids.size()), &padded))
       padded = std::numeric_limits<std::int64_t>::max();  // then the sum below fails
     add_checked(s.padded_tokens, padded, "padded tokens");
-  }
+  });
   s.sequences = static_cast<std::int64_t>(plan.sample_ids.size());
   const double budget =
       static_cast<double>(plan.microbatch_count()) * static_cast<double>(plan.options.max_tokens);
@@ -92,17 +97,22 @@ void fill_stats(PackPlan& plan, std::span<const std::int64_t> lengths) {
                             : 0;
 }
 
-void assign_ranks(PackPlan& plan, std::int64_t ranks) {
+void assign_ranks(PackPlan& plan, std::int64_t ranks, ProgressSink* progress) {
   if (ranks <= 0) return;
   const std::size_t count = plan.microbatch_count();
+  // Two passes over the micro-batches: their owners, then each rank's list.
+  report_stage(progress, "assigning ranks", 2 * static_cast<std::uint64_t>(count));
   plan.microbatch_ranks.resize(count);
-  for (std::size_t i = 0; i < count; ++i)
+  for_each_reporting(count, progress, [&](std::size_t i) {
     plan.microbatch_ranks[i] = static_cast<std::int64_t>(i % static_cast<std::size_t>(ranks));
+  });
   plan.rank_offsets.assign(1, 0);
   for (std::int64_t r = 0; r < ranks; ++r) {
     for (auto m : ductile::microbatches_of_rank(count, r, ranks))
       plan.rank_microbatches.push_back(static_cast<std::int64_t>(m));
     plan.rank_offsets.push_back(static_cast<std::int64_t>(plan.rank_microbatches.size()));
+    report_progress(progress, std::min<std::uint64_t>(2 * static_cast<std::uint64_t>(count),
+                                                      count + plan.rank_microbatches.size()));
   }
 }
 
@@ -124,27 +134,31 @@ PackPlan plan_from_result(PackResult result, const PackOptions& options, std::st
 }
 
 std::vector<double> step_lrs(const LrScheduleSpec& spec, std::shared_ptr<const LrScalingRule> rule,
-                             double base_batch_size, const std::vector<std::int64_t>& batch_sizes) {
+                             double base_batch_size, const std::vector<std::int64_t>& batch_sizes,
+                             ProgressSink* progress = nullptr) {
   std::vector<double> lrs;
   if (batch_sizes.empty()) return lrs;
+  report_stage(progress, "learning rates", batch_sizes.size());
   VariableBatchLrSchedule schedule(spec, std::move(rule), base_batch_size, batch_sizes);
   lrs.reserve(batch_sizes.size());
-  for (std::size_t s = 0; s < batch_sizes.size(); ++s) {
+  for_each_reporting(batch_sizes.size(), progress, [&](std::size_t) {
     lrs.push_back(schedule.lr());
     schedule.step();
-  }
+  });
   return lrs;
 }
 
 // Packs with `sampler`, timing pack() alone.
 PackPlan run_sampler(const BatchSampler& sampler, std::string name,
-                     std::span<const std::int64_t> lengths) {
+                     std::span<const std::int64_t> lengths, ProgressSink* progress = nullptr) {
+  // The sampler is a plugin: it reports nothing while it packs.
+  report_stage(progress, "packing", 0);
   const auto start = std::chrono::steady_clock::now();
   PackResult result = sampler.pack(PackRequest{lengths, std::nullopt});
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   PackPlan plan = plan_from_result(std::move(result), sampler.options(), std::move(name), seconds);
-  fill_stats(plan, lengths);
+  fill_stats(plan, lengths, progress);
   return plan;
 }
 
@@ -211,16 +225,22 @@ void check_pack_plan_options(const core::Runtime& runtime, const PackPlanOptions
 
 PackPlan pack_plan(core::Runtime& runtime, std::span<const std::int64_t> lengths,
                    const PackPlanOptions& options) {
+  return pack_plan(runtime, lengths, options, nullptr);
+}
+
+PackPlan pack_plan(core::Runtime& runtime, std::span<const std::int64_t> lengths,
+                   const PackPlanOptions& options, ProgressSink* progress) {
   check_pack_plan_options(runtime, options);
   // Creating the rule before packing reports its parameter errors first.
   std::shared_ptr<const LrScalingRule> rule;
   if (options.lr_rule) rule = runtime.create<LrScalingRule>(*options.lr_rule, options.lr_params);
   auto sampler = runtime.create<BatchSampler>(options.sampler, sampler_params_of(options));
-  PackPlan plan = run_sampler(*sampler, options.sampler, lengths);
-  assign_ranks(plan, options.ranks);
+  PackPlan plan = run_sampler(*sampler, options.sampler, lengths, progress);
+  assign_ranks(plan, options.ranks, progress);
   if (rule) {
     plan.lr_rule = options.lr_rule;
-    plan.lrs = step_lrs(options.schedule, rule, *options.base_batch_size, plan.batch_sizes);
+    plan.lrs =
+        step_lrs(options.schedule, rule, *options.base_batch_size, plan.batch_sizes, progress);
   }
   return plan;
 }

@@ -6,13 +6,18 @@
 namespace ductile::pipeline {
 
 std::string to_json(const PackPlan& plan, bool with_stats) {
+  return to_json(plan, with_stats, nullptr);
+}
+
+std::string to_json(const PackPlan& plan, bool with_stats, ProgressSink* progress) {
   nlohmann::json out;
   nlohmann::json microbatches = nlohmann::json::array();
-  for (std::size_t m = 0; m < plan.microbatch_count(); ++m) {
+  report_stage(progress, "writing JSON", plan.microbatch_count() + plan.rank_count());
+  for_each_reporting(plan.microbatch_count(), progress, [&](std::size_t m) {
     auto ids = plan.microbatch(m);
     microbatches.push_back(
         {plan.microbatch_steps[m], std::vector<std::int64_t>(ids.begin(), ids.end())});
-  }
+  });
   out["microbatch_ids"] = std::move(microbatches);
   out["batch_sizes"] = plan.batch_sizes;
   out["batch_max_seqlens"] = plan.batch_max_seqlens;
@@ -24,6 +29,7 @@ std::string to_json(const PackPlan& plan, bool with_stats) {
     for (std::size_t rank = 0; rank < plan.rank_count(); ++rank) {
       auto mine = plan.microbatches_of_rank(rank);
       per_rank.push_back(std::vector<std::int64_t>(mine.begin(), mine.end()));
+      report_progress(progress, plan.microbatch_count() + rank + 1);
     }
     out["ranks"] = std::move(per_rank);
   }
@@ -39,6 +45,8 @@ std::string to_json(const PackPlan& plan, bool with_stats) {
                     {"padded_efficiency", s.padded_efficiency},
                     {"seconds", s.seconds}};
   }
+  // nlohmann's dump reports nothing while it formats.
+  report_stage(progress, "formatting JSON", 0);
   return out.dump();
 }
 

@@ -49,6 +49,7 @@
 #include "ductile/params.hpp"
 #include "ductile/pipeline/lengths.hpp"
 #include "ductile/pipeline/lr_schedule.hpp"
+#include "ductile/pipeline/progress.hpp"
 
 namespace ductile::pipeline {
 
@@ -174,6 +175,14 @@ void check_pack_plan_options(const core::Runtime& runtime, const PackPlanOptions
 PackPlan pack_plan(core::Runtime& runtime, std::span<const std::int64_t> lengths,
                    const PackPlanOptions& options);
 
+// The same, reporting its stages to `progress` (nullptr: none) from the
+// calling thread: "packing" (the sampler's call, of unknown length), then
+// "counting tokens" (micro-batches), "assigning ranks" (with options.ranks)
+// and "learning rates" (steps, with options.lr_rule). The sink is borrowed
+// for the call; the result and the errors are those of the call above.
+PackPlan pack_plan(core::Runtime& runtime, std::span<const std::int64_t> lengths,
+                   const PackPlanOptions& options, ProgressSink* progress);
+
 // The same with the runtime's configured instances: the sampler and rule of
 // its [batching] and [lr] sections (as a training job uses them), their
 // options from the config. Throws Error(config) when the config has no
@@ -186,6 +195,9 @@ PackPlan pack_plan_configured(core::Runtime& runtime, std::span<const std::int64
 // leftover_ids, lrs (with a rule), ranks (micro-batches per rank, when
 // assigned) and, `with_stats`, stats. One line of JSON, no newline.
 std::string to_json(const PackPlan& plan, bool with_stats = true);
+// The same, reporting "writing JSON" (micro-batches, then ranks) and
+// "formatting JSON" (of unknown length) to `progress` (nullptr: none).
+std::string to_json(const PackPlan& plan, bool with_stats, ProgressSink* progress);
 
 // Where a configuration says the lengths are, with the options it gives.
 struct PackSetup {
