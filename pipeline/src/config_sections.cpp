@@ -49,7 +49,7 @@ bool register_sections() {
         .doc = "Format of the lengths file (auto: from the extension)"}});
   // What the front ends that run ZeRO-3 (ductile.torch.zero3) read beside
   // the coordinator's keys; DeepSpeed's zero_optimization.offload_optimizer
-  // and offload_param (device "cpu").
+  // and offload_param (device "cpu"), and the engine's progress lines.
   core::extend_section(
       "zero",
       {{.key = "offload_optimizer",
@@ -73,7 +73,14 @@ bool register_sections() {
        {.key = "offload_pin_memory",
         .type = ParamType::boolean,
         .default_value = "true",
-        .doc = "Pinned host buffers for the offloaded state (cuda)"}});
+        .doc = "Pinned host buffers for the offloaded state (cuda)"},
+       {.key = "log_interval",
+        .type = ParamType::integer,
+        .flags = param_has_min,
+        .default_value = "0",
+        .doc = "Optimizer steps between the engine's progress lines (logger ductile.zero3, "
+               "rank 0): step, loss scale, learning rate, step time, throughput, peak memory, "
+               "gather wait, offload traffic; 0: off"}});
   core::extend_section("lr",
                        {{.key = "base_lr",
                          .type = ParamType::floating,

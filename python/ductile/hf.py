@@ -29,6 +29,12 @@ names, saves ``save_steps`` checkpoints, resumes, gathers the model for
   "linear", "cosine"), ``args.get_warmup_steps`` and the number of training
   steps, scaled every step by ``lr_rule`` for the step's real batch size.
 
+**Logs** (with ``max_tokens``): every training log adds, over the steps
+since the previous one, ``batch_samples``, ``batch_tokens``,
+``tokens_per_second``, ``padding_fraction`` and ``lr_scale`` (the factor of
+the logged ``learning_rate`` over the base schedule's); training starts by
+drawing the epoch's batch plan into ``output_dir`` (_hf_logging.py).
+
 The Trainer's own gradient accumulation and token-weighted loss
 (``num_items_in_batch``) apply unchanged. The steps are the sampler's: each
 epoch runs its own step count (a packing's epochs differ by a few steps), and
@@ -74,11 +80,13 @@ import json
 import math
 import os
 
+import accelerate.scheduler
 import numpy as np
 import torch
 import transformers
 
 from ._errors import IncompatibleError, InvalidArgumentError
+from ._hf_logging import StepReport, is_training_log
 from .torch import DynamicBatchSampler, FlattenCollate, VariableBatchLRScheduler
 
 _logger = transformers.utils.logging.get_logger(__name__)
@@ -193,6 +201,7 @@ class DuctileTrainer(transformers.Trainer):
         self.ductile_sampler = None
         self._flatten = False
         self._ductile_epoch = None  # the epoch the training loop is in
+        self._step_report = None
         if packs:
             self._set_up_packs(max_tokens, lengths, lr_rule, base_batch_size, order,
                                sampler_options)
@@ -235,6 +244,8 @@ class DuctileTrainer(transformers.Trainer):
             "sampler_options": {k: v for k, v in (sampler_options or {}).items()
                                 if isinstance(v, (bool, int, float, str, type(None)))}}
         self.callback_handler.callbacks.insert(0, _EpochProgress(self))
+        self._step_report = StepReport(self)
+        self.callback_handler.callbacks.insert(1, self._step_report)
         self._fresh_sampler_state = self.ductile_sampler.state_dict()
         self._resumed_step = 0
 
@@ -273,6 +284,16 @@ class DuctileTrainer(transformers.Trainer):
                 total_steps=max(num_training_steps, warmup + 1))
             self._created_lr_scheduler = True
         return self.lr_scheduler
+
+    @property
+    def _ductile_scheduler(self):
+        """The variable-batch scheduler create_scheduler made, or None. Under
+        DeepSpeed the integration calls create_scheduler on a copy of the
+        Trainer, and Accelerate wraps the scheduler the engine returns."""
+        scheduler = self.lr_scheduler
+        if isinstance(scheduler, accelerate.scheduler.AcceleratedScheduler):
+            scheduler = scheduler.scheduler
+        return scheduler if isinstance(scheduler, _StepScheduler) else None
 
     # -- Resume. The sampler, not the Trainer, knows which samples a step
     # took: the Trainer's own skip counts this rank's micro-batches in the
@@ -453,6 +474,26 @@ class DuctileTrainer(transformers.Trainer):
         with open(path + ".tmp", "w", encoding="utf-8") as f:
             json.dump(record, f, indent=1)
         os.replace(path + ".tmp", path)
+
+    # -- What a training log shows (_hf_logging.py).
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self._step_report is not None:
+            self._step_report.count_inputs(inputs)
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def _get_learning_rate(self):
+        # The step whose rate the log shows: the Trainer reads it after the
+        # optimizer step, before its scheduler steps (under DeepSpeed the
+        # engine has stepped the scheduler already).
+        if self._ductile_scheduler is not None:
+            self._step_report.lr_step = self._ductile_scheduler.last_step
+        return super()._get_learning_rate()
+
+    def log(self, logs, start_time=None):
+        if self._step_report is not None and is_training_log(logs):
+            self._step_report.add_to(logs)
+        super().log(logs, start_time)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self._flatten:

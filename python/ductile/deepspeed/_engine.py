@@ -15,7 +15,9 @@ DeepSpeed's engine does around them:
   ``skipped_steps``, saved with the scheduler's state in checkpoints;
 - ``steps_per_print`` and ``wall_clock_breakdown``: DeepSpeed's progress,
   throughput and timing lines, through the ``ductile.deepspeed`` logger on
-  rank 0.
+  rank 0; and, as the zero3 engine's ``log_interval``, its progress line
+  (``ductile.zero3`` logger), with the samples of each step and the tokens
+  of each training forward counted here.
 """
 
 import contextlib
@@ -88,6 +90,17 @@ class _Timers:
     def take(self):
         spent, self.spent = self.spent, dict.fromkeys(self.spent, 0.0)
         return spent
+
+
+def _tokens_of(args, kwargs):
+    """The tokens of a forward's batch: the attention mask's ones (a 0-d
+    tensor, read only when a line is logged), else the input ids' count
+    (padding-free packs have no mask); None for inputs without either."""
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor):
+        return mask.sum(dtype=torch.int64)
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    return ids.numel() if isinstance(ids, torch.Tensor) else None
 
 
 class DeepSpeedEngine(torch.nn.Module):
@@ -250,6 +263,10 @@ class DeepSpeedEngine(torch.nn.Module):
                 "optimizer or an \"optimizer\" section in the config")
 
     def forward(self, *args, **kwargs):
+        if self._zero3.log_interval and self.module.training:
+            tokens = _tokens_of(args, kwargs)
+            if tokens is not None:
+                self._zero3.count_batch(0, tokens)
         with self._timing("fwd"):
             return self.module(*args, **kwargs)
 
@@ -281,6 +298,9 @@ class DeepSpeedEngine(torch.nn.Module):
         steps_per_print steps. Always counts the micro-step."""
         self._require_optimizer("step")
         if self.is_gradient_accumulation_boundary():
+            # This rank's share of the step's samples, as DeepSpeed counts
+            # them (train_batch_size a step).
+            self._zero3.count_batch(self._train_batch_size // self.world_size)
             with self._timing("step"):
                 self._zero3.step(lr_kwargs)  # the scheduler too, unless skipped
             if not self._zero3.step_applied:

@@ -11,7 +11,9 @@ another in one run (a program that prints figures, medians; not a test):
 - ductile-mpi: the same under mpirun, over the accelerator's own world
   (Open MPI on the cpu; ductile's NCCL over an MPI bootstrap on cuda);
 - ductile-noprefetch: ductile with prefetch_bucket_size = 0 (every gather
-  waited): prefetch must never make the gather wait longer than this.
+  waited): prefetch must never make the gather wait longer than this;
+- ductile-logging: ductile with log_interval = 1, its progress line on
+  every step written to stderr (logging at INFO): what the logging costs.
 
 ZeRO-3 engines get the same settings (prefetch bucket, live limit, reuse
 distance, persistence threshold); every engine trains with torch.optim.Adam,
@@ -65,6 +67,7 @@ third: every such buffer is faulted in anew).
 import argparse
 import contextlib
 import json
+import logging
 import os
 import re
 import resource
@@ -109,12 +112,13 @@ max_live_parameters = {MAX_LIVE}
 max_reuse_distance = {REUSE}
 param_persistence_threshold = {PERSIST}
 max_ongoing_fetch_events = 2
+log_interval = {{log_interval}}
 """
 
 # ductile-deepspeed: the deepspeed engine's code and config as they are,
 # with `import ductile.deepspeed as deepspeed` (docs/deepspeed.md).
 ENGINES = ("ddp", "fsdp2", "deepspeed", "ductile", "ductile-deepspeed", "ductile-mpi",
-           "ductile-noprefetch")
+           "ductile-noprefetch", "ductile-logging")
 
 
 def rss_bytes():
@@ -319,8 +323,12 @@ def worker(engine_name, size, steps, out, device, global_batch, precision, calls
             stats_of = ds_engine.zero3.stats
     else:
         prefetch = 0 if engine_name == "ductile-noprefetch" else PREFETCH
+        log_interval = 1 if engine_name == "ductile-logging" else 0
+        if log_interval:
+            logging.basicConfig(level=logging.INFO, stream=sys.stderr)
         engine = zero3.initialize(model, lambda ps: torch.optim.Adam(ps, lr=1e-4),
-                                  DUCTILE_CONFIG.format(prefetch=prefetch, backend=device),
+                                  DUCTILE_CONFIG.format(prefetch=prefetch, backend=device,
+                                                        log_interval=log_interval),
                                   mixed_precision="bf16" if bf16 else None)
         optimizer = engine.optimizer
         rank, world = engine.rank, engine.world_size
@@ -513,12 +521,15 @@ def report(args, engines, results, failures):
             f" (before the first step {max(x['setup_peak'] for x in r) / 2**20:.0f})"
         print(f"engine {engine}: step {med[engine] * 1e3:.1f} ms, {ratio(engine, 'deepspeed')} "
               f"DeepSpeed, {ratio(engine, 'fsdp2')} FSDP2, peak {peak:.0f} MiB/rank{setup}")
+    if "ductile" in med and "ductile-logging" in med:
+        print(f"logging every step: {ratio('ductile-logging', 'ductile')} ductile's step")
     print()
     for engine, r in results.items():
         print(f"  {engine:20} parameters {max(x['param_bytes'] for x in r) / 2**20:8.1f} MiB/rank"
               f"  optimizer {max(x['optimizer_bytes'] for x in r) / 2**20:8.1f} MiB/rank"
               f"  first losses {', '.join(f'{v:.5f}' for v in r[0]['losses'])}")
-    for engine in ("ductile", "ductile-deepspeed", "ductile-noprefetch", "ductile-mpi"):
+    for engine in ("ductile", "ductile-deepspeed", "ductile-noprefetch", "ductile-mpi",
+                   "ductile-logging"):
         if engine in results and results[engine][0]["waits"]:
             print(f"  {engine}: gather wait {statistics.median(results[engine][0]['waits']) * 1e3:.1f}"
                   " ms per step (median)")

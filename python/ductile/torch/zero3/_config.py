@@ -130,6 +130,17 @@ def resolve(config, plugin_path, mixed_precision, world):
                     training)
 
 
+def log_interval(settings):
+    """The steps between the engine's progress lines: [zero] log_interval
+    (validated by the schema, 0 by default), else a DeepSpeed config's
+    steps_per_print, else 0 (none)."""
+    section = settings.loaded.runtime.section("zero")
+    interval = 0 if section is None else section["host_params"]["log_interval"]
+    if not interval and settings.training is not None:
+        interval = settings.training["steps_per_print"] or 0
+    return interval
+
+
 def torch_world(group):
     """The host's world when torch.distributed is initialised, else None."""
     dist = torch.distributed

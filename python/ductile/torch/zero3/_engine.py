@@ -22,6 +22,7 @@ facade (DeepSpeed's engine API); the work sits on seams, as FSDP2's
   the gradient shards;
 - _offload.py and _budget.py: optimizer offload to the host, and where
   each group's tensors live under max_device_memory;
+- _step_log.py: the progress line every log_interval steps;
 - this file: the configuration, and the training API (backward, step,
   accumulation, checkpoints, full weights), each call handed to its seam.
 """
@@ -36,6 +37,7 @@ from ._loss_scaling import LossScaling
 from ._optimizer_step import OptimizerStep
 from ._passes import ENGINE, EXTERNAL
 from ._sharded_model import ShardedModel
+from ._step_log import StepLog
 
 
 def register_external_parameter(module, parameter):
@@ -123,6 +125,8 @@ class Zero3Engine:
         # Stepped after every applied step(): a DeepSpeed config's
         # "scheduler" (zero3.initialize builds it), or one set by the caller.
         self.lr_scheduler = None
+        interval = _config.log_interval(settings)  # checked by the schema
+        self._step_log = StepLog(interval, self) if interval else None
 
     @property
     def gradient_clipping(self):
@@ -133,6 +137,28 @@ class Zero3Engine:
     @gradient_clipping.setter
     def gradient_clipping(self, value):
         self._steps.set_gradient_clipping(value)
+
+    @property
+    def log_interval(self):
+        """Optimizer steps between the progress lines of the
+        ``ductile.zero3`` logger on rank 0 (_step_log.py); 0: none. From
+        [zero] log_interval, else a DeepSpeed config's steps_per_print."""
+        return 0 if self._step_log is None else self._step_log.interval
+
+    @log_interval.setter
+    def log_interval(self, value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidArgumentError(
+                f"zero3: log_interval = {value!r}; valid: an integer >= 0 (optimizer steps "
+                "between progress lines; 0: none)")
+        self._step_log = StepLog(value, self) if value else None
+
+    def count_batch(self, samples, tokens=None):
+        """Counts this rank's samples (and tokens) trained towards the next
+        progress line's samples/s and tokens/s (ints or 0-d integer tensors,
+        read only at a logged step). Does nothing without log_interval."""
+        if self._step_log is not None:
+            self._step_log.count(samples, tokens)
 
     @property
     def global_step(self):
@@ -248,10 +274,18 @@ class Zero3Engine:
         and steps ``lr_scheduler`` (with ``lr_kwargs``) when there is one.
         With gradient_clipping (DeepSpeed config) the gradient is clipped
         first; with fp16 loss scaling a step whose gradient overflowed on
-        any rank is skipped (the scheduler too) and the scale lowered."""
+        any rank is skipped (the scheduler too) and the scale lowered.
+        Every log_interval steps, a progress line (collective)."""
+        log = self._step_log
+        logged = log is not None and log.due(self._steps.global_step + 1)
+        if logged:
+            groups = self.optimizer.param_groups if self.optimizer is not None else ()
+            lr = groups[0]["lr"] if groups else None
         self._steps.step()
         if self.lr_scheduler is not None and self._steps.step_applied:
             self.lr_scheduler.step(**(lr_kwargs or {}))
+        if logged:
+            log.log(lr)
 
     def zero_grad(self):
         """Clears the gradient shards (step() does it after stepping)."""

@@ -99,6 +99,7 @@ class OptimizerOffload:
         self.pending = []           # futures of the eager steps
         self.factors = []           # grad_scale factors of this step (floats, 0-d tensors)
         self.counters = {"offload_grad_copies": 0, "offload_param_copies": 0,
+                         "offload_grad_bytes": 0, "offload_param_bytes": 0,
                          "offload_steps": 0, "offload_step_ns": 0}
 
     # --- backward ------------------------------------------------------------------------
@@ -121,6 +122,7 @@ class OptimizerOffload:
         else:
             host.grad.copy_(group.grad_flat)
         self.counters["offload_grad_copies"] += 1
+        self.counters["offload_grad_bytes"] += host.grad.numel() * host.grad.element_size()
         if self.eager:
             work = self._work(group)
             # The device copy may go: the host copy is what the step reads.
@@ -245,6 +247,7 @@ class OptimizerOffload:
             group.store.copy_(source)
         host.sent = True
         self.counters["offload_param_copies"] += 1
+        self.counters["offload_param_bytes"] += group.store.numel() * group.store.element_size()
 
     def to_device(self, group):
         """Before a pass: the device shard holds the master's values. After

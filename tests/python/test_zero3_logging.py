@@ -1,0 +1,197 @@
+"""The zero3 engine's progress lines: [zero] log_interval (or a DeepSpeed
+config's steps_per_print) prints one line every log_interval optimizer steps
+through the ``ductile.zero3`` logger, on rank 0 only, with the documented
+fields; the key is checked by the schema.
+
+Run as a script (under torchrun), this file is the 2-rank job's worker: it
+trains the test LM and writes every record of ``ductile.zero3`` of its rank
+to a JSON file."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ductile
+from ductile.torch import zero3
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from zero3_launch import CONFIG, command, environment  # noqa: E402
+from zero3_model import Windows, loss_of, make_model  # noqa: E402
+
+FIELDS = ["step", "loss_scale", "lr", "step_time_s", "samples_per_second", "tokens_per_second",
+          "peak_memory_bytes", "peak_memory", "gather_wait_ms", "grad_wait_ms"]
+
+
+def train(engine, steps, rank=0, world=1, windows=None):
+    windows = windows or Windows(batch=4, context=16)
+    for s in range(steps):
+        x, y = windows.step(s, rank, world)
+        engine.backward(loss_of(engine(x), y))
+        engine.count_batch(x.shape[0], x.numel())
+        engine.step()
+
+
+def model():
+    return make_model(d=32, layers=2, context=16)
+
+
+def adam(shards):
+    return torch.optim.AdamW(shards, lr=1e-3)
+
+
+def records_of(caplog):
+    return [r for r in caplog.records if r.name == "ductile.zero3"]
+
+
+def test_a_line_every_log_interval_steps_with_the_documented_fields(caplog):
+    caplog.set_level(logging.INFO, logger="ductile.zero3")
+    engine = zero3.initialize(model(), adam, CONFIG + "log_interval = 3\n")
+    assert engine.log_interval == 3
+    train(engine, 7)
+    records = records_of(caplog)
+    assert [r.zero3_step["step"] for r in records] == [3, 6]
+    for record in records:
+        fields = record.zero3_step
+        assert list(fields) == FIELDS
+        assert record.getMessage() == " ".join(
+            f"{k}={f'{v:.6g}' if isinstance(v, float) else v}" for k, v in fields.items())
+        assert fields["loss_scale"] == 1.0
+        assert fields["lr"] == 1e-3
+        assert fields["peak_memory"] == "host_rss" and fields["peak_memory_bytes"] > 0
+        assert fields["step_time_s"] > 0
+        assert fields["gather_wait_ms"] >= 0 and fields["grad_wait_ms"] >= 0
+        # 4 windows of 16 tokens a step, over the same wall time.
+        assert fields["tokens_per_second"] == pytest.approx(16 * fields["samples_per_second"])
+        assert fields["samples_per_second"] == pytest.approx(4 / fields["step_time_s"])
+
+
+def test_off_by_default_and_set_on_the_engine(caplog):
+    caplog.set_level(logging.INFO, logger="ductile.zero3")
+    engine = zero3.initialize(model(), adam, CONFIG)
+    assert engine.log_interval == 0
+    train(engine, 3)
+    assert records_of(caplog) == []
+    engine.log_interval = 2
+    train(engine, 3)  # global steps 4, 5, 6
+    assert [r.zero3_step["step"] for r in records_of(caplog)] == [4, 6]
+    for bad in (-1, 1.5, "2", True):
+        with pytest.raises(ductile.InvalidArgumentError) as error:
+            engine.log_interval = bad
+        assert f"log_interval = {bad!r}" in str(error.value)
+        assert "integer >= 0" in str(error.value)
+
+
+def test_without_counted_batches_no_rates(caplog):
+    caplog.set_level(logging.INFO, logger="ductile.zero3")
+    engine = zero3.initialize(model(), adam, CONFIG + "log_interval = 1\n")
+    windows = Windows(batch=4, context=16)
+    x, y = windows.step(0)
+    engine.backward(loss_of(engine(x), y))
+    engine.step()
+    (record,) = records_of(caplog)
+    assert "samples_per_second" not in record.zero3_step
+    assert "tokens_per_second" not in record.zero3_step
+
+
+def test_offload_traffic_is_reported(caplog):
+    caplog.set_level(logging.INFO, logger="ductile.zero3")
+    engine = zero3.initialize(model(), adam, CONFIG + "log_interval = 2\n",
+                              offload_optimizer=True)
+    train(engine, 2)
+    (record,) = records_of(caplog)
+    fields = record.zero3_step
+    stats = engine.stats()
+    # Each step copies every offloaded group's gradient shard to the host and
+    # its updated parameters back, both fp32 here: as many bytes each way
+    # (the counters' totals also hold the parameters' copy at initialize).
+    assert fields["offload_to_host_bytes"] == stats["offload_grad_bytes"] // 2 > 0
+    assert fields["offload_to_device_bytes"] == fields["offload_to_host_bytes"]
+    assert stats["offload_param_bytes"] == 3 * fields["offload_to_device_bytes"]
+
+
+def test_deepspeed_steps_per_print_is_the_interval(caplog):
+    caplog.set_level(logging.INFO, logger="ductile.zero3")
+    config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 2,
+              "zero_optimization": {"stage": 3}}
+    engine = zero3.initialize(model(), adam, config)
+    assert engine.log_interval == 2
+    train(engine, 4)
+    assert [r.zero3_step["step"] for r in records_of(caplog)] == [2, 4]
+
+
+def test_the_deepspeed_engine_logs_every_steps_per_print(caplog):
+    import ductile.deepspeed as ds
+    caplog.set_level(logging.INFO, logger="ductile.zero3")
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+              "steps_per_print": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3}}
+    engine, *_ = ds.initialize(model=model(), config=config)
+    assert engine.zero3.log_interval == 2
+    windows = Windows(batch=2, context=16)
+    for s in range(4 * 2):  # 4 optimizer steps of 2 micro-batches
+        x, y = windows.step(s)
+        engine.backward(loss_of(engine(x), y))
+        engine.step()
+    records = records_of(caplog)
+    assert [r.zero3_step["step"] for r in records] == [2, 4]
+    for record in records:
+        fields = record.zero3_step
+        assert list(fields) == FIELDS
+        # train_batch_size 4 samples a step, of 16 tokens each (the input ids).
+        assert fields["samples_per_second"] == pytest.approx(4 / fields["step_time_s"])
+        assert fields["tokens_per_second"] == pytest.approx(16 * fields["samples_per_second"])
+
+
+@pytest.mark.parametrize("value, message", [
+    ("-1", "[zero] log_interval = -1 is out of range: must be >= 0"),
+    ("2.5", "[zero] log_interval must be an integer, got float 2.5"),
+    ('"often"', "[zero] log_interval must be an integer"),
+])
+def test_log_interval_is_checked_by_the_schema(value, message):
+    with pytest.raises(ductile.ConfigError) as error:
+        zero3.initialize(model(), adam, CONFIG + f"log_interval = {value}\n")
+    assert message in str(error.value)
+
+
+def test_two_ranks_log_on_rank_0_only(tmp_path):
+    proc = subprocess.run(command(2, "torchrun", os.path.abspath(__file__), str(tmp_path)),
+                          capture_output=True, text=True, timeout=200, env=environment())
+    assert proc.returncode == 0, proc.stderr
+    ranks = [json.loads((tmp_path / f"records-rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[1] == []
+    assert [fields["step"] for fields in ranks[0]] == [2, 4, 6]
+    for fields in ranks[0]:
+        assert list(fields) == FIELDS
+        # Both ranks' windows: 4 a step in all, 16 tokens each.
+        assert fields["samples_per_second"] == pytest.approx(4 / fields["step_time_s"])
+        assert fields["tokens_per_second"] == pytest.approx(16 * fields["samples_per_second"])
+
+
+def _worker(out):
+    """One rank of the 2-rank job: every record of ductile.zero3 into
+    records-rank<r>.json."""
+    torch.distributed.init_process_group("gloo")
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.zero3_step)
+
+    logger = logging.getLogger("ductile.zero3")
+    logger.addHandler(Keep())
+    engine = zero3.initialize(model(), adam, CONFIG + "log_interval = 2\n")
+    train(engine, 6, rank, world)
+    with open(os.path.join(out, f"records-rank{rank}.json"), "w") as f:
+        json.dump(records, f)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])
