@@ -11,6 +11,19 @@ ductile_install_packages
 ductile_python_env
 ductile_configure_and_build build Release OFF -DDUCTILE_BUILD_TESTS=OFF
 
+# The main job: a small language model trained for about a minute under
+# ductile's agent, as a user runs one (samples/train_lm/README.md).
+echo
+echo "== build/bin/ductile agent --standalone --nproc-per-node 2 --config samples/train_lm/ds_config.json samples/train_lm/train_lm.py =="
+rm -rf build/train_lm
+(
+  source "$DUCTILE_VENV/bin/activate"
+  export PYTHONPATH="$PWD/build/python${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu
+  build/bin/ductile agent --standalone --nproc-per-node 2 --config samples/train_lm/ds_config.json \
+    samples/train_lm/train_lm.py --output-dir build/train_lm
+)
+echo "(the epoch's batch plan: build/train_lm/batch_plan.png)"
+
 echo
 echo "== build/bin/ductile demo --config samples/configs/demo.toml =="
 build/bin/ductile demo --config samples/configs/demo.toml
