@@ -522,7 +522,8 @@ def report(args, engines, results, failures):
         print(f"engine {engine}: step {med[engine] * 1e3:.1f} ms, {ratio(engine, 'deepspeed')} "
               f"DeepSpeed, {ratio(engine, 'fsdp2')} FSDP2, peak {peak:.0f} MiB/rank{setup}")
     if "ductile" in med and "ductile-logging" in med:
-        print(f"logging every step: {ratio('ductile-logging', 'ductile')} ductile's step")
+        print(f"logging every step: {(med['ductile-logging'] / med['ductile'] - 1) * 100:+.2f}% "
+              "of ductile's step")
     print()
     for engine, r in results.items():
         print(f"  {engine:20} parameters {max(x['param_bytes'] for x in r) / 2**20:8.1f} MiB/rank"
