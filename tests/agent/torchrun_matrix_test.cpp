@@ -59,8 +59,9 @@ std::map<std::string, std::string> log_files(const std::filesystem::path& logs) 
 // The workers' lines on a launcher's console, byte for byte with their
 // prefixes (none, or a teed stream's "[<role><local rank>]:"), sorted:
 // workers write at once, in no set order. The launchers' own lines (with
-// their timestamps) are left out.
-std::vector<std::string> worker_lines(const std::string& console) {
+// their timestamps) are left out. One string, a line each: a failed check
+// prints both sides.
+std::string worker_lines(const std::string& console) {
   std::vector<std::string> lines;
   std::size_t from = 0;
   while (from < console.size()) {
@@ -72,7 +73,9 @@ std::vector<std::string> worker_lines(const std::string& console) {
     from = eol + 1;
   }
   std::sort(lines.begin(), lines.end());
-  return lines;
+  std::string joined;
+  for (const auto& text : lines) joined += text + "\n";
+  return joined;
 }
 
 SideBySide run_line(const CommandLine& line) {

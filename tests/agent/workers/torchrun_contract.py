@@ -65,8 +65,11 @@ def main():
             time.sleep(1)
     write(os.path.join(out, f"{rank}.json"),
           dict(os.environ, _executable=sys.executable, _argv=json.dumps(sys.argv[1:])))
-    print(f"dumped rank {rank}", flush=True)
-    print(f"noted rank {rank}", file=sys.stderr, flush=True)
+    # One write a line: the ranks share the launcher's console, and print()
+    # under PYTHONUNBUFFERED writes the text and its newline apart, so two
+    # ranks' lines could interleave ("dumped rank 0dumped rank 1").
+    os.write(1, f"dumped rank {rank}\n".encode())
+    os.write(2, f"noted rank {rank}\n".encode())
     if "--store" in sys.argv:
         use_the_store(out, int(rank))
     if "--fail-rank" in sys.argv and sys.argv[sys.argv.index("--fail-rank") + 1] == rank:
