@@ -35,8 +35,12 @@ def main():
         if lines:
             step = int(lines[-2]) + 1
     if rank == 0:
-        print(f"start round={env['DUCTILE_ROUND']} world={env['WORLD_SIZE']} at step {step}",
-              flush=True)
+        # One write with its newline (print under PYTHONUNBUFFERED writes the
+        # newline apart): the ranks share the agent's console, and the test
+        # reads the step at the line's end.
+        sys.stdout.write(f"start round={env['DUCTILE_ROUND']} world={env['WORLD_SIZE']} "
+                         f"at step {step}\n")
+        sys.stdout.flush()
     log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     while not os.path.exists(stop):
         time.sleep(0.1)
