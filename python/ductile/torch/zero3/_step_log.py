@@ -73,8 +73,8 @@ class StepLog:
         self._steps = 0  # counted here: a checkpoint's load moves global_step
         self._samples = 0
         self._tokens = 0
-        session = engine._session.stats()
-        self._fetch_wait_ns = session["fetch_wait_ns"]
+        coordinator = engine._session.stats()
+        self._fetch_wait_ns = coordinator["fetch_wait_ns"]
         self._grad_wait_ns = engine._gradients.counters["grad_wait_ns"]
         offload = engine._offload
         self._offload_bytes = None if offload is None else (
