@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# On the lent GPU machine, from the repository root (tools/gpu/README.md says
+# On the GPU machine, from the repository root (tools/gpu/README.md says
 # how to call it): builds ductile with the cuda accelerator against the
 # image's CUDA toolkit, torch's NCCL wheel and its Python 3.12, runs the GPU
-# tests and benchmarks, and writes each stage's log to $OUT (the device
-# tool brings those files back).
+# tests and benchmarks, and writes each stage's log to $OUT (the folder
+# whose files come back to the development machine).
 #
 #   tools/gpu/on_device.sh [STAGE...]    (no stage: all of them, in order)
 #

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Here, on the development machine (Debian 12): gathers into .gpu-carry/
-# (git-ignored) what the lent GPU machine's image lacks, so that the device
-# tool can carry it there. Its image (Ubuntu 24.04, CUDA 13, torch 2.11 on
+# (git-ignored) what the GPU machine's image lacks, to be copied there with
+# the checkout. Its image (Ubuntu 24.04, CUDA 13, torch 2.11 on
 # Python 3.12, Boost 1.83 headers, fmt, spdlog, CLI11, nlohmann-json, doctest,
 # libcurl, Open MPI 4.1; msgpack, ninja, py-cpuinfo, einops in its Python)
 # has no toml++, no DeepSpeed, no auditwheel and no index to fetch from:
