@@ -78,8 +78,9 @@ void register_agent_command(CLI::App& app, CliContext& context) {
   sub->add_option("--rdzv-key", o->agent.tls.key_file, "TLS to etcd: the client certificate's key");
   sub->add_option(
       "--nproc-per-node,--nproc_per_node", o->nproc_per_node,
-      fmt::format("Workers on this node: a number, or cpu, gpu, auto (as torchrun; default {})",
-                  defaults.nproc_per_node));
+      fmt::format("Workers on this node: a number, or cpu, gpu, auto (as torchrun; default {}); "
+                  "at most {} (this machine's online cores x {})",
+                  defaults.nproc_per_node, agent::max_workers_per_node(), agent::kWorkersPerCore));
   sub->add_option("--min-nodes", o->min_nodes,
                   fmt::format("Fewest nodes the job runs on (default {})", defaults.min_nodes));
   sub->add_option("--max-nodes", o->max_nodes,
@@ -98,8 +99,9 @@ void register_agent_command(CLI::App& app, CliContext& context) {
                 "OMPI_MCA_pmix_server_uri");
   sub->add_option("--lease-ttl", o->lease_ttl,
                   fmt::format("Seconds after which a dead agent's registration expires (default "
-                              "{}, >= {})",
-                              defaults.lease_ttl.count(), agent::kMinLeaseTtl.count()));
+                              "{}; {} to {}). Every duration option takes 0 to {} seconds",
+                              defaults.lease_ttl.count(), agent::kMinLeaseTtl.count(),
+                              agent::kMaxDuration.count(), agent::kMaxDuration.count()));
   sub->add_option("--poll-interval", o->poll_interval,
                   fmt::format("Seconds between rendezvous reads (default {})",
                               in_seconds(defaults.poll_interval)));

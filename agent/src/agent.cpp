@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <random>
 
 #include <fmt/ranges.h>
@@ -17,9 +18,24 @@ using std::chrono::milliseconds;
 
 void Agent::setup() {
   check_options(o_);
-  policy_ = o_.config.empty() ? JobPolicy::any_size(o_.nproc_per_node, o_.min_nodes,
-                                                    o_.max_nodes.value_or(o_.min_nodes))
-                              : JobPolicy::load(o_.config, o_.runtime);
+  // The most GPUs this job may use: a v0.2 policy plans for that one size.
+  const std::int64_t largest_world = o_.max_nodes.value_or(o_.min_nodes) * o_.nproc_per_node;
+  if (o_.config.empty()) {
+    policy_ =
+        JobPolicy::any_size(o_.nproc_per_node, o_.min_nodes, o_.max_nodes.value_or(o_.min_nodes));
+  } else {
+    try {
+      policy_ = JobPolicy::load(o_.config, o_.runtime, largest_world);
+    } catch (const Error& e) {
+      // A world size the policy refuses: say where the agent's comes from.
+      if (e.kind() != ErrorKind::incompatible) throw;
+      throw Error(e.kind(),
+                  fmt::format("{} (the agent's world size {} is --nnodes {} x --nproc-per-node "
+                              "{}: give values whose product the configuration accepts)",
+                              e.what(), largest_world, o_.max_nodes.value_or(o_.min_nodes),
+                              o_.nproc_per_node));
+    }
+  }
   const auto& valid = policy_->valid_gpus();
   std::int64_t max_nodes = o_.max_nodes.value_or(
       std::max<std::int64_t>(o_.min_nodes, valid.empty() ? 0 : valid.back() / o_.nproc_per_node));
@@ -63,6 +79,9 @@ void Agent::setup() {
     self_.id = o_.node_id;
   }
   workers_.make_run_dir();
+  // From here until the loop, the rendezvous may wait (for its host, for a
+  // previous run's registration): a stop signal is seen meanwhile.
+  stop_watch_.arm();
   conn_.open();
   // One static node: its workers' store at the port asked.
   if (o_.rendezvous == RendezvousKind::embedded && o_.agent_store && o_.master_port != 0)
@@ -158,13 +177,35 @@ void Agent::rejoin_after_fence() {
   // its round): revoking it removes this node's key, and registering anew
   // makes it a new node (another create revision) for the others, who
   // re-form with it.
-  self_.log(
-      "etcd reachable again after the fence: leaving with the old lease and registering anew");
-  conn_.store().revoke_lease(conn_.lease());
-  conn_.renew_lease();
+  conn_.leave_fenced_lease();
   membership_.reclaim_node_key("was revoked after the fence");
   workers_.rejoined();
   signals_.renew_mark();
+}
+
+void Agent::wait_for_workers() {
+  // A stop signal handled by another thread does not end the poll: it is
+  // looked for in steps this short.
+  constexpr milliseconds kStep(100);
+  const auto until = std::chrono::steady_clock::now() + o_.poll_interval;
+  for (;;) {
+    const auto left =
+        std::chrono::duration_cast<milliseconds>(until - std::chrono::steady_clock::now());
+    if (workers_.pump(std::clamp(left, milliseconds(0), kStep))) return;
+    if (left <= kStep || (o_.stop_signal && o_.stop_signal->load() != 0)) return;
+  }
+}
+
+void Agent::leave_outside_loop(int sig) {
+  const std::string message =
+      fmt::format("signal {}: no worker runs yet (or any longer); leaving the job", sig);
+  if (self_.id.empty())
+    write_line(true, "ductile agent: " + message);
+  else
+    self_.log(message);
+  // Its lease expires on its own (the store may be what is waited for).
+  workers_.discard_run_dir();
+  std::_Exit(128 + sig);
 }
 
 int Agent::leave(int code) {
@@ -175,12 +216,16 @@ int Agent::leave(int code) {
 }
 
 int Agent::run() {
+  // What a worker's children leave behind and outlives its guard comes to
+  // the agent, which ends it with the worker group (workers.hpp).
+  make_subreaper();
   setup();
   // The lease is kept alive from now on: registering may wait for a
   // previous run's registration to expire.
   conn_.start_keep_alive();
   membership_.register_node();
   membership_.join(*policy_);
+  stop_watch_.disarm();
   self_.log(fmt::format(
       "joined job '{}' on {} (address {}, {} worker(s), nodes {}..{}, valid GPU "
       "counts [{}], min_time {} ms{})",
@@ -195,7 +240,7 @@ int Agent::run() {
   for (;;) {
     if (o_.stop_signal && o_.stop_signal->load() != 0)
       if (auto code = signals_.on_stop_signal(o_.stop_signal->load())) return leave(*code);
-    workers_.pump(o_.poll_interval);
+    wait_for_workers();
     if (o_.join_timeout && !workers_.joined() && now_ms() - joined_job_at_ >= *o_.join_timeout) {
       self_.log(
           fmt::format("error: no round took this node within the join timeout ({} ms); giving up",
@@ -210,7 +255,8 @@ int Agent::run() {
       if (!checkpoints_.saved_on_request()) workers_.report_exit();
       checkpoints_.follow();
       if (conn_.keep_alive().lost()) {
-        self_.log("lease expired (etcd was unreachable too long?); registering again");
+        self_.log(fmt::format("lease expired ({} was unreachable too long?); registering again",
+                              store.describe()));
         conn_.renew_lease();
         membership_.reclaim_node_key("expired with its lease");
         signals_.renew_mark();
@@ -250,7 +296,9 @@ int Agent::run() {
       if (!alive.empty() && alive.front().id == self_.id) leadership_.lead(alive, round_kv, round);
       if (round)
         if (auto code = apply(*round)) {
+          stop_watch_.arm();
           conn_.linger_as_host();
+          stop_watch_.disarm();
           return leave(*code);
         }
     } catch (const StoreGone& e) {
@@ -267,8 +315,8 @@ int Agent::run() {
       auto now = now_ms();
       if (!outage_since_) {
         outage_since_ = now;
-        self_.log(fmt::format("{}; the workers keep running, giving up after {} ms", e.what(),
-                              o_.store_timeout.count()));
+        self_.log(fmt::format("{}; {}, giving up after {} ms", e.what(),
+                              conn_.workers_during_outage(), o_.store_timeout.count()));
       }
       if (now - *outage_since_ >= o_.store_timeout) {
         self_.log(
@@ -277,7 +325,8 @@ int Agent::run() {
         return leave(kAgentStoreLost);
       }
     } catch (const Error& e) {
-      // Another agent took this node's id while it was away.
+      // Another agent took this node's id while it was away, or this node
+      // cannot start its workers (node_workers.hpp).
       self_.log(fmt::format("error: {}", e.what()));
       return leave(2);
     }

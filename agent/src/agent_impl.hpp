@@ -38,7 +38,8 @@ class Agent {
         leadership_(o_, settings_, self_, conn_, membership_),
         workers_(o_, self_, conn_),
         checkpoints_(settings_, self_, conn_, workers_),
-        signals_(o_, settings_, self_, conn_, workers_) {}
+        signals_(o_, settings_, self_, conn_, workers_),
+        stop_watch_(o_.stop_signal, [this](int sig) { leave_outside_loop(sig); }) {}
   int run();
 
  private:
@@ -50,6 +51,12 @@ class Agent {
   // After the fence killed the workers: a new lease and a new registration.
   void rejoin_after_fence();
   int leave(int code);
+  // Waits up to the poll interval for the workers' output or exit, or a
+  // stop signal.
+  void wait_for_workers();
+  // A stop signal in a stage the loop is not in (StopWatch): no worker
+  // runs; the run directory goes, the process exits with 128 + sig.
+  [[noreturn]] void leave_outside_loop(int sig);
 
   const AgentOptions& o_;
   std::optional<JobPolicy> policy_;
@@ -63,6 +70,7 @@ class Agent {
   NodeWorkers workers_;
   Checkpoints checkpoints_;
   StopSignals signals_;
+  StopWatch stop_watch_;  // last: its thread ends before the parts go
   std::chrono::milliseconds joined_job_at_{0};
   std::optional<std::chrono::milliseconds> outage_since_;
 };

@@ -10,6 +10,7 @@
 
 #include "agent_common.hpp"
 #include "ductile/agent/agent_options.hpp"
+#include "ductile/core/text.hpp"
 #include "ductile/error.hpp"
 
 namespace ductile::agent {
@@ -44,37 +45,60 @@ std::string found_on_path(const std::string& name) {
 
 }  // namespace
 
+std::int64_t max_workers_per_node() {
+  const long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  return std::max<long>(cores, 1) * kWorkersPerCore;
+}
+
 void check_options(const AgentOptions& o) {
-  auto bad = [](const std::string& message) { throw Error(ErrorKind::invalid_argument, message); };
+  // Escaped: a value with a newline or an escape sequence stays on its line
+  // and acts on no terminal.
+  auto bad = [](const std::string& message) {
+    throw Error(ErrorKind::invalid_argument, core::printable(message, false));
+  };
   if (!valid_node_id(o.job_id))
     bad(fmt::format("--job-id '{}' is invalid: use 1 to {} letters, digits, '.', '_' and '-'",
-                    o.job_id, kMaxNodeIdChars));
+                    excerpt(o.job_id), kMaxNodeIdChars));
   if (!o.node_id.empty() && !valid_node_id(o.node_id))
     bad(fmt::format("--node-id '{}' is invalid: use 1 to {} letters, digits, '.', '_' and '-'",
-                    o.node_id, kMaxNodeIdChars));
-  if (o.nproc_per_node < 1 || o.nproc_per_node > kMaxCount)
+                    excerpt(o.node_id), kMaxNodeIdChars));
+  if (const std::int64_t cap = max_workers_per_node();
+      o.nproc_per_node < 1 || o.nproc_per_node > cap)
     bad(
-        fmt::format("--nproc-per-node {} is invalid: give the number of workers of this node "
-                    "(>= 1)",
-                    o.nproc_per_node));
+        fmt::format("--nproc-per-node {} is invalid: give 1 to {} workers (this machine's {} "
+                    "online cores x {})",
+                    o.nproc_per_node, cap, cap / kWorkersPerCore, kWorkersPerCore));
   if (o.min_nodes < 1 || o.min_nodes > kMaxCount)
-    bad(fmt::format("--min-nodes {} is invalid: give 1 or more", o.min_nodes));
+    bad(fmt::format("--min-nodes {} is invalid: give 1 to {}", o.min_nodes, kMaxCount));
   if (o.max_nodes && (*o.max_nodes < 1 || *o.max_nodes < o.min_nodes || *o.max_nodes > kMaxCount))
-    bad(fmt::format("--max-nodes {} is invalid: it must be at least --min-nodes ({})", *o.max_nodes,
-                    o.min_nodes));
+    bad(fmt::format("--max-nodes {} is invalid: give --min-nodes ({}) to {}", *o.max_nodes,
+                    o.min_nodes, kMaxCount));
   if (o.max_restarts < 0 || o.max_restarts > kMaxCount)
-    bad(fmt::format("--max-restarts {} is invalid: give 0 or more", o.max_restarts));
+    bad(fmt::format("--max-restarts {} is invalid: give 0 to {}", o.max_restarts, kMaxCount));
   if (o.command.empty())
     bad("no worker command: give it after '--', e.g. ductile agent ... -- python3 train.py");
-  if (o.lease_ttl < kMinLeaseTtl)
-    bad(fmt::format("--lease-ttl {} is invalid: etcd leases last at least {} seconds",
-                    o.lease_ttl.count(), kMinLeaseTtl.count()));
-  if (o.poll_interval <= milliseconds(0) || o.stop_grace < milliseconds(0) ||
-      o.settle < milliseconds(0) || o.store_timeout <= milliseconds(0) ||
-      o.request_timeout <= milliseconds(0) || o.checkpoint_timeout < milliseconds(0) ||
-      (o.join_timeout && *o.join_timeout <= milliseconds(0)))
-    bad("--poll-interval, --store-timeout and the rendezvous' read_timeout and join_timeout must "
-        "be > 0, --settle, --stop-grace and --checkpoint-timeout >= 0");
+  if (o.lease_ttl < kMinLeaseTtl || o.lease_ttl > kMaxDuration)
+    bad(fmt::format(
+        "--lease-ttl {} is invalid: give {} to {} seconds (etcd leases last at least "
+        "{})",
+        o.lease_ttl.count(), kMinLeaseTtl.count(), kMaxDuration.count(), kMinLeaseTtl.count()));
+  // Each duration by the name the command line gives it; `positive`: 0 is
+  // not valid either.
+  auto duration = [&](const char* name, milliseconds value, bool positive) {
+    if (value < milliseconds(positive ? 1 : 0) || value > kMaxDuration)
+      bad(fmt::format("{} {} is invalid: give seconds from {} to {}", name,
+                      std::chrono::duration<double>(value).count(), positive ? "0.001" : "0",
+                      kMaxDuration.count()));
+  };
+  duration("--poll-interval", o.poll_interval, true);
+  duration("--settle", o.settle, false);
+  duration("--stop-grace", o.stop_grace, false);
+  duration("--store-timeout", o.store_timeout, true);
+  duration("--rdzv-conf read_timeout", o.request_timeout, true);
+  duration("--checkpoint-timeout", o.checkpoint_timeout, false);
+  if (o.join_timeout) duration("--rdzv-conf join_timeout", *o.join_timeout, true);
+  if (o.min_time) duration("--min-time", *o.min_time, false);
+  if (o.failure_grace) duration("--failure-grace", *o.failure_grace, false);
   if (o.rendezvous == RendezvousKind::hosted &&
       (o.rdzv_host.empty() || o.rdzv_port < 1 || o.rdzv_port > 65535))
     bad(fmt::format("the {} rendezvous' endpoint '{}:{}' is invalid: give HOST:PORT", o.rdzv_name,
@@ -90,6 +114,8 @@ void check_options(const AgentOptions& o) {
         fmt::format("--master-port {} is invalid: give a port from 1 to 65535 with "
                     "--master-addr",
                     o.master_port));
+  // The workers' ROLE_NAME and the prefix of their teed lines: no control
+  // character reaches either.
   if (!valid_node_id(o.role))
     bad(fmt::format("--role '{}' is invalid: use 1 to {} letters, digits, '.', '_' and '-'",
                     excerpt(o.role), kMaxNodeIdChars));

@@ -2,7 +2,13 @@
 // its keep-alive, the records it ignored. See connection.hpp.
 #include "connection.hpp"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cerrno>
+#include <cstdlib>
+#include <cstring>
 
 #include <algorithm>
 #include <system_error>
@@ -50,6 +56,89 @@ class SharedStore final : public KeyValueStore {
   std::shared_ptr<MemoryStore> store_;
 };
 
+// Bounds of the job's secret: a passphrase or a few random bytes in hex.
+constexpr std::size_t kMaxSecretBytes = 4096;
+// Ignored records logged line by line per kind; the others are counted.
+constexpr std::size_t kIgnoredLoggedPerKind = 5;
+// Keys remembered as ignored: past it the memory is cleared (the records
+// are read again, and counted, not logged anew).
+constexpr std::size_t kMaxIgnoredKeys = 100000;
+
+Error bad_secret(const std::string& what) {
+  return Error(ErrorKind::invalid_argument, what);
+}
+
+// The secret in DUCTILE_RDZV_SECRET_FILE's file: a regular file (no FIFO or
+// device to block on) of at most kMaxSecretBytes, not empty; one trailing
+// newline (\n or \r\n) is not part of it. Its permissions are the
+// user's business: they are not checked.
+std::string secret_from_file(const std::string& path) {
+  const std::string variable = "DUCTILE_RDZV_SECRET_FILE=" + path;
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+  if (fd < 0)
+    throw bad_secret(
+        fmt::format("{}: cannot open it: {}; give a readable file that holds the "
+                    "job's secret",
+                    variable, std::strerror(errno)));
+  struct stat st {};
+  std::string secret;
+  std::string problem;
+  if (::fstat(fd, &st) != 0) {
+    problem = fmt::format("cannot stat it: {}", std::strerror(errno));
+  } else if (!S_ISREG(st.st_mode)) {
+    problem = "not a regular file";
+  } else if (static_cast<std::uint64_t>(st.st_size) > kMaxSecretBytes + 2) {
+    problem = fmt::format("{} bytes, more than a secret may have", st.st_size);
+  } else {
+    secret.resize(kMaxSecretBytes + 3);
+    std::size_t got = 0;
+    for (;;) {
+      ssize_t n = ::read(fd, secret.data() + got, secret.size() - got);
+      if (n > 0 && (got += static_cast<std::size_t>(n)) < secret.size()) continue;
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) problem = fmt::format("cannot read it: {}", std::strerror(errno));
+      break;
+    }
+    secret.resize(got);
+  }
+  ::close(fd);
+  if (problem.empty()) {
+    if (secret.ends_with("\r\n"))
+      secret.resize(secret.size() - 2);
+    else if (secret.ends_with("\n"))
+      secret.pop_back();
+    if (secret.empty())
+      problem = "it is empty";
+    else if (secret.size() > kMaxSecretBytes)
+      problem = fmt::format("{} bytes, more than a secret may have", secret.size());
+  }
+  if (!problem.empty())
+    throw bad_secret(
+        fmt::format("{}: {}; give a regular file of 1 to {} bytes that holds the "
+                    "job's secret",
+                    variable, problem, kMaxSecretBytes));
+  return secret;
+}
+
+// The job's secret from the environment and where it came from; empty when
+// neither variable is set.
+std::pair<std::string, std::string> secret_from_environment() {
+  const char* file = std::getenv("DUCTILE_RDZV_SECRET_FILE");
+  const char* value = std::getenv("DUCTILE_RDZV_SECRET");
+  if (file && value)
+    throw bad_secret(
+        "DUCTILE_RDZV_SECRET and DUCTILE_RDZV_SECRET_FILE are both set: set one of them");
+  if (file) return {secret_from_file(file), "DUCTILE_RDZV_SECRET_FILE"};
+  if (!value) return {};
+  const std::size_t size = std::strlen(value);
+  if (size == 0 || size > kMaxSecretBytes)
+    throw bad_secret(
+        fmt::format("DUCTILE_RDZV_SECRET has {} bytes; give 1 to {} bytes (or unset "
+                    "it for a job without a secret)",
+                    size, kMaxSecretBytes));
+  return {value, "DUCTILE_RDZV_SECRET"};
+}
+
 }  // namespace
 
 void RendezvousConnection::open() {
@@ -76,13 +165,15 @@ void RendezvousConnection::open() {
     case RendezvousKind::hosted:
       break;
   }
+  std::tie(secret_, secret_source_) = secret_from_environment();
   const std::string where = fmt::format("{}:{}", o_.rdzv_host, o_.rdzv_port);
   if (o_.hosting == Hosting::always ||
       (o_.hosting == Hosting::if_local && names_this_machine(o_.rdzv_host))) {
     auto memory = std::make_shared<MemoryStore>(
         fmt::format("the {} rendezvous at {} (hosted by this agent)", o_.rdzv_name, where));
     try {
-      rdzv_server_ = std::make_unique<StoreServer>(o_.rdzv_port, memory);
+      rdzv_server_ =
+          std::make_unique<StoreServer>(o_.rdzv_host, o_.rdzv_port, memory, StoreLimits{}, secret_);
       share(std::move(memory));
       self_.log(fmt::format("hosting the {} rendezvous at port {}", o_.rdzv_name, o_.rdzv_port));
       return;
@@ -100,10 +191,10 @@ void RendezvousConnection::open() {
   const std::string description = fmt::format("the {} rendezvous at {} (hosted by the agent on {})",
                                               o_.rdzv_name, where, o_.rdzv_host);
   store_ = std::make_unique<RendezvousClient>(o_.rdzv_host, o_.rdzv_port, o_.request_timeout,
-                                              description);
-  make_store_ = [host = o_.rdzv_host, port = o_.rdzv_port,
-                 description](std::chrono::milliseconds timeout) {
-    return std::make_unique<RendezvousClient>(host, port, timeout, description);
+                                              description, secret_);
+  make_store_ = [host = o_.rdzv_host, port = o_.rdzv_port, description,
+                 secret = secret_](std::chrono::milliseconds timeout) {
+    return std::make_unique<RendezvousClient>(host, port, timeout, description, secret);
   };
 }
 
@@ -119,6 +210,12 @@ void RendezvousConnection::grant_first_lease() {
       granted_at_ = KeepAlive::Clock::now();
       lease_ = store_->grant_lease(o_.lease_ttl.count());
       return;
+    } catch (const StoreRefused& e) {
+      throw Error(ErrorKind::invalid_argument,
+                  fmt::format("{} (this agent's secret: {})", e.what(),
+                              secret_source_.empty() ? "none, neither DUCTILE_RDZV_SECRET nor "
+                                                       "DUCTILE_RDZV_SECRET_FILE is set"
+                                                     : "from " + secret_source_));
     } catch (const StoreUnavailable& e) {
       if (std::chrono::steady_clock::now() - started < patience) {
         if (!waiting) {
@@ -157,11 +254,60 @@ void RendezvousConnection::grant_first_lease() {
 
 void RendezvousConnection::ignore_record(const KeyValue& kv, const std::string& problem,
                                          const std::string& outcome) {
+  if (ignored_.size() >= kMaxIgnoredKeys && !ignored_.count(kv.key)) ignored_.clear();
   auto [it, inserted] = ignored_.try_emplace(kv.key, kv.mod_revision);
   if (!inserted && it->second == kv.mod_revision) return;
   it->second = kv.mod_revision;
-  self_.log(
-      fmt::format("ignoring {} (revision {}): {}; {}", kv.key, kv.mod_revision, problem, outcome));
+  // The kind: the key's directory under the job's prefix, else the key.
+  std::string kind = kv.key;
+  if (kind.starts_with(self_.prefix))
+    if (auto slash = kind.find('/', self_.prefix.size()); slash != std::string::npos)
+      kind.resize(slash + 1);
+  IgnoredKind& k = ignored_kinds_[kind];
+  if (k.logged < kIgnoredLoggedPerKind) {
+    ++k.logged;
+    self_.log(fmt::format("ignoring {} (revision {}): {}; {}{}", kv.key, kv.mod_revision, problem,
+                          outcome,
+                          k.logged == kIgnoredLoggedPerKind
+                              ? fmt::format(" (more records under {} that are ignored are "
+                                            "counted, not logged one by one)",
+                                            kind)
+                              : ""));
+    return;
+  }
+  ++k.unlogged;
+  k.last = fmt::format("{} (revision {}): {}; {}", kv.key, kv.mod_revision, problem, outcome);
+}
+
+bool RendezvousConnection::ignored(const KeyValue& kv) const {
+  auto it = ignored_.find(kv.key);
+  return it != ignored_.end() && it->second == kv.mod_revision;
+}
+
+void RendezvousConnection::report_ignored() {
+  for (auto& [kind, k] : ignored_kinds_) {
+    if (k.unlogged == 0) continue;
+    self_.log(
+        fmt::format("ignoring {} more record(s) under {}, the last {}", k.unlogged, kind, k.last));
+    k.unlogged = 0;
+  }
+}
+
+void RendezvousConnection::leave_fenced_lease() {
+  // The lease may still be alive (the others then still count this node in
+  // its round): revoking it removes this node's key. Said once the store
+  // answered: while it does not, the caller's outage goes on.
+  store_->revoke_lease(lease_);
+  self_.log(fmt::format("{} reachable again after the fence: left the old lease, registering anew",
+                        store_->describe()));
+  renew_lease();
+}
+
+std::string RendezvousConnection::workers_during_outage() {
+  if (keep_alive_ && keep_alive_->fenced())
+    return "the fence stopped this node's workers (no lease renewal)";
+  return "the workers keep running until the fence stops them (no lease renewal for 3/4 of the "
+         "lease TTL)";
 }
 
 void RendezvousConnection::start_keep_alive() {

@@ -4,6 +4,14 @@
 // when it cannot), and the log of records it ignored. Internal to
 // libductile_agent; owned by Agent (agent_impl.hpp).
 //
+// A hosted rendezvous (c10d, static) takes the job's secret from the
+// environment: DUCTILE_RDZV_SECRET_FILE (a regular file of at most 4 KiB,
+// one trailing newline dropped) or DUCTILE_RDZV_SECRET (the value). The
+// host admits only agents that prove they hold it (store_server.hpp).
+//
+// Errors: open() throws ductile::Error (invalid_argument) for a bad secret
+// variable; grant_first_lease() for a host whose secret differs.
+//
 // Threading: used by the agent's thread only; the keep-alive runs threads
 // of its own (keep_alive.hpp).
 #pragma once
@@ -51,10 +59,25 @@ class RendezvousConnection {
   // Hosting a rendezvous: before leaving, until the other agents left or
   // their leases could have expired, so that every one reads the end.
   void linger_as_host();
-  // Logs a record that is ignored, once per key and revision.
+  // Logs a record that is ignored, once per key and revision: the first
+  // few of each kind (the key's directory: nodes/, failure/, ...) line by
+  // line, the others counted and summed up by report_ignored().
   void ignore_record(const KeyValue& kv, const std::string& problem, const std::string& outcome);
+  // True when this revision of the record was ignored already (the caller
+  // need not read it again).
+  bool ignored(const KeyValue& kv) const;
+  // One line per kind for the records ignored and not logged since the
+  // last report.
+  void report_ignored();
   // The key holds a valid record again: a bad one is logged anew.
   void forget_ignored(const std::string& key) { ignored_.erase(key); }
+  // After the fence: revokes the lease the fence gave up on (throws
+  // StoreError while the store cannot be reached), says so once, and
+  // takes a new lease.
+  void leave_fenced_lease();
+  // What became of this node's workers while the store is unreachable,
+  // for the outage's message.
+  std::string workers_during_outage();
 
  private:
   const AgentOptions& o_;
@@ -69,6 +92,14 @@ class RendezvousConnection {
   KeepAlive::Clock::time_point granted_at_;  // when the first lease's grant was sent
   std::unique_ptr<KeepAlive> keep_alive_;
   std::map<std::string, std::int64_t> ignored_;  // key -> mod revision logged
+  struct IgnoredKind {
+    std::size_t logged = 0;    // line by line
+    std::size_t unlogged = 0;  // since the last report
+    std::string last;          // the last one not logged: key, problem, outcome
+  };
+  std::map<std::string, IgnoredKind> ignored_kinds_;
+  // The job's secret (empty: none) and the variable it came from.
+  std::string secret_, secret_source_;
 };
 
 }  // namespace ductile::agent

@@ -22,10 +22,15 @@ struct JobPolicy::Impl {
   std::string name, origin;
 };
 
-JobPolicy JobPolicy::load(const std::filesystem::path& config, core::RuntimeOptions options) {
+JobPolicy JobPolicy::load(const std::filesystem::path& config, core::RuntimeOptions options,
+                          std::int64_t world_size) {
   auto impl = std::make_shared<Impl>();
   impl->loaded = pipeline::load_elasticity(config, std::move(options));
-  auto result = impl->loaded->policy->compute(ElasticityRequest{});
+  // The other policies plan for every valid size: a world size given to
+  // them would be checked against it instead.
+  ElasticityRequest request{};
+  if (impl->loaded->source.policy == "v0.2") request.world_size = world_size;
+  auto result = impl->loaded->policy->compute(request);
   impl->valid_gpus = result.valid_gpus;
   impl->final_batch = result.final_batch_size;
   impl->name = impl->loaded->source.policy;

@@ -4,10 +4,12 @@
 // of its workers' store. See leadership.hpp.
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <fstream>
 #include <random>
 #include <system_error>
@@ -60,7 +62,7 @@ int free_port(int avoid) {
 
 void Leadership::serve_fixed_worker_store() {
   try {
-    worker_store_ = std::make_unique<StoreServer>(o_.master_port, nullptr);
+    worker_store_ = std::make_unique<StoreServer>(o_.master_addr, o_.master_port, nullptr);
   } catch (const std::system_error& e) {
     throw Error(ErrorKind::invalid_argument,
                 fmt::format("--master-port {} cannot be served on this host: {}; is another "
@@ -162,7 +164,22 @@ void Leadership::place_worker_store(RoundRecord& next, const NodeInfo& rank0,
   }
   // A new store each round, on this leader's host: bound before it is
   // published, so no other process can take its port meanwhile.
-  server = std::make_unique<StoreServer>(0, nullptr);
+  try {
+    server = std::make_unique<StoreServer>(rank0.addr, 0, nullptr);
+  } catch (const std::system_error& e) {
+    if (e.code().value() != EMFILE && e.code().value() != ENFILE) throw;
+    // The machine's limits, not a bug: the round is not formed, and the
+    // agent stops as when it cannot start its workers.
+    struct rlimit files {};
+    getrlimit(RLIMIT_NOFILE, &files);
+    throw Error(ErrorKind::io,
+                fmt::format("round {} cannot form: the workers' store cannot be served on {}: "
+                            "{}; this process ran out of file descriptors (open files limit, "
+                            "ulimit -n: {}): raise the limit",
+                            next.round, rank0.addr, e.what(),
+                            files.rlim_cur == RLIM_INFINITY ? std::string("unlimited")
+                                                            : std::to_string(files.rlim_cur)));
+  }
   next.master_addr = rank0.addr;
   next.master_port = server->port();
 }

@@ -21,6 +21,17 @@ std::vector<NodeInfo> Membership::live_nodes(const std::vector<KeyValue>& kvs, b
                           "not counted as a node (a stale or hand-written key?)");
       continue;
     }
+    // A record ignored at this revision already is not parsed again (junk
+    // keys cost a lookup each, not a parse, on every pass).
+    if (conn_.ignored(kv)) {
+      auto it = known_nodes_.find(kv.key);
+      if (it != known_nodes_.end() && it->second.create_revision == kv.create_revision) {
+        alive.push_back(it->second);
+        alive.back().lease = kv.lease;
+        known[kv.key] = it->second;
+      }
+      continue;
+    }
     try {
       alive.push_back(node_from_json(kv.value, id, kv.create_revision));
       alive.back().lease = kv.lease;
@@ -41,6 +52,7 @@ std::vector<NodeInfo> Membership::live_nodes(const std::vector<KeyValue>& kvs, b
       }
     }
   }
+  conn_.report_ignored();
   if (every_key) {
     known_nodes_ = std::move(known);
   } else {

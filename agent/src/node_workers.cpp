@@ -4,13 +4,16 @@
 
 #include <fcntl.h>
 #include <stdlib.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 
 #include <algorithm>
+#include <system_error>
 
 #include <fmt/format.h>
 
@@ -19,8 +22,18 @@
 namespace ductile::agent {
 
 RunDir::RunDir(const std::string& job_id, const WorkerOutput& output) : kept_(output.any_file()) {
-  const std::filesystem::path base =
-      output.log_dir.empty() ? std::filesystem::temp_directory_path() : output.log_dir;
+  std::filesystem::path base = output.log_dir;
+  if (base.empty()) {
+    std::error_code ec;
+    base = std::filesystem::temp_directory_path(ec);
+    if (ec) {
+      const char* tmpdir = std::getenv("TMPDIR");
+      throw Error(ErrorKind::io,
+                  fmt::format("TMPDIR '{}' is not a directory for the workers' error files: {}; "
+                              "set TMPDIR to a writable directory",
+                              tmpdir ? tmpdir : "/tmp", ec.message()));
+    }
+  }
   if (!output.log_dir.empty()) {
     std::error_code ec;
     std::filesystem::create_directories(base, ec);
@@ -65,13 +78,10 @@ void NodeWorkers::notice_fence() {
 }
 
 void NodeWorkers::start(const RoundRecord& round, std::size_t group_rank, const JobPolicy& policy) {
-  // As torchrun: the attempt's directory afresh, a directory for each
-  // local rank in it.
+  // As torchrun: the attempt's directory afresh; each worker's own
+  // directory in it is made as that worker starts (WorkerSpec::directory).
   std::error_code ignored;
   std::filesystem::remove_all(attempt_dir_of(run_dir(), round.restarts), ignored);
-  for (std::int64_t local = 0; local < o_.nproc_per_node; ++local)
-    std::filesystem::create_directories(
-        error_file_of(run_dir(), round.restarts, local).parent_path(), ignored);
   if (o_.checkpoint_timeout.count() > 0)
     std::filesystem::create_directories(checkpoint_request_of(run_dir(), round.round).parent_path(),
                                         ignored);
@@ -88,7 +98,28 @@ void NodeWorkers::start(const RoundRecord& round, std::size_t group_rank, const 
                         plan.micro_batch, plan.gradient_accumulation_steps, round.world_size)
           : "",
       round.restarts, round.started_ms, round.reason));
-  group_.start(specs);
+  try {
+    if (!group_.start(specs, o_.stop_grace, o_.stop_signal))
+      self_.log(
+          fmt::format("a stop signal came while the workers of round {} started: {} of {} "
+                      "were started",
+                      round.round, group_.size(), specs.size()));
+  } catch (const std::system_error& e) {
+    // Out of processes (fork: EAGAIN, the process limit), memory or disk:
+    // the machine's limits, not a bug; the workers started are stopped.
+    const std::size_t started = group_.size();
+    stop(std::chrono::milliseconds(0));
+    struct rlimit processes {};
+    getrlimit(RLIMIT_NPROC, &processes);
+    throw Error(
+        ErrorKind::io,
+        fmt::format("cannot start worker local rank {} of {} (--nproc-per-node {}): {}; this "
+                    "machine ran out of processes, memory or disk (process limit, ulimit -u: "
+                    "{}): give a smaller --nproc-per-node or raise the limit",
+                    started, specs.size(), o_.nproc_per_node, e.what(),
+                    processes.rlim_cur == RLIM_INFINITY ? std::string("unlimited")
+                                                        : std::to_string(processes.rlim_cur)));
+  }
   conn_.fence_workers(group_.guard_pids());
   joined_ = true;
 }

@@ -5,7 +5,8 @@
 // libductile_agent; owned by Agent (agent_impl.hpp).
 //
 // Threading: the agent's thread only. Errors: StoreError from the store
-// (report_exit); ductile::Error when the run directory cannot be made.
+// (report_exit); ductile::Error when the run directory cannot be made or
+// the workers cannot be started.
 #pragma once
 
 #include <chrono>
@@ -26,15 +27,22 @@ class NodeWorkers {
   // Makes the directory of the workers' error and log files.
   void make_run_dir() { run_dir_.emplace(o_.job_id, o_.output); }
   const std::filesystem::path& run_dir() const { return run_dir_->path(); }
+  // The run directory removed now, unless kept (RunDir): the agent leaves
+  // before any worker ran.
+  void discard_run_dir() { run_dir_.reset(); }
 
   // A new round: what this node's workers did in the last one is dropped;
   // `member`: this node runs workers in it; `restarts`: its restart count
   // (the attempt its files are under).
   void enter_round(std::int64_t round, std::int64_t restarts, bool member);
+  // Starts this node's workers for `round`; a stop signal meanwhile leaves
+  // the rest unstarted (the agent's loop then stops those started). Throws
+  // ductile::Error (io) when the machine cannot start one (fork's EAGAIN:
+  // its process limit), having stopped those started.
   void start(const RoundRecord& round, std::size_t group_rank, const JobPolicy& policy);
   // Stops the workers and takes them off the fence.
   void stop(std::chrono::milliseconds grace);
-  void pump(std::chrono::milliseconds wait) { group_.pump(wait); }
+  bool pump(std::chrono::milliseconds wait) { return group_.pump(wait); }
   // When the lease's fence killed the workers: stops what is left of them
   // (not a failure of the round); fenced() until rejoined().
   void notice_fence();

@@ -68,7 +68,16 @@ void Membership::register_node() {
   clock::time_point deadline{};
   for (int changes = 0;;) {
     std::optional<KeyValue> holder;
-    Claim claim = claim_node_key(&holder);
+    Claim claim = Claim::retry;
+    try {
+      claim = claim_node_key(&holder);
+    } catch (const StoreError& e) {
+      // A store that refuses the write (a hosted one full of keys) or does
+      // not answer: this agent cannot join; the job's agents go on.
+      withdraw(
+          Error(ErrorKind::communication,
+                fmt::format("cannot register this node in job '{}': {}", o_.job_id, e.what())));
+    }
     if (claim == Claim::held) return;
     if (claim == Claim::retry) {
       if (++changes > 100)

@@ -51,6 +51,36 @@ std::optional<int> StopSignals::on_stop_signal(int sig) {
   return 128 + sig;
 }
 
+StopWatch::StopWatch(const std::atomic<int>* stop_signal, std::function<void(int)> leave)
+    : stop_signal_(stop_signal), leave_(std::move(leave)) {
+  if (stop_signal_) thread_ = std::thread([this] { watch(); });
+}
+
+StopWatch::~StopWatch() {
+  stopping_ = true;
+  if (thread_.joinable()) thread_.join();
+}
+
+void StopWatch::arm() {
+  std::lock_guard lock(mutex_);
+  armed_ = true;
+}
+
+void StopWatch::disarm() {
+  std::lock_guard lock(mutex_);
+  armed_ = false;
+}
+
+void StopWatch::watch() {
+  while (!stopping_) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (const int sig = stop_signal_->load(); sig != 0) {
+      std::lock_guard lock(mutex_);
+      if (armed_) leave_(sig);
+    }
+  }
+}
+
 void StopSignals::renew_mark() {
   if (drain_) mark_draining();
 }

@@ -8,9 +8,13 @@
 // options' stop_signal).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
+#include <mutex>
 #include <optional>
+#include <thread>
 
 #include "agent_common.hpp"
 #include "connection.hpp"
@@ -44,6 +48,37 @@ class StopSignals {
     std::chrono::steady_clock::time_point deadline;
   };
   std::optional<Drain> drain_;  // leaving after the round's checkpoint
+};
+
+// A stop signal while the agent's thread is in a stage that does not look at
+// it: the start-up (the first lease, which waits up to the join timeout for
+// a c10d or static rendezvous' host; this node's registration, which waits
+// for a previous run's to expire) and the rendezvous host's wait for the
+// others at the end. No worker runs in those stages: `leave` is called
+// with the signal's number (it logs, removes what the agent made, and ends
+// the process with 128 + the signal), from this object's thread.
+//
+// Threading: a thread of its own looks at the signal every 20 ms while
+// armed; arm() and disarm() from the agent's thread. After disarm()
+// returns, `leave` is not called (or the process is gone).
+class StopWatch {
+ public:
+  StopWatch(const std::atomic<int>* stop_signal, std::function<void(int)> leave);
+  ~StopWatch();
+  StopWatch(const StopWatch&) = delete;
+  StopWatch& operator=(const StopWatch&) = delete;
+  void arm();
+  void disarm();
+
+ private:
+  void watch();
+
+  const std::atomic<int>* stop_signal_;
+  std::function<void(int)> leave_;
+  std::mutex mutex_;  // held while `leave_` runs: disarm() waits for it
+  bool armed_ = false;
+  std::atomic<bool> stopping_{false};
+  std::thread thread_;
 };
 
 }  // namespace ductile::agent

@@ -13,6 +13,10 @@
 #include <cstring>
 
 #include <fmt/format.h>
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <openssl/rand.h>
 
 #include "ductile/agent/store_server.hpp"
 #include "store_wire.hpp"
@@ -55,7 +59,96 @@ KeyValue take_kv(Cursor& in) {
   return kv;
 }
 
+// The labels of the two proofs: a host's proof is never an agent's.
+constexpr std::string_view kHostLabel = "ductile rendezvous host proof v1";
+constexpr std::string_view kAgentLabel = "ductile rendezvous agent proof v1";
+
+// OpenSSL failing (cannot happen with a working libcrypto) breaks the
+// exchange as a bad message would: the connection is closed.
+std::string random_nonce() {
+  std::string nonce(kNonceBytes, '\0');
+  if (RAND_bytes(reinterpret_cast<unsigned char*>(nonce.data()), static_cast<int>(nonce.size())) !=
+      1)
+    throw BadMessage("the random number generator failed");
+  return nonce;
+}
+
+// HMAC-SHA256(secret, label, first, second), each field after its length
+// so that no two inputs read the same.
+std::string proof(const std::string& secret, std::string_view label, const std::string& first,
+                  const std::string& second) {
+  std::string message;
+  for (std::string_view part : {label, std::string_view(first), std::string_view(second)}) {
+    put<std::uint64_t>(message, part.size());
+    message.append(part);
+  }
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int size = 0;
+  if (!HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()),
+            reinterpret_cast<const unsigned char*>(message.data()), message.size(), digest, &size))
+    throw BadMessage("HMAC-SHA256 failed");
+  return std::string(reinterpret_cast<const char*>(digest), size);
+}
+
+bool same_proof(const std::string& a, const std::string& b) {
+  return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
+}
+
+std::string unauthorized(const std::string& why) {
+  std::string out;
+  put(out, Status::unauthorized);
+  put_bytes(out, why);
+  return out;
+}
+
 }  // namespace
+
+AgentPeer::AgentPeer(KeyValueStore& store, std::string secret)
+    : store_(store), secret_(std::move(secret)), admitted_(secret_.empty()) {}
+
+std::string AgentPeer::answer(const std::string& request, bool& close) {
+  close = false;
+  Cursor in(request);
+  const auto op = static_cast<Op>(take<std::uint8_t>(in));
+  if (op == Op::hello) {
+    if (!client_nonce_.empty() || (admitted_ && !secret_.empty()))
+      throw BadMessage("a second hello");
+    std::string nonce;
+    if (!in.bytes(nonce, kNonceBytes) || nonce.size() != kNonceBytes || in.left() != 0)
+      throw BadMessage("a hello without its nonce");
+    std::string out;
+    put(out, Status::ok);
+    if (secret_.empty()) {
+      put<std::uint8_t>(out, 0);
+      return out;
+    }
+    client_nonce_ = std::move(nonce);
+    host_nonce_ = random_nonce();
+    put<std::uint8_t>(out, 1);
+    put_bytes(out, host_nonce_);
+    put_bytes(out, proof(secret_, kHostLabel, client_nonce_, host_nonce_));
+    return out;
+  }
+  if (admitted_) return serve(store_, request);
+  close = true;
+  if (op != Op::prove || client_nonce_.empty())
+    return unauthorized(
+        "this rendezvous admits the agents of its job only, and this agent gave no proof of the "
+        "job's secret: give every agent of the job the same DUCTILE_RDZV_SECRET or "
+        "DUCTILE_RDZV_SECRET_FILE");
+  std::string given;
+  if (!in.bytes(given, EVP_MAX_MD_SIZE) || in.left() != 0)
+    throw BadMessage("a proof of another size");
+  if (!same_proof(given, proof(secret_, kAgentLabel, host_nonce_, client_nonce_)))
+    return unauthorized(
+        "the host refused this agent's proof of the secret: the secrets differ (every agent of "
+        "the job needs the same DUCTILE_RDZV_SECRET or DUCTILE_RDZV_SECRET_FILE)");
+  close = false;
+  admitted_ = true;
+  std::string out;
+  put(out, Status::ok);
+  return out;
+}
 
 std::string serve(KeyValueStore& store, const std::string& request) {
   Cursor in(request);
@@ -97,6 +190,12 @@ std::string serve(KeyValueStore& store, const std::string& request) {
           put(out, static_cast<std::uint32_t>(kvs.size()));
           for (const auto& kv : kvs) put_kv(out, kv);
         }
+        // A MemoryStore holds less than a frame; several ranges of it may
+        // not: an error answer, never a frame the client must refuse.
+        if (out.size() > kMaxFrame)
+          throw StoreError(fmt::format(
+              "a read answer of {} bytes, over the {} bytes of a frame: read fewer ranges at once",
+              out.size(), kMaxFrame));
         break;
       }
       case Op::erase:
@@ -134,6 +233,7 @@ struct RendezvousClient::Impl {
   int port = 0;
   std::chrono::milliseconds timeout;
   std::string description;
+  std::string secret;
   int fd = -1;
   bool answered = false;  // the host answered once: a refusal now means it is gone
 
@@ -199,6 +299,62 @@ struct RendezvousClient::Impl {
     int one = 1;
     ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     send_all(std::string(kAgentMagic, sizeof kAgentMagic), deadline);
+    if (!secret.empty()) prove_secret(deadline);
+  }
+
+  // Sends one request and returns its answer, less its status: an error
+  // answer throws StoreError, an unauthorized one StoreRefused.
+  std::string round_trip(const std::string& request,
+                         std::chrono::steady_clock::time_point deadline) {
+    std::string frame;
+    wire::put(frame, static_cast<std::uint32_t>(request.size()));
+    send_all(frame + request, deadline);
+    std::uint32_t size = 0;
+    std::string header = receive(sizeof size, deadline);
+    std::memcpy(&size, header.data(), sizeof size);
+    if (size > kMaxFrame) throw BadMessage("an answer over the frame limit");
+    std::string answer = receive(size, deadline);
+    answered = true;
+    Cursor in(answer);
+    auto status = take<Status>(in);
+    if (status == Status::unauthorized) {
+      disconnect();
+      throw StoreRefused(description + ": " + take_bytes(in));
+    }
+    if (status == Status::error) throw StoreError(description + ": " + take_bytes(in));
+    return answer.substr(in.used());
+  }
+
+  // The challenge-response of store_wire.hpp, the agent's side.
+  void prove_secret(std::chrono::steady_clock::time_point deadline) {
+    const std::string client_nonce = random_nonce();
+    std::string hello;
+    wire::put(hello, Op::hello);
+    put_bytes(hello, client_nonce);
+    const std::string answer = round_trip(hello, deadline);
+    Cursor in(answer);
+    const auto has_secret = take<std::uint8_t>(in);
+    auto refuse = [&](const std::string& why) {
+      disconnect();
+      throw StoreRefused(fmt::format("{}: {}", description, why));
+    };
+    if (has_secret == 0)
+      refuse(
+          "the host has no secret and this agent has one: the secrets differ (every agent of the "
+          "job needs the same DUCTILE_RDZV_SECRET or DUCTILE_RDZV_SECRET_FILE, or none)");
+    std::string host_nonce, host_proof;
+    if (!in.bytes(host_nonce, kNonceBytes) || host_nonce.size() != kNonceBytes ||
+        !in.bytes(host_proof, EVP_MAX_MD_SIZE) || in.left() != 0)
+      throw BadMessage("a malformed answer to hello");
+    if (!same_proof(host_proof, proof(secret, kHostLabel, client_nonce, host_nonce)))
+      refuse(
+          "the host's proof of the secret does not match this agent's: the secrets differ "
+          "(every agent of the job needs the same DUCTILE_RDZV_SECRET or "
+          "DUCTILE_RDZV_SECRET_FILE)");
+    std::string prove;
+    wire::put(prove, Op::prove);
+    put_bytes(prove, proof(secret, kAgentLabel, host_nonce, client_nonce));
+    round_trip(prove, deadline);
   }
 
   void send_all(const std::string& data, std::chrono::steady_clock::time_point deadline) {
@@ -235,12 +391,13 @@ struct RendezvousClient::Impl {
 };
 
 RendezvousClient::RendezvousClient(std::string host, int port, std::chrono::milliseconds timeout,
-                                   std::string description)
+                                   std::string description, std::string secret)
     : impl_(std::make_unique<Impl>()) {
   impl_->host = std::move(host);
   impl_->port = port;
   impl_->timeout = timeout;
   impl_->description = std::move(description);
+  impl_->secret = std::move(secret);
 }
 
 RendezvousClient::~RendezvousClient() = default;
@@ -254,19 +411,7 @@ std::string RendezvousClient::call(const std::string& request) {
     const auto deadline = std::chrono::steady_clock::now() + c.timeout;
     try {
       if (c.fd < 0) c.connect(deadline);
-      std::string frame;
-      wire::put(frame, static_cast<std::uint32_t>(request.size()));
-      c.send_all(frame + request, deadline);
-      std::uint32_t size = 0;
-      std::string header = c.receive(sizeof size, deadline);
-      std::memcpy(&size, header.data(), sizeof size);
-      if (size > kMaxFrame) throw BadMessage("an answer over the frame limit");
-      std::string answer = c.receive(size, deadline);
-      c.answered = true;
-      Cursor in(answer);
-      auto status = take<Status>(in);
-      if (status == Status::error) throw StoreError(c.description + ": " + take_bytes(in));
-      return answer.substr(in.used());
+      return c.round_trip(request, deadline);
     } catch (const BadMessage& e) {
       c.disconnect();
       if (reused && attempt == 0) continue;

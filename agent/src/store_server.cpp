@@ -1,11 +1,13 @@
-// The store an agent serves: one thread, one poll loop, torch's TCPStore
-// protocol and the agents' protocol. See store_server.hpp.
+// The store an agent serves (see store_server.hpp): one thread, one poll
+// loop, the connections and their buffers. A connection's first byte tells
+// its protocol: torch's TCPStore protocol, served by the workers' store
+// (torch_store.cpp), or the agents' (store_protocol.cpp). The listening
+// sockets: listening.cpp.
 //
-// torch's TCPStore protocol (as torch 2.13's clients speak it): a client
-// first sends VALIDATE and a magic number, then commands of one byte and
-// their fields; integers in the host's byte order, strings and values as a
-// 64-bit length and the bytes. WAIT answers once every key exists (or the
-// client cancels); keys are stored as the clients send them.
+// Against a client that does not play by them, what the server holds is
+// bounded: each message, each connection's unread answers, all buffers
+// together, a partial message's silence, an agent's time to prove the
+// secret; running out of descriptors pauses accepting instead of spinning.
 #include "ductile/agent/store_server.hpp"
 
 #include <netinet/in.h>
@@ -17,15 +19,17 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <condition_variable>
-#include <deque>
 #include <map>
 #include <mutex>
 #include <system_error>
 #include <thread>
-#include <unordered_map>
+#include <vector>
 
+#include "listening.hpp"
 #include "store_wire.hpp"
+#include "torch_store.hpp"
 
 namespace ductile::agent {
 
@@ -33,95 +37,45 @@ using namespace wire;
 
 namespace {
 
-// torch's command bytes (c10d::detail::QueryType) and answers.
-enum class Command : std::uint8_t {
-  validate,
-  set,
-  compare_set,
-  get,
-  add,
-  check,
-  wait,
-  num_keys,
-  delete_key,
-  append,
-  multi_get,
-  multi_set,
-  cancel_wait,
-  ping,
-  queue_push,
-  queue_pop,
-  queue_len,
-  list_keys,
-  barrier
-};
-constexpr std::uint32_t kValidationMagic = 0x3C85F7CE;
-constexpr std::uint8_t kReady = 0, kNotReady = 1;            // CHECK
-constexpr std::uint8_t kStopWaiting = 0, kWaitCanceled = 1;  // WAIT, BARRIER
+// While the process is out of descriptors, accepting fails at once: the
+// listening sockets rest this long (the connections are served
+// meanwhile) rather than wake the loop again and again.
+constexpr std::chrono::milliseconds kAcceptPause{250};
+// While a WAIT is pending its client sends nothing but CANCEL_WAIT: past
+// this much input the connection is no longer read (the kernel's buffers
+// then hold the client back, as torch's own server does).
+constexpr std::size_t kInputWhileWaiting = 64 * 1024;
+// A connection's buffer keeps at most this much room it does not use: the
+// room a large message took goes back once the message is served (the
+// bound of all buffers counts the bytes held, not the room).
+constexpr std::size_t kIdleRoom = 1u << 20;
 
-// Bounds of what one client may send (torch's own server has bounds too).
-constexpr std::uint64_t kMaxKey = 64 * 1024;
-constexpr std::uint64_t kMaxValue = 64u << 20;
-constexpr std::uint64_t kMaxKeys = 128 * 1024;
-constexpr std::size_t kMaxBuffered = (64u << 20) + (1u << 20);
-
-int listen_on(int port) {
-  // Every interface, IPv6 and IPv4 (v4-mapped) where the kernel allows,
-  // else IPv4 only: workers reach it at whatever MASTER_ADDR resolves to.
-  int fd = ::socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  int one = 1, zero = 0;
-  if (fd >= 0) {
-    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof zero);
-    sockaddr_in6 addr{};
-    addr.sin6_family = AF_INET6;
-    addr.sin6_addr = in6addr_any;
-    addr.sin6_port = htons(static_cast<std::uint16_t>(port));
-    if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
-        ::listen(fd, SOMAXCONN) == 0)
-      return fd;
-    const int e = errno;
-    ::close(fd);
-    if (e == EADDRINUSE) throw std::system_error(e, std::generic_category(), "bind");
-  }
-  fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  if (fd < 0) throw std::system_error(errno, std::generic_category(), "socket");
-  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
-  addr.sin_port = htons(static_cast<std::uint16_t>(port));
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-      ::listen(fd, SOMAXCONN) != 0) {
-    const int e = errno;
-    ::close(fd);
-    throw std::system_error(e, std::generic_category(), "bind");
-  }
-  return fd;
-}
-
-int bound_port(int fd) {
-  sockaddr_storage addr{};
-  socklen_t len = sizeof addr;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  if (addr.ss_family == AF_INET6) return ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port);
-  return ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
-}
+using Clock = std::chrono::steady_clock;
 
 }  // namespace
 
-struct StoreServer::Impl {
-  enum class Kind { unknown, torch_unvalidated, torch, agent };
+struct StoreServer::Impl final : TorchClients {
+  enum class Kind { unknown, torch, agent };
   struct Connection {
     int fd = -1;
     Kind kind = Kind::unknown;
     std::string in, out;
-    std::size_t awaited = 0;  // keys of a WAIT or BARRIER not there yet
+    TorchClient torch;  // a torch client's: validated, its waits
+    Clock::time_point last_input = Clock::now();
     bool closing = false;
+    // An agent's: its proof of the secret, then its requests; closed when
+    // not admitted by `admit_by`.
+    std::unique_ptr<AgentPeer> peer;
+    Clock::time_point admit_by;
   };
 
+  explicit Impl(const StoreLimits& limits) : limits(limits), workers(limits, *this) {}
+
   std::shared_ptr<MemoryStore> rendezvous;
-  int listen_fd = -1, wake_fd = -1, port = 0;
+  std::string agents_secret;
+  const StoreLimits limits;
+  std::vector<int> listen_fds;
+  int wake_fd = -1, port = 0;
   std::thread thread;
   std::mutex mutex;  // guards the requests below
   std::condition_variable done;
@@ -130,241 +84,65 @@ struct StoreServer::Impl {
 
   std::map<std::uint64_t, Connection> connections;
   std::uint64_t next_id = 1;
-  // The workers' store.
-  std::unordered_map<std::string, std::string> values;
-  std::unordered_map<std::string, std::deque<std::string>> queues;
-  std::unordered_map<std::string, std::vector<std::uint64_t>> waiting;  // key -> connections
+  std::size_t buffered = 0;  // bytes of every connection's `in` and `out`
+  Clock::time_point accept_paused_until{};
+  TorchStore workers;  // the workers' store
 
   void wake() {
     std::uint64_t one = 1;
     [[maybe_unused]] auto n = ::write(wake_fd, &one, sizeof one);
   }
 
-  bool present(const std::string& key) const {
-    if (values.count(key)) return true;
-    auto q = queues.find(key);
-    return q != queues.end() && !q->second.empty();
+  TorchClient* find(std::uint64_t id) override {
+    auto c = connections.find(id);
+    return c == connections.end() ? nullptr : &c->second.torch;
   }
 
-  void answer(std::uint64_t id, const std::string& bytes) {
-    auto it = connections.find(id);
-    if (it != connections.end() && !it->second.closing) it->second.out += bytes;
-  }
-
-  // Every connection waiting for `key` counts it as there; those with all
-  // their keys get STOP_WAITING. `one`: only the first of them (a queue
-  // push wakes one popper).
-  void arrived(const std::string& key, bool one = false) {
-    auto w = waiting.find(key);
-    if (w == waiting.end()) return;
-    auto& ids = w->second;
-    while (!ids.empty()) {
-      const std::uint64_t id = ids.front();
-      ids.erase(ids.begin());
-      auto c = connections.find(id);
-      if (c == connections.end() || c->second.awaited == 0) continue;
-      if (--c->second.awaited == 0) {
-        answer(id, std::string(1, static_cast<char>(kStopWaiting)));
-        if (one) break;
-      }
-    }
-    if (ids.empty()) waiting.erase(w);
-  }
-
-  void forget_waits(std::uint64_t id) {
-    for (auto it = waiting.begin(); it != waiting.end();) {
-      std::erase(it->second, id);
-      it = it->second.empty() ? waiting.erase(it) : std::next(it);
-    }
-    if (auto c = connections.find(id); c != connections.end()) c->second.awaited = 0;
-  }
-
-  // Reads `count` keys; false when the buffer ends first.
-  static bool keys(Cursor& in, std::vector<std::string>& out) {
-    std::uint64_t count = 0;
-    if (!in.value(count)) return false;
-    if (count > kMaxKeys) throw BadMessage("too many keys in one command");
-    out.resize(static_cast<std::size_t>(count));
-    for (auto& k : out)
-      if (!in.bytes(k, kMaxKey)) return false;
-    return true;
-  }
-
-  static std::int64_t as_counter(const std::string& value) {
-    try {
-      std::size_t used = 0;
-      std::int64_t v = std::stoll(value, &used);
-      if (used == value.size()) return v;
-    } catch (const std::exception&) {
-    }
-    throw BadMessage("ADD on a key whose value is not a number");
+  void answer(std::uint64_t id, const std::string& bytes) override {
+    if (auto c = connections.find(id); c != connections.end()) queue_out(c->second, bytes);
   }
 
   // One torch command from the front of c.in: the bytes it took, or 0 when
   // the buffer holds only part of it.
   std::size_t torch_command(std::uint64_t id, Connection& c) {
-    Cursor in(c.in);
-    std::uint8_t byte = 0;
-    if (!in.value(byte)) return 0;
-    const auto command = static_cast<Command>(byte);
-    if (c.kind == Kind::torch_unvalidated) {
-      std::uint32_t magic = 0;
-      if (command != Command::validate) throw BadMessage("a client that did not validate");
-      if (!in.value(magic)) return 0;
-      if (magic != kValidationMagic) throw BadMessage("a wrong validation number");
-      c.kind = Kind::torch;
-      return in.used();
+    std::string reply;
+    const std::size_t used = workers.command(id, c.torch, c.in, reply);
+    if (used != 0) queue_out(c, reply);
+    return used;
+  }
+
+  void queue_out(Connection& c, const std::string& bytes) {
+    if (c.closing || bytes.empty()) return;
+    if (c.out.size() + bytes.size() > kMaxUnread) {
+      // A client that sends and never reads its answers is dropped.
+      drop(c);
+      return;
     }
-    std::string key, value, reply;
-    switch (command) {
-      case Command::ping: {
-        std::uint32_t nonce = 0;
-        if (!in.value(nonce)) return 0;
-        put(reply, nonce);
-        break;
-      }
-      case Command::set:
-        if (!in.bytes(key, kMaxKey) || !in.bytes(value, kMaxValue)) return 0;
-        values[key] = std::move(value);
-        arrived(key);
-        break;
-      case Command::compare_set: {
-        std::string expected;
-        if (!in.bytes(key, kMaxKey) || !in.bytes(expected, kMaxValue) ||
-            !in.bytes(value, kMaxValue))
-          return 0;
-        // torch's answer: the value now there; a missing key is created
-        // only when `expected` is empty, else `expected` comes back.
-        auto it = values.find(key);
-        if (it == values.end()) {
-          if (expected.empty()) values[key] = value;
-          put_bytes(reply, expected.empty() ? value : expected);
-        } else {
-          if (it->second == expected) it->second = value;
-          put_bytes(reply, it->second);
-        }
-        arrived(key);
-        break;
-      }
-      case Command::get: {
-        if (!in.bytes(key, kMaxKey)) return 0;
-        auto it = values.find(key);
-        put_bytes(reply, it == values.end() ? std::string() : it->second);
-        break;
-      }
-      case Command::add: {
-        std::int64_t delta = 0;
-        if (!in.bytes(key, kMaxKey) || !in.value(delta)) return 0;
-        auto it = values.find(key);
-        const std::int64_t sum = (it == values.end() ? 0 : as_counter(it->second)) + delta;
-        values[key] = std::to_string(sum);
-        put(reply, sum);
-        arrived(key);
-        break;
-      }
-      case Command::check: {
-        std::vector<std::string> ks;
-        if (!keys(in, ks)) return 0;
-        const bool all = std::all_of(ks.begin(), ks.end(), [&](auto& k) { return present(k); });
-        put(reply, all ? kReady : kNotReady);
-        break;
-      }
-      case Command::wait: {
-        std::vector<std::string> ks;
-        if (!keys(in, ks)) return 0;
-        std::size_t missing = 0;
-        for (const auto& k : ks)
-          if (!present(k)) {
-            waiting[k].push_back(id);
-            ++missing;
-          }
-        c.awaited = missing;
-        if (missing == 0) put(reply, kStopWaiting);
-        break;
-      }
-      case Command::num_keys:
-        put(reply, static_cast<std::int64_t>(values.size()));
-        break;
-      case Command::delete_key:
-        if (!in.bytes(key, kMaxKey)) return 0;
-        put(reply, static_cast<std::int64_t>(values.erase(key)));
-        break;
-      case Command::append:
-        if (!in.bytes(key, kMaxKey) || !in.bytes(value, kMaxValue)) return 0;
-        values[key] += value;
-        arrived(key);
-        break;
-      case Command::multi_get: {
-        std::vector<std::string> ks;
-        if (!keys(in, ks)) return 0;
-        for (const auto& k : ks) {
-          auto it = values.find(k);
-          put_bytes(reply, it == values.end() ? std::string() : it->second);
-        }
-        break;
-      }
-      case Command::multi_set: {
-        std::uint64_t count = 0;
-        if (!in.value(count)) return 0;
-        if (count > kMaxKeys) throw BadMessage("too many keys in one command");
-        std::vector<std::pair<std::string, std::string>> pairs(static_cast<std::size_t>(count));
-        for (auto& [k, v] : pairs)
-          if (!in.bytes(k, kMaxKey) || !in.bytes(v, kMaxValue)) return 0;
-        for (auto& [k, v] : pairs) {
-          values[k] = std::move(v);
-          arrived(k);
-        }
-        break;
-      }
-      case Command::cancel_wait:
-        forget_waits(id);
-        put(reply, kWaitCanceled);
-        break;
-      case Command::queue_push:
-        if (!in.bytes(key, kMaxKey) || !in.bytes(value, kMaxValue)) return 0;
-        queues[key].push_back(std::move(value));
-        arrived(key, true);
-        break;
-      case Command::queue_pop: {
-        if (!in.bytes(key, kMaxKey)) return 0;
-        auto& queue = queues[key];
-        put(reply, static_cast<std::int64_t>(queue.size()));
-        if (!queue.empty()) {
-          put_bytes(reply, queue.front());
-          queue.pop_front();
-        }
-        break;
-      }
-      case Command::queue_len: {
-        if (!in.bytes(key, kMaxKey)) return 0;
-        auto q = queues.find(key);
-        put(reply, static_cast<std::int64_t>(q == queues.end() ? 0 : q->second.size()));
-        break;
-      }
-      case Command::list_keys:
-        put(reply, static_cast<std::int64_t>(values.size()));
-        for (const auto& [k, v] : values) put_bytes(reply, k);
-        break;
-      case Command::barrier: {
-        std::int64_t world = 0;
-        if (!in.bytes(key, kMaxKey) || !in.value(world)) return 0;
-        auto it = values.find(key);
-        const std::int64_t count = (it == values.end() ? 0 : as_counter(it->second)) + 1;
-        values[key] = std::to_string(count);
-        if (count >= world) {
-          arrived(key);
-          put(reply, kStopWaiting);
-        } else {
-          waiting[key].push_back(id);
-          c.awaited = 1;
-        }
-        break;
-      }
-      default:
-        throw BadMessage("an unknown command");
+    // The bound of all buffers is kept by the loop, between requests.
+    c.out += bytes;
+    buffered += bytes.size();
+  }
+
+  // Closes `c` (at the end of the loop's turn) and lets its buffers go now.
+  void drop(Connection& c) {
+    c.closing = true;
+    buffered -= c.in.size() + c.out.size();
+    std::string().swap(c.in);
+    std::string().swap(c.out);
+  }
+
+  // Over the bound of all buffers: the connection holding the most goes
+  // (a client sending one large message is not cut for another's).
+  void keep_within_buffer_limit() {
+    while (buffered > limits.max_buffered_bytes) {
+      Connection* largest = nullptr;
+      for (auto& [id, c] : connections)
+        if (!c.closing &&
+            (!largest || c.in.size() + c.out.size() > largest->in.size() + largest->out.size()))
+          largest = &c;
+      if (!largest) return;
+      drop(*largest);
     }
-    c.out += reply;
-    return in.used();
   }
 
   // One frame of the agents' protocol: the bytes it took, or 0.
@@ -374,91 +152,127 @@ struct StoreServer::Impl {
     if (!in.value(size)) return 0;
     if (size > kMaxFrame) throw BadMessage("a frame over the limit");
     if (in.left() < size) return 0;
-    std::string answer = serve(*rendezvous, c.in.substr(in.used(), size));
-    put(c.out, static_cast<std::uint32_t>(answer.size()));
-    c.out += answer;
+    bool refused = false;
+    std::string answer = c.peer->answer(c.in.substr(in.used(), size), refused);
+    std::string frame;
+    put(frame, static_cast<std::uint32_t>(answer.size()));
+    frame += answer;
+    if (refused) {
+      // The refusal, a few bytes, goes out before the connection closes.
+      [[maybe_unused]] auto n =
+          ::send(c.fd, frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+      drop(c);
+      return in.used() + size;
+    }
+    queue_out(c, frame);
     return in.used() + size;
+  }
+
+  void consume(Connection& c, std::size_t used) {
+    c.in.erase(0, used);
+    buffered -= used;
   }
 
   void process(std::uint64_t id, Connection& c) {
     try {
       while (!c.closing && !c.in.empty()) {
         if (c.kind == Kind::unknown) {
-          if (c.in[0] == static_cast<char>(Command::validate)) {
-            c.kind = Kind::torch_unvalidated;
+          if (c.in[0] == static_cast<char>(TorchCommand::validate)) {
+            c.kind = Kind::torch;
           } else {
             if (c.in.size() < sizeof kAgentMagic) return;
             if (!rendezvous ||
                 c.in.compare(0, sizeof kAgentMagic, kAgentMagic, sizeof kAgentMagic) != 0)
               throw BadMessage("neither torch's TCPStore protocol nor the agents'");
             c.kind = Kind::agent;
-            c.in.erase(0, sizeof kAgentMagic);
+            c.peer = std::make_unique<AgentPeer>(*rendezvous, agents_secret);
+            c.admit_by = Clock::now() + kProofTimeout;
+            consume(c, sizeof kAgentMagic);
             continue;
           }
         }
         // A WAIT or BARRIER in progress: nothing else until it is answered.
-        if (c.awaited > 0 && c.in[0] != static_cast<char>(Command::cancel_wait)) return;
+        if (c.torch.waiting() && c.in[0] != static_cast<char>(TorchCommand::cancel_wait)) return;
         const std::size_t used = c.kind == Kind::agent ? agent_frame(c) : torch_command(id, c);
-        if (used == 0) {
-          if (c.in.size() > kMaxBuffered) throw BadMessage("a message over the limit");
-          return;
-        }
-        c.in.erase(0, used);
+        if (used == 0) return;
+        if (!c.closing) consume(c, used);
       }
     } catch (const BadMessage&) {
-      c.closing = true;
+      drop(c);
     } catch (const std::bad_alloc&) {
-      c.closing = true;
+      drop(c);
     }
   }
 
   void flush(Connection& c) {
-    // A client that sends and never reads its answers is dropped.
-    if (c.out.size() > 2 * kMaxBuffered) {
-      c.closing = true;
-      return;
-    }
-    while (!c.out.empty()) {
+    while (!c.closing && !c.out.empty()) {
       ssize_t n = ::send(c.fd, c.out.data(), c.out.size(), MSG_NOSIGNAL);
       if (n > 0) {
         c.out.erase(0, static_cast<std::size_t>(n));
+        buffered -= static_cast<std::size_t>(n);
       } else {
         if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
-        c.closing = true;
-        return;
+        drop(c);
       }
     }
+  }
+
+  static void trim(std::string& buffer) {
+    if (buffer.capacity() > kIdleRoom && buffer.size() < buffer.capacity() / 4)
+      buffer.shrink_to_fit();
+  }
+
+  static bool reading(const Connection& c) {
+    return !c.torch.waiting() || c.in.size() < kInputWhileWaiting;
   }
 
   void receive(std::uint64_t id, Connection& c) {
     char buffer[65536];
-    for (;;) {
+    while (!c.closing && reading(c)) {
       ssize_t n = ::recv(c.fd, buffer, sizeof buffer, 0);
       if (n > 0) {
+        c.last_input = Clock::now();
+        // Grown to one message's bound at most (not to twice it).
+        if (c.in.size() + static_cast<std::size_t>(n) > c.in.capacity())
+          c.in.reserve(
+              std::min(kMaxBuffered + sizeof buffer,
+                       std::max(2 * c.in.capacity(), c.in.size() + static_cast<std::size_t>(n))));
         c.in.append(buffer, static_cast<std::size_t>(n));
+        buffered += static_cast<std::size_t>(n);
         process(id, c);
-        if (c.closing) return;
+        trim(c.in);
+        // In every state, waiting included: no message is larger.
+        if (c.in.size() > kMaxBuffered) drop(c);
+        keep_within_buffer_limit();
         continue;
       }
       if (n < 0 && errno == EINTR) continue;
       if (n < 0 && errno == EAGAIN) return;
-      c.closing = true;  // end of stream or an error
+      drop(c);  // end of stream or an error
+    }
+  }
+
+  void accept_from(int listen_fd) {
+    for (;;) {
+      int fd = ::accept4(listen_fd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd >= 0) {
+        int one = 1;
+        ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        connections[next_id++].fd = fd;
+        continue;
+      }
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      // Out of descriptors or memory: the pending clients wait in the
+      // backlog while the connections are served.
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
+        accept_paused_until = Clock::now() + kAcceptPause;
       return;
     }
   }
 
-  void accept_all() {
-    for (;;) {
-      int fd = ::accept4(listen_fd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-      if (fd < 0) return;
-      int one = 1;
-      ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-      connections[next_id++].fd = fd;
-    }
-  }
-
   void close_connection(std::map<std::uint64_t, Connection>::iterator it) {
-    forget_waits(it->first);
+    workers.forget_waits(it->second.torch);
+    buffered -= it->second.in.size() + it->second.out.size();
     ::close(it->second.fd);
     connections.erase(it);
   }
@@ -469,9 +283,33 @@ struct StoreServer::Impl {
         close_connection(it++);
       else
         ++it;
-    values.clear();
-    queues.clear();
-    waiting.clear();
+    workers.clear();
+  }
+
+  // Connections in the middle of a message that stayed silent too long
+  // are closed; the time until the next may be: poll's timeout (-1: none).
+  int close_silent(Clock::time_point now) {
+    Clock::time_point next = Clock::time_point::max();
+    for (auto& [id, c] : connections) {
+      // An agent that did not prove the secret in time.
+      if (!c.closing && c.peer && !c.peer->admitted()) {
+        if (c.admit_by <= now) {
+          drop(c);
+          continue;
+        }
+        next = std::min(next, c.admit_by);
+      }
+      if (c.closing || c.in.empty() || c.torch.waiting()) continue;
+      const auto deadline = c.last_input + limits.idle_message_timeout;
+      if (deadline <= now)
+        drop(c);
+      else
+        next = std::min(next, deadline);
+    }
+    if (accept_paused_until > now) next = std::min(next, accept_paused_until);
+    if (next == Clock::time_point::max()) return -1;
+    const auto wait = std::chrono::ceil<std::chrono::milliseconds>(next - now).count();
+    return static_cast<int>(std::min<std::int64_t>(wait, 60'000));
   }
 
   void loop() {
@@ -487,33 +325,57 @@ struct StoreServer::Impl {
           done.notify_all();
         }
       }
-      fds.assign({{listen_fd, POLLIN, 0}, {wake_fd, POLLIN, 0}});
+      const auto now = Clock::now();
+      const int timeout = close_silent(now);
+      for (auto it = connections.begin(); it != connections.end();)
+        if (it->second.closing)
+          close_connection(it++);
+        else
+          ++it;
+      // Negative descriptors are skipped by poll: the listening sockets
+      // rest while accepting is paused.
+      const bool accepting = accept_paused_until <= now;
+      fds.assign(1, {wake_fd, POLLIN, 0});
+      for (int fd : listen_fds) fds.push_back({accepting ? fd : -1, POLLIN, 0});
       ids.clear();
       for (auto& [id, c] : connections) {
-        fds.push_back({c.fd, static_cast<short>(POLLIN | (c.out.empty() ? 0 : POLLOUT)), 0});
+        fds.push_back(
+            {c.fd, static_cast<short>((reading(c) ? POLLIN : 0) | (c.out.empty() ? 0 : POLLOUT)),
+             0});
         ids.push_back(id);
       }
-      if (::poll(fds.data(), fds.size(), -1) < 0 && errno != EINTR) {
+      if (::poll(fds.data(), fds.size(), timeout) < 0 && errno != EINTR) {
         // Cannot happen with valid descriptors; whoever waits is released.
         std::lock_guard lock(mutex);
         stop = true;
         done.notify_all();
         return;
       }
-      if (fds[1].revents) {
+      if (fds[0].revents) {
         std::uint64_t count = 0;
         [[maybe_unused]] auto n = ::read(wake_fd, &count, sizeof count);
       }
-      if (fds[0].revents & POLLIN) accept_all();
+      for (std::size_t l = 0; l < listen_fds.size(); ++l)
+        if (fds[1 + l].revents & POLLIN) accept_from(listen_fds[l]);
+      const std::size_t first = 1 + listen_fds.size();
       for (std::size_t i = 0; i < ids.size(); ++i) {
         auto it = connections.find(ids[i]);
-        if (it == connections.end() || !fds[i + 2].revents) continue;
-        if (fds[i + 2].revents & (POLLIN | POLLHUP | POLLERR)) receive(it->first, it->second);
+        if (it == connections.end() || !fds[first + i].revents) continue;
+        if (fds[first + i].revents & (POLLIN | POLLHUP | POLLERR)) {
+          // A client not read (waiting) that hung up or broke: gone.
+          if (reading(it->second))
+            receive(it->first, it->second);
+          else
+            drop(it->second);
+        }
       }
-      for (auto it = connections.begin(); it != connections.end();) {
+      for (auto& [id, c] : connections)
         // Input that came behind a WAIT answered meanwhile.
-        if (!it->second.in.empty() && it->second.awaited == 0) process(it->first, it->second);
+        if (!c.closing && !c.in.empty() && !c.torch.waiting()) process(id, c);
+      keep_within_buffer_limit();
+      for (auto it = connections.begin(); it != connections.end();) {
         flush(it->second);
+        trim(it->second.out);
         if (it->second.closing)
           close_connection(it++);
         else
@@ -523,15 +385,17 @@ struct StoreServer::Impl {
   }
 };
 
-StoreServer::StoreServer(int port, std::shared_ptr<MemoryStore> rendezvous)
-    : impl_(std::make_unique<Impl>()) {
+StoreServer::StoreServer(const std::string& host, int port, std::shared_ptr<MemoryStore> rendezvous,
+                         StoreLimits limits, std::string agents_secret)
+    : impl_(std::make_unique<Impl>(limits)) {
   impl_->rendezvous = std::move(rendezvous);
-  impl_->listen_fd = listen_on(port);
-  impl_->port = bound_port(impl_->listen_fd);
+  impl_->agents_secret = std::move(agents_secret);
+  impl_->listen_fds = listen_on(host, port);
+  impl_->port = bound_port(impl_->listen_fds.front());
   impl_->wake_fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (impl_->wake_fd < 0) {
     const int e = errno;
-    ::close(impl_->listen_fd);
+    close_all(impl_->listen_fds);
     throw std::system_error(e, std::generic_category(), "eventfd");
   }
   impl_->thread = std::thread([this] { impl_->loop(); });
@@ -545,7 +409,7 @@ StoreServer::~StoreServer() {
   impl_->wake();
   impl_->thread.join();
   for (auto& [id, c] : impl_->connections) ::close(c.fd);
-  ::close(impl_->listen_fd);
+  close_all(impl_->listen_fds);
   ::close(impl_->wake_fd);
 }
 

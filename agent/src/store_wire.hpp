@@ -1,10 +1,11 @@
-// Byte-level helpers of the stores' protocols (store_server.cpp: torch's
+// Byte-level helpers of the stores' protocols (torch_store.cpp: torch's
 // TCPStore protocol; store_protocol.cpp: the agents' protocol). Values go
 // in the host's byte order, as torch's TCPStore sends them; strings and
 // byte strings as a 64-bit length and the bytes. Internal to
 // libductile_agent.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -68,8 +69,20 @@ class Cursor {
 
 // The agents' protocol: after the 4 bytes "DKV1", frames of a 32-bit
 // length and a body, both ways. A request's body starts with its operation.
+//
+// A host with a secret (DUCTILE_RDZV_SECRET) serves nothing before the
+// client proved it holds the secret too, by a challenge-response that never
+// sends the secret: the client sends `hello` and a random nonce; the host
+// answers 1, its own random nonce and its proof, HMAC-SHA256(secret, "host"
+// label, client nonce, host nonce); the client checks it and sends `prove`
+// and HMAC-SHA256(secret, "agent" label, host nonce, client nonce). A host
+// without a secret answers `hello` with 0. A request before the proof, a
+// wrong proof, or no proof within kProofTimeout: an `unauthorized` answer
+// (where there is a request to answer) and the connection is closed.
 inline constexpr char kAgentMagic[4] = {'D', 'K', 'V', '1'};
 inline constexpr std::uint32_t kMaxFrame = 8u << 20;
+inline constexpr std::size_t kNonceBytes = 32;
+inline constexpr std::chrono::seconds kProofTimeout{5};
 enum class Op : std::uint8_t {
   grant = 1,
   keep_alive,
@@ -79,13 +92,37 @@ enum class Op : std::uint8_t {
   read,
   erase,
   erase_prefix,
-  compare_and_swap
+  compare_and_swap,
+  hello,
+  prove
 };
-enum class Status : std::uint8_t { ok = 0, error = 1 };
+enum class Status : std::uint8_t { ok = 0, error = 1, unauthorized = 2 };
 
 // Runs one request of the agents' protocol on `store` and returns the
 // answer's body (a StoreError becomes an error answer). Throws BadMessage
 // for a request that is not one.
 std::string serve(KeyValueStore& store, const std::string& request);
+
+// The host's side of one agent's connection: the proof of the secret, then
+// the requests, served on `store`.
+// Ownership: refers to `store`, which outlives it. Threading: the server's
+// thread only. Errors: answer() throws BadMessage as serve() does.
+class AgentPeer {
+ public:
+  // `secret` empty: no proof asked, every request served.
+  AgentPeer(KeyValueStore& store, std::string secret);
+  // The answer to one request. `close` is set when the connection must be
+  // closed once the answer is sent (a request before the proof, a wrong
+  // proof).
+  std::string answer(const std::string& request, bool& close);
+  // True once the client proved the secret (at once without one).
+  bool admitted() const { return admitted_; }
+
+ private:
+  KeyValueStore& store_;
+  const std::string secret_;
+  bool admitted_;
+  std::string client_nonce_, host_nonce_;  // of the hello answered
+};
 
 }  // namespace ductile::agent::wire

@@ -17,6 +17,8 @@
 
 #include <fmt/format.h>
 
+#include "ductile/agent/records.hpp"
+#include "ductile/core/text.hpp"
 #include "ductile/error.hpp"
 
 namespace ductile::agent {
@@ -30,13 +32,16 @@ struct RdzvConf {
   std::optional<bool> is_host;  // c10d: this agent hosts the rendezvous
 };
 
+// Escaped: a value with a newline or an escape sequence stays on its line
+// and acts on no terminal.
 [[noreturn]] void bad(const std::string& message) {
-  throw Error(ErrorKind::invalid_argument, message);
+  throw Error(ErrorKind::invalid_argument, core::printable(message, false));
 }
 
 std::chrono::milliseconds seconds_option(const std::string& name, double value) {
-  if (!std::isfinite(value) || value < 0 || value > 1e6)
-    bad(fmt::format("{} {} is invalid: give seconds between 0 and 1000000", name, value));
+  if (!std::isfinite(value) || value < 0 || value > static_cast<double>(kMaxDuration.count()))
+    bad(fmt::format("{} {} is invalid: give seconds from 0 to {}", name, value,
+                    kMaxDuration.count()));
   return std::chrono::milliseconds(static_cast<std::int64_t>(std::llround(value * 1000)));
 }
 
@@ -61,8 +66,10 @@ double seconds_text(const std::string& what, const std::string& text) {
   } catch (const std::exception&) {
     used = 0;
   }
-  if (used != text.size() || text.empty() || !std::isfinite(value) || value < 0 || value > 1e6)
-    bad(fmt::format("{} '{}' is invalid: give seconds between 0 and 1000000", what, text));
+  if (used != text.size() || text.empty() || !std::isfinite(value) || value < 0 ||
+      value > static_cast<double>(kMaxDuration.count()))
+    bad(fmt::format("{} '{}' is invalid: give seconds from 0 to {}", what, text,
+                    kMaxDuration.count()));
   return value;
 }
 
@@ -101,11 +108,12 @@ std::int64_t workers_per_node(const std::string& text) {
   } catch (const std::exception&) {
     used = 0;
   }
-  if (used != text.size() || text.empty() || value < 1)
+  const std::int64_t cap = max_workers_per_node();
+  if (used != text.size() || text.empty() || value < 1 || value > cap)
     bad(
-        fmt::format("--nproc-per-node '{}' is invalid: give the number of workers of this node "
-                    "(>= 1), or cpu, gpu or auto",
-                    text));
+        fmt::format("--nproc-per-node '{}' is invalid: give the number of workers of this node, "
+                    "1 to {} (this machine's {} online cores x {}), or cpu, gpu or auto",
+                    text, cap, cap / kWorkersPerCore, kWorkersPerCore));
   return value;
 }
 
@@ -177,6 +185,11 @@ void apply_rdzv_conf(const std::string& text, LaunchArguments& o, RdzvConf& rdzv
     double ttl =
         keep_alive_interval.value_or(Defaults::keep_alive_interval) *
         static_cast<double>(keep_alive_attempts.value_or(Defaults::keep_alive_max_attempt));
+    if (ttl > static_cast<double>(kMaxDuration.count()))
+      bad(
+          fmt::format("--rdzv-conf keep_alive_interval x keep_alive_max_attempt is {} seconds: "
+                      "give at most {} in all (it is the lease TTL, as --lease-ttl)",
+                      ttl, kMaxDuration.count()));
     if (!o.lease_ttl)
       o.lease_ttl = std::max<std::int64_t>(kMinLeaseTtl.count(), std::llround(std::ceil(ttl)));
   }
@@ -188,8 +201,9 @@ void apply_nnodes(const std::string& text, LaunchArguments& o) {
   std::string low = text.substr(0, colon);
   std::string high = colon == std::string::npos ? low : text.substr(colon + 1);
   std::int64_t min = whole_number("--nnodes", low), max = whole_number("--nnodes", high);
-  if (min < 1 || max < min)
-    bad(fmt::format("--nnodes '{}' is invalid: give N or MIN:MAX with 1 <= MIN <= MAX", text));
+  if (min < 1 || max < min || max > kMaxCount)
+    bad(fmt::format("--nnodes '{}' is invalid: give N or MIN:MAX with 1 <= MIN <= MAX <= {}", text,
+                    kMaxCount));
   if (o.min_nodes || o.max_nodes)
     bad("--nnodes and --min-nodes/--max-nodes say the same: give one of them");
   o.min_nodes = min;

@@ -114,6 +114,10 @@ std::vector<WorkerSpec> worker_specs(const WorkerSetup& s) {
     set("TORCHELASTIC_USE_AGENT_STORE", o.agent_store ? "True" : "False");
     const auto error_file = error_file_of(s.run_dir, round.restarts, local);
     set("TORCHELASTIC_ERROR_FILE", error_file.string());
+    // Made as this worker starts (torchrun makes one for each local rank):
+    // a stop signal while a node's workers start leaves no directory of a
+    // worker that never ran.
+    spec.directory = error_file.parent_path();
     // torchrun's log files: <run dir>/attempt_<restarts>/<local rank>/std*.log
     // (TORCHELASTIC_RESTART_COUNT names the attempt, as torchrun's).
     const int redirect = o.output.redirects.of(local), tee = o.output.tee.of(local);

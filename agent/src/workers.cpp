@@ -17,6 +17,9 @@
 #include <cstring>
 #include <mutex>
 #include <system_error>
+#include <thread>
+
+#include "worker_guard.hpp"
 
 namespace ductile::agent {
 namespace {
@@ -40,93 +43,6 @@ std::string resolve_on_path(const std::string& name) {
     begin = end + 1;
   }
   return name;  // execve fails with ENOENT; reported as exit 127
-}
-
-void write_all(int fd, const char* text, std::size_t n) {
-  while (n > 0) {
-    ssize_t w = write(fd, text, n);
-    if (w <= 0) return;
-    text += w;
-    n -= static_cast<std::size_t>(w);
-  }
-}
-
-void write_all(int fd, const char* text) {
-  write_all(fd, text, std::strlen(text));
-}
-
-int encode_status(int status) {
-  if (WIFEXITED(status)) return WEXITSTATUS(status);
-  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
-  return 1;
-}
-
-// The guard: runs in the forked child; only async-signal-safe calls from
-// here on (the agent has other threads).
-[[noreturn]] void run_guard(pid_t agent, const char* path, char* const* argv, char* const* envp,
-                            int out_fd, int err_fd) {
-  sigset_t guarded;
-  sigemptyset(&guarded);
-  for (int s : {SIGTERM, SIGINT, SIGHUP, SIGCHLD, SIGUSR1, SIGQUIT}) sigaddset(&guarded, s);
-  sigprocmask(SIG_BLOCK, &guarded, nullptr);
-  setpgid(0, 0);  // not in the agent's group: a terminal's Ctrl-C goes to the agent only
-  prctl(PR_SET_PDEATHSIG, SIGHUP);
-  if (getppid() != agent) _exit(128 + SIGHUP);
-  pid_t guard = getpid();
-  pid_t worker = fork();
-  if (worker < 0) {
-    write_all(err_fd, "ductile agent: cannot fork a worker process\n");
-    _exit(127);
-  }
-  if (worker == 0) {
-    setpgid(0, 0);
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (getppid() != guard) _exit(128 + SIGKILL);
-    struct sigaction dfl {};
-    dfl.sa_handler = SIG_DFL;
-    for (int s = 1; s < NSIG; ++s) sigaction(s, &dfl, nullptr);
-    sigset_t none;
-    sigemptyset(&none);
-    sigprocmask(SIG_SETMASK, &none, nullptr);
-    int devnull = open("/dev/null", O_RDONLY);
-    if (devnull >= 0) dup2(devnull, 0);
-    dup2(out_fd, 1);
-    dup2(err_fd, 2);
-    // The agent's own stdout and stderr, inherited as they are: dup2 onto
-    // the same descriptor keeps a close-on-exec flag it may carry.
-    fcntl(1, F_SETFD, 0);
-    fcntl(2, F_SETFD, 0);
-    execve(path, argv, envp);
-    int e = errno;
-    write_all(2, "ductile agent: cannot execute ");
-    write_all(2, path);
-    write_all(2, ": ");
-    write_all(2, strerrordesc_np(e));
-    write_all(2, "\n");
-    _exit(127);
-  }
-  setpgid(worker, worker);
-  close(out_fd);
-  close(err_fd);
-  timespec second{1, 0};
-  for (;;) {
-    siginfo_t info;
-    int sig = sigtimedwait(&guarded, &info, &second);
-    int status = 0;
-    pid_t done = waitpid(worker, &status, WNOHANG);
-    if (done == worker) {
-      kill(-worker, SIGKILL);  // children the worker left behind
-      _exit(encode_status(status));
-    }
-    if (sig == SIGTERM || sig == SIGINT) {
-      kill(-worker, SIGTERM);
-    } else if (sig == SIGHUP || sig == SIGUSR1 || sig == SIGQUIT || getppid() != agent) {
-      kill(-worker, SIGKILL);
-      while (waitpid(worker, &status, 0) < 0 && errno == EINTR) {
-      }
-      _exit(encode_status(status));
-    }
-  }
 }
 
 // Where a worker's stream goes: the agent's own descriptor (1, 2), a log
@@ -301,11 +217,25 @@ WorkerGroup::~WorkerGroup() {
   stop(std::chrono::milliseconds(0));
 }
 
-void WorkerGroup::start(const std::vector<WorkerSpec>& specs) {
+bool WorkerGroup::start(const std::vector<WorkerSpec>& specs, std::chrono::milliseconds grace,
+                        const std::atomic<int>* stop_signal) {
   stop(std::chrono::milliseconds(0));
   pid_t agent = getpid();
+  if (!children_before_) {
+    children_before_.emplace();
+    std::vector<pid_t> children(4096);
+    const std::size_t n = children_of(agent, children.data(), children.size(), false);
+    children_before_->insert(children.begin(), children.begin() + static_cast<long>(n));
+  }
   for (const auto& spec : specs) {
+    // A stop signal while many workers start: the rest are not started.
+    if (stop_signal && stop_signal->load() != 0) return false;
     if (spec.argv.empty()) throw std::invalid_argument("worker command is empty");
+    if (!spec.directory.empty()) {
+      std::error_code ec;
+      std::filesystem::create_directories(spec.directory, ec);
+      if (ec) throw std::system_error(ec, "cannot make " + spec.directory.string());
+    }
     std::string path = resolve_on_path(spec.argv[0]);
     std::vector<std::string> argv_copy = spec.argv, env_copy = spec.env;
     std::vector<char*> argv, envp;
@@ -331,7 +261,8 @@ void WorkerGroup::start(const std::vector<WorkerSpec>& specs) {
       throw std::system_error(e, std::generic_category(), "fork");
     }
     if (guard == 0)
-      run_guard(agent, path.c_str(), argv.data(), envp.data(), out.worker_fd, err.worker_fd);
+      run_guard(agent, path.c_str(), argv.data(), envp.data(), out.worker_fd, err.worker_fd,
+                grace.count());
     setpgid(guard, guard);
     for (StreamTarget* t : {&out, &err})
       if (t->fd_to_close >= 0) {
@@ -348,6 +279,7 @@ void WorkerGroup::start(const std::vector<WorkerSpec>& specs) {
     w.err_file = err.teed_file;
     workers_.push_back(std::move(w));
   }
+  return true;
 }
 
 void WorkerGroup::read_output(Worker& w, bool is_err) {
@@ -407,7 +339,7 @@ void WorkerGroup::reap() {
   }
 }
 
-void WorkerGroup::pump(std::chrono::milliseconds wait) {
+bool WorkerGroup::pump(std::chrono::milliseconds wait) {
   std::vector<pollfd> fds;
   bool unwatched = false;  // a running worker without a pidfd
   for (auto& w : workers_) {
@@ -421,13 +353,13 @@ void WorkerGroup::pump(std::chrono::milliseconds wait) {
   // A worker's exit wakes the poll through its guard's pidfd; without one
   // (a kernel before 5.3) it is looked for in short steps.
   if (unwatched) wait = std::min<std::chrono::milliseconds>(wait, std::chrono::milliseconds(20));
-  int rc = poll(fds.data(), fds.size(), static_cast<int>(wait.count()));
-  (void)rc;
+  const int ready = poll(fds.data(), fds.size(), static_cast<int>(wait.count()));
   for (auto& w : workers_) {
     read_output(w, false);
     read_output(w, true);
   }
   reap();
+  return ready > 0;
 }
 
 bool WorkerGroup::running() const {
@@ -494,6 +426,38 @@ void WorkerGroup::stop(std::chrono::milliseconds grace) {
   }
   workers_.clear();
   first_failed_.reset();
+  end_adopted(grace);
+}
+
+void WorkerGroup::end_adopted(std::chrono::milliseconds grace) {
+  int subreaper = 0;
+  if (!children_before_ || prctl(PR_GET_CHILD_SUBREAPER, &subreaper) != 0 || subreaper == 0) return;
+  using clock = std::chrono::steady_clock;
+  const auto started = clock::now();
+  std::vector<pid_t> children(4096);
+  std::set<pid_t> terminated;  // SIGTERM once to each
+  for (int sig = grace.count() > 0 ? SIGTERM : SIGKILL;;) {
+    std::size_t n = children_of(getpid(), children.data(), children.size(), false);
+    std::size_t adopted = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (children_before_->contains(children[i])) continue;
+      ++adopted;
+      // Exited: reaped; else signalled.
+      if (waitpid(children[i], nullptr, WNOHANG) == children[i]) continue;
+      if (sig == SIGKILL || terminated.insert(children[i]).second) kill(children[i], sig);
+    }
+    if (adopted == 0) return;
+    const auto elapsed = clock::now() - started;
+    // A process in uninterruptible sleep may outlast SIGKILL: not waited
+    // for forever.
+    if (elapsed > grace + std::chrono::seconds(10)) return;
+    if (elapsed >= grace) sig = SIGKILL;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+bool make_subreaper() {
+  return prctl(PR_SET_CHILD_SUBREAPER, 1) == 0;
 }
 
 }  // namespace ductile::agent

@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
+#include <iterator>
 #include <sstream>
 
 #include "agent_job.hpp"
@@ -324,6 +326,33 @@ TEST_CASE("agent: SIGTERM and SIGINT stop an agent's workers and the others re-f
   CHECK(a.wait_for_output("started: world size 1", 60s));
   std::ofstream(stop) << "stop";
   CHECK(a.wait(60s) == std::optional<int>(0));
+  CHECK(no_marked_processes(job.marker));
+}
+
+// A restarted agent waits for its killed run's registration to expire (its
+// lease's TTL, here 120 s); a stop signal meanwhile ends it at once, with
+// its run directory.
+TEST_CASE("agent: SIGTERM ends an agent that waits for its previous run's registration") {
+  Job job;
+  const std::vector<std::string> options = {"--nproc-per-node", "1",  "--lease-ttl", "120",
+                                            "--poll-interval",  "0.1"};
+  const auto worker = sh("sleep 300");
+  Child& first = job.start("a", options, worker);
+  REQUIRE(first.wait_for_output("round 1 started", 60s));
+  first.signal(SIGKILL);
+  first.wait(10s);
+  // Its workers went with it; its run directory stays (no one removed it).
+  REQUIRE(no_marked_processes(job.marker));
+  const auto left_before = std::distance(std::filesystem::directory_iterator(job.tmp),
+                                         std::filesystem::directory_iterator());
+  Child& restarted = job.start("a", options, worker);
+  REQUIRE(restarted.wait_for_output("is registered by another lease", 60s));
+  restarted.signal(SIGTERM);
+  // Far less than the lease's time left: the wait was not sat out.
+  CHECK(restarted.wait(30s) == std::optional<int>(128 + SIGTERM));
+  CHECK(restarted.output().find("signal 15: no worker runs yet") != std::string::npos);
+  CHECK(std::distance(std::filesystem::directory_iterator(job.tmp),
+                      std::filesystem::directory_iterator()) == left_before);
   CHECK(no_marked_processes(job.marker));
 }
 

@@ -365,3 +365,41 @@ TEST_CASE(
   CHECK(no_marked_processes(marker));
 }
 #endif
+
+TEST_CASE(
+    "agent: c10d - out of file descriptors, the round does not form and the agent says why, not "
+    "as a bug") {
+  // Open files limits from one too low to start the agent up to one that
+  // runs the job: each further descriptor the agent needs fails in turn,
+  // the round's workers' store among them.
+  const std::string marker = new_marker();
+  const std::string endpoint = "127.0.0.1:" + std::to_string(free_tcp_port());
+  bool round_refused = false, ran = false;
+  for (int limit = 4; limit <= 64 && !ran; ++limit) {
+    const std::string ulimit = "ulimit -n " + std::to_string(limit);
+    auto r = run_process(
+        {"/bin/sh", "-c", ulimit + " && exec \"$0\" \"$@\"", DUCTILE_CLI, "agent", "--rdzv-backend",
+         "c10d", "--rdzv-endpoint", endpoint, "--nnodes", "1", "--nproc-per-node", "1", "--settle",
+         "0", "--local-addr", "127.0.0.1", "--no-python", "/bin/true"},
+        {marker});
+    INFO(ulimit, ": exit ", r.exit_code, "\n", r.out, r.err);
+    // Below what the dynamic loader needs (the test's own descriptors are
+    // inherited too), the program does not start at all.
+    if (r.exit_code == 127 &&
+        r.err.find("error while loading shared libraries") != std::string::npos)
+      continue;
+    CHECK((r.out + r.err).find("internal error") == std::string::npos);
+    REQUIRE((r.exit_code == 0 || r.exit_code == 2));
+    ran = r.exit_code == 0;
+    if ((r.out + r.err).find("round 1 cannot form") != std::string::npos) {
+      round_refused = true;
+      CHECK(r.exit_code == 2);
+      CHECK((r.out + r.err)
+                .find("ran out of file descriptors (open files limit, ulimit -n: " +
+                      std::to_string(limit) + "): raise the limit") != std::string::npos);
+    }
+  }
+  CHECK(round_refused);
+  CHECK(ran);
+  CHECK(no_marked_processes(marker));
+}

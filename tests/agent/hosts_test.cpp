@@ -242,7 +242,8 @@ TEST_CASE("agent: hosts in network namespaces - a cut host fences its workers an
       120s);
   if (!back) dump();
   CHECK(back);
-  CHECK(agents[cut]->output().find("etcd reachable again after the fence") != std::string::npos);
+  CHECK(agents[cut]->output().find(" reachable again after the fence: left the old lease") !=
+        std::string::npos);
   CHECK(wait_until([&] { return count_of(output(), "met round=3 world=3") == 1; }, 120s));
 
   std::ofstream(stop) << "stop";

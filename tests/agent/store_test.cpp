@@ -115,7 +115,7 @@ TEST_CASE(
   CHECK(direct[13].find("/a/") == std::string::npos);
 
   auto hosted = std::make_shared<MemoryStore>("hosted");
-  StoreServer server(0, hosted);
+  StoreServer server("", 0, hosted);
   RendezvousClient client("127.0.0.1", server.port(), 2000ms, "the test's rendezvous");
   CHECK(exercise(client) == direct);
   CHECK(client.describe() == "the test's rendezvous");
@@ -138,7 +138,7 @@ TEST_CASE(
 }
 
 TEST_CASE("store server: torch's TCPStore client gets torch's own server's answers") {
-  StoreServer server(0, nullptr);
+  StoreServer server("", 0, nullptr);
   auto r = ductile::test::run_process({DUCTILE_PYTHON, DUCTILE_AGENT_WORKERS "/tcpstore_ops.py",
                                        "127.0.0.1", std::to_string(server.port())});
   INFO(r.out << r.err);
@@ -151,7 +151,7 @@ TEST_CASE("store server: torch's TCPStore client gets torch's own server's answe
 
 TEST_CASE("store server: a reset empties the workers' store and drops their connections") {
   auto hosted = std::make_shared<MemoryStore>("hosted");
-  StoreServer server(0, hosted);
+  StoreServer server("", 0, hosted);
   RendezvousClient agent("127.0.0.1", server.port(), 2000ms, "rendezvous");
   agent.put("/kept", "across resets");
   // A worker's connection: validated, then SET "k" = "v".
@@ -186,7 +186,7 @@ TEST_CASE("store server: a reset empties the workers' store and drops their conn
 
 TEST_CASE("store server: clients that break the protocol are dropped - the others are served") {
   auto hosted = std::make_shared<MemoryStore>("hosted");
-  StoreServer server(0, hosted);
+  StoreServer server("", 0, hosted);
   RendezvousClient agent("127.0.0.1", server.port(), 2000ms, "rendezvous");
   agent.put("/x", "1");
   const std::vector<std::string> garbage = {
@@ -211,7 +211,7 @@ TEST_CASE("store server: clients that break the protocol are dropped - the other
   close(fd);
   CHECK(agent.get("/x")->value == "1");
   // No agents' protocol on a workers' store.
-  StoreServer workers_only(0, nullptr);
+  StoreServer workers_only("", 0, nullptr);
   RendezvousClient wrong("127.0.0.1", workers_only.port(), 2000ms, "workers' store");
   CHECK_THROWS_AS(wrong.get("/x"), StoreUnavailable);
 }
@@ -229,11 +229,11 @@ TEST_CASE(
     CHECK(std::string(e.what()).find("the c10d rendezvous: cannot connect to 127.0.0.1:") == 0);
   }
   {
-    StoreServer server(port, std::make_shared<MemoryStore>("hosted"));
+    StoreServer server("", port, std::make_shared<MemoryStore>("hosted"));
     client.put("/x", "1");
     CHECK(client.get("/x")->value == "1");
     // Its port is taken while it serves.
-    CHECK_THROWS_AS(StoreServer(port, nullptr), std::system_error);
+    CHECK_THROWS_AS(StoreServer("", port, nullptr), std::system_error);
   }
   CHECK_THROWS_AS(client.get("/x"), StoreGone);
 }

@@ -3,8 +3,10 @@
 // workers started children of their own.
 #include <doctest/doctest.h>
 
+#include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <filesystem>
 
 #include "agent_support.hpp"
@@ -125,5 +127,45 @@ TEST_CASE("workers: stop ends workers and the children they started") {
     group.stop(std::chrono::milliseconds(300));
     CHECK(group.empty());
   }
+  CHECK(no_marked_processes(marker));
+}
+
+TEST_CASE("workers: what a worker leaves in another session ends with it") {
+  TempDir dir;
+  const std::string marker = new_marker();
+  WorkerGroup group;
+  // The background job leads a session of its own (no process group of the
+  // worker's holds it) and ignores SIGTERM: the guard's SIGKILL after the
+  // grace ends it. The worker waits until the job runs before it exits.
+  const auto pid_file = dir / "orphan.pid";
+  group.start({shell(0,
+                     "setsid sh -c 'trap \"\" TERM; echo $$ > " + pid_file.string() +
+                         "; exec sleep 302' & while [ ! -s " + pid_file.string() +
+                         " ]; do sleep 0.05; done; exit 0",
+                     marker)},
+              std::chrono::milliseconds(300));
+  run_to_the_end(group);
+  CHECK(group.all_succeeded());
+  const int orphan = std::stoi(read_text(pid_file));
+  // Reaped by the guard: no process, not even a zombie, has its pid.
+  CHECK_FALSE(std::filesystem::exists("/proc/" + std::to_string(orphan)));
+  CHECK(marked_processes(marker).empty());
+}
+
+TEST_CASE("workers: a stop signal before the workers start leaves them unstarted") {
+  TempDir dir;
+  const std::string marker = new_marker();
+  std::atomic<int> stop{SIGTERM};
+  WorkerGroup group;
+  WorkerSpec spec = shell(0, "sleep 300", marker);
+  spec.directory = dir / "attempt_0" / "0";
+  CHECK_FALSE(group.start({spec, spec}, std::chrono::milliseconds(0), &stop));
+  CHECK(group.empty());
+  CHECK_FALSE(std::filesystem::exists(dir / "attempt_0"));
+  // Without it: each worker's directory is made as it starts.
+  stop = 0;
+  CHECK(group.start({spec}, std::chrono::milliseconds(0), &stop));
+  CHECK(std::filesystem::is_directory(spec.directory));
+  group.stop(std::chrono::milliseconds(0));
   CHECK(no_marked_processes(marker));
 }

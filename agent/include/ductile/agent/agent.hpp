@@ -8,9 +8,11 @@
 //
 // Threading: run_agent() blocks the calling thread until the job ends; it
 // starts helper threads (the lease keep-alive and its fence; a store
-// server's when it serves the rendezvous or the workers' store). It forks worker processes, so
-// call it from a process whose other threads do not hold locks the children
-// would need (the guards call only async-signal-safe functions).
+// server's when it serves the rendezvous or the workers' store; with a
+// stop_signal, one that watches it while the rendezvous is waited for). It
+// forks worker processes, so call it from a process whose other threads do
+// not hold locks the children would need (the guards call only
+// async-signal-safe functions).
 // Errors: throws ductile::Error (a user error: exit code 2 in the CLI) for
 // invalid options, an invalid configuration, an unreachable etcd at start, a
 // port to host that is in use, a job id in use with other settings, or an
@@ -32,8 +34,13 @@ inline constexpr int kAgentJoinTimeout = 1;  // no round within join_timeout
 
 // Runs the agent until the job ends. Returns 0 when the workers finished,
 // the failing worker's exit status (128 + signal for a signal) when restarts
-// are spent, kAgentStoreLost when etcd stayed unreachable, 128 + signal when
-// stopped by *stop_signal.
+// are spent, kAgentStoreLost when etcd stayed unreachable, 2 when this node
+// cannot start its workers (fork fails: the process limit) or another agent
+// took its node id, 128 + signal when stopped by *stop_signal. A stop
+// signal while the rendezvous is waited for at the start (or by its host
+// at the end), when no worker runs, ends the process itself with
+// 128 + signal. The calling process becomes a child subreaper
+// (workers.hpp): what its workers leave behind is ended with them.
 int run_agent(const AgentOptions& options);
 
 }  // namespace ductile::agent

@@ -116,6 +116,16 @@ struct AgentOptions {
 
 // The shortest lease_ttl: etcd's leases last at least this long.
 inline constexpr std::chrono::seconds kMinLeaseTtl{2};
+// The longest duration any option takes (lease_ttl included): 1,000,000 s,
+// about 11.6 days. Longer is a mistake, and a lease in nanoseconds would
+// overflow long before a duration in milliseconds does.
+inline constexpr std::chrono::seconds kMaxDuration{1000000};
+// Workers one node may run, for each of its online cores: a worker is two
+// processes (its guard and itself), and a node asked for more than this is
+// asked for more than it can run.
+inline constexpr std::int64_t kWorkersPerCore = 64;
+// The most workers this machine may run: its online cores x kWorkersPerCore.
+std::int64_t max_workers_per_node();
 
 // Throws ductile::Error(invalid_argument) naming the first bad option (by
 // its command-line name), its value and what is valid. run_agent() calls it.

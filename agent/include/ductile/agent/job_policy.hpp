@@ -31,8 +31,11 @@ struct BatchPlan {
 class JobPolicy {
  public:
   // Loads a ductile TOML configuration with an [elasticity] section or a
-  // DeepSpeed JSON config with an "elasticity" block.
-  static JobPolicy load(const std::filesystem::path& config, core::RuntimeOptions options = {});
+  // DeepSpeed JSON config with an "elasticity" block. `world_size`: the
+  // job's, for a policy that plans for one world size only (v0.2: the
+  // agent's --nnodes x --nproc-per-node); 0: none.
+  static JobPolicy load(const std::filesystem::path& config, core::RuntimeOptions options = {},
+                        std::int64_t world_size = 0);
   // No configuration (torchrun's semantics): every node count from
   // `min_nodes` to `max_nodes` is valid; no batch plan, no min_time.
   static JobPolicy any_size(std::int64_t nproc_per_node, std::int64_t min_nodes,

@@ -4,7 +4,14 @@
 // worker's process group, dies with the agent (PR_SET_PDEATHSIG) and then
 // kills the whole group, so that neither workers nor their children outlive
 // the agent, even when it is killed with SIGKILL. The worker itself also gets
-// PR_SET_PDEATHSIG from its guard.
+// PR_SET_PDEATHSIG from its guard. The guard is a child subreaper: what the
+// worker's children leave behind in other process groups or sessions (a
+// daemon, a `setsid cmd &`) is re-parented to it; once the worker exited, or
+// when the group is stopped, the guard ends those processes too (SIGTERM,
+// SIGKILL after the group's grace) and reaps them before it exits itself. A
+// process that outlives its guard (one SIGKILL left unkilled until the guard
+// was killed) goes to the agent when the agent is a subreaper
+// (make_subreaper()), and stop() ends it.
 //
 // Output, stream by stream, as torchrun 2.13 places it:
 //  - on the console, no log file: the worker inherits the agent's stdout or
@@ -20,11 +27,13 @@
 // A failed worker's last lines come from its log files (stderr first).
 //
 // Threading: one thread drives a WorkerGroup (start, pump, stop).
-// Errors: start() throws std::system_error when processes, pipes or log
-// files cannot be created; a command that cannot be executed is a worker
-// exiting with 127.
+// Errors: start() throws std::system_error when processes, pipes, log files
+// or a worker's directory cannot be created (the workers started before
+// stay in the group: stop() ends them); a command that cannot be executed
+// is a worker exiting with 127.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
@@ -76,6 +85,9 @@ struct WorkerSpec {
   // Put before each teed line on the console (torchrun's
   // "[{role}{local_rank}]:").
   std::string line_prefix{};
+  // Made (with its parents) just before this worker starts, not before the
+  // group does (torchrun's <attempt>/<local rank> directory); empty: none.
+  std::filesystem::path directory{};
 };
 
 // Longest piece of a teed line the agent holds before it shows it.
@@ -118,21 +130,31 @@ class WorkerGroup {
   WorkerGroup(const WorkerGroup&) = delete;
   WorkerGroup& operator=(const WorkerGroup&) = delete;
 
-  void start(const std::vector<WorkerSpec>& workers);
+  // Starts the workers in order. `grace`: what each worker's guard gives the
+  // processes the worker left behind between SIGTERM and SIGKILL. Returns
+  // false when *stop (a stop signal's number) became non-zero meanwhile:
+  // the workers after it were not started.
+  bool start(const std::vector<WorkerSpec>& workers,
+             std::chrono::milliseconds grace = std::chrono::milliseconds(0),
+             const std::atomic<int>* stop = nullptr);
   // Copies teed output and reaps exited workers, waiting up to `wait` for
-  // output or a worker's exit (its guard's pidfd wakes it).
-  void pump(std::chrono::milliseconds wait);
+  // output or a worker's exit (its guard's pidfd wakes it). Returns true
+  // when output or an exit came before `wait` ended.
+  bool pump(std::chrono::milliseconds wait);
   bool running() const;  // some worker has not exited yet
   // The guard processes of the workers not reaped yet (this process's
   // children: their pids stay theirs until pump() or stop() reaps them).
   std::vector<int> guard_pids() const;
   bool empty() const { return workers_.empty(); }
+  std::size_t size() const { return workers_.size(); }  // started, exited or not
   // The first worker that exited with a non-zero status, if any.
   std::optional<WorkerExit> first_failure() const;
   // True when every worker exited with status 0.
   bool all_succeeded() const;
   // SIGTERM to every worker's process group, SIGKILL after `grace`; waits
-  // for all of them and forgets them.
+  // for all of them and forgets them. In a subreaper, then the same for the
+  // processes re-parented to it since this group first started (what a
+  // killed guard left).
   void stop(std::chrono::milliseconds grace);
 
  private:
@@ -148,7 +170,11 @@ class WorkerGroup {
   };
   void read_output(Worker& w, bool is_err);
   void reap();
+  void end_adopted(std::chrono::milliseconds grace);
   std::vector<Worker> workers_;
+  // This process's children before the group first started (an
+  // ompi-server): not the workers', never ended by stop().
+  std::optional<std::set<int>> children_before_;
   std::optional<std::size_t> first_failed_;
   std::string console_buffer_;  // teed lines on their way to the console
 };
@@ -156,5 +182,10 @@ class WorkerGroup {
 // Lines written by the agent itself go through the same lock as worker lines
 // so that lines never interleave mid-line.
 void write_line(bool to_stderr, const std::string& line);
+
+// Makes this process a child subreaper (PR_SET_CHILD_SUBREAPER): the
+// orphaned descendants of its workers are re-parented to it, not to init.
+// Returns false when the kernel refuses.
+bool make_subreaper();
 
 }  // namespace ductile::agent

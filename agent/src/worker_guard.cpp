@@ -1,0 +1,299 @@
+// The guard of a worker: a process forked by the agent that starts the
+// worker in a process group of its own, passes the agent's signals on, and
+// ends what the worker leaves behind (a child subreaper). Everything here
+// runs in a forked child of a multi-threaded process: async-signal-safe
+// calls only. See worker_guard.hpp.
+#include "worker_guard.hpp"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <initializer_list>
+
+namespace ductile::agent {
+namespace {
+
+// Async-signal-safe helpers of the guard (the agent has other threads: a
+// forked child may call nothing that takes a lock).
+
+std::int64_t now_ms_raw() {
+  timespec t{};
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return static_cast<std::int64_t>(t.tv_sec) * 1000 + t.tv_nsec / 1000000;
+}
+
+// The parent of `pid` from /proc/<pid>/stat ("pid (comm) state ppid ..."),
+// -1 when it is gone.
+pid_t parent_of(const char* pid_text) {
+  char path[64] = "/proc/";
+  std::size_t at = 6;
+  for (const char* c = pid_text; *c && at < sizeof path - 6; ++c) path[at++] = *c;
+  std::memcpy(path + at, "/stat", 6);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return -1;
+  char text[512];
+  ssize_t n = read(fd, text, sizeof text - 1);
+  close(fd);
+  if (n <= 0) return -1;
+  text[n] = '\0';
+  // The command name may hold ')' itself: the last one ends it.
+  const char* close_paren = nullptr;
+  for (ssize_t i = 0; i < n; ++i)
+    if (text[i] == ')') close_paren = text + i;
+  if (!close_paren || close_paren + 4 >= text + n) return -1;
+  const char* c = close_paren + 4;  // past ") S "
+  pid_t parent = 0;
+  while (*c >= '0' && *c <= '9') parent = parent * 10 + (*c++ - '0');
+  return parent;
+}
+
+struct LinuxDirent64 {
+  std::uint64_t d_ino;
+  std::int64_t d_off;
+  unsigned short d_reclen;
+  unsigned char d_type;
+  char d_name[1];
+};
+
+// Writes the decimal digits of `value` at `out`; returns the end.
+char* put_number(char* out, long value) {
+  char digits[24];
+  int n = 0;
+  do {
+    digits[n++] = static_cast<char>('0' + value % 10);
+    value /= 10;
+  } while (value > 0);
+  while (n > 0) *out++ = digits[--n];
+  return out;
+}
+
+// Reads the pids `fd` lists, separated by spaces, into `out`.
+std::size_t read_pid_list(int fd, pid_t* out, std::size_t max) {
+  char text[16384];
+  std::size_t size = 0;
+  ssize_t n;
+  while (size < sizeof text && (n = read(fd, text + size, sizeof text - size)) > 0)
+    size += static_cast<std::size_t>(n);
+  std::size_t found = 0;
+  pid_t pid = 0;
+  for (std::size_t i = 0; i <= size && found < max; ++i) {
+    if (i < size && text[i] >= '0' && text[i] <= '9') {
+      pid = pid * 10 + (text[i] - '0');
+    } else if (pid > 0) {
+      out[found++] = pid;
+      pid = 0;
+    }
+  }
+  return found;
+}
+
+}  // namespace
+
+void write_all(int fd, const char* text, std::size_t n) {
+  while (n > 0) {
+    ssize_t w = write(fd, text, n);
+    if (w <= 0) return;
+    text += w;
+    n -= static_cast<std::size_t>(w);
+  }
+}
+
+void write_all(int fd, const char* text) {
+  write_all(fd, text, std::strlen(text));
+}
+
+int encode_status(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
+}
+
+// The children of `self` (at most `max` of them) into `out`, with raw
+// system calls (async-signal-safe). `one_thread`: `self` has no other
+// thread, and its children are those of its one task's list, when the
+// kernel keeps one (CONFIG_PROC_CHILDREN); else /proc is searched for the
+// processes whose parent is `self`.
+std::size_t children_of(pid_t self, pid_t* out, std::size_t max, bool one_thread) {
+  if (one_thread) {
+    char path[96] = "/proc/";
+    char* end = put_number(path + 6, self);
+    std::memcpy(end, "/task/", 6);
+    end = put_number(end + 6, self);
+    std::memcpy(end, "/children", 10);
+    if (int fd = open(path, O_RDONLY | O_CLOEXEC); fd >= 0) {
+      const std::size_t found = read_pid_list(fd, out, max);
+      close(fd);
+      return found;
+    }
+  }
+  int dir = open("/proc", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir < 0) return 0;
+  std::size_t found = 0;
+  alignas(8) char buffer[16384];
+  for (;;) {
+    long got = syscall(SYS_getdents64, dir, buffer, sizeof buffer);
+    if (got <= 0) break;
+    for (long offset = 0; offset < got;) {
+      const auto* entry = reinterpret_cast<const LinuxDirent64*>(buffer + offset);
+      offset += entry->d_reclen;
+      pid_t pid = 0;
+      const char* c = entry->d_name;
+      if (*c < '1' || *c > '9') continue;
+      while (*c >= '0' && *c <= '9') pid = pid * 10 + (*c++ - '0');
+      if (*c != '\0' || pid == self) continue;
+      if (parent_of(entry->d_name) == self && found < max) out[found++] = pid;
+    }
+  }
+  close(dir);
+  return found;
+}
+
+namespace {
+
+// Reaps every exited child; the worker's status goes to *worker_status.
+void reap_children(pid_t worker, bool& worker_done, int& worker_status) {
+  int status = 0;
+  pid_t done;
+  while ((done = waitpid(-1, &status, WNOHANG)) > 0)
+    if (done == worker) {
+      worker_done = true;
+      worker_status = status;
+    }
+}
+
+// Ends what a worker left behind once it exited: the processes re-parented
+// to the guard (a subreaper), each generation as the one above it dies.
+// SIGTERM first, SIGKILL once `grace` passed or the agent asks for it
+// (SIGUSR1, SIGHUP, SIGQUIT, or the agent gone); returns when the guard has
+// no child left, or after a bound (a process that SIGKILL does not end
+// goes to the agent, a subreaper too).
+void end_left_behind(pid_t agent, const sigset_t& guarded, std::int64_t grace_ms) {
+  const std::int64_t started = now_ms_raw();
+  int sig = grace_ms > 0 ? SIGTERM : SIGKILL;
+  pid_t children[1024];
+  // SIGTERM once to each: a process that handles it is not interrupted by
+  // another while it cleans up.
+  pid_t terminated[1024];
+  std::size_t terminated_count = 0;
+  const timespec step{0, 20 * 1000 * 1000};
+  bool unused_done = false;
+  int unused_status = 0;
+  for (;;) {
+    reap_children(-1, unused_done, unused_status);
+    const std::size_t n = children_of(getpid(), children, 1024, true);
+    if (n == 0) return;
+    const std::int64_t elapsed = now_ms_raw() - started;
+    if (elapsed >= grace_ms + 10000) return;
+    if (elapsed >= grace_ms || getppid() != agent) sig = SIGKILL;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (sig == SIGTERM) {
+        bool already = false;
+        for (std::size_t t = 0; t < terminated_count && !already; ++t)
+          already = terminated[t] == children[i];
+        if (already || terminated_count == 1024) continue;
+        terminated[terminated_count++] = children[i];
+      }
+      kill(children[i], sig);
+    }
+    siginfo_t info;
+    const int got = sigtimedwait(&guarded, &info, &step);
+    if (got == SIGUSR1 || got == SIGHUP || got == SIGQUIT) sig = SIGKILL;
+  }
+}
+
+[[noreturn]] void guard_exit(pid_t agent, const sigset_t& guarded, pid_t worker, int status,
+                             std::int64_t grace_ms) {
+  kill(-worker, SIGKILL);  // children the worker left in its group
+  end_left_behind(agent, guarded, grace_ms);
+  _exit(encode_status(status));
+
+}  // namespace
+
+}  // namespace
+
+// The guard: runs in the forked child; only async-signal-safe calls from
+// here on (the agent has other threads).
+[[noreturn]] void run_guard(pid_t agent, const char* path, char* const* argv, char* const* envp,
+                            int out_fd, int err_fd, std::int64_t grace_ms) {
+  sigset_t guarded;
+  sigemptyset(&guarded);
+  for (int s : {SIGTERM, SIGINT, SIGHUP, SIGCHLD, SIGUSR1, SIGQUIT}) sigaddset(&guarded, s);
+  sigprocmask(SIG_BLOCK, &guarded, nullptr);
+  setpgid(0, 0);  // not in the agent's group: a terminal's Ctrl-C goes to the agent only
+  prctl(PR_SET_PDEATHSIG, SIGHUP);
+  if (getppid() != agent) _exit(128 + SIGHUP);
+  // What the worker's children leave when their parent exits (a daemon, a
+  // job started under setsid) comes to the guard, which ends it.
+  prctl(PR_SET_CHILD_SUBREAPER, 1);
+  pid_t guard = getpid();
+  pid_t worker = fork();
+  if (worker < 0) {
+    const int e = errno;
+    write_all(err_fd, "ductile agent: cannot fork a worker process: ");
+    write_all(err_fd, strerrordesc_np(e));
+    write_all(err_fd, "\n");
+    _exit(127);
+  }
+  if (worker == 0) {
+    setpgid(0, 0);
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != guard) _exit(128 + SIGKILL);
+    struct sigaction dfl {};
+    dfl.sa_handler = SIG_DFL;
+    for (int s = 1; s < NSIG; ++s) sigaction(s, &dfl, nullptr);
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, nullptr);
+    int devnull = open("/dev/null", O_RDONLY);
+    if (devnull >= 0) dup2(devnull, 0);
+    dup2(out_fd, 1);
+    dup2(err_fd, 2);
+    // The agent's own stdout and stderr, inherited as they are: dup2 onto
+    // the same descriptor keeps a close-on-exec flag it may carry.
+    fcntl(1, F_SETFD, 0);
+    fcntl(2, F_SETFD, 0);
+    execve(path, argv, envp);
+    int e = errno;
+    write_all(2, "ductile agent: cannot execute ");
+    write_all(2, path);
+    write_all(2, ": ");
+    write_all(2, strerrordesc_np(e));
+    write_all(2, "\n");
+    _exit(127);
+  }
+  setpgid(worker, worker);
+  close(out_fd);
+  close(err_fd);
+  timespec second{1, 0};
+  pid_t adopted[1024];
+  for (;;) {
+    siginfo_t info;
+    int sig = sigtimedwait(&guarded, &info, &second);
+    bool done = false;
+    int status = 0;
+    // The worker, and the exited processes re-parented to the guard.
+    reap_children(worker, done, status);
+    if (done) guard_exit(agent, guarded, worker, status, grace_ms);
+    if (sig == SIGTERM || sig == SIGINT) {
+      kill(-worker, SIGTERM);
+      // And what the worker's children left in other groups.
+      const std::size_t n = children_of(guard, adopted, 1024, true);
+      for (std::size_t i = 0; i < n; ++i)
+        if (adopted[i] != worker) kill(adopted[i], SIGTERM);
+    } else if (sig == SIGHUP || sig == SIGUSR1 || sig == SIGQUIT || getppid() != agent) {
+      kill(-worker, SIGKILL);
+      while (waitpid(worker, &status, 0) < 0 && errno == EINTR) {
+      }
+      guard_exit(agent, guarded, worker, status, 0);
+    }
+  }
+}
+
+}  // namespace ductile::agent
