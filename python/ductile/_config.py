@@ -13,7 +13,7 @@ import os
 import re
 
 from . import _ductile
-from ._errors import ConfigError, InvalidArgumentError
+from ._errors import ConfigError, Error, InvalidArgumentError
 
 Runtime = _ductile.Runtime
 
@@ -162,23 +162,21 @@ def load_config(source, *, format=None, plugin_path=None, allow_config_plugins=F
         if "\0" in path:
             raise ConfigError(f"config: path {path!r} holds NUL, which no file name can hold")
         shown = path.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-        is_json = format == "deepspeed"
-        if format is None:
-            head = ""
-            if os.path.isfile(path):
-                try:
-                    with open(path, "rb") as f:
-                        head = f.read(4096).decode("utf-8", "replace")
-                except OSError as e:
-                    raise ConfigError(f"{shown}: cannot read the config: {e.strerror}") from e
-            is_json = _looks_like_json(head, shown)
-        if is_json:
+        data = None
+        if format != "toml":
+            # One reader for every front end (core::read_user_file, as the
+            # CLI's): a regular file of at most 16 MiB, a FIFO refused
+            # without waiting for a writer, a device never read.
             try:
-                with open(path, encoding="utf-8") as f:
-                    text = f.read()
-            except OSError as e:
-                raise ConfigError(f"{shown}: cannot read the DeepSpeed config: {e.strerror}") \
-                    from e
+                data = _ductile.read_user_file(path, "configuration file")
+            except Error:
+                if format == "deepspeed" or _looks_like_json("", shown):
+                    raise
+                # A TOML by its name: Runtime.from_file reads it with the
+                # same checks and reports the problem as the file's diagnostic.
+        if data is not None and (format == "deepspeed" or _looks_like_json(data, shown)):
+            try:
+                text = data.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise ConfigError(f"{shown}: the DeepSpeed config is not UTF-8 text (byte "
                                   f"{e.start})") from e

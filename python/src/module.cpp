@@ -9,6 +9,7 @@
 
 #include "bindings.hpp"
 #include "ductile/core/config.hpp"
+#include "ductile/core/files.hpp"
 #include "ductile/core/logging.hpp"
 #include "ductile/core/registry.hpp"
 #include "ductile/core/text.hpp"
@@ -424,6 +425,21 @@ void register_runtime(py::module_& m) {
       py::arg("high") = std::numeric_limits<std::int64_t>::max(),
       "The value as an int64 within [low, high]: a Python int or an object with __index__, "
       "never a bool or a float; otherwise InvalidArgumentError naming `name`.");
+  m.def(
+      "read_user_file",
+      [](const std::filesystem::path& file, const std::string& role, std::uintmax_t max_bytes) {
+        std::string text;
+        {
+          // A slow disk must not hold up the other Python threads.
+          py::gil_scoped_release released;
+          text = core::read_user_file(file, role, max_bytes);
+        }
+        return py::bytes(text);
+      },
+      py::arg("file"), py::arg("role"), py::arg("max_bytes") = core::kMaxConfigFileBytes,
+      "The bytes of a file a user names (core::read_user_file, as the CLI reads it): a regular "
+      "file of at most max_bytes, opened without waiting on a FIFO. NotFoundError or IoError "
+      "naming the file and what is wrong.");
   m.def(
       "init_logging",
       [](const py::object& level) {

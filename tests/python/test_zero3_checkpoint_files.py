@@ -5,6 +5,8 @@ rank's shard blocked the load for ever (the rank in open(), the other in
 the next collective until its timeout); now every rank raises at once, the
 failing rank's error reaching the other through the agreement step."""
 
+import hashlib
+import json
 import os
 import shutil
 import sys
@@ -137,3 +139,46 @@ def test_the_fifo_cases_on_one_rank(copy):
                            ("latest", "checkpoint pointer")):
         replace_with_fifo(copy / relative)
         refused(copy, f"{os.path.basename(relative)}: the {what} is a FIFO, not a regular file")
+
+
+def test_a_manifest_that_disagrees_with_a_shards_size_names_both_sizes(copy):
+    """A parameter's shard_numel edited to 2**40 (and the checksums recorded
+    again): the file's size matches the manifest's record but not the
+    layout its parameters give; both numbers are named, not the same one
+    twice."""
+    manifest = copy / "step2" / "manifest.json"
+    entries = json.loads(manifest.read_text())
+    size = entries["shards"][0]["bytes"]
+    entries["parameters"][0]["shard_numel"] = 2 ** 40
+    text = json.dumps(entries, indent=1).encode()
+    manifest.write_bytes(text)
+    digest = hashlib.sha256(text).hexdigest()
+    (copy / "step2" / "manifest.json.sha256").write_text(f"{digest}  manifest.json\n")
+    (copy / "latest").write_text(f"step2\nsha256 {digest}\n")
+    engine = engine_of(seed=1)
+    with pytest.raises(ductile.Error) as error:
+        engine.load(copy)
+    message = str(error.value)
+    assert f"rank0-of-1.bin: {size} bytes, but the parameters {manifest} lists take " in message
+    taken = int(message.split(" lists take ")[1].split(" ")[0])
+    assert taken > 2 ** 40 and taken != size
+
+
+def test_a_save_never_writes_through_a_planted_link(copy, tmp_path, monkeypatch):
+    """The save creates each file with O_EXCL | O_NOFOLLOW: a link planted
+    where a file is about to be written is not followed onto its target."""
+    from ductile.torch.zero3 import _checkpoint_files
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    engine = engine_of(seed=1)
+
+    def plant(operation, path):
+        if operation == "create" and path.endswith("rank0-of-1.bin"):
+            os.symlink(victim, path)
+
+    monkeypatch.setattr(_checkpoint_files, "_fault_hook", plant)
+    with pytest.raises(ductile.IoError, match="rank0-of-1.bin: cannot write the shard file: "
+                                              "File exists"):
+        engine.save(tmp_path / "out")
+    assert victim.read_text() == "precious"
+    assert not (tmp_path / "out" / "latest").exists()

@@ -385,3 +385,73 @@ def test_what_offload_cannot_do_is_an_error_naming_it():
     for bad, shown in (("lots", "'lots'"), (1.5, "1.5"), (0, "0"), (True, "True")):
         with pytest.raises(ductile.InvalidArgumentError, match=f"max_device_memory = {shown}"):
             zero3.initialize(make_model(layers=1), None, CONFIG, max_device_memory=bad)
+
+
+# --- NVMe shard files: the folder and the files are ductile's own ---------------------------
+
+
+def test_deepspeeds_nvme_device_with_an_empty_path_is_refused():
+    """nvme_path "" kept the shards in device memory while the config asked
+    for NVMe; it is an error naming DeepSpeed's key."""
+    from ductile.torch.zero3 import _config
+    with pytest.raises(ductile.ConfigError,
+                       match=r'zero_optimization.offload_param.nvme_path = "": device "nvme" '
+                             r"needs the directory of its files; valid: a non-empty directory "
+                             r'path \(or device "cpu" or "none"'):
+        _config.resolve(deepspeed(offload_param={"device": "nvme", "nvme_path": ""}), None,
+                        None, None)
+
+
+def nvme_engine(nvme):
+    config = CONFIG.replace("[zero]\n", f'[zero]\nnvme_path = "{nvme}"\n')
+    return zero3.initialize(make_model(layers=1), None, config)
+
+
+def test_a_link_planted_as_a_shard_file_is_refused_and_its_target_kept(tmp_path):
+    folder = tmp_path / "nvme" / "rank0"
+    folder.mkdir(parents=True, mode=0o700)
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    for p in range(64):
+        os.symlink(victim, folder / f"param_{p}.shard")
+    with pytest.raises(ductile.IoError,
+                       match=rf"cannot create NVMe shard file '{folder}/param_\d+.shard' of "
+                             r"parameter \d+: it is a symbolic link, not a regular file; remove "
+                             r"it"):
+        nvme_engine(tmp_path / "nvme")
+    assert victim.read_text() == "precious"
+
+
+def test_a_fifo_planted_as_a_shard_file_fails_at_once(tmp_path):
+    """A blocking open of the FIFO waited for a writer forever."""
+    folder = tmp_path / "nvme" / "rank0"
+    folder.mkdir(parents=True, mode=0o700)
+    for p in range(64):
+        os.mkfifo(folder / f"param_{p}.shard")
+    with pytest.raises(ductile.IoError, match=r"param_\d+.shard' of parameter \d+: it is a "
+                                              r"FIFO, not a regular file"):
+        nvme_engine(tmp_path / "nvme")
+
+
+def test_a_rank_folder_writable_by_others_or_a_link_is_refused(tmp_path):
+    folder = tmp_path / "open" / "rank0"
+    folder.mkdir(parents=True)
+    os.chmod(folder, 0o777)
+    with pytest.raises(ductile.IoError, match=rf"\[zero\] nvme_path: the shard folder '{folder}' "
+                                              r"has mode 0777, writable by its group or by "
+                                              r"others"):
+        nvme_engine(tmp_path / "open")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "linked").mkdir()
+    os.symlink(elsewhere, tmp_path / "linked" / "rank0")
+    with pytest.raises(ductile.IoError, match=r"rank0' is a symbolic link, not a directory of "
+                                              r"this user"):
+        nvme_engine(tmp_path / "linked")
+    assert os.listdir(elsewhere) == []
+    # A fresh one is created private.
+    engine = nvme_engine(tmp_path / "fresh")
+    try:
+        assert os.stat(tmp_path / "fresh" / "rank0").st_mode & 0o777 == 0o700
+    finally:
+        engine.close()

@@ -1,6 +1,19 @@
 // Shard files for NVMe offload: one file per parameter under
 // <nvme_path>/rank<r>/, written synchronously and read either synchronously
 // or ahead of time by one background I/O thread.
+//
+// The rank's folder is ductile's own: created with mode 0700, or, when it
+// exists, accepted only as a real directory (not a symbolic link) owned by
+// the process's user and writable by nobody else. Every shard file is then
+// opened relative to that folder's descriptor, never following a symbolic
+// link and never waiting on a FIFO, and accepted only as a regular file of
+// the process's user: a link planted there cannot redirect the parameters'
+// writes onto another file, and a FIFO cannot hang a read or a write.
+//
+// Threading: create/write/read run on the caller's thread; submitted reads
+// run on the store's I/O thread. The store is not safe for concurrent
+// create/write calls on the same parameter.
+// Errors: Error(io) naming the file or folder, what is wrong and what to do.
 #pragma once
 
 #include <atomic>
@@ -12,6 +25,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 
 namespace ductile::zero {
@@ -29,6 +43,8 @@ struct ReadJob {
 
 class NvmeStore {
  public:
+  // Creates <root> (with its parents) and <root>/rank<rank>/. Throws
+  // Error(io) naming the folder when it cannot be created or is refused.
   NvmeStore(std::filesystem::path root, int rank);
   ~NvmeStore();
   NvmeStore(const NvmeStore&) = delete;
@@ -51,8 +67,18 @@ class NvmeStore {
 
  private:
   void run();
+  // "" when `bytes` were read into `data`, else what went wrong.
+  std::string read_file(std::uint64_t parameter, void* data, std::size_t bytes) const;
+  // Opens the parameter's shard file with `flags` (plus no-follow,
+  // non-blocking, close-on-exec) into `fd` and checks it is a regular file
+  // of this user: "" when it is (the caller closes `fd`), else what is wrong
+  // (`fd` is then -1). `verb` says what was being done ("write");
+  // `missing_note` ends the message of a missing file.
+  std::string open_shard(std::uint64_t parameter, int flags, const char* verb, int& fd,
+                         std::string_view missing_note = {}) const;
 
   std::filesystem::path dir_;
+  int dir_fd_ = -1;  // the rank's folder, opened once and checked
   std::mutex mutex_;
   std::condition_variable work_cv_;
   std::condition_variable done_cv_;

@@ -8,6 +8,7 @@ at any world size.
     root/<tag>/manifest.json     by rank 0: save id, step, parameters, optimizer, client
                                  state, and each shard file's size and CRC-32
     root/<tag>/manifest.json.sha256  the manifest's SHA-256 (sha256sum's format)
+    root/<tag>/manifest.json.hmac    with a key only: the manifest's HMAC-SHA256
     root/<tag>/rank<r>-of-<W>.bin  rank r's shards: a header naming the save, then, parameter
                                  after parameter in model.named_parameters() order, its
                                  values and its optimizer state tensors of shard shape
@@ -39,6 +40,16 @@ is an error naming the file and both saves. The manifest itself is checked
 against the SHA-256 in ``latest`` and in its sidecar before it is parsed:
 an edit (a step, an optimizer scalar) is refused, naming the file.
 
+Damage, not forgery. The SHA-256 and CRC-32 are unkeyed: whoever can
+write the checkpoint can edit the manifest and record its new SHA-256, and
+the load accepts it. With a key (DUCTILE_CHECKPOINT_KEY, or the file
+DUCTILE_CHECKPOINT_KEY_FILE names; _checkpoint_files.checkpoint_key), rank
+0 writes manifest.json.hmac, the HMAC-SHA256 of the manifest under it, and
+every rank the SHA-256 of its shard file into the manifest (the CRC-32 is
+easily forged); a load with a key refuses a manifest whose HMAC does not
+verify or that has none, and a shard file whose SHA-256 differs. A load
+without a key checks a keyed checkpoint for damage as any other.
+
 How a load fails. Each rank reads the manifest, checks the model and the
 optimizer against it, reads the pieces it needs from the old ranks' files,
 checking each file's type (a regular file inside the checkpoint: a FIFO
@@ -54,6 +65,7 @@ each flattened parameter, which lie in one or a few of the old ranks' shards.
 
 import copy
 import hashlib
+import hmac
 import json
 import os
 import uuid
@@ -62,11 +74,11 @@ import torch
 
 from ..._errors import IncompatibleError, InvalidArgumentError, IoError
 from ._agreement import agree
-from ._checkpoint_files import (CHECKSUM, FORMAT, LATEST, MANIFEST, VERSION, check_root,
-                                check_tag, clean_after_load, describe, dtype_of, element_size,
-                                final_name, from_json, fs, fsync_dir, header, io_error,
-                                lock_root, optimizer_class, optimizer_view, pointer_text,
-                                rank_stem,
+from ._checkpoint_files import (CHECKSUM, FORMAT, HMAC_FILE, LATEST, MANIFEST, VERSION,
+                                check_root, check_tag, checkpoint_key, clean_after_load,
+                                describe, dtype_of, element_size, final_name, from_json, fs,
+                                fsync_dir, header, hmac_text, io_error, lock_root,
+                                optimizer_class, optimizer_view, pointer_text, rank_stem,
                                 remove_leftovers, remove_tree, shard_chunks, unlock_root,
                                 write_file)
 from ._checkpoint_reads import (RankFiles, check_loss_scaler, check_model, read_manifest,
@@ -131,6 +143,9 @@ def _save(engine, root, client_state, tag, step, rank, world, what, staging, wri
         parameters, opt = describe(engine, optimizer, groups)
         manifest_text = None
         if rank == 0:
+            # Rank 0's key signs the manifest; the other ranks only hash
+            # their shard files when it has one.
+            signing[0] = checkpoint_key()[0]
             for name, value in (("client_state", client_state),
                                 ("the lr_scheduler's state_dict()", scheduler_state)):
                 try:
@@ -156,28 +171,37 @@ def _save(engine, root, client_state, tag, step, rank, world, what, staging, wri
                 written.staging = staging
             except OSError as e:
                 raise io_error(staging, "cannot create the checkpoint folder", e) from e
-            manifest_text = uuid.uuid4().hex
+            manifest_text = json.dumps({"save_id": uuid.uuid4().hex,
+                                        "signed": signing[0] is not None})
         return optimizer, parameters, opt, manifest_text
 
+    signing = [None]  # rank 0's key, when it has one
     first = agree(engine.comm, prepare,
                   payload=lambda v: (v[3] or "").encode(), what=what)
     optimizer, parameters, opt, _ = first.value
-    save_id = first.payloads[0].decode()
+    plan = json.loads(first.payloads[0].decode())
+    save_id, signed = plan["save_id"], plan["signed"]
     stem = rank_stem(rank, world) + ".bin"
 
     def write_shards():
         path = os.path.join(staging, stem)
         try:
             return write_file(path, shard_chunks(engine, optimizer, parameters,
-                                                   header(save_id, step, rank, world)))
+                                                   header(save_id, step, rank, world)),
+                              sha256=signed)
         except OSError as e:
             raise io_error(path, "cannot write the shard file", e) from e
 
     shards_written = agree(engine.comm, write_shards,
                            payload=lambda v: json.dumps(v).encode(), what=what)
-    shards = [{"file": rank_stem(r, world) + ".bin", "bytes": s, "crc32": c}
-              for r, (s, c) in enumerate(json.loads(p.decode())
-                                         for p in shards_written.payloads)]
+    shards = []
+    for r, payload in enumerate(shards_written.payloads):
+        written_shard = json.loads(payload.decode())
+        record = {"file": rank_stem(r, world) + ".bin", "bytes": written_shard[0],
+                  "crc32": written_shard[1]}
+        if signed:
+            record["sha256"] = written_shard[2]
+        shards.append(record)
 
     def commit():
         if rank != 0:
@@ -196,6 +220,9 @@ def _save(engine, root, client_state, tag, step, rank, world, what, staging, wri
         try:
             write_file(os.path.join(staging, MANIFEST), [text])
             write_file(os.path.join(staging, CHECKSUM), [f"{checksum}  {MANIFEST}\n".encode()])
+            if signing[0] is not None:
+                mac = hmac.new(signing[0], text, hashlib.sha256).hexdigest()
+                write_file(os.path.join(staging, HMAC_FILE), [hmac_text(mac)])
             fsync_dir(staging)
             fs("rename", staging)
             os.rename(staging, final)
@@ -235,8 +262,9 @@ def _read(engine, root):
     """Everything a load needs, read and checked; the engine is untouched.
     Returns (manifest path, manifest, shard values per parameter, optimizer
     state dict or None)."""
+    key, variable = checkpoint_key()
     source = resolve(root)
-    path, manifest = read_manifest(source)
+    path, manifest = read_manifest(source, key, variable)
     check_model(engine, path, manifest)
     check_loss_scaler(engine, path, manifest)
     saved = manifest["parameters"]
@@ -263,7 +291,7 @@ def _read(engine, root):
         offsets.append((old_shard, entry))
 
     old_world = manifest["world_size"]
-    files = RankFiles(source, path, manifest, layout)
+    files = RankFiles(source, path, manifest, layout, signed_by=variable)
     try:
         values = []
         for info, meta, (old_shard, entry) in zip(engine._params, saved, offsets):

@@ -6,6 +6,7 @@ saves. _checkpoint_reads.py reads them back."""
 
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -14,7 +15,8 @@ import zlib
 
 import torch
 
-from ..._errors import IncompatibleError, InvalidArgumentError, IoError
+from ... import _ductile
+from ..._errors import Error, IncompatibleError, InvalidArgumentError, IoError
 from ..._paths import path_argument
 
 FORMAT = "ductile-zero3-checkpoint"
@@ -26,6 +28,16 @@ LATEST = "latest"
 MANIFEST = "manifest.json"
 CHECKSUM = MANIFEST + ".sha256"  # sha256sum's format: "<hex>  manifest.json"
 MAGIC = b"DZ3SHARD"
+# Written when the user gives a key (below): "hmac-sha256 <hex>  manifest.json",
+# the HMAC-SHA256 of the manifest's bytes under that key. The manifest then
+# records every shard file's SHA-256, so that the HMAC vouches for the shard
+# files too (their CRC-32 is no defence against a forger).
+HMAC_FILE = MANIFEST + ".hmac"
+KEY_FILE_ENV = "DUCTILE_CHECKPOINT_KEY_FILE"
+KEY_ENV = "DUCTILE_CHECKPOINT_KEY"
+_KEY_FILE_BYTES = 4096
+# Fewer bytes than this are guessable; `openssl rand -hex 32` gives 64.
+MIN_KEY_BYTES = 16
 
 # Test hook: called as _fault_hook(operation, path) before every mkdir,
 # create, write, fsync, rename and removal of a save, so that a test can
@@ -67,28 +79,76 @@ def raw_bytes(tensor):
 
 def fsync_dir(path):
     fs("fsync", path)
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def write_file(path, chunks):
+def write_file(path, chunks, sha256=False):
     """Writes `chunks` (bytes-like) to a new file and fsyncs it; returns
-    (size, CRC-32)."""
+    [size, CRC-32], and the SHA-256 (hex) when `sha256`. The file must not
+    exist, not even as a link (O_EXCL, O_NOFOLLOW): a link planted in the
+    folder cannot redirect the write onto another file."""
     crc, size = 0, 0
+    digest = hashlib.sha256() if sha256 else None
     fs("create", path)
-    with open(path, "xb") as f:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o666)
+    with os.fdopen(fd, "wb") as f:
         for chunk in chunks:
             fs("write", path)
             f.write(chunk)
             crc = zlib.crc32(chunk, crc)
+            if digest is not None:
+                digest.update(chunk)
             size += len(chunk) if isinstance(chunk, (bytes, bytearray)) else chunk.nbytes
         f.flush()
         fs("fsync", path)
         os.fsync(f.fileno())
-    return size, crc
+    return [size, crc] if digest is None else [size, crc, digest.hexdigest()]
+
+
+def checkpoint_key():
+    """The key that signs and checks checkpoints: the bytes of the file
+    DUCTILE_CHECKPOINT_KEY_FILE names (read by the bounded reader, blanks
+    at its ends dropped), or of DUCTILE_CHECKPOINT_KEY; None when neither
+    is set. Returns (key, the variable that gave it). Raises
+    InvalidArgumentError naming the variable (both set, empty, too short),
+    or the reader's NotFoundError/IoError naming the file."""
+    path = os.environ.get(KEY_FILE_ENV)
+    text = os.environb.get(KEY_ENV.encode())
+    if path is not None and text is not None:
+        raise InvalidArgumentError(f"zero3 checkpoint: both {KEY_FILE_ENV} and {KEY_ENV} are "
+                                   "set; set one of them")
+    if path is not None:
+        if not path:
+            raise InvalidArgumentError(f"zero3 checkpoint: {KEY_FILE_ENV} is set but empty; "
+                                       "give the path of a key file, or unset it")
+        try:
+            key = _ductile.read_user_file(path, "checkpoint key file", _KEY_FILE_BYTES).strip()
+        except Error as e:
+            raise type(e)(f"{e} (named by {KEY_FILE_ENV})", kind=e.kind, type=e.type) from e
+        where = f"{path} (named by {KEY_FILE_ENV})"
+        variable = KEY_FILE_ENV
+    elif text is not None:
+        key = text
+        where = KEY_ENV
+        variable = KEY_ENV
+    else:
+        return None, None
+    # The key itself is a secret: a message gives its length, never its bytes.
+    if len(key) < MIN_KEY_BYTES:
+        raise InvalidArgumentError(
+            f"zero3 checkpoint: the key of {where} has {len(key)} bytes; valid: at least "
+            f"{MIN_KEY_BYTES} (e.g. the 64 hex digits of `openssl rand -hex 32`), or unset "
+            f"{variable} to save without a key")
+    return key, variable
+
+
+def hmac_text(mac):
+    return f"hmac-sha256 {mac}  {MANIFEST}\n".encode()
 
 
 def io_error(path, what, e):

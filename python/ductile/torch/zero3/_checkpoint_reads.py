@@ -4,12 +4,15 @@ which would block the open, nor a directory or a device), no larger than
 what it can hold, and reached without leaving the checkpoint (a link to a
 file elsewhere is refused). `latest` names the folder and, since format
 version 3, the SHA-256 of its manifest, which manifest.json.sha256 beside
-it records too: an edited manifest is refused before it is parsed. Then the
-manifest's entries are checked for the types a save writes, and every shard
-file for its header, size and CRC-32."""
+it records too: an edited manifest is refused before it is parsed. With a
+key, manifest.json.hmac must verify first, and each shard file must match
+the SHA-256 the manifest records (see _checkpoint.py). Then the manifest's
+entries are checked for the types a save writes, and every shard file for
+its header, size and CRC-32."""
 
 import copy
 import hashlib
+import hmac
 import json
 import os
 import re
@@ -17,8 +20,8 @@ import stat
 import zlib
 
 from ..._errors import IncompatibleError, IoError
-from ._checkpoint_files import (CHECKSUM, FORMAT, LATEST, MAGIC, MANIFEST, READ_VERSIONS,
-                                dtype_name, io_error, rank_stem, tag_problem)
+from ._checkpoint_files import (CHECKSUM, FORMAT, HMAC_FILE, LATEST, MAGIC, MANIFEST,
+                                READ_VERSIONS, dtype_name, io_error, rank_stem, tag_problem)
 
 # The most a file of the checkpoint may hold, before it is read: `latest`
 # and the sidecar hold a name and a checksum; a manifest, about 300 bytes a
@@ -169,12 +172,40 @@ def _no_duplicates(pairs):
     return out
 
 
-def read_manifest(source):
+def _check_hmac(path, data, folder, base, key, variable):
+    """Refuses the manifest unless HMAC_FILE beside it holds the
+    HMAC-SHA256 of its bytes under `key` (given by the environment
+    `variable`)."""
+    sidecar = os.path.join(folder, HMAC_FILE)
+    if not os.path.lexists(sidecar):
+        raise IoError(f"{sidecar}: no HMAC of the manifest, and {variable} gives a key: the "
+                      "checkpoint was saved without that key (or its HMAC was removed); it is "
+                      f"not loaded. Load it with {variable} unset to check it against damage "
+                      "only")
+    text = _text(read_checked(sidecar, base, _POINTER_BYTES, "manifest HMAC"), sidecar,
+                 "manifest HMAC")
+    fields = text.split()
+    if len(fields) != 3 or fields[0] != "hmac-sha256" or not _SHA256.fullmatch(fields[1]) \
+            or fields[2] != MANIFEST:
+        raise IoError(f"{sidecar}: not a manifest HMAC (one line 'hmac-sha256 <64 hex digits>  "
+                      f"{MANIFEST}')")
+    expected = hmac.new(key, data, hashlib.sha256).hexdigest()
+    if not hmac.compare_digest(expected, fields[1]):
+        raise IoError(f"{path}: its HMAC-SHA256 under the key of {variable} is not the one "
+                      f"{sidecar} records: the manifest was changed after the save, or signed "
+                      "with another key; it is not loaded")
+
+
+def read_manifest(source, key=None, variable=None):
     """(path, manifest) of the source's folder, checked against its
-    checksums, then for the entries every load reads."""
+    checksums, then for the entries every load reads. With a `key` (from
+    the environment `variable`), its HMAC must verify first: the checksums
+    alone detect damage, not an edit whose author recomputed them."""
     folder, base = source.folder, source.base
     path = os.path.join(folder, MANIFEST)
     data = read_checked(path, base, MANIFEST_BYTES, "checkpoint manifest")
+    if key is not None:
+        _check_hmac(path, data, folder, base, key, variable)
     digest = hashlib.sha256(data).hexdigest()
     recorded = []  # (file, checksum)
     if source.pointer is not None and source.pointer.checksum is not None:
@@ -313,7 +344,10 @@ class RankFiles:
     """The old ranks' files, opened and checked (header, size, CRC-32) on
     first use."""
 
-    def __init__(self, source, manifest_path, manifest, layout_bytes):
+    def __init__(self, source, manifest_path, manifest, layout_bytes, signed_by=None):
+        # signed_by: the environment variable of the key that verified the
+        # manifest; each shard file must then match the SHA-256 it records.
+        self.signed_by = signed_by
         self.folder = source.folder
         self.base = source.base
         self.manifest_path = manifest_path
@@ -364,10 +398,22 @@ class RankFiles:
                 f"{ours[1]}, rank {ours[2]} of {ours[3]}): the checkpoint mixes files of two saves")
         offset = len(MAGIC) + 4 + n
         size = os.fstat(f.fileno()).st_size
-        if size != record["bytes"] or size != offset + self.layout_bytes:
+        if size != record["bytes"]:
             raise IoError(
-                f"{path}: {size} bytes, expected {record['bytes']} (the manifest's record and "
-                "layout): the file is truncated or damaged")
+                f"{path}: {size} bytes, expected {record['bytes']} (the size {self.manifest_path} "
+                "records): the file is truncated or damaged")
+        if size != offset + self.layout_bytes:
+            raise IoError(
+                f"{path}: {size} bytes, but the parameters {self.manifest_path} lists take "
+                f"{offset + self.layout_bytes} ({offset} of header and {self.layout_bytes} of "
+                "values): the manifest and the file disagree; the checkpoint is damaged")
+        wanted = record.get("sha256") if self.signed_by is not None else None
+        if self.signed_by is not None and not (isinstance(wanted, str) and
+                                               _SHA256.fullmatch(wanted)):
+            raise IoError(f"{self.manifest_path}: no SHA-256 of {path}, and {self.signed_by} "
+                          "gives a key: a signed manifest records one for every shard file; "
+                          "it is not loaded")
+        digest = hashlib.sha256() if wanted is not None else None
         f.seek(0)
         crc = 0
         while True:
@@ -375,9 +421,15 @@ class RankFiles:
             if not chunk:
                 break
             crc = zlib.crc32(chunk, crc)
+            if digest is not None:
+                digest.update(chunk)
         if crc != record["crc32"]:
             raise IoError(f"{path}: CRC-32 {crc:#010x} differs from the manifest's "
                           f"{record['crc32']:#010x}: the shard file is corrupt")
+        if digest is not None and not hmac.compare_digest(digest.hexdigest(), wanted):
+            raise IoError(f"{path}: its SHA-256 is {digest.hexdigest()}, but the signed "
+                          f"{self.manifest_path} records {wanted}: the shard file was changed "
+                          "after the save; it is not loaded")
         return offset
 
 
