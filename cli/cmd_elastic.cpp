@@ -7,6 +7,7 @@
 #include <fstream>
 #include <iostream>
 #include <sstream>
+#include <string_view>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -23,6 +24,10 @@
 namespace ductile::cli {
 namespace {
 
+// How the built-in policies say that a request lacked the world size.
+constexpr std::string_view kNoWorldSize = "no world size was given";
+constexpr auto npos = std::string_view::npos;
+
 struct ElasticOptions {
   std::string config;
   std::int64_t world_size = 0;
@@ -30,6 +35,17 @@ struct ElasticOptions {
   bool micro_batch = false;
   bool json = false;
 };
+
+// Called in a handler of `e`, raised by the policy's compute(). The
+// policies word a missing world size for every caller; here the way to give
+// one is this command's option. (Other messages stay as the policy wrote
+// them: the Python API raises the same text.)
+[[noreturn]] void rethrow_with_option(const Error& e, const ElasticOptions& options) {
+  const std::string_view message = e.what();
+  if (options.world_size_given || message.find(kNoWorldSize) == npos) throw;
+  throw Error(e.kind(), fmt::format("{} (ductile elastic: pass --world-size N)", message),
+              e.type());
+}
 
 pipeline::LoadedElasticity load(const CliContext& context, const std::string& file,
                                 const std::string& text) {
@@ -188,7 +204,12 @@ int run_elastic(const CliContext& context, const ElasticOptions& options) {
   ProgressBar progress("ductile elastic");
   progress.begin_stage(
       loaded.source.policy == "optimal" ? "searching batch sizes" : "computing the plan", 0);
-  auto result = loaded.policy->compute(request);
+  ElasticityResult result;
+  try {
+    result = loaded.policy->compute(request);
+  } catch (const Error& e) {
+    rethrow_with_option(e, options);
+  }
   progress.finish();
   result.warnings.insert(result.warnings.begin(), rule_warnings.begin(), rule_warnings.end());
   if (options.json)

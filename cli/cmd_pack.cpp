@@ -2,10 +2,15 @@
 // pack_plan (lengths -> micro-batches -> steps -> ranks -> learning rates).
 // Also the batching part of `ductile demo`.
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <fstream>
 #include <iostream>
+#include <new>
+#include <optional>
 #include <sstream>
+#include <system_error>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -39,13 +44,18 @@ struct PackFlags {
 
 std::int64_t parse_int(const std::string& flag, const std::string& text, std::int64_t min) {
   std::int64_t v = 0;
-  std::size_t used = 0;
-  try {
-    v = std::stoll(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used == 0 || used != text.size())
+  const char* end = text.data() + text.size();
+  // from_chars takes no '+', which the option accepts (it means the same).
+  const bool plus = text.size() > 1 && text[0] == '+' && text[1] != '-';
+  const char* digits = text.data() + (plus ? 1 : 0);
+  const auto [stop, ec] = std::from_chars(digits, end, v);
+  if (ec == std::errc::result_out_of_range && stop == end)
+    throw Error(ErrorKind::invalid_argument,
+                fmt::format("{} {} is past the {} integer ({}); must be an integer between {} "
+                            "and {}",
+                            flag, text, text.front() == '-' ? "smallest" : "largest",
+                            text.front() == '-' ? "-2^63" : "2^63-1", min, INT64_MAX));
+  if (ec != std::errc() || stop != end || digits == end)
     throw Error(ErrorKind::invalid_argument, fmt::format("{} '{}' is not an integer", flag, text));
   if (v < min)
     throw Error(ErrorKind::invalid_argument,
@@ -153,13 +163,31 @@ int run_pack(const CliContext& context, const PackFlags& o) {
   // bar ends before anything is printed on stdout (often the same terminal).
   ProgressBar progress("ductile pack");
   progress.begin_stage("reading lengths", 0);
-  const auto lengths = pipeline::read_lengths(setup.lengths, setup.read);
-  const pipeline::PackPlan plan = pipeline::pack_plan(*runtime, lengths, options, progress.sink());
+  // The inputs are bounded (file size, histogram expansion), but a machine
+  // may still lack the memory for a large one: that is said in terms of the
+  // input rather than as an internal error.
+  std::vector<std::int64_t> lengths;
+  std::optional<pipeline::PackPlan> packed;
+  std::string json;
+  try {
+    lengths = pipeline::read_lengths(setup.lengths, setup.read);
+    packed.emplace(pipeline::pack_plan(*runtime, lengths, options, progress.sink()));
+    if (o.json) json = pipeline::to_json(*packed, true, progress.sink());
+  } catch (const std::bad_alloc&) {
+    throw Error(
+        ErrorKind::unsupported,
+        fmt::format("--lengths {}: out of memory {}; this machine cannot pack it: split "
+                    "the lengths file{}",
+                    setup.lengths.string(),
+                    lengths.empty() ? std::string("while reading its samples")
+                                    : fmt::format("while packing its {} samples", lengths.size()),
+                    setup.read.count_column.empty() ? "" : " or lower its histogram counts"));
+  }
+  const pipeline::PackPlan& plan = *packed;
   const auto& s = plan.stats;
   const auto ranks = options.ranks;
 
   if (o.json) {
-    const std::string json = pipeline::to_json(plan, true, progress.sink());
     progress.finish();
     std::cout << json << "\n";
     return kExitOk;

@@ -154,6 +154,51 @@ void check_nesting(std::string_view text, const std::string& file) {
   }
 }
 
+// Line `line` (1-based) of `text`, without its '\n'; empty past the end.
+std::string_view line_of(std::string_view text, std::size_t line) {
+  std::size_t start = 0;
+  for (std::size_t n = 1; n < line; ++n) {
+    start = text.find('\n', start);
+    if (start == std::string_view::npos) return {};
+    ++start;
+  }
+  return text.substr(start, text.find('\n', start) - start);
+}
+
+// The key a line assigns (the text before its '='), or "" when the line
+// has none (an element of an array written over several lines).
+std::string_view key_of(std::string_view row) {
+  const std::size_t equals = row.find('=');
+  if (equals == std::string_view::npos) return {};
+  row = row.substr(0, equals);
+  while (!row.empty() && (row.front() == ' ' || row.front() == '\t')) row.remove_prefix(1);
+  while (!row.empty() && (row.back() == ' ' || row.back() == '\t')) row.remove_suffix(1);
+  return row;
+}
+
+// TOML++'s description of a parse error. An integer outside 64 bits is
+// otherwise reported as "not representable in 64 bits" without its key, its
+// sign nor what is valid; it is said here in the terms of every other range
+// error.
+std::string toml_problem(std::string_view text, std::size_t line, std::string_view description) {
+  constexpr std::string_view kTooWide = "' is not representable in 64 bits";
+  const std::size_t tail = description.find(kTooWide);
+  const std::size_t open =
+      tail == std::string_view::npos || tail == 0 ? tail : description.rfind('\'', tail - 1);
+  if (open == std::string_view::npos) return "invalid TOML: " + std::string(description);
+  const std::string_view digits = description.substr(open + 1, tail - open - 1);
+  const std::string_view row = line_of(text, line);
+  // TOML++ quotes the digits without their sign: the line has it.
+  const std::size_t at = row.find(digits);
+  const bool negative = at != std::string_view::npos && at > 0 && row[at - 1] == '-';
+  const std::string_view key = key_of(row);
+  return fmt::format(
+      "{}{}{} is past the {} integer ({}): integers in a configuration are 64-bit, from "
+      "-9223372036854775808 (-2^63) to 9223372036854775807 (2^63-1)",
+      key.empty() ? std::string() : fmt::format("{} = ", excerpt(key)), negative ? "-" : "",
+      excerpt(digits), negative ? "smallest" : "largest", negative ? "-2^63" : "2^63-1");
+}
+
 }  // namespace
 
 ConfigDocument ConfigDocument::from_string(std::string_view text, std::string_view source_name,
@@ -166,7 +211,7 @@ ConfigDocument ConfigDocument::from_string(std::string_view text, std::string_vi
     doc.impl_->root = toml::parse(text, std::string_view{doc.impl_->source_name});
   } catch (const toml::parse_error& e) {
     throw ConfigError({{position_of(doc.impl_->source_name, e.source()),
-                        "invalid TOML: " + std::string(e.description())}});
+                        toml_problem(text, e.source().begin.line, e.description())}});
   }
   return doc;
 }

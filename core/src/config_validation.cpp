@@ -300,8 +300,17 @@ Config Config::validate(const ConfigDocument& document, const PluginRegistry& re
       if (auto problem = check_plugin_params(*info, section.params)) {
         const KeyInput* at = problem->key.empty() ? nullptr : in.find(problem->key);
         std::string message = problem->message;
-        // A key the user wrote under another name: say which.
-        if (at && !at->node) message = fmt::format("{}: {}", at->shown, message);
+        // A key the user wrote under another name (a DeepSpeed key mapped
+        // onto this section): the plugin names its own "[section] key",
+        // which the user never wrote, so the user's key takes its place;
+        // a message that does not name it is prefixed with the user's key.
+        if (at && !at->node) {
+          const std::string own = fmt::format("[{}] {}", name, problem->key);
+          if (const auto pos = message.find(own); pos != std::string::npos)
+            message.replace(pos, own.size(), at->shown);
+          else
+            message = fmt::format("{}: {}", at->shown, message);
+        }
         errors.add({at ? at->value_at : header, std::move(message)});
       }
     }

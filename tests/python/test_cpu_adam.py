@@ -393,3 +393,47 @@ def test_errors_name_the_argument_and_what_is_valid():
     q.grad = torch.ones(10)
     with pytest.raises(ductile.InvalidArgumentError, match="fp16_param_groups"):
         DuctileCPUAdam([q]).step(fp16_param_groups=[[torch.zeros(10)]])
+
+
+def test_malformed_arguments_raise_the_packages_error_naming_them():
+    """Three betas, a list as plugin_params, a NaN step in a loaded state and
+    fp16_param_groups of the wrong length: InvalidArgumentError naming the
+    argument, its value and what is valid, before anything is stepped."""
+    p = torch.zeros(10, requires_grad=True)
+    for betas in [(0.9, 0.99, 0.9), (0.9,), (0.9, 1.0), "ab", None]:
+        with pytest.raises(ductile.InvalidArgumentError,
+                           match=r"betas = .* is invalid; valid: a pair \(beta1, beta2\) of "
+                                 r"numbers in \[0, 1\)"):
+            DuctileCPUAdam([p], betas=betas)
+    # A group of its own betas is checked when stepped.
+    grouped = DuctileCPUAdam([{"params": [p], "betas": [0.9, 0.99, 0.5]}])
+    p.grad = torch.ones(10)
+    with pytest.raises(ductile.InvalidArgumentError, match=r"param group 0: betas = \[0.9"):
+        grouped.step()
+
+    with pytest.raises(ductile.InvalidArgumentError,
+                       match=r"plugin_params = \[\('threads', 2\)\] is a list; valid: None or "
+                             r"a dict"):
+        DuctileCPUAdam([p], plugin_params=[("threads", 2)])
+
+    stepped = DuctileCPUAdam([p])
+    stepped.step()
+    state = stepped.state_dict()
+    state["state"][0]["step"] = torch.tensor(float("nan"))
+    loaded = DuctileCPUAdam([p])
+    loaded.load_state_dict(state)
+    before = p.detach().clone()
+    with pytest.raises(ductile.InvalidArgumentError,
+                       match=r"the state of param group 0, parameter 0 has step = tensor\(nan\); "
+                             r"valid: a whole number of steps taken"):
+        loaded.step()
+    assert torch.equal(p.detach(), before)
+
+    q = torch.zeros(10, requires_grad=True)
+    q.grad = torch.ones(10)
+    for groups, name in [([], "fp16_param_groups = \\[\\] is a list of 0"),
+                         ([[]], r"fp16_param_groups\[0\] = \[\] is a list of 0"),
+                         (torch.zeros(10), "fp16_param_groups = tensor")]:
+        with pytest.raises(ductile.InvalidArgumentError, match=name):
+            DuctileCPUAdam([q]).step(fp16_param_groups=groups)
+    assert torch.equal(q.detach(), torch.zeros(10))

@@ -7,6 +7,7 @@
 #include "ductile/pipeline/lengths.hpp"
 
 #include <algorithm>
+#include <cctype>
 #include <charconv>
 #include <string_view>
 #include <system_error>
@@ -48,6 +49,21 @@ bool parse_int(std::string_view s, std::int64_t& out) {
   if (s.empty()) return false;
   auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), out);
   return ec == std::errc() && p == s.data() + s.size();
+}
+
+std::string not_a_length(std::string_view s) {
+  s = trim(s);
+  std::int64_t ignored = 0;
+  std::string_view digits = s;
+  if (!digits.empty() && (digits.front() == '+' || digits.front() == '-')) digits.remove_prefix(1);
+  const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), ignored);
+  if (!digits.empty() && std::isdigit(static_cast<unsigned char>(digits.front())) &&
+      ec == std::errc::result_out_of_range && end == digits.data() + digits.size())
+    return fmt::format(
+        "{} is past the {} integer ({}); every length must be an integer from 1 to "
+        "9223372036854775807 (2^63-1)",
+        shown(s), s.front() == '-' ? "smallest" : "largest", s.front() == '-' ? "-2^63" : "2^63-1");
+  return fmt::format("{} is not an integer length", shown(s));
 }
 
 void check_length(const fs::path& file, std::int64_t v, const std::string& where) {
@@ -114,7 +130,14 @@ std::vector<std::int64_t> read_lengths(const fs::path& file, const LengthReadOpt
 
 std::vector<std::int64_t> length_histogram(const std::vector<std::int64_t>& lengths) {
   std::int64_t top = 0;
-  for (auto v : lengths) top = std::max(top, v);
+  for (std::size_t i = 0; i < lengths.size(); ++i) {
+    if (lengths[i] > kMaxHistogramLength)
+      throw Error(ErrorKind::invalid_argument,
+                  fmt::format("length_histogram: sample {} has length {}, above {} (2^27), the "
+                              "longest a histogram indexes; valid: lengths from 1 to {}",
+                              i, lengths[i], kMaxHistogramLength, kMaxHistogramLength));
+    top = std::max(top, lengths[i]);
+  }
   std::vector<std::int64_t> h(static_cast<std::size_t>(top) + 1, 0);
   for (auto v : lengths)
     if (v >= 0) ++h[static_cast<std::size_t>(v)];

@@ -103,8 +103,8 @@ std::vector<std::int64_t> read_csv(const fs::path& file, const LengthReadOptions
                                               line, fields.size(), header.size()));
         std::int64_t v = 0;
         if (!parse_int(fields[length_col], v))
-          throw value_error(file, fmt::format("line {}, column '{}': {} is not an integer length",
-                                              line, header[length_col], shown(fields[length_col])));
+          throw value_error(file, fmt::format("line {}, column '{}': {}", line, header[length_col],
+                                              not_a_length(fields[length_col])));
         std::int64_t count = 1;
         if (histogram) {
           if (!parse_int(fields[count_col], count) || count < 0)
@@ -116,12 +116,13 @@ std::vector<std::int64_t> read_csv(const fs::path& file, const LengthReadOptions
           // A histogram expands to one entry per sample: refuse counts that no
           // memory could hold before allocating them.
           const std::int64_t most = options.max_histogram_samples;
-          if (count > most - static_cast<std::int64_t>(out.size()))
+          const auto before = static_cast<std::int64_t>(out.size());
+          if (count > most - before)
             throw value_error(
-                file,
-                fmt::format("line {}, column '{}': count {} makes more than {} samples in all, "
-                            "the most a lengths file may expand to",
-                            line, header[count_col], count, most));
+                file, fmt::format("line {}, column '{}': count {} expands the file to more than "
+                                  "{} samples ({} from the rows above), the most a lengths file "
+                                  "may expand to; valid: counts totalling at most {}",
+                                  line, header[count_col], count, most, before, most));
         }
         check_length(file, v, fmt::format("line {}, column '{}'", line, header[length_col]));
         out.insert(out.end(), static_cast<std::size_t>(count), v);

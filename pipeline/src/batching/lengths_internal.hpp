@@ -56,6 +56,11 @@ std::string shown(std::string_view s);
 // Parses a whole field as a signed 64-bit integer.
 bool parse_int(std::string_view s, std::int64_t& out);
 
+// Why a field parse_int refused is not a length: "is past the largest
+// integer (...)" for a whole number too wide for 64 bits, else "is not an
+// integer length"; `s` is quoted and cut as shown() does.
+std::string not_a_length(std::string_view s);
+
 // Throws value_error unless `v` >= 1; `where` is the position in the file.
 void check_length(const std::filesystem::path& file, std::int64_t v, const std::string& where);
 

@@ -17,8 +17,7 @@ std::vector<std::int64_t> read_text(const std::filesystem::path& file) {
                [&](std::size_t line, std::string_view s) {
                  std::int64_t v = 0;
                  if (!parse_int(s, v))
-                   throw value_error(file, fmt::format("line {}: {} is not an integer length", line,
-                                                       shown(trim(s))));
+                   throw value_error(file, fmt::format("line {}: {}", line, not_a_length(s)));
                  check_length(file, v, fmt::format("line {}", line));
                  out.push_back(v);
                });

@@ -171,6 +171,12 @@ void Mapping::offload_param(const json& zero, const core::PluginInfo* coordinato
     const json* path = child(*offload, "nvme_path");
     if (unset(path))
       problem(where + ".nvme_path", "is missing: device \"nvme\" needs the directory of its files");
+    else if (path->is_string() && path->get_ref<const std::string&>().empty())
+      // [zero] nvme_path = "" keeps the shards in device memory: not what
+      // device "nvme" asks for.
+      problem(where + ".nvme_path",
+              "= \"\": device \"nvme\" needs the directory of its files; valid: a non-empty "
+              "directory path (or device \"cpu\" or \"none\" to keep the shards in memory)");
     else
       set("zero", coordinator, "nvme_path", *path, where + ".nvme_path");
     if (const json* count = child(*offload, "buffer_count"); !unset(count))
@@ -285,7 +291,13 @@ core::Runtime runtime_from_deepspeed(const core::Runtime& base, std::string_view
                                      DeepSpeedTraining* training) {
   auto mapped = deepspeed_sections(json_text, origin, base_dir, base.registry(), options);
   if (training) *training = std::move(mapped.training);
-  auto runtime = base.with_config(mapped.document, plugin_checks);
+  // Every translated key is checked by its plugin's validate hook here,
+  // where the problem can still be named by the file and the user's own
+  // DeepSpeed key; a check left to the plugin's creation would name only
+  // the ductile key the user never wrote. The elasticity loaders (which ask
+  // for the block) keep the policy's typed errors, raised by compute().
+  const bool checks = plugin_checks || !options.require_elasticity;
+  auto runtime = base.with_config(mapped.document, checks);
   for (auto& w : mapped.warnings) {
     if (warnings)
       warnings->push_back(std::move(w));

@@ -5,6 +5,7 @@
 // Internal to the pipeline; ductile/pipeline/deepspeed_config.hpp is the API.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <optional>
@@ -39,6 +40,27 @@ inline std::string lowercase(std::string_view text) {
   std::string out(text);
   for (char& c : out) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
   return out;
+}
+
+// For a value that should be an integer: a whole JSON number outside 64
+// bits ("past the largest integer (2^63-1); valid: ..."), which JSON parsers read as an
+// unsigned or a floating-point number and would otherwise call "not an
+// integer"; nullopt for anything else.
+inline std::optional<std::string> past_int64(const json& value) {
+  const char* side = nullptr;
+  if (value.is_number_unsigned()) {
+    if (value.get<std::uint64_t>() > static_cast<std::uint64_t>(INT64_MAX)) side = "largest";
+  } else if (value.is_number_float()) {
+    const double v = value.get<double>();
+    // 2^63 is exact as a double; every whole double at or past it is too wide.
+    if (std::isfinite(v) && v == std::floor(v) && (v >= 0x1p63 || v < -0x1p63))
+      side = v > 0 ? "largest" : "smallest";
+  }
+  if (!side) return std::nullopt;
+  return fmt::format(
+      "past the {} integer ({}); valid: an integer from -9223372036854775808 (-2^63) to "
+      "9223372036854775807 (2^63-1)",
+      side, side[0] == 'l' ? "2^63-1" : "-2^63");
 }
 
 class Mapping {
@@ -90,6 +112,19 @@ class Mapping {
     if (!spec) throw Error(ErrorKind::internal, fmt::format("[{}] has no key {}", section, key));
     auto typed = json_to_param(value, spec->type);
     if (!typed) {
+      if (spec->type == ParamType::integer || spec->type == ParamType::integer_list) {
+        // An integer too wide for 64 bits is a range problem, not a type one.
+        const json* wide = &value;
+        if (value.is_array())
+          for (const auto& element : value)
+            if (past_int64(element)) wide = &element;
+        if (auto past = past_int64(*wide)) {
+          problem(user_key, wide == &value
+                                ? fmt::format("= {} is {}", json_excerpt(value), *past)
+                                : fmt::format("contains {}, {}", json_excerpt(*wide), *past));
+          return;
+        }
+      }
       problem(user_key, fmt::format("must be {}, got {}", param_type_expectation(spec->type),
                                     json_excerpt(value)));
       return;

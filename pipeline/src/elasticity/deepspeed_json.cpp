@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "deepspeed/mapping.hpp"
 #include "ductile/core/config.hpp"
 #include "ductile/core/text.hpp"
 #include "ductile/pipeline/elasticity.hpp"
@@ -89,6 +90,16 @@ std::string policy_of_block(const json& block, std::string_view origin) {
 // The message for a value that is not of the parameter's type.
 [[noreturn]] void wrong_type(std::string_view origin, const std::string& key, ParamType type,
                              const json& value) {
+  // A whole number too wide for 64 bits is out of range, not of another type.
+  const json* wide = &value;
+  if (value.is_array())
+    for (const auto& element : value)
+      if (deepspeed_mapping::past_int64(element)) wide = &element;
+  if (auto past = deepspeed_mapping::past_int64(*wide))
+    elasticity_config_error(wide == &value ? fmt::format("{}: elasticity.{} = {} is {}", origin,
+                                                         key, json_excerpt(value), *past)
+                                           : fmt::format("{}: elasticity.{} contains {}, {}",
+                                                         origin, key, json_excerpt(*wide), *past));
   if (type == ParamType::integer_list) {
     // DeepSpeed's wording for its micro_batch_sizes.
     const char* what =

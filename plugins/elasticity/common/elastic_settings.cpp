@@ -69,6 +69,12 @@ Settings read_settings(const Params& params, std::string_view policy) {
                     fmt::format("elasticity ({}): micro_batch_sizes = [] is invalid: give at least "
                                 "one positive integer",
                                 policy));
+  if (micro.size() > kMaxMicroBatchSizes)
+    config_error_at("micro_batch_sizes",
+                    fmt::format("elasticity ({}): micro_batch_sizes has {} entries, more than the "
+                                "{} accepted: list at most {} micro batch sizes",
+                                policy, micro.size(), kMaxMicroBatchSizes, kMaxMicroBatchSizes));
+  s.micro_batch_sizes.reserve(micro.size());
   for (std::size_t i = 0; i < micro.size(); ++i) {
     if (micro[i] <= 0)
       config_error_at(

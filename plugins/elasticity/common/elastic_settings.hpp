@@ -7,6 +7,7 @@
 // (ElasticityConfigError) naming the key, the value and what is valid.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -67,6 +68,16 @@ inline constexpr ParamSpec kElasticitySchema[] = {
             "ignored"},
 };
 
+// The most entries micro_batch_sizes may hold. DeepSpeed configurations list
+// a handful of per-GPU micro batches (its own examples give 2 to 8); 1024
+// leaves room for any sweep a user would write while bounding the work that
+// grows with the list (each entry is a candidate batch whose divisors are
+// tested against the entries): v0.1 and v0.2 plan 1024 entries in well
+// under a second with the default max_gpus. The count is checked before
+// any element is read, so a long list is refused at once by `config
+// check`, `ductile elastic` and every other caller alike.
+inline constexpr std::size_t kMaxMicroBatchSizes = 1024;
+
 // Throws ductile::Error typed ElasticityConfigError (ErrorKind::config).
 [[noreturn]] void config_error(const std::string& message);
 // Same, as a ParamError naming `key` (config check points at it).
@@ -90,8 +101,9 @@ struct Settings {
 
 // Reads the parameters and runs DeepSpeed's checks in DeepSpeed's order:
 // enabled, required keys present, micro batches positive, min/max GPUs, model
-// parallel size, GPUs per node, min_time; plus ours: the list is not empty and
-// no value exceeds 2^62. `policy` names the policy in messages.
+// parallel size, GPUs per node, min_time; plus ours: the list is not empty,
+// holds at most kMaxMicroBatchSizes entries and no value exceeds 2^62. `policy` names the policy in
+// messages.
 Settings read_settings(const Params& params, std::string_view policy);
 
 // The world size of a request, validated (0 = not given).

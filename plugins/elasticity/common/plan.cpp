@@ -15,6 +15,7 @@
 //   are skipped; when none is left the world size is rejected instead of
 //   returning DeepSpeed's batch size of 0.
 #include <algorithm>
+#include <unordered_set>
 
 #include <fmt/format.h>
 
@@ -43,10 +44,19 @@ std::vector<u64> valid_counts(u64 batch, const Factorization& batch_factors,
   // Every divisor at most: one allocation rather than a doubling series.
   out.reserve(std::min<u64>(divisor_count(batch_factors), kDivisorReserveLimit));
   divisors_in_range(batch_factors, lo, hi, out);
+  // Only the micro batches dividing the batch can divide a share of it, and
+  // none above the share: filtered once, ascending, so that each divisor
+  // scans the few that can still match rather than the whole list.
+  std::vector<u64> dividing;
+  for (u64 m : micro.values)
+    if (batch % m == 0) dividing.push_back(m);
   std::erase_if(out, [&](u64 d) {
     const u64 per_gpu = batch / d;
-    return std::none_of(micro.values.begin(), micro.values.end(),
-                        [&](u64 m) { return per_gpu % m == 0; });
+    for (u64 m : dividing) {
+      if (m > per_gpu) return true;
+      if (per_gpu % m == 0) return false;
+    }
+    return true;
   });
   std::sort(out.begin(), out.end());
   return out;
@@ -62,7 +72,7 @@ V01Outcome deepspeed_v01(const std::vector<u64>& micro_in_order, u64 cap, u64 mi
       config_error(
           fmt::format("micro batch size {} of micro_batch_sizes = {} is above {} = {}: "
                       "every micro batch must be <= {}",
-                      m, format_list(micro_in_order), cap_name, cap, cap));
+                      m, format_list_short(micro_in_order), cap_name, cap, cap));
 
   // Bases: each micro batch and their LCM; DeepSpeed's final code skips a
   // base above the cap (only the LCM can be).
@@ -79,12 +89,11 @@ V01Outcome deepspeed_v01(const std::vector<u64>& micro_in_order, u64 cap, u64 mi
     Factorization factors;
   };
   std::vector<Candidate> candidates;
+  std::unordered_set<u64> seen;  // linear in the bases, where a scan of candidates is quadratic
   for (std::size_t i = 0; i < bases.size(); ++i) {
     u64 scale = deepspeed_hcn_scale(cap / bases[i]);
     u64 batch = scale * bases[i];  // <= cap: scale <= cap / base
-    if (std::any_of(candidates.begin(), candidates.end(),
-                    [&](const Candidate& c) { return c.batch == batch; }))
-      continue;
+    if (!seen.insert(batch).second) continue;
     candidates.push_back({batch, multiply(factorize(scale), base_factors[i])});
   }
 
@@ -150,8 +159,9 @@ void require_world_size_for_micro_batch(const ElasticityRequest& request, u64 wo
                                         const char* policy) {
   if (request.require_micro_batch && world_size == 0)
     elasticity_error(ErrorKind::invalid_argument,
-                     fmt::format("elasticity ({}): a micro batch size was requested without a "
-                                 "world size; give the world size (--world-size N) to get one",
+                     fmt::format("elasticity ({}): a micro batch size was requested and no "
+                                 "world size was given; give the world size (the total number "
+                                 "of GPUs, >= 1) to get one",
                                  policy));
 }
 
@@ -161,7 +171,7 @@ std::string no_valid_count_message(const char* policy, const Settings& s, u64 ba
       "valid for any candidate batch size (best candidate {} with micro batches {} "
       "and max_train_batch_size = {}); widen [min_gpus, max_gpus], raise "
       "max_train_batch_size or add smaller micro batches",
-      policy, s.min_gpus, s.max_gpus, batch, format_list(s.micro_batch_sizes),
+      policy, s.min_gpus, s.max_gpus, batch, format_list_short(s.micro_batch_sizes),
       s.max_train_batch_size);
 }
 

@@ -38,10 +38,11 @@ OptimalUnits check_optimal(const Settings& s) {
                     s.min_gpus, s.max_gpus, unit, gpn, mp));
   for (u64 m : s.micro_batch_sizes)
     if (m > s.max_train_batch_size)
-      config_error(fmt::format(
-          "micro batch size {} of micro_batch_sizes = {} is above "
-          "max_train_batch_size = {}: every micro batch must be <= {}",
-          m, format_list(s.micro_batch_sizes), s.max_train_batch_size, s.max_train_batch_size));
+      config_error(
+          fmt::format("micro batch size {} of micro_batch_sizes = {} is above "
+                      "max_train_batch_size = {}: every micro batch must be <= {}",
+                      m, format_list_short(s.micro_batch_sizes), s.max_train_batch_size,
+                      s.max_train_batch_size));
   return {unit, dp_per_unit, lo, hi};
 }
 
@@ -58,7 +59,7 @@ ElasticityResult compute_optimal(const Settings& s, const ElasticityRequest& req
                                  "max_gpus = {} (in steps of {}) is valid for any batch size up to "
                                  "max_train_batch_size = {} with micro batches {}",
                                  s.min_gpus, s.max_gpus, unit, s.max_train_batch_size,
-                                 format_list(s.micro_batch_sizes)));
+                                 format_list_short(s.micro_batch_sizes)));
   ElasticityResult r;
   r.model_parallel_size = static_cast<std::int64_t>(mp);
   r.num_gpus_per_node = static_cast<std::int64_t>(gpn);

@@ -30,9 +30,12 @@ void check_v02(const Settings& s) {
 ElasticityResult compute_v02(const Settings& s, const ElasticityRequest& request) {
   const u64 world_size = request_world_size(request);
   if (world_size == 0)
+    // Worded for every caller (the CLI, the agent, the Python API): each
+    // front end names its own way of giving a world size.
     config_error(
-        "elasticity (v0.2) needs the world size (the total number of GPUs) to compute a "
-        "valid batch size: pass --world-size N (ElasticityRequest::world_size)");
+        "elasticity (v0.2) computes its batch size for one world size (the total number of "
+        "GPUs, >= 1), and no world size was given; give the world size, or use policy v0.1 or "
+        "optimal for a plan valid at every GPU count");
   check_v02(s);
   const u64 gpn = s.num_gpus_per_node, mp = s.model_parallel_size;
   const u64 dp_per_node = gpn / mp;

@@ -36,10 +36,11 @@ namespace {
 std::size_t element_count(const Params& params, const char* key) {
   double v = params.get_double(key);
   if (!std::isfinite(v) || v < 0 || v != std::floor(v) || v > 9.0e18)
-    throw ParamError(ErrorKind::config, key,
-                     fmt::format("[zero] {} = {}: expected a whole number of elements >= 0 (such "
-                                 "as 50000000 or 5e7)",
-                                 key, v));
+    throw ParamError(
+        ErrorKind::config, key,
+        fmt::format("[zero] {} = {}: expected a whole number of elements from 0 to 9e18 (such "
+                    "as 50000000 or 5e7)",
+                    key, v));
   return static_cast<std::size_t>(v);
 }
 

@@ -318,3 +318,22 @@ TEST_CASE("control, bidi and NUL characters and bytes that are not UTF-8 are esc
   REQUIRE(errors.size() == 1);
   CHECK(errors[0].starts_with("job.toml:4:1: unknown key 'a\\x00b\\u{202e}' in [lr]"));
 }
+
+TEST_CASE("an integer past 64 bits is named by its key and position, with the valid range") {
+  auto errors = errors_of("[lr]\nrule = \"fixture_good\"\nsteps = 99999999999999999999\n");
+  REQUIRE(errors.size() == 1);
+  CHECK_MESSAGE(errors[0].starts_with("job.toml:3:"), errors[0]);
+  CHECK_MESSAGE(errors[0].find("steps = 99999999999999999999 is past the largest integer "
+                               "(2^63-1)") != std::string::npos,
+                errors[0]);
+  CHECK(errors[0].find("9223372036854775807") != std::string::npos);
+  CHECK(errors[0].find("not representable") == std::string::npos);
+  auto negative = errors_of("[lr]\nrule = \"fixture_good\"\nsteps = -9223372036854775809\n");
+  REQUIRE(negative.size() == 1);
+  CHECK_MESSAGE(negative[0].find("steps = -9223372036854775809 is past the smallest integer "
+                                 "(-2^63)") != std::string::npos,
+                negative[0]);
+  // The largest integer itself is an integer (its range is the schema's).
+  auto largest = errors_of("[lr]\nrule = \"fixture_good\"\nsteps = 9223372036854775807\n");
+  for (const auto& e : largest) CHECK(e.find("past the") == std::string::npos);
+}

@@ -129,6 +129,10 @@ TEST_CASE("text files: one integer a line, errors by line") {
   expect_error(dir.write("zero.txt", "3\n0\n"), ErrorKind::invalid_argument,
                {"line 2", "length 0"});
   expect_error(dir.write("neg.txt", "-4\n"), ErrorKind::invalid_argument, {"line 1", "length -4"});
+  // An integer too wide for 64 bits is out of range, not "not an integer".
+  expect_error(dir.write("wide.txt", "3\n99999999999999999999\n"), ErrorKind::invalid_argument,
+               {"line 2: '99999999999999999999' is past the largest integer (2^63-1)",
+                "every length must be an integer from 1 to 9223372036854775807"});
   expect_error(dir.write("gap.txt", "3\n\n4\n"), ErrorKind::invalid_argument,
                {"line 2", "empty line"});
   expect_error(dir.write("empty.txt", ""), ErrorKind::invalid_argument, {"empty.txt", "empty"});
@@ -169,14 +173,23 @@ TEST_CASE("CSV columns and histograms") {
         std::vector<std::int64_t>{3, 3, 7});
   expect_error(dir.write("hneg.csv", "len,n\n3,-2\n"), ErrorKind::invalid_argument,
                {"line 2", "column 'n'", "count"}, counted);
-  // The expansion is capped (default 2^30 samples) before anything is
-  // allocated; the cap is an option.
-  expect_error(dir.write("huge.csv", "len,n\n3,1073741825\n"), ErrorKind::invalid_argument,
-               {"line 2", "count 1073741825 makes more than 1073741824 samples"}, counted);
+  // The expansion is capped (default 2^28 samples) before anything is
+  // allocated: a 22-byte file does not ask for gigabytes. The cap is an
+  // option, and the message says the row, the column, the count and the cap.
+  static_assert(ductile::pipeline::kMaxHistogramSamples == std::int64_t{1} << 28);
+  expect_error(dir.write("huge.csv", "len,n\n3,300000000\n"), ErrorKind::invalid_argument,
+               {"huge.csv: line 2, column 'n': count 300000000 expands the file to more than "
+                "268435456 samples",
+                "valid: counts totalling at most 268435456"},
+               counted);
+  expect_error(dir.write("wide.csv", "len,n\n3,1073741824\n"), ErrorKind::invalid_argument,
+               {"count 1073741824 expands"}, counted);
   counted.max_histogram_samples = 4;
   CHECK(read_lengths(dir.write("h4.csv", "len,n\n3,2\n7,2\n"), counted).size() == 4);
-  expect_error(dir.write("h5.csv", "len,n\n3,2\n7,3\n"), ErrorKind::invalid_argument,
-               {"line 3", "count 3 makes more than 4 samples"}, counted);
+  expect_error(
+      dir.write("h5.csv", "len,n\n3,2\n7,3\n"), ErrorKind::invalid_argument,
+      {"line 3", "count 3 expands the file to more than 4 samples (2 from the rows above)"},
+      counted);
 }
 
 TEST_CASE("npy arrays of every supported type and byte order") {
@@ -212,4 +225,20 @@ TEST_CASE("npy arrays of every supported type and byte order") {
   expect_error(dir.write("junk.npy", "not numpy at all"), ErrorKind::io, {"junk.npy", "NUMPY"});
   expect_error(dir.write("empty.npy", npy("<i4", "(0,)", "")), ErrorKind::invalid_argument,
                {"empty"});
+}
+
+TEST_CASE("length_histogram counts each length and refuses one that would size it past its cap") {
+  using ductile::pipeline::kMaxHistogramLength;
+  using ductile::pipeline::length_histogram;
+  CHECK(length_histogram({3, 1, 3}) == std::vector<std::int64_t>{0, 1, 0, 2});
+  static_assert(kMaxHistogramLength == std::int64_t{1} << 27);
+  try {
+    length_histogram({5, std::int64_t{1} << 62});
+    FAIL("a length of 2^62 was accepted");
+  } catch (const ductile::Error& e) {
+    CHECK(e.kind() == ductile::ErrorKind::invalid_argument);
+    CHECK_MESSAGE(std::string(e.what()).find("sample 1 has length 4611686018427387904, above "
+                                             "134217728") != std::string::npos,
+                  e.what());
+  }
 }

@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 
 #include <array>
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -159,6 +160,9 @@ TEST_CASE("user errors exit 2 with a JSON error naming the problem") {
                         "/debian_fortunes_word_lengths.txt --max-tokens 64 "
                         "--lr-rule linear",
                     "--base-batch-size");
+  expect_user_error(
+      "--lengths " + kData + "/debian_fortunes_word_lengths.txt --max-tokens 99999999999999999999",
+      "--max-tokens 99999999999999999999 is past the largest integer (2^63-1)");
   const auto two = dir.write("two.txt", "3\n4\n");
   expect_user_error("--lengths " + two.string() + " --max-tokens 5 --effective-batch-size 4",
                     "not enough samples");
@@ -167,6 +171,32 @@ TEST_CASE("user errors exit 2 with a JSON error naming the problem") {
   CHECK(r.code == 2);
   CHECK(json::parse(r.out)["error"]["message"].get<std::string>().find("max_tokens") !=
         std::string::npos);
+}
+
+TEST_CASE("a histogram row of a few bytes cannot expand past the stated sample cap") {
+  ductile::test::TempDir dir;
+  // 22 bytes standing for 300 million samples (about 4.7 GB once packed) and
+  // for 2^30 (which ran out of memory): refused before anything is
+  // allocated, with the file, line, column, value and cap, as a user error.
+  for (const char* count : {"300000000", "1073741824"}) {
+    CAPTURE(count);
+    const auto csv = dir.write("h.csv", std::string("len,count\n5,") + count + "\n");
+    const auto start = std::chrono::steady_clock::now();
+    Run r = run_ductile("pack --json --lengths " + csv.string() +
+                        " --column len --count-column count --max-tokens 4096");
+    const auto seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    CHECK(r.code == 2);
+    const json j = json::parse(r.out, nullptr, false);
+    REQUIRE_MESSAGE(j.contains("error"), r.out);
+    const auto message = j["error"]["message"].get<std::string>();
+    CHECK_MESSAGE(
+        message.find(csv.string() + ": line 2, column 'count': count " + count +
+                     " expands the file to more than 268435456 samples") != std::string::npos,
+        message);
+    // Refused in milliseconds; expanding took seconds and gigabytes.
+    CHECK(seconds < 10.0);
+  }
 }
 
 TEST_CASE("the demo's batching part packs the sample data and shows steps with learning rates") {

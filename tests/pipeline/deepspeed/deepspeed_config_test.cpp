@@ -172,3 +172,44 @@ TEST_CASE("an offload_optimizer object given alone is checked as inside zero_opt
                   "of range") != std::string::npos);
   CHECK(message("[1]") == "zero3.initialize: offload_optimizer must be an object, got [1]");
 }
+
+TEST_CASE("a translated key's plugin check names the file and the user's DeepSpeed key") {
+  // The coordinator's own range check runs while the config is read, even
+  // where the caller asked for no plugin checks, so that the problem is
+  // named by the user's key rather than the ductile key it was mapped to.
+  const std::string json = R"({"train_batch_size": 8, "zero_optimization": {"stage": 3,
+      "stage3_prefetch_bucket_size": 3.7e19}})";
+  std::string message;
+  try {
+    pipeline::runtime_from_deepspeed(plugins(), json, "ds.json", {}, /*plugin_checks=*/false);
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  CHECK_MESSAGE(message.find("ds.json: zero_optimization.stage3_prefetch_bucket_size = 3.7e+19") !=
+                    std::string::npos,
+                message);
+  CHECK_MESSAGE(message.find("from 0 to 9e18") != std::string::npos, message);
+  CHECK_MESSAGE(message.find("[zero]") == std::string::npos, message);
+}
+
+TEST_CASE("a DeepSpeed integer past 64 bits is out of range, not of another type") {
+  // A translated key (Mapping::set) ...
+  const std::string buffers = message_of(R"({"zero_optimization": {"stage": 3,
+      "offload_param": {"device": "nvme", "nvme_path": "/tmp",
+                        "buffer_count": 9223372036854775808}}})");
+  CHECK_MESSAGE(buffers.find("ds.json: zero_optimization.offload_param.buffer_count = "
+                             "9223372036854775808 is past the largest integer (2^63-1); valid: "
+                             "an integer from") != std::string::npos,
+                buffers);
+  // ... and the elasticity block, an element of a list included.
+  const std::string gpus = message_of(R"({"elasticity": {"enabled": true,
+      "max_train_batch_size": 100, "micro_batch_sizes": [2], "max_gpus": 1e20}})");
+  CHECK_MESSAGE(gpus.find("ds.json: elasticity.max_gpus = 1e+20 is past the largest integer") !=
+                    std::string::npos,
+                gpus);
+  const std::string micro = message_of(R"({"elasticity": {"enabled": true,
+      "max_train_batch_size": 100, "micro_batch_sizes": [2, -1e19]}})");
+  CHECK_MESSAGE(micro.find("ds.json: elasticity.micro_batch_sizes contains -1e+19, "
+                           "past the smallest integer (-2^63)") != std::string::npos,
+                micro);
+}

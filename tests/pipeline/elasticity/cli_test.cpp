@@ -3,6 +3,7 @@
 // configs, argument errors, the scheduler contract, human output and demo.
 #include <doctest/doctest.h>
 
+#include <chrono>
 #include <fstream>
 #include <map>
 
@@ -176,4 +177,50 @@ TEST_CASE("ductile demo shows the elastic plan for a few world sizes") {
   CHECK(run.out.find("world size    33: rejected (ElasticityIncompatibleWorldSize)") !=
         std::string::npos);
   CHECK(run.out.find("optimal policy on the same settings") != std::string::npos);
+}
+
+TEST_CASE("a long micro_batch_sizes is refused at once, naming the key, the count and the cap") {
+  ductile::test::TempDir dir;
+  // 300,000 distinct entries (2 MB, well under the configuration file cap):
+  // the searches are quadratic and more in the list, so it is refused by its
+  // length, by `config check` as by `ductile elastic`, before any search.
+  std::string toml =
+      "[elasticity]\npolicy = \"v0.1\"\nmax_train_batch_size = 4096\n"
+      "micro_batch_sizes = [";
+  for (int i = 1; i <= 300000; ++i) toml += (i > 1 ? ", " : "") + std::to_string(i);
+  auto file = dir.write("long.toml", toml + "]\n");
+  const std::string expected = "micro_batch_sizes has 300000 entries, more than the 1024 accepted";
+  for (const char* command : {"config", "elastic"}) {
+    CAPTURE(command);
+    std::vector<std::string> argv = {DUCTILE_CLI, command};
+    if (std::string(command) == "config")
+      argv.insert(argv.end(), {"check", file.string()});
+    else
+      argv.insert(argv.end(), {"--config", file.string()});
+    const auto start = std::chrono::steady_clock::now();
+    auto run = run_process(argv, kNoScheduler);
+    const auto seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    CHECK(run.exit_code == 2);
+    CHECK_MESSAGE(run.err.find(expected) != std::string::npos, run.err);
+    // Refused in well under a second here; the search it replaces ran for
+    // minutes, so the bound has a wide margin for a loaded machine.
+    CHECK(seconds < 10.0);
+  }
+  // config check points at the key in the file.
+  auto check = run_process({DUCTILE_CLI, "config", "check", file.string()}, kNoScheduler);
+  CHECK_MESSAGE(check.err.find(file.string() + ":4:") != std::string::npos, check.err);
+}
+
+TEST_CASE("ductile elastic names its own option for a world size a policy needs") {
+  ductile::test::TempDir dir;
+  auto file = dir.write("v02.toml",
+                        "[elasticity]\npolicy = \"v0.2\"\nmax_train_batch_size = 2000\n"
+                        "micro_batch_sizes = [2, 4, 6]\n");
+  auto run = elastic({"--config", file.string()}, kNoScheduler);
+  CHECK(run.exit_code == 2);
+  CHECK_MESSAGE(run.err.find("no world size was given") != std::string::npos, run.err);
+  CHECK_MESSAGE(run.err.find("pass --world-size N") != std::string::npos, run.err);
+  auto given = elastic({"--config", file.string(), "--world-size", "4", "--json"}, kNoScheduler);
+  CHECK_MESSAGE(given.exit_code == 0, given.err);
 }

@@ -261,3 +261,40 @@ TEST_CASE("huge max_gpus and caps of 2^40 answer without looping over GPU counts
   auto v02 = make_policy("v0.2", c)->compute(ElasticityRequest{v01.valid_gpus[3], false});
   CHECK_FALSE(v02.fallback);
 }
+
+TEST_CASE("micro_batch_sizes holds at most 1024 entries, counted before any is read") {
+  // 1024 distinct entries (the cap) are planned; one more is refused by each
+  // policy with the count and the cap, whatever the entries are.
+  auto list = [](std::size_t count, const char* last = "") {
+    std::string text = "max_train_batch_size = 4096\nmicro_batch_sizes = [";
+    for (std::size_t i = 0; i < count; ++i) text += (i ? ", " : "") + std::to_string(i + 1);
+    return text + last + "]\n";
+  };
+  for (const char* policy : {"v0.1", "v0.2", "optimal"}) {
+    CAPTURE(policy);
+    auto runtime = core::Runtime::from_string(
+        "[elasticity]\npolicy = \"" + std::string(policy) + "\"\n" + list(1024), "cap.toml");
+    auto plan = runtime.get<ElasticityPolicy>()->compute(ElasticityRequest{8, false});
+    CHECK(plan.final_batch_size >= 1);
+    // Entries past the cap are not looked at: a non-positive one is not what
+    // is reported.
+    auto e = toml_error(policy, list(1024, ", 0"), 8);
+    CHECK(e.type == "ElasticityConfigError");
+    CHECK_MESSAGE(e.message.find("micro_batch_sizes has 1025 entries, more than the 1024 "
+                                 "accepted") != std::string::npos,
+                  e.message);
+  }
+}
+
+TEST_CASE("v0.2 without a world size says what to give in terms of any caller") {
+  auto e = toml_error("v0.2", kValid, 0);
+  CHECK(e.type == "ElasticityConfigError");
+  CHECK_MESSAGE(e.message.find("no world size was given") != std::string::npos, e.message);
+  // The option of one front end is that front end's to add.
+  CHECK_MESSAGE(e.message.find("--world-size") == std::string::npos, e.message);
+  auto micro = thrown_by([&] {
+    make_policy("v0.1", ElasticConfig{})->compute(ElasticityRequest{0, true});
+  });
+  CHECK(micro.message.find("no world size was given") != std::string::npos);
+  CHECK(micro.message.find("--world-size") == std::string::npos);
+}

@@ -154,9 +154,12 @@ DeepSpeedSections deepspeed_sections(std::string_view json_text, std::string_vie
 
 // A runtime of a DeepSpeed config: the plugins found once (`options`' extra
 // directories, DUCTILE_PLUGIN_PATH, the built-in ones), the config mapped by
-// deepspeed_sections and validated (with `runtime_options.plugin_checks`,
-// every plugin's validate hook too). Warnings are appended to `warnings`
-// when given, else logged.
+// deepspeed_sections and validated, every plugin's validate hook included
+// (a problem is then named by the file and the user's DeepSpeed key). Only
+// a caller that requires the elasticity block may leave the hooks out
+// (`runtime_options.plugin_checks` false): the policy then reports its
+// typed errors (ElasticityConfigError) from compute(). Warnings are
+// appended to `warnings` when given, else logged.
 core::Runtime runtime_from_deepspeed(std::string_view json_text, std::string_view origin,
                                      const std::filesystem::path& base_dir,
                                      core::RuntimeOptions runtime_options,

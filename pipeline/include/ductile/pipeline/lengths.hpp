@@ -41,13 +41,22 @@ inline constexpr const char* kLengthFormatNames[] = {"auto", "text",  "csv",
 // Lengths files are mapped, not read, so this bounds the address space only.
 inline constexpr std::uintmax_t kMaxLengthsFileBytes = std::uintmax_t{64} << 30;
 
+// The default cap on the samples a CSV histogram may expand to (see
+// LengthReadOptions::max_histogram_samples).
+inline constexpr std::int64_t kMaxHistogramSamples = std::int64_t{1} << 28;
+
 struct LengthReadOptions {
   LengthFormat format = LengthFormat::automatic;
   std::string column;        // csv: the lengths column (empty: the only column)
   std::string count_column;  // csv: histogram counts column (empty: one sample a row)
-  // csv histograms: the most samples the rows may expand to (default 2^30,
-  // 8 GiB of lengths); more is Error(invalid_argument) before allocating.
-  std::int64_t max_histogram_samples = std::int64_t{1} << 30;
+  // csv histograms: the most samples the rows may expand to; more is
+  // Error(invalid_argument) before allocating. A histogram row of a few
+  // bytes stands for any number of samples, each of which costs about 16
+  // bytes once packed, so the default (2^28 = 268,435,456 samples: 2 GiB of
+  // lengths, about 4 GiB at the peak of `ductile pack`) keeps a small file
+  // from asking for more memory than a training host has to spare, while
+  // holding the length distribution of the largest public corpora.
+  std::int64_t max_histogram_samples = kMaxHistogramSamples;
 };
 
 // One of kLengthFormatNames. Throws Error(invalid_argument).
@@ -57,8 +66,16 @@ LengthFormat parse_length_format(const std::string& text);
 std::vector<std::int64_t> read_lengths(const std::filesystem::path& file,
                                        const LengthReadOptions& options = {});
 
+// The longest length length_histogram indexes: one counter per length up to
+// the longest, so a single length read from a file (up to 2^63 - 1) would
+// otherwise size the result. 2^27 (1 GiB of counters) is far above any
+// sequence a model is trained on.
+inline constexpr std::int64_t kMaxHistogramLength = std::int64_t{1} << 27;
+
 // Histogram of lengths: result[len] = number of samples of that length
-// (result[0] == 0). Convenience for bounds and reports.
+// (result[0] == 0). Convenience for bounds and reports. Throws
+// Error(invalid_argument) naming the sample and its length when a length is
+// above kMaxHistogramLength.
 std::vector<std::int64_t> length_histogram(const std::vector<std::int64_t>& lengths);
 
 }  // namespace ductile::pipeline

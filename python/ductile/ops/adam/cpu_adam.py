@@ -12,6 +12,10 @@ loads the other's. Python only finds the tensors and checks that they are
 dense fp32 on the CPU; every number is computed by the plugin.
 """
 
+import math
+import numbers
+from collections.abc import Mapping
+
 import torch
 
 from ..._ductile import optimizer as _native
@@ -48,6 +52,12 @@ class DuctileCPUAdam(torch.optim.Optimizer):
             raise UnsupportedError(
                 "DuctileCPUAdam: amsgrad=True is not supported (nor by DeepSpeedCPUAdam); "
                 "use amsgrad=False, or torch.optim.AdamW(amsgrad=True)")
+        _check_betas(betas, "betas")
+        if plugin_params is not None and not isinstance(plugin_params, Mapping):
+            raise InvalidArgumentError(
+                f"DuctileCPUAdam: plugin_params = {_shown(plugin_params)} is a "
+                f"{type(plugin_params).__name__}; valid: None or a dict of the plugin's "
+                "parameters, such as {\"threads\": 4}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, amsgrad=amsgrad, adamw_mode=adamw_mode)
         super().__init__(model_params, defaults)
@@ -92,6 +102,8 @@ class DuctileCPUAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         threads = self._threads()
+        if fp16_param_groups is not None:
+            self._check_copy_groups(fp16_param_groups)
         for g, group in enumerate(self.param_groups):
             self._check_group(g, group)
             for i, p in enumerate(group["params"]):
@@ -138,11 +150,30 @@ class DuctileCPUAdam(torch.optim.Optimizer):
         for the plugin's own when ``plugin_params`` fixed one."""
         return torch.get_num_threads() if self._follow_torch else 0
 
+    def _check_copy_groups(self, fp16_param_groups):
+        """Before anything is stepped: one sequence of tensors per param
+        group, each as long as its group (the tensors are checked as each
+        parameter is stepped)."""
+        groups = len(self.param_groups)
+        if not isinstance(fp16_param_groups, (list, tuple)) or len(fp16_param_groups) != groups:
+            raise InvalidArgumentError(
+                f"DuctileCPUAdam.step: fp16_param_groups = {_shown(fp16_param_groups)} is "
+                f"{_length_text(fp16_param_groups)}; valid: a list of {groups} list(s), one per "
+                "param group, each with one bf16 or fp16 tensor per parameter")
+        for g, (copies, group) in enumerate(zip(fp16_param_groups, self.param_groups)):
+            want = len(group["params"])
+            if not isinstance(copies, (list, tuple)) or len(copies) != want:
+                raise InvalidArgumentError(
+                    f"DuctileCPUAdam.step: fp16_param_groups[{g}] = {_shown(copies)} is "
+                    f"{_length_text(copies)}; valid: a list of {want} bf16 or fp16 tensor(s), "
+                    f"one per parameter of param group {g}")
+
     def _check_group(self, g, group):
         # A group loaded from torch.optim.AdamW's state_dict lacks the
         # keys DeepSpeed added: the constructor's values hold.
         for key in ("bias_correction", "adamw_mode"):
             group.setdefault(key, self.defaults[key])
+        _check_betas(group.get("betas"), f"param group {g}: betas")
         if group.get("amsgrad", False):
             raise UnsupportedError(f"DuctileCPUAdam: param group {g} has amsgrad=True; "
                                    "only amsgrad=False is supported")
@@ -162,7 +193,7 @@ class DuctileCPUAdam(torch.optim.Optimizer):
         if copy is not None:
             _check_half(copy, where, p)
         beta1, beta2 = group["betas"]
-        step = _next_step(state)
+        step = _next_step(state, where)
         self._native.step(
             p.data_ptr(), grad.data_ptr(), [b.data_ptr() for b in buffers], p.numel(),
             step, group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
@@ -212,9 +243,42 @@ def _check_half(tensor, where, param):
             f"torch.bfloat16 or torch.float16 cpu tensor of {param.numel()} elements")
 
 
-def _next_step(state):
+def _next_step(state, where):
+    """The step after the state's, which a loaded state_dict may hold as
+    anything: a whole number >= 0 (torch keeps a float32 tensor)."""
     step = state["step"]
-    return int(step.item() if isinstance(step, torch.Tensor) else step) + 1
+    value = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+            or not math.isfinite(value) or value < 0 or value != int(value) \
+            or value >= 2 ** 53:
+        raise InvalidArgumentError(
+            f"DuctileCPUAdam: the state of {where} has step = {_shown(step)}; valid: a whole "
+            "number of steps taken, from 0 to 2^53 (a state_dict of DuctileCPUAdam, "
+            "DeepSpeedCPUAdam or torch.optim.AdamW)")
+    return int(value) + 1
+
+
+def _check_betas(betas, name):
+    """(beta1, beta2), each a real number in [0, 1), as torch's Adam needs."""
+    pair = tuple(betas) if isinstance(betas, (list, tuple)) else None
+    if pair is None or len(pair) != 2 or not all(
+            isinstance(b, numbers.Real) and not isinstance(b, bool) and 0 <= b < 1
+            for b in pair):
+        raise InvalidArgumentError(
+            f"DuctileCPUAdam: {name} = {_shown(betas)} is invalid; valid: a pair (beta1, beta2) "
+            "of numbers in [0, 1), such as (0.9, 0.999)")
+
+
+def _shown(value, limit=80):
+    """repr(value), cut after `limit` characters for a message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _length_text(value):
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"a {type(value).__name__}"
 
 
 def _set_step(state, step):
