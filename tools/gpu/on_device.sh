@@ -58,12 +58,14 @@ cat "$out/machine.txt"
 
 # What the image lacks, from .gpu-carry/ (tools/gpu/prepare.sh), unpacked
 # into a prefix of its own.
-if [ ! -e /usr/include/toml++/toml.h ] && [ ! -e $deps/usr/include/toml++/toml.h ]; then
-  for deb in .gpu-carry/debs/*.deb; do
-    [ -e "$deb" ] || { echo "on_device.sh: .gpu-carry/debs is empty: run tools/gpu/prepare.sh here and carry .gpu-carry"; exit 2; }
-    dpkg -x "$deb" $deps
-  done
-fi
+for deb in .gpu-carry/debs/*.deb; do
+  [ -e "$deb" ] || { echo "on_device.sh: .gpu-carry/debs is empty: run tools/gpu/prepare.sh here and carry .gpu-carry"; exit 2; }
+  case $(basename "$deb") in
+    libssl*) [ -e /usr/include/openssl/hmac.h ] && continue ;;  # the image's own OpenSSL first
+    *) [ -e /usr/include/toml++/toml.h ] && continue ;;
+  esac
+  dpkg -x "$deb" $deps
+done
 export LD_LIBRARY_PATH=$deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 site=/tmp/ductile-site
 if ls .gpu-carry/wheels/*.whl >/dev/null 2>&1 && [ ! -d $site ]; then

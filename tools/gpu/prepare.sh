@@ -5,8 +5,10 @@
 # Python 3.12, Boost 1.83 headers, fmt, spdlog, CLI11, nlohmann-json, doctest,
 # libcurl, Open MPI 4.1; msgpack, ninja, py-cpuinfo, einops in its Python)
 # has no toml++, no DeepSpeed, no auditwheel and no index to fetch from:
-# - debs/: the Debian packages of toml++, which tools/gpu/on_device.sh
-#   unpacks into /tmp/ductile-deps there (never into /);
+# - debs/: the Debian packages of toml++, and of OpenSSL's headers and
+#   libcrypto (the agent's HMAC) for an image without them, which
+#   tools/gpu/on_device.sh unpacks into /tmp/ductile-deps there (never
+#   into /);
 # - wheels/: DeepSpeed 0.19.7 as a pure-Python wheel (built here with
 #   DS_BUILD_OPS=0 against .venv's torch) and the cp312 wheels of what it
 #   needs that the image lacks, so the rival runs in the same call as
@@ -17,7 +19,7 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 carry=$root/.gpu-carry
 mkdir -p "$carry/debs" "$carry/wheels"
 cd "$carry/debs"
-packages=(libtomlplusplus-dev libtomlplusplus3)
+packages=(libtomlplusplus-dev libtomlplusplus3 libssl-dev libssl3)
 if ! apt-get download "${packages[@]}" 2>/dev/null; then
   apt-get update -qq
   apt-get download "${packages[@]}"
