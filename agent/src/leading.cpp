@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <random>
 #include <system_error>
@@ -24,9 +25,25 @@ namespace ductile::agent {
 
 namespace {
 
+// The machine's limits, not a bug: `what` failed (and says how) because
+// this process ran out of file descriptors.
+Error out_of_descriptors(const std::string& what) {
+  struct rlimit files {};
+  getrlimit(RLIMIT_NOFILE, &files);
+  return Error(ErrorKind::io,
+               fmt::format("{}; this process ran out of file descriptors (open files limit, "
+                           "ulimit -n: {}): raise the limit",
+                           what,
+                           files.rlim_cur == RLIM_INFINITY ? std::string("unlimited")
+                                                           : std::to_string(files.rlim_cur)));
+}
+
 // The port `port` (0: any) when it can be bound now, else 0.
 int bindable_port(int port) {
   int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0 && (errno == EMFILE || errno == ENFILE))
+    throw out_of_descriptors(fmt::format(
+        "cannot look for a free TCP port for MASTER_PORT: socket: {}", std::strerror(errno)));
   if (fd < 0) return 0;
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
@@ -168,17 +185,11 @@ void Leadership::place_worker_store(RoundRecord& next, const NodeInfo& rank0,
     server = std::make_unique<StoreServer>(rank0.addr, 0, nullptr);
   } catch (const std::system_error& e) {
     if (e.code().value() != EMFILE && e.code().value() != ENFILE) throw;
-    // The machine's limits, not a bug: the round is not formed, and the
-    // agent stops as when it cannot start its workers.
-    struct rlimit files {};
-    getrlimit(RLIMIT_NOFILE, &files);
-    throw Error(ErrorKind::io,
-                fmt::format("round {} cannot form: the workers' store cannot be served on {}: "
-                            "{}; this process ran out of file descriptors (open files limit, "
-                            "ulimit -n: {}): raise the limit",
-                            next.round, rank0.addr, e.what(),
-                            files.rlim_cur == RLIM_INFINITY ? std::string("unlimited")
-                                                            : std::to_string(files.rlim_cur)));
+    // The round is not formed, and the agent stops as when it cannot start
+    // its workers.
+    throw out_of_descriptors(
+        fmt::format("round {} cannot form: the workers' store cannot be served on {}: {}",
+                    next.round, rank0.addr, e.what()));
   }
   next.master_addr = rank0.addr;
   next.master_port = server->port();
