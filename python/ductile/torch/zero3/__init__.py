@@ -12,7 +12,7 @@
         engine.step()                            # optimizer on shards, grads cleared
     engine.save("ckpt/")                         # atomic; load on any world size
     engine.save_consolidated("hf/")              # Hugging Face safetensors
-    dist.destroy_process_group()                 # before exit (docs/python.md)
+    dist.destroy_process_group()                 # before exit (docs/zero3.md)
 
 Every parameter is partitioned over the ranks of the job's world:
 torch.distributed's process group when it is initialised (gloo on cpu,
@@ -36,7 +36,7 @@ memory budget (``offload_optimizer``, ``max_device_memory``). Limits: a
 parameter used by a module it does not
 belong to must be declared with ``register_external_parameter``;
 ``model.state_dict()`` sees the empty placeholders: use
-``engine.state_dict()``. docs/python.md describes it all.
+``engine.state_dict()``. docs/zero3.md describes it all.
 """
 
 from ..._config import load_config
@@ -89,7 +89,7 @@ def initialize(model, optimizer_factory=None, config=None, *, plugin_path=None,
     ratio); the optimizer must be Adam or AdamW. ``max_device_memory``:
     bytes (int) or a fraction of the device's memory (float): the groups'
     optimizers that do not fit go to the host. ``engine.stats()`` reports
-    the placement and the device bytes (docs/python.md, "Offload").
+    the placement and the device bytes (docs/zero3.md, "Offload").
     ``allow_config_plugins``: load plugins from the directories the
     config's own ``[plugins] path`` names (off: see ``ductile.load_config``).
     Raises ConfigError (also for a plugin the config selects from a

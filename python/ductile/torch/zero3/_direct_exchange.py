@@ -9,7 +9,7 @@ costs more than the bytes' transfer: on 2 ranks of this project's CPU
 machine (2 cores), gathering 66 MB took 74 ms as one collective and 20 ms as
 one exchange (a send and a receive a rank), and that buffer, allocated at
 the end of backward, was part of the step's peak memory
-(tests/benchmarks/python/bench_zero3.py, docs/python.md). An exchange sends
+(tests/benchmarks/python/bench_zero3.py, docs/benchmarks.md). An exchange sends
 the same bytes a ring does, (ranks - 1) pieces a rank.
 
 Where: TorchWorld uses it on gloo up to ``MAX_RANKS`` ranks (each rank

@@ -78,7 +78,7 @@ class ShardedModel:
         """Before a pass: on cuda, torch's current stream becomes the
         coordinator's compute stream (gathers ordered after the optimizer's
         writes and before the kernels that read them, copies reused only
-        after those kernels: see docs/python.md, "Streams"); then the shards
+        after those kernels: see docs/zero3.md, "Streams"); then the shards
         are brought up to date."""
         if self.memory.device.type == "cuda":
             self.session.set_compute_stream(torch.cuda.current_stream(self.memory.device)

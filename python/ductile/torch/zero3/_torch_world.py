@@ -232,7 +232,7 @@ class TorchWorld:
         # group is looked up at each call, never held: a ProcessGroup kept
         # alive past destroy_process_group() outlives the interpreter, and a
         # gloo thread dropping its tensors then aborts the process (see
-        # "The world" in docs/python.md).
+        # "The world" in docs/zero3.md).
         self.direct_exchange = self.device.type == "cpu" and "gloo" in self.backend and \
             1 < self.size <= MAX_RANKS
         self.direct_tag = TAG
