@@ -71,6 +71,32 @@ void keep_loaded(std::shared_ptr<LoadedLibrary> library) {
   libraries->push_back(std::move(library));
 }
 
+bool numeric(ParamType type) {
+  return type == ParamType::integer || type == ParamType::floating ||
+         type == ParamType::integer_list || type == ParamType::float_list;
+}
+
+// A bound whose flag is clear is never compared (param_values.cpp): a schema
+// that sets min_value or max_value without param_has_min or param_has_max
+// promises a check that does not happen, and a user's out-of-range value
+// would reach the plugin. Only a bound other than 0 can be seen: 0 is the
+// field's default, the same bytes as "not set" (params.hpp).
+void refuse_unflagged_bound(const std::string& shown, const PluginInfo& plugin, const ParamSpec& p,
+                            const char* field, double value, const char* flag) {
+  const std::string what_to_do =
+      numeric(p.type)
+          ? fmt::format("add ductile::{} to its .flags to check it, or remove .{}", flag, field)
+          : fmt::format(
+                "bounds apply only to numbers and lists of numbers, and this parameter "
+                "is of type {}: remove .{}",
+                to_string(p.type), field);
+  throw Error(ErrorKind::plugin,
+              fmt::format("'{}': plugin {}/{} declares parameter '{}' with {} {} but without the "
+                          "{} flag, so the bound is never checked; {}",
+                          shown, to_string(plugin.kind), excerpt(plugin.name), excerpt(p.key),
+                          field, value, flag, what_to_do));
+}
+
 }  // namespace
 
 PluginInfo check_plugin_descriptor(const ductile_plugin_descriptor* d, const fs::path& file) {
@@ -164,6 +190,10 @@ PluginInfo check_plugin_descriptor(const ductile_plugin_descriptor* d, const fs:
                   fmt::format("'{}': parameter '{}' of its schema has a NaN bound (valid: any "
                               "other number, or clear the param_has_min/param_has_max flag)",
                               shown, excerpt(p.key)));
+    if (!has_min && p.min_value != 0)
+      refuse_unflagged_bound(shown, info, p, "min_value", p.min_value, "param_has_min");
+    if (!has_max && p.max_value != 0)
+      refuse_unflagged_bound(shown, info, p, "max_value", p.max_value, "param_has_max");
     if (has_min && has_max && p.min_value > p.max_value)
       throw Error(ErrorKind::plugin,
                   fmt::format("'{}': parameter '{}' of its schema has min_value {} above "

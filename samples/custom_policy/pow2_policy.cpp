@@ -11,7 +11,7 @@ namespace {
 
 // clang-format off
 constexpr ductile::ParamSpec kSchema[] = {
-    {.key = "max_train_batch_size", .type = ductile::ParamType::integer, .flags = ductile::param_required, .min_value = 1, .doc = "Largest acceptable global batch size"},
+    {.key = "max_train_batch_size", .type = ductile::ParamType::integer, .flags = ductile::param_required | ductile::param_has_min, .min_value = 1, .doc = "Largest acceptable global batch size"},
     {.key = "micro_batch_size", .type = ductile::ParamType::integer, .flags = ductile::param_has_min, .default_value = "1", .min_value = 1, .doc = "Micro batch size per GPU"},
     {.key = "min_gpus", .type = ductile::ParamType::integer, .flags = ductile::param_has_min, .default_value = "1", .min_value = 1, .doc = "Fewest GPUs"},
     {.key = "max_gpus", .type = ductile::ParamType::integer, .flags = ductile::param_has_min, .default_value = "1024", .min_value = 1, .doc = "Most GPUs"},

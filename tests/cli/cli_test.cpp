@@ -152,6 +152,24 @@ TEST_CASE("config check: 0 for a valid file, 2 with every error otherwise") {
   CHECK(contains(b.err, bad.string() + ":4:8: [lr] mode = \"slow\" is not allowed"));
 }
 
+TEST_CASE("a plugin whose schema sets a bound without its flag is a user error, with the fix") {
+  TempDir dir;
+  const std::string unchecked = (fs::path(FIXTURE_ROOT) / "unchecked").string();
+  auto config = dir.write("lr.toml", "[lr]\nrule = \"fixture_unchecked\"\nsteps = 0\n");
+  const std::string refusal =
+      "plugin lr/fixture_unchecked declares parameter 'steps' with min_value 1 but without the "
+      "param_has_min flag, so the bound is never checked; add ductile::param_has_min to its "
+      ".flags to check it, or remove .min_value";
+  auto r = cli({"--plugin-path", unchecked, "config", "check", config.string()});
+  CHECK(r.exit_code == 2);
+  CHECK_MESSAGE(contains(r.err, refusal), r.err);
+  auto j = cli({"--plugin-path", unchecked, "plugins", "describe", "fixture_unchecked", "--json"});
+  CHECK(j.exit_code == 2);
+  auto doc = nlohmann::json::parse(j.out);
+  CHECK(doc["error"]["type"] == "PluginError");
+  CHECK(contains(doc["error"]["message"].get<std::string>(), refusal));
+}
+
 TEST_CASE("config check runs no plugin of the file's own [plugins] path unless allowed") {
   // A bundle from elsewhere: a file whose [plugins] path is its own
   // directory, and a plugin there whose constructor leaves a marker.

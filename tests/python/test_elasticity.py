@@ -196,6 +196,26 @@ def test_any_policy_by_name_including_out_of_tree(tmp_path):
         out["final_batch_size"], out["valid_gpus"], out["micro_batch_size"])
 
 
+def test_out_of_tree_policy_bound_is_checked_by_the_schema(tmp_path):
+    # The sample declares max_train_batch_size >= 1 with its flag set: 0 is
+    # refused at the key by the schema, before the policy's own checks run
+    # (without the flag its hook would blame micro_batch_size instead).
+    toml = tmp_path / "pow2.toml"
+    toml.write_text('[elasticity]\npolicy = "pow2"\nmax_train_batch_size = 0\n')
+    with pytest.raises(ductile.ConfigError) as info:
+        ductile.elasticity.load(toml, plugin_path=[OUT_OF_TREE])
+    assert "max_train_batch_size = 0 is out of range: must be >= 1" in str(info.value)
+    code, out, err = run_cli("--plugin-path", OUT_OF_TREE, "config", "check", toml,
+                             check_json=False)
+    assert code == 2, out
+    assert (f"{toml}:3:24: [elasticity] max_train_batch_size = 0 is out of range: must be >= 1"
+            in err), err
+    toml.write_text('[elasticity]\npolicy = "pow2"\nmax_train_batch_size = 1\n')
+    code, out, err = run_cli("--plugin-path", OUT_OF_TREE, "config", "check", toml,
+                             check_json=False)
+    assert code == 0, err
+
+
 def test_toml_config_errors_carry_the_cli_message(tmp_path):
     toml = tmp_path / "job.toml"
     toml.write_text('[elasticity]\npolicy = "v0.1"\nmax_train_batch_size = "big"\n'

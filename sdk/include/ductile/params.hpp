@@ -71,6 +71,16 @@ enum ParamFlags : std::uint32_t {
 // "\"seqlen\"", "[2, 4, 6]"); nullptr means no default (an optional key
 // without default is simply absent from Params). Bounds are inclusive and
 // compared as doubles for floats and as integers for integers.
+//
+// A bound applies only with its flag: min_value with param_has_min,
+// max_value with param_has_max (in .flags). Errors: the host refuses to load
+// a plugin whose schema sets a bound other than 0 without its flag, naming
+// the plugin, the key and the value, since such a bound would never be
+// checked. A bound of 0 without its flag cannot be told from an unset field
+// (0 is the default, and plugins built against earlier headers of this ABI
+// carry it in every unused bound), so it is accepted and, like any unflagged
+// bound, not checked: write `.flags = param_has_min, .min_value = 0` for a
+// lower bound of 0.
 struct ParamSpec {
   const char* key = nullptr;
   ParamType type = ParamType::boolean;

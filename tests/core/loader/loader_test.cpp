@@ -321,7 +321,9 @@ TEST_CASE("a directory named twice on the search path is scanned once, without w
   CHECK(log.stream.str().find("found twice") == std::string::npos);
 }
 
-TEST_CASE("schema bounds: NaN or min above max is refused, any other bound is printed as given") {
+TEST_CASE(
+    "schema bounds: NaN, min above max or a bound without its flag is refused, any other bound is "
+    "printed as given") {
   ParamSpec spec{.key = "steps",
                  .type = ParamType::integer,
                  .flags = param_has_min | param_has_max,
@@ -370,10 +372,65 @@ TEST_CASE("schema bounds: NaN or min above max is refused, any other bound is pr
   // converted (that conversion is undefined; the fuzzer found it).
   spec.flags = param_has_min;
   spec.min_value = 1e300;
+  spec.max_value = 0;
   CHECK(default_error().find(">= 1e+300") != std::string::npos);
   spec.flags = param_has_max;
+  spec.min_value = 0;
   spec.max_value = -std::numeric_limits<double>::infinity();
   CHECK(default_error().find("<= -inf") != std::string::npos);
+
+  // A bound without its flag would never be compared: refused, whatever the
+  // value, except 0 (the default of an unset field, params.hpp).
+  spec.flags = param_has_min;
+  spec.min_value = -3;
+  spec.max_value = 10;
+  CHECK(refused() ==
+        "'libductile_lr_bounds.so': plugin lr/bounds declares parameter 'steps' with max_value "
+        "10 but without the param_has_max flag, so the bound is never checked; add "
+        "ductile::param_has_max to its .flags to check it, or remove .max_value");
+  spec.flags = param_has_max;
+  spec.min_value = -std::numeric_limits<double>::infinity();
+  CHECK(refused().find("with min_value -inf but without the param_has_min flag") !=
+        std::string::npos);
+  spec.min_value = std::nan("");
+  CHECK(refused().find("with min_value nan but without the param_has_min flag") !=
+        std::string::npos);
+  spec.flags = 0;
+  spec.min_value = 0;
+  spec.max_value = 0;
+  CHECK(refused() == "(accepted)");
+  // On a key without numbers, the flag would not help: the advice is to
+  // remove the bound.
+  spec.type = ParamType::string;
+  spec.default_value = "\"a\"";
+  spec.min_value = 1;
+  CHECK(refused().find("bounds apply only to numbers and lists of numbers, and this parameter is "
+                       "of type string: remove .min_value") != std::string::npos);
+}
+
+TEST_CASE("a plugin file whose schema sets a bound without its flag is refused when it registers") {
+  const fs::path file = kRoot / "unchecked" / "libductile_lr_fixture_unchecked.so";
+  const std::string refusal =
+      "plugin lr/fixture_unchecked declares parameter 'steps' with min_value 1 but without the "
+      "param_has_min flag, so the bound is never checked; add ductile::param_has_min to its "
+      ".flags to check it, or remove .min_value";
+  CHECK(load_error(file) == fmt::format("'{}': {}", file.string(), refusal));
+
+  CapturedLog log;
+  PluginRegistry registry({kRoot / "unchecked"}, log.logger);
+  CHECK(registry.plugins().empty());
+  REQUIRE(registry.problems().size() == 1);
+  CHECK(registry.problems()[0].message.find(refusal) != std::string::npos);
+  CHECK(log.stream.str().find(refusal) != std::string::npos);
+  try {
+    registry.find(PluginKind::lr, "fixture_unchecked");
+    FAIL("no error");
+  } catch (const Error& e) {
+    CHECK(e.kind() == ErrorKind::plugin);
+    CHECK(std::string(e.what()).find("lr plugin 'fixture_unchecked' cannot be used") !=
+          std::string::npos);
+    CHECK(std::string(e.what()).find(refusal) != std::string::npos);
+  }
 }
 
 TEST_CASE("a plugin built against a kind interface with an appended virtual is refused") {
