@@ -18,6 +18,7 @@ converted once.
 import dataclasses
 import json
 import os
+from typing import Any
 
 import numpy as np
 
@@ -92,7 +93,7 @@ class PackPlan:
     stats: dict
     lengths: np.ndarray = dataclasses.field(repr=False)
     # The C++ plan the arrays are views of (its to_json writes the CLI's format).
-    _plan: object = dataclasses.field(default=None, repr=False, compare=False)
+    _plan: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def microbatch_count(self):

@@ -139,7 +139,7 @@ def deepspeed_config_plan(config, world_size=0, *, plugin_path=None):
 # Policies created from DeepSpeed configs, by (JSON text, plugin path):
 # creating one loads nothing new but validates parameters, and
 # compute_elastic_config is called often by schedulers.
-_cache = {}
+_cache: dict[tuple, object] = {}
 _cache_lock = threading.Lock()
 _CACHE_SIZE = 256
 

@@ -79,6 +79,7 @@ import contextlib
 import json
 import math
 import os
+from typing import Any
 
 import accelerate.scheduler
 import numpy as np
@@ -132,8 +133,8 @@ class _StepScheduler(VariableBatchLRScheduler):
     since (another world size, more epochs), so the state's totals give way
     to this run's."""
 
-    def load_state_dict(self, state):
-        super().load_state_dict(state, replan=True)
+    def load_state_dict(self, state, *, replan=True):
+        super().load_state_dict(state, replan=replan)
 
 
 class _EpochProgress(transformers.TrainerCallback):
@@ -178,6 +179,10 @@ class DuctileTrainer(transformers.Trainer):
       ``DynamicBatchSampler`` as ``sampler_options``.
     """
 
+    # The Trainer's attribute, set by create_scheduler below too; declared for
+    # the type check, which does not read transformers.
+    lr_scheduler: Any
+
     def __init__(self, *args, max_tokens=None, lengths=None, lr_rule="sqrt",
                  base_batch_size=None, order="random", sampler_options=None, **kwargs):
         if len(args) > 2:
@@ -198,10 +203,10 @@ class DuctileTrainer(transformers.Trainer):
         if packs and kwargs.get("data_collator") is None:
             kwargs["data_collator"] = FlattenCollate()
         super().__init__(*args, **kwargs)
-        self.ductile_sampler = None
+        self.ductile_sampler: DynamicBatchSampler | None = None
         self._flatten = False
-        self._ductile_epoch = None  # the epoch the training loop is in
-        self._step_report = None
+        self._ductile_epoch: int | None = None  # the epoch the training loop is in
+        self._step_report: StepReport | None = None
         if packs:
             self._set_up_packs(max_tokens, lengths, lr_rule, base_batch_size, order,
                                sampler_options)
@@ -348,6 +353,7 @@ class DuctileTrainer(transformers.Trainer):
                     f"by that setting, so the rest of the run can be planned only with {key} = "
                     f"{was!r}; give that, or train without resume_from_checkpoint")
         sampler = self.ductile_sampler
+        assert sampler is not None  # only resumed with max_tokens
         state = dict(saved["sampler"])
         if state.get("lengths_sha256") != self._fresh_sampler_state["lengths_sha256"]:
             raise IncompatibleError(
@@ -457,6 +463,7 @@ class DuctileTrainer(transformers.Trainer):
         step, counted from the Trainer's steps (DataLoader workers may have
         fetched ahead of them)."""
         sampler = self.ductile_sampler
+        assert sampler is not None  # only saved with max_tokens
         epoch = sampler.epoch if self._ductile_epoch is None else self._ductile_epoch
         done = self.state.global_step - sampler.first_step(epoch)
         if done >= len(sampler.batch_sizes(epoch)):
@@ -486,8 +493,11 @@ class DuctileTrainer(transformers.Trainer):
         # The step whose rate the log shows: the Trainer reads it after the
         # optimizer step, before its scheduler steps (under DeepSpeed the
         # engine has stepped the scheduler already).
-        if self._ductile_scheduler is not None:
-            self._step_report.lr_step = self._ductile_scheduler.last_step
+        scheduler = self._ductile_scheduler
+        if scheduler is not None:
+            # made only with max_tokens, which adds the report
+            assert self._step_report is not None
+            self._step_report.lr_step = scheduler.last_step
         return super()._get_learning_rate()
 
     def log(self, logs, start_time=None):

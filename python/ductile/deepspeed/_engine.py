@@ -164,7 +164,7 @@ class DeepSpeedEngine(torch.nn.Module):
 
     @property
     def local_rank(self):
-        return int(os.environ.get("LOCAL_RANK", 0))
+        return int(os.environ.get("LOCAL_RANK", "0"))
 
     @property
     def device(self):
@@ -360,13 +360,13 @@ class DeepSpeedEngine(torch.nn.Module):
 
     # --- checkpoints and weights ------------------------------------------------------
 
-    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
                         exclude_frozen_parameters=False):
         """Writes a checkpoint into ``save_dir/tag`` (tag: "global_step<N>")
         and points ``save_dir/latest`` at it (the commit of
         ``Zero3Engine.save``): shards, optimizer state, the scheduler's
-        state, the counters and ``client_state`` (a JSON-able dict).
-        Loadable at any world size. Collective; returns True."""
+        state, the counters and ``client_state`` (a JSON-able dict, empty
+        when None). Loadable at any world size. Collective; returns True."""
         if not save_latest:
             warnings.warn("save_checkpoint: save_latest=False is accepted, has no effect in "
                           "ductile: a save commits by pointing 'latest' at it", UserWarning,
@@ -378,7 +378,7 @@ class DeepSpeedEngine(torch.nn.Module):
         if tag is None:
             tag = f"global_step{self.global_steps}"
         state = {
-            "client_state": client_state,
+            "client_state": {} if client_state is None else client_state,
             "global_steps": self.global_steps, "global_samples": self.global_samples,
             "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps,
         }

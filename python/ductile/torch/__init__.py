@@ -3,8 +3,9 @@
 ``get_dataloader_and_lr_scheduler_for_variable_batch_size``), on the C++
 packing pipeline (``ductile.batching.pack``) and the lr plugins.
 
+    # rank and world size from torch.distributed
     sampler = DynamicBatchSampler(lengths, max_tokens=4096, gradient_accumulation_steps=2,
-                                  order="random", seed=42)          # rank/world from torch.distributed
+                                  order="random", seed=42)
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=PadCollate())
     scheduler = VariableBatchLRScheduler(optimizer, sampler, lr_rule="sqrt",
                                          base_batch_size=64, schedule="warmup_linear",

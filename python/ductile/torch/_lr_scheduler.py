@@ -72,7 +72,9 @@ class VariableBatchLRScheduler:
             return [_batching.LrSchedule(self.rule, self.base_batch_size, [batch], base_lr=lr,
                                          **self._schedule_args).lr_at(step)
                     for lr in self.base_lrs]
-        return [self.rule.scale(lr, float(batch), self.base_batch_size) for lr in self._unscaled]
+        unscaled = self._unscaled
+        assert unscaled is not None  # kept whenever there is an lr_scheduler
+        return [self.rule.scale(lr, float(batch), self.base_batch_size) for lr in unscaled]
 
     def lr_at(self, step):
         """The rates of every param group at ``step`` (no lr_scheduler only)."""
@@ -91,7 +93,9 @@ class VariableBatchLRScheduler:
         if self.lr_scheduler is not None:
             # The wrapped scheduler steps from its own (unscaled) rates, so
             # chainable schedulers see what they set, never our scaling.
-            for group, lr in zip(self.optimizer.param_groups, self._unscaled):
+            unscaled = self._unscaled
+            assert unscaled is not None  # kept whenever there is an lr_scheduler
+            for group, lr in zip(self.optimizer.param_groups, unscaled):
                 group["lr"] = lr
             self.lr_scheduler.step()
             self._unscaled = [g["lr"] for g in self.optimizer.param_groups]

@@ -142,7 +142,9 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
         layout = self._layouts.get(epoch)
         if layout is not None:
             return layout
-        subset, done_sizes, done_tokens = None, [], []
+        subset = None
+        done_sizes: list[int] = []
+        done_tokens: list[int] = []
         if epoch == self._anchor_epoch:
             for effective_batch_size, steps in self._segments:
                 earlier = self._pack(epoch, subset, effective_batch_size, 0)

@@ -43,7 +43,7 @@ def checkpoint_requested():
     worker sees it (other ranks may see it a step later: see
     :func:`should_checkpoint`)."""
     path = os.environ.get(_REQUEST)
-    return bool(path) and os.path.exists(path)
+    return bool(path and os.path.exists(path))
 
 
 def checkpoint_reason():

@@ -248,21 +248,26 @@ def _next_step(state, where):
     anything: a whole number >= 0 (torch keeps a float32 tensor)."""
     step = state["step"]
     value = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
-            or not math.isfinite(value) or value < 0 or value != int(value) \
-            or value >= 2 ** 53:
+    # typeshed's numbers.Real has no __int__ and no comparison with an int:
+    # the ignores below are for that.
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not math.isfinite(value) or value < 0
+            or value != int(value)  # type: ignore[call-overload]
+            or value >= 2 ** 53):  # type: ignore[operator]
         raise InvalidArgumentError(
             f"DuctileCPUAdam: the state of {where} has step = {_shown(step)}; valid: a whole "
             "number of steps taken, from 0 to 2^53 (a state_dict of DuctileCPUAdam, "
             "DeepSpeedCPUAdam or torch.optim.AdamW)")
-    return int(value) + 1
+    return int(value) + 1  # type: ignore[call-overload]  # numbers.Real, as above
 
 
 def _check_betas(betas, name):
     """(beta1, beta2), each a real number in [0, 1), as torch's Adam needs."""
     pair = tuple(betas) if isinstance(betas, (list, tuple)) else None
     if pair is None or len(pair) != 2 or not all(
-            isinstance(b, numbers.Real) and not isinstance(b, bool) and 0 <= b < 1
+            # typeshed's numbers.Real has no comparison with an int
+            isinstance(b, numbers.Real) and not isinstance(b, bool)
+            and 0 <= b < 1  # type: ignore[operator]
             for b in pair):
         raise InvalidArgumentError(
             f"DuctileCPUAdam: {name} = {_shown(betas)} is invalid; valid: a pair (beta1, beta2) "

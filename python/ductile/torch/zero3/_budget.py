@@ -169,7 +169,8 @@ class Placement:
             warnings.warn(
                 f"zero3: step {step} held {high_water} bytes on the device by the engine's "
                 f"accounting, over max_device_memory = {self.budget}; the gathered copies took "
-                f"more than the {self.gather_reserve} bytes planned for them", UserWarning)
+                f"more than the {self.gather_reserve} bytes planned for them", UserWarning,
+                stacklevel=1)
 
     def total(self, kind, where="device"):
         out = 0
@@ -215,7 +216,7 @@ def staging_cap(groups, zero_params):
     bucket = int(zero_params.get("prefetch_bucket_size", 0))
     world = groups[0].world
     size = max(g.element_size for g in groups)
-    largest = max(max(g.world * g.shard_numel for g in groups), bucket)
+    largest = max(bucket, *(g.world * g.shard_numel for g in groups))
     return (events + 1) * -(-largest // world) * size
 
 

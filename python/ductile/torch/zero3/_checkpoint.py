@@ -294,10 +294,10 @@ def _read(engine, root):
     files = RankFiles(source, path, manifest, layout, signed_by=variable)
     try:
         values = []
-        for info, meta, (old_shard, entry) in zip(engine._params, saved, offsets):
+        for info, _meta, (old_shard, entry) in zip(engine._params, saved, offsets):
             first = engine.rank * info.shard_numel
             last = min(first + info.shard_numel, info.numel)
-            pieces = {}
+            by_key = {}  # state key (None: the parameter) -> this rank's shard of it
             for key, dtype, base in entry:
                 esize = element_size(dtype)
                 out = torch.zeros(info.shard_numel, dtype=dtype)
@@ -316,8 +316,8 @@ def _read(engine, root):
                     if hi >= last:
                         break
                     q += 1
-                pieces[key] = out
-            values.append(pieces)
+                by_key[key] = out
+            values.append(by_key)
     finally:
         files.close()
     state = None

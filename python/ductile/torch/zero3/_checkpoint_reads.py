@@ -18,6 +18,7 @@ import os
 import re
 import stat
 import zlib
+from typing import TypeGuard
 
 from ..._errors import IncompatibleError, IoError
 from ._checkpoint_files import (CHECKSUM, FORMAT, HMAC_FILE, LATEST, MAGIC, MANIFEST,
@@ -254,7 +255,7 @@ def read_manifest(source, key=None, variable=None):
     return path, manifest
 
 
-def _count(value):
+def _count(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
@@ -426,10 +427,12 @@ class RankFiles:
         if crc != record["crc32"]:
             raise IoError(f"{path}: CRC-32 {crc:#010x} differs from the manifest's "
                           f"{record['crc32']:#010x}: the shard file is corrupt")
-        if digest is not None and not hmac.compare_digest(digest.hexdigest(), wanted):
-            raise IoError(f"{path}: its SHA-256 is {digest.hexdigest()}, but the signed "
-                          f"{self.manifest_path} records {wanted}: the shard file was changed "
-                          "after the save; it is not loaded")
+        if digest is not None:
+            assert isinstance(wanted, str)  # checked above: there is a digest only then
+            if not hmac.compare_digest(digest.hexdigest(), wanted):
+                raise IoError(f"{path}: its SHA-256 is {digest.hexdigest()}, but the signed "
+                              f"{self.manifest_path} records {wanted}: the shard file was "
+                              "changed after the save; it is not loaded")
         return offset
 
 

@@ -30,6 +30,9 @@ exchange in flight until it waits, and the wait then returns at once when
 the bytes are in.
 """
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
 from ... import _ductile
@@ -47,6 +50,8 @@ class _Exchange:
     """Messages in flight: complete once each was waited for."""
 
     __slots__ = ("_works", "_done")
+    _works: Sequence[Any]  # emptied once waited for
+    _done: bool
 
     def query(self):
         return self._done
@@ -81,6 +86,7 @@ class DirectReduceScatter(_Exchange):
     by ``wait()``. ``inp`` must stay unchanged until then."""
 
     __slots__ = ("_received", "_mine", "_out")
+    _received: Sequence[torch.Tensor]  # emptied once added
 
     def __init__(self, group, rank, size, out, inp):
         n = out.numel()

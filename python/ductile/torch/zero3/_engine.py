@@ -285,6 +285,7 @@ class Zero3Engine:
         if self.lr_scheduler is not None and self._steps.step_applied:
             self.lr_scheduler.step(**(lr_kwargs or {}))
         if logged:
+            assert log is not None  # logged only with a log
             log.log(lr)
 
     def zero_grad(self):

@@ -70,7 +70,9 @@ def state_dict(engine, dtype=None, rank0_only=False):
 def _plan_files(items, max_shard_bytes):
     """Groups (key, nbytes) into files of at most max_shard_bytes each (a
     larger tensor alone); returns the list of key lists."""
-    files, current, size = [], [], 0
+    files: list[list] = []
+    current: list = []
+    size = 0
     for key, nbytes in items:
         if current and size + nbytes > max_shard_bytes:
             files.append(current)

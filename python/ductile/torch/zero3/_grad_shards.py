@@ -79,7 +79,7 @@ def clip(grads, comm, device, max_norm, norm_type):
     total = global_norm(grads, comm, device, norm_type)
     coefficient = clip_coefficient(total, max_norm)
     if grads:
-        by_dtype = {}
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for g in grads:
             by_dtype.setdefault(g.dtype, []).append(g)
         for dtype, same in by_dtype.items():

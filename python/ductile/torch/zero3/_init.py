@@ -32,6 +32,7 @@ holding its slice of each parameter.
 import json
 import os
 import weakref
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -130,8 +131,9 @@ class init:  # noqa: N801 - used as a context manager, like torch.no_grad
             raise InvalidArgumentError(
                 f"zero3.init: rank {self.rank!r} of world size {self.world_size!r} is not valid")
         self._owners = {}
-        self._handle = None
-        self._mode = None
+        # torch's hook handle and dispatch mode, set by __enter__
+        self._handle: Any = None
+        self._mode: Any = None
 
     def _register(self, module, name, param):
         if param is None or shard_of(param) is not None or param.is_meta:

@@ -32,6 +32,7 @@ no difference and a checkpoint loads with or without offload.
 
 import concurrent.futures
 import time
+from typing import Any
 
 import torch
 
@@ -90,9 +91,11 @@ class OptimizerOffload:
     def __init__(self, groups, device, eager):
         self.groups = [g for g in groups if g.host is not None]
         self.device = device
-        self.optimizer = None  # DuctileCPUAdam over the offloaded shards, set with it
+        # DuctileCPUAdam over the offloaded shards, set with it
+        self.optimizer: Any = None
         self.cuda = device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        # read only when self.cuda
+        self.copy_stream: Any = torch.cuda.Stream(device) if self.cuda else None
         self.eager = eager          # step_in_backward: step each group as its gradient lands
         self.worker = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="ductile-zero3-offload") if eager else None
@@ -124,12 +127,14 @@ class OptimizerOffload:
         self.counters["offload_grad_copies"] += 1
         self.counters["offload_grad_bytes"] += host.grad.numel() * host.grad.element_size()
         if self.eager:
-            work = self._work(group)
+            _, params, grads, outs = self._work(group)
             # The device copy may go: the host copy is what the step reads.
             group.grad_flat = None
             group.grad_views = None
-            self.pending.append(self.worker.submit(self._step, *work, 1.0,
-                                                   ready if self.cuda else None))
+            worker = self.worker
+            assert worker is not None  # made when eager
+            self.pending.append(worker.submit(self._step, group, params, grads, outs, 1.0,
+                                              ready if self.cuda else None))
 
     # --- the step --------------------------------------------------------------------------
 
@@ -154,7 +159,7 @@ class OptimizerOffload:
             scale = scale * f
         total = global_norm(device_grads, comm, self.device, norm_type, deferred, scale)
         coefficient = clip_coefficient(total, max_norm)
-        by_dtype = {}
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for g in device_grads:
             by_dtype.setdefault(g.dtype, []).append(g)
         for dtype, same in by_dtype.items():
@@ -181,9 +186,9 @@ class OptimizerOffload:
                 scale = self._grad_scale()
                 ready = _record(torch.cuda.current_stream(self.device)) if self.cuda else None
                 for group in self.groups:
-                    work = self._work(group)
-                    if work[1]:
-                        self._step(*work, scale, ready)
+                    _, params, grads, outs = self._work(group)
+                    if params:
+                        self._step(group, params, grads, outs, scale, ready)
         finally:
             self.pending = []
             self.factors = []

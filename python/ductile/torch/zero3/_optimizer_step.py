@@ -10,6 +10,8 @@ overflow decision (_grad_shards.py). After it the optimizer's shards have
 changed: the next pass gathers the new values (``Sharding.changed``).
 """
 
+from typing import Any
+
 from ..._errors import IncompatibleError, InvalidArgumentError
 from . import _budget, _grad_shards
 from ._offload import OffloadedOptimizer
@@ -44,7 +46,9 @@ class OptimizerStep:
         self.device_high_water = 0  # of the last step, by the engine's accounting
         self._resident_key = None   # the optimizer state's size when _resident was counted
         self._resident = 0
-        self.optimizer = None
+        # The factory's optimizer, PerParameterOptimizers (step_in_backward) or
+        # OffloadedOptimizer (offload); None without a factory.
+        self.optimizer: Any = None
         self.step_in_backward = bool(step_in_backward)
         if self.step_in_backward:
             if optimizer_factory is None:

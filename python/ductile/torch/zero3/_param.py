@@ -39,6 +39,8 @@ group g" and rebuilt over the copy gathered again for backward: a release
 in between never leaves autograd reading freed memory.
 """
 
+from typing import Any
+
 import torch
 
 from ._memory import type_name
@@ -70,7 +72,7 @@ class ZeroParam:
         self.shard_numel = 0
         self.store = None   # its slice of the group's store (compute dtype)
         self.shard = None   # the optimizer's parameter (master dtype)
-        self.group = None   # the ParamGroup it belongs to
+        self.group: Any = None  # the ParamGroup it belongs to, set by that group
         self.offset = 0     # of its slice in the group's flat shard
 
     @property

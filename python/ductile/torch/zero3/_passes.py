@@ -59,6 +59,10 @@ class GuardedParameters(collections.OrderedDict):
     placeholder): the user sees which parameter to declare as external
     instead of a shape error from deep inside torch."""
 
+    # The engine's passes, set after construction; read from __dict__ (a
+    # dict subclass without it guards nothing).
+    passes: "Passes"
+
     def __getitem__(self, key):
         p = super().__getitem__(key)
         passes = self.__dict__.get("passes")

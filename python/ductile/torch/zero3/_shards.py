@@ -9,6 +9,8 @@ group member instead (groups of one), and still works, a collective a
 parameter.
 """
 
+from typing import Any
+
 import torch
 
 from ..._errors import IncompatibleError, InvalidArgumentError, UnsupportedError
@@ -37,7 +39,8 @@ class Sharding:
         self.rank = session.rank
         self.world = session.size
         self.precision = precision
-        self.offload = None  # the engine's OptimizerOffload, when groups are offloaded
+        # the engine's OptimizerOffload, when groups are offloaded
+        self.offload: Any = None
         self.changed = False  # the optimizer's shards changed since the last sync()
         self.params = []
         self.groups = []
@@ -47,7 +50,8 @@ class Sharding:
 
     def collect(self, model):
         precision = self.precision
-        params, seen = [], set()
+        params: list[ZeroParam] = []
+        seen: set[int] = set()
         for name, p in model.named_parameters():
             if id(p) in seen or p.numel() == 0:
                 continue  # shared (tied), or nothing to partition
@@ -94,7 +98,7 @@ class Sharding:
         slices zero3.init kept, from safetensors (load_from), or from rank
         0's values (broadcast, as DistributedDataParallel does)."""
         source = _init.SafetensorsSource(load_from) if load_from is not None else None
-        aliases = {}
+        aliases: dict[int, list[str]] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(p), []).append(name)
         try:

@@ -154,7 +154,9 @@ def _packed(runs, limit, size, member_alone=None):
     more) alone; each alone on one rank (no collective to save)."""
     if size == 1:
         return [[run] for run in runs]
-    out, small, small_bytes = [], [], 0
+    out: list[list] = []
+    small: list = []
+    small_bytes = 0
     for run in runs:
         dtype = run[0][3]
         nbytes = sum(count for _, _, count, _ in run) * _SIZES[dtype]
@@ -177,7 +179,7 @@ def _members_alone(runs, size, threshold):
     out as a run of its own."""
     out = []
     for run in runs:
-        current = []
+        current: list = []
         for item in run:
             if len(run) > 1 and item[2] * size * _SIZES[item[3]] >= threshold:
                 if current:
@@ -193,7 +195,8 @@ def _members_alone(runs, size, threshold):
 
 def _runs(items, size):
     """Splits coalesced items into runs of back-to-back members."""
-    runs, current = [], []
+    runs: list[list] = []
+    current: list = []
     for item in items:
         if current:
             send, recv, count, dtype = current[-1]
@@ -315,7 +318,8 @@ class TorchWorld:
         ordered on the cuda stream `stream`. On host streams the C++ host
         world issues these gathers itself (gather_plan)."""
         if len(items) == 1:
-            return self.all_gather_at(*items[0], stream)
+            send, recv, count, dtype = items[0]
+            return self.all_gather_at(send, recv, count, dtype, stream)
         s = self._stream(stream)
         with torch.cuda.stream(s):
             for run in self._plan(items):

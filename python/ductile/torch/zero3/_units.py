@@ -44,7 +44,7 @@ class Unit:
 
 
 def _block_classes(model):
-    names = set()
+    names: set[str] = set()
     for module in model.modules():
         listed = getattr(module, "_no_split_modules", None)
         if isinstance(listed, (list, tuple, set)):
@@ -63,7 +63,7 @@ def _selector(model, policy):
         if names:
             if any(type(m).__name__ in names for m in model.modules()):
                 return lambda m: type(m).__name__ in names
-        listed = set()
+        listed: set[int] = set()
         for m in model.modules():
             if isinstance(m, torch.nn.ModuleList):
                 listed.update(id(c) for c in m.children() if _has_parameters(c))
@@ -95,8 +95,8 @@ def plan(model, param_of, policy, make_groups):
     parameter. `make_group(name, members)` makes a ParamGroup."""
     select = _selector(model, policy)
     per_module = select is None
-    unit_of = {}          # id(module) -> the Unit whose modules it belongs to
-    units = collections.OrderedDict()
+    unit_of: dict[int, Unit] = {}  # id(module) -> the Unit whose modules it belongs to
+    units: collections.OrderedDict[int, Unit] = collections.OrderedDict()
     for name, module in model.named_modules():
         if module is model:
             owner = None
@@ -111,8 +111,10 @@ def plan(model, param_of, policy, make_groups):
         unit_of[id(module)] = owner
     # Parameters to their owning unit, in named_modules() order (a tied
     # parameter belongs to the first module holding it).
-    owned = collections.OrderedDict((key, []) for key in units)
-    used = collections.OrderedDict((key, []) for key in units)
+    owned: collections.OrderedDict[int, list] = collections.OrderedDict(
+        (key, []) for key in units)
+    used: collections.OrderedDict[int, list] = collections.OrderedDict(
+        (key, []) for key in units)
     taken = set()
     for name, module in model.named_modules():
         unit = unit_of[id(module)]
@@ -134,7 +136,7 @@ def plan(model, param_of, policy, make_groups):
             used[key].append(zp)
     result = []
     for key, unit in units.items():
-        by_dtype = collections.OrderedDict()
+        by_dtype: collections.OrderedDict[torch.dtype, list] = collections.OrderedDict()
         for zp in owned[key]:
             by_dtype.setdefault(zp.dtype, []).append(zp)
         for members in by_dtype.values():
