@@ -17,6 +17,7 @@
 
 #include "ductile/agent/memory_store.hpp"
 #include "ductile/agent/store_server.hpp"
+#include "ports.hpp"
 
 using namespace ductile::agent;
 using namespace std::chrono_literals;
@@ -39,12 +40,8 @@ std::string store_error_from(F&& call) {
 }
 
 int connect_raw(int port) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = htons(static_cast<std::uint16_t>(port));
-  REQUIRE(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+  const int fd = ductile::test::connect_loopback(port);
+  REQUIRE(fd >= 0);
   return fd;
 }
 

@@ -73,12 +73,8 @@ std::vector<std::string> exercise(KeyValueStore& store) {
 
 // A raw TCP connection to the server, for bytes no client sends.
 int connect_to(int port) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = htons(static_cast<std::uint16_t>(port));
-  REQUIRE(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+  const int fd = ductile::test::connect_loopback(port);
+  REQUIRE(fd >= 0);
   return fd;
 }
 

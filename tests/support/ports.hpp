@@ -1,4 +1,5 @@
-// Free TCP ports for servers a test starts (etcd, a rank's join listener).
+// Free TCP ports for servers a test starts (etcd, a rank's join listener),
+// and raw connections to them.
 #pragma once
 
 #include <arpa/inet.h>
@@ -37,6 +38,22 @@ inline int free_tcp_port() {
     if (int port = bindable(std::uniform_int_distribution<int>(10000, low - 1)(random)))
       return port;
   return bindable(0);
+}
+
+// A raw TCP connection to `port` on 127.0.0.1, for bytes no real client
+// sends; -1 when it cannot be made (the caller closes the descriptor).
+inline int connect_loopback(int port) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = htons(static_cast<std::uint16_t>(port));
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
 }
 
 }  // namespace ductile::test
