@@ -45,19 +45,6 @@ int connect_raw(int port) {
   return fd;
 }
 
-// Reads until the peer closes (true) or `limit` passes (false); what came.
-bool closed_after(int fd, std::chrono::seconds limit, std::string* got = nullptr) {
-  timeval tv{static_cast<time_t>(limit.count()), 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  char buffer[256];
-  for (;;) {
-    ssize_t n = recv(fd, buffer, sizeof buffer, 0);
-    if (n == 0) return true;
-    if (n < 0) return errno == ECONNRESET;
-    if (got) got->append(buffer, static_cast<std::size_t>(n));
-  }
-}
-
 // A put of the agents' protocol, framed, after the protocol's magic.
 std::string raw_put(const std::string& key, const std::string& value) {
   std::string body(1, '\x05');  // Op::put
@@ -184,7 +171,7 @@ TEST_CASE("rendezvous secret: only agents that prove it are served - strangers a
   const std::string put = raw_put("/job/x", "raw");
   REQUIRE(send(fd, put.data(), put.size(), 0) == static_cast<ssize_t>(put.size()));
   std::string answer;
-  CHECK(closed_after(fd, 30s, &answer));
+  CHECK(ductile::test::closed_by_peer(fd, 30s, &answer));
   close(fd);
   REQUIRE(answer.size() > 5);
   CHECK(answer[4] == '\x02');  // Status::unauthorized
@@ -204,7 +191,7 @@ TEST_CASE("rendezvous secret: only agents that prove it are served - strangers a
   fd = connect_raw(port);
   REQUIRE(send(fd, "DKV1", 4, 0) == 4);
   const auto silent_since = std::chrono::steady_clock::now();
-  CHECK(closed_after(fd, 60s));
+  CHECK(ductile::test::closed_by_peer(fd, 60s));
   CHECK(std::chrono::steady_clock::now() - silent_since >= 4s);
   close(fd);
   CHECK(agent.get("/job/x")->value == "1");

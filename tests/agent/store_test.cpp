@@ -78,18 +78,6 @@ int connect_to(int port) {
   return fd;
 }
 
-// Reads until the peer closes (true) or 10 s pass (false).
-bool closed_by_peer(int fd) {
-  timeval tv{10, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  char buffer[256];
-  for (;;) {
-    ssize_t n = recv(fd, buffer, sizeof buffer, 0);
-    if (n == 0) return true;
-    if (n < 0) return errno == ECONNRESET;
-  }
-}
-
 }  // namespace
 
 TEST_CASE(
@@ -168,7 +156,7 @@ TEST_CASE("store server: a reset empties the workers' store and drops their conn
   REQUIRE(recv(worker, &count, sizeof count, MSG_WAITALL) == sizeof count);
   CHECK(count == 1);
   server.reset_worker_store();
-  CHECK(closed_by_peer(worker));
+  CHECK(ductile::test::closed_by_peer(worker, 10s));
   close(worker);
   // A new worker finds the store empty; the agents' store is untouched.
   worker = connect_to(server.port());
@@ -198,7 +186,7 @@ TEST_CASE("store server: clients that break the protocol are dropped - the other
     int fd = connect_to(server.port());
     REQUIRE(send(fd, bytes.data(), bytes.size(), 0) == static_cast<ssize_t>(bytes.size()));
     INFO(bytes.size() << " bytes");
-    CHECK(closed_by_peer(fd));
+    CHECK(ductile::test::closed_by_peer(fd, 10s));
     close(fd);
   }
   // Half a message, then the client goes away: nothing waits for it.

@@ -130,12 +130,12 @@ TEST_CASE("workers: stop ends workers and the children they started") {
   CHECK(no_marked_processes(marker));
 }
 
-TEST_CASE("workers: what a worker leaves in another session ends with it") {
+TEST_CASE("workers: what a worker leaves in a process group of its own ends with it") {
   TempDir dir;
   const std::string marker = new_marker();
   WorkerGroup group;
-  // The background job leads a session of its own (no process group of the
-  // worker's holds it) and ignores SIGTERM: the guard's SIGKILL after the
+  // The background job runs under setsid, in a process group of its own (no
+  // group of the worker's holds it) and ignores SIGTERM: the guard's SIGKILL after the
   // grace ends it. The worker waits until the job runs before it exits.
   const auto pid_file = dir / "orphan.pid";
   group.start({shell(0,

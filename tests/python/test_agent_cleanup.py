@@ -158,7 +158,7 @@ def test_a_v02_policy_plans_for_the_agents_world_size(tmp_path):
 
 @pytest.mark.parametrize("outcome", [0, 3])
 def test_what_a_worker_leaves_behind_ends_with_the_job(tmp_path, outcome):
-    """A worker starts a job in a session of its own that ignores SIGTERM,
+    """A worker starts a job under setsid (a process group of its own) that ignores SIGTERM,
     and exits: the job, done or failed, ends it (SIGKILL after the grace)."""
     marker = f"DUCTILE_CLEANUP_TEST={os.getpid()}-{outcome}"
     name, value = marker.split("=")

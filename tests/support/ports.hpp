@@ -7,8 +7,11 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <chrono>
 #include <fstream>
 #include <random>
+#include <string>
 
 namespace ductile::test {
 
@@ -54,6 +57,20 @@ inline int connect_loopback(int port) {
     return -1;
   }
   return fd;
+}
+
+// Reads `fd` until the peer closes it (true) or `limit` passes (false);
+// what came is appended to `got` when given.
+inline bool closed_by_peer(int fd, std::chrono::seconds limit, std::string* got = nullptr) {
+  timeval tv{static_cast<time_t>(limit.count()), 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  char buffer[256];
+  for (;;) {
+    const ssize_t n = recv(fd, buffer, sizeof buffer, 0);
+    if (n == 0) return true;
+    if (n < 0) return errno == ECONNRESET;
+    if (got) got->append(buffer, static_cast<std::size_t>(n));
+  }
 }
 
 }  // namespace ductile::test
