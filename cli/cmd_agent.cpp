@@ -93,6 +93,10 @@ void register_agent_command(CLI::App& app, CliContext& context) {
                   "Address other nodes reach this one at, published as MASTER_ADDR when this "
                   "node leads (default: the host's fully qualified name, as torchrun)");
   sub->add_option("--node-id", o->agent.node_id, "This agent's name (default: host-pid-random)");
+  sub->add_option("--snapshot-dir", o->agent.snapshot_dir,
+                  "Directory where the agent keeps its workers' in-memory snapshots and the "
+                  "replicas of other nodes' (default: /dev/shm when it is a directory, else the "
+                  "system's temporary directory)");
   sub->add_flag("--mpi-world", o->agent.mpi_world,
                 "Workers form one MPI world without mpirun (ductile's cpu backend, zero3): "
                 "each agent runs an ompi-server (Open MPI), workers get DUCTILE_MPI_JOIN and "

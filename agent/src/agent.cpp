@@ -79,10 +79,12 @@ void Agent::setup() {
     self_.id = o_.node_id;
   }
   workers_.make_run_dir();
+  snapshots_.make_area();
   // From here until the loop, the rendezvous may wait (for its host, for a
   // previous run's registration): a stop signal is seen meanwhile.
   stop_watch_.arm();
   conn_.open();
+  snapshots_.serve();
   // One static node: its workers' store at the port asked.
   if (o_.rendezvous == RendezvousKind::embedded && o_.agent_store && o_.master_port != 0)
     leadership_.serve_fixed_worker_store();
@@ -152,10 +154,18 @@ std::optional<int> Agent::apply(const RoundRecord& round) {
   const bool earlier_run = it != round.members.end() && !round.member_revisions.empty() &&
                            round.member_revisions[index] != membership_.own_revision();
   const bool member = it != round.members.end() && !earlier_run;
+  // Before the round is entered: a store error, or a stop signal, while the
+  // members agree on a snapshot leaves the round to apply again.
+  std::filesystem::path restore;
+  if (member) {
+    auto prepared = snapshots_.prepare_round(round);
+    if (!prepared) return std::nullopt;
+    restore = std::move(*prepared);
+  }
   workers_.enter_round(round.round, round.restarts, member);
   checkpoints_.enter_round();
   if (member) {
-    workers_.start(round, index, *policy_);
+    workers_.start(round, index, *policy_, restore);
   } else if (earlier_run) {
     self_.log(
         fmt::format("round {} was formed with an earlier registration of this node: waiting for "
@@ -205,11 +215,13 @@ void Agent::leave_outside_loop(int sig) {
     self_.log(message);
   // Its lease expires on its own (the store may be what is waited for).
   workers_.discard_run_dir();
+  snapshots_.discard();
   std::_Exit(128 + sig);
 }
 
 int Agent::leave(int code) {
   workers_.stop(o_.stop_grace);
+  snapshots_.close();
   leadership_.stop_mpi_server();
   conn_.close();
   return code;
@@ -262,12 +274,12 @@ int Agent::run() {
         signals_.renew_mark();
       }
       // One request a pass for most agents: the round, the oldest
-      // registrations (the leader is the oldest live one) and this node's
-      // own. Only the leader reads every registration. A static job's
-      // leader is its lowest node rank: every registration is read.
+      // registrations (the leader is the oldest live one), this node's
+      // own and every node's snapshot holdings. Only the leader reads every registration. A static
+      // job's leader is its lowest node rank: every registration is read.
       auto reads = store.read({RangeRead{key("round")},
                                RangeRead{key("nodes/"), true, ranked ? 0 : kLeaderWindow, true},
-                               RangeRead{key("nodes/" + self_.id)}});
+                               RangeRead{key("nodes/" + self_.id)}, snapshots_.holdings_read()});
       std::optional<KeyValue> round_kv;
       if (!reads[0].empty()) round_kv = reads[0].front();
       if (outage_since_) {
@@ -293,6 +305,7 @@ int Agent::run() {
         leadership_.not_leading();
       }
       std::optional<RoundRecord> round = membership_.read_round(round_kv);
+      snapshots_.follow(reads[3], round);
       if (!alive.empty() && alive.front().id == self_.id) leadership_.lead(alive, round_kv, round);
       if (round)
         if (auto code = apply(*round)) {

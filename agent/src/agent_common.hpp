@@ -40,6 +40,10 @@ struct WorkerSetup {
   std::size_t group_rank;
   const std::string& node_id;
   const std::filesystem::path& run_dir;  // the agent's directory of error files
+  // DUCTILE_SNAPSHOT_DIR (empty: not set) and DUCTILE_SNAPSHOT_RESTORE
+  // (empty: not set; the snapshot this round's workers resume from).
+  const std::filesystem::path& snapshot_dir;
+  const std::filesystem::path& snapshot_restore;
 };
 std::vector<WorkerSpec> worker_specs(const WorkerSetup& setup);
 // torchrun's directory of an attempt's files: <run_dir>/attempt_<restarts>,

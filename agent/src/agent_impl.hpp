@@ -7,6 +7,8 @@
 //   Leadership (leadership.hpp): the leader's pass and the workers' store;
 //   NodeWorkers (node_workers.hpp): this node's workers in the round;
 //   Checkpoints (checkpoints.hpp): the round's checkpoint request followed;
+//   NodeSnapshots (node_snapshots.hpp): the workers' in-memory snapshots:
+//     their area, its server, the replicas, a new round's restore;
 //   StopSignals (signals.hpp): leaving, or draining, on a stop signal.
 // The parts hold references to the options, the job's settings and this
 // agent's identity, which Agent owns and sets once in setup(). Internal to
@@ -24,6 +26,7 @@
 #include "ductile/agent/rendezvous.hpp"
 #include "leadership.hpp"
 #include "membership.hpp"
+#include "node_snapshots.hpp"
 #include "node_workers.hpp"
 #include "signals.hpp"
 
@@ -37,6 +40,7 @@ class Agent {
         membership_(o_, settings_, self_, conn_),
         leadership_(o_, settings_, self_, conn_, membership_),
         workers_(o_, self_, conn_),
+        snapshots_(o_, self_, conn_, workers_),
         checkpoints_(settings_, self_, conn_, workers_),
         signals_(o_, settings_, self_, conn_, workers_),
         stop_watch_(o_.stop_signal, [this](int sig) { leave_outside_loop(sig); }) {}
@@ -44,7 +48,8 @@ class Agent {
 
  private:
   // Start-up: the options checked, the policy and the job's settings, this
-  // node's identity, the run directory, the rendezvous and the first lease.
+  // node's identity, the run directory and the snapshot area, the
+  // rendezvous and the first lease.
   void setup();
   // Applies the round record; returns an exit code when the agent is done.
   std::optional<int> apply(const RoundRecord& round);
@@ -68,6 +73,7 @@ class Agent {
   Membership membership_;
   Leadership leadership_;
   NodeWorkers workers_;
+  NodeSnapshots snapshots_;
   Checkpoints checkpoints_;
   StopSignals signals_;
   StopWatch stop_watch_;  // last: its thread ends before the parts go

@@ -125,6 +125,12 @@ void check_options(const AgentOptions& o) {
         return static_cast<unsigned char>(c) > 0x20 && static_cast<unsigned char>(c) < 0x7f;
       }))
     bad(fmt::format("--node-addr '{}' is invalid: give a host name or address", excerpt(addr)));
+  if (std::error_code ec;
+      !o.snapshot_dir.empty() && !std::filesystem::is_directory(o.snapshot_dir, ec))
+    bad(
+        fmt::format("--snapshot-dir '{}' is not a directory: give an existing directory (default "
+                    "/dev/shm)",
+                    excerpt(o.snapshot_dir)));
   // The workers inherit this PATH: a command not found now would fail in
   // every round.
   const std::string& program = o.command.front();

@@ -149,6 +149,8 @@ void RendezvousConnection::open() {
       return std::make_unique<SharedStore>(memory);
     };
   };
+  // Every kind: the snapshot servers (snapshot_server.hpp) ask for it too.
+  std::tie(secret_, secret_source_) = secret_from_environment();
   switch (o_.rendezvous) {
     case RendezvousKind::etcd: {
       std::string endpoint = etcd_endpoint_from_url(o_.rdzv, "--rdzv");
@@ -165,7 +167,6 @@ void RendezvousConnection::open() {
     case RendezvousKind::hosted:
       break;
   }
-  std::tie(secret_, secret_source_) = secret_from_environment();
   const std::string where = fmt::format("{}:{}", o_.rdzv_host, o_.rdzv_port);
   if (o_.hosting == Hosting::always ||
       (o_.hosting == Hosting::if_local && names_this_machine(o_.rdzv_host))) {

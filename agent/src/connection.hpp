@@ -4,10 +4,11 @@
 // when it cannot), and the log of records it ignored. Internal to
 // libductile_agent; owned by Agent (agent_impl.hpp).
 //
-// A hosted rendezvous (c10d, static) takes the job's secret from the
-// environment: DUCTILE_RDZV_SECRET_FILE (a regular file of at most 4 KiB,
-// one trailing newline dropped) or DUCTILE_RDZV_SECRET (the value). The
-// host admits only agents that prove they hold it (store_server.hpp).
+// The agent takes the job's secret from the environment, for a hosted
+// rendezvous (c10d, static) and for the snapshot servers:
+// DUCTILE_RDZV_SECRET_FILE (a regular file of at most 4 KiB, one trailing
+// newline dropped) or DUCTILE_RDZV_SECRET (the value). The host admits only
+// agents that prove they hold it (store_server.hpp).
 //
 // Errors: open() throws ductile::Error (invalid_argument) for a bad secret
 // variable; grant_first_lease() for a host whose secret differs.
@@ -49,6 +50,9 @@ class RendezvousConnection {
   void close();
 
   KeyValueStore& store() { return *store_; }
+  // The job's secret (empty: none), after open(); the snapshot servers
+  // prove it as the hosted rendezvous does, whatever the rendezvous' kind.
+  const std::string& secret() const { return secret_; }
   std::int64_t lease() const { return lease_; }
   KeepAlive& keep_alive() { return *keep_alive_; }
   // The guards of the workers the fence kills (empty: none); nothing before

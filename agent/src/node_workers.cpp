@@ -77,7 +77,8 @@ void NodeWorkers::notice_fence() {
   stop(std::chrono::milliseconds(0));
 }
 
-void NodeWorkers::start(const RoundRecord& round, std::size_t group_rank, const JobPolicy& policy) {
+void NodeWorkers::start(const RoundRecord& round, std::size_t group_rank, const JobPolicy& policy,
+                        const std::filesystem::path& restore) {
   // As torchrun: the attempt's directory afresh; each worker's own
   // directory in it is made as that worker starts (WorkerSpec::directory).
   std::error_code ignored;
@@ -85,7 +86,8 @@ void NodeWorkers::start(const RoundRecord& round, std::size_t group_rank, const 
   if (o_.checkpoint_timeout.count() > 0)
     std::filesystem::create_directories(checkpoint_request_of(run_dir(), round.round).parent_path(),
                                         ignored);
-  auto specs = worker_specs({o_, policy, round, group_rank, self_.id, run_dir()});
+  auto specs =
+      worker_specs({o_, policy, round, group_rank, self_.id, run_dir(), snapshot_dir_, restore});
   BatchPlan plan = policy.plan(round.world_size);
   self_.log(fmt::format(
       "round {} started: world size {} ({} nodes x {}), group rank {}, master {}:{}{}{}, "

@@ -35,11 +35,17 @@ class NodeWorkers {
   // `member`: this node runs workers in it; `restarts`: its restart count
   // (the attempt its files are under).
   void enter_round(std::int64_t round, std::int64_t restarts, bool member);
-  // Starts this node's workers for `round`; a stop signal meanwhile leaves
-  // the rest unstarted (the agent's loop then stops those started). Throws
-  // ductile::Error (io) when the machine cannot start one (fork's EAGAIN:
-  // its process limit), having stopped those started.
-  void start(const RoundRecord& round, std::size_t group_rank, const JobPolicy& policy);
+  // Every round's workers write their snapshots there
+  // (DUCTILE_SNAPSHOT_DIR).
+  void set_snapshot_dir(std::filesystem::path dir) { snapshot_dir_ = std::move(dir); }
+  // Starts this node's workers for `round`, resuming from the snapshot
+  // folder `restore` when not empty (DUCTILE_SNAPSHOT_RESTORE); a stop
+  // signal meanwhile leaves the rest unstarted (the agent's loop then
+  // stops those started). Throws ductile::Error (io) when the machine
+  // cannot start one (fork's EAGAIN: its process limit), having stopped
+  // those started.
+  void start(const RoundRecord& round, std::size_t group_rank, const JobPolicy& policy,
+             const std::filesystem::path& restore = {});
   // Stops the workers and takes them off the fence.
   void stop(std::chrono::milliseconds grace);
   bool pump(std::chrono::milliseconds wait) { return group_.pump(wait); }
@@ -70,6 +76,7 @@ class NodeWorkers {
   const NodeIdentity& self_;
   RendezvousConnection& conn_;
   std::optional<RunDir> run_dir_;  // before group_: outlives the workers
+  std::filesystem::path snapshot_dir_;
   WorkerGroup group_;
   std::int64_t current_round_ = 0;
   std::int64_t current_restarts_ = 0;

@@ -63,6 +63,8 @@ KeyValue take_kv(Cursor& in) {
 constexpr std::string_view kHostLabel = "ductile rendezvous host proof v1";
 constexpr std::string_view kAgentLabel = "ductile rendezvous agent proof v1";
 
+}  // namespace
+
 // OpenSSL failing (cannot happen with a working libcrypto) breaks the
 // exchange as a bad message would: the connection is closed.
 std::string random_nonce() {
@@ -93,6 +95,8 @@ std::string proof(const std::string& secret, std::string_view label, const std::
 bool same_proof(const std::string& a, const std::string& b) {
   return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
 }
+
+namespace {
 
 std::string unauthorized(const std::string& why) {
   std::string out;

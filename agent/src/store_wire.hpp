@@ -10,6 +10,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <type_traits>
 
 #include "ductile/agent/kv_store.hpp"
@@ -97,6 +98,17 @@ enum class Op : std::uint8_t {
   prove
 };
 enum class Status : std::uint8_t { ok = 0, error = 1, unauthorized = 2 };
+
+// The pieces of the challenge-response, shared with the snapshot servers'
+// protocol (snapshot_server.hpp), which proves the same secret under labels
+// of its own. Each throws BadMessage when OpenSSL fails.
+// `kNonceBytes` random bytes.
+std::string random_nonce();
+// HMAC-SHA256(secret, label, first, second), each field after its length.
+std::string proof(const std::string& secret, std::string_view label, const std::string& first,
+                  const std::string& second);
+// Compares two proofs in constant time.
+bool same_proof(const std::string& a, const std::string& b);
 
 // Runs one request of the agents' protocol on `store` and returns the
 // answer's body (a StoreError becomes an error answer). Throws BadMessage

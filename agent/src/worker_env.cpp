@@ -22,7 +22,8 @@ constexpr const char* kWorkerVariables[] = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS", "DEEPSPEED_ELASTICITY_CONFIG",
     "DUCTILE_GLOBAL_BATCH", "DUCTILE_MICRO_BATCH", "DUCTILE_GRADIENT_ACCUMULATION_STEPS",
     "DUCTILE_ROUND", "DUCTILE_AGENT_NODE_ID", "DUCTILE_MPI_JOIN", "DUCTILE_CHECKPOINT_REQUEST",
-    "DUCTILE_CHECKPOINT_SAVED", "OMPI_MCA_pmix_server_uri",
+    "DUCTILE_CHECKPOINT_SAVED", "DUCTILE_SNAPSHOT_DIR", "DUCTILE_SNAPSHOT_RESTORE",
+    "OMPI_MCA_pmix_server_uri",
     // Set by the `ductile` console script for the
     // agent alone (worker_command in the CLI).
     "DUCTILE_CONSOLE_PYTHON"};
@@ -140,6 +141,8 @@ std::vector<WorkerSpec> worker_specs(const WorkerSetup& s) {
       set("DUCTILE_CHECKPOINT_REQUEST", checkpoint_request_of(s.run_dir, round.round).string());
       set("DUCTILE_CHECKPOINT_SAVED", checkpoint_saved_of(s.run_dir, round.round, local).string());
     }
+    if (!s.snapshot_dir.empty()) set("DUCTILE_SNAPSHOT_DIR", s.snapshot_dir.string());
+    if (!s.snapshot_restore.empty()) set("DUCTILE_SNAPSHOT_RESTORE", s.snapshot_restore.string());
     set("DUCTILE_ROUND", std::to_string(round.round));
     set("DUCTILE_AGENT_NODE_ID", s.node_id);
     if (round.mpi_join_port != 0) {

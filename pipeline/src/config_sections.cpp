@@ -49,7 +49,8 @@ bool register_sections() {
         .doc = "Format of the lengths file (auto: from the extension)"}});
   // What the front ends that run ZeRO-3 (ductile.torch.zero3) read beside
   // the coordinator's keys; DeepSpeed's zero_optimization.offload_optimizer
-  // and offload_param (device "cpu"), and the engine's progress lines.
+  // and offload_param (device "cpu"), the engine's progress lines, and its
+  // in-memory snapshots (DeepSpeed spelling: the top-level "snapshot" object).
   core::extend_section(
       "zero",
       {{.key = "offload_optimizer",
@@ -80,7 +81,20 @@ bool register_sections() {
         .default_value = "0",
         .doc = "Optimizer steps between the engine's progress lines (logger ductile.zero3, "
                "rank 0): step, loss scale, learning rate, step time, throughput, peak memory, "
-               "gather wait, offload traffic; 0: off"}});
+               "gather wait, offload traffic; 0: off"},
+       {.key = "snapshot_interval",
+        .type = ParamType::integer,
+        .flags = param_has_min,
+        .default_value = "1",
+        .doc = "Optimizer steps between in-memory snapshots of the training state, written "
+               "into DUCTILE_SNAPSHOT_DIR (set by `ductile agent`) when the step is a multiple "
+               "of it; 0: none"},
+       {.key = "snapshot_replicas",
+        .type = ParamType::integer,
+        .flags = param_has_min,
+        .default_value = "1",
+        .doc = "Other nodes that hold a copy of each node's newest snapshot (the agents "
+               "replicate it); 0: none"}});
   core::extend_section("lr",
                        {{.key = "base_lr",
                          .type = ParamType::floating,

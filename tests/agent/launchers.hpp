@@ -89,7 +89,7 @@ struct SideBySide {
 // script included. Each launcher's workers write to <dir>/torchrun or
 // <dir>/ductile; `world` workers are expected. Checks that every launcher
 // exits 0, that the workers got the same variables (ductile's
-// DUCTILE_ROUND and DUCTILE_AGENT_NODE_ID besides), ranks, sizes,
+// DUCTILE_ROUND, DUCTILE_AGENT_NODE_ID and DUCTILE_SNAPSHOT_DIR besides), ranks, sizes,
 // interpreter and arguments, and the same values of the variables that
 // mean the same (but for those named in `differing`).
 inline SideBySide run_side_by_side(const std::filesystem::path& dir, const std::string& marker,
@@ -144,6 +144,7 @@ inline SideBySide run_side_by_side(const std::filesystem::path& dir, const std::
     std::set<std::string> ours = keys_of(d);
     CHECK(ours.erase("DUCTILE_ROUND") == 1);
     CHECK(ours.erase("DUCTILE_AGENT_NODE_ID") == 1);
+    CHECK(ours.erase("DUCTILE_SNAPSHOT_DIR") == 1);
     CHECK(ours == keys_of(t));
     for (const char* k :
          {"TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",

@@ -113,6 +113,7 @@ void Mapping::zero(const json& root, const DeepSpeedOptions& options) {
       shown_stage = json_excerpt(*stage);
       stage3 = stage->is_number_integer() && stage->get<std::int64_t>() == 3;
     }
+  snapshot(root, stage3);
   if (!stage3) {
     if (options.require_zero_stage3)
       problem("zero_optimization.stage",
@@ -145,6 +146,26 @@ void Mapping::zero(const json& root, const DeepSpeedOptions& options) {
   }
   if (!options.accelerator_backend.empty())
     set_plugin("accelerator", "backend", options.accelerator_backend, "the accelerator in use");
+}
+
+void Mapping::snapshot(const json& root, bool sets_zero) {
+  const json* section = object(root, "snapshot", "snapshot");
+  if (!section) return;
+  // "snapshot" key -> [zero] key
+  constexpr std::pair<const char*, const char*> kKeys[] = {
+      {"interval", "snapshot_interval"},
+      {"replicas", "snapshot_replicas"},
+  };
+  for (auto it = section->begin(); it != section->end(); ++it) {
+    const char* ours = nullptr;
+    for (const auto& [theirs, mapped] : kKeys)
+      if (it.key() == theirs) ours = mapped;
+    const std::string user_key = "snapshot." + it.key();
+    if (ours == nullptr)
+      problem(user_key, "is not a key of snapshot; valid: interval, replicas");
+    else if (sets_zero && !unset(&it.value()))
+      set("zero", nullptr, ours, it.value(), user_key);
+  }
 }
 
 std::optional<std::string> Mapping::device_of(const json& offload, const std::string& where,

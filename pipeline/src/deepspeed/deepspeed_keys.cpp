@@ -62,6 +62,8 @@ constexpr TopLevelKey kTopLevelKeys[] = {
     {"data_efficiency", KeyUse::honoured, OnWhen::present, ""},
     {"dataloader_drop_last", KeyUse::honoured, OnWhen::present, ""},
     {"log_level", KeyUse::honoured, OnWhen::present, ""},
+    // ductile's own (DeepSpeed ignores it): in-memory snapshots under `ductile agent`.
+    {"snapshot", KeyUse::honoured, OnWhen::present, ""},
     {"zero_allow_untested_optimizer", KeyUse::warned, OnWhen::true_value,
      "ductile's ZeRO-3 steps any torch optimizer the script passes; a config's optimizer must "
      "be Adam or AdamW"},

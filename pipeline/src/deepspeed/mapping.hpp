@@ -55,8 +55,7 @@ inline std::optional<std::string> past_int64(const json& value) {
     // 2^63 is exact as a double, and every finite double at or past it is
     // whole (past 2^53 doubles are integers): no floor() needed, and none
     // called (libm stays out of the program, sdk/static_runtime).
-    if (std::isfinite(v) && (v >= 0x1p63 || v < -0x1p63))
-      side = v > 0 ? "largest" : "smallest";
+    if (std::isfinite(v) && (v >= 0x1p63 || v < -0x1p63)) side = v > 0 ? "largest" : "smallest";
   }
   if (!side) return std::nullopt;
   return fmt::format(
@@ -143,6 +142,10 @@ class Mapping {
   void offload_param(const json& zero, core::PluginInfo const* coordinator);
   void offload_optimizer(const json& zero);
   void offload_optimizer_object(const json& offload, const std::string& where);
+  // ductile's own top-level "snapshot" object (interval, replicas) onto
+  // [zero] snapshot_interval / snapshot_replicas; its keys are checked
+  // always, set only where `sets_zero` (a stage-3 config has a [zero]).
+  void snapshot(const json& root, bool sets_zero);
   void training(const json& root);
   // Warns about (or, where `trains`, refuses) every top-level key ductile
   // does not act on, naming it (deepspeed_keys.cpp).

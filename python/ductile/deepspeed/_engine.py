@@ -126,6 +126,13 @@ class DeepSpeedEngine(torch.nn.Module):
         self.global_samples = 0
         self.micro_steps = 0
         self.skipped_steps = 0
+        # A round that resumed from a snapshot in memory (`ductile agent`)
+        # counts on from the snapshot's step.
+        restored = getattr(zero3, "restored_from_memory", None)
+        if restored is not None:
+            self.global_steps = restored
+            self.global_samples = restored * self._train_batch_size
+            self.micro_steps = restored * self._accumulation
         self._boundary = None  # set_gradient_accumulation_boundary's override
         self._timers = _Timers()
         # DeepSpeed's engine reports the gradient norm of every step.

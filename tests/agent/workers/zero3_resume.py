@@ -11,6 +11,9 @@ usage: zero3_resume.py OUT STEPS                  (a worker)
        zero3_resume.py OUT STEPS --on-request     (a worker that saves only when
                                                    the agent asks, then exits:
                                                    ductile.torch.elastic)
+       zero3_resume.py OUT STEPS --memory         (a worker that saves nothing to
+                                                   disk: it resumes from the snapshot
+                                                   the agent restores from memory)
        zero3_resume.py OUT STEPS --plain BATCH    (one process, torch alone:
                                                    the reference, OUT/plain.json)
 """
@@ -63,7 +66,7 @@ def save(engine, out, step, world, env):
         os.replace(os.path.join(out, "LATEST.part"), os.path.join(out, "LATEST"))
 
 
-def worker(out, steps, on_request):
+def worker(out, steps, on_request, memory):
     import ductile
     import ductile.torch.zero3 as zero3
     from ductile.torch import elastic
@@ -82,7 +85,11 @@ def worker(out, steps, on_request):
                               lambda params: torch.optim.Adam(params, lr=LR), config)
     assert engine.world_size == world and engine.rank == int(env["RANK"]), "the joined MPI world"
     start, resumed = 0, None
-    latest = newest_checkpoint(out)
+    latest = None if memory else newest_checkpoint(out)
+    if memory and engine.restored_from_memory is not None:
+        # zero3.initialize restored the agent's DUCTILE_SNAPSHOT_RESTORE.
+        start = engine.global_step
+        resumed = {"step": start, "from": "memory"}
     if latest:
         client = engine.load(os.path.join(out, latest))
         start, resumed = client["step"], {"step": client["step"], "world": client["world"]}
@@ -93,17 +100,20 @@ def worker(out, steps, on_request):
         x, y = windows.step(s, engine.rank, world)
         loss = loss_of(engine(x), y)
         engine.backward(loss)
-        engine.step()
         mean = engine.all_reduce(loss.detach().clone(), "mean").item()
         if engine.rank == 0:
-            # The loss first: a run stopped between the two lines resumes at
-            # this step again rather than past an unlogged one.
+            # The loss before the optimizer step (which takes the snapshot
+            # with --memory) and the save: a run stopped in between resumes
+            # at this step again rather than past an unlogged one.
             with open(os.path.join(out, "losses.jsonl"), "a") as f:
                 f.write(json.dumps({"round": int(env["DUCTILE_ROUND"]), "world": world,
                                     "step": s, "loss": mean, "resumed": resumed}) + "\n")
             print(f"zero3 round={env['DUCTILE_ROUND']} world={world} step={s} loss={mean:.6f}",
                   flush=True)
-        if not on_request:
+        engine.step()  # with --memory, it also takes the snapshot of the step
+        if memory:
+            pass
+        elif not on_request:
             save(engine, out, s + 1, world, env)
         elif elastic.should_checkpoint(engine):
             # Every rank sees the same answer: the save is collective.
@@ -122,4 +132,4 @@ if __name__ == "__main__":
     if "--plain" in sys.argv[3:]:
         plain(out, steps, int(sys.argv[sys.argv.index("--plain") + 1]))
     else:
-        worker(out, steps, "--on-request" in sys.argv[3:])
+        worker(out, steps, "--on-request" in sys.argv[3:], "--memory" in sys.argv[3:])

@@ -213,3 +213,53 @@ TEST_CASE("a DeepSpeed integer past 64 bits is out of range, not of another type
                            "past the smallest integer (-2^63)") != std::string::npos,
                 micro);
 }
+
+TEST_CASE("snapshot: interval and replicas set [zero] snapshot_interval and snapshot_replicas") {
+  auto zero_keys = [](const std::string& json) {
+    auto sections = pipeline::deepspeed_sections(json, "ds.json", {}, plugins().registry(),
+                                                 {.read_training = true});
+    const auto config = core::Config::validate(sections.document, plugins().registry());
+    const core::PluginSection* zero = config.section(PluginKind::zero);
+    REQUIRE(zero != nullptr);
+    return zero->host_params;
+  };
+  const Params defaults = zero_keys(R"({"zero_optimization": {"stage": 3}})");
+  CHECK(defaults.get_int("snapshot_interval") == 1);
+  CHECK(defaults.get_int("snapshot_replicas") == 1);
+  std::vector<std::string> warnings;
+  const std::string config =
+      R"({"zero_optimization": {"stage": 3}, "snapshot": {"interval": 5, "replicas": 2}})";
+  mapped(config, &warnings);
+  CHECK_FALSE(any_contains(warnings, "snapshot"));  // a key ductile acts on
+  const Params keys = zero_keys(config);
+  CHECK(keys.get_int("snapshot_interval") == 5);
+  CHECK(keys.get_int("snapshot_replicas") == 2);
+  CHECK(zero_keys(R"({"zero_optimization": {"stage": 3}, "snapshot": {"interval": 0}})")
+            .get_int("snapshot_interval") == 0);
+
+  CHECK(message_of(R"({"zero_optimization": {"stage": 3}, "snapshot": {"every": 5}})") ==
+        "ds.json: snapshot.every is not a key of snapshot; valid: interval, replicas");
+  // Checked without a stage-3 section too: a misspelt key is never dropped.
+  CHECK(message_of(R"({"snapshot": {"replica": 1}})") ==
+        "ds.json: snapshot.replica is not a key of snapshot; valid: interval, replicas");
+  CHECK(message_of(R"({"snapshot": 3})") == "ds.json: snapshot must be an object, got 3");
+  CHECK(message_of(R"({"zero_optimization": {"stage": 3}, "snapshot": {"interval": "x"}})")
+            .find("snapshot.interval must be an integer") != std::string::npos);
+}
+
+TEST_CASE("[zero] snapshot_interval and snapshot_replicas: integers >= 0") {
+  auto message = [](const std::string& toml) -> std::string {
+    try {
+      core::Runtime::from_string(toml, "job.toml");
+    } catch (const std::exception& e) {
+      return e.what();
+    }
+    return "";
+  };
+  const std::string zero = "[zero]\ncoordinator = \"partitioned\"\n";
+  CHECK(message(zero + "snapshot_interval = 0\nsnapshot_replicas = 3\n").empty());
+  const std::string negative = message(zero + "snapshot_interval = -1\n");
+  CHECK(negative.find("snapshot_interval") != std::string::npos);
+  CHECK(negative.find("-1") != std::string::npos);
+  CHECK(message(zero + "snapshot_replicas = 1.5\n").find("snapshot_replicas") != std::string::npos);
+}

@@ -108,6 +108,10 @@ struct AgentOptions {
   // the round's workers are asked to checkpoint (DUCTILE_CHECKPOINT_REQUEST,
   // ductile.torch.elastic) and waited for this long at most.
   std::chrono::milliseconds checkpoint_timeout{0};
+  // Where the agent makes its snapshot area (the workers' in-memory
+  // snapshots and the replicas it keeps of other nodes'); empty: /dev/shm
+  // when it is a directory, else the system's temporary directory.
+  std::string snapshot_dir;
 
   core::RuntimeOptions runtime;  // where the policy plugins are found
   // Set (to the signal number) by a signal handler to stop the agent.

@@ -92,6 +92,11 @@ def initialize(model, optimizer_factory=None, config=None, *, plugin_path=None,
     the placement and the device bytes (docs/zero3.md, "Offload").
     ``allow_config_plugins``: load plugins from the directories the
     config's own ``[plugins] path`` names (off: see ``ductile.load_config``).
+    Under ``ductile agent``, the engine writes snapshots of the training
+    state into DUCTILE_SNAPSHOT_DIR every ``[zero] snapshot_interval``
+    steps, and loads DUCTILE_SNAPSHOT_RESTORE when a round resumes from
+    one (``engine.restored_from_memory``: its step; docs/zero3.md,
+    "Snapshots in memory").
     Raises ConfigError (also for a plugin the config selects from a
     directory it names, without ``allow_config_plugins``),
     InvalidArgumentError (a parameter of an unsupported dtype or on the

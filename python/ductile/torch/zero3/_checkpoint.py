@@ -59,6 +59,11 @@ all without touching the engine. The ranks then agree
 others name the failing rank and its message) and the model and optimizer
 are unchanged everywhere. Only then are shards and optimizer state replaced.
 
+Snapshots in memory (_snapshots.py) are written by the same code
+(``write`` with a ``Target``): the leader of each node's root does there
+what rank 0 does in a save, without fsyncs, and keeps the new and the
+previously committed tag folders only.
+
 Re-partitioning on W' ranks: rank r' needs elements [r' s', (r'+1) s') of
 each flattened parameter, which lie in one or a few of the old ranks' shards.
 """
@@ -72,23 +77,45 @@ import uuid
 
 import torch
 
-from ..._errors import IncompatibleError, InvalidArgumentError, IoError
+from ..._errors import Error, IncompatibleError, InvalidArgumentError, IoError
 from ._agreement import agree
 from ._checkpoint_files import (CHECKSUM, FORMAT, HMAC_FILE, LATEST, MANIFEST, VERSION,
                                 check_root, check_tag, checkpoint_key, clean_after_load,
                                 describe, dtype_of, element_size, final_name, from_json, fs,
                                 fsync_dir, header, hmac_text, io_error, lock_root,
                                 optimizer_class, optimizer_view, pointer_text, rank_stem,
-                                remove_leftovers, remove_tree, shard_chunks, unlock_root,
-                                write_file)
-from ._checkpoint_reads import (RankFiles, check_loss_scaler, check_model, read_manifest,
-                                resolve)
+                                remove_leftovers, remove_tree, shard_chunks, tag_problem,
+                                unlock_root, write_file)
+from ._checkpoint_reads import (RankFiles, check_loss_scaler, check_model, read_latest,
+                                read_manifest, resolve)
 
 # --- save --------------------------------------------------------------------------
 
 
+class Target:
+    """Where a checkpoint goes and how it commits: a save (rank 0 leads in
+    one shared root, everything fsynced, the superseded folders of the tag
+    removed) or a snapshot in memory (_snapshots.py: each node's leader
+    leads in its node-local root, no fsync, only the new and the previously
+    committed tag folders kept). The protocol is the same."""
+
+    def __init__(self, root, tag, leader, what, durable=True, keep_previous=False,
+                 node_local=False, indented=True, before_commit=None):
+        self.root = root
+        self.tag = tag
+        self.leader = leader              # this rank writes the folder, manifest and latest
+        self.node_local = node_local      # a root per node, each with its leader
+        # The manifest indented for people to read (json's C encoder writes
+        # only the compact form, several times faster).
+        self.indented = indented
+        self.what = what                  # names the operation in errors
+        self.durable = durable            # fsync files and folders
+        self.keep_previous = keep_previous  # double-buffered: keep the last committed one
+        self.before_commit = before_commit  # leader: called before the folder is renamed
+
+
 class _Written:
-    """What rank 0's save has put into the root so far, to remove when the
+    """What a leader has put into the root so far, to remove when the
     save fails (on any rank) before its commit."""
 
     def __init__(self):
@@ -118,34 +145,66 @@ def save(engine, root, client_state=None, tag=None):
             "zero3: save() in the middle of a pass (a forward without its backward); save "
             "between steps")
     root = check_root(root, "zero3 save")
-    step = engine.global_step
     if tag is None:
-        tag = f"step{step}"
+        tag = f"step{engine.global_step}"
     check_tag(tag)
-    rank, world = engine.rank, engine.world_size
-    what = "zero3 save"
-    staging = os.path.join(root, tag + ".tmp")
+    write(engine, Target(root, tag, engine.rank == 0, "zero3 save"), client_state)
+
+
+def write(engine, target, client_state=None):
+    """Writes and commits one checkpoint as `target` says (see Target).
+    Collective; an error on any rank is raised on every rank, after every
+    leader removed what it wrote."""
     written = _Written()
     try:
-        _save(engine, root, client_state, tag, step, rank, world, what, staging, written)
+        _write(engine, target, client_state, written)
     finally:
-        # Rank 0 alone writes the folders; a failure anywhere is raised on
-        # every rank by agree(), after every rank stopped writing.
+        # The leaders alone write the folders; a failure anywhere is raised
+        # on every rank by agree(), after every rank stopped writing.
         written.undo()
 
 
-def _save(engine, root, client_state, tag, step, rank, world, what, staging, written):
+def _prepare_root(target, staging, written):
+    """The leader's start: the root's lock, a killed save's leftovers
+    removed, the staging folder created."""
+    root = target.root
+    try:
+        fs("mkdir", root)
+        os.makedirs(root, exist_ok=True)
+        try:
+            written.lock = lock_root(root)
+        except BlockingIOError as e:
+            raise IoError(f"{root}: another save is writing there (it holds the folder's "
+                          "lock); save one at a time") from e
+        if written.lock is not None:
+            # No live save: every staging folder is a killed one's.
+            remove_leftovers(root)
+        elif os.path.lexists(staging):
+            remove_tree(staging)  # an interrupted save of this tag
+        fs("mkdir", staging)
+        os.mkdir(staging)
+        written.staging = staging
+    except OSError as e:
+        raise io_error(staging, "cannot create the checkpoint folder", e) from e
+
+
+def _write(engine, target, client_state, written):
+    root, tag, what = target.root, target.tag, target.what
+    rank, world, step = engine.rank, engine.world_size, engine.global_step
+    staging = os.path.join(root, tag + ".tmp")
     scheduler = engine.lr_scheduler
     scheduler_state = scheduler.state_dict() if scheduler is not None else None
+    scaler_state = engine._scaler.state_dict() if engine._scaler is not None else None
+    signing = [None]  # a leader's key, when it has one
 
     def prepare():
         optimizer, groups = optimizer_view(engine)
         parameters, opt = describe(engine, optimizer, groups)
-        manifest_text = None
-        if rank == 0:
-            # Rank 0's key signs the manifest; the other ranks only hash
-            # their shard files when it has one.
+        if target.leader or rank == 0:
+            # A leader's key signs its manifest; every rank hashes its shard
+            # file when rank 0 has one.
             signing[0] = checkpoint_key()[0]
+        if target.leader:
             for name, value in (("client_state", client_state),
                                 ("the lr_scheduler's state_dict()", scheduler_state)):
                 try:
@@ -153,48 +212,41 @@ def _save(engine, root, client_state, tag, step, rank, world, what, staging, wri
                 except (TypeError, ValueError, RecursionError) as e:
                     raise InvalidArgumentError(
                         f"zero3 checkpoint: {name} cannot be written as JSON: {e}") from e
-            try:
-                fs("mkdir", root)
-                os.makedirs(root, exist_ok=True)
-                try:
-                    written.lock = lock_root(root)
-                except BlockingIOError as e:
-                    raise IoError(f"{root}: another save is writing there (it holds the folder's "
-                                  "lock); save one at a time") from e
-                if written.lock is not None:
-                    # No live save: every staging folder is a killed one's.
-                    remove_leftovers(root)
-                elif os.path.lexists(staging):
-                    remove_tree(staging)  # an interrupted save of this tag
-                fs("mkdir", staging)
-                os.mkdir(staging)
-                written.staging = staging
-            except OSError as e:
-                raise io_error(staging, "cannot create the checkpoint folder", e) from e
-            manifest_text = json.dumps({"save_id": uuid.uuid4().hex,
-                                        "signed": signing[0] is not None})
-        return optimizer, parameters, opt, manifest_text
+            _prepare_root(target, staging, written)
+        plan = None
+        if rank == 0:
+            plan = json.dumps({"save_id": uuid.uuid4().hex, "signed": signing[0] is not None})
+        return optimizer, parameters, opt, plan
 
-    signing = [None]  # rank 0's key, when it has one
     first = agree(engine.comm, prepare,
                   payload=lambda v: (v[3] or "").encode(), what=what)
     optimizer, parameters, opt, _ = first.value
     plan = json.loads(first.payloads[0].decode())
     save_id, signed = plan["save_id"], plan["signed"]
     stem = rank_stem(rank, world) + ".bin"
+    # Every leader writes the manifest from what it holds: the parts that
+    # are not the shard records must be the same on all of them, so that
+    # the manifest's bytes (and its SHA-256) name the checkpoint everywhere.
+    common = {"parameters": parameters, "optimizer": opt, "loss_scaler": scaler_state,
+              "lr_scheduler": scheduler_state}
+    common_digest = ""
+    if target.leader and target.node_local and world > 1:
+        common_digest = hashlib.sha256(json.dumps(common).encode()).hexdigest()
 
     def write_shards():
         path = os.path.join(staging, stem)
         try:
-            return write_file(path, shard_chunks(engine, optimizer, parameters,
-                                                   header(save_id, step, rank, world)),
-                              sha256=signed)
+            shard = write_file(path, shard_chunks(engine, optimizer, parameters,
+                                                  header(save_id, step, rank, world)),
+                               sha256=signed, durable=target.durable)
         except OSError as e:
             raise io_error(path, "cannot write the shard file", e) from e
+        return shard + [common_digest]
 
     shards_written = agree(engine.comm, write_shards,
                            payload=lambda v: json.dumps(v).encode(), what=what)
     shards = []
+    digests: dict[str, list[int]] = {}  # a leader's digest -> the leaders with it
     for r, payload in enumerate(shards_written.payloads):
         written_shard = json.loads(payload.decode())
         record = {"file": rank_stem(r, world) + ".bin", "bytes": written_shard[0],
@@ -202,57 +254,90 @@ def _save(engine, root, client_state, tag, step, rank, world, what, staging, wri
         if signed:
             record["sha256"] = written_shard[2]
         shards.append(record)
+        if written_shard[-1]:
+            digests.setdefault(written_shard[-1], []).append(r)
+    if len(digests) > 1:  # the same outcome on every rank: all payloads are shared
+        ranks = "; ".join(f"ranks {v}" for v in digests.values())
+        raise IncompatibleError(
+            f"{what}: the leaders' optimizer, loss-scaler or scheduler state differ ({ranks} "
+            "agree among themselves): their manifests would differ")
 
     def commit():
-        if rank != 0:
+        if not target.leader:
             return None
         manifest = {
             "format": FORMAT, "version": VERSION, "save_id": save_id, "step": step,
-            "tag": tag, "world_size": world, "shards": shards, "parameters": parameters,
-            "optimizer": opt, "client_state": client_state,
-            "loss_scaler": engine._scaler.state_dict() if engine._scaler is not None else None,
-            "lr_scheduler": scheduler_state,
+            "tag": tag, "world_size": world, "shards": shards,
+            "parameters": parameters, "optimizer": opt, "client_state": client_state,
+            "loss_scaler": scaler_state, "lr_scheduler": scheduler_state,
         }
-        text = json.dumps(manifest, indent=1).encode()
-        checksum = hashlib.sha256(text).hexdigest()
-        name = final_name(root, tag)
-        final = os.path.join(root, name)
-        try:
-            write_file(os.path.join(staging, MANIFEST), [text])
-            write_file(os.path.join(staging, CHECKSUM), [f"{checksum}  {MANIFEST}\n".encode()])
-            if signing[0] is not None:
-                mac = hmac.new(signing[0], text, hashlib.sha256).hexdigest()
-                write_file(os.path.join(staging, HMAC_FILE), [hmac_text(mac)])
-            fsync_dir(staging)
-            fs("rename", staging)
-            os.rename(staging, final)
-            written.staging, written.final = None, final
-            fsync_dir(root)
-            pointer = os.path.join(root, LATEST + ".tmp")
-            if os.path.lexists(pointer):
-                fs("remove", pointer)
-                os.unlink(pointer)
-            written.pointer = pointer
-            write_file(pointer, [pointer_text(name, checksum)])
-            fs("rename", pointer)
-            os.replace(pointer, os.path.join(root, LATEST))  # the commit
-            written.committed = True
-            fsync_dir(root)
-        except OSError as e:
-            raise io_error(final, "cannot commit the checkpoint", e) from e
-        # Superseded: every other folder of this tag (the previous save, or
-        # one an interrupted save renamed but never committed). Stale: the
-        # staging folders of interrupted saves.
-        for entry in os.listdir(root):
-            if entry == name:
-                continue
-            same_tag = entry == tag or (entry.startswith(tag + ".") and
-                                        entry[len(tag) + 1:].isdigit())
-            if same_tag or (entry.endswith(".tmp") and entry != LATEST + ".tmp"):
-                remove_tree(os.path.join(root, entry))
-        return name
+        text = json.dumps(manifest, indent=1 if target.indented else None).encode()
+        return _commit(target, staging, written, text, signing[0])
 
     agree(engine.comm, commit, what=what)
+
+
+def _commit(target, staging, written, text, key):
+    """The leader's commit of the staged folder (manifest, checksum, HMAC,
+    rename, `latest`), then the folders no longer wanted removed."""
+    root, tag, durable = target.root, target.tag, target.durable
+    checksum = hashlib.sha256(text).hexdigest()
+    name = final_name(root, tag)
+    final = os.path.join(root, name)
+    previous = _committed_name(root) if target.keep_previous else None
+    try:
+        write_file(os.path.join(staging, MANIFEST), [text], durable=durable)
+        write_file(os.path.join(staging, CHECKSUM), [f"{checksum}  {MANIFEST}\n".encode()],
+                   durable=durable)
+        if key is not None:
+            mac = hmac.new(key, text, hashlib.sha256).hexdigest()
+            write_file(os.path.join(staging, HMAC_FILE), [hmac_text(mac)], durable=durable)
+        if target.before_commit is not None:
+            target.before_commit()
+        if durable:
+            fsync_dir(staging)
+        fs("rename", staging)
+        os.rename(staging, final)
+        written.staging, written.final = None, final
+        if durable:
+            fsync_dir(root)
+        pointer = os.path.join(root, LATEST + ".tmp")
+        if os.path.lexists(pointer):
+            fs("remove", pointer)
+            os.unlink(pointer)
+        written.pointer = pointer
+        write_file(pointer, [pointer_text(name, checksum)], durable=durable)
+        fs("rename", pointer)
+        os.replace(pointer, os.path.join(root, LATEST))  # the commit
+        written.committed = True
+        if durable:
+            fsync_dir(root)
+    except OSError as e:
+        raise io_error(final, "cannot commit the checkpoint", e) from e
+    for entry in os.listdir(root):
+        if entry == name or entry == previous:
+            continue
+        if target.keep_previous:
+            # Double-buffered: every other tag folder goes.
+            unwanted = tag_problem(entry) is None and os.path.isdir(os.path.join(root, entry))
+        else:
+            # Superseded: every other folder of this tag (the previous save,
+            # or one an interrupted save renamed but never committed).
+            unwanted = entry == tag or (entry.startswith(tag + ".") and
+                                        entry[len(tag) + 1:].isdigit())
+        # Stale: the staging folders of interrupted saves.
+        if unwanted or (entry.endswith(".tmp") and entry != LATEST + ".tmp"):
+            remove_tree(os.path.join(root, entry))
+    return name
+
+
+def _committed_name(root):
+    """The folder root/latest names now, or None (none, or unreadable)."""
+    try:
+        pointer = read_latest(root, os.path.realpath(root))
+    except Error:
+        return None
+    return None if pointer is None else pointer.name
 
 
 # --- load --------------------------------------------------------------------------
@@ -355,6 +440,11 @@ def _optimizer_state(engine, path, groups, saved_opt, saved, values):
 
 
 def load(engine, root, lr_scheduler=True):
+    return load_manifest(engine, root, lr_scheduler).get("client_state")
+
+
+def load_manifest(engine, root, lr_scheduler=True):
+    """load(), returning the loaded checkpoint's manifest."""
     if engine._pass_open:
         raise IncompatibleError(
             "zero3: load() in the middle of a pass (a forward without its backward)")
@@ -398,4 +488,4 @@ def load(engine, root, lr_scheduler=True):
                           f"{type(engine.lr_scheduler).__name__}: {type(e).__name__}: {e}") from e
     if engine.rank == 0 and os.path.lexists(os.path.join(root, LATEST)):
         clean_after_load(root)  # a checkpoint root (not a tag folder given alone)
-    return manifest.get("client_state")
+    return manifest

@@ -86,9 +86,10 @@ def fsync_dir(path):
         os.close(fd)
 
 
-def write_file(path, chunks, sha256=False):
-    """Writes `chunks` (bytes-like) to a new file and fsyncs it; returns
-    [size, CRC-32], and the SHA-256 (hex) when `sha256`. The file must not
+def write_file(path, chunks, sha256=False, durable=True):
+    """Writes `chunks` (bytes-like) to a new file and fsyncs it (unless not
+    `durable`: a snapshot in memory); returns [size, CRC-32], and the
+    SHA-256 (hex) when `sha256`. The file must not
     exist, not even as a link (O_EXCL, O_NOFOLLOW): a link planted in the
     folder cannot redirect the write onto another file."""
     crc, size = 0, 0
@@ -105,8 +106,9 @@ def write_file(path, chunks, sha256=False):
                 digest.update(chunk)
             size += len(chunk) if isinstance(chunk, (bytes, bytearray)) else chunk.nbytes
         f.flush()
-        fs("fsync", path)
-        os.fsync(f.fileno())
+        if durable:
+            fs("fsync", path)
+            os.fsync(f.fileno())
     return [size, crc] if digest is None else [size, crc, digest.hexdigest()]
 
 

@@ -141,6 +141,14 @@ def log_interval(settings):
     return interval
 
 
+def snapshot_keys(settings):
+    """([zero] snapshot_interval, snapshot_replicas), validated by the
+    schema (a DeepSpeed config's "snapshot" object is mapped onto them)."""
+    section = settings.loaded.runtime.section("zero")
+    keys = {} if section is None else section["host_params"]
+    return keys.get("snapshot_interval", 1), keys.get("snapshot_replicas", 1)
+
+
 def torch_world(group):
     """The host's world when torch.distributed is initialised, else None."""
     dist = torch.distributed

@@ -23,6 +23,8 @@ facade (DeepSpeed's engine API); the work sits on seams, as FSDP2's
 - _offload.py and _budget.py: optimizer offload to the host, and where
   each group's tensors live under max_device_memory;
 - _step_log.py: the progress line every log_interval steps;
+- _snapshots.py: the in-memory snapshots every snapshot_interval steps
+  under ``ductile agent``, and the restore from one at start;
 - this file: the configuration, and the training API (backward, step,
   accumulation, checkpoints, full weights), each call handed to its seam.
 """
@@ -37,6 +39,7 @@ from ._loss_scaling import LossScaling
 from ._optimizer_step import OptimizerStep
 from ._passes import ENGINE, EXTERNAL
 from ._sharded_model import ShardedModel
+from ._snapshots import Snapshots
 from ._step_log import StepLog
 
 
@@ -122,11 +125,26 @@ class Zero3Engine:
                                     settings.gradient_clipping, step_in_backward)
         self.optimizer = self._steps.optimizer
         self.step_in_backward = self._steps.step_in_backward
-        # Stepped after every applied step(): a DeepSpeed config's
-        # "scheduler" (zero3.initialize builds it), or one set by the caller.
-        self.lr_scheduler = None
+        self._lr_scheduler = None
         interval = _config.log_interval(settings)  # checked by the schema
         self._step_log = StepLog(interval, self) if interval else None
+        self._snapshots = Snapshots(self, *_config.snapshot_keys(settings))
+        # The step restored from DUCTILE_SNAPSHOT_RESTORE (a round that
+        # resumes from memory under `ductile agent`), or None.
+        self.restored_from_memory = self._snapshots.restore()
+
+    @property
+    def lr_scheduler(self):
+        """Stepped after every applied step(): a DeepSpeed config's
+        "scheduler" (zero3.initialize builds it), or one set by the caller.
+        After a restore from memory, the first scheduler set gets the
+        snapshot's scheduler state."""
+        return self._lr_scheduler
+
+    @lr_scheduler.setter
+    def lr_scheduler(self, scheduler):
+        self._snapshots.apply_scheduler_state(scheduler)
+        self._lr_scheduler = scheduler
 
     @property
     def gradient_clipping(self):
@@ -275,7 +293,9 @@ class Zero3Engine:
         With gradient_clipping (DeepSpeed config) the gradient is clipped
         first; with fp16 loss scaling a step whose gradient overflowed on
         any rank is skipped (the scheduler too) and the scale lowered.
-        Every log_interval steps, a progress line (collective)."""
+        Every log_interval steps, a progress line; every snapshot_interval
+        steps under ``ductile agent``, a snapshot in memory (_snapshots.py;
+        both collective)."""
         log = self._step_log
         logged = log is not None and log.due(self._steps.global_step + 1)
         if logged:
@@ -287,6 +307,7 @@ class Zero3Engine:
         if logged:
             assert log is not None  # logged only with a log
             log.log(lr)
+        self._snapshots.after_step()
 
     def zero_grad(self):
         """Clears the gradient shards (step() does it after stepping)."""

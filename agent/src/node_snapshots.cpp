@@ -1,0 +1,225 @@
+// In-memory snapshots, on this node's side. See node_snapshots.hpp.
+#include "node_snapshots.hpp"
+
+#include <algorithm>
+#include <thread>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "ductile/error.hpp"
+
+namespace ductile::agent {
+
+// Not an anonymous namespace: a unity build puts several of the library's
+// files into one translation unit, where their helpers' names would clash.
+namespace node_snapshots_detail {
+
+using std::chrono::milliseconds;
+
+// The longest wait for a copy in flight when the replication is frozen,
+// and for no progress of a restore's copy.
+constexpr milliseconds kFreezeWait{10000};
+constexpr milliseconds kRestoreCopyTimeout{30000};
+// The last records of nodes gone kept at most (a job's nodes).
+constexpr std::size_t kMaxNodesRemembered = 4096;
+
+bool holds_any(const Holdings& h) {
+  return !h.own.empty() || std::any_of(h.replicas.begin(), h.replicas.end(),
+                                       [](const auto& entry) { return !entry.second.empty(); });
+}
+
+}  // namespace node_snapshots_detail
+
+using namespace node_snapshots_detail;
+
+void NodeSnapshots::make_area() {
+  area_ = std::make_unique<SnapshotArea>(o_.snapshot_dir, o_.job_id, self_.id);
+  workers_.set_snapshot_dir(area_->own());
+}
+
+void NodeSnapshots::serve() {
+  if (!area_) return;
+  server_ = std::make_unique<SnapshotServer>(area_->root(), self_.addr, conn_.secret());
+  replication_ = std::make_unique<SnapshotReplication>(*area_, self_, conn_.secret());
+}
+
+void NodeSnapshots::close() {
+  replication_.reset();
+  server_.reset();
+  area_.reset();
+}
+
+void NodeSnapshots::discard() {
+  if (area_) area_->remove();
+}
+
+Holdings NodeSnapshots::current_holdings() const {
+  Holdings h;
+  h.node = self_.id;
+  h.addr = self_.addr;
+  h.port = server_ ? server_->port() : 0;
+  h.own = area_->own_copies();
+  h.replicas = area_->replica_copies();
+  return h;
+}
+
+void NodeSnapshots::publish(const Holdings& holdings) {
+  const std::string record = to_json(holdings);
+  // A new lease (the old one expired or was revoked) took the record with
+  // it: written again.
+  if (record == published_ && conn_.lease() == published_lease_) return;
+  conn_.store().put(self_.key("snapshots/" + self_.id), record, conn_.lease());
+  published_ = record;
+  published_lease_ = conn_.lease();
+}
+
+void NodeSnapshots::follow(const std::vector<KeyValue>& records,
+                           const std::optional<RoundRecord>& round) {
+  if (!area_) return;
+  const std::string prefix = self_.key("snapshots/");
+  std::map<std::string, Holdings> live;
+  for (const auto& kv : records) {
+    if (conn_.ignored(kv) || !kv.key.starts_with(prefix)) continue;
+    const std::string node = kv.key.substr(prefix.size());
+    try {
+      live[node] = holdings_from_json(kv.value, node);
+    } catch (const MalformedRecord& e) {
+      conn_.ignore_record(kv, e.what(), "its snapshots are neither replicated nor restored");
+    }
+  }
+  if (last_seen_.size() + live.size() > kMaxNodesRemembered) last_seen_.clear();
+  for (const auto& [node, holdings] : live) last_seen_[node] = holdings;
+  publish(current_holdings());
+  if (replication_ && round && round->state == RoundState::running &&
+      round->round == workers_.current_round() && workers_.member() && !workers_.empty())
+    replication_->update(round->members, std::move(live));
+}
+
+std::optional<std::filesystem::path> NodeSnapshots::prepare_round(const RoundRecord& round) {
+  if (!area_) return std::filesystem::path();
+  // The holdings must stay as published while the members decide: no
+  // replica comes or goes meanwhile.
+  if (replication_ && !replication_->freeze(kFreezeWait))
+    self_.log(
+        fmt::format("round {}: a replica's copy did not stop within {} ms; its folder is "
+                    "left out of this node's holdings",
+                    round.round, kFreezeWait.count()));
+  struct Thaw {
+    SnapshotReplication* replication;
+    ~Thaw() {
+      if (replication) replication->thaw();
+    }
+  } thaw{replication_.get()};
+  const Holdings mine = current_holdings();
+  publish(mine);
+  KeyValueStore& store = conn_.store();
+  store.put(self_.key(fmt::format("holdings/{}/{}", round.round, self_.id)), to_json(mine),
+            conn_.lease());
+  if (holdings_round_ != 0 && holdings_round_ != round.round)
+    store.erase(self_.key(fmt::format("holdings/{}/{}", holdings_round_, self_.id)));
+  holdings_round_ = round.round;
+  auto members = await_members(round);
+  if (!members) return std::nullopt;
+  if (members->empty()) return std::filesystem::path();
+  return restore(round, *members);
+}
+
+std::optional<std::vector<Holdings>> NodeSnapshots::await_members(const RoundRecord& round) {
+  const milliseconds patience =
+      std::max<milliseconds>(milliseconds(10000), 4 * milliseconds(o_.lease_ttl));
+  const auto deadline = std::chrono::steady_clock::now() + patience;
+  const std::string prefix = self_.key(fmt::format("holdings/{}/", round.round));
+  for (;;) {
+    std::map<std::string, Holdings> found;
+    for (const auto& kv : conn_.store().get_prefix(prefix)) {
+      const std::string node = kv.key.substr(prefix.size());
+      if (std::find(round.members.begin(), round.members.end(), node) == round.members.end() ||
+          conn_.ignored(kv))
+        continue;
+      try {
+        found[node] = holdings_from_json(kv.value, node);
+      } catch (const MalformedRecord& e) {
+        conn_.ignore_record(kv, e.what(), "that member's snapshots are not restored from");
+      }
+    }
+    if (found.size() == round.members.size()) {
+      std::vector<Holdings> ordered;
+      for (const auto& node : round.members) ordered.push_back(std::move(found[node]));
+      return ordered;
+    }
+    if (std::chrono::steady_clock::now() >= deadline) {
+      std::vector<std::string> missing;
+      for (const auto& node : round.members)
+        if (!found.count(node)) missing.push_back(node);
+      self_.log(fmt::format(
+          "round {}: no snapshot holdings from member(s) {} within {} ms (max(10 s, 4 x "
+          "--lease-ttl)); the workers start without a restore from memory",
+          round.round, fmt::join(missing, ", "), patience.count()));
+      return std::vector<Holdings>();
+    }
+    // A stop signal is looked for in steps this short.
+    const auto next = std::chrono::steady_clock::now() + o_.poll_interval;
+    while (std::chrono::steady_clock::now() < next) {
+      if (o_.stop_signal && o_.stop_signal->load() != 0) return std::nullopt;
+      std::this_thread::sleep_for(std::min<milliseconds>(milliseconds(100), o_.poll_interval));
+    }
+  }
+}
+
+std::filesystem::path NodeSnapshots::restore(const RoundRecord& round,
+                                             const std::vector<Holdings>& members) {
+  std::vector<Holdings> lost;
+  for (const auto& [node, holdings] : last_seen_)
+    if (std::find(round.members.begin(), round.members.end(), node) == round.members.end() &&
+        holds_any(holdings))
+      lost.push_back(holdings);
+  const auto plan = plan_restore(members, lost, self_.id);
+  // The last round's restore is not needed any longer: its workers are
+  // stopped.
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(area_->restore(), ec), end; !ec && it != end;
+       it.increment(ec))
+    std::filesystem::remove_all(it->path(), ec);
+  const bool held = std::any_of(members.begin(), members.end(), holds_any) ||
+                    std::any_of(lost.begin(), lost.end(), holds_any);
+  // A job's first round, when no node holds anything: no line.
+  if (held) self_.log(restore_message(round.round, plan));
+  const auto* chosen = std::get_if<RestorePlan>(&plan);
+  if (!chosen) return {};
+  std::vector<SnapshotFileSource> sources;
+  for (const auto& source : chosen->sources) {
+    SnapshotFileSource s;
+    s.file = source.file;
+    s.relative = source.path;
+    if (source.holder == self_.id) {
+      s.local = area_->root() / source.path;
+    } else {
+      const auto holder = std::find_if(members.begin(), members.end(),
+                                       [&](const Holdings& h) { return h.node == source.holder; });
+      if (holder == members.end()) {
+        self_.log(
+            fmt::format("round {}: the plan names {} as the holder of {}, which is no "
+                        "member; the workers resume from their disk checkpoint",
+                        round.round, source.holder, source.file));
+        return {};
+      }
+      s.host = holder->addr;
+      s.port = holder->port;
+    }
+    sources.push_back(std::move(s));
+  }
+  const auto dest = area_->restore() / chosen->tag;
+  try {
+    copy_snapshot(sources, dest, chosen->sha256, conn_.secret(), kRestoreCopyTimeout, true);
+  } catch (const Error& e) {
+    self_.log(
+        fmt::format("round {}: cannot copy step {} from memory ({}); the workers resume "
+                    "from their disk checkpoint",
+                    round.round, chosen->step, e.what()));
+    return {};
+  }
+  return dest;
+}
+
+}  // namespace ductile::agent

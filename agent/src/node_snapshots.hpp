@@ -1,0 +1,84 @@
+// In-memory snapshots, on this node's side: its snapshot area (the
+// workers' DUCTILE_SNAPSHOT_DIR), the server of the area's files, the
+// holdings it publishes (snapshots/<node>, on its lease), the replicas it
+// pulls of other members' snapshots, and the restore of a new round: its
+// final holdings published (holdings/<round>/<node>), every member's
+// awaited, the same plan computed from them as every member does, the
+// files it lacks fetched into restore/<tag>/ and passed to its workers
+// (DUCTILE_SNAPSHOT_RESTORE). Internal to libductile_agent; owned by Agent
+// (agent_impl.hpp).
+//
+// Threading: the agent's thread only, but discard() (a stop signal's
+// thread, as the process ends); the server and the replication run
+// threads of their own. Errors: StoreError from the store;
+// ductile::Error when the area cannot be made or served.
+#pragma once
+
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "agent_common.hpp"
+#include "connection.hpp"
+#include "node_workers.hpp"
+#include "snapshot_area.hpp"
+#include "snapshot_plan.hpp"
+#include "snapshot_replication.hpp"
+#include "snapshot_server.hpp"
+
+namespace ductile::agent {
+
+class NodeSnapshots {
+ public:
+  NodeSnapshots(const AgentOptions& options, const NodeIdentity& self, RendezvousConnection& conn,
+                NodeWorkers& workers)
+      : o_(options), self_(self), conn_(conn), workers_(workers) {}
+  ~NodeSnapshots() { close(); }
+
+  // Makes the area; every round's workers get its own/ folder.
+  void make_area();
+  // Serves the area and starts the replication (after the rendezvous is
+  // open: the job's secret is known).
+  void serve();
+  // The read of every node's holdings, for the pass's request.
+  RangeRead holdings_read() const { return RangeRead{self_.key("snapshots/"), true}; }
+  // Each pass, with that read's records: publishes this node's holdings
+  // when they changed (or the lease did), remembers each node's last
+  // record, and tells the replication the current round's members.
+  void follow(const std::vector<KeyValue>& records, const std::optional<RoundRecord>& round);
+  // A new round this node is a member of, its old workers stopped: the
+  // restore (see above). Returns the snapshot folder the workers resume
+  // from, empty for none; nullopt when a stop signal came meanwhile.
+  std::optional<std::filesystem::path> prepare_round(const RoundRecord& round);
+  // Stops serving and copying, and removes the area.
+  void close();
+  // The process ends at once (a stop signal outside the loop): only the
+  // area's files go.
+  void discard();
+
+ private:
+  Holdings current_holdings() const;
+  void publish(const Holdings& holdings);
+  // Every member's holdings/<round>/ record, waited for (bounded); none
+  // when a stop signal came.
+  std::optional<std::vector<Holdings>> await_members(const RoundRecord& round);
+  std::filesystem::path restore(const RoundRecord& round, const std::vector<Holdings>& members);
+
+  const AgentOptions& o_;
+  const NodeIdentity& self_;
+  RendezvousConnection& conn_;
+  NodeWorkers& workers_;
+  std::unique_ptr<SnapshotArea> area_;
+  std::unique_ptr<SnapshotServer> server_;
+  std::unique_ptr<SnapshotReplication> replication_;
+  std::string published_;  // the record last written to snapshots/<node>
+  std::int64_t published_lease_ = 0;
+  std::int64_t holdings_round_ = 0;  // the round of the holdings/ record written last
+  // The last record of each node seen (a lost node's stays).
+  std::map<std::string, Holdings> last_seen_;
+};
+
+}  // namespace ductile::agent

@@ -1,0 +1,98 @@
+// This node's snapshot area: the private directory where its workers write
+// their in-memory snapshots (own/), where the agent keeps the replicas it
+// pulled of other nodes' snapshots (replicas/<node>/<tag>/) and where it
+// assembles a snapshot to restore (restore/<tag>/). Created when the agent
+// starts, removed when it leaves. Internal to libductile_agent.
+//
+// The area is <base>/ductile-snapshots-<job id>-<node id>, base being
+// --snapshot-dir or, by default, /dev/shm when it is a directory (tmpfs:
+// memory, not disk), else the system's temporary directory.
+//
+// Ownership: SnapshotArea owns the directory and removes it (with what is
+// in it) when destroyed or remove()d. Threading: the listing functions
+// only read the file system and may run on any thread; a folder removed
+// while it is listed is left out. Errors: the constructor throws
+// ductile::Error (invalid_argument) for a path that is not the agent's to
+// use, naming it and --snapshot-dir; (io) when it cannot be made.
+#pragma once
+
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "snapshot_plan.hpp"
+
+namespace ductile::agent {
+
+// Names in the area: what the workers write, and the folders the agent
+// makes.
+inline constexpr const char* kSnapshotManifest = "manifest.json";
+inline constexpr const char* kSnapshotChecksum = "manifest.json.sha256";
+inline constexpr const char* kSnapshotHmac = "manifest.json.hmac";
+inline constexpr const char* kSnapshotLatest = "latest";
+inline constexpr const char* kSnapshotReplicasFile = "replicas";
+// The largest manifest (or sidecar, or pointer) the agent reads.
+inline constexpr std::uintmax_t kMaxManifestBytes = 64u << 20;
+inline constexpr std::uintmax_t kMaxSidecarBytes = 4096;
+
+// A snapshot folder's name: "step<N>" (or "step<N>.<k>", the name a save
+// gives a tag that exists already); its step, or none.
+std::optional<std::int64_t> snapshot_tag_step(const std::string& tag);
+// A file a snapshot folder may hold: the manifest, its sidecars, or a
+// rank file "rank<r>-of-<W>.bin" (r < W); `world` is set to W for a rank
+// file.
+bool snapshot_file_name(const std::string& name, std::int64_t* world = nullptr);
+// The committed copy in `folder` (named `tag`), with `sha256` checked
+// against its sidecar when given; none when it is not one (no sidecar, no
+// rank file, rank files of two world sizes, a file of another name, more
+// than kMaxSnapshotFiles).
+std::optional<SnapshotCopy> read_snapshot_copy(const std::filesystem::path& folder);
+// The copies in `dir` (one folder each), newest first, at most
+// kMaxSnapshotCopies. With `latest` (a workers' root): only the folder
+// `latest` names and those of older steps are committed; without: every
+// folder but a staging one (".tmp").
+std::vector<SnapshotCopy> list_snapshot_copies(const std::filesystem::path& dir, bool latest);
+// The hex SHA-256 of a file of at most `limit` bytes; none when it cannot
+// be read or is larger.
+std::optional<std::string> file_sha256(const std::filesystem::path& file, std::uintmax_t limit);
+// The hex SHA-256 a sidecar ("<hex>  manifest.json") names; none when it
+// is not one.
+std::optional<std::string> read_checksum_sidecar(const std::filesystem::path& file);
+// The shard files a manifest lists and their sizes ({"shards": [{"file",
+// "bytes"}]}); none when the manifest is not one.
+std::optional<std::map<std::string, std::uintmax_t>> manifest_shard_sizes(
+    const std::filesystem::path& manifest);
+
+class SnapshotArea {
+ public:
+  // Makes the area (see above). `base`: --snapshot-dir, empty for the
+  // default.
+  SnapshotArea(const std::string& base, const std::string& job_id, const std::string& node_id);
+  ~SnapshotArea();
+  SnapshotArea(const SnapshotArea&) = delete;
+  SnapshotArea& operator=(const SnapshotArea&) = delete;
+
+  const std::filesystem::path& root() const { return root_; }
+  std::filesystem::path own() const { return root_ / "own"; }
+  std::filesystem::path replicas() const { return root_ / "replicas"; }
+  std::filesystem::path restore() const { return root_ / "restore"; }
+
+  // The workers' committed snapshots, newest first.
+  std::vector<SnapshotCopy> own_copies() const { return list_snapshot_copies(own(), true); }
+  // The replicas held, by the node they are of (at most
+  // kMaxReplicatedNodes), each newest first.
+  std::map<std::string, std::vector<SnapshotCopy>> replica_copies() const;
+  // The workers' snapshot_replicas (own/replicas); none before they wrote
+  // it, or when it is not a count.
+  std::optional<std::int64_t> replicas_wanted() const;
+  // Removes the area and what it holds (idempotent).
+  void remove();
+
+ private:
+  std::filesystem::path root_;
+  bool removed_ = false;
+};
+
+}  // namespace ductile::agent

@@ -1,0 +1,550 @@
+// The snapshot servers' protocol: the server of an agent's area and the
+// client that copies one file. See snapshot_server.hpp.
+#include "snapshot_server.hpp"
+
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <string_view>
+#include <system_error>
+
+#include <fmt/format.h>
+
+#include "ductile/agent/records.hpp"
+#include "ductile/error.hpp"
+#include "listening.hpp"
+#include "snapshot_area.hpp"
+#include "store_wire.hpp"
+
+namespace ductile::agent {
+
+// Not an anonymous namespace: a unity build puts several of the library's
+// files into one translation unit, where their helpers' names would clash.
+namespace snapshot_server_detail {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+constexpr char kSnapshotMagic[4] = {'D', 'S', 'N', '1'};
+// A snapshot server's proof is never an agent's, nor either one the
+// rendezvous' (store_wire.hpp).
+constexpr std::string_view kSnapshotHostLabel = "ductile snapshot host proof v1";
+constexpr std::string_view kSnapshotAgentLabel = "ductile snapshot agent proof v1";
+constexpr std::uint8_t kOk = 0, kRefused = 1, kUnauthorized = 2;
+constexpr std::size_t kMaxReason = 1024;
+constexpr std::size_t kProofBytes = 32;  // an HMAC-SHA256
+constexpr std::size_t kChunk = 1 << 20;
+// How often a wait looks at `abandon`.
+constexpr milliseconds kSlice{200};
+
+// Why a connection ended before its end.
+struct Broken {
+  std::string why;
+};
+
+// Waits for `events` on `fd`: at most `idle`, and until `deadline`, while
+// `abandon` is not set.
+void wait_for(int fd, short events, milliseconds idle, Clock::time_point deadline,
+              const std::atomic<bool>* abandon) {
+  const auto until = std::min(Clock::now() + idle, deadline);
+  for (;;) {
+    if (abandon && abandon->load()) throw Broken{"abandoned"};
+    const auto left = std::chrono::duration_cast<milliseconds>(until - Clock::now());
+    if (left.count() <= 0) throw Broken{"timed out"};
+    pollfd p{fd, events, 0};
+    const int n = ::poll(&p, 1, static_cast<int>(std::min(left, kSlice).count()));
+    if (n < 0 && errno != EINTR) throw Broken{std::strerror(errno)};
+    if (n > 0) return;
+  }
+}
+
+void send_all(int fd, const char* data, std::size_t size, milliseconds idle,
+              Clock::time_point deadline, const std::atomic<bool>* abandon) {
+  while (size > 0) {
+    const ssize_t n = ::send(fd, data, size, MSG_NOSIGNAL);
+    if (n > 0) {
+      data += n;
+      size -= static_cast<std::size_t>(n);
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) throw Broken{std::strerror(errno)};
+    wait_for(fd, POLLOUT, idle, deadline, abandon);
+  }
+}
+
+void send_all(int fd, const std::string& data, milliseconds idle, Clock::time_point deadline,
+              const std::atomic<bool>* abandon) {
+  send_all(fd, data.data(), data.size(), idle, deadline, abandon);
+}
+
+// Up to `size` bytes (at least one) into `data`.
+std::size_t receive_some(int fd, char* data, std::size_t size, milliseconds idle,
+                         Clock::time_point deadline, const std::atomic<bool>* abandon) {
+  for (;;) {
+    const ssize_t n = ::recv(fd, data, size, 0);
+    if (n > 0) return static_cast<std::size_t>(n);
+    if (n == 0) throw Broken{"the connection was closed"};
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) throw Broken{std::strerror(errno)};
+    wait_for(fd, POLLIN, idle, deadline, abandon);
+  }
+}
+
+void receive_exact(int fd, char* data, std::size_t size, milliseconds idle,
+                   Clock::time_point deadline, const std::atomic<bool>* abandon) {
+  while (size > 0) {
+    const std::size_t n = receive_some(fd, data, size, idle, deadline, abandon);
+    data += n;
+    size -= n;
+  }
+}
+
+std::string receive_string(int fd, std::size_t size, milliseconds idle, Clock::time_point deadline,
+                           const std::atomic<bool>* abandon) {
+  std::string out(size, '\0');
+  receive_exact(fd, out.data(), size, idle, deadline, abandon);
+  return out;
+}
+
+template <class T>
+T receive_value(int fd, milliseconds idle, Clock::time_point deadline,
+                const std::atomic<bool>* abandon) {
+  T value{};
+  receive_exact(fd, reinterpret_cast<char*>(&value), sizeof value, idle, deadline, abandon);
+  return value;
+}
+
+bool path_component(std::string_view part) {
+  return !part.empty() && part != "." && part != ".." && part.size() <= 255 &&
+         std::all_of(part.begin(), part.end(), [](char c) {
+           return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                  c == '.' || c == '_' || c == '-';
+         });
+}
+
+std::vector<std::string> split_path(const std::string& relative) {
+  std::vector<std::string> parts;
+  std::size_t from = 0;
+  for (;;) {
+    const auto slash = relative.find('/', from);
+    parts.push_back(relative.substr(from, slash - from));
+    if (slash == std::string::npos) return parts;
+    from = slash + 1;
+  }
+}
+
+// The file below the area, each directory opened without following a
+// link, the file itself too and without blocking (a FIFO); a regular file
+// only. Returns the descriptor, or -1 and why.
+int open_below(int area_fd, const std::string& relative, struct stat& info, std::string& why) {
+  const auto parts = split_path(relative);
+  int dir = area_fd;
+  for (std::size_t i = 0; i + 1 < parts.size(); ++i) {
+    const int next =
+        ::openat(dir, parts[i].c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    const int error = errno;
+    if (dir != area_fd) ::close(dir);
+    if (next < 0) {
+      why = error == ELOOP || error == ENOTDIR ? fmt::format("'{}' is not a directory", parts[i])
+                                               : std::strerror(error);
+      return -1;
+    }
+    dir = next;
+  }
+  const int fd =
+      ::openat(dir, parts.back().c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  const int error = errno;
+  if (dir != area_fd) ::close(dir);
+  if (fd < 0) {
+    why = error == ELOOP ? "a symbolic link" : std::strerror(error);
+    return -1;
+  }
+  if (::fstat(fd, &info) != 0 || !S_ISREG(info.st_mode)) {
+    ::close(fd);
+    why = "not a regular file";
+    return -1;
+  }
+  return fd;
+}
+
+std::string refusal(std::uint8_t status, const std::string& why) {
+  std::string out;
+  wire::put(out, status);
+  const std::string text = why.substr(0, kMaxReason);
+  wire::put(out, static_cast<std::uint32_t>(text.size()));
+  out += text;
+  return out;
+}
+
+// Before a served connection is closed: its answer sent, the client's
+// unread bytes (a request refused before it was read) are drained for a
+// moment, so that the close is a FIN after the answer and not a reset that
+// could cut it off.
+void drain_before_close(int fd) {
+  ::shutdown(fd, SHUT_WR);
+  const auto until = Clock::now() + std::chrono::seconds(1);
+  char discard[4096];
+  for (std::size_t drained = 0; drained < (64u << 10);) {
+    const auto left = std::chrono::duration_cast<milliseconds>(until - Clock::now());
+    pollfd p{fd, POLLIN, 0};
+    if (left.count() <= 0 || ::poll(&p, 1, static_cast<int>(left.count())) <= 0) break;
+    const ssize_t n = ::recv(fd, discard, sizeof discard, 0);
+    if (n <= 0) break;
+    drained += static_cast<std::size_t>(n);
+  }
+}
+
+// A connected non-blocking socket to host:port, or Broken.
+int connect_to(const std::string& host, int port, milliseconds timeout,
+               const std::atomic<bool>* abandon) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
+  if (rc != 0) throw Broken{fmt::format("cannot resolve it: {}", ::gai_strerror(rc))};
+  std::string last = "no address";
+  for (addrinfo* a = found; a; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+      last = std::strerror(errno);
+      continue;
+    }
+    try {
+      if (::connect(fd, a->ai_addr, a->ai_addrlen) != 0) {
+        if (errno != EINPROGRESS) throw Broken{std::strerror(errno)};
+        wait_for(fd, POLLOUT, timeout, Clock::now() + timeout, abandon);
+        int error = 0;
+        socklen_t size = sizeof error;
+        ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &size);
+        if (error != 0) throw Broken{std::strerror(error)};
+      }
+      const int one = 1;
+      ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+      ::freeaddrinfo(found);
+      return fd;
+    } catch (const Broken& e) {
+      ::close(fd);
+      last = e.why;
+      if (last == "abandoned") break;
+    }
+  }
+  ::freeaddrinfo(found);
+  throw Broken{fmt::format("cannot connect: {}", last)};
+}
+
+}  // namespace snapshot_server_detail
+
+using namespace snapshot_server_detail;
+
+bool servable_snapshot_path(const std::string& relative) {
+  if (relative.size() > kMaxSnapshotRequest) return false;
+  const auto parts = split_path(relative);
+  if (!std::all_of(parts.begin(), parts.end(),
+                   [](const std::string& p) { return path_component(p); }))
+    return false;
+  if (parts.size() == 3 && parts[0] == "own")
+    return snapshot_tag_step(parts[1]).has_value() && snapshot_file_name(parts[2]);
+  if (parts.size() == 4 && parts[0] == "replicas")
+    return valid_node_id(parts[1]) && snapshot_tag_step(parts[2]).has_value() &&
+           snapshot_file_name(parts[3]);
+  return false;
+}
+
+SnapshotServer::SnapshotServer(const std::filesystem::path& area, const std::string& host,
+                               std::string secret)
+    : secret_(std::move(secret)) {
+  area_fd_ = ::open(area.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (area_fd_ < 0)
+    throw Error(ErrorKind::io, fmt::format("cannot open the snapshot area '{}' to serve it: {}",
+                                           area.string(), std::strerror(errno)));
+  try {
+    listeners_ = listen_on(host, 0);
+  } catch (const std::system_error& e) {
+    ::close(area_fd_);
+    throw Error(ErrorKind::io, fmt::format("cannot serve the snapshot area at a port of '{}': {}",
+                                           host, e.code().message()));
+  }
+  port_ = bound_port(listeners_.front());
+  if (::pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0) {
+    close_all(listeners_);
+    ::close(area_fd_);
+    throw Error(ErrorKind::io, fmt::format("cannot make a pipe: {}", std::strerror(errno)));
+  }
+  thread_ = std::thread([this] { accept_loop(); });
+}
+
+SnapshotServer::~SnapshotServer() {
+  {
+    std::unique_lock lock(mutex_);
+    stopping_ = true;
+    for (int fd : connections_) ::shutdown(fd, SHUT_RDWR);
+  }
+  idle_.notify_all();  // an accept loop waiting for a free slot
+  const char byte = 0;
+  [[maybe_unused]] const auto written = ::write(wake_[1], &byte, 1);
+  thread_.join();
+  {
+    // The connections' threads end at once: their sockets are shut down.
+    std::unique_lock lock(mutex_);
+    idle_.wait(lock, [this] { return connections_.empty(); });
+  }
+  close_all(listeners_);
+  ::close(wake_[0]);
+  ::close(wake_[1]);
+  ::close(area_fd_);
+}
+
+void SnapshotServer::accept_loop() {
+  std::vector<pollfd> polled;
+  for (;;) {
+    {
+      // At most kMaxSnapshotConnections: the others wait in the backlog.
+      std::unique_lock lock(mutex_);
+      idle_.wait(lock,
+                 [this] { return stopping_ || connections_.size() < kMaxSnapshotConnections; });
+      if (stopping_) return;
+    }
+    polled.clear();
+    polled.push_back({wake_[0], POLLIN, 0});
+    for (int fd : listeners_) polled.push_back({fd, POLLIN, 0});
+    if (::poll(polled.data(), polled.size(), -1) < 0) continue;  // EINTR
+    if (polled[0].revents) return;
+    for (std::size_t i = 1; i < polled.size(); ++i) {
+      if (!polled[i].revents) continue;
+      const int fd = ::accept4(polled[i].fd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd < 0) continue;
+      std::unique_lock lock(mutex_);
+      if (stopping_ || connections_.size() >= kMaxSnapshotConnections) {
+        ::close(fd);
+        continue;
+      }
+      connections_.insert(fd);
+      std::thread([this, fd] {
+        serve(fd);
+        // Still listed meanwhile: a stopping server cuts the drain short.
+        drain_before_close(fd);
+        std::unique_lock lock(mutex_);
+        connections_.erase(fd);
+        ::close(fd);
+        idle_.notify_all();
+      }).detach();
+    }
+  }
+}
+
+void SnapshotServer::serve(int fd) {
+  const milliseconds idle = kSnapshotIdleTimeout;
+  // The handshake and the request come within the proof's time.
+  const auto handshake_deadline = Clock::now() + wire::kProofTimeout;
+  const auto no_deadline = Clock::time_point::max();
+  try {
+    char magic[sizeof kSnapshotMagic];
+    receive_exact(fd, magic, sizeof magic, idle, handshake_deadline, nullptr);
+    if (std::memcmp(magic, kSnapshotMagic, sizeof magic) != 0) return;
+    const std::string client_nonce =
+        receive_string(fd, wire::kNonceBytes, idle, handshake_deadline, nullptr);
+    std::string hello;
+    std::string host_nonce;
+    if (secret_.empty()) {
+      wire::put<std::uint8_t>(hello, 0);
+    } else {
+      host_nonce = wire::random_nonce();
+      wire::put<std::uint8_t>(hello, 1);
+      hello += host_nonce;
+      hello += wire::proof(secret_, kSnapshotHostLabel, client_nonce, host_nonce);
+    }
+    send_all(fd, hello, idle, handshake_deadline, nullptr);
+    const auto proving = receive_value<std::uint8_t>(fd, idle, handshake_deadline, nullptr);
+    if (proving > 1) return;
+    std::string given;
+    if (proving == 1) given = receive_string(fd, kProofBytes, idle, handshake_deadline, nullptr);
+    if (!secret_.empty()) {
+      if (proving == 0) {
+        send_all(fd,
+                 refusal(kUnauthorized,
+                         "this snapshot server serves the agents of its job only, and this agent "
+                         "gave no proof of the job's secret: give every agent of the job the "
+                         "same DUCTILE_RDZV_SECRET or DUCTILE_RDZV_SECRET_FILE"),
+                 idle, no_deadline, nullptr);
+        return;
+      }
+      if (!wire::same_proof(given,
+                            wire::proof(secret_, kSnapshotAgentLabel, host_nonce, client_nonce))) {
+        send_all(fd,
+                 refusal(kUnauthorized,
+                         "the snapshot server refused this agent's proof of the secret: the "
+                         "secrets differ (every agent of the job needs the same "
+                         "DUCTILE_RDZV_SECRET or DUCTILE_RDZV_SECRET_FILE)"),
+                 idle, no_deadline, nullptr);
+        return;
+      }
+    }
+    const auto size = receive_value<std::uint32_t>(fd, idle, handshake_deadline, nullptr);
+    if (size > kMaxSnapshotRequest) {
+      send_all(fd,
+               refusal(kRefused, fmt::format("a request of {} bytes, over the {} allowed", size,
+                                             kMaxSnapshotRequest)),
+               idle, no_deadline, nullptr);
+      return;
+    }
+    const std::string relative = receive_string(fd, size, idle, handshake_deadline, nullptr);
+    if (!servable_snapshot_path(relative)) {
+      send_all(
+          fd,
+          refusal(kRefused, fmt::format("'{}' is not a snapshot file: give own/<tag>/<file> or "
+                                        "replicas/<node>/<tag>/<file>",
+                                        excerpt(relative))),
+          idle, no_deadline, nullptr);
+      return;
+    }
+    struct stat info {};
+    std::string why;
+    const int file = open_below(area_fd_, relative, info, why);
+    if (file < 0) {
+      send_all(fd, refusal(kRefused, fmt::format("'{}': {}", relative, why)), idle, no_deadline,
+               nullptr);
+      return;
+    }
+    std::string head;
+    wire::put(head, kOk);
+    wire::put(head, static_cast<std::uint64_t>(info.st_size));
+    try {
+      send_all(fd, head, idle, no_deadline, nullptr);
+      // Its size as it was when opened: a file that shrinks since ends the
+      // connection early, and the client refuses the copy.
+      std::string buffer(kChunk, '\0');
+      for (off_t offset = 0; offset < info.st_size;) {
+        const auto want = static_cast<std::size_t>(
+            std::min<off_t>(static_cast<off_t>(buffer.size()), info.st_size - offset));
+        const ssize_t n = ::pread(file, buffer.data(), want, offset);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) break;
+        send_all(fd, buffer.data(), static_cast<std::size_t>(n), idle, no_deadline, nullptr);
+        offset += n;
+      }
+    } catch (const Broken&) {
+      ::close(file);
+      return;
+    }
+    ::close(file);
+  } catch (const Broken&) {
+    // A client gone, silent too long, or cut at shutdown: its connection
+    // ends, nothing else does.
+  } catch (const wire::BadMessage&) {
+  }
+}
+
+std::uintmax_t fetch_file(const std::string& host, int port, const std::string& relative,
+                          const std::filesystem::path& dest, const std::string& secret,
+                          milliseconds timeout, std::optional<std::uintmax_t> expected_size,
+                          std::uintmax_t max_size, const std::atomic<bool>* abandon) {
+  const std::string where =
+      fmt::format("'{}' from the snapshot server at {}:{}", relative, host, port);
+  auto fail = [&](const std::string& why) -> Error {
+    return Error(ErrorKind::io,
+                 fmt::format("cannot copy {} to '{}': {}", where, dest.string(), why));
+  };
+  if (relative.size() > kMaxSnapshotRequest) throw fail("the path is too long");
+  const auto no_deadline = Clock::time_point::max();
+  int fd = -1;
+  int out = -1;
+  bool created = false;  // only a copy this call created is removed (O_EXCL)
+  try {
+    fd = connect_to(host, port, timeout, abandon);
+    const std::string client_nonce = wire::random_nonce();
+    std::string hello(kSnapshotMagic, sizeof kSnapshotMagic);
+    hello += client_nonce;
+    send_all(fd, hello, timeout, no_deadline, abandon);
+    const auto has_secret = receive_value<std::uint8_t>(fd, timeout, no_deadline, abandon);
+    std::string request;
+    if (has_secret == 1) {
+      const std::string host_nonce =
+          receive_string(fd, wire::kNonceBytes, timeout, no_deadline, abandon);
+      const std::string host_proof = receive_string(fd, kProofBytes, timeout, no_deadline, abandon);
+      if (secret.empty())
+        throw Broken{
+            "the server asks for the job's secret and this agent has none: the secrets differ "
+            "(every agent of the job needs the same DUCTILE_RDZV_SECRET or "
+            "DUCTILE_RDZV_SECRET_FILE, or none)"};
+      if (!wire::same_proof(host_proof,
+                            wire::proof(secret, kSnapshotHostLabel, client_nonce, host_nonce)))
+        throw Broken{
+            "the server's proof of the secret does not match this agent's: the secrets differ "
+            "(every agent of the job needs the same DUCTILE_RDZV_SECRET or "
+            "DUCTILE_RDZV_SECRET_FILE)"};
+      wire::put<std::uint8_t>(request, 1);
+      request += wire::proof(secret, kSnapshotAgentLabel, host_nonce, client_nonce);
+    } else if (has_secret == 0) {
+      if (!secret.empty())
+        throw Broken{
+            "the server has no secret and this agent has one: the secrets differ (every agent of "
+            "the job needs the same DUCTILE_RDZV_SECRET or DUCTILE_RDZV_SECRET_FILE, or none)"};
+      wire::put<std::uint8_t>(request, 0);
+    } else {
+      throw Broken{"it does not speak the snapshot protocol"};
+    }
+    wire::put(request, static_cast<std::uint32_t>(relative.size()));
+    request += relative;
+    send_all(fd, request, timeout, no_deadline, abandon);
+    const auto status = receive_value<std::uint8_t>(fd, timeout, no_deadline, abandon);
+    if (status != kOk) {
+      const auto size = receive_value<std::uint32_t>(fd, timeout, no_deadline, abandon);
+      if (size > kMaxReason || (status != kRefused && status != kUnauthorized))
+        throw Broken{"it does not speak the snapshot protocol"};
+      throw Broken{fmt::format("the server refused it: {}",
+                               receive_string(fd, size, timeout, no_deadline, abandon))};
+    }
+    const auto size = receive_value<std::uint64_t>(fd, timeout, no_deadline, abandon);
+    if (expected_size && size != *expected_size)
+      throw Broken{fmt::format("it has {} bytes, not the {} expected", size, *expected_size)};
+    if (size > max_size)
+      throw Broken{
+          fmt::format("it has {} bytes, more than the {} such a file may have", size, max_size)};
+    out = ::open(dest.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (out < 0) throw Broken{fmt::format("cannot create the copy: {}", std::strerror(errno))};
+    created = true;
+    std::string buffer(static_cast<std::size_t>(std::min<std::uint64_t>(size, kChunk)) + 1, '\0');
+    for (std::uint64_t left = size; left > 0;) {
+      const std::size_t n = receive_some(
+          fd, buffer.data(), static_cast<std::size_t>(std::min<std::uint64_t>(left, kChunk)),
+          timeout, no_deadline, abandon);
+      for (std::size_t done = 0; done < n;) {
+        const ssize_t w = ::write(out, buffer.data() + done, n - done);
+        if (w < 0 && errno == EINTR) continue;
+        if (w < 0) throw Broken{fmt::format("cannot write the copy: {}", std::strerror(errno))};
+        done += static_cast<std::size_t>(w);
+      }
+      left -= n;
+    }
+    if (::close(out) != 0) {
+      out = -1;
+      throw Broken{fmt::format("cannot write the copy: {}", std::strerror(errno))};
+    }
+    out = -1;
+    ::close(fd);
+    return size;
+  } catch (const Broken& e) {
+    if (fd >= 0) ::close(fd);
+    if (out >= 0) ::close(out);
+    if (created) ::unlink(dest.c_str());
+    throw fail(e.why);
+  } catch (const wire::BadMessage& e) {
+    if (fd >= 0) ::close(fd);
+    if (out >= 0) ::close(out);
+    if (created) ::unlink(dest.c_str());
+    throw fail(e.what());
+  }
+}
+
+}  // namespace ductile::agent

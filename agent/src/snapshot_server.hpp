@@ -1,0 +1,96 @@
+// The snapshot servers: each agent serves the files of its snapshot area
+// (snapshot_area.hpp) to the other agents of its job, which copy them
+// (replicas, a restore) with fetch_file(). Internal to libductile_agent.
+//
+// The protocol, one file a connection. The client sends "DSN1" and a
+// random nonce of wire::kNonceBytes; the server answers a byte, 1 when it
+// has the job's secret (then its own nonce and its proof,
+// HMAC-SHA256(secret, snapshot host label, client nonce, server nonce)) or
+// 0. The client checks the proof and sends a byte, 1 and its proof
+// (HMAC-SHA256(secret, snapshot agent label, server nonce, client nonce))
+// or 0 without a secret, then the file's path in the area as a 32-bit
+// length and its bytes ("own/<tag>/<file>" or
+// "replicas/<node>/<tag>/<file>"). The server answers a status byte: 0 and
+// the file's size (64-bit) then its bytes; else a 32-bit length and why,
+// and closes. Integers in the host's byte order, as the agents' protocol
+// (store_wire.hpp) sends them. A secret on one side only, or two secrets
+// that differ: refused, by the side that finds out.
+//
+// Served: regular files only, reached without following a link (each
+// component opened with O_NOFOLLOW below the area), names as a save
+// writes them. Bounded: a request of at most kMaxSnapshotRequest bytes,
+// the handshake within wire::kProofTimeout, kSnapshotIdleTimeout without
+// progress, kMaxSnapshotConnections at once (more wait to be accepted).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <filesystem>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace ductile::agent {
+
+inline constexpr std::size_t kMaxSnapshotRequest = 4096;
+inline constexpr std::chrono::seconds kSnapshotIdleTimeout{30};
+inline constexpr std::size_t kMaxSnapshotConnections = 16;
+
+// True for a path the server serves: "own/<tag>/<file>" or
+// "replicas/<node>/<tag>/<file>" with a snapshot tag, a node id and a
+// snapshot file's name.
+bool servable_snapshot_path(const std::string& relative);
+
+// Ownership: owns its listening sockets, its thread and its connections'
+// threads; holds the area's directory open (it must outlive nothing: a
+// removed area serves nothing). Threading: its own threads; construct and
+// destroy on one thread. Errors: the constructor throws ductile::Error
+// (io) when the area cannot be opened or no port bound.
+class SnapshotServer {
+ public:
+  // Serves `area` on a free port of `host`'s addresses (listen_on);
+  // `secret` empty: no proof asked.
+  SnapshotServer(const std::filesystem::path& area, const std::string& host, std::string secret);
+  // Stops serving: open connections are cut.
+  ~SnapshotServer();
+  SnapshotServer(const SnapshotServer&) = delete;
+  SnapshotServer& operator=(const SnapshotServer&) = delete;
+  int port() const { return port_; }
+
+ private:
+  void accept_loop();
+  void serve(int fd);
+
+  const std::string secret_;
+  int area_fd_ = -1;
+  std::vector<int> listeners_;
+  int wake_[2] = {-1, -1};  // a pipe: written to stop the accept loop
+  int port_ = 0;
+  std::mutex mutex_;
+  std::condition_variable idle_;  // a connection ended
+  std::set<int> connections_;     // open, served by their own threads
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+// Copies the file `relative` of the area served at host:port to `dest`
+// (created, never replaced: O_EXCL), proving `secret` when there is one.
+// The size the server announces must be `expected_size` when given and at
+// most `max_size`; the bytes received must be as many. `timeout`: the
+// longest wait without progress (connecting included); `abandon`, when
+// set, stops the copy within a fraction of a second. Returns the size.
+// Throws ductile::Error (io) naming the server, the file and the problem
+// (dest is then removed).
+std::uintmax_t fetch_file(const std::string& host, int port, const std::string& relative,
+                          const std::filesystem::path& dest, const std::string& secret,
+                          std::chrono::milliseconds timeout,
+                          std::optional<std::uintmax_t> expected_size = std::nullopt,
+                          std::uintmax_t max_size = UINTMAX_MAX,
+                          const std::atomic<bool>* abandon = nullptr);
+
+}  // namespace ductile::agent

@@ -1,0 +1,162 @@
+"""In-memory snapshots of the training state, for ``ductile agent``: when
+a node dies, the job goes on from the newest state the surviving nodes
+hold in memory, without reading a disk checkpoint.
+
+When: the agent sets ``DUCTILE_SNAPSHOT_DIR`` (its node's ``own/`` folder,
+on tmpfs) for every worker; with ``[zero] snapshot_interval`` N > 0 (1 by
+default; DeepSpeed: ``"snapshot": {"interval": N}``), every ``step()``
+that makes ``global_step`` a multiple of N writes a snapshot of that step.
+Without the variable, or with N = 0, nothing is written.
+
+What: a checkpoint in the format of _checkpoint.py, tag ``step<N>``,
+written by the same protocol as ``engine.save`` (staging folder,
+manifest, checksum, rename, ``latest``) with these differences: each node
+has its own root, where every rank writes its own ``rank<r>-of-<W>.bin``
+and the node's leader (the rank whose LOCAL_RANK is 0) does what rank 0
+does in a save; the manifest lists every rank's shard and its bytes are
+the same on every node (so its SHA-256, manifest.json.sha256, names the
+snapshot across nodes); nothing is fsynced; the manifest is compact JSON;
+there is no client state; and only the new and the previously committed
+tag folders are kept. The leader also writes ``replicas`` (``[zero] snapshot_replicas`` and a
+newline) before its first snapshot commits: how many other nodes the
+agents copy each snapshot to.
+
+A snapshot that fails (a full tmpfs, say) fails on every rank alike
+(agree), is removed, and is logged as a warning on the ``ductile.zero3``
+logger: training goes on, with the previous snapshot as the newest. A
+failed collective (a rank gone) is raised.
+
+Restore: when the agent starts a round from memory it sets
+``DUCTILE_SNAPSHOT_RESTORE`` to a complete snapshot folder; the engine
+loads it when it is built (collective), at any world size, and
+``engine.restored_from_memory`` is its step. The scheduler's state is
+applied to the scheduler the engine gets afterwards (``engine.lr_scheduler
+= ...``), which a DeepSpeed config's ``scheduler`` and the drop-ins set.
+
+Threading: every method runs on the training thread, as step() does.
+"""
+
+import logging
+import os
+
+from ..._errors import CommunicationError, Error, InvalidArgumentError
+from . import _checkpoint
+from ._checkpoint_files import fs, io_error, write_file
+
+SNAPSHOT_DIR_ENV = "DUCTILE_SNAPSHOT_DIR"
+RESTORE_ENV = "DUCTILE_SNAPSHOT_RESTORE"
+REPLICAS_FILE = "replicas"
+
+_log = logging.getLogger("ductile.zero3")
+
+
+def _local_rank():
+    """This process' rank on its node: LOCAL_RANK (torchrun, ``ductile
+    agent``), else Open MPI's; None when no launcher says."""
+    for name in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"):
+        value = os.environ.get(name)
+        if value is not None:
+            try:
+                return int(value)
+            except ValueError:
+                raise InvalidArgumentError(
+                    f"zero3 snapshots: {name} = {value!r}; valid: this process' rank on its "
+                    "node, an integer >= 0") from None
+    return None
+
+
+class Snapshots:
+    """The snapshot policy of one engine: when to write one, where, and
+    the restore at start (see the module's docstring)."""
+
+    def __init__(self, engine, interval, replicas):
+        self.engine = engine
+        self.interval = interval
+        self.replicas = replicas
+        self.root = os.environ.get(SNAPSHOT_DIR_ENV) or ""
+        self.enabled = bool(self.root) and interval > 0
+        local = _local_rank() if self.enabled else None
+        # Without a launcher's word, one node: rank 0 leads.
+        self.leader = local == 0 if local is not None else engine.rank == 0
+        self._replicas_written = False
+        self._last = None  # the step of the last snapshot attempted
+        # The restored manifest's scheduler state, for the scheduler set
+        # later, and the restored optimizer groups' hyperparameters.
+        self.scheduler_state = None
+        self.group_values = []
+
+    def due(self, step):
+        return self.enabled and step % self.interval == 0 and step != self._last
+
+    def after_step(self):
+        """Called by step() after the optimizer step (and the scheduler's):
+        writes the snapshot of global_step when it is due."""
+        step = self.engine.global_step
+        if not self.due(step):
+            return
+        self._last = step
+        target = _checkpoint.Target(self.root, f"step{step}", self.leader, "zero3 snapshot",
+                                    durable=False, keep_previous=True, node_local=True,
+                                    indented=False, before_commit=self._write_replicas)
+        try:
+            _checkpoint.write(self.engine, target)
+        except CommunicationError:
+            raise  # a rank is gone: the job cannot go on, snapshot or not
+        except Error as e:
+            # Agreed: every rank raised it and goes on alike.
+            _log.warning("zero3 snapshot of step %d into %s (%s) failed, training goes on: %s",
+                         step, self.root, SNAPSHOT_DIR_ENV, e)
+
+    def _write_replicas(self):
+        """The leader's `replicas` file, once, before its first commit."""
+        if self._replicas_written:
+            return
+        path = os.path.join(self.root, REPLICAS_FILE)
+        staged = path + ".tmp"
+        try:
+            if os.path.lexists(staged):
+                os.unlink(staged)
+            write_file(staged, [f"{self.replicas}\n".encode()], durable=False)
+            fs("rename", staged)
+            os.replace(staged, path)
+        except OSError as e:
+            raise io_error(path, "cannot write the snapshot's replica count", e) from e
+        self._replicas_written = True
+
+    def restore(self):
+        """Loads DUCTILE_SNAPSHOT_RESTORE when it is set (collective);
+        returns the restored step, or None."""
+        folder = os.environ.get(RESTORE_ENV)
+        if not folder:
+            return None
+        engine = self.engine
+        try:
+            manifest = _checkpoint.load_manifest(engine, folder, lr_scheduler=False)
+        except Error as e:
+            raise type(e)(f"{RESTORE_ENV}={folder}: the snapshot to resume from does not load: "
+                          f"{e}", kind=e.kind, type=e.type) from e
+        self.scheduler_state = manifest.get("lr_scheduler")
+        optimizer = engine.optimizer
+        if optimizer is not None:
+            self.group_values = [{k: v for k, v in g.items() if k != "params"}
+                                 for g in optimizer.param_groups]
+        return engine.global_step
+
+    def apply_scheduler_state(self, scheduler):
+        """Gives the first scheduler set after the restore the snapshot's
+        state. A scheduler built after the restore has reset the
+        optimizer's learning rates to its first step's: the restored
+        groups' values are put back."""
+        if scheduler is None or self.scheduler_state is None:
+            return
+        state, self.scheduler_state = self.scheduler_state, None
+        try:
+            scheduler.load_state_dict(state)
+        except Exception as e:
+            raise InvalidArgumentError(
+                f"{RESTORE_ENV}: the snapshot's learning-rate scheduler state does not load "
+                f"into the {type(scheduler).__name__}: {type(e).__name__}: {e}") from e
+        optimizer = self.engine.optimizer
+        if optimizer is not None:
+            for group, values in zip(optimizer.param_groups, self.group_values):
+                group.update(values)

@@ -1,0 +1,289 @@
+"""Recovery from a lost node, raced: `ductile agent` restoring the training
+state from the survivors' memory against torchrun with torch's distributed
+checkpoint (DCP) read back from disk. It prints tables; nothing asserts on
+time.
+
+The same job on both sides: 3 nodes x 1 worker as processes on loopback, the
+tied transformer LM of the zero3 tests (about 2 M parameters), Adam, a
+global batch of 24 windows, every optimizer step checkpointed:
+  ductile   `ductile agent` on etcd, --mpi-world, zero3 workers (cpu backend)
+            with snapshot_interval 1 and snapshot_replicas 1: each step's
+            state goes to the agents' memory and one other node's;
+  torchrun  torchrun (c10d, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: without it
+            the survivors' workers never meet, pytorch/pytorch#135712),
+            DistributedDataParallel over gloo, and
+            torch.distributed.checkpoint.save after every step into a local
+            folder, loaded by the next round's workers.
+After --kill-after steps, the last node started is SIGKILLed (its launcher
+and every process below it). From the kill, per run: the survivors'
+workers started again (detection and re-form), torch imported (process
+start), the group joined and the state restored (ductile: zero3.initialize,
+which restores; torchrun: init_process_group, then DCP's load), the first
+step of the new round completed; and the steps trained again.
+
+usage: bench_recovery.py [--cli PATH] [--python PATH] [--runs 2] [--kill-after 6]
+                         [--steps 12] [--launchers ductile,torchrun]
+"""
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_agent import ROOT, Etcd, descendants, free_port, kill_node, spread, stop_all  # noqa: E402
+
+NODES = 3
+BATCH = 24
+MODEL = {"d": 192, "heads": 4, "layers": 4, "context": 32}
+JOB_TOML = """[elasticity]
+policy = "v0.1"
+max_train_batch_size = 24
+micro_batch_sizes = [1, 2, 3]
+min_gpus = 1
+max_gpus = 6
+"""
+
+# Each worker appends "<event> <round> <world> <rank> <step> <ns since the epoch>"
+# to the run's notes file; <step>: the step trained or resumed at, else -1.
+COMMON = r'''
+import os, sys, time
+out, steps = sys.argv[1], int(sys.argv[2])
+def note(event, round_, world, rank, step=-1):
+    with open(out, "a") as f:
+        f.write(f"{event} {round_} {world} {rank} {step} {time.time_ns()}\n")
+ROUND = os.environ.get("DUCTILE_ROUND") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+note("started", ROUND, os.environ["WORLD_SIZE"], os.environ["RANK"])
+import torch
+torch.set_num_threads(1)
+from zero3_model import Windows, loss_of, make_model
+note("imported", ROUND, os.environ["WORLD_SIZE"], os.environ["RANK"])
+MODEL = %r
+BATCH = %d
+'''
+
+DUCTILE_WORKER = COMMON + r'''
+import ductile, ductile.torch.zero3 as zero3
+world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+config = ductile.load_config(
+    {"accelerator": {"backend": "cpu", "communicator": "auto", "timeout": 120},
+     "zero": {"coordinator": "partitioned", "snapshot_interval": 1, "snapshot_replicas": 1}},
+    format="toml")
+engine = zero3.initialize(make_model(seed=0, **MODEL),
+                          lambda params: torch.optim.Adam(params, lr=3e-3), config)
+start = engine.global_step if engine.restored_from_memory is not None else 0
+note("ready", ROUND, world, rank, start)
+windows = Windows(batch=BATCH, context=MODEL["context"])
+for s in range(start, steps):
+    x, y = windows.step(s, rank, world)
+    engine.backward(loss_of(engine(x), y))
+    engine.step()
+    note("stepped", ROUND, world, rank, s)
+'''
+
+TORCHRUN_WORKER = COMMON + r'''
+import datetime
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.nn.parallel import DistributedDataParallel
+world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+note("joined", ROUND, world, rank)
+model = DistributedDataParallel(make_model(seed=0, **MODEL))
+optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+folder = os.path.join(os.path.dirname(out), "dcp")
+start = 0
+try:
+    with open(os.path.join(folder, "LATEST")) as f:
+        start = int(f.read())
+except FileNotFoundError:
+    pass
+if start:
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=os.path.join(folder, f"step{start}"))
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+note("ready", ROUND, world, rank, start)
+windows = Windows(batch=BATCH, context=MODEL["context"])
+for s in range(start, steps):
+    x, y = windows.step(s, rank, world)
+    loss_of(model(x), y).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state},
+             checkpoint_id=os.path.join(folder, f"step{s + 1}"))
+    if rank == 0:
+        with open(os.path.join(folder, "LATEST.tmp"), "w") as f:
+            f.write(str(s + 1))
+        os.replace(os.path.join(folder, "LATEST.tmp"), os.path.join(folder, "LATEST"))
+    note("stepped", ROUND, world, rank, s)
+'''
+
+
+def notes(path):
+    rows = []
+    try:
+        with open(path) as f:
+            for line in f:
+                p = line.split()
+                if len(p) == 6:
+                    rows.append((p[0], p[1], int(p[2]), int(p[3]), int(p[4]), int(p[5]) / 1e9))
+    except FileNotFoundError:
+        pass
+    return rows
+
+
+def wait_for(predicate, limit, what, alive):
+    deadline = time.monotonic() + limit
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        if not any(p.poll() is None for p in alive):
+            raise RuntimeError(f"every launcher exited before {what}")
+        time.sleep(0.02)
+
+
+def race_one(kind, args, directory):
+    out = os.path.join(directory, "notes")
+    script = os.path.join(directory, "worker.py")
+    with open(script, "w") as f:
+        f.write((DUCTILE_WORKER if kind == "ductile" else TORCHRUN_WORKER) % (MODEL, BATCH))
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([os.path.join(args.build, "python"),
+                                           os.path.join(ROOT, "tests", "python")]),
+               DUCTILE_TEST_DATA_DIR=os.path.join(ROOT, "tests", "data"),
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    etcd = Etcd(directory) if kind == "ductile" else None
+    os.makedirs(os.path.join(directory, "dcp"), exist_ok=True)
+    config = os.path.join(directory, "job.toml")
+    with open(config, "w") as f:
+        f.write(JOB_TOML)
+    shm = os.path.join(directory, "shm") if args.snapshot_dir is None else args.snapshot_dir
+    os.makedirs(shm, exist_ok=True)
+    c10d = f"127.0.0.1:{free_port()}"
+    nodes, logs = [], []
+    try:
+        for i in range(NODES):
+            log = open(os.path.join(directory, f"node{i}.log"), "w")
+            logs.append(log)
+            if kind == "torchrun":
+                argv = [args.python, "-m", "torch.distributed.run", "--nnodes", f"2:{NODES}",
+                        "--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-id", "race",
+                        "--local-addr", "127.0.0.1", "--rdzv-backend", "c10d",
+                        "--rdzv-endpoint", c10d]
+            else:
+                argv = [args.cli, "agent", "--config", config, "--rdzv", etcd.url,
+                        "--job-id", "race", "--node-addr", "127.0.0.1", "--nproc-per-node", "1",
+                        "--min-nodes", "2", "--mpi-world", "--snapshot-dir", shm, "--",
+                        args.python]
+            nodes.append(subprocess.Popen(argv + [script, out, str(args.steps)], stdout=log,
+                                          stderr=subprocess.STDOUT, env=env,
+                                          start_new_session=True))
+            time.sleep(0.2)
+
+        def stepped(world, at_least):
+            return [r for r in notes(out) if r[0] == "stepped" and r[2] == world
+                    and r[4] >= at_least]
+        wait_for(lambda: len(stepped(NODES, args.kill_after - 1)) >= NODES, 900,
+                 f"{kind}: step {args.kill_after} at world size {NODES}", nodes)
+        done = max(r[4] for r in notes(out) if r[0] == "stepped") + 1
+        killed = kill_node(nodes[-1])
+        survivors = NODES - 1
+
+        def after(event):
+            rows = [r for r in notes(out) if r[0] == event and r[2] == survivors
+                    and r[5] > killed]
+            return rows if len(rows) >= survivors else None
+        wait_for(lambda: after("stepped") is not None, 900,
+                 f"{kind}: the survivors' first step", nodes[:-1])
+        ready = after("ready")
+        for i in range(NODES - 1):  # the agents' word on what they restored
+            with open(os.path.join(directory, f"node{i}.log")) as f:
+                for line in f:
+                    if "from memory" in line or "snapshot" in line:
+                        print(f"{kind} node {i}: {line.rstrip()}", flush=True)
+        times = [max(r[5] for r in after(e)[:survivors]) - killed
+                 for e in ("started", "imported", "ready")]
+        first_step = min(r[5] for r in after("stepped")) - killed
+        resumed_at = ready[0][4]
+        # detection and re-form, process start (torch imported), join and
+        # restore, first step; the total; steps trained again.
+        return (times[0], times[1] - times[0], times[2] - times[1], first_step - times[2],
+                first_step, done - resumed_at)
+    except Exception:
+        kept = tempfile.mkdtemp(prefix=f"ductile-bench-recovery-failed-{kind}-")
+        shutil.copytree(directory, kept, dirs_exist_ok=True, ignore_dangling_symlinks=True)
+        print(f"{kind}: failed; its logs are in {kept}", file=sys.stderr)
+        raise
+    finally:
+        stop_all(nodes, logs)
+        for p in nodes:
+            for pid in descendants(p.pid)[1:]:
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+        if etcd:
+            etcd.stop()
+
+
+COLUMNS = ("detection and re-form (s)", "process start (s)", "join and restore (s)",
+           "first step (s)", "SIGKILL to first step (s)", "steps trained again")
+NAMES = {"ductile": "ductile agent (etcd), restore from memory",
+         "torchrun": "torchrun (c10d), DCP from disk"}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cli", default=os.path.join(ROOT, "build", "bin", "ductile"))
+    parser.add_argument("--build", default=os.path.join(ROOT, "build"))
+    parser.add_argument("--python", default=os.path.join(ROOT, ".venv", "bin", "python"))
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--kill-after", type=int, default=6, dest="kill_after")
+    parser.add_argument("--snapshot-dir", default=None, dest="snapshot_dir")
+    parser.add_argument("--launchers", default="ductile,torchrun", type=lambda s: s.split(","))
+    args = parser.parse_args()
+    bad = [k for k in args.launchers if k not in NAMES]
+    if bad:
+        sys.exit(f"bench_recovery.py: --launchers {bad[0]!r} is not valid; use "
+                 f"{', '.join(NAMES)}")
+    if not 1 <= args.kill_after < args.steps:
+        sys.exit(f"bench_recovery.py: --kill-after {args.kill_after}: give 1 to --steps - 1 "
+                 f"({args.steps - 1})")
+    results = {kind: [] for kind in args.launchers}
+    for run in range(args.runs):
+        for kind in args.launchers:
+            directory = tempfile.mkdtemp(prefix=f"ductile-bench-recovery-{kind}-")
+            try:
+                r = race_one(kind, args, directory)
+            finally:
+                shutil.rmtree(directory, ignore_errors=True)
+            results[kind].append(r)
+            print(f"run {run + 1} {kind}: " + ", ".join(
+                f"{name} {value:.2f}" if isinstance(value, float) else f"{name} {value}"
+                for name, value in zip(COLUMNS, r)), flush=True)
+    print(f"\n{NODES} nodes x 1 worker on loopback, one node SIGKILLed after step "
+          f"{args.kill_after}; medians (min-max) of {args.runs} run(s); {os.cpu_count()} CPU(s)")
+    print("| launcher | " + " | ".join(COLUMNS) + " |")
+    print("| --- |" + " ---: |" * len(COLUMNS))
+    for kind, runs in results.items():
+        cells = [spread([r[i] for r in runs], ".2f" if i < 5 else ".1f")
+                 for i in range(len(COLUMNS))]
+        print(f"| {NAMES[kind]} | " + " | ".join(cells) + " |")
+    if "ductile" in results and "torchrun" in results:
+        rival = statistics.median(r[4] for r in results["torchrun"])
+        ratios = [r[4] / rival for r in results["ductile"]]
+        print(f"ductile / torchrun (SIGKILL to first step): {statistics.median(ratios):.2f} "
+              f"(worst run {max(ratios):.2f}; goal: at most 0.2)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,312 @@
+"""zero3's in-memory snapshots (the workers' side of ``ductile agent``'s
+restore from memory): written every snapshot_interval steps into
+DUCTILE_SNAPSHOT_DIR, double-buffered, identical manifests on every node,
+loadable at any world size from the nodes' files put together, a snapshot
+killed half-way leaving the previous one whole; the restore at start from
+DUCTILE_SNAPSHOT_RESTORE; the config keys, TOML and DeepSpeed."""
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import torch
+
+import ductile
+import ductile.deepspeed
+import ductile.torch.zero3 as zero3
+from ductile.torch.zero3 import _checkpoint_files
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from zero3_checkpoint_support import same, snapshot, train  # noqa: E402
+from zero3_launch import CONFIG, command, environment, prepare  # noqa: E402
+from zero3_model import make_model  # noqa: E402
+
+
+def adam(shards):
+    return torch.optim.Adam(shards, lr=1e-2)
+
+
+def engine_of(config=CONFIG, seed=0):
+    return zero3.initialize(make_model(seed=seed), adam, config)
+
+
+def with_keys(**keys):
+    return CONFIG + "".join(f"{k} = {v}\n" for k, v in keys.items())
+
+
+def tags(root):
+    return sorted(e for e in os.listdir(root) if e.startswith("step"))
+
+
+def latest(root):
+    return (root / "latest").read_text().split("\n")[0]
+
+
+@pytest.fixture
+def snapshots(tmp_path, monkeypatch):
+    """DUCTILE_SNAPSHOT_DIR for a one-rank "node"; no restore folder."""
+    root = tmp_path / "own"
+    monkeypatch.setenv("DUCTILE_SNAPSHOT_DIR", str(root))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.delenv("DUCTILE_SNAPSHOT_RESTORE", raising=False)
+    return root
+
+
+def test_every_step_by_default_keeping_the_two_newest(snapshots):
+    engine = engine_of(with_keys(snapshot_replicas=2))
+    seen = []
+    for _ in range(3):
+        train(engine, 1)
+        seen.append((latest(snapshots), tags(snapshots)))
+    assert seen == [("step1", ["step1"]), ("step2", ["step1", "step2"]),
+                    ("step3", ["step2", "step3"])]
+    assert (snapshots / "replicas").read_text() == "2\n"
+    assert sorted(os.listdir(snapshots / "step3")) == [
+        "manifest.json", "manifest.json.sha256", "rank0-of-1.bin"]
+    manifest = json.loads((snapshots / "step3" / "manifest.json").read_text())
+    assert manifest["step"] == 3 and manifest["client_state"] is None
+    digest = hashlib.sha256((snapshots / "step3" / "manifest.json").read_bytes()).hexdigest()
+    assert (snapshots / "latest").read_text() == f"step3\nsha256 {digest}\n"
+
+    checker = engine_of(seed=1)
+    assert checker.load(snapshots) is None
+    assert checker.global_step == 3 and same(snapshot(checker), snapshot(engine))
+
+
+def test_interval_2_writes_at_even_steps_only(snapshots):
+    engine = engine_of(with_keys(snapshot_interval=2))
+    seen = []
+    for _ in range(5):
+        train(engine, 1)
+        seen.append(tags(snapshots) if snapshots.exists() else [])
+    assert seen == [[], ["step2"], ["step2"], ["step2", "step4"], ["step2", "step4"]]
+
+
+def test_interval_0_or_no_snapshot_dir_writes_nothing(snapshots, tmp_path, monkeypatch):
+    engine = engine_of(with_keys(snapshot_interval=0))
+    train(engine, 2)
+    assert not snapshots.exists()
+    monkeypatch.delenv("DUCTILE_SNAPSHOT_DIR")
+    monkeypatch.chdir(tmp_path)
+    engine = engine_of()
+    train(engine, 2)
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_a_snapshot_killed_at_any_operation_leaves_the_previous_one(snapshots, tmp_path):
+    """A child process writes step 3's snapshot over a folder holding steps
+    1 and 2 and is killed (SIGKILL) before its k-th file-system operation,
+    for every k: the folder then loads as step 2 or step 3, whole; the next
+    snapshot over the debris keeps only the two newest."""
+    engine = engine_of()
+    train(engine, 2)
+    pristine = tmp_path / "pristine"
+    shutil.copytree(snapshots, pristine)
+    old = snapshot(engine)
+    operations = []
+    _checkpoint_files._fault_hook = lambda op, path: operations.append(op)
+    try:
+        train(engine, 1)
+    finally:
+        _checkpoint_files._fault_hook = None
+    new = snapshot(engine)
+    assert "fsync" not in operations and operations.count("rename") == 2, operations
+    checker = engine_of(seed=1)
+    outcomes = {2: 0, 3: 0}
+    for k in range(1, len(operations) + 1):
+        shutil.rmtree(snapshots)
+        shutil.copytree(pristine, snapshots)
+        engine.global_step = 2  # step 3's snapshot again
+        engine._snapshots._last = None
+        pid = os.fork()
+        if pid == 0:
+            count = [0]
+
+            def hook(op, path, count=count, k=k):
+                count[0] += 1
+                if count[0] == k:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            _checkpoint_files._fault_hook = hook
+            try:
+                engine.global_step = 3
+                engine._snapshots.after_step()
+            finally:
+                os._exit(3)  # not reached: killed inside the snapshot
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (k, status)
+        checker.load(snapshots)
+        step = checker.global_step
+        assert same(snapshot(checker), old if step == 2 else new), f"kill at {k}: a mix"
+        outcomes[step] += 1
+    # Up to the rename of latest step 2; after it step 3.
+    commit = len(operations) - operations[::-1].index("rename")
+    assert outcomes == {2: commit, 3: len(operations) - commit}, outcomes
+    engine.global_step = 3
+    engine._snapshots._last = None
+    train(engine, 1)  # step 4 over the debris of the last kill
+    assert tags(snapshots) == ["step3", "step4"] and latest(snapshots) == "step4"
+    assert sorted(os.listdir(snapshots)) == ["latest", "replicas", "step3", "step4"]
+
+
+def test_restore_at_initialize_from_the_restore_folder(snapshots, monkeypatch):
+    engine = engine_of()
+    train(engine, 3)
+    assert engine.restored_from_memory is None
+    folder = snapshots.parent / "restore" / "step3"
+    shutil.copytree(snapshots / "step3", folder)
+    monkeypatch.setenv("DUCTILE_SNAPSHOT_RESTORE", str(folder))
+    monkeypatch.setenv("DUCTILE_SNAPSHOT_DIR", str(snapshots.parent / "own2"))
+    restored = engine_of(seed=1)
+    assert restored.global_step == 3 and restored.restored_from_memory == 3
+    assert same(snapshot(restored), snapshot(engine))
+    train(restored, 1)  # and the training goes on from there, snapshots too
+    train(engine, 1)
+    assert same(snapshot(restored), snapshot(engine))
+    assert tags(snapshots.parent / "own2") == ["step4"]
+
+    shard = folder / "rank0-of-1.bin"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ductile.IoError, match=rf"DUCTILE_SNAPSHOT_RESTORE={folder}: the "
+                       r"snapshot to resume from does not load: .*rank0-of-1.bin: CRC-32"):
+        engine_of(seed=1)
+
+
+def test_deepspeed_snapshot_object_and_its_scheduler_restored(snapshots, monkeypatch):
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10,
+                                                            "warmup_max_lr": 1e-2}},
+              "snapshot": {"interval": 2, "replicas": 3}}
+    engine = zero3.initialize(make_model(seed=0), None, config)
+    train(engine, 4)
+    assert tags(snapshots) == ["step2", "step4"]
+    assert (snapshots / "replicas").read_text() == "3\n"
+    monkeypatch.setenv("DUCTILE_SNAPSHOT_RESTORE", str(snapshots / "step4"))
+    restored = zero3.initialize(make_model(seed=1), None, config)
+    assert restored.restored_from_memory == 4
+    assert restored.lr_scheduler.state_dict() == engine.lr_scheduler.state_dict()
+    assert [g["lr"] for g in restored.optimizer.param_groups] == \
+        [g["lr"] for g in engine.optimizer.param_groups]
+    assert same(snapshot(restored), snapshot(engine))
+    # The DeepSpeed drop-in counts on from the restored step.
+    dropin, *_ = ductile.deepspeed.initialize(model=make_model(seed=1), config=config)
+    assert dropin.zero3.restored_from_memory == 4 and dropin.global_steps == 4
+    assert dropin.global_samples == 4 * 2
+    assert dropin.lr_scheduler.state_dict() == engine.lr_scheduler.state_dict()
+    assert [g["lr"] for g in dropin.optimizer.param_groups] == \
+        [g["lr"] for g in engine.optimizer.param_groups]
+    assert same(snapshot(dropin.zero3), snapshot(engine))
+
+    with pytest.raises(ductile.ConfigError, match=r"snapshot\.every is not a key of snapshot; "
+                       r"valid: interval, replicas"):
+        zero3.initialize(make_model(), None, dict(config, snapshot={"every": 2}))
+
+
+def test_a_bad_local_rank_is_named(snapshots, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "first")
+    with pytest.raises(ductile.InvalidArgumentError, match="LOCAL_RANK = 'first'; valid: this "
+                       "process' rank on its node"):
+        engine_of()
+
+
+def test_the_toml_keys_are_checked(snapshots):
+    with pytest.raises(ductile.ConfigError, match=r"snapshot_interval.*-1"):
+        engine_of(with_keys(snapshot_interval=-1))
+    with pytest.raises(ductile.ConfigError, match="snapshot_replicas"):
+        engine_of(with_keys(snapshot_replicas='"two"'))
+
+
+# --- 2 ranks, one "node" each ------------------------------------------------------
+
+
+def test_two_nodes_write_identical_manifests_that_load_at_any_world_size(tmp_path):
+    """2 ranks under torchrun, each the leader of its own node's folder
+    (zero3_snapshot_worker.py): after 3 steps each folder holds steps 2
+    and 3, with byte-identical manifests and its own rank's file; the two
+    folders' files put together load at world size 2 (in the job) and 1
+    (here) to the trained state. Then rank 1 dies in the middle of step 4's
+    shard file: both folders still name step 3, which loads."""
+    spec_path = prepare(tmp_path, "job", {}, CONFIG)
+    out = tmp_path / "job"
+    done = subprocess_run(command(2, "torchrun", os.path.join(HERE, "zero3_snapshot_worker.py"),
+                                  str(spec_path)))
+    assert done.returncode != 0  # rank 1's exit in the middle of step 4 ends the job
+    for r in range(2):
+        result = json.loads((out / f"result-rank{r}.json").read_text())
+        assert result == {"equal": True, "global_step": 3}, (r, done.stderr[-3000:])
+    after = out / "after3"
+    manifests = []
+    for r in range(2):
+        node = after / f"node{r}"
+        assert sorted(os.listdir(node)) == ["latest", "replicas", "step2", "step3"]
+        for tag in ("step2", "step3"):
+            assert sorted(os.listdir(node / tag)) == [
+                "manifest.json", "manifest.json.sha256", f"rank{r}-of-2.bin"]
+        manifests.append([(node / tag / name).read_bytes() for tag in ("step2", "step3")
+                          for name in ("manifest.json", "manifest.json.sha256")])
+        assert (node / "latest").read_text() == (after / "node0" / "latest").read_text()
+    assert manifests[0] == manifests[1]
+    assert json.loads(manifests[0][2])["world_size"] == 2
+
+    # The nodes' live folders after the kill: step 3 is still the one
+    # committed; node 1 keeps the debris of its half-written shard file.
+    partial = out / "node1" / "step4.tmp" / "rank1-of-2.bin"
+    assert partial.stat().st_size < (out / "node1" / "step3" / "rank1-of-2.bin").stat().st_size
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    for r in range(2):
+        node = out / f"node{r}"
+        assert latest(node) == "step3", r
+        assert not (node / "step4").exists()
+        for name in os.listdir(node / "step3"):
+            shutil.copy(node / "step3" / name, merged)
+    assert_loads_to(merged, out)
+
+
+def test_two_ranks_of_one_node_share_its_folder(tmp_path):
+    """2 ranks under torchrun on one node (LOCAL_RANK 0 and 1, one
+    DUCTILE_SNAPSHOT_DIR): rank 0 leads, both write their file into the
+    same snapshot, which loads at world size 1 to the trained state."""
+    spec_path = prepare(tmp_path, "job", {"one_node": True}, CONFIG)
+    out = tmp_path / "job"
+    done = subprocess_run(command(2, "torchrun", os.path.join(HERE, "zero3_snapshot_worker.py"),
+                                  str(spec_path)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    node = out / "node"
+    assert sorted(os.listdir(node)) == ["latest", "replicas", "step2", "step3"]
+    assert sorted(os.listdir(node / "step3")) == [
+        "manifest.json", "manifest.json.sha256", "rank0-of-2.bin", "rank1-of-2.bin"]
+    assert_loads_to(node, out)
+
+
+def assert_loads_to(folder, out):
+    """`folder` loads at world size 1 to the parameters and optimizer state
+    of the 2-rank job that wrote out/state-rank<r>.pt, at step 3."""
+    shards = [torch.load(out / f"state-rank{r}.pt") for r in range(2)]
+    one = engine_of(seed=1)
+    one.load(folder)
+    assert one.global_step == 3
+    compared = 0
+    for info in one._params:
+        state = one.optimizer.state[info.shard]
+        for key, value in [(info.name, info.shard)] + [
+                (f"{info.name}.{k}", v) for k, v in state.items() if torch.is_tensor(v)
+                and v.numel() == info.shard_numel]:
+            whole = torch.cat([s[key] for s in shards])[:info.numel]
+            assert torch.equal(value[:info.numel], whole), key
+            compared += 1
+    assert compared == 3 * len(one._params)  # the values, Adam's exp_avg and exp_avg_sq
+
+
+def subprocess_run(argv):
+    return subprocess.run(argv, check=False, capture_output=True, text=True, timeout=240,
+                          env=environment())
