@@ -158,7 +158,16 @@ std::optional<int> Agent::apply(const RoundRecord& round) {
   // members agree on a snapshot leaves the round to apply again.
   std::filesystem::path restore;
   if (member) {
-    auto prepared = snapshots_.prepare_round(round);
+    std::optional<std::filesystem::path> prepared;
+    try {
+      prepared = snapshots_.prepare_round(round);
+    } catch (const RestoreFailed& failed) {
+      // Entered without workers: the round is not applied again, and fails.
+      workers_.enter_round(round.round, round.restarts, member);
+      checkpoints_.enter_round();
+      snapshots_.fail_round(round, failed.message);
+      return std::nullopt;
+    }
     if (!prepared) return std::nullopt;
     restore = std::move(*prepared);
   }

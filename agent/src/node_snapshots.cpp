@@ -35,18 +35,28 @@ using namespace node_snapshots_detail;
 
 void NodeSnapshots::make_area() {
   area_ = std::make_unique<SnapshotArea>(o_.snapshot_dir, o_.job_id, self_.id);
+  std::vector<std::string> removed;
+  for (const auto& path : area_->removed_stale()) removed.push_back(path.string());
+  if (!removed.empty())
+    self_.log(fmt::format("removed the snapshot area(s) of agents no longer running: {}",
+                          fmt::join(removed, ", ")));
   workers_.set_snapshot_dir(area_->own());
 }
 
 void NodeSnapshots::serve() {
   if (!area_) return;
-  server_ = std::make_unique<SnapshotServer>(area_->root(), self_.addr, conn_.secret());
   replication_ = std::make_unique<SnapshotReplication>(*area_, self_, conn_.secret());
+  server_ = std::make_unique<SnapshotServer>(
+      area_->root(), self_.addr, conn_.secret(),
+      [replication = replication_.get()](const SnapshotMessage& message) {
+        return replication->on_message(message);
+      });
 }
 
 void NodeSnapshots::close() {
-  replication_.reset();
+  // The server first: its connections hand messages to the replication.
   server_.reset();
+  replication_.reset();
   area_.reset();
 }
 
@@ -90,7 +100,28 @@ void NodeSnapshots::follow(const std::vector<KeyValue>& records,
   }
   if (last_seen_.size() + live.size() > kMaxNodesRemembered) last_seen_.clear();
   for (const auto& [node, holdings] : live) last_seen_[node] = holdings;
-  publish(current_holdings());
+  Holdings mine = current_holdings();
+  if (restored_step_ >= 0 && !mine.own.empty() && mine.own.front().step > restored_step_ &&
+      mine.own.front().sha256 != own_at_restore_) {
+    // The workers loaded the restored snapshot (this round's committed a
+    // newer one since): its copy is memory nothing needs.
+    release_restore();
+    lost_replicas_after_ = restored_step_;
+    restored_step_ = -1;
+  }
+  if (lost_replicas_after_ >= 0 && round && !mine.own.empty() &&
+      std::all_of(mine.own.begin(), mine.own.end(),
+                  [&](const SnapshotCopy& c) { return c.step > lost_replicas_after_; })) {
+    // This node's own part of every snapshot before the restore is gone:
+    // the replicas of nodes no longer members cannot complete one again.
+    std::error_code ec;
+    for (const auto& [node, copies] : mine.replicas)
+      if (std::find(round->members.begin(), round->members.end(), node) == round->members.end())
+        std::filesystem::remove_all(area_->replicas() / node, ec);
+    lost_replicas_after_ = -1;
+    mine = current_holdings();
+  }
+  publish(mine);
   if (replication_ && round && round->state == RoundState::running &&
       round->round == workers_.current_round() && workers_.member() && !workers_.empty())
     replication_->update(round->members, std::move(live));
@@ -111,6 +142,7 @@ std::optional<std::filesystem::path> NodeSnapshots::prepare_round(const RoundRec
       if (replication) replication->thaw();
     }
   } thaw{replication_.get()};
+  if (replication_) replication_->start_round(round.members);
   const Holdings mine = current_holdings();
   publish(mine);
   KeyValueStore& store = conn_.store();
@@ -177,49 +209,89 @@ std::filesystem::path NodeSnapshots::restore(const RoundRecord& round,
   const auto plan = plan_restore(members, lost, self_.id);
   // The last round's restore is not needed any longer: its workers are
   // stopped.
-  std::error_code ec;
-  for (std::filesystem::directory_iterator it(area_->restore(), ec), end; !ec && it != end;
-       it.increment(ec))
-    std::filesystem::remove_all(it->path(), ec);
+  release_restore();
+  restored_step_ = -1;
   const bool held = std::any_of(members.begin(), members.end(), holds_any) ||
                     std::any_of(lost.begin(), lost.end(), holds_any);
   // A job's first round, when no node holds anything: no line.
   if (held) self_.log(restore_message(round.round, plan));
   const auto* chosen = std::get_if<RestorePlan>(&plan);
   if (!chosen) return {};
+  auto source_at = [&](const std::string& file, const Holdings& holder,
+                       const std::string& relative) {
+    SnapshotFileSource s;
+    s.file = file;
+    s.relative = relative;
+    if (holder.node == self_.id) {
+      s.local = area_->root() / relative;
+    } else {
+      s.host = holder.addr;
+      s.port = holder.port;
+    }
+    return s;
+  };
   std::vector<SnapshotFileSource> sources;
   for (const auto& source : chosen->sources) {
-    SnapshotFileSource s;
-    s.file = source.file;
-    s.relative = source.path;
-    if (source.holder == self_.id) {
-      s.local = area_->root() / source.path;
-    } else {
-      const auto holder = std::find_if(members.begin(), members.end(),
-                                       [&](const Holdings& h) { return h.node == source.holder; });
-      if (holder == members.end()) {
-        self_.log(
-            fmt::format("round {}: the plan names {} as the holder of {}, which is no "
-                        "member; the workers resume from their disk checkpoint",
-                        round.round, source.holder, source.file));
-        return {};
-      }
-      s.host = holder->addr;
-      s.port = holder->port;
+    const auto holder = std::find_if(members.begin(), members.end(),
+                                     [&](const Holdings& h) { return h.node == source.holder; });
+    if (holder == members.end()) {
+      self_.log(
+          fmt::format("round {}: the plan names {} as the holder of {}, which is no "
+                      "member; the workers resume from their disk checkpoint",
+                      round.round, source.holder, source.file));
+      return {};
     }
-    sources.push_back(std::move(s));
+    sources.push_back(source_at(source.file, *holder, source.path));
+    // Every other member's copy of the same file: tried, in the members'
+    // order, when the planned holder cannot give it.
+    for (const auto& other : members) {
+      auto offer = [&](const SnapshotCopy& copy, const std::string& relative) {
+        if (copy.sha256 != chosen->sha256 ||
+            std::find(copy.files.begin(), copy.files.end(), source.file) == copy.files.end() ||
+            (other.node == source.holder && relative == source.path))
+          return;
+        sources.push_back(source_at(source.file, other, relative));
+      };
+      for (const auto& copy : other.own) offer(copy, "own/" + copy.tag + "/" + source.file);
+      for (const auto& [node, copies] : other.replicas)
+        for (const auto& copy : copies)
+          offer(copy, "replicas/" + node + "/" + copy.tag + "/" + source.file);
+    }
   }
   const auto dest = area_->restore() / chosen->tag;
   try {
     copy_snapshot(sources, dest, chosen->sha256, conn_.secret(), kRestoreCopyTimeout, true);
   } catch (const Error& e) {
-    self_.log(
-        fmt::format("round {}: cannot copy step {} from memory ({}); the workers resume "
-                    "from their disk checkpoint",
-                    round.round, chosen->step, e.what()));
-    return {};
+    // The other members restore it: workers started here from another
+    // state would train a different model. The round fails instead, as it
+    // does when a worker fails, and is formed again.
+    throw RestoreFailed{fmt::format(
+        "round {}: error: cannot copy step {} from memory, every holder of a file tried ({}); "
+        "this node's workers are not started and the round fails",
+        round.round, chosen->step, e.what())};
   }
+  restored_step_ = chosen->step;
+  const auto own = area_->own_copies();
+  own_at_restore_ = own.empty() ? std::string() : own.front().sha256;
   return dest;
+}
+
+void NodeSnapshots::release_restore() {
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(area_->restore(), ec), end; !ec && it != end;
+       it.increment(ec))
+    std::filesystem::remove_all(it->path(), ec);
+}
+
+void NodeSnapshots::fail_round(const RoundRecord& round, const std::string& message) {
+  self_.log(message);
+  FailureReport report;
+  report.node = self_.id;
+  report.exit_status = 1;
+  report.error_message = excerpt(message, kMaxTextChars - 3);
+  // A worker's failure reported first stands.
+  conn_.store().compare_and_swap(self_.key(fmt::format("failure/{}", round.round)), 0,
+                                 to_json(report));
 }
 
 }  // namespace ductile::agent

@@ -31,6 +31,12 @@
 
 namespace ductile::agent {
 
+// prepare_round() could not copy the snapshot the other members restore:
+// this node's workers must not start (see NodeSnapshots::fail_round).
+struct RestoreFailed {
+  std::string message;
+};
+
 class NodeSnapshots {
  public:
   NodeSnapshots(const AgentOptions& options, const NodeIdentity& self, RendezvousConnection& conn,
@@ -52,7 +58,13 @@ class NodeSnapshots {
   // A new round this node is a member of, its old workers stopped: the
   // restore (see above). Returns the snapshot folder the workers resume
   // from, empty for none; nullopt when a stop signal came meanwhile.
+  // Throws RestoreFailed when no holder of one of the snapshot's files
+  // gives it (each tried in turn).
   std::optional<std::filesystem::path> prepare_round(const RoundRecord& round);
+  // This node cannot enter `round` (a RestoreFailed's message): logs it and
+  // reports the round failed (failure/<round>), as a worker's failure is,
+  // so that the round is formed again.
+  void fail_round(const RoundRecord& round, const std::string& message);
   // Stops serving and copying, and removes the area.
   void close();
   // The process ends at once (a stop signal outside the loop): only the
@@ -66,6 +78,8 @@ class NodeSnapshots {
   // when a stop signal came.
   std::optional<std::vector<Holdings>> await_members(const RoundRecord& round);
   std::filesystem::path restore(const RoundRecord& round, const std::vector<Holdings>& members);
+  // Removes what restore/ holds.
+  void release_restore();
 
   const AgentOptions& o_;
   const NodeIdentity& self_;
@@ -79,6 +93,14 @@ class NodeSnapshots {
   std::int64_t holdings_round_ = 0;  // the round of the holdings/ record written last
   // The last record of each node seen (a lost node's stays).
   std::map<std::string, Holdings> last_seen_;
+  // The step of the snapshot in restore/ (-1: none): released once this
+  // round's workers committed a newer one, so that a node holds no more
+  // than its own and its replicas' snapshots.
+  std::int64_t restored_step_ = -1;
+  std::string own_at_restore_;  // the SHA-256 of the newest own snapshot then (the last round's)
+  // After a restore of this step (-1: none): the replicas of nodes that
+  // are no longer members are removed once every own snapshot is newer.
+  std::int64_t lost_replicas_after_ = -1;
 };
 
 }  // namespace ductile::agent

@@ -2,6 +2,7 @@
 #include "snapshot_area.hpp"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -41,36 +42,6 @@ std::optional<std::int64_t> decimal(std::string_view text) {
   return value;
 }
 
-// A regular file (never a link's target, never blocked on) of at most
-// `limit` bytes.
-std::optional<std::string> read_small_file(const fs::path& file, std::uintmax_t limit) {
-  const int fd = ::open(file.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
-  if (fd < 0) return std::nullopt;
-  struct stat info {};
-  std::optional<std::string> text;
-  if (::fstat(fd, &info) == 0 && S_ISREG(info.st_mode) &&
-      static_cast<std::uintmax_t>(info.st_size) <= limit) {
-    text.emplace();
-    char buffer[65536];
-    for (;;) {
-      const ssize_t n = ::read(fd, buffer, sizeof buffer);
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) {
-        text.reset();
-        break;
-      }
-      if (n == 0) break;
-      text->append(buffer, static_cast<std::size_t>(n));
-      if (text->size() > limit) {  // it grew while read
-        text.reset();
-        break;
-      }
-    }
-  }
-  ::close(fd);
-  return text;
-}
-
 bool lowercase_hex(std::string_view text, std::size_t size) {
   return text.size() == size && std::all_of(text.begin(), text.end(), [](char c) {
            return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
@@ -99,9 +70,79 @@ void make_private_directory(const fs::path& path) {
   ::chmod(path.c_str(), 0700);
 }
 
+// The lock of `area` taken (never through a link); -1 when it is held (a
+// live agent's) or there is none.
+int take_area_lock(const fs::path& area) {
+  const int fd =
+      ::open((area / kSnapshotLockFile).c_str(), O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return -1;
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+bool private_directory_of_ours(const fs::path& path) {
+  struct stat info {};
+  return ::lstat(path.c_str(), &info) == 0 && S_ISDIR(info.st_mode) && info.st_uid == ::geteuid() &&
+         (info.st_mode & 07777) == 0700;
+}
+
+// The areas in `base` but `except` whose agents are dead (see the header).
+std::vector<fs::path> remove_dead_areas(const fs::path& base, const fs::path& except) {
+  // A base such as /dev/shm may hold many files: looked at up to a bound.
+  constexpr std::size_t kMaxBaseEntries = 100000;
+  std::vector<fs::path> dead;
+  std::error_code ec;
+  fs::directory_iterator it(base, ec), end;
+  std::size_t entries = 0;
+  for (; !ec && it != end && ++entries <= kMaxBaseEntries; it.increment(ec)) {
+    const fs::path path = it->path();
+    if (!path.filename().string().starts_with("ductile-snapshots-") || path == except ||
+        !private_directory_of_ours(path))
+      continue;
+    const int lock = take_area_lock(path);
+    if (lock < 0) continue;
+    std::error_code removed;
+    fs::remove_all(path, removed);
+    ::close(lock);
+    if (!removed) dead.push_back(path);
+  }
+  return dead;
+}
+
 }  // namespace snapshot_area_detail
 
 using namespace snapshot_area_detail;
+
+std::optional<std::string> read_small_file(const fs::path& file, std::uintmax_t limit) {
+  const int fd = ::open(file.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return std::nullopt;
+  struct stat info {};
+  std::optional<std::string> text;
+  if (::fstat(fd, &info) == 0 && S_ISREG(info.st_mode) &&
+      static_cast<std::uintmax_t>(info.st_size) <= limit) {
+    text.emplace();
+    char buffer[65536];
+    for (;;) {
+      const ssize_t n = ::read(fd, buffer, sizeof buffer);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) {
+        text.reset();
+        break;
+      }
+      if (n == 0) break;
+      text->append(buffer, static_cast<std::size_t>(n));
+      if (text->size() > limit) {  // it grew while read
+        text.reset();
+        break;
+      }
+    }
+  }
+  ::close(fd);
+  return text;
+}
 
 std::optional<std::int64_t> snapshot_tag_step(const std::string& tag) {
   if (!tag.starts_with("step")) return std::nullopt;
@@ -291,6 +332,7 @@ SnapshotArea::SnapshotArea(const std::string& base, const std::string& job_id,
                             base));
   }
   root_ = dir / ("ductile-snapshots-" + job_id + "-" + node_id);
+  removed_stale_ = remove_dead_areas(dir, root_);
   if (::mkdir(root_.c_str(), 0700) != 0) {
     if (errno != EEXIST)
       throw Error(ErrorKind::io,
@@ -310,7 +352,13 @@ SnapshotArea::SnapshotArea(const std::string& base, const std::string& job_id,
           fmt::format("belongs to user id {}, not to this agent's ({})", info.st_uid, ::geteuid()));
     if ((info.st_mode & 07777) != 0700)
       refuse_area(root_, base, fmt::format("has mode {:04o}, not 0700", info.st_mode & 07777));
+    const int earlier_lock = take_area_lock(root_);
+    if (earlier_lock < 0 && fs::exists(root_ / kSnapshotLockFile, ec))
+      refuse_area(root_, base,
+                  "is in use by a running agent of the same job and node id (it holds the area's "
+                  "lock)");
     fs::remove_all(root_, ec);
+    if (earlier_lock >= 0) ::close(earlier_lock);
     if (ec)
       throw Error(ErrorKind::io,
                   fmt::format("cannot remove the snapshot area '{}' an earlier agent left: {}; "
@@ -323,6 +371,16 @@ SnapshotArea::SnapshotArea(const std::string& base, const std::string& job_id,
   make_private_directory(own());
   make_private_directory(replicas());
   make_private_directory(restore());
+  lock_fd_ = ::open((root_ / kSnapshotLockFile).c_str(),
+                    O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (lock_fd_ < 0 || ::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
+    const int error = errno;
+    remove();
+    throw Error(ErrorKind::io,
+                fmt::format("cannot lock the snapshot area '{}': {}; give --snapshot-dir a "
+                            "directory of a local file system",
+                            root_.string(), std::strerror(error)));
+  }
 }
 
 SnapshotArea::~SnapshotArea() {
@@ -334,6 +392,10 @@ void SnapshotArea::remove() {
   removed_ = true;
   std::error_code ignored;
   fs::remove_all(root_, ignored);
+  // Released after the removal: another agent never takes the area for
+  // dead while its files are still being removed.
+  if (lock_fd_ >= 0) ::close(lock_fd_);
+  lock_fd_ = -1;
 }
 
 std::map<std::string, std::vector<SnapshotCopy>> SnapshotArea::replica_copies() const {

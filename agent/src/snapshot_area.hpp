@@ -8,6 +8,11 @@
 // --snapshot-dir or, by default, /dev/shm when it is a directory (tmpfs:
 // memory, not disk), else the system's temporary directory.
 //
+// An agent holds an exclusive flock on <area>/lock all its life. When an
+// area is made, every other ductile-snapshots-* directory in the same base
+// that is this user's, of mode 0700, with a lock no one holds (its agent
+// was killed) is removed; a live agent's is left alone.
+//
 // Ownership: SnapshotArea owns the directory and removes it (with what is
 // in it) when destroyed or remove()d. Threading: the listing functions
 // only read the file system and may run on any thread; a folder removed
@@ -33,10 +38,18 @@ inline constexpr const char* kSnapshotChecksum = "manifest.json.sha256";
 inline constexpr const char* kSnapshotHmac = "manifest.json.hmac";
 inline constexpr const char* kSnapshotLatest = "latest";
 inline constexpr const char* kSnapshotReplicasFile = "replicas";
+// Written by the agent for its workers: the newest step the round's
+// successors hold a replica of ("<step>\n"), or "off\n" (snapshot_replication.hpp).
+inline constexpr const char* kSnapshotReplicatedFile = "replicated";
+// Held (flock, exclusive) by the agent that owns the area, all its life.
+inline constexpr const char* kSnapshotLockFile = "lock";
 // The largest manifest (or sidecar, or pointer) the agent reads.
 inline constexpr std::uintmax_t kMaxManifestBytes = 64u << 20;
 inline constexpr std::uintmax_t kMaxSidecarBytes = 4096;
 
+// A regular file (never a link's target, never blocked on) of at most
+// `limit` bytes; none when it is not one or cannot be read.
+std::optional<std::string> read_small_file(const std::filesystem::path& file, std::uintmax_t limit);
 // A snapshot folder's name: "step<N>" (or "step<N>.<k>", the name a save
 // gives a tag that exists already); its step, or none.
 std::optional<std::int64_t> snapshot_tag_step(const std::string& tag);
@@ -89,10 +102,14 @@ class SnapshotArea {
   std::optional<std::int64_t> replicas_wanted() const;
   // Removes the area and what it holds (idempotent).
   void remove();
+  // The areas of dead agents removed when this one was made (see above).
+  const std::vector<std::filesystem::path>& removed_stale() const { return removed_stale_; }
 
  private:
   std::filesystem::path root_;
   bool removed_ = false;
+  int lock_fd_ = -1;  // <root>/lock, flocked while the area lives
+  std::vector<std::filesystem::path> removed_stale_;
 };
 
 }  // namespace ductile::agent

@@ -2,14 +2,20 @@
 // holders. See snapshot_replication.hpp.
 #include "snapshot_replication.hpp"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <climits>
+#include <cstdint>
 #include <cstring>
+#include <functional>
+#include <optional>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "ductile/error.hpp"
 #include "snapshot_server.hpp"
@@ -25,6 +31,9 @@ namespace snapshot_replication_detail {
 // Failed copies remembered (not tried again); past it the memory is
 // cleared.
 constexpr std::size_t kMaxFailuresRemembered = 1024;
+// The longest wait for a notify's or a have's answer (the server answers
+// at once).
+constexpr std::chrono::milliseconds kMessageTimeout{5000};
 
 // One file into the staging folder: hard-linked from this node's area (the
 // same file system), else fetched from its holder. Its size is checked
@@ -76,49 +85,71 @@ void copy_snapshot(const std::vector<SnapshotFileSource>& sources, const fs::pat
     throw Error(ErrorKind::io, fmt::format("cannot make '{}' for a snapshot's copy: {}",
                                            staging.string(), std::strerror(errno)));
   try {
-    auto manifest = std::find_if(sources.begin(), sources.end(), [](const SnapshotFileSource& s) {
-      return s.file == kSnapshotManifest;
-    });
-    if (manifest == sources.end())
+    // Each file's holders, in the order given.
+    std::map<std::string, std::vector<const SnapshotFileSource*>> holders;
+    for (const auto& source : sources) {
+      if (!snapshot_file_name(source.file))
+        throw Error(ErrorKind::io, fmt::format("'{}' is not a snapshot file", source.file));
+      holders[source.file].push_back(&source);
+    }
+    // One holder after the other until one gives the file and `check`
+    // accepts it; every holder's error when none does.
+    auto copy_from_any = [&](const std::string& file, std::optional<std::uintmax_t> expected,
+                             std::uintmax_t limit,
+                             const std::function<void(const SnapshotFileSource&)>& check) {
+      const auto& list = holders.at(file);
+      std::vector<std::string> errors;
+      for (const SnapshotFileSource* source : list) {
+        try {
+          copy_snapshot_file(*source, staging / file, expected, limit, secret, timeout, abandon);
+          check(*source);
+          return;
+        } catch (const Error& e) {
+          fs::remove(staging / file, ec);
+          if (list.size() == 1 || (abandon && abandon->load())) throw;
+          errors.push_back(e.what());
+        }
+      }
+      throw Error(ErrorKind::io, fmt::format("'{}' of snapshot {} from none of its {} holders: {}",
+                                             file, sha256, list.size(), fmt::join(errors, "; ")));
+    };
+    if (!holders.count(kSnapshotManifest))
       throw Error(ErrorKind::io, fmt::format("no holder of the manifest of snapshot {}", sha256));
-    copy_snapshot_file(*manifest, staging / kSnapshotManifest, std::nullopt, kMaxManifestBytes,
-                       secret, timeout, abandon);
-    const auto actual = file_sha256(staging / kSnapshotManifest, kMaxManifestBytes);
-    if (actual != sha256)
-      throw Error(
-          ErrorKind::io,
-          fmt::format("the manifest copied from {} has SHA-256 {}, not the snapshot's {}",
-                      manifest->local.empty() ? fmt::format("{}:{}", manifest->host, manifest->port)
-                                              : manifest->local.string(),
-                      actual.value_or("<unreadable>"), sha256));
+    copy_from_any(
+        kSnapshotManifest, std::nullopt, kMaxManifestBytes, [&](const SnapshotFileSource& source) {
+          const auto actual = file_sha256(staging / kSnapshotManifest, kMaxManifestBytes);
+          if (actual != sha256)
+            throw Error(
+                ErrorKind::io,
+                fmt::format("the manifest copied from {} has SHA-256 {}, not the "
+                            "snapshot's {}",
+                            source.local.empty() ? fmt::format("{}:{}", source.host, source.port)
+                                                 : source.local.string(),
+                            actual.value_or("<unreadable>"), sha256));
+        });
     const auto sizes = manifest_shard_sizes(staging / kSnapshotManifest);
     if (!sizes)
       throw Error(
           ErrorKind::io,
           fmt::format("the manifest of snapshot {} lists no shard files with their sizes", sha256));
-    std::set<std::string> copied;
-    for (const auto& source : sources) {
-      if (source.file == kSnapshotManifest) continue;
+    for (const auto& [file, list] : holders) {
+      if (file == kSnapshotManifest) continue;
       std::int64_t world = 0;
-      if (!snapshot_file_name(source.file, &world) || !copied.insert(source.file).second)
-        throw Error(ErrorKind::io,
-                    fmt::format("'{}' is not a snapshot file (or is listed twice)", source.file));
+      snapshot_file_name(file, &world);
       if (world != 0) {
-        const auto size = sizes->find(source.file);
+        const auto size = sizes->find(file);
         if (size == sizes->end())
           throw Error(ErrorKind::io,
                       fmt::format("'{}' is not a shard file the manifest of snapshot {} lists",
-                                  source.file, sha256));
-        copy_snapshot_file(source, staging / source.file, size->second, size->second, secret,
-                           timeout, abandon);
+                                  file, sha256));
+        copy_from_any(file, size->second, size->second, [](const SnapshotFileSource&) {});
       } else {
-        copy_snapshot_file(source, staging / source.file, std::nullopt, kMaxSidecarBytes, secret,
-                           timeout, abandon);
+        copy_from_any(file, std::nullopt, kMaxSidecarBytes, [](const SnapshotFileSource&) {});
       }
     }
     if (complete)
       for (const auto& [file, size] : *sizes)
-        if (!copied.count(file))
+        if (!holders.count(file))
           throw Error(ErrorKind::io, fmt::format("no holder of '{}' of snapshot {}", file, sha256));
     if (read_checksum_sidecar(staging / kSnapshotChecksum) != sha256)
       throw Error(ErrorKind::io,
@@ -134,9 +165,15 @@ void copy_snapshot(const std::vector<SnapshotFileSource>& sources, const fs::pat
 }
 
 SnapshotReplication::SnapshotReplication(const SnapshotArea& area, const NodeIdentity& self,
-                                         std::string secret, std::chrono::milliseconds timeout)
-    : area_(area), self_(self), secret_(std::move(secret)), timeout_(timeout) {
+                                         std::string secret, std::chrono::milliseconds timeout,
+                                         std::chrono::milliseconds watch_interval)
+    : area_(area),
+      self_(self),
+      secret_(std::move(secret)),
+      timeout_(timeout),
+      watch_interval_(watch_interval) {
   thread_ = std::thread([this] { run(); });
+  watcher_ = std::thread([this] { watch(); });
 }
 
 SnapshotReplication::~SnapshotReplication() {
@@ -144,9 +181,16 @@ SnapshotReplication::~SnapshotReplication() {
     std::unique_lock lock(mutex_);
     stopping_ = true;
   }
+  {
+    std::unique_lock lock(ack_mutex_);
+    watch_stopping_ = true;
+  }
   abandon_ = true;
+  abandon_watch_ = true;
   changed_.notify_all();
+  watch_stop_.notify_all();
   thread_.join();
+  watcher_.join();
 }
 
 void SnapshotReplication::update(std::vector<std::string> members,
@@ -158,6 +202,111 @@ void SnapshotReplication::update(std::vector<std::string> members,
     pending_ = true;
   }
   changed_.notify_all();
+}
+
+void SnapshotReplication::start_round(std::vector<std::string> members) {
+  std::set<std::string> earlier;
+  for (const auto& copy : list_snapshot_copies(area_.own(), false)) earlier.insert(copy.sha256);
+  {
+    std::unique_lock lock(mutex_);
+    acknowledged_.clear();
+  }
+  std::unique_lock lock(ack_mutex_);
+  in_round_ = true;
+  round_members_ = std::move(members);
+  before_round_ = std::move(earlier);
+  committed_.clear();
+  acked_.clear();
+  replicated_.clear();
+  // What the workers committed before the round is not announced.
+  latest_seen_ = read_small_file(area_.own() / kSnapshotLatest, kMaxSidecarBytes).value_or("");
+  write_replicated();
+}
+
+std::vector<std::string> SnapshotReplication::successors() const {
+  std::vector<std::string> out;
+  const auto self = std::find(round_members_.begin(), round_members_.end(), self_.id);
+  if (self == round_members_.end()) return out;
+  const auto wanted = area_.replicas_wanted();
+  const auto n = static_cast<std::int64_t>(round_members_.size());
+  const auto i = static_cast<std::int64_t>(self - round_members_.begin());
+  for (std::int64_t k = 1; wanted && k <= *wanted && k < n; ++k)
+    out.push_back(round_members_[static_cast<std::size_t>((i + k) % n)]);
+  return out;
+}
+
+void SnapshotReplication::write_replicated() {
+  std::string text;
+  const auto wanted = area_.replicas_wanted();
+  if (round_members_.size() <= 1 || (wanted && *wanted == 0)) {
+    text = "off\n";
+  } else {
+    const auto next = successors();
+    std::int64_t step = next.empty() ? 0 : INT64_MAX;
+    for (const auto& node : next) {
+      const auto acked = acked_.find(node);
+      step = std::min(step, acked == acked_.end() ? 0 : acked->second);
+    }
+    text = std::to_string(step) + "\n";
+  }
+  if (text == replicated_) return;
+  // Renamed over the last one: the workers never read half of it.
+  const fs::path file = area_.own() / kSnapshotReplicatedFile;
+  fs::path staging = file;
+  staging += ".tmp";
+  const int fd =
+      ::open(staging.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
+  bool written =
+      fd >= 0 && ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+  if (fd >= 0) written = ::close(fd) == 0 && written;
+  if (!written || ::rename(staging.c_str(), file.c_str()) != 0) {
+    self_.log(fmt::format("cannot write '{}': {}", file.string(), std::strerror(errno)));
+    ::unlink(staging.c_str());
+    return;
+  }
+  replicated_ = text;
+}
+
+std::string SnapshotReplication::on_message(const SnapshotMessage& message) {
+  if (message.kind == SnapshotMessage::Kind::notify) {
+    if (message.origin == self_.id)
+      return fmt::format("a notify of node {}'s own snapshot sent to node {} itself",
+                         message.origin, self_.id);
+    {
+      std::unique_lock lock(ack_mutex_);
+      // Not a member (yet): the periodic pull catches up.
+      if (!in_round_ || std::find(round_members_.begin(), round_members_.end(), message.origin) ==
+                            round_members_.end())
+        return "";
+    }
+    {
+      std::unique_lock lock(mutex_);
+      notices_[message.origin] = message;
+    }
+    changed_.notify_all();
+    return "";
+  }
+  if (message.origin != self_.id)
+    return fmt::format("a have of node {}'s snapshot sent to node {}", message.origin, self_.id);
+  std::unique_lock lock(ack_mutex_);
+  if (!in_round_) return "";
+  const auto next = successors();
+  if (std::find(next.begin(), next.end(), message.holder) == next.end()) return "";
+  std::int64_t step = 0;
+  if (auto known = committed_.find(message.sha256); known != committed_.end()) {
+    step = known->second;
+  } else if (!before_round_.count(message.sha256) &&
+             read_checksum_sidecar(area_.own() / message.tag / kSnapshotChecksum) ==
+                 message.sha256) {
+    // Committed this round, between two looks at own/latest.
+    step = snapshot_tag_step(message.tag).value_or(0);
+  } else {
+    return "";  // a snapshot of an earlier round, or one no longer held
+  }
+  auto& acked = acked_[message.holder];
+  acked = std::max(acked, step);
+  write_replicated();
+  return "";
 }
 
 bool SnapshotReplication::freeze(std::chrono::milliseconds wait) {
@@ -172,20 +321,81 @@ void SnapshotReplication::thaw() {
   frozen_ = false;
   abandon_ = false;
   pending_ = false;  // the holdings of before the freeze are stale
+  notices_.clear();
+}
+
+void SnapshotReplication::watch() {
+  std::unique_lock lock(ack_mutex_);
+  for (;;) {
+    if (watch_stop_.wait_for(lock, watch_interval_, [this] { return watch_stopping_; })) return;
+    lock.unlock();
+    const auto latest = read_small_file(area_.own() / kSnapshotLatest, kMaxSidecarBytes);
+    lock.lock();
+    if (!latest || *latest == latest_seen_ || !in_round_) continue;
+    const std::string tag = latest->substr(0, latest->find('\n'));
+    lock.unlock();
+    auto copy = snapshot_tag_step(tag) ? read_snapshot_copy(area_.own() / tag) : std::nullopt;
+    lock.lock();
+    if (!copy) continue;  // looked at again next time
+    latest_seen_ = *latest;
+    if (committed_.size() >= 64) committed_.erase(committed_.begin());
+    committed_[copy->sha256] = copy->step;
+    const auto next = successors();
+    write_replicated();  // "off" when the workers keep no replicas
+    lock.unlock();
+    std::map<std::string, Holdings> holdings;
+    {
+      std::unique_lock pulls(mutex_);
+      holdings = holdings_;
+    }
+    SnapshotMessage message;
+    message.kind = SnapshotMessage::Kind::notify;
+    message.origin = self_.id;
+    message.tag = copy->tag;
+    message.sha256 = copy->sha256;
+    message.files = copy->files;
+    for (const auto& node : next) {
+      const auto held = holdings.find(node);
+      if (held == holdings.end() || held->second.port <= 0) continue;  // the periodic pull
+      try {
+        send_snapshot_message(held->second.addr, held->second.port, message, secret_,
+                              kMessageTimeout, &abandon_watch_);
+      } catch (const Error& e) {
+        self_.log(
+            fmt::format("cannot announce snapshot {} to node {}: {}", copy->tag, node, e.what()));
+      }
+    }
+    lock.lock();
+  }
 }
 
 void SnapshotReplication::run() {
   std::unique_lock lock(mutex_);
   for (;;) {
-    changed_.wait(lock, [this] { return stopping_ || (pending_ && !frozen_); });
+    changed_.wait(lock,
+                  [this] { return stopping_ || ((pending_ || !notices_.empty()) && !frozen_); });
     if (stopping_) return;
+    const bool periodic = pending_;
     pending_ = false;
     busy_ = true;
     const auto members = members_;
     const auto holdings = holdings_;
+    auto notices = std::move(notices_);
+    notices_.clear();
     lock.unlock();
     try {
-      while (!abandon_ && pull_once(members, holdings)) {
+      // The announced snapshots first: their workers may wait for them.
+      for (const auto& [origin, notice] : notices) {
+        const auto from = holdings.find(origin);
+        if (abandon_ || from == holdings.end() || from->second.port <= 0) continue;
+        SnapshotCopy copy;
+        copy.tag = notice.tag;
+        copy.step = snapshot_tag_step(notice.tag).value_or(0);
+        copy.sha256 = notice.sha256;
+        copy.files = notice.files;
+        pull(from->second, copy);
+      }
+      while (periodic && !abandon_ && pull_once(members, holdings)) {
       }
     } catch (const std::exception& e) {
       // The area's file system failing: the agent goes on without
@@ -212,41 +422,80 @@ bool SnapshotReplication::pull_once(const std::vector<std::string>& members,
     if (node == self_.id || !valid_node_id(node) || held == holdings.end() ||
         held->second.own.empty() || held->second.port <= 0)
       continue;
-    const SnapshotCopy& copy = held->second.own.front();
-    const std::string key = node + "/" + copy.sha256;
-    if (failed_.count(key) || !snapshot_tag_step(copy.tag)) continue;
-    const fs::path node_dir = area_.replicas() / node;
-    const fs::path dest = node_dir / copy.tag;
-    std::error_code ec;
-    if (fs::exists(dest, ec)) {
-      auto existing = read_snapshot_copy(dest);
-      if (existing && existing->sha256 == copy.sha256) continue;
-      // Another snapshot of the same name (the steps after a restore
-      // count again): the holder's newer one replaces it.
-      fs::remove_all(dest, ec);
-    }
-    if (::mkdir(node_dir.c_str(), 0700) != 0 && errno != EEXIST)
-      throw Error(ErrorKind::io,
-                  fmt::format("cannot make '{}': {}", node_dir.string(), std::strerror(errno)));
-    std::vector<SnapshotFileSource> sources;
-    for (const auto& file : copy.files)
-      sources.push_back(
-          {file, held->second.addr, held->second.port, "own/" + copy.tag + "/" + file, {}});
-    try {
-      copy_snapshot(sources, dest, copy.sha256, secret_, timeout_, false, &abandon_);
-    } catch (const Error& e) {
-      if (abandon_) return false;
-      if (failed_.size() >= kMaxFailuresRemembered) failed_.clear();
-      failed_.insert(key);
-      self_.log(
-          fmt::format("cannot replicate snapshot {} of node {}: {}", copy.tag, node, e.what()));
-      continue;
-    }
-    ++copies_made_;
-    prune(node_dir);
-    return true;
+    // A record read before the origin's last notify: its newest snapshot
+    // is held already, this one may be gone.
+    const SnapshotCopy& newest = held->second.own.front();
+    const auto replicas = list_snapshot_copies(area_.replicas() / node, false);
+    if (!replicas.empty() && replicas.front().step > newest.step) continue;
+    if (pull(held->second, newest)) return true;
   }
   return false;
+}
+
+bool SnapshotReplication::pull(const Holdings& from, const SnapshotCopy& copy) {
+  const std::string& node = from.node;
+  const std::string key = node + "/" + copy.sha256;
+  if (node == self_.id || !valid_node_id(node) || failed_.count(key) ||
+      !snapshot_tag_step(copy.tag))
+    return false;
+  const fs::path node_dir = area_.replicas() / node;
+  const fs::path dest = node_dir / copy.tag;
+  std::error_code ec;
+  if (fs::exists(dest, ec)) {
+    auto existing = read_snapshot_copy(dest);
+    if (existing && existing->sha256 == copy.sha256) {
+      acknowledge(from, copy);
+      return false;
+    }
+    // Another snapshot of the same name (the steps after a restore
+    // count again): the holder's newer one replaces it.
+    fs::remove_all(dest, ec);
+  }
+  if (::mkdir(node_dir.c_str(), 0700) != 0 && errno != EEXIST)
+    throw Error(ErrorKind::io,
+                fmt::format("cannot make '{}': {}", node_dir.string(), std::strerror(errno)));
+  std::vector<SnapshotFileSource> sources;
+  for (const auto& file : copy.files)
+    sources.push_back({file, from.addr, from.port, "own/" + copy.tag + "/" + file, {}});
+  try {
+    copy_snapshot(sources, dest, copy.sha256, secret_, timeout_, false, &abandon_);
+  } catch (const Error& e) {
+    if (abandon_) return false;
+    if (failed_.size() >= kMaxFailuresRemembered) failed_.clear();
+    failed_.insert(key);
+    self_.log(fmt::format("cannot replicate snapshot {} of node {}: {}", copy.tag, node, e.what()));
+    return false;
+  }
+  ++copies_made_;
+  prune(node_dir);
+  acknowledge(from, copy);
+  return true;
+}
+
+void SnapshotReplication::acknowledge(const Holdings& origin, const SnapshotCopy& copy) {
+  const std::string key = origin.node + "/" + copy.sha256;
+  {
+    std::unique_lock lock(mutex_);
+    if (acknowledged_.count(key)) return;
+    if (acknowledged_.size() >= kMaxFailuresRemembered) acknowledged_.clear();
+  }
+  SnapshotMessage message;
+  message.kind = SnapshotMessage::Kind::have;
+  message.holder = self_.id;
+  message.origin = origin.node;
+  message.tag = copy.tag;
+  message.sha256 = copy.sha256;
+  try {
+    send_snapshot_message(origin.addr, origin.port, message, secret_, kMessageTimeout, &abandon_);
+  } catch (const Error& e) {
+    if (abandon_) return;  // told at the next pass
+    // Not tried again for this snapshot (the origin is gone, or refuses):
+    // its next snapshot's copy is acknowledged anew.
+    self_.log(fmt::format("cannot tell node {} that its snapshot {} is replicated: {}", origin.node,
+                          copy.tag, e.what()));
+  }
+  std::unique_lock lock(mutex_);
+  acknowledged_.insert(key);
 }
 
 void SnapshotReplication::prune(const fs::path& node_dir) {

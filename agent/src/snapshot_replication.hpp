@@ -9,8 +9,18 @@
 // against the manifest's SHA-256 and the sizes the manifest gives), and
 // keeps the 2 newest of each node.
 //
-// Threading: SnapshotReplication runs one thread of its own; its public
-// functions are for the agent's thread. Errors: a copy that fails is
+// A new snapshot is pulled at once: the origin looks at own/latest every
+// few milliseconds and, when its workers commit a snapshot, sends a notify
+// (snapshot_server.hpp) to each of its successors (members (i + k) mod n,
+// k = 1..min(R, n - 1)); a holder whose copy is complete sends a have
+// back. The origin writes own/replicated (a temporary file renamed): the
+// newest step every successor of the round holds, as a decimal line, or
+// "off" when it has none; the workers read it.
+//
+// Threading: SnapshotReplication runs two threads of its own (pulls, and
+// the watch of own/latest that sends the notifies); on_message() is for
+// the server's threads, the other public functions for the agent's
+// thread. Errors: a copy that fails is
 // logged and not tried again (the holder's next snapshot is);
 // copy_snapshot throws ductile::Error (io).
 #pragma once
@@ -29,6 +39,7 @@
 #include "agent_common.hpp"
 #include "snapshot_area.hpp"
 #include "snapshot_plan.hpp"
+#include "snapshot_server.hpp"
 
 namespace ductile::agent {
 
@@ -47,6 +58,8 @@ struct SnapshotFileSource {
 
 // Builds `dest` (a folder that must not exist) as a complete copy of the
 // snapshot whose manifest's SHA-256 is `sha256`: every file of `sources`
+// (a file listed more than once has several holders, tried in order until
+// one gives it)
 // copied (or hard-linked, when local) into `dest`.tmp, the manifest first
 // and checked against `sha256` and its sidecar, each rank file's size
 // against the manifest's (with `complete`, every shard file the manifest
@@ -61,16 +74,28 @@ void copy_snapshot(const std::vector<SnapshotFileSource>& sources,
 
 class SnapshotReplication {
  public:
+  // `watch_interval`: how often own/latest is looked at.
   SnapshotReplication(const SnapshotArea& area, const NodeIdentity& self, std::string secret,
-                      std::chrono::milliseconds timeout = std::chrono::seconds(30));
-  // Stops the thread (an in-flight copy is abandoned).
+                      std::chrono::milliseconds timeout = std::chrono::seconds(30),
+                      std::chrono::milliseconds watch_interval = std::chrono::milliseconds(15));
+  // Stops the threads (an in-flight copy is abandoned).
   ~SnapshotReplication();
   SnapshotReplication(const SnapshotReplication&) = delete;
   SnapshotReplication& operator=(const SnapshotReplication&) = delete;
 
   // The round's members in group order and the live holdings read from
-  // the rendezvous (by node); the thread pulls what they call for.
+  // the rendezvous (by node); the thread pulls what they call for, and
+  // finds there where the members' servers listen.
   void update(std::vector<std::string> members, std::map<std::string, Holdings> holdings);
+  // A new round this node is a member of, before its workers start: the
+  // acknowledgements of the last round are dropped, and own/replicated is
+  // written "off" (one member: no successor) or "0". Only snapshots the
+  // workers commit from now on are announced to the successors.
+  void start_round(std::vector<std::string> members);
+  // The snapshot server's handler (snapshot_server.hpp): a notify is queued
+  // for the pulling thread (ignored when its origin is no member of the
+  // round), a have is counted. Returns at once; any thread.
+  std::string on_message(const SnapshotMessage& message);
   // Pulls nothing more and waits (up to `wait`) for the copy in flight to
   // end or be abandoned; true when none is in flight any longer.
   bool freeze(std::chrono::milliseconds wait);
@@ -81,28 +106,56 @@ class SnapshotReplication {
 
  private:
   void run();
+  void watch();
   // One pass over the members: the first replica missing pulled; true when
   // one was pulled (another may be missing).
   bool pull_once(const std::vector<std::string>& members,
                  const std::map<std::string, Holdings>& holdings);
+  // `copy` of node `origin` (served at `from`) into replicas/; true when
+  // it was copied now, false when it was held already or failed.
+  bool pull(const Holdings& from, const SnapshotCopy& copy);
+  // Tells `origin` (once a round) that this node holds `copy` of it.
+  void acknowledge(const Holdings& origin, const SnapshotCopy& copy);
   void prune(const std::filesystem::path& node_dir);
+  // The members (i + k) mod n, k = 1..min(R, n - 1), of the round (caller
+  // holds ack_mutex_).
+  std::vector<std::string> successors() const;
+  // own/replicated from the acknowledgements (caller holds ack_mutex_).
+  void write_replicated();
 
   const SnapshotArea& area_;
   const NodeIdentity& self_;
   const std::string secret_;
   const std::chrono::milliseconds timeout_;
+  const std::chrono::milliseconds watch_interval_;
   std::mutex mutex_;
   std::condition_variable changed_;
   std::vector<std::string> members_;
   std::map<std::string, Holdings> holdings_;
-  bool pending_ = false;  // an update not looked at yet
+  std::map<std::string, SnapshotMessage> notices_;  // by origin: the newest not pulled yet
+  bool pending_ = false;                            // an update not looked at yet
   bool frozen_ = false;
   bool busy_ = false;  // a pass is running
   bool stopping_ = false;
   std::atomic<bool> abandon_{false};
   std::atomic<std::size_t> copies_made_{0};
-  std::set<std::string> failed_;  // "<node>/<sha256>" whose copy failed (logged once)
+  std::set<std::string> failed_;        // "<node>/<sha256>" whose copy failed (logged once)
+  std::set<std::string> acknowledged_;  // "<node>/<sha256>" told its origin this round
+
+  // The origin's side: what the successors acknowledged this round.
+  mutable std::mutex ack_mutex_;
+  bool in_round_ = false;
+  std::vector<std::string> round_members_;
+  std::string latest_seen_;             // own/latest's text last looked at
+  std::set<std::string> before_round_;  // the sha256 of the own snapshots of earlier rounds
+  std::map<std::string, std::int64_t> committed_;  // sha256 -> step, committed this round
+  std::map<std::string, std::int64_t> acked_;      // successor -> newest step it holds
+  std::string replicated_;                         // own/replicated's text last written
+  std::condition_variable watch_stop_;
+  bool watch_stopping_ = false;
+  std::atomic<bool> abandon_watch_{false};  // a notify in flight cut short: stopping
   std::thread thread_;
+  std::thread watcher_;
 };
 
 }  // namespace ductile::agent

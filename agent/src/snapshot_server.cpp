@@ -243,6 +243,70 @@ int connect_to(const std::string& host, int port, milliseconds timeout,
   throw Broken{fmt::format("cannot connect: {}", last)};
 }
 
+// Connects to the server at host:port, proves `secret`, sends `request`
+// (a file's path or a message) and `body` when not empty (its 32-bit
+// length first), and reads the status: returns the connection, the answer's
+// size next. Throws Broken (the server's refusal included).
+int open_request(const std::string& host, int port, const std::string& request,
+                 const std::string& body, const std::string& secret, milliseconds timeout,
+                 const std::atomic<bool>* abandon) {
+  const auto no_deadline = Clock::time_point::max();
+  const int fd = connect_to(host, port, timeout, abandon);
+  try {
+    const std::string client_nonce = wire::random_nonce();
+    std::string hello(kSnapshotMagic, sizeof kSnapshotMagic);
+    hello += client_nonce;
+    send_all(fd, hello, timeout, no_deadline, abandon);
+    const auto has_secret = receive_value<std::uint8_t>(fd, timeout, no_deadline, abandon);
+    std::string sent;
+    if (has_secret == 1) {
+      const std::string host_nonce =
+          receive_string(fd, wire::kNonceBytes, timeout, no_deadline, abandon);
+      const std::string host_proof = receive_string(fd, kProofBytes, timeout, no_deadline, abandon);
+      if (secret.empty())
+        throw Broken{
+            "the server asks for the job's secret and this agent has none: the secrets differ "
+            "(every agent of the job needs the same DUCTILE_RDZV_SECRET or "
+            "DUCTILE_RDZV_SECRET_FILE, or none)"};
+      if (!wire::same_proof(host_proof,
+                            wire::proof(secret, kSnapshotHostLabel, client_nonce, host_nonce)))
+        throw Broken{
+            "the server's proof of the secret does not match this agent's: the secrets differ "
+            "(every agent of the job needs the same DUCTILE_RDZV_SECRET or "
+            "DUCTILE_RDZV_SECRET_FILE)"};
+      wire::put<std::uint8_t>(sent, 1);
+      sent += wire::proof(secret, kSnapshotAgentLabel, host_nonce, client_nonce);
+    } else if (has_secret == 0) {
+      if (!secret.empty())
+        throw Broken{
+            "the server has no secret and this agent has one: the secrets differ (every agent of "
+            "the job needs the same DUCTILE_RDZV_SECRET or DUCTILE_RDZV_SECRET_FILE, or none)"};
+      wire::put<std::uint8_t>(sent, 0);
+    } else {
+      throw Broken{"it does not speak the snapshot protocol"};
+    }
+    wire::put(sent, static_cast<std::uint32_t>(request.size()));
+    sent += request;
+    if (!body.empty()) {
+      wire::put(sent, static_cast<std::uint32_t>(body.size()));
+      sent += body;
+    }
+    send_all(fd, sent, timeout, no_deadline, abandon);
+    const auto status = receive_value<std::uint8_t>(fd, timeout, no_deadline, abandon);
+    if (status != kOk) {
+      const auto size = receive_value<std::uint32_t>(fd, timeout, no_deadline, abandon);
+      if (size > kMaxReason || (status != kRefused && status != kUnauthorized))
+        throw Broken{"it does not speak the snapshot protocol"};
+      throw Broken{fmt::format("the server refused it: {}",
+                               receive_string(fd, size, timeout, no_deadline, abandon))};
+    }
+    return fd;
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+}
+
 }  // namespace snapshot_server_detail
 
 using namespace snapshot_server_detail;
@@ -262,8 +326,8 @@ bool servable_snapshot_path(const std::string& relative) {
 }
 
 SnapshotServer::SnapshotServer(const std::filesystem::path& area, const std::string& host,
-                               std::string secret)
-    : secret_(std::move(secret)) {
+                               std::string secret, SnapshotMessageHandler handler)
+    : secret_(std::move(secret)), handler_(std::move(handler)) {
   area_fd_ = ::open(area.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
   if (area_fd_ < 0)
     throw Error(ErrorKind::io, fmt::format("cannot open the snapshot area '{}' to serve it: {}",
@@ -399,6 +463,18 @@ void SnapshotServer::serve(int fd) {
       return;
     }
     const std::string relative = receive_string(fd, size, idle, handshake_deadline, nullptr);
+    if (relative.starts_with("notify/") || relative.starts_with("have/")) {
+      const std::string why = take_message(fd, relative);
+      if (why.empty()) {
+        std::string taken;
+        wire::put(taken, kOk);
+        wire::put(taken, std::uint64_t{0});
+        send_all(fd, taken, idle, no_deadline, nullptr);
+      } else {
+        send_all(fd, refusal(kRefused, why), idle, no_deadline, nullptr);
+      }
+      return;
+    }
     if (!servable_snapshot_path(relative)) {
       send_all(
           fd,
@@ -445,6 +521,60 @@ void SnapshotServer::serve(int fd) {
   }
 }
 
+std::string SnapshotServer::take_message(int fd, const std::string& request) {
+  const auto parts = split_path(request);
+  const bool notify = parts[0] == "notify";
+  const std::size_t names = notify ? 4 : 5;
+  const auto usage = [&] {
+    return fmt::format(
+        "'{}' is not a snapshot message: give notify/<origin>/<tag>/<sha256> or "
+        "have/<holder>/<origin>/<tag>/<sha256> (node ids, a tag step<N>, 64 lowercase hex digits)",
+        excerpt(request));
+  };
+  if (parts.size() != names || !std::all_of(parts.begin(), parts.end(),
+                                            [](const std::string& p) { return path_component(p); }))
+    return usage();
+  SnapshotMessage message;
+  message.kind = notify ? SnapshotMessage::Kind::notify : SnapshotMessage::Kind::have;
+  std::size_t at = 1;
+  if (!notify) message.holder = parts[at++];
+  message.origin = parts[at++];
+  message.tag = parts[at++];
+  message.sha256 = parts[at++];
+  const bool hex = message.sha256.size() == 64 &&
+                   std::all_of(message.sha256.begin(), message.sha256.end(), [](char c) {
+                     return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
+                   });
+  if (!valid_node_id(message.origin) || (!notify && !valid_node_id(message.holder)) ||
+      !snapshot_tag_step(message.tag) || !hex)
+    return usage();
+  if (notify) {
+    const milliseconds idle = kSnapshotIdleTimeout;
+    const auto deadline = Clock::now() + wire::kProofTimeout;
+    const auto size = receive_value<std::uint32_t>(fd, idle, deadline, nullptr);
+    if (size > kMaxNotifyBody)
+      return fmt::format("a notify's file list of {} bytes, over the {} allowed", size,
+                         kMaxNotifyBody);
+    const std::string body = receive_string(fd, size, idle, deadline, nullptr);
+    std::set<std::string> seen;
+    for (std::size_t from = 0; from < body.size();) {
+      const auto end = body.find('\n', from);
+      if (end == std::string::npos) return "a notify's file list must end each name with a newline";
+      std::string name = body.substr(from, end - from);
+      if (!snapshot_file_name(name) || !seen.insert(name).second)
+        return fmt::format(
+            "'{}' in a notify's file list is not a snapshot file (manifest.json, its sidecars, "
+            "rank<r>-of-<W>.bin), or is listed twice",
+            excerpt(name));
+      message.files.push_back(std::move(name));
+      from = end + 1;
+    }
+    if (!seen.count(kSnapshotManifest)) return "a notify's file list must name manifest.json";
+  }
+  if (!handler_) return "this snapshot server takes no messages";
+  return handler_(message);
+}
+
 std::uintmax_t fetch_file(const std::string& host, int port, const std::string& relative,
                           const std::filesystem::path& dest, const std::string& secret,
                           milliseconds timeout, std::optional<std::uintmax_t> expected_size,
@@ -461,50 +591,7 @@ std::uintmax_t fetch_file(const std::string& host, int port, const std::string& 
   int out = -1;
   bool created = false;  // only a copy this call created is removed (O_EXCL)
   try {
-    fd = connect_to(host, port, timeout, abandon);
-    const std::string client_nonce = wire::random_nonce();
-    std::string hello(kSnapshotMagic, sizeof kSnapshotMagic);
-    hello += client_nonce;
-    send_all(fd, hello, timeout, no_deadline, abandon);
-    const auto has_secret = receive_value<std::uint8_t>(fd, timeout, no_deadline, abandon);
-    std::string request;
-    if (has_secret == 1) {
-      const std::string host_nonce =
-          receive_string(fd, wire::kNonceBytes, timeout, no_deadline, abandon);
-      const std::string host_proof = receive_string(fd, kProofBytes, timeout, no_deadline, abandon);
-      if (secret.empty())
-        throw Broken{
-            "the server asks for the job's secret and this agent has none: the secrets differ "
-            "(every agent of the job needs the same DUCTILE_RDZV_SECRET or "
-            "DUCTILE_RDZV_SECRET_FILE, or none)"};
-      if (!wire::same_proof(host_proof,
-                            wire::proof(secret, kSnapshotHostLabel, client_nonce, host_nonce)))
-        throw Broken{
-            "the server's proof of the secret does not match this agent's: the secrets differ "
-            "(every agent of the job needs the same DUCTILE_RDZV_SECRET or "
-            "DUCTILE_RDZV_SECRET_FILE)"};
-      wire::put<std::uint8_t>(request, 1);
-      request += wire::proof(secret, kSnapshotAgentLabel, host_nonce, client_nonce);
-    } else if (has_secret == 0) {
-      if (!secret.empty())
-        throw Broken{
-            "the server has no secret and this agent has one: the secrets differ (every agent of "
-            "the job needs the same DUCTILE_RDZV_SECRET or DUCTILE_RDZV_SECRET_FILE, or none)"};
-      wire::put<std::uint8_t>(request, 0);
-    } else {
-      throw Broken{"it does not speak the snapshot protocol"};
-    }
-    wire::put(request, static_cast<std::uint32_t>(relative.size()));
-    request += relative;
-    send_all(fd, request, timeout, no_deadline, abandon);
-    const auto status = receive_value<std::uint8_t>(fd, timeout, no_deadline, abandon);
-    if (status != kOk) {
-      const auto size = receive_value<std::uint32_t>(fd, timeout, no_deadline, abandon);
-      if (size > kMaxReason || (status != kRefused && status != kUnauthorized))
-        throw Broken{"it does not speak the snapshot protocol"};
-      throw Broken{fmt::format("the server refused it: {}",
-                               receive_string(fd, size, timeout, no_deadline, abandon))};
-    }
+    fd = open_request(host, port, relative, "", secret, timeout, abandon);
     const auto size = receive_value<std::uint64_t>(fd, timeout, no_deadline, abandon);
     if (expected_size && size != *expected_size)
       throw Broken{fmt::format("it has {} bytes, not the {} expected", size, *expected_size)};
@@ -544,6 +631,35 @@ std::uintmax_t fetch_file(const std::string& host, int port, const std::string& 
     if (out >= 0) ::close(out);
     if (created) ::unlink(dest.c_str());
     throw fail(e.what());
+  }
+}
+
+void send_snapshot_message(const std::string& host, int port, const SnapshotMessage& message,
+                           const std::string& secret, milliseconds timeout,
+                           const std::atomic<bool>* abandon) {
+  const bool notify = message.kind == SnapshotMessage::Kind::notify;
+  const std::string request =
+      notify ? fmt::format("notify/{}/{}/{}", message.origin, message.tag, message.sha256)
+             : fmt::format("have/{}/{}/{}/{}", message.holder, message.origin, message.tag,
+                           message.sha256);
+  std::string body;
+  if (notify)
+    for (const auto& file : message.files) body += file + "\n";
+  const auto no_deadline = Clock::time_point::max();
+  int fd = -1;
+  try {
+    fd = open_request(host, port, request, body, secret, timeout, abandon);
+    if (receive_value<std::uint64_t>(fd, timeout, no_deadline, abandon) != 0)
+      throw Broken{"it does not speak the snapshot protocol"};
+    ::close(fd);
+  } catch (const Broken& e) {
+    if (fd >= 0) ::close(fd);
+    throw Error(ErrorKind::io, fmt::format("cannot send '{}' to the snapshot server at {}:{}: {}",
+                                           request, host, port, e.why));
+  } catch (const wire::BadMessage& e) {
+    if (fd >= 0) ::close(fd);
+    throw Error(ErrorKind::io, fmt::format("cannot send '{}' to the snapshot server at {}:{}: {}",
+                                           request, host, port, e.what()));
   }
 }
 

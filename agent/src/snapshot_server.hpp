@@ -16,6 +16,21 @@
 // (store_wire.hpp) sends them. A secret on one side only, or two secrets
 // that differ: refused, by the side that finds out.
 //
+// Two messages take the place of a file's path, after the same handshake,
+// and are answered with the same status (0 and a size of 0 when taken):
+//   "notify/<origin>/<tag>/<sha256>", then a 32-bit length (at most
+//     kMaxNotifyBody) and the snapshot's file names, each ended by '\n':
+//     node <origin> committed its snapshot <tag>, whose manifest's SHA-256
+//     is <sha256>; sent by the origin to the members that keep replicas
+//     of it, which pull it at once.
+//   "have/<holder>/<origin>/<tag>/<sha256>": node <holder> holds a
+//     complete replica of that snapshot; sent by the holder to the origin.
+// The server checks the names (node ids, a snapshot tag, 64 lowercase hex
+// digits, snapshot file names, each once) and hands the message to its
+// handler, which must return at once (it never copies anything on the
+// connection's thread: two agents copying from each other would wait on
+// each other).
+//
 // Served: regular files only, reached without following a link (each
 // component opened with O_NOFOLLOW below the area), names as a save
 // writes them. Bounded: a request of at most kMaxSnapshotRequest bytes,
@@ -28,12 +43,15 @@
 #include <condition_variable>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <set>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "snapshot_plan.hpp"
 
 namespace ductile::agent {
 
@@ -46,6 +64,25 @@ inline constexpr std::size_t kMaxSnapshotConnections = 16;
 // snapshot file's name.
 bool servable_snapshot_path(const std::string& relative);
 
+// The longest body of a notify: every file name a snapshot may have.
+inline constexpr std::size_t kMaxNotifyBody = kMaxSnapshotFiles * (kMaxSnapshotFileChars + 1);
+
+// A message between two agents' snapshot areas (see above).
+struct SnapshotMessage {
+  enum class Kind { notify, have };
+  Kind kind = Kind::notify;
+  std::string origin;  // the node whose workers wrote the snapshot
+  std::string holder;  // have: the node holding its replica
+  std::string tag;
+  std::string sha256;
+  std::vector<std::string> files;  // notify: the snapshot's files
+};
+
+// What the server does with a message: empty when taken (or ignored),
+// else why it is refused (sent back to the sender). Called on a
+// connection's thread; must not block.
+using SnapshotMessageHandler = std::function<std::string(const SnapshotMessage&)>;
+
 // Ownership: owns its listening sockets, its thread and its connections'
 // threads; holds the area's directory open (it must outlive nothing: a
 // removed area serves nothing). Threading: its own threads; construct and
@@ -54,8 +91,10 @@ bool servable_snapshot_path(const std::string& relative);
 class SnapshotServer {
  public:
   // Serves `area` on a free port of `host`'s addresses (listen_on);
-  // `secret` empty: no proof asked.
-  SnapshotServer(const std::filesystem::path& area, const std::string& host, std::string secret);
+  // `secret` empty: no proof asked. `handler`: the messages' (none: they
+  // are refused).
+  SnapshotServer(const std::filesystem::path& area, const std::string& host, std::string secret,
+                 SnapshotMessageHandler handler = {});
   // Stops serving: open connections are cut.
   ~SnapshotServer();
   SnapshotServer(const SnapshotServer&) = delete;
@@ -65,8 +104,12 @@ class SnapshotServer {
  private:
   void accept_loop();
   void serve(int fd);
+  // The answer to a message whose request line is `request`: its body (a
+  // notify's) read from `fd`.
+  std::string take_message(int fd, const std::string& request);
 
   const std::string secret_;
+  const SnapshotMessageHandler handler_;
   int area_fd_ = -1;
   std::vector<int> listeners_;
   int wake_[2] = {-1, -1};  // a pipe: written to stop the accept loop
@@ -92,5 +135,12 @@ std::uintmax_t fetch_file(const std::string& host, int port, const std::string& 
                           std::optional<std::uintmax_t> expected_size = std::nullopt,
                           std::uintmax_t max_size = UINTMAX_MAX,
                           const std::atomic<bool>* abandon = nullptr);
+
+// Sends `message` to the snapshot server at host:port and waits for its
+// answer (`timeout`: the longest wait without progress). Throws
+// ductile::Error (io) naming the server and why (its refusal included).
+void send_snapshot_message(const std::string& host, int port, const SnapshotMessage& message,
+                           const std::string& secret, std::chrono::milliseconds timeout,
+                           const std::atomic<bool>* abandon = nullptr);
 
 }  // namespace ductile::agent

@@ -2,24 +2,32 @@
 // (and refused when it is not the agent's), its committed snapshots
 // listed, its files served to another agent over loopback (and every path
 // that is not a snapshot file refused, as is an agent without the job's
-// secret), a node's snapshots replicated into another's area, and the
-// workers' environment that names the snapshot folders. The
+// secret), a node's snapshots replicated into another's area (pulled
+// when the origin announces a commit, acknowledged back into its
+// own/replicated; a malformed announcement refused; a stalled pull never
+// holding up the server), a restore's file taken from its next holder, a
+// dead agent's area removed at the next agent's start, and the workers'
+// environment that names the snapshot folders. The
 // snapshot folders are written here in the workers' checkpoint layout;
 // SHA-256 sums come from sha256sum, not from the code under test.
 #include <doctest/doctest.h>
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/time.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <random>
 #include <string>
 #include <thread>
@@ -484,4 +492,225 @@ TEST_CASE("snapshot server: a client that skips the proof, or asks too much, is 
   REQUIRE(reply.size() == 1 + 8 + 5);
   CHECK(reply[0] == 0);
   CHECK(reply.substr(9) == "shard");
+}
+
+namespace snapshot_area_test {
+
+// Waits (bounded far above the milliseconds it takes) until `done`.
+bool eventually(const std::function<bool()>& done) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!done()) {
+    if (std::chrono::steady_clock::now() >= until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return true;
+}
+
+// One node's agent pieces: its area, its replication and the server that
+// hands it the messages.
+struct Node {
+  Node(const fs::path& base, const std::string& id, const std::string& secret,
+       std::chrono::milliseconds timeout = std::chrono::seconds(30))
+      : self(identity(id)),
+        area(base.string(), "job", id),
+        replication(area, self, secret, timeout),
+        server(area.root(), "127.0.0.1", secret,
+               [this](const SnapshotMessage& m) { return replication.on_message(m); }) {}
+  Holdings holdings() const {
+    Holdings h;
+    h.node = self.id;
+    h.addr = "127.0.0.1";
+    h.port = server.port();
+    return h;
+  }
+  NodeIdentity self;
+  SnapshotArea area;
+  SnapshotReplication replication;
+  SnapshotServer server;
+};
+
+}  // namespace snapshot_area_test
+
+TEST_CASE("snapshot replication: a committed snapshot announced, pulled at once, acknowledged") {
+  ductile::test::TempDir base;
+  const std::string secret = "s";
+  Node a(base.path(), "node-a", secret);
+  Node b(base.path(), "node-b", secret);
+  Node c(base.path(), "node-c", secret);
+  for (Node* n : {&a, &b, &c}) write_file(n->area.own() / "replicas", "1\n");
+  const fs::path replicated = a.area.own() / "replicated";
+
+  // A round of one member has no successor; of several, nothing is
+  // replicated yet.
+  c.replication.start_round({"node-c"});
+  CHECK(read_file(c.area.own() / "replicated") == "off\n");
+  const std::vector<std::string> members = {"node-a", "node-b", "node-c"};
+  for (Node* n : {&a, &b, &c}) n->replication.start_round(members);
+  CHECK(read_file(replicated) == "0\n");
+  CHECK(read_file(c.area.own() / "replicated") == "0\n");
+  // The holdings give the servers' addresses and no snapshot: only a
+  // notify makes B pull (the periodic pull finds nothing to copy).
+  const std::map<std::string, Holdings> holdings = {
+      {"node-a", a.holdings()}, {"node-b", b.holdings()}, {"node-c", c.holdings()}};
+  for (Node* n : {&a, &b, &c}) n->replication.update(members, holdings);
+
+  // A's workers commit step 4: B (A's successor, R = 1) holds it, A knows.
+  const std::string sha4 = write_snapshot(a.area.own(), 4, 3, {0}, true);
+  CHECK(eventually([&] { return read_file(replicated) == "4\n"; }));
+  CHECK(read_file(b.area.replicas() / "node-a" / "step4" / "rank0-of-3.bin") ==
+        read_file(a.area.own() / "step4" / "rank0-of-3.bin"));
+  CHECK(sha256sum(b.area.replicas() / "node-a" / "step4" / "manifest.json") == sha4);
+  CHECK_FALSE(fs::exists(c.area.replicas() / "node-a"));  // C is not A's successor
+  write_snapshot(a.area.own(), 5, 3, {0}, true);
+  CHECK(eventually([&] { return read_file(replicated) == "5\n"; }));
+  CHECK(b.replication.copies_made() == 2);
+
+  // A new round starts counting again; what was committed before it is not
+  // announced.
+  a.replication.start_round({"node-a", "node-c"});
+  CHECK(read_file(replicated) == "0\n");
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  CHECK(read_file(replicated) == "0\n");
+  CHECK(c.replication.copies_made() == 0);
+}
+
+TEST_CASE("snapshot server: a notify or have with bad names is refused, answered off the pull") {
+  ductile::test::TempDir base;
+  // B copies with a patience far longer than the test: a stalled pull
+  // never ends on its own here.
+  Node b(base.path(), "node-b", "", std::chrono::seconds(600));
+  write_file(b.area.own() / "replicas", "1\n");
+  const std::vector<std::string> members = {"node-a", "node-b"};
+  b.replication.start_round(members);
+  auto send = [&](const SnapshotMessage& m) {
+    return error_of([&] {
+      send_snapshot_message("127.0.0.1", b.server.port(), m, "", std::chrono::seconds(30));
+    });
+  };
+  SnapshotMessage notify;
+  notify.origin = "node-a";
+  notify.tag = "step3";
+  notify.sha256 = std::string(64, 'a');
+  notify.files = {"manifest.json", "manifest.json.sha256", "rank0-of-2.bin"};
+  const std::vector<std::function<void(SnapshotMessage&)>> bad_names = {
+      [](SnapshotMessage& m) { m.origin = ".."; }, [](SnapshotMessage& m) { m.tag = "latest"; },
+      [](SnapshotMessage& m) { m.sha256 = "ABC"; }};
+  for (const auto& bad : bad_names) {
+    SnapshotMessage m = notify;
+    bad(m);
+    CHECK(send(m).find("is not a snapshot message") != std::string::npos);
+  }
+  SnapshotMessage escaping = notify;
+  escaping.files.push_back("../../lock");
+  CHECK(send(escaping).find("'../../lock' in a notify's file list is not a snapshot file") !=
+        std::string::npos);
+  SnapshotMessage twice = notify;
+  twice.files.push_back("rank0-of-2.bin");
+  CHECK(send(twice).find("listed twice") != std::string::npos);
+  SnapshotMessage have = notify;
+  have.kind = SnapshotMessage::Kind::have;
+  have.holder = "node-a";
+  CHECK(send(have).find("a have of node node-a's snapshot sent to node node-b") !=
+        std::string::npos);
+
+  // A's server accepts a connection and never answers: B's pull of A's
+  // snapshot stalls, and B's server still answers every notify at once.
+  const int silent = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  REQUIRE(silent >= 0);
+  sockaddr_in at{};
+  at.sin_family = AF_INET;
+  at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(silent, reinterpret_cast<sockaddr*>(&at), sizeof at) == 0);
+  REQUIRE(::listen(silent, 16) == 0);
+  socklen_t size = sizeof at;
+  REQUIRE(::getsockname(silent, reinterpret_cast<sockaddr*>(&at), &size) == 0);
+  Holdings a;
+  a.node = "node-a";
+  a.addr = "127.0.0.1";
+  a.port = ntohs(at.sin_port);
+  b.replication.update(members, {{"node-a", a}});
+  CHECK(send(notify) == "");
+  // The pull has connected (it waits for the server's hello).
+  CHECK(eventually([&] {
+    pollfd p{silent, POLLIN, 0};
+    return ::poll(&p, 1, 0) == 1;
+  }));
+  for (int step = 4; step < 8; ++step) {
+    SnapshotMessage next = notify;
+    next.tag = "step" + std::to_string(step);
+    CHECK(send(next) == "");
+  }
+  CHECK(b.replication.copies_made() == 0);
+  CHECK(b.replication.freeze(std::chrono::seconds(30)));  // the stalled pull abandoned
+  ::close(silent);
+}
+
+TEST_CASE("snapshot copy: a file its first holder cannot give is taken from the next") {
+  ductile::test::TempDir base;
+  SnapshotArea a(base.path().string(), "job", "node-a");
+  SnapshotArea b(base.path().string(), "job", "node-b");
+  SnapshotServer server(a.root(), "127.0.0.1", "");
+  const std::string sha = write_snapshot(a.own(), 9, 1, {0}, true);
+  std::vector<SnapshotFileSource> sources;
+  for (const std::string file : {"manifest.json", "manifest.json.sha256", "rank0-of-1.bin"}) {
+    // Listed by A as a replica it does not hold, then as its own copy.
+    sources.push_back({file, "127.0.0.1", server.port(), "replicas/node-c/step9/" + file, {}});
+    sources.push_back({file, "127.0.0.1", server.port(), "own/step9/" + file, {}});
+  }
+  copy_snapshot(sources, b.restore() / "step9", sha, "", std::chrono::seconds(30), true);
+  CHECK(read_file(b.restore() / "step9" / "rank0-of-1.bin") ==
+        read_file(a.own() / "step9" / "rank0-of-1.bin"));
+  // No holder gives it: the error names the file and every holder's
+  // failure.
+  std::vector<SnapshotFileSource> none(sources.begin(), sources.begin() + 4);
+  const std::string message = error_of(
+      [&] { copy_snapshot(none, b.restore() / "x", sha, "", std::chrono::seconds(30), true); });
+  CHECK(message.find("no holder of 'rank0-of-1.bin'") != std::string::npos);
+  none.push_back(sources[4]);
+  none.push_back(sources[5]);  // A's own copy, removed below
+  fs::remove(a.own() / "step9" / "rank0-of-1.bin");
+  const std::string failed = error_of(
+      [&] { copy_snapshot(none, b.restore() / "x", sha, "", std::chrono::seconds(30), true); });
+  CHECK(failed.find("'rank0-of-1.bin' of snapshot " + sha + " from none of its 2 holders") !=
+        std::string::npos);
+  CHECK(failed.find("replicas/node-c/step9/rank0-of-1.bin") != std::string::npos);
+  CHECK_FALSE(fs::exists(b.restore() / "x.tmp"));
+}
+
+TEST_CASE("snapshot area: a dead agent's area is removed by the next agent, a live one's kept") {
+  ductile::test::TempDir base;
+  const fs::path dead = base / "ductile-snapshots-job-node-dead";
+  SnapshotArea live(base.path().string(), "job", "node-live");
+  write_file(live.own() / "kept", "x");
+  // An agent killed: its process ends without removing its area.
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    try {
+      new SnapshotArea(base.path().string(), "job", "node-dead");  // never destroyed
+    } catch (...) {
+      std::_Exit(3);
+    }
+    std::_Exit(0);
+  }
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  REQUIRE(WIFEXITED(status));
+  REQUIRE(WEXITSTATUS(status) == 0);
+  REQUIRE(fs::is_directory(dead / "own"));
+  // Not an area, and not private: left alone.
+  const fs::path other = base / "ductile-snapshots-other";
+  REQUIRE(::mkdir(other.c_str(), 0755) == 0);
+  ::chmod(other.c_str(), 0755);
+
+  SnapshotArea next(base.path().string(), "job", "node-next");
+  CHECK(next.removed_stale() == std::vector<fs::path>{dead});
+  CHECK_FALSE(fs::exists(dead));
+  CHECK(read_file(live.own() / "kept") == "x");
+  CHECK(fs::is_directory(other));
+  // The live agent's area under its own name again: refused, kept.
+  CHECK(error_of([&] {
+          SnapshotArea twice(base.path().string(), "job", "node-live");
+        }).find("in use by a running agent") != std::string::npos);
+  CHECK(read_file(live.own() / "kept") == "x");
 }

@@ -12,6 +12,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -20,7 +22,7 @@ import torch
 import ductile
 import ductile.deepspeed
 import ductile.torch.zero3 as zero3
-from ductile.torch.zero3 import _checkpoint_files
+from ductile.torch.zero3 import _checkpoint_files, _snapshots
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -78,6 +80,44 @@ def test_every_step_by_default_keeping_the_two_newest(snapshots):
     checker = engine_of(seed=1)
     assert checker.load(snapshots) is None
     assert checker.global_step == 3 and same(snapshot(checker), snapshot(engine))
+
+
+def test_a_step_waits_until_the_last_snapshot_is_replicated(snapshots, monkeypatch, caplog):
+    """The agent writes own/replicated (the newest step every replica
+    holds, or off); step() waits for the last snapshot's before the
+    optimizer changes the state, "off" waits for nothing, and an agent that
+    never copies holds a step REPLICATION_WAIT seconds at most."""
+    engine = engine_of()
+    train(engine, 1)  # step 1's snapshot; no file yet: nothing to wait for
+
+    def replicated(text):
+        staged = snapshots / "replicated.tmp"
+        staged.write_text(text)
+        os.replace(staged, snapshots / "replicated")
+
+    replicated("0\n")
+    seen = []
+    timer = threading.Timer(0.5, lambda: (seen.append(engine.global_step), replicated("1\n")))
+    started = time.monotonic()
+    timer.start()
+    train(engine, 1)
+    waited = time.monotonic() - started
+    timer.join()
+    assert seen == [1]  # step 2's optimizer step came after the copy of step 1
+    assert waited >= 0.5 and engine.global_step == 2
+
+    monkeypatch.setattr(_snapshots, "REPLICATION_WAIT", 30.0)
+    replicated("off\n")
+    started = time.monotonic()
+    train(engine, 1)
+    assert time.monotonic() - started < 20  # did not wait for the 30 s
+
+    monkeypatch.setattr(_snapshots, "REPLICATION_WAIT", 0.3)
+    replicated("2\n")  # step 3's snapshot is never copied
+    with caplog.at_level("WARNING", logger="ductile.zero3"):
+        train(engine, 1)
+    assert engine.global_step == 4
+    assert "zero3 snapshot of step 3: its copies to 1 other node(s) did not complete" in caplog.text
 
 
 def test_interval_2_writes_at_even_steps_only(snapshots):

@@ -26,6 +26,7 @@ usage: bench_recovery.py [--cli PATH] [--python PATH] [--runs 2] [--kill-after 6
 """
 
 import argparse
+import fcntl
 import os
 import shutil
 import statistics
@@ -140,6 +141,41 @@ def notes(path):
     return rows
 
 
+def area_bytes(base):
+    """Per agent's snapshot area: (bytes of every file in it, bytes of its
+    node's newest snapshot's rank files: the state a snapshot holds)."""
+    out = {}
+    for area in os.listdir(base):
+        try:  # a live agent holds its area's lock; a killed one's is free
+            with open(os.path.join(base, area, "lock")) as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                continue
+        except BlockingIOError:
+            pass
+        except OSError:
+            continue
+        held = 0
+        for folder, _, files in os.walk(os.path.join(base, area)):
+            for name in files:
+                try:
+                    held += os.lstat(os.path.join(folder, name)).st_size
+                except FileNotFoundError:
+                    pass  # removed meanwhile (a snapshot superseded)
+        own = os.path.join(base, area, "own")
+        state = 0
+        try:
+            with open(os.path.join(own, "latest")) as f:
+                tag = f.readline().strip()
+            for name in os.listdir(os.path.join(own, tag)):
+                if name.startswith("rank"):
+                    state += os.lstat(os.path.join(own, tag, name)).st_size
+        except OSError:
+            continue
+        if state:
+            out[area] = (held, state)
+    return out
+
+
 def wait_for(predicate, limit, what, alive):
     deadline = time.monotonic() + limit
     while not predicate():
@@ -194,6 +230,7 @@ def race_one(kind, args, directory):
         wait_for(lambda: len(stepped(NODES, args.kill_after - 1)) >= NODES, 900,
                  f"{kind}: step {args.kill_after} at world size {NODES}", nodes)
         done = max(r[4] for r in notes(out) if r[0] == "stepped") + 1
+        memory = area_bytes(shm) if kind == "ductile" else None
         killed = kill_node(nodes[-1])
         survivors = NODES - 1
 
@@ -215,6 +252,22 @@ def race_one(kind, args, directory):
         resumed_at = ready[0][4]
         # detection and re-form, process start (torch imported), join and
         # restore, first step; the total; steps trained again.
+        if memory:
+            # And once the survivors' workers took 8 snapshots of their own
+            # (the restored copy released): the areas of the live agents.
+            wait_for(lambda: len([r for r in notes(out) if r[0] == "stepped" and
+                                  r[2] == survivors and r[5] > killed]) >= 8 * survivors
+                     or all(p.poll() is not None for p in nodes[:-1]), 300,
+                     f"{kind}: 8 steps after the restore", nodes[:-1])
+            after_restore = area_bytes(shm)
+            for area, (held, state) in sorted(after_restore.items()):
+                if area in memory:
+                    print(f"{kind}: {area} after the restore: {held / 2**20:.1f} MiB held, its "
+                          f"node's state {state / 2**20:.1f} MiB ({held / state:.2f}x)",
+                          flush=True)
+            for area, (held, state) in sorted(memory.items()):
+                print(f"{kind}: {area}: {held / 2**20:.1f} MiB held in memory, its node's state "
+                      f"{state / 2**20:.1f} MiB ({held / state:.2f}x)", flush=True)
         return (times[0], times[1] - times[0], times[2] - times[1], first_step - times[2],
                 first_step, done - resumed_at)
     except Exception:

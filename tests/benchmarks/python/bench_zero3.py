@@ -13,7 +13,11 @@ another in one run (a program that prints figures, medians; not a test):
 - ductile-noprefetch: ductile with prefetch_bucket_size = 0 (every gather
   waited): prefetch must never make the gather wait longer than this;
 - ductile-logging: ductile with log_interval = 1, its progress line on
-  every step written to stderr (logging at INFO): what the logging costs.
+  every step written to stderr (logging at INFO): what the logging costs;
+- ductile-snapshots: ductile with a snapshot of every step in memory
+  (DUCTILE_SNAPSHOT_DIR in /dev/shm, as `ductile agent` gives it; the
+  ranks are one node's, rank 0 commits): what writing them costs (the
+  agents' copies to other nodes are not part of it).
 
 ZeRO-3 engines get the same settings (prefetch bucket, live limit, reuse
 distance, persistence threshold); every engine trains with torch.optim.Adam,
@@ -71,6 +75,7 @@ import logging
 import os
 import re
 import resource
+import shutil
 import socket
 import statistics
 import subprocess
@@ -118,7 +123,7 @@ log_interval = {{log_interval}}
 # ductile-deepspeed: the deepspeed engine's code and config as they are,
 # with `import ductile.deepspeed as deepspeed` (docs/deepspeed.md).
 ENGINES = ("ddp", "fsdp2", "deepspeed", "ductile", "ductile-deepspeed", "ductile-mpi",
-           "ductile-noprefetch", "ductile-logging")
+           "ductile-noprefetch", "ductile-logging", "ductile-snapshots")
 
 
 def rss_bytes():
@@ -446,7 +451,15 @@ def launch(engine, args, folder):
                    "--master-addr", "127.0.0.1", "--master-port", str(free_port())] + script
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR=args.device,
                PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
-    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
+    env.pop("DUCTILE_SNAPSHOT_DIR", None)
+    if engine == "ductile-snapshots":
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        env["DUCTILE_SNAPSHOT_DIR"] = tempfile.mkdtemp(prefix="bench-zero3-snapshots-", dir=shm)
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
+    finally:
+        if engine == "ductile-snapshots":
+            shutil.rmtree(env["DUCTILE_SNAPSHOT_DIR"], ignore_errors=True)
     if proc.returncode != 0:
         return None, (proc.stdout + proc.stderr)[-3000:]
     records = []
@@ -521,6 +534,9 @@ def report(args, engines, results, failures):
             f" (before the first step {max(x['setup_peak'] for x in r) / 2**20:.0f})"
         print(f"engine {engine}: step {med[engine] * 1e3:.1f} ms, {ratio(engine, 'deepspeed')} "
               f"DeepSpeed, {ratio(engine, 'fsdp2')} FSDP2, peak {peak:.0f} MiB/rank{setup}")
+    if "ductile" in med and "ductile-snapshots" in med:
+        print(f"a snapshot every step: {(med['ductile-snapshots'] / med['ductile'] - 1) * 100:+.2f}%"
+              " of ductile's step")
     if "ductile" in med and "ductile-logging" in med:
         print(f"logging every step: {(med['ductile-logging'] / med['ductile'] - 1) * 100:+.2f}% "
               "of ductile's step")
@@ -530,7 +546,7 @@ def report(args, engines, results, failures):
               f"  optimizer {max(x['optimizer_bytes'] for x in r) / 2**20:8.1f} MiB/rank"
               f"  first losses {', '.join(f'{v:.5f}' for v in r[0]['losses'])}")
     for engine in ("ductile", "ductile-deepspeed", "ductile-noprefetch", "ductile-mpi",
-                   "ductile-logging"):
+                   "ductile-logging", "ductile-snapshots"):
         if engine in results and results[engine][0]["waits"]:
             print(f"  {engine}: gather wait {statistics.median(results[engine][0]['waits']) * 1e3:.1f}"
                   " ms per step (median)")

@@ -261,6 +261,10 @@ class Zero3Engine:
         scaling); gradient shards are complete when it returns."""
         if self._scaler is not None:
             loss = loss * self._scaler.scale
+        if self.step_in_backward:
+            # The optimizer steps during this backward: the last snapshot's
+            # replicas must be complete first.
+            self._snapshots.before_update()
         loss.backward(**kwargs)
 
     @contextlib.contextmanager
@@ -296,6 +300,7 @@ class Zero3Engine:
         Every log_interval steps, a progress line; every snapshot_interval
         steps under ``ductile agent``, a snapshot in memory (_snapshots.py;
         both collective)."""
+        self._snapshots.before_update()
         log = self._step_log
         logged = log is not None and log.due(self._steps.global_step + 1)
         if logged:

@@ -26,6 +26,16 @@ A snapshot that fails (a full tmpfs, say) fails on every rank alike
 logger: training goes on, with the previous snapshot as the newest. A
 failed collective (a rank gone) is raised.
 
+Redundancy: the agents copy each committed snapshot to ``replicas``
+other nodes and record in ``own/replicated`` (``<DUCTILE_SNAPSHOT_DIR>/replicated``)
+the newest step every one of them holds, or ``off`` when the round has no
+other node. Before the optimizer changes the state again (step(), or
+backward() with step_in_backward), the ranks agree (one all-reduce) that
+every node's last snapshot is replicated, and wait until it is: a node lost
+at any moment then costs at most snapshot_interval steps. A wait longer
+than REPLICATION_WAIT seconds (an agent that stopped copying) is logged
+and given up for that snapshot.
+
 Restore: when the agent starts a round from memory it sets
 ``DUCTILE_SNAPSHOT_RESTORE`` to a complete snapshot folder; the engine
 loads it when it is built (collective), at any world size, and
@@ -38,6 +48,9 @@ Threading: every method runs on the training thread, as step() does.
 
 import logging
 import os
+import time
+
+import torch
 
 from ..._errors import CommunicationError, Error, InvalidArgumentError
 from . import _checkpoint
@@ -46,6 +59,11 @@ from ._checkpoint_files import fs, io_error, write_file
 SNAPSHOT_DIR_ENV = "DUCTILE_SNAPSHOT_DIR"
 RESTORE_ENV = "DUCTILE_SNAPSHOT_RESTORE"
 REPLICAS_FILE = "replicas"
+REPLICATED_FILE = "replicated"
+# Seconds a step waits for the agents to copy the last snapshot before it
+# goes on without (logged): far above a copy's time, short enough that a
+# stuck agent does not stall training.
+REPLICATION_WAIT = 60.0
 
 _log = logging.getLogger("ductile.zero3")
 
@@ -80,6 +98,7 @@ class Snapshots:
         self.leader = local == 0 if local is not None else engine.rank == 0
         self._replicas_written = False
         self._last = None  # the step of the last snapshot attempted
+        self._committed = None  # the step of the last snapshot written, not yet known replicated
         # The restored manifest's scheduler state, for the scheduler set
         # later, and the restored optimizer groups' hyperparameters.
         self.scheduler_state = None
@@ -100,12 +119,57 @@ class Snapshots:
                                     indented=False, before_commit=self._write_replicas)
         try:
             _checkpoint.write(self.engine, target)
+            self._committed = step if self.replicas > 0 else None
         except CommunicationError:
             raise  # a rank is gone: the job cannot go on, snapshot or not
         except Error as e:
             # Agreed: every rank raised it and goes on alike.
             _log.warning("zero3 snapshot of step %d into %s (%s) failed, training goes on: %s",
                          step, self.root, SNAPSHOT_DIR_ENV, e)
+
+    def _replicated(self):
+        """The newest step the agents copied to every replica, as this
+        node's agent wrote it; None when there is nothing to wait for (no
+        other node, or an agent that writes no such file)."""
+        path = os.path.join(self.root, REPLICATED_FILE)
+        try:
+            with open(path, "rb") as f:
+                text = f.read(64).strip()
+        except OSError:
+            return None
+        if text == b"off":
+            return None
+        try:
+            return int(text)
+        except ValueError:
+            return None  # being replaced: a rename makes that rare; read again next time
+
+    def before_update(self):
+        """Called before the optimizer changes the shards: waits until every
+        node's last snapshot is held by its replicas (collective: every rank
+        calls it at the same point, and all leave together)."""
+        want = self._committed
+        if want is None:
+            return
+        engine = self.engine
+        deadline = time.monotonic() + REPLICATION_WAIT
+        waited = False
+        while True:
+            got = self._replicated()
+            timed_out = time.monotonic() > deadline
+            ready = got is None or got >= want or timed_out
+            agreed = engine.all_reduce(torch.tensor([1.0 if ready else 0.0]), "min").item()
+            if agreed == 1.0:
+                break
+            waited = True
+            time.sleep(0.002)
+        if timed_out and not (got is None or got >= want):
+            _log.warning("zero3 snapshot of step %d: its copies to %d other node(s) did not "
+                         "complete in %.0f s (%s/%s says %s); training goes on without waiting",
+                         want, self.replicas, REPLICATION_WAIT, self.root, REPLICATED_FILE, got)
+        elif waited:
+            _log.debug("zero3 snapshot of step %d: waited for its replicas", want)
+        self._committed = None
 
     def _write_replicas(self):
         """The leader's `replicas` file, once, before its first commit."""
