@@ -28,6 +28,7 @@ usage: bench_recovery.py [--cli PATH] [--python PATH] [--runs 2] [--kill-after 6
 import argparse
 import fcntl
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -231,7 +232,9 @@ def race_one(kind, args, directory):
                  f"{kind}: step {args.kill_after} at world size {NODES}", nodes)
         done = max(r[4] for r in notes(out) if r[0] == "stepped") + 1
         memory = area_bytes(shm) if kind == "ductile" else None
-        killed = kill_node(nodes[-1])
+        victim = nodes[-1] if args.victim == "last" else random.choice(nodes)
+        survivors_of = [p for p in nodes if p is not victim]
+        killed = kill_node(victim)
         survivors = NODES - 1
 
         def after(event):
@@ -239,7 +242,7 @@ def race_one(kind, args, directory):
                     and r[5] > killed]
             return rows if len(rows) >= survivors else None
         wait_for(lambda: after("stepped") is not None, 900,
-                 f"{kind}: the survivors' first step", nodes[:-1])
+                 f"{kind}: the survivors' first step", survivors_of)
         ready = after("ready")
         for i in range(NODES - 1):  # the agents' word on what they restored
             with open(os.path.join(directory, f"node{i}.log")) as f:
@@ -257,8 +260,8 @@ def race_one(kind, args, directory):
             # (the restored copy released): the areas of the live agents.
             wait_for(lambda: len([r for r in notes(out) if r[0] == "stepped" and
                                   r[2] == survivors and r[5] > killed]) >= 8 * survivors
-                     or all(p.poll() is not None for p in nodes[:-1]), 300,
-                     f"{kind}: 8 steps after the restore", nodes[:-1])
+                     or all(p.poll() is not None for p in survivors_of), 300,
+                     f"{kind}: 8 steps after the restore", survivors_of)
             after_restore = area_bytes(shm)
             for area, (held, state) in sorted(after_restore.items()):
                 if area in memory:
@@ -300,7 +303,10 @@ def main():
     parser.add_argument("--python", default=os.path.join(ROOT, ".venv", "bin", "python"))
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--kill-after", type=int, default=6, dest="kill_after")
+    parser.add_argument("--kill-after", type=int, default=6, dest="kill_after",
+                        help="the step after which a node is killed (0: a random one of each run)")
+    parser.add_argument("--victim", default="last", choices=("last", "random"),
+                        help="the node killed: the last started, or any of the 3 at random")
     parser.add_argument("--snapshot-dir", default=None, dest="snapshot_dir")
     parser.add_argument("--launchers", default="ductile,torchrun", type=lambda s: s.split(","))
     args = parser.parse_args()
@@ -308,23 +314,29 @@ def main():
     if bad:
         sys.exit(f"bench_recovery.py: --launchers {bad[0]!r} is not valid; use "
                  f"{', '.join(NAMES)}")
-    if not 1 <= args.kill_after < args.steps:
+    if args.kill_after == 0:
+        pass  # drawn per run
+    elif not 1 <= args.kill_after < args.steps:
         sys.exit(f"bench_recovery.py: --kill-after {args.kill_after}: give 1 to --steps - 1 "
                  f"({args.steps - 1})")
     results = {kind: [] for kind in args.launchers}
     for run in range(args.runs):
+        drawn = random.randint(2, args.steps - 3) if args.kill_after == 0 else args.kill_after
         for kind in args.launchers:
             directory = tempfile.mkdtemp(prefix=f"ductile-bench-recovery-{kind}-")
             try:
-                r = race_one(kind, args, directory)
+                r = race_one(kind, argparse.Namespace(**{**vars(args), "kill_after": drawn}),
+                             directory)
             finally:
                 shutil.rmtree(directory, ignore_errors=True)
             results[kind].append(r)
-            print(f"run {run + 1} {kind}: " + ", ".join(
+            print(f"run {run + 1} {kind} (killed after step {drawn}): " + ", ".join(
                 f"{name} {value:.2f}" if isinstance(value, float) else f"{name} {value}"
                 for name, value in zip(COLUMNS, r)), flush=True)
-    print(f"\n{NODES} nodes x 1 worker on loopback, one node SIGKILLed after step "
-          f"{args.kill_after}; medians (min-max) of {args.runs} run(s); {os.cpu_count()} CPU(s)")
+    when = "a random step" if args.kill_after == 0 else f"step {args.kill_after}"
+    who = "a random node" if args.victim == "random" else "the last node started"
+    print(f"\n{NODES} nodes x 1 worker on loopback, {who} SIGKILLed after {when}; medians "
+          f"(min-max) of {args.runs} run(s); {os.cpu_count()} CPU(s)")
     print("| launcher | " + " | ".join(COLUMNS) + " |")
     print("| --- |" + " ---: |" * len(COLUMNS))
     for kind, runs in results.items():

@@ -100,7 +100,7 @@ class Target:
     committed tag folders kept). The protocol is the same."""
 
     def __init__(self, root, tag, leader, what, durable=True, keep_previous=False,
-                 node_local=False, indented=True, before_commit=None):
+                 node_local=False, indented=True, before_commit=None, reuse=False):
         self.root = root
         self.tag = tag
         self.leader = leader              # this rank writes the folder, manifest and latest
@@ -112,6 +112,9 @@ class Target:
         self.durable = durable            # fsync files and folders
         self.keep_previous = keep_previous  # double-buffered: keep the last committed one
         self.before_commit = before_commit  # leader: called before the folder is renamed
+        # Each rank overwrites its file of the oldest superseded tag folder
+        # (double-buffered snapshots: the one the commit would remove).
+        self.reuse = reuse
 
 
 class _Written:
@@ -238,7 +241,8 @@ def _write(engine, target, client_state, written):
         try:
             shard = write_file(path, shard_chunks(engine, optimizer, parameters,
                                                   header(save_id, step, rank, world)),
-                               sha256=signed, durable=target.durable)
+                               sha256=signed, durable=target.durable,
+                               reuse=_superseded_file(root, stem) if target.reuse else None)
         except OSError as e:
             raise io_error(path, "cannot write the shard file", e) from e
         return shard + [common_digest]
@@ -329,6 +333,26 @@ def _commit(target, staging, written, text, key):
         if unwanted or (entry.endswith(".tmp") and entry != LATEST + ".tmp"):
             remove_tree(os.path.join(root, entry))
     return name
+
+
+def _superseded_file(root, stem):
+    """This rank's file in the oldest tag folder of a double-buffered root
+    that `latest` does not name (the one the next commit removes), or None.
+    Once the ranks agreed that the newest snapshot is copied where it must
+    be (_snapshots.py), nothing reads that folder any more."""
+    current = _committed_name(root)
+    if current is None:
+        return None
+    oldest = None
+    for entry in os.listdir(root):
+        if entry == current or tag_problem(entry) is not None:
+            continue
+        step = entry[4:].partition(".")[0] if entry.startswith("step") else ""
+        path = os.path.join(root, entry, stem)
+        if step.isdigit() and os.path.isfile(path) and not os.path.islink(path):
+            if oldest is None or int(step) < oldest[0]:
+                oldest = (int(step), path)
+    return None if oldest is None else oldest[1]
 
 
 def _committed_name(root):

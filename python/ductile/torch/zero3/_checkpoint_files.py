@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import unicodedata
 import zlib
 
@@ -86,17 +87,23 @@ def fsync_dir(path):
         os.close(fd)
 
 
-def write_file(path, chunks, sha256=False, durable=True):
+def write_file(path, chunks, sha256=False, durable=True, reuse=None):
     """Writes `chunks` (bytes-like) to a new file and fsyncs it (unless not
     `durable`: a snapshot in memory); returns [size, CRC-32], and the
     SHA-256 (hex) when `sha256`. The file must not
     exist, not even as a link (O_EXCL, O_NOFOLLOW): a link planted in the
-    folder cannot redirect the write onto another file."""
+    folder cannot redirect the write onto another file. `reuse`: a regular
+    file of a superseded snapshot to move to `path` and overwrite in place,
+    when there is one: its memory pages are written over instead of new ones
+    being allocated, zeroed and the old ones freed (on tmpfs, most of a
+    snapshot's cost)."""
     crc, size = 0, 0
     digest = hashlib.sha256() if sha256 else None
-    fs("create", path)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o666)
+    fd = _reused(reuse, path) if reuse is not None else None
+    if fd is None:
+        fs("create", path)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o666)
     with os.fdopen(fd, "wb") as f:
         for chunk in chunks:
             fs("write", path)
@@ -106,10 +113,33 @@ def write_file(path, chunks, sha256=False, durable=True):
                 digest.update(chunk)
             size += len(chunk) if isinstance(chunk, (bytes, bytearray)) else chunk.nbytes
         f.flush()
+        if reuse is not None:
+            os.ftruncate(f.fileno(), size)  # a reused file may have been longer
         if durable:
             fs("fsync", path)
             os.fsync(f.fileno())
     return [size, crc] if digest is None else [size, crc, digest.hexdigest()]
+
+
+def _reused(old, path):
+    """`old` renamed to `path` and opened for writing over, or None when
+    there is nothing to reuse (gone, or not a regular file: never
+    followed through a link)."""
+    try:
+        fs("rename", old)
+        os.rename(old, path)
+    except OSError:
+        return None
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        os.unlink(path)
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        os.unlink(path)
+        return None
+    return fd
 
 
 def checkpoint_key():

@@ -116,6 +116,7 @@ class Snapshots:
         self._last = step
         target = _checkpoint.Target(self.root, f"step{step}", self.leader, "zero3 snapshot",
                                     durable=False, keep_previous=True, node_local=True,
+                                    reuse=True,
                                     indented=False, before_commit=self._write_replicas)
         try:
             _checkpoint.write(self.engine, target)
