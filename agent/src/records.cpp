@@ -8,16 +8,12 @@
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
-#include "ductile/pipeline/json.hpp"
+#include "record_json.hpp"
 
 namespace ductile::agent {
 namespace {
 
 using json = nlohmann::json;
-
-// Records nest 3 levels (round > failure > last_lines); nlohmann's parser
-// and destructor recurse once per level, so depth is checked first.
-constexpr std::size_t kMaxDepth = 8;
 
 std::string dump(const json& j) {
   return j.dump(-1, ' ', false, json::error_handler_t::replace);
@@ -32,33 +28,7 @@ class Reader {
  public:
   Reader(const char* what, const std::string& text, std::size_t limit = kMaxRecordBytes)
       : what_(what) {
-    if (text.size() > limit)
-      fail(fmt::format("{} bytes, more than the {} an agent writes", text.size(), limit));
-    if (pipeline::json_depth_exceeded_at(text, kMaxDepth) != std::string_view::npos)
-      fail(fmt::format("nested deeper than {} levels", kMaxDepth));
-    // A key twice in one object: nlohmann keeps the last, so that two
-    // readers (or an agent and etcdctl) could see different records.
-    std::vector<std::set<std::string>> objects;
-    std::string duplicate;
-    root_ = json::parse(
-        text,
-        [&](int, json::parse_event_t event, json& parsed) {
-          if (event == json::parse_event_t::object_start) {
-            objects.emplace_back();
-          } else if (event == json::parse_event_t::object_end) {
-            if (!objects.empty()) objects.pop_back();
-          } else if (event == json::parse_event_t::key && !objects.empty() &&
-                     !objects.back().insert(parsed.get<std::string>()).second &&
-                     duplicate.empty()) {
-            duplicate = parsed.get<std::string>();
-          }
-          return true;
-        },
-        false);
-    if (root_.is_discarded()) fail(fmt::format("not JSON: {}", excerpt(text)));
-    if (!duplicate.empty())
-      fail(fmt::format("the key \"{}\" appears twice in one object", excerpt(duplicate, 80)));
-    if (!root_.is_object()) fail(fmt::format("not a JSON object: {}", excerpt(text)));
+    if (auto problem = parse_record_object(text, limit, root_); !problem.empty()) fail(problem);
   }
   Reader(const char* what, json root) : what_(what), root_(std::move(root)) {
     if (!root_.is_object()) fail(fmt::format("not a JSON object: {}", quoted(root_)));

@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <charconv>
 #include <cstring>
+#include <random>
 #include <system_error>
 
 #include <fmt/format.h>
@@ -53,14 +54,6 @@ bool is_real_directory(const fs::path& path) {
   return fs::symlink_status(path, ec).type() == fs::file_type::directory;
 }
 
-[[noreturn]] void refuse_area(const fs::path& area, const std::string& base,
-                              const std::string& problem) {
-  throw Error(ErrorKind::invalid_argument,
-              fmt::format("the snapshot area '{}' {}: it is not this agent's to use; remove it, or "
-                          "give --snapshot-dir another directory (now: {})",
-                          area.string(), problem, base.empty() ? "the default" : "'" + base + "'"));
-}
-
 void make_private_directory(const fs::path& path) {
   if (::mkdir(path.c_str(), 0700) != 0)
     throw Error(ErrorKind::io, fmt::format("cannot make the snapshot directory '{}': {}; give "
@@ -89,8 +82,8 @@ bool private_directory_of_ours(const fs::path& path) {
          (info.st_mode & 07777) == 0700;
 }
 
-// The areas in `base` but `except` whose agents are dead (see the header).
-std::vector<fs::path> remove_dead_areas(const fs::path& base, const fs::path& except) {
+// The areas in `base` whose agents are dead (see the header).
+std::vector<fs::path> remove_dead_areas(const fs::path& base) {
   // A base such as /dev/shm may hold many files: looked at up to a bound.
   constexpr std::size_t kMaxBaseEntries = 100000;
   std::vector<fs::path> dead;
@@ -99,7 +92,7 @@ std::vector<fs::path> remove_dead_areas(const fs::path& base, const fs::path& ex
   std::size_t entries = 0;
   for (; !ec && it != end && ++entries <= kMaxBaseEntries; it.increment(ec)) {
     const fs::path path = it->path();
-    if (!path.filename().string().starts_with("ductile-snapshots-") || path == except ||
+    if (!path.filename().string().starts_with("ductile-snapshots-") ||
         !private_directory_of_ours(path))
       continue;
     const int lock = take_area_lock(path);
@@ -331,55 +324,50 @@ SnapshotArea::SnapshotArea(const std::string& base, const std::string& job_id,
                             "(default /dev/shm)",
                             base));
   }
-  root_ = dir / ("ductile-snapshots-" + job_id + "-" + node_id);
-  removed_stale_ = remove_dead_areas(dir, root_);
-  if (::mkdir(root_.c_str(), 0700) != 0) {
-    if (errno != EEXIST)
+  removed_stale_ = remove_dead_areas(dir);
+  // A name of this agent's own (two agents of one job and node id, as
+  // concurrent tests and a restarted agent have, never share an area),
+  // cut to fit a file name. It is made under a hidden name, locked, then
+  // renamed: another agent's clean-up never sees it unlocked.
+  const std::string stem =
+      fmt::format("ductile-snapshots-{}-{}", job_id.substr(0, 80), node_id.substr(0, 80));
+  std::random_device random;
+  fs::path staging;
+  for (int attempt = 0;; ++attempt) {
+    const std::string name = fmt::format("{}-{}-{:08x}", stem, ::getpid(), random());
+    staging = dir / ("." + name);
+    root_ = dir / name;
+    if (::mkdir(staging.c_str(), 0700) == 0) break;
+    if (errno != EEXIST || attempt == 8)
       throw Error(ErrorKind::io,
                   fmt::format("cannot make the snapshot area '{}': {}; give --snapshot-dir a "
                               "writable directory",
-                              root_.string(), std::strerror(errno)));
-    // An earlier agent of this node and job left it (killed): reused only
-    // when it is certainly this user's private directory.
-    struct stat info {};
-    if (::lstat(root_.c_str(), &info) != 0)
-      refuse_area(root_, base, fmt::format("cannot be examined ({})", std::strerror(errno)));
-    if (S_ISLNK(info.st_mode)) refuse_area(root_, base, "is a symbolic link");
-    if (!S_ISDIR(info.st_mode)) refuse_area(root_, base, "exists and is not a directory");
-    if (info.st_uid != ::geteuid())
-      refuse_area(
-          root_, base,
-          fmt::format("belongs to user id {}, not to this agent's ({})", info.st_uid, ::geteuid()));
-    if ((info.st_mode & 07777) != 0700)
-      refuse_area(root_, base, fmt::format("has mode {:04o}, not 0700", info.st_mode & 07777));
-    const int earlier_lock = take_area_lock(root_);
-    if (earlier_lock < 0 && fs::exists(root_ / kSnapshotLockFile, ec))
-      refuse_area(root_, base,
-                  "is in use by a running agent of the same job and node id (it holds the area's "
-                  "lock)");
-    fs::remove_all(root_, ec);
-    if (earlier_lock >= 0) ::close(earlier_lock);
-    if (ec)
-      throw Error(ErrorKind::io,
-                  fmt::format("cannot remove the snapshot area '{}' an earlier agent left: {}; "
-                              "remove it, or give --snapshot-dir another directory",
-                              root_.string(), ec.message()));
-    make_private_directory(root_);
-  } else {
-    ::chmod(root_.c_str(), 0700);
+                              staging.string(), std::strerror(errno)));
   }
-  make_private_directory(own());
-  make_private_directory(replicas());
-  make_private_directory(restore());
-  lock_fd_ = ::open((root_ / kSnapshotLockFile).c_str(),
+  // A umask may have taken the owner's bits: the area is the agent's alone.
+  ::chmod(staging.c_str(), 0700);
+  lock_fd_ = ::open((staging / kSnapshotLockFile).c_str(),
                     O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (lock_fd_ < 0 || ::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
     const int error = errno;
-    remove();
+    fs::remove_all(staging, ec);
     throw Error(ErrorKind::io,
                 fmt::format("cannot lock the snapshot area '{}': {}; give --snapshot-dir a "
                             "directory of a local file system",
-                            root_.string(), std::strerror(error)));
+                            staging.string(), std::strerror(error)));
+  }
+  try {
+    for (const char* part : {"own", "replicas", "restore"}) make_private_directory(staging / part);
+  } catch (...) {
+    fs::remove_all(staging, ec);
+    throw;
+  }
+  if (::rename(staging.c_str(), root_.c_str()) != 0) {
+    const int error = errno;
+    fs::remove_all(staging, ec);
+    throw Error(ErrorKind::io, fmt::format("cannot make the snapshot area '{}': {}; give "
+                                           "--snapshot-dir a writable directory",
+                                           root_.string(), std::strerror(error)));
   }
 }
 

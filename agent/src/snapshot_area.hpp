@@ -4,21 +4,23 @@
 // assembles a snapshot to restore (restore/<tag>/). Created when the agent
 // starts, removed when it leaves. Internal to libductile_agent.
 //
-// The area is <base>/ductile-snapshots-<job id>-<node id>, base being
-// --snapshot-dir or, by default, /dev/shm when it is a directory (tmpfs:
-// memory, not disk), else the system's temporary directory.
+// The area is <base>/ductile-snapshots-<job id>-<node id>-<pid>-<random>
+// (each agent's own, even for two agents of one job and node id), base
+// being --snapshot-dir or, by default, /dev/shm when it is a directory
+// (tmpfs: memory, not disk), else the system's temporary directory.
 //
-// An agent holds an exclusive flock on <area>/lock all its life. When an
-// area is made, every other ductile-snapshots-* directory in the same base
-// that is this user's, of mode 0700, with a lock no one holds (its agent
-// was killed) is removed; a live agent's is left alone.
+// An agent holds an exclusive flock on <area>/lock all its life; the area
+// is made under a hidden name and renamed once locked. When an area is
+// made, every ductile-snapshots-* directory in the same base that is this
+// user's, of mode 0700, with a lock no one holds (its agent was killed) is
+// removed; a live agent's is left alone.
 //
 // Ownership: SnapshotArea owns the directory and removes it (with what is
 // in it) when destroyed or remove()d. Threading: the listing functions
 // only read the file system and may run on any thread; a folder removed
 // while it is listed is left out. Errors: the constructor throws
-// ductile::Error (invalid_argument) for a path that is not the agent's to
-// use, naming it and --snapshot-dir; (io) when it cannot be made.
+// ductile::Error (invalid_argument) when `base` is not a directory, (io)
+// when the area cannot be made or locked, naming it and --snapshot-dir.
 #pragma once
 
 #include <filesystem>

@@ -11,7 +11,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "ductile/pipeline/json.hpp"
+#include "record_json.hpp"
 
 namespace ductile::agent {
 // Not an anonymous namespace: unity builds put several of the library's
@@ -19,10 +19,6 @@ namespace ductile::agent {
 namespace snapshot_plan_detail {
 
 using json = nlohmann::json;
-
-// root > replicas > list > copy > files: 5 levels; nlohmann's parser and
-// destructor recurse once per level, so depth is checked before parsing.
-constexpr std::size_t kMaxDepth = 8;
 
 constexpr const char* kManifest = "manifest.json";
 constexpr const char* kManifestSha256 = "manifest.json.sha256";
@@ -83,33 +79,8 @@ bool snapshot_file_valid(const std::string& name, std::int64_t world) {
 class HoldingsReader {
  public:
   explicit HoldingsReader(const std::string& text) {
-    if (text.size() > kMaxRecordBytes)
-      fail(fmt::format("{} bytes, more than the {} an agent writes", text.size(), kMaxRecordBytes));
-    if (pipeline::json_depth_exceeded_at(text, kMaxDepth) != std::string_view::npos)
-      fail(fmt::format("nested deeper than {} levels", kMaxDepth));
-    // A key twice in one object: nlohmann keeps the last, so two readers
-    // could see different records.
-    std::vector<std::set<std::string>> objects;
-    std::string duplicate;
-    root_ = json::parse(
-        text,
-        [&](int, json::parse_event_t event, json& parsed) {
-          if (event == json::parse_event_t::object_start) {
-            objects.emplace_back();
-          } else if (event == json::parse_event_t::object_end) {
-            if (!objects.empty()) objects.pop_back();
-          } else if (event == json::parse_event_t::key && !objects.empty() &&
-                     !objects.back().insert(parsed.get<std::string>()).second &&
-                     duplicate.empty()) {
-            duplicate = parsed.get<std::string>();
-          }
-          return true;
-        },
-        false);
-    if (root_.is_discarded()) fail(fmt::format("not JSON: {}", excerpt(text)));
-    if (!duplicate.empty())
-      fail(fmt::format("the key \"{}\" appears twice in one object", excerpt(duplicate, 80)));
-    if (!root_.is_object()) fail(fmt::format("not a JSON object: {}", excerpt(text)));
+    if (auto problem = parse_record_object(text, kMaxRecordBytes, root_); !problem.empty())
+      fail(problem);
   }
 
   [[noreturn]] void fail(const std::string& problem) const {
