@@ -261,7 +261,7 @@ class Zero3Engine:
         scaling); gradient shards are complete when it returns."""
         if self._scaler is not None:
             loss = loss * self._scaler.scale
-        if self.step_in_backward:
+        if self.step_in_backward and self._snapshots.enabled:
             # The optimizer steps during this backward: the last snapshot's
             # replicas must be complete first.
             self._snapshots.before_update()
@@ -300,19 +300,25 @@ class Zero3Engine:
         Every log_interval steps, a progress line; every snapshot_interval
         steps under ``ductile agent``, a snapshot in memory (_snapshots.py;
         both collective)."""
-        self._snapshots.before_update()
+        # Attributes, not calls, when snapshots are off: the step's host
+        # work is counted (tests/python/test_zero3_groups.py).
+        snapshots = self._snapshots
+        if snapshots.enabled:
+            snapshots.before_update()
         log = self._step_log
         logged = log is not None and log.due(self._steps.global_step + 1)
         if logged:
             groups = self.optimizer.param_groups if self.optimizer is not None else ()
             lr = groups[0]["lr"] if groups else None
         self._steps.step()
-        if self.lr_scheduler is not None and self._steps.step_applied:
-            self.lr_scheduler.step(**(lr_kwargs or {}))
+        scheduler = self._lr_scheduler
+        if scheduler is not None and self._steps.step_applied:
+            scheduler.step(**(lr_kwargs or {}))
         if logged:
             assert log is not None  # logged only with a log
             log.log(lr)
-        self._snapshots.after_step()
+        if snapshots.enabled:
+            snapshots.after_step()
 
     def zero_grad(self):
         """Clears the gradient shards (step() does it after stepping)."""
