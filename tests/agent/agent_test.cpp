@@ -453,6 +453,51 @@ nlohmann::json plain_losses(const std::filesystem::path& dir, int steps) {
   return nlohmann::json::parse(read_text(dir / "plain.json"));
 }
 
+// A zero3 test job's folders (train: the workers' checkpoints and
+// losses.jsonl; reference: plain torch's run), plain torch's losses of its
+// `steps` steps at global batch 24 (the plan of every valid world size of
+// kJobToml), and its workers' command.
+struct Zero3Run {
+  std::filesystem::path train, reference;
+  int steps;
+  nlohmann::json expected;
+
+  Zero3Run(const Job& job, int steps_)
+      : train(job.dir / "train"), reference(job.dir / "reference"), steps(steps_) {
+    std::filesystem::create_directories(train);
+    std::filesystem::create_directories(reference);
+    expected = plain_losses(reference, steps);
+    REQUIRE(expected.size() == static_cast<std::size_t>(steps));
+  }
+
+  // zero3_resume.py OUT STEPS ARGS..., `pause` seconds between steps.
+  std::vector<std::string> worker(const std::string& pause,
+                                  const std::vector<std::string>& args = {}) const {
+    auto command = zero3_python();
+    command.insert(command.begin() + 1, "ZERO3_STEP_PAUSE=" + pause);
+    command.push_back(train.string());
+    command.push_back(std::to_string(steps));
+    command.insert(command.end(), args.begin(), args.end());
+    return command;
+  }
+
+  // Each line of losses.jsonl in order, its loss checked against plain
+  // torch's first (fp32, 1e-5): f(entry, step, world).
+  template <class F>
+  void each_line(F f) const {
+    std::istringstream log(read_text(train / "losses.jsonl"));
+    for (std::string line; std::getline(log, line);) {
+      auto entry = nlohmann::json::parse(line);
+      const int step = entry["step"].get<int>(), world = entry["world"].get<int>();
+      REQUIRE(step < steps);
+      const double loss = entry["loss"].get<double>(), want = expected[step].get<double>();
+      INFO("step " << step << " world " << world << ": " << loss << " vs " << want);
+      CHECK(std::abs(loss - want) <= 1e-5 * std::abs(want));
+      f(entry, step, world);
+    }
+  }
+};
+
 }  // namespace
 
 // ZeRO-3 workers (ductile.torch.zero3 on the cpu backend) whose MPI world the
@@ -463,18 +508,10 @@ nlohmann::json plain_losses(const std::filesystem::path& dir, int steps) {
 TEST_CASE("agent: zero3 workers resume from their checkpoint at the new world size") {
   Job job;
   constexpr int kSteps = 12;
-  const std::filesystem::path train = job.dir / "train", reference = job.dir / "reference";
-  std::filesystem::create_directories(train);
-  std::filesystem::create_directories(reference);
-  // The reference: one process, torch alone, the same global batch (24, the
-  // plan of every valid world size of the job's configuration).
-  auto expected = plain_losses(reference, kSteps);
-  REQUIRE(expected.size() == static_cast<std::size_t>(kSteps));
-
-  auto worker = zero3_python();
-  worker.insert(worker.begin() + 1, "ZERO3_STEP_PAUSE=0.4");
-  worker.push_back(train.string());
-  worker.push_back(std::to_string(kSteps));
+  // The reference: one process, torch alone, the same global batch.
+  const Zero3Run run(job, kSteps);
+  const auto& train = run.train;
+  auto worker = run.worker("0.4");
   std::vector<std::string> options = {
       "--nproc-per-node", "1", "--mpi-world", "--min-nodes", "1", "--settle", "1",
       "--stop-grace",     "2"};
@@ -498,14 +535,8 @@ TEST_CASE("agent: zero3 workers resume from their checkpoint at the new world si
 
   // Every step trained, in either round, lost what plain torch lost; the
   // 1-rank round went on from the step the 2-rank round last saved.
-  std::istringstream log(read_text(train / "losses.jsonl"));
   int last_step = -1, resumed_at = -1, resumed_from_world = 0, rounds_seen = 0, previous = -1;
-  for (std::string line; std::getline(log, line);) {
-    auto entry = nlohmann::json::parse(line);
-    int step = entry["step"].get<int>(), world = entry["world"].get<int>();
-    double loss = entry["loss"].get<double>(), want = expected[step].get<double>();
-    INFO("step " << step << " world " << world << ": " << loss << " vs " << want);
-    CHECK(std::abs(loss - want) <= 1e-5 * std::abs(want));
+  run.each_line([&](const nlohmann::json& entry, int step, int world) {
     if (world == 1 && resumed_at < 0 && !entry["resumed"].is_null()) {
       resumed_at = entry["resumed"]["step"].get<int>();
       resumed_from_world = entry["resumed"]["world"].get<int>();
@@ -515,7 +546,7 @@ TEST_CASE("agent: zero3 workers resume from their checkpoint at the new world si
     if (step == 0) ++rounds_seen;
     previous = step;
     last_step = step;
-  }
+  });
   CHECK(lines() >= kSteps);
   CHECK(rounds_seen == 1);  // round 1 started from scratch, round 2 did not
   CHECK(resumed_at >= 3);
@@ -536,16 +567,8 @@ TEST_CASE("agent: zero3 workers resume from their checkpoint at the new world si
 TEST_CASE("agent: a scale-up from 2 to 3 zero3 nodes checkpoints first and loses no step") {
   Job job;
   constexpr int kSteps = 14;
-  const std::filesystem::path train = job.dir / "train", reference = job.dir / "reference";
-  std::filesystem::create_directories(train);
-  std::filesystem::create_directories(reference);
-  auto expected = plain_losses(reference, kSteps);
-  REQUIRE(expected.size() == static_cast<std::size_t>(kSteps));
-
-  auto worker = zero3_python();
-  worker.insert(worker.begin() + 1, "ZERO3_STEP_PAUSE=0.4");
-  for (std::string arg : {train.string(), std::to_string(kSteps), std::string("--on-request")})
-    worker.push_back(arg);
+  const Zero3Run run(job, kSteps);
+  auto worker = run.worker("0.4", {"--on-request"});
   std::vector<std::string> options = {"--nproc-per-node",
                                       "1",
                                       "--mpi-world",
@@ -581,16 +604,9 @@ TEST_CASE("agent: a scale-up from 2 to 3 zero3 nodes checkpoints first and loses
 
   // Each step once, with plain torch's loss; round 2 starts where round 1
   // saved.
-  std::istringstream log(read_text(train / "losses.jsonl"));
   std::vector<int> trained_at(kSteps, 0);
   int last_of_round1 = -1, first_of_round2 = -1;
-  for (std::string line; std::getline(log, line);) {
-    auto entry = nlohmann::json::parse(line);
-    int step = entry["step"].get<int>(), world = entry["world"].get<int>();
-    REQUIRE(step < kSteps);
-    double loss = entry["loss"].get<double>(), want = expected[step].get<double>();
-    INFO("step " << step << " world " << world << ": " << loss << " vs " << want);
-    CHECK(std::abs(loss - want) <= 1e-5 * std::abs(want));
+  run.each_line([&](const nlohmann::json& entry, int step, int world) {
     ++trained_at[step];
     if (world == 2) last_of_round1 = std::max(last_of_round1, step);
     if (world == 3 && first_of_round2 < 0) {
@@ -598,7 +614,7 @@ TEST_CASE("agent: a scale-up from 2 to 3 zero3 nodes checkpoints first and loses
       CHECK(entry["resumed"]["step"].get<int>() == step);
       CHECK(entry["resumed"]["world"].get<int>() == 2);
     }
-  }
+  });
   for (int step = 0; step < kSteps; ++step) {
     INFO("step " << step);
     CHECK(trained_at[step] == 1);  // none lost, none repeated
@@ -620,20 +636,13 @@ TEST_CASE("agent: a scale-up from 2 to 3 zero3 nodes checkpoints first and loses
 TEST_CASE("agent: a lost node's zero3 state is restored from the survivors' memory") {
   Job job;
   constexpr int kSteps = 14;
-  const std::filesystem::path train = job.dir / "train", reference = job.dir / "reference";
-  std::filesystem::create_directories(train);
-  std::filesystem::create_directories(reference);
-  auto expected = plain_losses(reference, kSteps);
-  REQUIRE(expected.size() == static_cast<std::size_t>(kSteps));
+  const Zero3Run run(job, kSteps);
   std::random_device random;
   const int kill_after = 2 + static_cast<int>(random() % 5);  // a step of 2..6
   const int victim = static_cast<int>(random() % 3);
   INFO("node " << victim << " killed after step " << kill_after);
 
-  auto worker = zero3_python();
-  worker.insert(worker.begin() + 1, "ZERO3_STEP_PAUSE=0.3");
-  for (std::string arg : {train.string(), std::to_string(kSteps), std::string("--memory")})
-    worker.push_back(arg);
+  auto worker = run.worker("0.3", {"--memory"});
   const std::string shm = (job.dir / "shm").string();
   std::filesystem::create_directories(shm);
   std::vector<std::string> options = {"--nproc-per-node",
@@ -674,16 +683,9 @@ TEST_CASE("agent: a lost node's zero3 state is restored from the survivors' memo
   CHECK(count_of(out, "round 2: restored step ") == 2);
   CHECK(count_of(out, "from memory: 2 of 3 nodes' own copies, 1 replica; ") == 2);
 
-  std::istringstream log(read_text(train / "losses.jsonl"));
   std::vector<int> trained_at(kSteps, 0);
   int restored = -1;
-  for (std::string line; std::getline(log, line);) {
-    auto entry = nlohmann::json::parse(line);
-    int step = entry["step"].get<int>(), world = entry["world"].get<int>();
-    REQUIRE(step < kSteps);
-    double loss = entry["loss"].get<double>(), want = expected[step].get<double>();
-    INFO("step " << step << " world " << world << ": " << loss << " vs " << want);
-    CHECK(std::abs(loss - want) <= 1e-5 * std::abs(want));
+  run.each_line([&](const nlohmann::json& entry, int step, int world) {
     ++trained_at[step];
     if (world == 2 && restored < 0) {
       REQUIRE(entry["resumed"].is_object());
@@ -691,7 +693,7 @@ TEST_CASE("agent: a lost node's zero3 state is restored from the survivors' memo
       restored = entry["resumed"]["step"].get<int>();
       CHECK(step == restored);
     }
-  }
+  });
   CHECK(restored >= kill_after);
   int again = 0;
   for (int step = 0; step < kSteps; ++step) {
@@ -720,16 +722,8 @@ TEST_CASE("agent: a lost node's zero3 state is restored from the survivors' memo
 TEST_CASE("agent: two nodes lost with one replica fall back to the disk checkpoint") {
   Job job;
   constexpr int kSteps = 8;
-  const std::filesystem::path train = job.dir / "train", reference = job.dir / "reference";
-  std::filesystem::create_directories(train);
-  std::filesystem::create_directories(reference);
-  auto expected = plain_losses(reference, kSteps);
-  REQUIRE(expected.size() == static_cast<std::size_t>(kSteps));
-
-  auto worker = zero3_python();
-  worker.insert(worker.begin() + 1, "ZERO3_STEP_PAUSE=0.3");
-  worker.push_back(train.string());
-  worker.push_back(std::to_string(kSteps));
+  const Zero3Run run(job, kSteps);
+  auto worker = run.worker("0.3");
   const std::string shm = (job.dir / "shm").string();
   std::filesystem::create_directories(shm);
   std::vector<std::string> options = {
@@ -768,18 +762,12 @@ TEST_CASE("agent: two nodes lost with one replica fall back to the disk checkpoi
 
   // Round 2 went on from the disk checkpoint: every loss plain torch's,
   // the last step trained.
-  std::istringstream log(read_text(train / "losses.jsonl"));
   int last = -1, resumed_at = -1;
-  for (std::string line; std::getline(log, line);) {
-    auto entry = nlohmann::json::parse(line);
-    int step = entry["step"].get<int>(), world = entry["world"].get<int>();
-    double loss = entry["loss"].get<double>(), want = expected[step].get<double>();
-    INFO("step " << step << " world " << world << ": " << loss << " vs " << want);
-    CHECK(std::abs(loss - want) <= 1e-5 * std::abs(want));
+  run.each_line([&](const nlohmann::json& entry, int step, int world) {
     if (world == 1 && resumed_at < 0 && !entry["resumed"].is_null())
       resumed_at = entry["resumed"]["step"].get<int>();
     last = step;
-  }
+  });
   CHECK(resumed_at >= 3);
   CHECK(last == kSteps - 1);
   if (!no_marked_processes(job.marker)) job.dump();
