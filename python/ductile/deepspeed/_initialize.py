@@ -244,7 +244,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
     batch = batch_sizes(training, world_size, loaded.origin)
     model_params = list(model.parameters())
     factory = _factory_of(optimizer, model_parameters, settings, model_params, loaded.origin)
-    zero3 = Zero3Engine(model, factory, settings)
+    zero3 = Zero3Engine(model, factory, settings, move_model=True)
     scheduler = _scheduler(lr_scheduler, zero3.optimizer, training)
     loader = _dataloader(training_data, batch[1], collate_fn, training["dataloader_drop_last"],
                          world_size, rank)

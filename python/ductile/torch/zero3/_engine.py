@@ -69,11 +69,14 @@ class Zero3Engine:
     """The ZeRO-3 engine over one model, as ``ductile.torch.zero3.initialize``
     makes it (its arguments are described there): DeepSpeed's engine API,
     each call handed to the part that does it (ShardedModel,
-    OptimizerStep, LossScaling)."""
+    OptimizerStep, LossScaling). ``move_model``: move the model to the
+    accelerator's device first, as ``deepspeed.initialize`` does (its
+    drop-in passes it); zero3.initialize refuses a model elsewhere instead."""
 
     def __init__(self, model, optimizer_factory=None, config=None, *, plugin_path=None,
                  mixed_precision=None, load_from=None, group=None, step_in_backward=False,
-                 groups="auto", offload_optimizer=None, max_device_memory=None):
+                 groups="auto", offload_optimizer=None, max_device_memory=None,
+                 move_model=False):
         if not isinstance(model, torch.nn.Module):
             raise InvalidArgumentError(
                 f"zero3.initialize: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -99,7 +102,7 @@ class Zero3Engine:
 
         sharded = ShardedModel(model, settings.loaded.runtime, world, precision, groups,
                                offload, max_device_memory, load_from,
-                               optimizer_factory is not None, step_in_backward)
+                               optimizer_factory is not None, step_in_backward, move_model)
         self.module = model
         self.comm = sharded.comm
         self.rank = sharded.rank

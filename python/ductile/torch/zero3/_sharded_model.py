@@ -38,7 +38,7 @@ class ShardedModel:
     placement and offload, the gradient reducer and the passes."""
 
     def __init__(self, model, runtime, world, precision, groups, offload, max_device_memory,
-                 load_from, has_optimizer, step_in_backward):
+                 load_from, has_optimizer, step_in_backward, move_model=False):
         self.session = _ductile.zero.Session(runtime, world)
         self.memory = DeviceMemory(self.session.backend)
         if self.session.host_world:
@@ -54,6 +54,10 @@ class ShardedModel:
         self.world_size = self.session.size
 
         self.sharding = Sharding(self.session, self.memory, self.comm, precision)
+        if move_model and not any(p.is_meta for p in model.parameters()):
+            # DeepSpeed's engine takes the model where it was built (the HF
+            # Trainer leaves it on the CPU for it) and moves it, buffers too.
+            model.to(self.memory.device)
         self.params = self.sharding.collect(model)
         units = self.sharding.plan(model, groups)
         self.groups = self.sharding.groups
