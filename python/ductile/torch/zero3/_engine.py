@@ -340,9 +340,6 @@ class Zero3Engine:
         (fp32 masters with mixed precision)."""
         return [zp.shard for zp in self._params]
 
-    def named_shards(self):
-        return [(zp.name, zp.shard) for zp in self._params]
-
     def stats(self):
         """The coordinator's counters (gathers, prefetched, waited time, live
         and peak elements, trace) plus the engine's gradient reduce-scatters."""

@@ -185,9 +185,3 @@ class GradientReducer:
         for group in groups:
             for p in group.params:
                 p.grad = None
-
-    @staticmethod
-    def discard_accumulated(groups):
-        for group in groups:
-            group.accumulated = None
-            group.accumulated_mask = None

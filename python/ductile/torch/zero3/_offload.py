@@ -73,11 +73,6 @@ class HostShard:
                 torch.zeros(n, dtype=group.dtype, pin_memory=self.pinned)
             self.half_views = self.half.split(group.sizes)
 
-    @property
-    def host_bytes(self):
-        return sum(t.numel() * t.element_size()
-                   for t in (self.master, self.grad, self.half) if t is not None)
-
 
 def _record(stream):
     event = torch.cuda.Event()
