@@ -47,7 +47,7 @@ u64 bounded(std::string_view key, std::int64_t value, std::int64_t min, std::str
 }  // namespace
 
 Settings read_settings(const Params& params, std::string_view policy) {
-  if (!params.get_bool_or("enabled", true))
+  if (!params.get_bool("enabled"))
     config_error(
         fmt::format("elasticity ({}): enabled = false: elasticity is disabled; set "
                     "enabled = true to compute an elastic plan",
@@ -90,8 +90,8 @@ Settings read_settings(const Params& params, std::string_view policy) {
                       policy, i, micro[i], kLimitText));
     s.micro_batch_sizes.push_back(static_cast<u64>(micro[i]));
   }
-  std::int64_t min_gpus = params.get_int_or("min_gpus", 1);
-  std::int64_t max_gpus = params.get_int_or("max_gpus", 10000);
+  std::int64_t min_gpus = params.get_int("min_gpus");
+  std::int64_t max_gpus = params.get_int("max_gpus");
   if (min_gpus < 1 || max_gpus < 1)
     config_error_at(min_gpus < 1 ? "min_gpus" : "max_gpus",
                     fmt::format("elasticity ({}): min_gpus and max_gpus must be >= 1, given "
@@ -105,13 +105,13 @@ Settings read_settings(const Params& params, std::string_view policy) {
   s.min_gpus = bounded("min_gpus", min_gpus, 1, policy);
   s.max_gpus = bounded("max_gpus", max_gpus, 1, policy);
   s.model_parallel_size =
-      bounded("model_parallel_size", params.get_int_or("model_parallel_size", 1), 1, policy);
+      bounded("model_parallel_size", params.get_int("model_parallel_size"), 1, policy);
   s.num_gpus_per_node =
-      bounded("num_gpus_per_node", params.get_int_or("num_gpus_per_node", 1), 1, policy);
-  s.min_time = bounded("min_time", params.get_int_or("min_time", 0), 0, policy);
+      bounded("num_gpus_per_node", params.get_int("num_gpus_per_node"), 1, policy);
+  s.min_time = bounded("min_time", params.get_int("min_time"), 0, policy);
   s.max_train_batch_size =
       bounded("max_train_batch_size", params.get_int("max_train_batch_size"), 1, policy);
-  s.prefer_larger_batch = params.get_bool_or("prefer_larger_batch", true);
+  s.prefer_larger_batch = params.get_bool("prefer_larger_batch");
   return s;
 }
 
