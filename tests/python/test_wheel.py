@@ -377,34 +377,6 @@ def needed(binary):
     return set(wheel_support.dynamic_section(binary)[0])
 
 
-def sections(binary):
-    """Name -> (address, size) of each section of `binary`."""
-    found = {}
-    for line in run(["readelf", "-SW", binary]).splitlines():
-        match = re.search(r"\]\s+(\S+)\s+\S+\s+([0-9a-f]{16})\s+[0-9a-f]+\s+([0-9a-f]+)", line)
-        if match:
-            found[match[1]] = (int(match[2], 16), int(match[3], 16))
-    return found
-
-
-def check_startup_functions_first(program, plugins):
-    """The functions start-up runs lead the text of the program and of each
-    built-in plugin with the static runtime, in a section of their own
-    (sdk/static_runtime/startup_functions.txt), the program's entry point
-    (_start) among them."""
-    placed = sections(program)
-    assert ".text.ductile_startup" in placed, (program, sorted(placed))
-    start, size = placed[".text.ductile_startup"]
-    header = run(["readelf", "-h", program])
-    entry = int(re.search(r"Entry point address:\s+0x([0-9a-f]+)", header)[1], 16)
-    assert start <= entry < start + size, (hex(entry), hex(start), hex(size))
-    for plugin in plugins:
-        placed = sections(plugin)
-        assert placed.get(".text.ductile_startup", (0, 0))[1] > 0, (plugin, placed)
-        # In front of the rest of the text: the start of the mapped code.
-        assert placed[".text.ductile_startup"][0] < placed[".text"][0], (plugin, placed)
-
-
 def check_static_runtime(installed, cwd):
     """The Release build links the C++ runtime, fmt, spdlog and TOML++ into
     the program and the built-in plugins (DUCTILE_STATIC_RUNTIME), the
@@ -419,7 +391,6 @@ def check_static_runtime(installed, cwd):
         "batching_bfd", "lr_linear", "lr_sqrt", "lr_none", "zero_partitioned")]
     for plugin in static_plugins:
         assert needed(plugin) <= SYSTEM_ONLY, (NOT_WRAPPED, plugin, needed(plugin))
-    check_startup_functions_first(program, static_plugins)
     assert "libstdc++.so.6" in needed(os.path.join(plugins, "libductile_accelerator_cpu.so"))
 
     # A plugin's error, thrown in the plugin's runtime, is caught by the

@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# The commands whose start-up run.sh races against /bin/true, and whose
-# functions tools/startup/order_functions.py lists: writes their input files
-# into WORK and prints one line per command, "name<TAB>command line".
+# The commands whose start-up run.sh races against /bin/true: writes their
+# input files into WORK and prints one line per command, "name<TAB>command line".
 # Usage: tests/benchmarks/startup/commands.sh WORK DUCTILE
 # (WORK an existing directory without spaces, DUCTILE the program.)
 set -euo pipefail
