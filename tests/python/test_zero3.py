@@ -11,6 +11,7 @@ runs are separate processes (zero3_worker.py)."""
 
 import os
 import sys
+import warnings
 
 import pytest
 
@@ -287,6 +288,42 @@ def test_a_dict_is_a_deepspeed_config_here_as_for_load_config():
     engine = zero3.initialize(make_model(layers=1), None,
                               ductile.load_config(sections, format="toml"))
     engine.close()
+
+
+def test_an_argument_wins_over_the_config_key_and_a_warning_names_the_key():
+    """initialize's arguments that say what a config key says replace it,
+    each with a UserWarning (from the caller's line) naming the key; an
+    argument the config leaves unset warns of nothing."""
+    ds = {"train_batch_size": 2, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
+          "optimizer": {"type": "Adam", "params": {"lr": 5e-3}}}
+    with pytest.warns(UserWarning) as caught:
+        engine = zero3.initialize(make_model(layers=1), lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                  ds, mixed_precision="fp16")
+    try:
+        assert engine.mixed_precision.param_dtype == torch.float16
+        assert type(engine.optimizer).__name__ == "SGD"
+    finally:
+        engine.close()
+    messages = sorted(str(w.message) for w in caught)
+    assert messages == [
+        "zero3.initialize: the mixed_precision argument replaces <dict>'s bf16/fp16 section "
+        "(an argument given to initialize wins over the config)",
+        "zero3.initialize: the optimizer_factory argument replaces <dict>'s optimizer section "
+        "(an argument given to initialize wins over the config)"], messages
+    assert {w.filename for w in caught} == {__file__}
+    offloaded = CONFIG + 'offload_optimizer = "cpu"\n'
+    adam = lambda ps: torch.optim.Adam(ps, lr=1e-3)  # noqa: E731
+    with pytest.warns(UserWarning, match=r"the offload_optimizer argument replaces "
+                                         r"<string>'s \[zero\] offload_optimizer"):
+        engine = zero3.initialize(make_model(layers=1), adam, offloaded, offload_optimizer=False)
+    try:
+        assert engine.stats()["offloaded_groups"] == []
+    finally:
+        engine.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        zero3.initialize(make_model(layers=1), adam, CONFIG, mixed_precision="bf16",
+                         offload_optimizer="cpu").close()
 
 
 def test_unsupported_dtype_names_the_parameter():

@@ -90,6 +90,10 @@ def initialize(model, optimizer_factory=None, config=None, *, plugin_path=None,
     bytes (int) or a fraction of the device's memory (float): the groups'
     optimizers that do not fit go to the host. ``engine.stats()`` reports
     the placement and the device bytes (docs/zero3.md, "Offload").
+    ``mixed_precision``, ``offload_optimizer`` and ``optimizer_factory``
+    win over what the config sets for the same thing (its bf16/fp16
+    sections, offload_optimizer key, optimizer section), with a UserWarning
+    naming the key they replace.
     ``allow_config_plugins``: load plugins from the directories the
     config's own ``[plugins] path`` names (off: see ``ductile.load_config``).
     Under ``ductile agent``, the engine writes snapshots of the training

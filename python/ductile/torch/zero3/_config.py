@@ -125,9 +125,29 @@ def resolve(config, plugin_path, mixed_precision, world):
     if mixed_precision is not None:
         if not isinstance(mixed_precision, _precision.MixedPrecision):
             mixed_precision = _precision.MixedPrecision(mixed_precision)
+        if precision is not None:
+            _warn_replaced("mixed_precision", "bf16/fp16 section", loaded.origin)
         precision = mixed_precision
     return Settings(loaded, precision, clipping, _offload_of(loaded.runtime), optimizer,
                     training)
+
+
+def _warn_replaced(argument, key, origin):
+    warnings.warn(f"zero3.initialize: the {argument} argument replaces {origin}'s {key} "
+                  "(an argument given to initialize wins over the config)", UserWarning,
+                  stacklevel=5)
+
+
+def warn_overridden(settings, optimizer_factory, offload_optimizer):
+    """Warns for each of initialize's arguments that replaces what the
+    config set (the rule: the argument wins); mixed_precision is resolve's."""
+    origin = settings.loaded.origin
+    if optimizer_factory is not None and settings.optimizer is not None:
+        _warn_replaced("optimizer_factory", "optimizer section", origin)
+    if offload_optimizer is not None and settings.offload.optimizer:
+        key = ("zero_optimization.offload_optimizer" if settings.loaded.format == "deepspeed"
+               else "[zero] offload_optimizer")
+        _warn_replaced("offload_optimizer", key, origin)
 
 
 def log_interval(settings):

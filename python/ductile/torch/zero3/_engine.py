@@ -92,6 +92,8 @@ class Zero3Engine:
         # for a TOML.
         self.training = settings.training
         self.mixed_precision = precision = settings.mixed_precision
+        if settings is not config:  # not the DeepSpeed drop-in's, resolved from its config
+            _config.warn_overridden(settings, optimizer_factory, offload_optimizer)
         if optimizer_factory is None:
             optimizer_factory = settings.optimizer
         offload = settings.offload
