@@ -81,5 +81,8 @@ void register_host_buffer(py::module_& m);
 // and a read scheduler block as {"type", "params"} (Runtime.from_deepspeed).
 void register_lr_schedules(py::module_& m);
 py::object deepspeed_scheduler_dict(const pipeline::DeepSpeedScheduleSpec& spec);
+// _ductile.shard_io: CRC-32C and the checksummed write of shard files
+// (shard_io.cpp).
+void register_shard_io(py::module_& m);
 
 }  // namespace ductile::python

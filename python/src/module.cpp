@@ -472,4 +472,6 @@ PYBIND11_MODULE(_ductile, m) {
   dp::register_host_buffer(optimizer);
   auto lr_schedules = m.def_submodule("lr_schedules");
   dp::register_lr_schedules(lr_schedules);
+  auto shard_io = m.def_submodule("shard_io");
+  dp::register_shard_io(shard_io);
 }

@@ -161,7 +161,9 @@ def test_a_failed_load_changes_nothing(tmp_path):
 
     data[-5] ^= 0xFF
     shard.write_bytes(bytes(data))
-    with pytest.raises(ductile.IoError, match=r"rank0-of-1.bin: CRC-32 .* corrupt"):
+    with pytest.raises(ductile.IoError, match=r"rank0-of-1.bin: CRC-32C 0x[0-9a-f]{8} differs "
+                                              r"from the manifest's 0x[0-9a-f]{8}: the shard "
+                                              r"file is corrupt"):
         engine.load(root)
     assert same(snapshot(engine), before) and engine.global_step == 3
     shard.write_bytes(bytes(data[:-8]))
@@ -220,10 +222,10 @@ def test_one_ranks_load_error_reaches_the_other_at_once(tmp_path, launcher):
     result, _, _ = launch(tmp_path, "load", spec, ranks=2, launcher=launcher, all_ranks=True)
     errors = {r["rank"]: r for r in result}
     assert errors[1]["class"] == "IoError"
-    assert "rank1-of-2.bin: CRC-32" in errors[1]["message"]
+    assert "rank1-of-2.bin: CRC-32C " in errors[1]["message"]
     assert errors[0]["class"] == "IoError"
     assert "rank 1 of 2 failed" in errors[0]["message"]
-    assert "rank1-of-2.bin: CRC-32" in errors[0]["message"]
+    assert "rank1-of-2.bin: CRC-32C " in errors[0]["message"]
     assert all(r["unchanged"] for r in result)
     print(f"{launcher}: the error reached rank 0 {errors[0]['seconds']:.2f} s after its load began")
 

@@ -3,7 +3,8 @@ its SHA-256 into `latest` and into manifest.json.sha256 beside it before the
 commit, and a load checks it before parsing. The probe's edits (client
 state "step" 6 -> 9, an optimizer scalar 6.0 -> 7.0) loaded silently and
 training diverged; now any edit is refused naming the file. Checkpoints of
-format version 2 (no checksum) still load.
+format version 2 (no checksum) still load, as do those of version 3, whose
+shard files are checked by zlib's CRC-32 instead of CRC-32C.
 
 That SHA-256 is no key: whoever can edit the manifest can recompute it, and
 such a forgery loads (shown below, as the documented limit). With a key
@@ -23,6 +24,7 @@ import zlib
 import pytest
 
 import ductile
+from ductile import _ductile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -64,7 +66,11 @@ def test_the_save_signs_its_manifest(root, saved):
     digest = hashlib.sha256(manifest.read_bytes()).hexdigest()
     assert (root / "latest").read_text() == f"step6\nsha256 {digest}\n"
     assert (manifest.parent / "manifest.json.sha256").read_text() == f"{digest}  manifest.json\n"
-    assert json.loads(manifest.read_text())["version"] == 3
+    written = json.loads(manifest.read_text())
+    assert written["version"] == 4
+    shard = (manifest.parent / "rank0-of-1.bin").read_bytes()
+    assert written["shards"] == [{"file": "rank0-of-1.bin", "bytes": len(shard),
+                                  "crc32c": _ductile.shard_io.crc32c(shard)}]
     engine = engine_of(seed=1)
     assert engine.load(root) == {"step": 6} and same(snapshot(engine), saved[1])
 
@@ -89,17 +95,32 @@ def test_the_tag_folder_alone_is_checked_against_its_sidecar(root):
     rewrite(manifest, lambda m: m["client_state"].update(step=9))
     refused(manifest.parent, f"but {sidecar} records")
     os.unlink(sidecar)
-    refused(manifest.parent, "a version 3 manifest is loaded only with its checksum, and neither "
+    refused(manifest.parent, "a version 4 manifest is loaded only with its checksum, and neither "
                              f"{sidecar} nor a checksum line in latest exists")
     sidecar.write_text("not a checksum\n")
     refused(manifest.parent, f"{sidecar}: not a manifest checksum")
 
 
-def test_a_version_2_checkpoint_still_loads(root, saved):
-    """As main before the checksum wrote it: manifest version 2, no
-    sidecar, `latest` holding the folder's name alone."""
+def rewritten_as(root, version):
+    """The checkpoint's manifest rewritten as format `version` (2 or 3) has
+    it: each shard record holds zlib's CRC-32 of the file under "crc32", no
+    "crc32c"."""
     manifest = manifest_of(root)
-    rewrite(manifest, lambda m: m.update(version=2))
+
+    def edit(m):
+        m["version"] = version
+        for record in m["shards"]:
+            record.pop("crc32c")
+            record["crc32"] = zlib.crc32((manifest.parent / record["file"]).read_bytes())
+    rewrite(manifest, edit)
+    return manifest
+
+
+def test_a_version_2_checkpoint_still_loads(root, saved):
+    """As the format was before the manifest's checksum: manifest version
+    2 (shards under zlib's CRC-32), no sidecar, `latest` holding the
+    folder's name alone."""
+    manifest = rewritten_as(root, 2)
     os.unlink(manifest.parent / "manifest.json.sha256")
     (root / "latest").write_text("step6\n")
     engine = engine_of(seed=1)
@@ -107,8 +128,44 @@ def test_a_version_2_checkpoint_still_loads(root, saved):
     assert same(snapshot(engine), saved[1]) and engine.global_step == 6
     assert engine_of(seed=1).load(manifest.parent) == {"step": 6}
     # A format this ductile does not know is named.
+    rewrite(manifest, lambda m: m.update(version=5))
+    refused(root, "checkpoint version 5; this ductile reads versions 2, 3, 4")
+
+
+def resign(manifest, root):
+    digest = hashlib.sha256(manifest.read_bytes()).hexdigest()
+    (manifest.parent / "manifest.json.sha256").write_text(f"{digest}  manifest.json\n")
+    (root / "latest").write_text(f"step6\nsha256 {digest}\n")
+
+
+def test_a_version_3_checkpoint_loads_checked_by_crc32(root, saved):
+    """Version 3 records zlib's CRC-32 of each shard file; it loads, checked
+    by that, and a damaged shard is named by CRC-32 (not CRC-32C)."""
+    manifest = rewritten_as(root, 3)
+    resign(manifest, root)
+    engine = engine_of(seed=1)
+    assert engine.load(root) == {"step": 6}
+    assert same(snapshot(engine), saved[1]) and engine.global_step == 6
+    pristine = manifest.read_bytes()
+    rewrite(manifest, lambda m: m["shards"][0].update(crc32=m["shards"][0]["crc32"] ^ 1))
+    resign(manifest, root)
+    message = refused(root, "the shard file is corrupt")
+    assert "rank0-of-1.bin: CRC-32 0x" in message, message
+    # A version 3 manifest carries "crc32": one with "crc32c" alone is damaged.
+    manifest.write_bytes(pristine)
+    rewrite(manifest, lambda m: m["shards"][0].update(crc32c=m["shards"][0].pop("crc32")))
+    resign(manifest, root)
+    refused(root, r"'shards' must list rank0..rank0's file, size and CRC-32 \('crc32'\)")
+
+
+def test_a_version_4_manifest_needs_crc32c(root):
+    """Version 4 checks shard files by CRC-32C alone: a record of zlib's
+    CRC-32 in its place is refused, naming the key."""
+    manifest = rewritten_as(root, 3)
     rewrite(manifest, lambda m: m.update(version=4))
-    refused(root, "checkpoint version 4; this ductile reads versions 2, 3")
+    resign(manifest, root)
+    refused(root, r"manifest.json: 'shards' must list rank0..rank0's file, size and CRC-32C "
+                  r"\('crc32c'\)")
 
 
 def test_a_damaged_pointer_is_refused(root):
@@ -211,8 +268,8 @@ def test_a_keyed_load_refuses_a_checkpoint_without_an_hmac(root, monkeypatch):
 
 
 def test_a_shard_changed_under_a_valid_hmac_is_refused_by_its_sha256(signed_root, monkeypatch):
-    """CRC-32 is no defence against a forger: a shard file changed and its
-    CRC-32 and size recorded again, under a manifest whose HMAC verifies (as
+    """CRC-32C is no defence against a forger: a shard file changed and its
+    CRC-32C and size recorded again, under a manifest whose HMAC verifies (as
     if the CRC had been forged to match), is refused by the SHA-256 the
     signed manifest records."""
     folder = manifest_of(signed_root).parent
@@ -221,7 +278,7 @@ def test_a_shard_changed_under_a_valid_hmac_is_refused_by_its_sha256(signed_root
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))
     manifest = manifest_of(signed_root)
-    rewrite(manifest, lambda m: m["shards"][0].update(crc32=zlib.crc32(data)))
+    rewrite(manifest, lambda m: m["shards"][0].update(crc32c=_ductile.shard_io.crc32c(data)))
     text = manifest.read_bytes()
     mac = hmac.new(KEY.encode(), text, hashlib.sha256).hexdigest()
     (folder / "manifest.json.hmac").write_text(f"hmac-sha256 {mac}  manifest.json\n")

@@ -6,7 +6,7 @@ at any world size.
     root/latest                  the committed checkpoint's folder name and the
                                  SHA-256 of its manifest (written last)
     root/<tag>/manifest.json     by rank 0: save id, step, parameters, optimizer, client
-                                 state, and each shard file's size and CRC-32
+                                 state, and each shard file's size and CRC-32C
     root/<tag>/manifest.json.sha256  the manifest's SHA-256 (sha256sum's format)
     root/<tag>/manifest.json.hmac    with a key only: the manifest's HMAC-SHA256
     root/<tag>/rank<r>-of-<W>.bin  rank r's shards: a header naming the save, then, parameter
@@ -17,7 +17,8 @@ at any world size.
 
 The tag is ``step<N>`` (the engine's optimizer steps) unless given; a
 folder of that name that exists already gets a new one, ``<tag>.<k>``.
-Format version 3; version 2 checkpoints (no checksum of the manifest) load.
+Format version 4; versions 3 (shard files checked by CRC-32) and 2 (no
+checksum of the manifest either) load.
 
 How a save commits. Rank 0 takes an exclusive flock on ``root`` for the
 whole save (another save into the same root is refused; a save killed
@@ -35,17 +36,17 @@ removed by the next save, or by a load, when no save holds the lock.
 
 Why files from two saves cannot mix. Every shard file's header carries its
 save id and step, and the manifest carries the save id, the step and every
-shard file's size and CRC-32: a shard of another save (a leftover, a copy)
+shard file's size and CRC-32C: a shard of another save (a leftover, a copy)
 is an error naming the file and both saves. The manifest itself is checked
 against the SHA-256 in ``latest`` and in its sidecar before it is parsed:
 an edit (a step, an optimizer scalar) is refused, naming the file.
 
-Damage, not forgery. The SHA-256 and CRC-32 are unkeyed: whoever can
+Damage, not forgery. The SHA-256 and CRC-32C are unkeyed: whoever can
 write the checkpoint can edit the manifest and record its new SHA-256, and
 the load accepts it. With a key (DUCTILE_CHECKPOINT_KEY, or the file
 DUCTILE_CHECKPOINT_KEY_FILE names; _checkpoint_files.checkpoint_key), rank
 0 writes manifest.json.hmac, the HMAC-SHA256 of the manifest under it, and
-every rank the SHA-256 of its shard file into the manifest (the CRC-32 is
+every rank the SHA-256 of its shard file into the manifest (the CRC-32C is
 easily forged); a load with a key refuses a manifest whose HMAC does not
 verify or that has none, and a shard file whose SHA-256 differs. A load
 without a key checks a keyed checkpoint for damage as any other.
@@ -53,7 +54,7 @@ without a key checks a keyed checkpoint for damage as any other.
 How a load fails. Each rank reads the manifest, checks the model and the
 optimizer against it, reads the pieces it needs from the old ranks' files,
 checking each file's type (a regular file inside the checkpoint: a FIFO
-would block), header, size and CRC-32, and builds the new optimizer state,
+would block), header, size and CRC-32C, and builds the new optimizer state,
 all without touching the engine. The ranks then agree
 (``_agreement.agree``): if any rank failed, every rank raises at once (the
 others name the failing rank and its message) and the model and optimizer
@@ -254,7 +255,7 @@ def _write(engine, target, client_state, written):
     for r, payload in enumerate(shards_written.payloads):
         written_shard = json.loads(payload.decode())
         record = {"file": rank_stem(r, world) + ".bin", "bytes": written_shard[0],
-                  "crc32": written_shard[1]}
+                  "crc32c": written_shard[1]}
         if signed:
             record["sha256"] = written_shard[2]
         shards.append(record)

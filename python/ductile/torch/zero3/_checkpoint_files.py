@@ -12,7 +12,6 @@ import os
 import shutil
 import stat
 import unicodedata
-import zlib
 
 import torch
 
@@ -21,10 +20,12 @@ from ..._errors import Error, IncompatibleError, InvalidArgumentError, IoError
 from ..._paths import path_argument
 
 FORMAT = "ductile-zero3-checkpoint"
-# 3: the manifest's SHA-256 in `latest` and in its sidecar file. 2 (read
-# still): no checksum of the manifest.
-VERSION = 3
-READ_VERSIONS = (2, 3)
+# 4: shard files checked by CRC-32C ("crc32c" in the manifest's shard
+# records). 3: the manifest's SHA-256 in `latest` and in its sidecar file;
+# shard files checked by zlib's CRC-32 ("crc32"), as in 2, which has no
+# checksum of the manifest. 2 and 3 are read still.
+VERSION = 4
+READ_VERSIONS = (2, 3, 4)
 LATEST = "latest"
 MANIFEST = "manifest.json"
 CHECKSUM = MANIFEST + ".sha256"  # sha256sum's format: "<hex>  manifest.json"
@@ -32,7 +33,7 @@ MAGIC = b"DZ3SHARD"
 # Written when the user gives a key (below): "hmac-sha256 <hex>  manifest.json",
 # the HMAC-SHA256 of the manifest's bytes under that key. The manifest then
 # records every shard file's SHA-256, so that the HMAC vouches for the shard
-# files too (their CRC-32 is no defence against a forger).
+# files too (their CRC-32C is no defence against a forger).
 HMAC_FILE = MANIFEST + ".hmac"
 KEY_FILE_ENV = "DUCTILE_CHECKPOINT_KEY_FILE"
 KEY_ENV = "DUCTILE_CHECKPOINT_KEY"
@@ -89,14 +90,16 @@ def fsync_dir(path):
 
 def write_file(path, chunks, sha256=False, durable=True, reuse=None):
     """Writes `chunks` (bytes-like) to a new file and fsyncs it (unless not
-    `durable`: a snapshot in memory); returns [size, CRC-32], and the
+    `durable`: a snapshot in memory); returns [size, CRC-32C], and the
     SHA-256 (hex) when `sha256`. The file must not
     exist, not even as a link (O_EXCL, O_NOFOLLOW): a link planted in the
     folder cannot redirect the write onto another file. `reuse`: a regular
     file of a superseded snapshot to move to `path` and overwrite in place,
     when there is one: its memory pages are written over instead of new ones
     being allocated, zeroed and the old ones freed (on tmpfs, most of a
-    snapshot's cost)."""
+    snapshot's cost). The chunks are written in batches of about
+    _BATCH_BYTES by shard_io.write_buffers, which checksums each block while
+    it is in the cache; OSError when a write fails."""
     crc, size = 0, 0
     digest = hashlib.sha256() if sha256 else None
     fd = _reused(reuse, path) if reuse is not None else None
@@ -104,21 +107,40 @@ def write_file(path, chunks, sha256=False, durable=True, reuse=None):
         fs("create", path)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o666)
-    with os.fdopen(fd, "wb") as f:
+    try:
+        batch, batched = [], 0
         for chunk in chunks:
-            fs("write", path)
-            f.write(chunk)
-            crc = zlib.crc32(chunk, crc)
-            if digest is not None:
-                digest.update(chunk)
-            size += len(chunk) if isinstance(chunk, (bytes, bytearray)) else chunk.nbytes
-        f.flush()
+            fs("write", path)  # before each chunk: where the test hook may stop a save
+            batch.append(chunk)
+            batched += memoryview(chunk).nbytes
+            if batched >= _BATCH_BYTES:
+                size, crc = _write_batch(fd, batch, size, crc, digest)
+                batch, batched = [], 0
+        if batch:
+            size, crc = _write_batch(fd, batch, size, crc, digest)
         if reuse is not None:
-            os.ftruncate(f.fileno(), size)  # a reused file may have been longer
+            os.ftruncate(fd, size)  # a reused file may have been longer
         if durable:
             fs("fsync", path)
-            os.fsync(f.fileno())
+            os.fsync(fd)
+    finally:
+        os.close(fd)
     return [size, crc] if digest is None else [size, crc, digest.hexdigest()]
+
+
+# The chunks a save yields are views of tensors (or host copies of them, off
+# the CPU): a batch bounds how many of those copies are alive at once, and
+# one call per batch keeps the per-call cost off small tensors.
+_BATCH_BYTES = 64 << 20
+
+
+def _write_batch(fd, batch, size, crc, digest):
+    """(size, CRC-32C) after writing `batch` at offset `size`."""
+    written, crc = _ductile.shard_io.write_buffers(fd, batch, size, crc)
+    if digest is not None:
+        for chunk in batch:
+            digest.update(chunk)
+    return size + written, crc
 
 
 def _reused(old, path):

@@ -8,7 +8,7 @@ it records too: an edited manifest is refused before it is parsed. With a
 key, manifest.json.hmac must verify first, and each shard file must match
 the SHA-256 the manifest records (see _checkpoint.py). Then the manifest's
 entries are checked for the types a save writes, and every shard file for
-its header, size and CRC-32."""
+its header, size and CRC-32C (zlib's CRC-32 in versions 2 and 3)."""
 
 import copy
 import hashlib
@@ -20,6 +20,7 @@ import stat
 import zlib
 from typing import TypeGuard
 
+from ... import _ductile
 from ..._errors import IncompatibleError, IoError
 from ._checkpoint_files import (CHECKSUM, FORMAT, HMAC_FILE, LATEST, MAGIC, MANIFEST,
                                 READ_VERSIONS, dtype_name, io_error, rank_stem, tag_problem)
@@ -31,6 +32,14 @@ _POINTER_BYTES = 4096
 MANIFEST_BYTES = 64 << 20
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _CHUNK = 1 << 22
+
+
+def shard_checksum(version):
+    """How a manifest of format `version` checks its shard files: (the
+    shard record's key, the checksum's name, its function(data, value))."""
+    if version >= 4:
+        return "crc32c", "CRC-32C", _ductile.shard_io.crc32c
+    return "crc32", "CRC-32", zlib.crc32
 
 
 def _checked_fd(path, base, cap, what):
@@ -244,12 +253,13 @@ def read_manifest(source, key=None, variable=None):
     if not _count(world) or world < 1:
         raise IoError(f"{path}: world_size {world!r} is not a positive integer")
     shards = manifest.get("shards")
+    crc_key, crc_name, _ = shard_checksum(version)
     if not isinstance(shards, list) or len(shards) != world or not all(
             isinstance(s, dict) and s.get("file") == rank_stem(r, world) + ".bin"
-            and _count(s.get("bytes")) and _count(s.get("crc32"))
+            and _count(s.get("bytes")) and _count(s.get(crc_key))
             for r, s in enumerate(shards)):
         raise IoError(f"{path}: 'shards' must list rank0..rank{world - 1}'s file, size and "
-                      "CRC-32")
+                      f"{crc_name} ('{crc_key}')")
     if not isinstance(manifest.get("save_id"), str) or not _count(manifest.get("step")):
         raise IoError(f"{path}: 'save_id' and 'step' are missing")
     return path, manifest
@@ -342,7 +352,7 @@ def check_model(engine, path, manifest):
 
 
 class RankFiles:
-    """The old ranks' files, opened and checked (header, size, CRC-32) on
+    """The old ranks' files, opened and checked (header, size, CRC) on
     first use."""
 
     def __init__(self, source, manifest_path, manifest, layout_bytes, signed_by=None):
@@ -415,18 +425,19 @@ class RankFiles:
                           "gives a key: a signed manifest records one for every shard file; "
                           "it is not loaded")
         digest = hashlib.sha256() if wanted is not None else None
+        crc_key, crc_name, checksum = shard_checksum(m["version"])
         f.seek(0)
         crc = 0
         while True:
             chunk = f.read(_CHUNK)
             if not chunk:
                 break
-            crc = zlib.crc32(chunk, crc)
+            crc = checksum(chunk, crc)
             if digest is not None:
                 digest.update(chunk)
-        if crc != record["crc32"]:
-            raise IoError(f"{path}: CRC-32 {crc:#010x} differs from the manifest's "
-                          f"{record['crc32']:#010x}: the shard file is corrupt")
+        if crc != record[crc_key]:
+            raise IoError(f"{path}: {crc_name} {crc:#010x} differs from the manifest's "
+                          f"{record[crc_key]:#010x}: the shard file is corrupt")
         if digest is not None:
             assert isinstance(wanted, str)  # checked above: there is a digest only then
             if not hmac.compare_digest(digest.hexdigest(), wanted):
