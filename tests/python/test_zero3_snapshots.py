@@ -254,6 +254,88 @@ def test_deepspeed_snapshot_object_and_its_scheduler_restored(snapshots, monkeyp
         zero3.initialize(make_model(), None, dict(config, snapshot={"every": 2}))
 
 
+def test_a_save_in_the_background_is_written_from_the_snapshot(snapshots, tmp_path):
+    """save(background=True) after a step whose snapshot committed: the
+    files come from the snapshot on a thread, the next step waits for the
+    commit; the checkpoint holds the state of the save's step."""
+    engine = engine_of()
+    train(engine, 2)
+    at_save = snapshot(engine)
+    ckpt = tmp_path / "ckpt"
+    engine.save(ckpt, client_state={"k": 1}, background=True)
+    train(engine, 1)  # joins the save before its optimizer update
+    assert engine.global_step == 3 and latest(ckpt) == "step2"
+    assert sorted(os.listdir(ckpt)) == ["latest", "step2"]
+    assert sorted(os.listdir(ckpt / "step2")) == [
+        "manifest.json", "manifest.json.sha256", "rank0-of-1.bin"]
+    checker = engine_of(seed=1)
+    assert checker.load(ckpt) == {"k": 1}
+    assert checker.global_step == 2 and same(snapshot(checker), at_save)
+    # The same bytes as a save in the foreground, but for the save's id.
+    engine2 = engine_of()
+    train(engine2, 2)
+    engine2.save(tmp_path / "fg")
+    ours = (ckpt / "step2" / "rank0-of-1.bin").read_bytes()
+    theirs = (tmp_path / "fg" / "step2" / "rank0-of-1.bin").read_bytes()
+    assert len(ours) == len(theirs) and ours[-1000:] == theirs[-1000:]
+
+
+def test_a_damaged_snapshot_fails_the_background_save_on_wait(snapshots, tmp_path):
+    """The copy checks the snapshot's file (header, size): a damaged one
+    fails the save when it is waited for, and nothing is committed."""
+    engine = engine_of()
+    train(engine, 2)
+    shard = snapshots / "step2" / "rank0-of-1.bin"
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 8)
+    ckpt = tmp_path / "ckpt"
+    engine.save(ckpt, background=True)
+    with pytest.raises(ductile.IoError, match=r"rank0-of-1.bin: \d+ bytes of values, the state "
+                                              r"takes \d+: the snapshot is damaged"):
+        engine.wait_for_save()
+    assert os.listdir(ckpt) == []
+    engine.wait_for_save()  # nothing pending any more
+    train(engine, 1)
+
+
+def test_without_a_snapshot_of_the_step_the_save_is_written_at_once(snapshots, tmp_path,
+                                                                    monkeypatch, caplog):
+    engine = engine_of(with_keys(snapshot_interval=2))
+    train(engine, 3)  # step 3 has no snapshot
+    with caplog.at_level("WARNING", logger="ductile.zero3"):
+        engine.save(tmp_path / "ckpt", background=True)
+    assert latest(tmp_path / "ckpt") == "step3"
+    assert "no snapshot of step 3 in memory on every rank" in caplog.text
+    monkeypatch.delenv("DUCTILE_SNAPSHOT_DIR")
+    engine = engine_of()
+    train(engine, 1)
+    engine.save(tmp_path / "plain", background=True)
+    assert latest(tmp_path / "plain") == "step1"
+
+
+def test_a_process_that_exits_after_a_background_save_commits_it(snapshots, tmp_path):
+    script = tmp_path / "exits.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {HERE!r})\n"
+        "import torch\n"
+        "import ductile.torch.zero3 as zero3\n"
+        "from zero3_checkpoint_support import train\n"
+        "from zero3_launch import CONFIG\n"
+        "from zero3_model import make_model\n"
+        "engine = zero3.initialize(make_model(seed=0), "
+        "lambda s: torch.optim.Adam(s, lr=1e-2), CONFIG)\n"
+        "train(engine, 2)\n"
+        f"engine.save({str(tmp_path / 'ckpt')!r}, background=True)\n")
+    done = subprocess.run([sys.executable, str(script)], check=False, capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert latest(tmp_path / "ckpt") == "step2"
+    engine = engine_of(seed=1)
+    engine.load(tmp_path / "ckpt")
+    assert engine.global_step == 2
+
+
 def test_a_bad_local_rank_is_named(snapshots, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "first")
     with pytest.raises(ductile.InvalidArgumentError, match="LOCAL_RANK = 'first'; valid: this "
@@ -319,17 +401,33 @@ def test_two_nodes_write_identical_manifests_that_load_at_any_world_size(tmp_pat
 def test_two_ranks_of_one_node_share_its_folder(tmp_path):
     """2 ranks under torchrun on one node (LOCAL_RANK 0 and 1, one
     DUCTILE_SNAPSHOT_DIR): rank 0 leads, both write their file into the
-    same snapshot, which loads at world size 1 to the trained state."""
+    same snapshot, which loads at world size 1 to the trained state; so
+    does the disk checkpoint saved from it in the background."""
     spec_path = prepare(tmp_path, "job", {"one_node": True}, CONFIG)
     out = tmp_path / "job"
     done = subprocess_run(command(2, "torchrun", os.path.join(HERE, "zero3_snapshot_worker.py"),
                                   str(spec_path)))
     assert done.returncode == 0, done.stderr[-3000:]
-    node = out / "node"
+    node = out / "node-after3"
     assert sorted(os.listdir(node)) == ["latest", "replicas", "step2", "step3"]
     assert sorted(os.listdir(node / "step3")) == [
         "manifest.json", "manifest.json.sha256", "rank0-of-2.bin", "rank1-of-2.bin"]
     assert_loads_to(node, out)
+    # The disk checkpoint written from step 3's snapshot while step 4
+    # trained: the same state, a save's own id in every file's header.
+    ckpt = out / "ckpt"
+    assert latest(ckpt) == "step3"
+    assert sorted(os.listdir(ckpt / "step3")) == [
+        "manifest.json", "manifest.json.sha256", "rank0-of-2.bin", "rank1-of-2.bin"]
+    manifest = json.loads((ckpt / "step3" / "manifest.json").read_text())
+    assert manifest["client_state"] == {"at": 3}
+    assert manifest["save_id"] != json.loads(
+        (node / "step3" / "manifest.json").read_text())["save_id"]
+    assert_loads_to(ckpt, out)
+    failures = [json.loads((out / f"failed-rank{r}.json").read_text()) for r in range(2)]
+    assert failures[1].startswith("IoError: ") and "the snapshot is damaged" in failures[1]
+    assert failures[0].startswith("IoError: zero3 save: rank 1 of 2 failed: "), failures
+    assert os.listdir(out / "ckpt-failed") == []
 
 
 def assert_loads_to(folder, out):

@@ -9,8 +9,12 @@ engine loads at world size 2 and compares with the trained one's shards
 middle of writing its shard file, which ends the job.
 
 With "one_node" in the spec, both ranks share out/node as on one node
-(torchrun's LOCAL_RANK: rank 0 leads), train 3 steps and save their shards
-to out/state-rank<rank>.pt."""
+(torchrun's LOCAL_RANK: rank 0 leads), train 3 steps, save their shards
+to out/state-rank<rank>.pt (rank 0 copies out/node to out/node-after3)
+and a disk checkpoint into out/ckpt from step
+3's snapshot in the background, then train step 4; last, a background
+save from a snapshot damaged on rank 1 (out/failed-rank<rank>.json: the
+error each rank raised)."""
 
 import json
 import os
@@ -20,6 +24,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+import ductile
 import ductile.torch.zero3 as zero3
 from ductile.torch.zero3 import _checkpoint_files
 
@@ -67,6 +72,26 @@ def shards_of(e):
 if spec.get("one_node"):
     train(3)
     torch.save(shards_of(engine), os.path.join(out, f"state-rank{rank}.pt"))
+    dist.barrier()
+    if rank == 0:
+        shutil.copytree(node, os.path.join(out, "node-after3"))
+    # A disk checkpoint from step 3's snapshot, committed while step 4 trains.
+    engine.save(os.path.join(out, "ckpt"), client_state={"at": 3}, background=True)
+    train(1)
+    # Rank 1's step-4 snapshot damaged: its copy fails, rank 0's thread stops
+    # waiting for it, and both ranks raise when they wait for the save.
+    if rank == 1:
+        damaged = os.path.join(node, "step4", "rank1-of-2.bin")
+        os.truncate(damaged, os.path.getsize(damaged) - 4)
+    dist.barrier()
+    engine.save(os.path.join(out, "ckpt-failed"), background=True)
+    try:
+        engine.wait_for_save()
+        failure = None
+    except ductile.Error as e:
+        failure = f"{type(e).__name__}: {e}"
+    with open(os.path.join(out, f"failed-rank{rank}.json"), "w") as f:
+        json.dump(failure, f)
     dist.destroy_process_group()
     sys.exit(0)
 

@@ -118,7 +118,7 @@ class Target:
         self.reuse = reuse
 
 
-class _Written:
+class Written:
     """What a leader has put into the root so far, to remove when the
     save fails (on any rank) before its commit."""
 
@@ -143,7 +143,8 @@ class _Written:
         self.lock = None
 
 
-def save(engine, root, client_state=None, tag=None):
+def save_target(engine, root, tag=None):
+    """The Target of engine.save(root, tag=tag), its arguments checked."""
     if engine._pass_open:
         raise IncompatibleError(
             "zero3: save() in the middle of a pass (a forward without its backward); save "
@@ -152,14 +153,18 @@ def save(engine, root, client_state=None, tag=None):
     if tag is None:
         tag = f"step{engine.global_step}"
     check_tag(tag)
-    write(engine, Target(root, tag, engine.rank == 0, "zero3 save"), client_state)
+    return Target(root, tag, engine.rank == 0, "zero3 save")
+
+
+def save(engine, root, client_state=None, tag=None):
+    write(engine, save_target(engine, root, tag), client_state)
 
 
 def write(engine, target, client_state=None):
     """Writes and commits one checkpoint as `target` says (see Target).
     Collective; an error on any rank is raised on every rank, after every
     leader removed what it wrote."""
-    written = _Written()
+    written = Written()
     try:
         _write(engine, target, client_state, written)
     finally:
@@ -192,16 +197,28 @@ def _prepare_root(target, staging, written):
         raise io_error(staging, "cannot create the checkpoint folder", e) from e
 
 
-def _write(engine, target, client_state, written):
-    root, tag, what = target.root, target.tag, target.what
-    rank, world, step = engine.rank, engine.world_size, engine.global_step
-    staging = os.path.join(root, tag + ".tmp")
+class Plan:
+    """What the ranks agreed on for one checkpoint, and what this rank
+    holds for it: its step, save id, the described state, the staging
+    folder and this rank's file in it."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+
+def prepare(engine, target, client_state, written):
+    """The first phase of a checkpoint (collective): the state described,
+    the leader's root locked and its staging folder made, the save id and
+    whether the shards are hashed agreed; returns the Plan."""
+    root, what = target.root, target.what
+    rank, world = engine.rank, engine.world_size
+    staging = os.path.join(root, target.tag + ".tmp")
     scheduler = engine.lr_scheduler
     scheduler_state = scheduler.state_dict() if scheduler is not None else None
     scaler_state = engine._scaler.state_dict() if engine._scaler is not None else None
     signing = [None]  # a leader's key, when it has one
 
-    def prepare():
+    def described():
         optimizer, groups = optimizer_view(engine)
         parameters, opt = describe(engine, optimizer, groups)
         if target.leader or rank == 0:
@@ -222,12 +239,10 @@ def _write(engine, target, client_state, written):
             plan = json.dumps({"save_id": uuid.uuid4().hex, "signed": signing[0] is not None})
         return optimizer, parameters, opt, plan
 
-    first = agree(engine.comm, prepare,
+    first = agree(engine.comm, described,
                   payload=lambda v: (v[3] or "").encode(), what=what)
     optimizer, parameters, opt, _ = first.value
-    plan = json.loads(first.payloads[0].decode())
-    save_id, signed = plan["save_id"], plan["signed"]
-    stem = rank_stem(rank, world) + ".bin"
+    agreed = json.loads(first.payloads[0].decode())
     # Every leader writes the manifest from what it holds: the parts that
     # are not the shard records must be the same on all of them, so that
     # the manifest's bytes (and its SHA-256) name the checkpoint everywhere.
@@ -236,27 +251,24 @@ def _write(engine, target, client_state, written):
     common_digest = ""
     if target.leader and target.node_local and world > 1:
         common_digest = hashlib.sha256(json.dumps(common).encode()).hexdigest()
+    return Plan(rank=rank, world=world, step=engine.global_step, staging=staging,
+                stem=rank_stem(rank, world) + ".bin", save_id=agreed["save_id"],
+                signed=agreed["signed"], key=signing[0], optimizer=optimizer,
+                parameters=parameters, opt=opt, scheduler_state=scheduler_state,
+                scaler_state=scaler_state, common_digest=common_digest,
+                client_state=client_state)
 
-    def write_shards():
-        path = os.path.join(staging, stem)
-        try:
-            shard = write_file(path, shard_chunks(engine, optimizer, parameters,
-                                                  header(save_id, step, rank, world)),
-                               sha256=signed, durable=target.durable,
-                               reuse=_superseded_file(root, stem) if target.reuse else None)
-        except OSError as e:
-            raise io_error(path, "cannot write the shard file", e) from e
-        return shard + [common_digest]
 
-    shards_written = agree(engine.comm, write_shards,
-                           payload=lambda v: json.dumps(v).encode(), what=what)
+def shard_records(plan, written_shards, what):
+    """The manifest's shard records from every rank's [size, CRC-32C,
+    (SHA-256), leader's digest]; IncompatibleError when leaders' manifests
+    would differ."""
     shards = []
     digests: dict[str, list[int]] = {}  # a leader's digest -> the leaders with it
-    for r, payload in enumerate(shards_written.payloads):
-        written_shard = json.loads(payload.decode())
-        record = {"file": rank_stem(r, world) + ".bin", "bytes": written_shard[0],
+    for r, written_shard in enumerate(written_shards):
+        record = {"file": rank_stem(r, plan.world) + ".bin", "bytes": written_shard[0],
                   "crc32c": written_shard[1]}
-        if signed:
+        if plan.signed:
             record["sha256"] = written_shard[2]
         shards.append(record)
         if written_shard[-1]:
@@ -266,20 +278,44 @@ def _write(engine, target, client_state, written):
         raise IncompatibleError(
             f"{what}: the leaders' optimizer, loss-scaler or scheduler state differ ({ranks} "
             "agree among themselves): their manifests would differ")
+    return shards
 
-    def commit():
-        if not target.leader:
-            return None
-        manifest = {
-            "format": FORMAT, "version": VERSION, "save_id": save_id, "step": step,
-            "tag": tag, "world_size": world, "shards": shards,
-            "parameters": parameters, "optimizer": opt, "client_state": client_state,
-            "loss_scaler": scaler_state, "lr_scheduler": scheduler_state,
-        }
-        text = json.dumps(manifest, indent=1 if target.indented else None).encode()
-        return _commit(target, staging, written, text, signing[0])
 
-    agree(engine.comm, commit, what=what)
+def commit(plan, target, written, shards):
+    """The leader's commit of the staged folder with its manifest; returns
+    the folder's final name."""
+    manifest = {
+        "format": FORMAT, "version": VERSION, "save_id": plan.save_id, "step": plan.step,
+        "tag": target.tag, "world_size": plan.world, "shards": shards,
+        "parameters": plan.parameters, "optimizer": plan.opt,
+        "client_state": plan.client_state, "loss_scaler": plan.scaler_state,
+        "lr_scheduler": plan.scheduler_state,
+    }
+    text = json.dumps(manifest, indent=1 if target.indented else None).encode()
+    return _commit(target, plan.staging, written, text, plan.key)
+
+
+def _write(engine, target, client_state, written):
+    plan = prepare(engine, target, client_state, written)
+
+    def write_shards():
+        path = os.path.join(plan.staging, plan.stem)
+        reuse = _superseded_file(target.root, plan.stem) if target.reuse else None
+        try:
+            shard = write_file(path, shard_chunks(engine, plan.optimizer, plan.parameters,
+                                                  header(plan.save_id, plan.step, plan.rank,
+                                                         plan.world)),
+                               sha256=plan.signed, durable=target.durable, reuse=reuse)
+        except OSError as e:
+            raise io_error(path, "cannot write the shard file", e) from e
+        return shard + [plan.common_digest]
+
+    shards_written = agree(engine.comm, write_shards,
+                           payload=lambda v: json.dumps(v).encode(), what=target.what)
+    shards = shard_records(plan, [json.loads(p.decode()) for p in shards_written.payloads],
+                           target.what)
+    agree(engine.comm, lambda: commit(plan, target, written, shards) if target.leader else None,
+          what=target.what)
 
 
 def _commit(target, staging, written, text, key):
@@ -289,7 +325,7 @@ def _commit(target, staging, written, text, key):
     checksum = hashlib.sha256(text).hexdigest()
     name = final_name(root, tag)
     final = os.path.join(root, name)
-    previous = _committed_name(root) if target.keep_previous else None
+    previous = committed_name(root) if target.keep_previous else None
     try:
         write_file(os.path.join(staging, MANIFEST), [text], durable=durable)
         write_file(os.path.join(staging, CHECKSUM), [f"{checksum}  {MANIFEST}\n".encode()],
@@ -341,7 +377,7 @@ def _superseded_file(root, stem):
     that `latest` does not name (the one the next commit removes), or None.
     Once the ranks agreed that the newest snapshot is copied where it must
     be (_snapshots.py), nothing reads that folder any more."""
-    current = _committed_name(root)
+    current = committed_name(root)
     if current is None:
         return None
     oldest = None
@@ -356,7 +392,7 @@ def _superseded_file(root, stem):
     return None if oldest is None else oldest[1]
 
 
-def _committed_name(root):
+def committed_name(root):
     """The folder root/latest names now, or None (none, or unreadable)."""
     try:
         pointer = read_latest(root, os.path.realpath(root))

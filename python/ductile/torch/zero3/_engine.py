@@ -422,6 +422,7 @@ class Zero3Engine:
     def close(self):
         """Removes the hooks and gives every parameter its full values back
         (all-gathered; collective). The engine is unusable afterwards."""
+        self._snapshots.finish_save()
         if self._passes.pass_open:
             self._passes.end_pass()
         if self._offload is not None:
@@ -432,15 +433,29 @@ class Zero3Engine:
             for zp in self._params:
                 zp.param.data = full[zp.name]
 
-    def save(self, directory, client_state=None, tag=None):
+    def save(self, directory, client_state=None, tag=None, background=False):
         """Writes a checkpoint (shards, optimizer state, global_step, the
         lr_scheduler's state, `client_state`) into `directory`/<tag> (tag:
         "step<N>" by default) and commits it atomically by pointing `directory`/latest
         at it: an interrupted save leaves the previous checkpoint whole.
         Collective; an error on any rank is raised on every rank. See
-        _checkpoint.py."""
+        _checkpoint.py. ``background``: under ``ductile agent``, right after
+        a step whose snapshot is in memory, the files are written from the
+        snapshot on a thread and the save commits while training goes on;
+        the next step, save, load or close, or wait_for_save(), waits for
+        it and raises its error (_snapshots.py). Without such a snapshot the
+        save is written before it returns, with a warning."""
+        if background:
+            self._snapshots.save(directory, client_state, tag)
+            return
+        self._snapshots.finish_save()
         from . import _checkpoint
         _checkpoint.save(self, directory, client_state, tag)
+
+    def wait_for_save(self):
+        """Waits until the save(background=True) in progress is committed;
+        raises its error on every rank. Collective."""
+        self._snapshots.finish_save()
 
     def load(self, directory, lr_scheduler=True):
         """Restores shards, optimizer state, global_step and (with
@@ -450,5 +465,6 @@ class Zero3Engine:
         to save(). Everything is read and checked on every rank first: on
         any error, every rank raises and the model and optimizer are
         unchanged. Collective."""
+        self._snapshots.finish_save()
         from . import _checkpoint
         return _checkpoint.load(self, directory, lr_scheduler)

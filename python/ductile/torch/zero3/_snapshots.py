@@ -43,23 +43,47 @@ loads it when it is built (collective), at any world size, and
 applied to the scheduler the engine gets afterwards (``engine.lr_scheduler
 = ...``), which a DeepSpeed config's ``scheduler`` and the drop-ins set.
 
-Threading: every method runs on the training thread, as step() does.
+Disk checkpoints from a snapshot: ``engine.save(root, background=True)``
+right after a step whose snapshot committed writes the disk checkpoint on a
+thread from that snapshot's files (BackgroundSave), so that the step pays
+for the snapshot only. The ranks agree on the save (its id, the leader's
+staging folder) before save() returns; each rank's thread then copies its
+snapshot file under the save's header, fsyncs it and writes
+``<its file>.done`` (its size and CRC-32C) into the staging folder; rank
+0's thread waits for every rank's (SAVE_WAIT seconds at most), then commits
+as a save does. The next step (before its optimizer update, while the
+snapshot is still one of the two kept), save, load or close, or
+``engine.wait_for_save()``, joins the thread and raises its error on every
+rank. A process that exits waits for the thread (it is not a daemon).
+Without a committed snapshot of the current step on every rank, the save
+is written in the foreground, with a warning.
+
+Threading: every method runs on the training thread, as step() does; a
+BackgroundSave's thread touches only its files.
 """
 
+import json
 import logging
 import os
+import threading
 import time
 
 import torch
 
-from ..._errors import CommunicationError, Error, InvalidArgumentError
+from ..._errors import CommunicationError, Error, InvalidArgumentError, IoError
 from . import _checkpoint
-from ._checkpoint_files import fs, io_error, write_file
+from ._agreement import agree
+from ._checkpoint_files import (MAGIC, dtype_of, element_size, fs, header, io_error,
+                                rank_stem, write_file)
 
 SNAPSHOT_DIR_ENV = "DUCTILE_SNAPSHOT_DIR"
 RESTORE_ENV = "DUCTILE_SNAPSHOT_RESTORE"
 REPLICAS_FILE = "replicas"
 REPLICATED_FILE = "replicated"
+# Seconds rank 0's thread of a background save waits for every rank's
+# shard file: a rank that died never writes its record.
+SAVE_WAIT = 600.0
+_COPY_BLOCK = 16 << 20
 # Seconds a step waits for the agents to copy the last snapshot before it
 # goes on without (logged): far above a copy's time, short enough that a
 # stuck agent does not stall training.
@@ -98,6 +122,8 @@ class Snapshots:
         self.leader = local == 0 if local is not None else engine.rank == 0
         self._replicas_written = False
         self._last = None  # the step of the last snapshot attempted
+        self._written = None  # the step of the last snapshot committed
+        self.pending_save = None  # the BackgroundSave not yet joined
         self._committed = None  # the step of the last snapshot written, not yet known replicated
         # The restored manifest's scheduler state, for the scheduler set
         # later, and the restored optimizer groups' hyperparameters.
@@ -120,6 +146,7 @@ class Snapshots:
                                     indented=False, before_commit=self._write_replicas)
         try:
             _checkpoint.write(self.engine, target)
+            self._written = step
             self._committed = step if self.replicas > 0 else None
         except CommunicationError:
             raise  # a rank is gone: the job cannot go on, snapshot or not
@@ -148,7 +175,10 @@ class Snapshots:
     def before_update(self):
         """Called before the optimizer changes the shards: waits until every
         node's last snapshot is held by its replicas (collective: every rank
-        calls it at the same point, and all leave together)."""
+        calls it at the same point, and all leave together); a background
+        save from the last snapshot is joined first."""
+        if self.pending_save is not None:
+            self.finish_save()
         want = self._committed
         if want is None:
             return
@@ -171,6 +201,41 @@ class Snapshots:
         elif waited:
             _log.debug("zero3 snapshot of step %d: waited for its replicas", want)
         self._committed = None
+
+    def save(self, root, client_state, tag):
+        """engine.save(background=True): from this step's snapshot on a
+        thread, or in the foreground when some rank has none (collective)."""
+        self.finish_save()
+        engine = self.engine
+        target = _checkpoint.save_target(engine, root, tag)
+        source = self._source(engine.global_step)
+        everywhere = engine.all_reduce(torch.tensor([1.0 if source else 0.0]), "min").item()
+        if source is None or everywhere != 1.0:
+            if engine.rank == 0:
+                _log.warning("zero3 save into %s: no snapshot of step %d in memory on every "
+                             "rank (%s, snapshot_interval); saved in the foreground",
+                             target.root, engine.global_step, SNAPSHOT_DIR_ENV)
+            _checkpoint.write(engine, target, client_state)
+            return
+        self.pending_save = BackgroundSave(engine, target, client_state, source)
+
+    def finish_save(self):
+        """Joins the background save, if one is running, and raises its
+        error on every rank (collective)."""
+        pending, self.pending_save = self.pending_save, None
+        if pending is not None:
+            pending.finish(self.engine.comm)
+
+    def _source(self, step):
+        """This rank's file of the committed snapshot of `step`, or None."""
+        if not self.enabled or self._written != step:
+            return None
+        if _checkpoint.committed_name(self.root) != f"step{step}":
+            return None
+        engine = self.engine
+        path = os.path.join(self.root, f"step{step}",
+                            rank_stem(engine.rank, engine.world_size) + ".bin")
+        return path if os.path.isfile(path) and not os.path.islink(path) else None
 
     def _write_replicas(self):
         """The leader's `replicas` file, once, before its first commit."""
@@ -225,3 +290,167 @@ class Snapshots:
         if optimizer is not None:
             for group, values in zip(optimizer.param_groups, self.group_values):
                 group.update(values)
+
+
+class BackgroundSave:
+    """One disk checkpoint written from a snapshot's files on a thread (see
+    the module's docstring). Built on the training thread after the save's
+    first agreement; finish() joins it there."""
+
+    def __init__(self, engine, target, client_state, source):
+        self.target = target
+        self.source = source
+        self.written = _checkpoint.Written()
+        try:
+            self.plan = _checkpoint.prepare(engine, target, client_state, self.written)
+        except BaseException:
+            self.written.undo()
+            raise
+        self.copy_error = None  # this rank's copy's
+        self.error = None  # the commit's (rank 0)
+        self.copied = threading.Event()  # this rank's copy ended, well or not
+        self.cancel = threading.Event()  # rank 0: another rank's copy failed
+        self.thread = threading.Thread(target=self._run, name="ductile-zero3-save")
+        self.thread.start()
+
+    def finish(self, comm):
+        """Waits for this rank's copy, agrees on every rank's, then joins
+        the thread (rank 0's commits meanwhile) and agrees on the commit;
+        raises the first failure on every rank (collective)."""
+        self.copied.wait()
+        what = self.target.what
+
+        def raise_if(error):
+            if error is not None:
+                raise error
+
+        try:
+            try:
+                agree(comm, lambda: raise_if(self.copy_error), what=what)
+            except BaseException:
+                self.cancel.set()  # rank 0's thread waits for records that will not come
+                raise
+            finally:
+                self.thread.join()
+        finally:
+            # Every rank's copy has ended: rank 0 may remove the staging
+            # folder (unless committed) and let the root's lock go.
+            self.written.undo()
+        agree(comm, lambda: raise_if(self.error), what=what)
+
+    def _run(self):
+        plan, target = self.plan, self.target
+        try:
+            try:
+                record = self._copy() + [plan.common_digest]
+                self._report(os.path.join(plan.staging, plan.stem + ".done"), record)
+            except Exception as e:  # noqa: BLE001 - raised on the training thread by finish()
+                self.copy_error = e
+                return
+            finally:
+                self.copied.set()
+            if target.leader:
+                records = self._gather()
+                shards = _checkpoint.shard_records(plan, records, target.what)
+                _checkpoint.commit(plan, target, self.written, shards)
+        except Exception as e:  # noqa: BLE001 - raised on the training thread by finish()
+            self.error = e
+
+    def _copy(self):
+        """This rank's shard file: the snapshot's values under the save's
+        header; returns [size, CRC-32C, (SHA-256)]."""
+        plan, source = self.plan, self.source
+        path = os.path.join(plan.staging, plan.stem)
+        with open(source, "rb") as f:
+            length = len(MAGIC) + 4
+            start = f.read(length)
+            n = int.from_bytes(start[len(MAGIC):], "little") if len(start) == length else -1
+            if start[:len(MAGIC)] != MAGIC or not 0 < n <= 1 << 16:
+                raise IoError(f"{source}: not a zero3 shard file (its header is damaged)")
+            try:
+                old = json.loads(f.read(n).decode())
+            except (UnicodeDecodeError, ValueError) as e:
+                raise IoError(f"{source}: the shard file's header does not parse: {e}") from e
+            want = {"step": plan.step, "rank": plan.rank, "world_size": plan.world}
+            got = {k: old.get(k) for k in want} if isinstance(old, dict) else None
+            if got != want:
+                raise IoError(f"{source}: the snapshot's shard file is of {got}, the save "
+                              f"of {want}")
+            size = os.fstat(f.fileno()).st_size - length - n
+            if size != _payload_bytes(plan.parameters):
+                raise IoError(f"{source}: {size} bytes of values, the state takes "
+                              f"{_payload_bytes(plan.parameters)}: the snapshot is damaged")
+
+            def chunks():
+                yield header(plan.save_id, plan.step, plan.rank, plan.world)
+                while block := f.read(_COPY_BLOCK):
+                    yield block
+
+            try:
+                return write_file(path, chunks(), sha256=plan.signed, durable=True)
+            except OSError as e:
+                raise io_error(path, "cannot write the shard file", e) from e
+
+    @staticmethod
+    def _report(path, record):
+        """Writes this rank's record for rank 0's thread (atomically)."""
+        part = path + ".part"
+        try:
+            with open(part, "w") as f:
+                json.dump(record, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(part, path)
+        except OSError as e:
+            raise io_error(path, "cannot write the shard file's record", e) from e
+
+    def _gather(self):
+        """Rank 0: every rank's record, in rank order, once all are there;
+        the records are removed from the staging folder."""
+        plan, what = self.plan, self.target.what
+        paths = [os.path.join(plan.staging, rank_stem(r, plan.world) + ".bin.done")
+                 for r in range(plan.world)]
+        records: list = [None] * plan.world
+        deadline = time.monotonic() + SAVE_WAIT
+        while True:
+            for r, path in enumerate(paths):
+                if records[r] is not None:
+                    continue
+                try:
+                    with open(path, "rb") as f:
+                        text = f.read(1 << 16)
+                except FileNotFoundError:
+                    continue
+                except OSError as e:
+                    raise io_error(path, "cannot read a rank's record", e) from e
+                try:
+                    record = json.loads(text.decode())
+                except (UnicodeDecodeError, ValueError) as e:
+                    raise IoError(f"{path}: rank {r}'s record does not parse: {e}") from e
+                records[r] = record
+            missing = [r for r, record in enumerate(records) if record is None]
+            if not missing:
+                break
+            if self.cancel.is_set():
+                raise IoError(f"{what}: not committed: ranks {missing} failed to copy their "
+                              "snapshot files")
+            if time.monotonic() > deadline:
+                raise IoError(f"{what}: ranks {missing} did not write their shard files within "
+                              f"{SAVE_WAIT:.0f} s (SAVE_WAIT)")
+            time.sleep(0.01)
+        for path in paths:
+            try:
+                os.unlink(path)
+            except OSError as e:
+                raise io_error(path, "cannot remove a rank's record", e) from e
+        return records
+
+
+def _payload_bytes(parameters):
+    """The bytes of one rank's values in a shard file of `parameters`."""
+    total = 0
+    for meta in parameters:
+        dtypes = [meta["dtype"]] + [k["dtype"] for k in meta["state"]]
+        total += int(meta["shard_numel"]) * sum(element_size(dtype_of(d, "zero3 save"))
+                                                for d in dtypes)
+    return total
