@@ -17,7 +17,11 @@ another in one run (a program that prints figures, medians; not a test):
 - ductile-snapshots: ductile with a snapshot of every step in memory
   (DUCTILE_SNAPSHOT_DIR in /dev/shm, as `ductile agent` gives it; the
   ranks are one node's, rank 0 commits): what writing them costs (the
-  agents' copies to other nodes are not part of it).
+  agents' copies to other nodes are not part of it);
+- ductile-snapshots-alternate: the same with snapshot_interval = 2, so that
+  its steps alternate with and without a snapshot: the difference of the
+  two medians within one run is a snapshot's cost, untouched by the drift
+  between runs that a race of whole runs on a shared machine sees.
 
 ZeRO-3 engines get the same settings (prefetch bucket, live limit, reuse
 distance, persistence threshold); every engine trains with torch.optim.Adam,
@@ -118,12 +122,14 @@ max_reuse_distance = {REUSE}
 param_persistence_threshold = {PERSIST}
 max_ongoing_fetch_events = 2
 log_interval = {{log_interval}}
+snapshot_interval = {{snapshot_interval}}
 """
 
 # ductile-deepspeed: the deepspeed engine's code and config as they are,
 # with `import ductile.deepspeed as deepspeed` (docs/deepspeed.md).
 ENGINES = ("ddp", "fsdp2", "deepspeed", "ductile", "ductile-deepspeed", "ductile-mpi",
-           "ductile-noprefetch", "ductile-logging", "ductile-snapshots")
+           "ductile-noprefetch", "ductile-logging", "ductile-snapshots",
+           "ductile-snapshots-alternate")
 
 
 def rss_bytes():
@@ -332,8 +338,10 @@ def worker(engine_name, size, steps, out, device, global_batch, precision, calls
         if log_interval:
             logging.basicConfig(level=logging.INFO, stream=sys.stderr)
         engine = zero3.initialize(model, lambda ps: torch.optim.Adam(ps, lr=1e-4),
-                                  DUCTILE_CONFIG.format(prefetch=prefetch, backend=device,
-                                                        log_interval=log_interval),
+                                  DUCTILE_CONFIG.format(
+                                      prefetch=prefetch, backend=device, log_interval=log_interval,
+                                      snapshot_interval=2 if engine_name.endswith("alternate")
+                                      else 1),
                                   mixed_precision="bf16" if bf16 else None)
         optimizer = engine.optimizer
         rank, world = engine.rank, engine.world_size
@@ -452,13 +460,14 @@ def launch(engine, args, folder):
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR=args.device,
                PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
     env.pop("DUCTILE_SNAPSHOT_DIR", None)
-    if engine == "ductile-snapshots":
+    snapshots = engine.startswith("ductile-snapshots")
+    if snapshots:
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         env["DUCTILE_SNAPSHOT_DIR"] = tempfile.mkdtemp(prefix="bench-zero3-snapshots-", dir=shm)
     try:
         proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
     finally:
-        if engine == "ductile-snapshots":
+        if snapshots:
             shutil.rmtree(env["DUCTILE_SNAPSHOT_DIR"], ignore_errors=True)
     if proc.returncode != 0:
         return None, (proc.stdout + proc.stderr)[-3000:]
@@ -537,6 +546,15 @@ def report(args, engines, results, failures):
     if "ductile" in med and "ductile-snapshots" in med:
         print(f"a snapshot every step: {(med['ductile-snapshots'] / med['ductile'] - 1) * 100:+.2f}%"
               " of ductile's step")
+    if "ductile-snapshots-alternate" in med:
+        # Steps after the warm-up: the first makes global_step WARMUP + 1.
+        times = results["ductile-snapshots-alternate"][0]["times"]
+        first = 0 if (WARMUP + 1) % 2 == 0 else 1
+        with_one = statistics.median(times[first::2])
+        without = statistics.median(times[1 - first::2])
+        print(f"a snapshot, within one run (steps alternating): {(with_one - without) * 1e3:+.1f} "
+              f"ms, {(with_one / without - 1) * 100:+.2f}% of a step without one "
+              f"({without * 1e3:.1f} ms)")
     if "ductile" in med and "ductile-logging" in med:
         print(f"logging every step: {(med['ductile-logging'] / med['ductile'] - 1) * 100:+.2f}% "
               "of ductile's step")
