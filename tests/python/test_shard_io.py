@@ -135,26 +135,26 @@ def test_write_buffers_over_a_longer_file_from_an_offset(tmp_path):
     assert path.read_bytes() == head + tail + old[len(head) + len(tail):]
 
 
-def test_write_errors_are_oserrors_with_errno(tmp_path):
-    path = tmp_path / "read-only.bin"
-    path.write_bytes(b"before")
-    fd = os.open(path, os.O_RDONLY)
+def write_error(path, flags):
+    """The OSError write_buffers raises writing into `path` opened so."""
+    fd = os.open(path, flags)
     try:
         with pytest.raises(OSError) as error:
             shard_io.write_buffers(fd, [b"data"])
     finally:
         os.close(fd)
-    assert error.value.errno == errno.EBADF
-    assert error.value.strerror == os.strerror(errno.EBADF)
+    return error.value
+
+
+def test_write_errors_are_oserrors_with_errno(tmp_path):
+    path = tmp_path / "read-only.bin"
+    path.write_bytes(b"before")
+    error = write_error(path, os.O_RDONLY)
+    assert error.errno == errno.EBADF
+    assert error.strerror == os.strerror(errno.EBADF)
     assert path.read_bytes() == b"before"
     if os.path.exists("/dev/full"):  # a device whose every write fails ENOSPC
-        fd = os.open("/dev/full", os.O_WRONLY)
-        try:
-            with pytest.raises(OSError) as error:
-                shard_io.write_buffers(fd, [b"data"])
-        finally:
-            os.close(fd)
-        assert error.value.errno == errno.ENOSPC
+        assert write_error("/dev/full", os.O_WRONLY).errno == errno.ENOSPC
 
 
 def test_write_buffers_names_bad_arguments(tmp_path):
