@@ -75,8 +75,9 @@ config = ductile.load_config(
     {"accelerator": {"backend": "cpu", "communicator": "auto", "timeout": 120},
      "zero": {"coordinator": "partitioned", "snapshot_interval": 1, "snapshot_replicas": 1}},
     format="toml")
-engine = zero3.initialize(make_model(seed=0, **MODEL),
-                          lambda params: torch.optim.Adam(params, lr=3e-3), config)
+model = make_model(seed=0, **MODEL)
+note("built", ROUND, world, rank)
+engine = zero3.initialize(model, lambda params: torch.optim.Adam(params, lr=3e-3), config)
 start = engine.global_step if engine.restored_from_memory is not None else 0
 note("ready", ROUND, world, rank, start)
 windows = Windows(batch=BATCH, context=MODEL["context"])
@@ -252,6 +253,12 @@ def race_one(kind, args, directory):
         times = [max(r[5] for r in after(e)[:survivors]) - killed
                  for e in ("started", "imported", "ready")]
         first_step = min(r[5] for r in after("stepped")) - killed
+        built = after("built")
+        if built is not None:  # ductile's join and restore, in two
+            built_at = max(r[5] for r in built[:survivors]) - killed
+            print(f"{kind}: join and restore = {built_at - times[1]:.2f} s importing "
+                  f"ductile and building the model + {times[2] - built_at:.2f} s in "
+                  "zero3.initialize (world, shards, restore)", flush=True)
         resumed_at = ready[0][4]
         # detection and re-form, process start (torch imported), join and
         # restore, first step; the total; steps trained again.
