@@ -82,10 +82,10 @@ from ..._errors import Error, IncompatibleError, InvalidArgumentError, IoError
 from ._agreement import agree
 from ._checkpoint_files import (CHECKSUM, FORMAT, HMAC_FILE, LATEST, MANIFEST, VERSION,
                                 check_root, check_tag, checkpoint_key, clean_after_load,
-                                describe, dtype_of, element_size, final_name, from_json, fs,
-                                fsync_dir, header, hmac_text, io_error, lock_root,
-                                optimizer_class, optimizer_view, pointer_text, rank_stem,
-                                remove_leftovers, remove_tree, shard_chunks, tag_problem,
+                                describe, element_size, final_name, from_json, fs, fsync_dir,
+                                header, hmac_text, io_error, lock_root, optimizer_class,
+                                optimizer_view, pointer_text, rank_stem, remove_leftovers,
+                                remove_tree, shard_chunks, shard_layout, tag_problem,
                                 unlock_root, write_file)
 from ._checkpoint_reads import (RankFiles, check_loss_scaler, check_model, read_latest,
                                 read_manifest, resolve)
@@ -425,16 +425,7 @@ def _read(engine, root):
             f"{optimizer_class(optimizer)}")
 
     # Byte layout of every old rank's payload (the same for all of them).
-    offsets, layout = [], 0
-    for meta in saved:
-        old_shard = int(meta["shard_numel"])
-        pieces = [(None, dtype_of(meta["dtype"], path))] + [
-            (k["key"], dtype_of(k["dtype"], path)) for k in meta["state"]]
-        entry = []
-        for key, dtype in pieces:
-            entry.append((key, dtype, layout))
-            layout += old_shard * element_size(dtype)
-        offsets.append((old_shard, entry))
+    offsets, layout = shard_layout(saved, path)
 
     old_world = manifest["world_size"]
     files = RankFiles(source, path, manifest, layout, signed_by=variable)

@@ -290,6 +290,39 @@ def header(save_id, step, rank, world):
     return MAGIC + len(text).to_bytes(4, "little") + text
 
 
+def read_header(f, path):
+    """The header of the shard file open as `f` (read from its start) and
+    the offset of its values; IoError naming `path` when there is none."""
+    head = f.read(len(MAGIC) + 4)
+    if len(head) < len(MAGIC) + 4 or head[:len(MAGIC)] != MAGIC:
+        raise IoError(f"{path}: not a ductile zero3 shard file (no header)")
+    n = int.from_bytes(head[len(MAGIC):], "little")
+    try:
+        fields = json.loads(f.read(n).decode()) if n <= 1 << 16 else None
+    except (ValueError, RecursionError):
+        fields = None
+    if not isinstance(fields, dict):
+        raise IoError(f"{path}: the shard file's header is unreadable")
+    return fields, len(MAGIC) + 4 + n
+
+
+def shard_layout(parameters, where):
+    """Where each value lies in a rank's shard file of `parameters` (the
+    manifest's list): [(shard numel, [(state key or None, dtype, byte
+    offset), ...]) per parameter], and the bytes of all of them."""
+    offsets, layout = [], 0
+    for meta in parameters:
+        shard = int(meta["shard_numel"])
+        pieces = [(None, dtype_of(meta["dtype"], where))] + [
+            (k["key"], dtype_of(k["dtype"], where)) for k in meta["state"]]
+        entry = []
+        for key, dtype in pieces:
+            entry.append((key, dtype, layout))
+            layout += shard * element_size(dtype)
+        offsets.append((shard, entry))
+    return offsets, layout
+
+
 def shard_chunks(engine, optimizer, parameters, header):
     yield header
     for info, meta in zip(engine._params, parameters):

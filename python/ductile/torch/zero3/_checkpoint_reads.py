@@ -22,8 +22,8 @@ from typing import TypeGuard
 
 from ... import _ductile
 from ..._errors import IncompatibleError, IoError
-from ._checkpoint_files import (CHECKSUM, FORMAT, HMAC_FILE, LATEST, MAGIC, MANIFEST,
-                                READ_VERSIONS, dtype_name, io_error, rank_stem, tag_problem)
+from ._checkpoint_files import (CHECKSUM, FORMAT, HMAC_FILE, LATEST, MANIFEST, READ_VERSIONS,
+                                dtype_name, io_error, rank_stem, read_header, tag_problem)
 
 # The most a file of the checkpoint may hold, before it is read: `latest`
 # and the sidecar hold a name and a checksum; a manifest, about 300 bytes a
@@ -389,16 +389,7 @@ class RankFiles:
 
     def _check(self, f, path, rank, record):
         m = self.manifest
-        head = f.read(len(MAGIC) + 4)
-        if len(head) < len(MAGIC) + 4 or head[:len(MAGIC)] != MAGIC:
-            raise IoError(f"{path}: not a ductile zero3 shard file (no header)")
-        n = int.from_bytes(head[len(MAGIC):], "little")
-        try:
-            header = json.loads(f.read(n).decode()) if n <= 1 << 16 else None
-        except (ValueError, RecursionError):
-            header = None
-        if not isinstance(header, dict):
-            raise IoError(f"{path}: the shard file's header is unreadable")
+        header, offset = read_header(f, path)
         ours = (m["save_id"], m["step"], rank, m["world_size"])
         theirs = (header.get("save_id"), header.get("step"), header.get("rank"),
                   header.get("world_size"))
@@ -407,7 +398,6 @@ class RankFiles:
                 f"{path}: this shard file belongs to save {theirs[0]} (step {theirs[1]}, rank "
                 f"{theirs[2]} of {theirs[3]}), but {self.manifest_path} to save {ours[0]} (step "
                 f"{ours[1]}, rank {ours[2]} of {ours[3]}): the checkpoint mixes files of two saves")
-        offset = len(MAGIC) + 4 + n
         size = os.fstat(f.fileno()).st_size
         if size != record["bytes"]:
             raise IoError(

@@ -73,8 +73,8 @@ import torch
 from ..._errors import CommunicationError, Error, InvalidArgumentError, IoError
 from . import _checkpoint
 from ._agreement import agree
-from ._checkpoint_files import (MAGIC, dtype_of, element_size, fs, header, io_error,
-                                rank_stem, write_file)
+from ._checkpoint_files import (fs, header, io_error, rank_stem, read_header, shard_layout,
+                                write_file)
 
 SNAPSHOT_DIR_ENV = "DUCTILE_SNAPSHOT_DIR"
 RESTORE_ENV = "DUCTILE_SNAPSHOT_RESTORE"
@@ -362,24 +362,17 @@ class BackgroundSave:
         plan, source = self.plan, self.source
         path = os.path.join(plan.staging, plan.stem)
         with open(source, "rb") as f:
-            length = len(MAGIC) + 4
-            start = f.read(length)
-            n = int.from_bytes(start[len(MAGIC):], "little") if len(start) == length else -1
-            if start[:len(MAGIC)] != MAGIC or not 0 < n <= 1 << 16:
-                raise IoError(f"{source}: not a zero3 shard file (its header is damaged)")
-            try:
-                old = json.loads(f.read(n).decode())
-            except (UnicodeDecodeError, ValueError) as e:
-                raise IoError(f"{source}: the shard file's header does not parse: {e}") from e
+            old, offset = read_header(f, source)
             want = {"step": plan.step, "rank": plan.rank, "world_size": plan.world}
-            got = {k: old.get(k) for k in want} if isinstance(old, dict) else None
+            got = {k: old.get(k) for k in want}
             if got != want:
                 raise IoError(f"{source}: the snapshot's shard file is of {got}, the save "
                               f"of {want}")
-            size = os.fstat(f.fileno()).st_size - length - n
-            if size != _payload_bytes(plan.parameters):
-                raise IoError(f"{source}: {size} bytes of values, the state takes "
-                              f"{_payload_bytes(plan.parameters)}: the snapshot is damaged")
+            size = os.fstat(f.fileno()).st_size - offset
+            layout = shard_layout(plan.parameters, source)[1]
+            if size != layout:
+                raise IoError(f"{source}: {size} bytes of values, the state takes {layout}: "
+                              "the snapshot is damaged")
 
             def chunks():
                 yield header(plan.save_id, plan.step, plan.rank, plan.world)
@@ -445,12 +438,3 @@ class BackgroundSave:
                 raise io_error(path, "cannot remove a rank's record", e) from e
         return records
 
-
-def _payload_bytes(parameters):
-    """The bytes of one rank's values in a shard file of `parameters`."""
-    total = 0
-    for meta in parameters:
-        dtypes = [meta["dtype"]] + [k["dtype"] for k in meta["state"]]
-        total += int(meta["shard_numel"]) * sum(element_size(dtype_of(d, "zero3 save"))
-                                                for d in dtypes)
-    return total
