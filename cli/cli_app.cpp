@@ -19,8 +19,7 @@ bool takes_value(std::string_view arg) {
 
 std::string version_text() {
   return std::string("ductile " DUCTILE_VERSION " (SDK " DUCTILE_SDK_VERSION_STRING ", ABI ") +
-         std::to_string(DUCTILE_ABI_MAJOR) + "." + std::to_string(DUCTILE_ABI_MINOR) +
-         ", " DUCTILE_BUILD_TAG ")";
+         std::to_string(DUCTILE_ABI_VERSION) + ", " DUCTILE_BUILD_TAG ")";
 }
 
 void add_global_options(CLI::App& app, CliContext& context) {

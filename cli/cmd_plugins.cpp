@@ -105,20 +105,16 @@ int describe_plugin(const CliContext& context, const PluginsOptions& options) {
   auto registry = context.make_registry();
   const auto& info = registry.find_any(options.name);
   if (options.json) {
-    nlohmann::json out = {{"kind", to_string(info.kind)},
-                          {"name", info.name},
-                          {"version", info.version},
-                          {"description", info.description},
-                          {"file", info.file.string()},
-                          {"build_tag", info.build_tag},
-                          {"abi", fmt::format("{}.{}", info.abi_major, info.abi_minor)},
-                          {"params", schema_json(info)}};
+    nlohmann::json out = {{"kind", to_string(info.kind)}, {"name", info.name},
+                          {"version", info.version},      {"description", info.description},
+                          {"file", info.file.string()},   {"build_tag", info.build_tag},
+                          {"abi", info.abi_version},      {"params", schema_json(info)}};
     std::cout << out.dump(2) << std::endl;
     return kExitOk;
   }
-  std::cout << fmt::format("{}/{} {}\n  {}\n  file: {}\n  built with: {} (ABI {}.{})\n",
+  std::cout << fmt::format("{}/{} {}\n  {}\n  file: {}\n  built with: {} (ABI {})\n",
                            to_string(info.kind), info.name, info.version, info.description,
-                           info.file.string(), info.build_tag, info.abi_major, info.abi_minor);
+                           info.file.string(), info.build_tag, info.abi_version);
   if (info.params.empty()) {
     std::cout << "  parameters: none\n";
     return kExitOk;

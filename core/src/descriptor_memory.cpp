@@ -109,23 +109,16 @@ void check_descriptor_memory(const ductile_plugin_descriptor* d,
                              const std::vector<MappedRange>& ranges, const fs::path& file) {
   if (d == nullptr) return;  // check_plugin_descriptor reports it
   const Ranges mapped(ranges, file);
-  // The struct size first: it says how much of the rest exists.
-  constexpr std::size_t kHead =
-      offsetof(ductile_plugin_descriptor, struct_size) + sizeof(d->struct_size);
-  mapped.require(d, kHead, "address");
-  if (d->abi_major != DUCTILE_ABI_MAJOR) return;  // another layout: check_plugin_descriptor says so
-  const std::size_t size = d->struct_size;
-  constexpr std::size_t kBase =
-      offsetof(ductile_plugin_descriptor, create) + sizeof(ductile_plugin_factory);
-  if (size < kBase) return;  // check_plugin_descriptor reports it
-  mapped.require(d, size, fmt::format("struct_size of {} bytes", size));
+  // The ABI version first: the rest of the layout is that version's.
+  mapped.require(d, sizeof(d->abi_version), "address");
+  if (d->abi_version != DUCTILE_ABI_VERSION) return;  // check_plugin_descriptor reports it
+  mapped.require(d, sizeof *d, "address");
   mapped.require_string(d->build_tag, "build_tag", true);
   mapped.require_string(d->name, "name", true);
   mapped.require_string(d->version, "version", true);
   mapped.require_string(d->description, "description", true);
   if (d->create != nullptr) mapped.require_code(reinterpret_cast<const void*>(d->create), "create");
-  if (size >= offsetof(ductile_plugin_descriptor, validate) + sizeof(ductile_plugin_validate) &&
-      d->validate != nullptr)
+  if (d->validate != nullptr)
     mapped.require_code(reinterpret_cast<const void*>(d->validate), "validate");
   if (d->param_count == 0 || d->params == nullptr) return;
   if (d->param_count > kMaxSchemaEntries)

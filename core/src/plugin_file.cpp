@@ -32,15 +32,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// The size of the ABI x.0 descriptor: every field up to the factory.
-constexpr std::size_t kAbiBaseSize =
-    offsetof(ductile_plugin_descriptor, create) + sizeof(ductile_plugin_factory);
-
-// Whether a descriptor of `size` bytes has the field at [offset, offset + field_size).
-bool descriptor_has(std::size_t size, std::size_t offset, std::size_t field_size) {
-  return size >= offset + field_size;
-}
-
 const char* interface_name(PluginKind kind) {
   switch (kind) {
     case PluginKind::elasticity:
@@ -104,58 +95,42 @@ PluginInfo check_plugin_descriptor(const ductile_plugin_descriptor* d, const fs:
   if (d == nullptr)
     throw Error(ErrorKind::plugin,
                 fmt::format("'{}': its entry point returned no descriptor", shown));
-  if (d->abi_major != DUCTILE_ABI_MAJOR) {
-    throw Error(
-        ErrorKind::plugin,
-        fmt::format("'{}' was built for plugin ABI {}.{} but this ductile uses ABI {}.{}; "
-                    "rebuild the plugin against this SDK",
-                    shown, d->abi_major, d->abi_minor, DUCTILE_ABI_MAJOR, DUCTILE_ABI_MINOR));
-  }
-  // Any minor version: read the fields the plugin's descriptor has (see the
-  // rule in plugin.hpp); the ABI 2.0 fields are required.
-  const std::size_t size = d->struct_size;
-  if (!descriptor_has(size, offsetof(ductile_plugin_descriptor, create),
-                      sizeof(ductile_plugin_factory))) {
+  // The one rule (version.hpp): ABI version, build tag, shared layout and
+  // the kind's interface revision as the host's; the plugin is rebuilt
+  // against this SDK otherwise.
+  if (d->abi_version != DUCTILE_ABI_VERSION) {
     throw Error(ErrorKind::plugin,
-                fmt::format("'{}' has a descriptor of {} bytes, smaller than the {} bytes of ABI "
-                            "{}.0; rebuild the plugin against this SDK",
-                            shown, size, kAbiBaseSize, DUCTILE_ABI_MAJOR));
+                fmt::format("'{}' was built for plugin ABI {} but this ductile uses ABI {}; "
+                            "rebuild the plugin against this SDK",
+                            shown, d->abi_version, DUCTILE_ABI_VERSION));
   }
   std::string tag = d->build_tag ? d->build_tag : "";
   if (tag != DUCTILE_BUILD_TAG) {
     throw Error(ErrorKind::plugin,
                 fmt::format("'{}' was built with '{}' but this ductile was built with '{}'; "
-                            "rebuild the plugin with the same compiler, standard library, fmt "
-                            "and spdlog",
+                            "rebuild the plugin against this SDK with the same compiler, standard "
+                            "library, fmt and spdlog",
                             shown, tag, DUCTILE_BUILD_TAG));
+  }
+  if (d->layout_fingerprint != detail::shared_layout_fingerprint()) {
+    throw Error(ErrorKind::plugin,
+                fmt::format("'{}' was compiled with another layout of the types plugins share with "
+                            "ductile (Params, ParamSpec, Error, std::string; fingerprint {:#010x}, "
+                            "this ductile's {:#010x}); rebuild the plugin against this SDK with "
+                            "the same compiler flags (for example without _GLIBCXX_DEBUG)",
+                            shown, d->layout_fingerprint, detail::shared_layout_fingerprint()));
   }
   if (d->kind >= kPluginKindCount) {
     throw Error(ErrorKind::plugin, fmt::format("'{}' declares unknown plugin kind {} (valid: {})",
                                                shown, d->kind, plugin_kind_list()));
   }
   const auto kind = static_cast<PluginKind>(d->kind);
-  // ABI 2.2: before it, every interface was at revision 1.
-  const std::uint32_t revision =
-      descriptor_has(size, offsetof(ductile_plugin_descriptor, interface_revision),
-                     sizeof(std::uint32_t))
-          ? d->interface_revision
-          : 1;
-  if (revision != interface_revision(kind)) {
+  if (d->interface_revision != interface_revision(kind)) {
     throw Error(ErrorKind::plugin,
                 fmt::format("'{}' was built against revision {} of the {} interface ({}) but this "
                             "ductile has revision {}; rebuild the plugin against this SDK",
-                            shown, revision, to_string(kind), interface_name(kind),
+                            shown, d->interface_revision, to_string(kind), interface_name(kind),
                             interface_revision(kind)));
-  }
-  if (descriptor_has(size, offsetof(ductile_plugin_descriptor, layout_fingerprint),
-                     sizeof(std::uint32_t)) &&
-      d->layout_fingerprint != detail::shared_layout_fingerprint()) {
-    throw Error(ErrorKind::plugin,
-                fmt::format("'{}' was compiled with another layout of the types plugins share with "
-                            "ductile (Params, ParamSpec, Error, std::string; fingerprint {:#010x}, "
-                            "this ductile's {:#010x}); rebuild it with the same compiler flags "
-                            "(for example without _GLIBCXX_DEBUG)",
-                            shown, d->layout_fingerprint, detail::shared_layout_fingerprint()));
   }
   if (d->name == nullptr || *d->name == '\0' || d->create == nullptr ||
       (d->param_count > 0 && d->params == nullptr)) {
@@ -170,9 +145,8 @@ PluginInfo check_plugin_descriptor(const ductile_plugin_descriptor* d, const fs:
   info.description = d->description ? d->description : "";
   info.file = file;
   info.build_tag = tag;
-  info.abi_major = d->abi_major;
-  info.abi_minor = d->abi_minor;
-  info.interface_revision = revision;
+  info.abi_version = d->abi_version;
+  info.interface_revision = d->interface_revision;
   for (std::size_t i = 0; i < d->param_count; ++i) {
     const ParamSpec& p = d->params[i];
     if (p.key == nullptr || *p.key == '\0')
@@ -212,9 +186,7 @@ PluginInfo check_plugin_descriptor(const ductile_plugin_descriptor* d, const fs:
                             to_string(info.kind), info.name));
   }
   info.factory = d->create;
-  if (descriptor_has(size, offsetof(ductile_plugin_descriptor, validate),
-                     sizeof(ductile_plugin_validate)))
-    info.validate = d->validate;
+  info.validate = d->validate;
   return info;
 }
 

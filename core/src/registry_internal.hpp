@@ -37,11 +37,12 @@ struct MappedRange {
 std::vector<MappedRange> mapped_ranges(void* handle);
 
 // What can be checked of a descriptor without reading through a pointer
-// that leads outside `ranges` (descriptor_memory.cpp): the struct size
-// first, then that every pointer it holds (strings with their NUL, the
-// schema and its allowed-value lists, the factory and validate hook, in code)
-// lies inside them. Only for a descriptor of this ABI major; the rest is
-// check_plugin_descriptor's. Throws Error(plugin) naming `file` and the field.
+// that leads outside `ranges` (descriptor_memory.cpp): its ABI version
+// first, then the whole descriptor and every pointer it holds (strings with
+// their NUL, the schema and its allowed-value lists, the factory and
+// validate hook, in code) lie inside them. Only for a descriptor of this ABI
+// version; the rest is check_plugin_descriptor's. Throws Error(plugin)
+// naming `file` and the field.
 void check_descriptor_memory(const ductile_plugin_descriptor* descriptor,
                              const std::vector<MappedRange>& ranges,
                              const std::filesystem::path& file);

@@ -2,8 +2,8 @@
 // (core::check_plugin_descriptor), then filling the schema's defaults
 // (core::complete_params) as config validation does. The input describes a
 // descriptor field by field; a flags byte lets the fuzzer use the host's own
-// ABI major, build tag and struct size so that it reaches the later checks;
-// a second one, at the end, the interface revision and shared layout.
+// ABI version and build tag so that it reaches the later checks; a second
+// one, at the end, the interface revision and shared layout.
 #include <cstdint>
 #include <cstring>
 #include <deque>
@@ -67,16 +67,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
 
   const std::uint8_t flags = in.byte();
   ductile_plugin_descriptor d{};
-  d.abi_major = flags & 1 ? DUCTILE_ABI_MAJOR : in.u32();
-  d.abi_minor = in.u32();
-  d.struct_size = flags & 2 ? sizeof(ductile_plugin_descriptor) : in.u32();
-  d.build_tag = flags & 4 ? DUCTILE_BUILD_TAG : text_or_null(in.byte() & 1);
+  d.abi_version = flags & 1 ? DUCTILE_ABI_VERSION : in.u32();
+  d.build_tag = flags & 2 ? DUCTILE_BUILD_TAG : text_or_null(in.byte() & 1);
   d.kind = in.u32() % 8;
-  d.name = text_or_null(flags & 8);
+  d.name = text_or_null(flags & 4);
   d.version = text_or_null(in.byte() & 1);
   d.description = text_or_null(in.byte() & 1);
-  d.create = flags & 16 ? nullptr : &never_created;
-  d.validate = flags & 32 ? &never_validated : nullptr;
+  d.create = flags & 8 ? nullptr : &never_created;
+  d.validate = flags & 16 ? &never_validated : nullptr;
 
   std::vector<ductile::ParamSpec> params(in.byte() % 9);
   std::deque<std::vector<const char*>> allowed_lists;
@@ -96,16 +94,16 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     }
     p.doc = text_or_null(nulls & 8);
   }
-  d.params = flags & 64 && !params.empty() ? nullptr : params.data();
+  d.params = flags & 32 && !params.empty() ? nullptr : params.data();
   d.param_count = params.size();
 
   // The file name the registry would have found it under.
   std::string file =
-      flags & 128 ? in.text()
-                  : "libductile_" +
-                        std::string(ductile::to_string(static_cast<ductile::PluginKind>(d.kind))) +
-                        "_" + (d.name ? d.name : "") + ".so";
-  // ABI 2.2 fields, from the input's end (older inputs: the host's values).
+      flags & 64 ? in.text()
+                 : "libductile_" +
+                       std::string(ductile::to_string(static_cast<ductile::PluginKind>(d.kind))) +
+                       "_" + (d.name ? d.name : "") + ".so";
+  // From the input's end (shorter inputs: the host's values).
   const std::uint8_t later = in.byte();
   d.interface_revision =
       later & 1 ? in.u32()

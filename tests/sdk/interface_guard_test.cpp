@@ -2,8 +2,8 @@
 // that plugins compile against is pinned here by a fingerprint of its text
 // (comments and whitespace aside) next to the version it was last checked
 // at. Any other change to it fails this test until a person decides, by the
-// rule, whether it bumps the ABI major or minor or a kind's interface
-// revision, and pins the new fingerprint with the (possibly bumped) version.
+// rule, whether it bumps the ABI version or a kind's interface revision, and
+// pins the new fingerprint with the (possibly bumped) version.
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>
@@ -74,8 +74,6 @@ std::string read(const fs::path& file) {
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
-constexpr std::uint32_t kAbiVersion = DUCTILE_ABI_MAJOR * 1000 + DUCTILE_ABI_MINOR;
-
 struct Pin {
   std::vector<const char*> headers;  // fingerprinted together
   const char* version_name;          // what the rule may bump
@@ -84,19 +82,16 @@ struct Pin {
   std::uint64_t fingerprint;
 };
 
-// DUCTILE_ABI is major * 1000 + minor. Re-pin after deciding by the rule in
-// version.hpp: the printed fingerprint and the version it was decided at.
+// Re-pin after deciding by the rule in version.hpp: the printed fingerprint
+// and the version it was decided at.
 const std::vector<Pin> kPins = {
-    // Re-pinned without a bump for PluginKind::optimizer: a new kind of
-    // interface (its enum value, name and revision); nothing existing moved.
-    // Again for ParamSpec's default member initialisers (designated
-    // initialisers in schemas; layout unchanged) and the param_local flag (a
-    // new bit older hosts ignore).
+    // Version 3: one ABI version in place of major and minor, and the
+    // descriptor's fields reordered (the ABI version first).
     {{"plugin.hpp", "params.hpp", "error.hpp", "export.hpp"},
-     "DUCTILE_ABI_MAJOR * 1000 + DUCTILE_ABI_MINOR",
-     kAbiVersion,
-     2002,
-     0xdb41e75a6fa8861eull},
+     "DUCTILE_ABI_VERSION",
+     DUCTILE_ABI_VERSION,
+     3,
+     0x64436681941a61a9ull},
     {{"elasticity_policy.hpp"},
      "DUCTILE_INTERFACE_REVISION_ELASTICITY",
      DUCTILE_INTERFACE_REVISION_ELASTICITY,
@@ -120,15 +115,14 @@ const std::vector<Pin> kPins = {
      DUCTILE_INTERFACE_REVISION_ACCELERATOR,
      1,
      0x5d305d5670853aedull},
-    // Re-pinned without a bump for GatherMemory, ParameterGroups and
-    // ShardPlacement (with its ShardLocation), and the ones above: new
-    // optional interfaces; no existing class or type changed (ShardStorage's
-    // comment now says shard_data() of a host shard is a host pointer).
+    // Revision 2: the optional shard, group, placement and gather-memory
+    // interfaces folded into ParameterCoordinator, and staging_bytes_bound()
+    // added to it.
     {{"parameter_coordinator.hpp", "accelerator.hpp"},
      "DUCTILE_INTERFACE_REVISION_ZERO",
      DUCTILE_INTERFACE_REVISION_ZERO,
-     1,
-     0x34c1164fcb6231c6ull},
+     2,
+     0x393c12b221e16517ull},
     // Revision 2: OptimizerBuffers::threads (a step's thread count) changed
     // the layout of a type passed through step().
     {{"optimizer.hpp"},

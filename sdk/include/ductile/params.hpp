@@ -59,7 +59,7 @@ enum ParamFlags : std::uint32_t {
   param_has_max = 1u << 2,   // max_value applies
   // A setting of this process alone (a switch, a hint): copies of a
   // configuration that must agree, such as the elasticity scheduler
-  // contract, do not compare it. Hosts that predate the flag ignore it.
+  // contract, do not compare it.
   param_local = 1u << 3,
 };
 
@@ -74,13 +74,11 @@ enum ParamFlags : std::uint32_t {
 //
 // A bound applies only with its flag: min_value with param_has_min,
 // max_value with param_has_max (in .flags). Errors: the host refuses to load
-// a plugin whose schema sets a bound other than 0 without its flag, naming
-// the plugin, the key and the value, since such a bound would never be
-// checked. A bound of 0 without its flag cannot be told from an unset field
-// (0 is the default, and plugins built against earlier headers of this ABI
-// carry it in every unused bound), so it is accepted and, like any unflagged
-// bound, not checked: write `.flags = param_has_min, .min_value = 0` for a
-// lower bound of 0.
+// a plugin whose schema sets a bound without its flag, naming the plugin,
+// the key and the value, since such a bound would never be checked. A bound
+// of 0 cannot be told from an unset field (0 is the default), so without its
+// flag it is accepted and, like any unflagged bound, not checked: write
+// `.flags = param_has_min, .min_value = 0` for a lower bound of 0.
 struct ParamSpec {
   const char* key = nullptr;
   ParamType type = ParamType::boolean;

@@ -154,35 +154,25 @@ typedef bool (*ductile_plugin_validate)(const ductile::Params* params, const cha
 
 // What a plugin library exports.
 //
-// Compatibility rule (one for both directions): the host loads a plugin whose
-// abi_major equals its own, whatever the two minor versions. A minor version
-// only appends fields; `struct_size` is sizeof(ductile_plugin_descriptor) in
-// the SDK the plugin was built with, and the host reads a field only when it
-// lies within struct_size: a field the plugin's SDK did not have takes its
-// default (written next to it), a field the host does not know is ignored.
-// So a plugin built against SDK minor N loads into a host at minor N+1 and
-// the other way round. abi_major and abi_minor stay the first two fields in
-// every version. The SDK minor version is not part of the build tag. Beyond
-// the descriptor, the plugin's kind interface must be of the host's revision
-// and the shared types of the host's layout (see version.hpp).
+// Compatibility rule (version.hpp): the host loads a plugin only when its
+// abi_version, build_tag, layout_fingerprint and interface_revision (of its
+// kind) equal the host's; a plugin is rebuilt against the SDK of the host
+// that loads it. The layout of this struct is fixed by the ABI version:
+// abi_version is its first field in every version, so that a host can read
+// it, and refuse, whatever the rest of a plugin's descriptor looks like.
 struct ductile_plugin_descriptor {
-  // ABI 2.0
-  std::uint32_t abi_major;
-  std::uint32_t abi_minor;
-  std::uint32_t struct_size;  // sizeof(ductile_plugin_descriptor) of the plugin's SDK
-  const char* build_tag;      // DUCTILE_BUILD_TAG of the plugin's build
-  std::uint32_t kind;         // a ductile::PluginKind
-  const char* name;           // e.g. "v0.1"; [A-Za-z0-9_.-]+
-  const char* version;        // the plugin's own version, e.g. "1.0.0"
-  const char* description;    // one line
+  std::uint32_t abi_version;         // DUCTILE_ABI_VERSION of the plugin's SDK
+  std::uint32_t kind;                // a ductile::PluginKind
+  std::uint32_t interface_revision;  // interface_revision(kind) of the plugin's SDK
+  std::uint32_t layout_fingerprint;  // detail::shared_layout_fingerprint() of its build
+  const char* build_tag;             // DUCTILE_BUILD_TAG of the plugin's build
+  const char* name;                  // e.g. "v0.1"; [A-Za-z0-9_.-]+
+  const char* version;               // the plugin's own version, e.g. "1.0.0"
+  const char* description;           // one line
   const ductile::ParamSpec* params;
   std::size_t param_count;
   ductile_plugin_factory create;
-  // ABI 2.1
-  ductile_plugin_validate validate;  // default: nullptr (parameters checked by the schema only)
-  // ABI 2.2
-  std::uint32_t interface_revision;  // interface_revision(kind) of the plugin's SDK; default: 1
-  std::uint32_t layout_fingerprint;  // detail::shared_layout_fingerprint(); default: not checked
+  ductile_plugin_validate validate;  // nullptr: parameters checked by the schema only
 };
 
 // The one exported symbol.
@@ -301,19 +291,17 @@ constexpr ductile_plugin_validate validate_entry() noexcept {
   }                                                                                        \
   extern "C" DUCTILE_SDK_API const ductile_plugin_descriptor* ductile_plugin_entry(void) { \
     static const ductile_plugin_descriptor descriptor{                                     \
-        DUCTILE_ABI_MAJOR,                                                                 \
-        DUCTILE_ABI_MINOR,                                                                 \
-        static_cast<std::uint32_t>(sizeof(ductile_plugin_descriptor)),                     \
-        DUCTILE_BUILD_TAG,                                                                 \
+        DUCTILE_ABI_VERSION,                                                               \
         static_cast<std::uint32_t>(Class::kind),                                           \
+        ::ductile::interface_revision(Class::kind),                                        \
+        ::ductile::detail::shared_layout_fingerprint(),                                    \
+        DUCTILE_BUILD_TAG,                                                                 \
         Name,                                                                              \
         Version,                                                                           \
         Description,                                                                       \
         SchemaPtr,                                                                         \
         SchemaCount,                                                                       \
         &ductile_plugin_create_,                                                           \
-        ::ductile::detail::validate_entry<Class>(),                                        \
-        ::ductile::interface_revision(Class::kind),                                        \
-        ::ductile::detail::shared_layout_fingerprint()};                                   \
+        ::ductile::detail::validate_entry<Class>()};                                       \
     return &descriptor;                                                                    \
   }

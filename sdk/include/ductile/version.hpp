@@ -1,14 +1,13 @@
 // SDK version and the ABI identity of a build.
 //
-// A plugin records, in its descriptor, the ABI version and build tag it was
-// compiled with; the loader refuses a plugin whose ABI major version or build
-// tag differs from the host's, and accepts any ABI minor version (see the
-// rule at ductile_plugin_descriptor in plugin.hpp). The tag pins everything
-// that makes C++ objects passed across the boundary layout-compatible:
-// compiler family and major version, the libstdc++ dual ABI setting, the C++
-// standard, and the fmt and spdlog versions (a logger and its formatting
-// cross the boundary). The SDK version is not in the tag: the ABI version
-// covers it.
+// A plugin records, in its descriptor, the ABI version, build tag, shared
+// layout and kind interface revision it was compiled with; the loader
+// refuses a plugin of which any differs from the host's (the rule below).
+// The tag pins everything that makes C++ objects passed across the boundary
+// layout-compatible: compiler family and major version, the libstdc++ dual
+// ABI setting, the C++ standard, and the fmt and spdlog versions (a logger
+// and its formatting cross the boundary). The SDK version is not in the tag:
+// the ABI version covers it.
 #pragma once
 
 #include <fmt/core.h>
@@ -23,19 +22,25 @@
   DUCTILE_STRINGIFY(DUCTILE_SDK_VERSION_MAJOR) \
   "." DUCTILE_STRINGIFY(DUCTILE_SDK_VERSION_MINOR) "." DUCTILE_STRINGIFY(DUCTILE_SDK_VERSION_PATCH)
 
-// The plugin ABI. A plugin and the host share C++ classes, not just the
-// descriptor: the host calls a plugin object through the vtable of its kind
-// interface, and hands it a HostContext, Params and errors laid out as the
-// host's headers say. What a change to the SDK must bump:
+// The plugin ABI: one rule. Every plugin is built against the SDK of the
+// host that loads it, and the loader refuses a plugin unless each of these,
+// as its descriptor records them, equals the host's: DUCTILE_ABI_VERSION,
+// DUCTILE_BUILD_TAG, the shared layout fingerprint (plugin.hpp) and its
+// kind's DUCTILE_INTERFACE_REVISION_<KIND>. The refusal names the plugin
+// file and both values and asks for the plugin to be rebuilt against this
+// SDK. A plugin and the host share C++ classes, not just the descriptor: the
+// host calls a plugin object through the vtable of its kind interface, and
+// hands it a HostContext, Params and errors laid out as the host's headers
+// say. What a change to the SDK must bump:
 //
-// - DUCTILE_ABI_MAJOR, for any change to what every plugin shares: Plugin,
+// - DUCTILE_ABI_VERSION, for any change to what every plugin shares: Plugin,
 //   HostContext (a virtual added anywhere, even last, removed, reordered or
 //   re-typed), Params, ParamValue, ParamSpec, ParamType, ParamFlags, Error
 //   and ErrorKind (a member, a layout, a meaning), the factory and validate
-//   signatures, ductile_plugin_error, or a descriptor field's place or
-//   meaning. The loader refuses every plugin of another major.
-// - DUCTILE_ABI_MINOR, for a field appended to the descriptor (only
-//   appended: see ductile_plugin_descriptor). Plugins of any minor load.
+//   signatures, ductile_plugin_error, or the descriptor (a field added,
+//   removed, moved or re-typed: its layout is fixed by the ABI version, whose
+//   field stays the first). The loader refuses every plugin of another
+//   version.
 // - DUCTILE_INTERFACE_REVISION_<KIND>, for a change to one kind's interface
 //   header: a virtual added to its interface class (at the end too: the host
 //   would call past the end of an older plugin's vtable), removed, reordered
@@ -48,27 +53,20 @@
 //
 // Nothing bumps for a new free inline function, a comment, or a new kind of
 // interface. tests/sdk/interface_guard_test.cpp pins a fingerprint of each
-// header beside the revision it was last checked at, and fails when a header
+// header beside the version it was last checked at, and fails when a header
 // changes until a person decides whether the change bumps and re-pins it.
-// The layout of the shared types as the compiler saw them (sizes and
-// alignments of Params, ParamSpec, Error, std::string, ...) is also in every
-// descriptor and checked at load, which catches a plugin built with other
+// The build tag and the layout fingerprint need no bump: they are computed
+// by the compiler, and the fingerprint (sizes and alignments of Params,
+// ParamSpec, Error, std::string, ...) catches a plugin built with other
 // flags (such as _GLIBCXX_DEBUG) under the same build tag.
-//
-// Descriptor history:
-//   2.0  struct_size; structured factory errors (ductile_plugin_error)
-//   2.1  validate hook
-//   2.2  interface_revision, layout_fingerprint
-#define DUCTILE_ABI_MAJOR 2
-#define DUCTILE_ABI_MINOR 2
+#define DUCTILE_ABI_VERSION 3
 
-// The revision of each kind's interface (see above). A plugin whose
-// descriptor predates ABI 2.2 was built against revision 1 of every one.
+// The revision of each kind's interface (see above).
 #define DUCTILE_INTERFACE_REVISION_ELASTICITY 1   // elasticity_policy.hpp
 #define DUCTILE_INTERFACE_REVISION_BATCHING 1     // batch_sampler.hpp
 #define DUCTILE_INTERFACE_REVISION_LR 1           // lr_scaling_rule.hpp
 #define DUCTILE_INTERFACE_REVISION_ACCELERATOR 1  // accelerator.hpp
-#define DUCTILE_INTERFACE_REVISION_ZERO 1         // parameter_coordinator.hpp, accelerator.hpp
+#define DUCTILE_INTERFACE_REVISION_ZERO 2         // parameter_coordinator.hpp, accelerator.hpp
 #define DUCTILE_INTERFACE_REVISION_OPTIMIZER 2    // optimizer.hpp
 
 #if defined(__clang__)

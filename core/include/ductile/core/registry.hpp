@@ -50,14 +50,12 @@ struct PluginInfo {
   std::string description;
   std::filesystem::path file;
   std::string build_tag;
-  std::uint32_t abi_major = 0;
-  std::uint32_t abi_minor = 0;
-  std::uint32_t interface_revision = 1;  // of its kind's interface (version.hpp)
+  std::uint32_t abi_version = 0;         // DUCTILE_ABI_VERSION, as the host's
+  std::uint32_t interface_revision = 0;  // of its kind's interface (version.hpp), as the host's
   // Points into the loaded library; valid while the registry lives.
   std::vector<ParamSpec> params;
   ductile_plugin_factory factory = nullptr;
-  // The plugin's parameter check; nullptr when it has none (ABI < 2.1 or
-  // not defined by the plugin).
+  // The plugin's parameter check; nullptr when the plugin defines none.
   ductile_plugin_validate validate = nullptr;
   // Keeps the library loaded; shared with every object created from it.
   std::shared_ptr<LoadedLibrary> library;
@@ -87,19 +85,20 @@ std::optional<PluginRef> parse_plugin_ref(std::string_view text);
 // file's code runs, for: a file or a directory above it that another user
 // owns or may write (plugin_trust.hpp); a file that is not an ELF shared
 // library for this machine, or does not export the entry symbol
-// (elf_symbols.hpp). After loading, for a null descriptor, an ABI major,
-// build tag, interface revision or shared-layout mismatch (both sides
-// named), a kind or name that does not match the file name. not_found when
-// the file does not exist.
+// (elf_symbols.hpp). After loading, for a descriptor that points outside the
+// library, a null descriptor, an ABI version, build tag, interface revision
+// or shared-layout mismatch (both sides named), an invalid schema, a kind or
+// name that does not match the file name. not_found when the file does not
+// exist.
 PluginInfo load_plugin_file(const std::filesystem::path& file);
 
 // The checks load_plugin_file() makes of the descriptor a plugin's entry
 // point returned, on their own (for tools and the fuzz tests): not null,
-// ABI major, struct_size, build tag, kind, interface revision, shared
-// layout, name, factory, schema keys, and
-// that `file`'s name, when it has the libductile_<kind>_<name>.so form,
-// matches. Reads only the fields within the descriptor's struct_size.
-// Returns the plugin's information without a library (`library` is null).
+// the one rule of version.hpp (ABI version, build tag, shared layout, the
+// kind's interface revision), name, factory, the schema (keys, types, each
+// bound with its flag and not NaN, min <= max), and that `file`'s name, when
+// it has the libductile_<kind>_<name>.so form, matches. Returns the
+// plugin's information without a library (`library` is null).
 // Throws ductile::Error (ErrorKind::plugin) naming `file` and what is wrong.
 PluginInfo check_plugin_descriptor(const ductile_plugin_descriptor* descriptor,
                                    const std::filesystem::path& file);
