@@ -105,11 +105,12 @@ int run_pack(const CliContext& context, const PackFlags& o) {
     runtime.emplace(core::Runtime::from_string("", "command line", context.runtime_options()));
 
   // Flags override the config file; text becomes typed options here, every
-  // other check is the pipeline's (named with the flags' spelling).
+  // other check is pack_plan's (named with the flags' spelling) or the
+  // plugins' schemas'.
   auto& options = setup.options;
   options.spelling = pipeline::OptionSpelling::cli;
   // A flag that names another plugin than the config keeps only the config's
-  // parameters that plugin has; an unknown name is reported by the check below.
+  // parameters that plugin has; an unknown name is reported by pack_plan.
   auto choose = [&](PluginKind kind, const std::string& name, Params& params) {
     const auto installed = runtime->registry().names(kind);
     if (std::find(installed.begin(), installed.end(), name) != installed.end())
@@ -119,7 +120,7 @@ int run_pack(const CliContext& context, const PackFlags& o) {
     options.sampler = o.sampler;
     choose(PluginKind::batching, o.sampler, options.sampler_params);
   }
-  // The range (1 to 2^31 - 1) is the pipeline's check, worded as Python's.
+  // The one conversion of the flag's text; its range is the sampler's schema's.
   if (!o.max_tokens.empty())
     options.max_tokens = parse_int("--max-tokens", o.max_tokens, INT64_MIN);
   if (!o.order.empty()) options.order = o.order;
@@ -154,8 +155,7 @@ int run_pack(const CliContext& context, const PackFlags& o) {
   if (!o.min_lr.empty()) options.schedule.min_lr = parse_double("--min-lr", o.min_lr, 0);
   if (!o.ranks.empty()) options.ranks = parse_int("--ranks", o.ranks, 1);
   const std::int64_t show = parse_int("--show", o.show, 0);
-  pipeline::check_pack_plan_options(*runtime, options);
-
+  // The options are checked by pack_plan, once, after the lengths are read.
   if (setup.lengths.empty())
     throw Error(ErrorKind::invalid_argument,
                 "no lengths file: give --lengths FILE (or [batching] lengths in the config)");

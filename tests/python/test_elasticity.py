@@ -272,3 +272,21 @@ def test_a_key_given_twice_in_a_deepspeed_json_is_refused(tmp_path):
     assert code == 2
     assert (f'{path}: key "max_gpus" appears twice in one object; each key may be given once'
             in err)
+
+
+@pytest.mark.parametrize("policy", ["v0.1", "v0.2", "optimal"])
+def test_max_train_batch_size_range_is_one_check_with_the_cli_message(tmp_path, policy):
+    # Checked once, by the policy when it is created; compute() plans from
+    # the checked values and raises nothing new about them.
+    block = {"enabled": True, "policy": policy, "micro_batch_sizes": [2, 4]}
+    for cap, says in ((0, "is invalid: must be >= 1"),
+                      (2 ** 62 + 1, "is too large: must be <= 2^62 (4611686018427387904)")):
+        ds_config = {"elasticity": dict(block, max_train_batch_size=cap)}
+        with pytest.raises(ElasticityConfigError) as info:
+            compute_elastic_config(ds_config, "0.9.0", world_size=8)
+        assert str(info.value) == f"elasticity ({policy}): max_train_batch_size = {cap} {says}"
+        out, _ = cli(tmp_path, ds_config, 8)
+        assert out["error"] == {"type": "ElasticityConfigError", "message": str(info.value)}
+    plan = ductile.elasticity.load({"elasticity": dict(block, max_train_batch_size=100)}).compute(
+        world_size=8 if policy == "v0.2" else 0)
+    assert 0 < plan.final_batch_size <= 100

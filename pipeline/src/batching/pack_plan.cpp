@@ -162,30 +162,12 @@ PackPlan run_sampler(const BatchSampler& sampler, std::string name,
   return plan;
 }
 
-}  // namespace
-
-std::span<const std::int64_t> PackPlan::microbatch(std::size_t i) const {
-  const auto begin = static_cast<std::size_t>(microbatch_offsets.at(i));
-  const auto end = static_cast<std::size_t>(microbatch_offsets.at(i + 1));
-  return std::span<const std::int64_t>(sample_ids).subspan(begin, end - begin);
-}
-
-std::span<const std::int64_t> PackPlan::microbatches_of_rank(std::size_t rank) const {
-  if (rank + 1 >= rank_offsets.size())
-    throw Error(ErrorKind::invalid_argument,
-                fmt::format("rank {} is out of range; the plan has {} ranks", rank,
-                            rank_offsets.empty() ? 0 : rank_offsets.size() - 1));
-  const auto begin = static_cast<std::size_t>(rank_offsets[rank]);
-  const auto end = static_cast<std::size_t>(rank_offsets[rank + 1]);
-  return std::span<const std::int64_t>(rank_microbatches).subspan(begin, end - begin);
-}
-
+// The checks pack_plan makes before creating any plugin (see pack_plan.hpp).
 void check_pack_plan_options(const core::Runtime& runtime, const PackPlanOptions& o) {
   const auto& registry = runtime.registry();
   check_one_of(o, "sampler", o.sampler, registry.names(PluginKind::batching));
-  if (o.max_tokens && (*o.max_tokens < 1 || *o.max_tokens > kMaxTokenBudget))
-    throw bad_option(fmt::format("{} {} is out of range; must be between 1 and {} (2^31 - 1)",
-                                 option_name(o, "max_tokens"), *o.max_tokens, kMaxTokenBudget));
+  // max_tokens' range is the sampler's schema's (the bundled samplers': 1 to
+  // kMaxTokenBudget), checked once, when pack_plan creates the sampler.
   if (!o.max_tokens && !o.sampler_params.has("max_tokens")) {
     if (o.spelling == OptionSpelling::cli)
       throw bad_option("no token budget: give --max-tokens N (or max_tokens in the config)");
@@ -221,6 +203,24 @@ void check_pack_plan_options(const core::Runtime& runtime, const PackPlanOptions
     throw bad_option(fmt::format("{} {} is out of range; must be a finite number > 0",
                                  option_name(o, "base_batch_size"), *o.base_batch_size));
   check_lr_schedule(o.schedule);
+}
+
+}  // namespace
+
+std::span<const std::int64_t> PackPlan::microbatch(std::size_t i) const {
+  const auto begin = static_cast<std::size_t>(microbatch_offsets.at(i));
+  const auto end = static_cast<std::size_t>(microbatch_offsets.at(i + 1));
+  return std::span<const std::int64_t>(sample_ids).subspan(begin, end - begin);
+}
+
+std::span<const std::int64_t> PackPlan::microbatches_of_rank(std::size_t rank) const {
+  if (rank + 1 >= rank_offsets.size())
+    throw Error(ErrorKind::invalid_argument,
+                fmt::format("rank {} is out of range; the plan has {} ranks", rank,
+                            rank_offsets.empty() ? 0 : rank_offsets.size() - 1));
+  const auto begin = static_cast<std::size_t>(rank_offsets[rank]);
+  const auto end = static_cast<std::size_t>(rank_offsets[rank + 1]);
+  return std::span<const std::int64_t>(rank_microbatches).subspan(begin, end - begin);
 }
 
 PackPlan pack_plan(core::Runtime& runtime, std::span<const std::int64_t> lengths,

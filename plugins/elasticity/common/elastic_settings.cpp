@@ -32,7 +32,8 @@ namespace {
 
 constexpr const char* kLimitText = "2^62 (4611686018427387904)";
 
-u64 bounded(std::string_view key, std::int64_t value, std::int64_t min, std::string_view policy) {
+void check_range(std::string_view key, std::int64_t value, std::int64_t min,
+                 std::string_view policy) {
   if (value < min)
     config_error_at(
         std::string(key),
@@ -41,12 +42,11 @@ u64 bounded(std::string_view key, std::int64_t value, std::int64_t min, std::str
     config_error_at(std::string(key),
                     fmt::format("elasticity ({}): {} = {} is too large: must be <= {}", policy, key,
                                 value, kLimitText));
-  return static_cast<u64>(value);
 }
 
 }  // namespace
 
-Settings read_settings(const Params& params, std::string_view policy) {
+void check_settings(const Params& params, std::string_view policy) {
   if (!params.get_bool("enabled"))
     config_error(
         fmt::format("elasticity ({}): enabled = false: elasticity is disabled; set "
@@ -62,7 +62,6 @@ Settings read_settings(const Params& params, std::string_view policy) {
         fmt::format("elasticity ({}): the configuration is missing micro_batch_sizes "
                     "(a list of positive integers such as [2, 4, 6])",
                     policy));
-  Settings s;
   const auto& micro = params.get_int_list("micro_batch_sizes");
   if (micro.empty())
     config_error_at("micro_batch_sizes",
@@ -74,7 +73,6 @@ Settings read_settings(const Params& params, std::string_view policy) {
                     fmt::format("elasticity ({}): micro_batch_sizes has {} entries, more than the "
                                 "{} accepted: list at most {} micro batch sizes",
                                 policy, micro.size(), kMaxMicroBatchSizes, kMaxMicroBatchSizes));
-  s.micro_batch_sizes.reserve(micro.size());
   for (std::size_t i = 0; i < micro.size(); ++i) {
     if (micro[i] <= 0)
       config_error_at(
@@ -88,10 +86,9 @@ Settings read_settings(const Params& params, std::string_view policy) {
           fmt::format("elasticity ({}): micro_batch_sizes element {} = {} is too large: "
                       "must be <= {}",
                       policy, i, micro[i], kLimitText));
-    s.micro_batch_sizes.push_back(static_cast<u64>(micro[i]));
   }
-  std::int64_t min_gpus = params.get_int("min_gpus");
-  std::int64_t max_gpus = params.get_int("max_gpus");
+  const std::int64_t min_gpus = params.get_int("min_gpus");
+  const std::int64_t max_gpus = params.get_int("max_gpus");
   if (min_gpus < 1 || max_gpus < 1)
     config_error_at(min_gpus < 1 ? "min_gpus" : "max_gpus",
                     fmt::format("elasticity ({}): min_gpus and max_gpus must be >= 1, given "
@@ -102,17 +99,30 @@ Settings read_settings(const Params& params, std::string_view policy) {
                     fmt::format("elasticity ({}): min_gpus = {} is greater than max_gpus = {}; "
                                 "min_gpus must be <= max_gpus",
                                 policy, min_gpus, max_gpus));
-  s.min_gpus = bounded("min_gpus", min_gpus, 1, policy);
-  s.max_gpus = bounded("max_gpus", max_gpus, 1, policy);
-  s.model_parallel_size =
-      bounded("model_parallel_size", params.get_int("model_parallel_size"), 1, policy);
-  s.num_gpus_per_node =
-      bounded("num_gpus_per_node", params.get_int("num_gpus_per_node"), 1, policy);
-  s.min_time = bounded("min_time", params.get_int("min_time"), 0, policy);
-  s.max_train_batch_size =
-      bounded("max_train_batch_size", params.get_int("max_train_batch_size"), 1, policy);
-  s.prefer_larger_batch = params.get_bool("prefer_larger_batch");
-  return s;
+  check_range("min_gpus", min_gpus, 1, policy);
+  check_range("max_gpus", max_gpus, 1, policy);
+  check_range("model_parallel_size", params.get_int("model_parallel_size"), 1, policy);
+  check_range("num_gpus_per_node", params.get_int("num_gpus_per_node"), 1, policy);
+  check_range("min_time", params.get_int("min_time"), 0, policy);
+  check_range("max_train_batch_size", params.get_int("max_train_batch_size"), 1, policy);
+}
+
+Settings read_settings(const Params& params) {
+  const auto unsigned_value = [&](std::string_view key) {
+    return static_cast<u64>(params.get_int(key));
+  };
+  const auto& micro = params.get_int_list("micro_batch_sizes");
+  std::vector<u64> micro_batch_sizes;
+  micro_batch_sizes.reserve(micro.size());
+  for (const std::int64_t m : micro) micro_batch_sizes.push_back(static_cast<u64>(m));
+  return Settings{.max_train_batch_size = unsigned_value("max_train_batch_size"),
+                  .micro_batch_sizes = std::move(micro_batch_sizes),
+                  .min_gpus = unsigned_value("min_gpus"),
+                  .max_gpus = unsigned_value("max_gpus"),
+                  .num_gpus_per_node = unsigned_value("num_gpus_per_node"),
+                  .model_parallel_size = unsigned_value("model_parallel_size"),
+                  .min_time = unsigned_value("min_time"),
+                  .prefer_larger_batch = params.get_bool("prefer_larger_batch")};
 }
 
 u64 request_world_size(const ElasticityRequest& request) {

@@ -2,9 +2,13 @@
 // `elasticity` keys and defaults) and DeepSpeed's configuration checks.
 //
 // The schema bounds are deliberately loose (types only): every range check
-// is done here, when a plan is computed, so that a TOML file, a DeepSpeed
-// JSON file and the embedding API all report the same error class
-// (ElasticityConfigError) naming the key, the value and what is valid.
+// is done here, by check_settings, because a schema's errors are the core's
+// ConfigError while DeepSpeed's API promises ElasticityConfigError for every
+// elasticity setting; TOML, DeepSpeed JSON and the embedding API all report
+// it naming the key, the value and what is valid. check_settings is run by
+// the policy's validate hook, which the core runs before it creates the
+// policy and for `ductile config check`; the policy then reads the checked
+// values once (read_settings) and computes every plan from them.
 #pragma once
 
 #include <cstddef>
@@ -28,13 +32,12 @@ inline constexpr ParamSpec kElasticitySchema[] = {
             "DeepSpeed's default (false)"},
     {.key = "max_train_batch_size",
      .type = ParamType::integer,
-     .doc =
-         "Largest acceptable global train batch size; required (checked when the plan is computed, "
-         "as DeepSpeed does)"},
+     .doc = "Largest acceptable global train batch size, 1 to 2^62; required (both checked by the "
+            "policy, as ElasticityConfigError)"},
     {.key = "micro_batch_sizes",
      .type = ParamType::integer_list,
-     .doc = "Acceptable micro batch sizes per GPU, positive integers; required (checked when the "
-            "plan is computed)"},
+     .doc = "Acceptable micro batch sizes per GPU, positive integers; required (both checked by "
+            "the policy, as ElasticityConfigError)"},
     {.key = "min_gpus",
      .type = ParamType::integer,
      .default_value = "1",
@@ -87,24 +90,32 @@ inline constexpr std::size_t kMaxMicroBatchSizes = 1024;
 // Throws ductile::Error typed ElasticityError with the given kind.
 [[noreturn]] void elasticity_error(ErrorKind kind, const std::string& message);
 
-// Validated settings, all values in [1, 2^62] unless said otherwise.
+// The checked settings, all values in [1, 2^62] unless said otherwise. No
+// member has a default: every value comes from the parameters, whose only
+// defaults are kElasticitySchema's.
 struct Settings {
-  u64 max_train_batch_size = 0;
+  u64 max_train_batch_size;
   std::vector<u64> micro_batch_sizes;  // as given: order kept, duplicates allowed
-  u64 min_gpus = 1;
-  u64 max_gpus = 10000;
-  u64 num_gpus_per_node = 1;
-  u64 model_parallel_size = 1;
-  u64 min_time = 0;  // may be 0
-  bool prefer_larger_batch = true;
+  u64 min_gpus;
+  u64 max_gpus;
+  u64 num_gpus_per_node;
+  u64 model_parallel_size;
+  u64 min_time;  // may be 0
+  bool prefer_larger_batch;
 };
 
-// Reads the parameters and runs DeepSpeed's checks in DeepSpeed's order:
-// enabled, required keys present, micro batches positive, min/max GPUs, model
-// parallel size, GPUs per node, min_time; plus ours: the list is not empty,
-// holds at most kMaxMicroBatchSizes entries and no value exceeds 2^62. `policy` names the policy in
-// messages.
-Settings read_settings(const Params& params, std::string_view policy);
+// DeepSpeed's checks of the parameters in DeepSpeed's order: enabled,
+// required keys present, micro batches positive, min/max GPUs, model parallel
+// size, GPUs per node, min_time, max_train_batch_size; plus ours: the list is
+// not empty, holds at most kMaxMicroBatchSizes entries and no value exceeds
+// 2^62. `policy` names the policy in messages. Throws ElasticityConfigError
+// (a ParamError naming the key where there is one).
+void check_settings(const Params& params, std::string_view policy);
+
+// The parameters as Settings: the one read of the values check_settings
+// accepted (their signed 64-bit values as the unsigned ones the arithmetic
+// uses). Call it only on parameters check_settings accepted.
+Settings read_settings(const Params& params);
 
 // The world size of a request, validated (0 = not given).
 u64 request_world_size(const ElasticityRequest& request);

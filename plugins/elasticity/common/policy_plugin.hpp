@@ -4,7 +4,6 @@
 #pragma once
 
 #include <memory>
-#include <string>
 #include <string_view>
 
 #include "ductile/elasticity_policy.hpp"
@@ -16,27 +15,26 @@ namespace ductile::elastic {
 template <ElasticityResult (*Compute)(const Settings&, const ElasticityRequest&), auto Check>
 class PolicyPlugin final : public ElasticityPolicy {
  public:
-  // compute() runs every check again, so that the embedding API reports the
-  // same typed errors (ElasticityConfigError) when nothing validated first.
+  // The core creates a plugin only from parameters its validate hook
+  // accepted: they are read once here, and every plan is computed from them.
   explicit PolicyPlugin(const HostContext& ctx)
-      : name_(ctx.plugin_name()), params_(ctx.params()), logger_(ctx.logger()) {}
+      : settings_(read_settings(ctx.params())), logger_(ctx.logger()) {}
 
   // The validate hook (see DUCTILE_PLUGIN): DeepSpeed's configuration checks
   // and the policy's own, on the parameters alone.
   static void validate(const Params& params, std::string_view name) {
-    Check(read_settings(params, name));
+    check_settings(params, name);
+    Check(read_settings(params));
   }
 
   ElasticityResult compute(const ElasticityRequest& request) const override {
-    auto settings = read_settings(params_, name_);
-    auto result = Compute(settings, request);
+    auto result = Compute(settings_, request);
     for (const auto& warning : result.warnings) logger_->warn("{}", warning);
     return result;
   }
 
  private:
-  std::string name_;
-  Params params_;
+  Settings settings_;
   std::shared_ptr<spdlog::logger> logger_;
 };
 

@@ -2,6 +2,7 @@
 // (search.cpp) for the most valid GPU counts, in units of whole nodes of
 // whole model replicas.
 #include <algorithm>
+#include <optional>
 
 #include <fmt/format.h>
 
@@ -18,24 +19,32 @@ struct OptimalUnits {
   u64 unit, dp_per_unit, lo, hi;
 };
 
-OptimalUnits check_optimal(const Settings& s) {
+// The units of the settings; nullopt when lcm(num_gpus_per_node,
+// model_parallel_size) exceeds 2^62.
+std::optional<OptimalUnits> units_of(const Settings& s) {
   const u64 gpn = s.num_gpus_per_node, mp = s.model_parallel_size;
   // GPU counts are whole nodes made of whole model replicas: multiples of
   // lcm(gpn, mp) GPUs, each holding lcm / mp data-parallel ranks.
   auto unit_value = value_of(lcm(factorize(gpn), factorize(mp)));
-  if (!unit_value)
+  if (!unit_value) return std::nullopt;
+  const u64 unit = *unit_value;
+  return OptimalUnits{unit, unit / mp, (s.min_gpus + unit - 1) / unit, s.max_gpus / unit};
+}
+
+void check_optimal(const Settings& s) {
+  const u64 gpn = s.num_gpus_per_node, mp = s.model_parallel_size;
+  const auto units = units_of(s);
+  if (!units)
     config_error(
         fmt::format("elasticity (optimal): lcm(num_gpus_per_node = {}, "
                     "model_parallel_size = {}) exceeds 2^62",
                     gpn, mp));
-  const u64 unit = *unit_value, dp_per_unit = unit / mp;
-  const u64 lo = (s.min_gpus + unit - 1) / unit, hi = s.max_gpus / unit;
-  if (lo > hi)
+  if (units->lo > units->hi)
     config_error(
         fmt::format("elasticity (optimal): no GPU count between min_gpus = {} and "
                     "max_gpus = {} is a multiple of {} (whole nodes of num_gpus_per_node "
                     "= {} holding whole model replicas of model_parallel_size = {})",
-                    s.min_gpus, s.max_gpus, unit, gpn, mp));
+                    s.min_gpus, s.max_gpus, units->unit, gpn, mp));
   for (u64 m : s.micro_batch_sizes)
     if (m > s.max_train_batch_size)
       config_error(
@@ -43,14 +52,14 @@ OptimalUnits check_optimal(const Settings& s) {
                       "max_train_batch_size = {}: every micro batch must be <= {}",
                       m, format_list_short(s.micro_batch_sizes), s.max_train_batch_size,
                       s.max_train_batch_size));
-  return {unit, dp_per_unit, lo, hi};
 }
 
 ElasticityResult compute_optimal(const Settings& s, const ElasticityRequest& request) {
   const u64 world_size = request_world_size(request);
   require_world_size_for_micro_batch(request, world_size, "optimal");
   const u64 gpn = s.num_gpus_per_node, mp = s.model_parallel_size;
-  const auto [unit, dp_per_unit, lo, hi] = check_optimal(s);
+  // check_optimal ran in the validate hook, before the policy was created.
+  const auto [unit, dp_per_unit, lo, hi] = *units_of(s);
   auto outcome = optimal_search(s.micro_batch_sizes, s.max_train_batch_size / dp_per_unit, lo, hi,
                                 s.prefer_larger_batch);
   if (outcome.counts.empty())

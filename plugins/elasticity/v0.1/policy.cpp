@@ -20,8 +20,8 @@ void check_v01(const Settings& s) {
                     s.model_parallel_size));
 }
 
+// check_v01 ran in the validate hook, before the policy was created.
 ElasticityResult compute_v01(const Settings& s, const ElasticityRequest& request) {
-  check_v01(s);
   const u64 world_size = request_world_size(request);
   require_world_size_for_micro_batch(request, world_size, "v0.1");
   auto outcome = deepspeed_v01(s.micro_batch_sizes, s.max_train_batch_size, s.min_gpus, s.max_gpus,

@@ -36,7 +36,7 @@ ElasticityResult compute_v02(const Settings& s, const ElasticityRequest& request
         "elasticity (v0.2) computes its batch size for one world size (the total number of "
         "GPUs, >= 1), and no world size was given; give the world size, or use policy v0.1 or "
         "optimal for a plan valid at every GPU count");
-  check_v02(s);
+  // check_v02 ran in the validate hook, before the policy was created.
   const u64 gpn = s.num_gpus_per_node, mp = s.model_parallel_size;
   const u64 dp_per_node = gpn / mp;
   const u64 node_cap = s.max_train_batch_size / dp_per_node;

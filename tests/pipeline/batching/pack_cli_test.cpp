@@ -148,6 +148,14 @@ TEST_CASE("user errors exit 2 with a JSON error naming the problem") {
   expect_user_error("--lengths " + kData + "/debian_fortunes_word_lengths.txt", "--max-tokens");
   expect_user_error("--lengths " + kData + "/debian_fortunes_word_lengths.txt --max-tokens ten",
                     "'ten' is not an integer");
+  // The budget's range is the sampler's schema's, whether flag or config gives it.
+  expect_user_error("--lengths " + kData + "/debian_fortunes_word_lengths.txt --max-tokens 0",
+                    "batching plugin 'greedy': max_tokens = 0 is out of range: must be between 1 "
+                    "and 2147483647");
+  expect_user_error("--lengths " + kData +
+                        "/debian_fortunes_word_lengths.txt --sampler bfd --max-tokens 2147483648",
+                    "batching plugin 'bfd': max_tokens = 2147483648 is out of range: must be "
+                    "between 1 and 2147483647");
   expect_user_error("--lengths " + kData +
                         "/debian_fortunes_word_lengths.txt --max-tokens 10 "
                         "--sampler ffd",

@@ -308,21 +308,6 @@ TEST_CASE("options are checked, naming the option, the value and what is valid")
         return x;
       }(),
       "sampler 'ffd' is not valid; valid: bfd, greedy");
-  fails(
-      [&] {
-        auto x = o;
-        x.max_tokens = 0;
-        return x;
-      }(),
-      "max_tokens 0 is out of range; must be between 1 and 2147483647 (2^31 - 1)");
-  fails(
-      [&] {
-        auto x = o;
-        x.max_tokens = std::int64_t{1} << 62;
-        return x;
-      }(),
-      "max_tokens 4611686018427387904 is out of range; must be between 1 and 2147483647 "
-      "(2^31 - 1)");
   fails(pipeline::PackPlanOptions{},
         "no token budget: give max_tokens (the token budget of a micro-batch, >= 1)");
   fails(
@@ -397,14 +382,6 @@ TEST_CASE("options are checked, naming the option, the value and what is valid")
       [&] {
         auto x = o;
         x.spelling = pipeline::OptionSpelling::cli;
-        x.max_tokens = 0;
-        return x;
-      }(),
-      "--max-tokens 0 is out of range; must be between 1 and 2147483647 (2^31 - 1)");
-  fails(
-      [&] {
-        auto x = o;
-        x.spelling = pipeline::OptionSpelling::cli;
         x.lr_rule = "x";
         return x;
       }(),
@@ -423,6 +400,47 @@ TEST_CASE("options are checked, naming the option, the value and what is valid")
   const std::vector<std::int64_t> bad = {3, 0, 5};
   CHECK_THROWS_WITH_AS((void)pipeline::pack_plan(runtime(), bad, o), doctest::Contains("sample 1"),
                        Error);
+}
+
+TEST_CASE("max_tokens' range is the sampler's schema's, checked once when the sampler is made") {
+  const std::vector<std::int64_t> lengths = {3, 4, 5};
+  for (const char* sampler : {"greedy", "bfd"}) {
+    for (const std::int64_t bad :
+         {std::int64_t{0}, std::int64_t{-4}, kMaxTokenBudget + 1, std::int64_t{1} << 62}) {
+      for (const auto spelling : {pipeline::OptionSpelling::api, pipeline::OptionSpelling::cli}) {
+        CAPTURE(sampler);
+        CAPTURE(bad);
+        pipeline::PackPlanOptions o;
+        o.sampler = sampler;
+        o.max_tokens = bad;
+        o.spelling = spelling;
+        try {
+          (void)pipeline::pack_plan(runtime(), lengths, o);
+          FAIL("accepted max_tokens = " << bad);
+        } catch (const Error& e) {
+          CHECK(e.kind() == ErrorKind::config);
+          CHECK(std::string(e.what()) == std::string("batching plugin '") + sampler +
+                                             "': max_tokens = " + std::to_string(bad) +
+                                             " is out of range: must be between 1 and 2147483647");
+        }
+      }
+    }
+    // The same bound for a budget given among the sampler's parameters.
+    pipeline::PackPlanOptions o;
+    o.sampler = sampler;
+    o.sampler_params.set("max_tokens", std::int64_t{0});
+    CHECK_THROWS_WITH_AS((void)pipeline::pack_plan(runtime(), lengths, o),
+                         doctest::Contains("max_tokens = 0 is out of range: must be between 1 and "
+                                           "2147483647"),
+                         Error);
+    // Both ends of the range pack.
+    const std::vector<std::int64_t> with_one = {3, 1, 4};
+    for (const std::int64_t good : {std::int64_t{1}, kMaxTokenBudget}) {
+      o.sampler_params = {};
+      o.max_tokens = good;
+      CHECK(pipeline::pack_plan(runtime(), with_one, o).options.max_tokens == good);
+    }
+  }
 }
 
 TEST_CASE("lengths near 2^62 are dropped, and sums at the largest budget do not overflow") {

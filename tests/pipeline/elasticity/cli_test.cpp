@@ -224,3 +224,38 @@ TEST_CASE("ductile elastic names its own option for a world size a policy needs"
   auto given = elastic({"--config", file.string(), "--world-size", "4", "--json"}, kNoScheduler);
   CHECK_MESSAGE(given.exit_code == 0, given.err);
 }
+
+TEST_CASE("max_train_batch_size out of range: one ElasticityConfigError, TOML and JSON alike") {
+  ductile::test::TempDir dir;
+  struct Case {
+    std::string value, says;
+  };
+  const std::vector<Case> cases = {
+      {"0", "max_train_batch_size = 0 is invalid: must be >= 1"},
+      {"4611686018427387905",
+       "max_train_batch_size = 4611686018427387905 is too large: must be <= 2^62 "
+       "(4611686018427387904)"}};
+  for (const char* policy : {"v0.1", "v0.2", "optimal"}) {
+    for (const auto& c : cases) {
+      CAPTURE(policy);
+      CAPTURE(c.value);
+      const auto toml = dir.write("cap.toml", std::string("[elasticity]\npolicy = \"") + policy +
+                                                  "\"\nmax_train_batch_size = " + c.value +
+                                                  "\nmicro_batch_sizes = [2, 4]\n");
+      const auto deepspeed =
+          dir.write("cap.json", std::string(R"({"elasticity": {"enabled": true, "policy": ")") +
+                                    policy + R"(", "max_train_batch_size": )" + c.value +
+                                    R"(, "micro_batch_sizes": [2, 4]}})");
+      const std::string expected = std::string("elasticity (") + policy + "): " + c.says;
+      for (const auto& file : {toml, deepspeed}) {
+        auto run =
+            elastic({"--config", file.string(), "--world-size", "8", "--json"}, kNoScheduler);
+        CHECK(run.exit_code == 2);
+        const json out = json::parse(run.out, nullptr, false);
+        REQUIRE_MESSAGE(out.contains("error"), run.out << run.err);
+        CHECK(out["error"]["type"] == "ElasticityConfigError");
+        CHECK(out["error"]["message"] == expected);
+      }
+    }
+  }
+}

@@ -23,15 +23,17 @@
 // the PackPlan it returns is a plain value owned by the caller, holding no
 // reference to the runtime, the lengths or any plugin. The plugins it creates
 // (one sampler, at most one lr rule) are released before it returns.
-// Threading: pack_plan and check_pack_plan_options keep no state between
-// calls. They may run concurrently on different runtimes; on one shared
-// Runtime they may also run concurrently, since they only read its registry
-// and call Runtime::create (see runtime.hpp). The pack_options_from_* helpers
+// Threading: pack_plan keeps no state between calls. Calls may run
+// concurrently on different runtimes; on one shared Runtime they may also run
+// concurrently, since they only read its registry and call Runtime::create
+// (see runtime.hpp). The pack_options_from_* helpers
 // are pure functions.
 // Errors: ductile::Error. ErrorKind::invalid_argument for a bad option (named
 // as above) or a bad length (a length <= 0, named by its sample id);
 // ErrorKind::config (ConfigError) when a sampler or rule rejects a parameter
-// against its schema (unknown key, wrong type); ErrorKind::not_found /
+// against its schema (unknown key, wrong type, out of range such as
+// max_tokens = 0: "batching plugin 'greedy': max_tokens = 0 is out of range:
+// must be between 1 and 2147483647"); ErrorKind::not_found /
 // ErrorKind::plugin when a plugin is missing or fails to load;
 // ErrorKind::incompatible (type "NotEnoughSamples") when the samples cannot
 // fill one step. Nothing is returned half done: an error leaves no result.
@@ -68,7 +70,9 @@ struct PackPlanOptions {
   // Batching plugin name: any installed one ("greedy", DeepSpeed's algorithm;
   // "bfd", best-fit decreasing; or an out-of-tree sampler).
   std::string sampler = "greedy";
-  // Token budget of a micro-batch (>= 1). Required, here or in sampler_params.
+  // Token budget of a micro-batch. Required, here or in sampler_params; its
+  // range is the sampler's schema's (the bundled samplers': 1 to
+  // kMaxTokenBudget), checked when the sampler is created.
   std::optional<std::int64_t> max_tokens;
   // Greedy picking order: "dataloader", "seqlen" or "random" (samplers whose
   // schema has no `order` reject it).
@@ -161,17 +165,15 @@ struct PackPlan {
   }
 };
 
-// Checks the options against the runtime's plugins without packing:
-// sampler and lr_rule installed, every value in range, the base batch size
-// given when a rule is, the schedule valid. Throws as pack_plan does.
-void check_pack_plan_options(const core::Runtime& runtime, const PackPlanOptions& options);
-
-// Packs `lengths` (each >= 1; sample id = index) with a new instance of
-// options.sampler created from `runtime` (so the runtime's registry and
-// plugin search path decide which plugins exist), assigns ranks, and, when
-// options.lr_rule is set, computes every step's learning rate with a
-// VariableBatchLrSchedule (rate of step s = the base schedule at s, scaled by
-// the rule for batch_sizes[s] / base_batch_size).
+// Checks the options first: sampler and lr_rule installed, a token budget
+// given, the other options in range, the base batch size given when a rule
+// is, the schedule valid (max_tokens' range is the sampler's schema's,
+// checked when the sampler is created). Then packs `lengths` (each >= 1;
+// sample id = index) with a new instance of options.sampler created from
+// `runtime` (so the runtime's registry and plugin search path decide which
+// plugins exist), assigns ranks, and, when options.lr_rule is set, computes
+// every step's learning rate with a VariableBatchLrSchedule (rate of step s = the base schedule at
+// s, scaled by the rule for batch_sizes[s] / base_batch_size).
 PackPlan pack_plan(core::Runtime& runtime, std::span<const std::int64_t> lengths,
                    const PackPlanOptions& options);
 
