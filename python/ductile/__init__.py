@@ -16,6 +16,36 @@ pip install imports ``ductile.__main__`` only to start the C++ CLI.
 """
 
 import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    # What __getattr__ returns, for type checkers and IDEs (`X as X`: a
+    # re-export). The extension's names (init_logging, __version__) have no
+    # stubs: __getattr__'s Any. The extension comes first: the modules below
+    # import it from this package, and mypy would otherwise look it up
+    # through __getattr__ while this file is still being analysed.
+    from . import _ductile  # noqa: F401 - for mypy, as said
+    from . import batching as batching
+    from . import elasticity as elasticity
+    from . import metrics as metrics
+    from ._config import Config as Config
+    from ._config import Runtime as Runtime
+    from ._config import load_config as load_config
+    from ._config import plugins as plugins
+    from ._errors import CommunicationError as CommunicationError
+    from ._errors import ConfigError as ConfigError
+    from ._errors import ElasticityConfigError as ElasticityConfigError
+    from ._errors import ElasticityError as ElasticityError
+    from ._errors import ElasticityIncompatibleWorldSize as ElasticityIncompatibleWorldSize
+    from ._errors import Error as Error
+    from ._errors import IncompatibleError as IncompatibleError
+    from ._errors import InternalError as InternalError
+    from ._errors import InvalidArgumentError as InvalidArgumentError
+    from ._errors import IoError as IoError
+    from ._errors import NotEnoughSamplesError as NotEnoughSamplesError
+    from ._errors import NotFoundError as NotFoundError
+    from ._errors import PluginError as PluginError
+    from ._errors import UnsupportedError as UnsupportedError
 
 # name -> (module, attribute); attribute None: the module itself.
 _EXPORTS = {
@@ -38,7 +68,7 @@ _EXPORTS.update({name: ("._errors", name) for name in (
 __all__ = [name for name in _EXPORTS if name != "__version__"]
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     try:
         module_name, attribute = _EXPORTS[name]
     except KeyError:
@@ -49,5 +79,5 @@ def __getattr__(name):
     return value
 
 
-def __dir__():
+def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))

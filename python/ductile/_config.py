@@ -11,11 +11,19 @@ and defaults by the parts that use it (``elasticity``,
 import json
 import os
 import re
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal, TypeAlias
 
 from . import _ductile
 from ._errors import ConfigError, Error, InvalidArgumentError
 
 Runtime = _ductile.Runtime
+
+# A path argument: a str or an os.PathLike (pathlib.Path).
+StrPath: TypeAlias = str | os.PathLike[str]
+# A plugin_path argument: extra plugin directories, searched first (a list:
+# a single path is refused, naming the argument).
+PluginPath: TypeAlias = Iterable[StrPath] | None
 
 
 class Config:
@@ -28,14 +36,16 @@ class Config:
     ``base_dir`` (relative paths in the config resolve against it).
     """
 
-    def __init__(self, format, origin, runtime, deepspeed=None, base_dir=""):
+    # runtime: a _ductile.Runtime (the extension has no stubs).
+    def __init__(self, format: str, origin: str, runtime: Any, deepspeed: str | None = None,
+                 base_dir: str = "") -> None:
         self.format = format
         self.origin = origin
         self.runtime = runtime
         self.deepspeed = deepspeed
         self.base_dir = base_dir
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"ductile.Config(format={self.format!r}, origin={self.origin!r})"
 
 
@@ -64,7 +74,7 @@ def _toml_key(key, where):
     return key if _BARE_KEY.fullmatch(key) else json.dumps(key)
 
 
-def toml_from_dict(config):
+def toml_from_dict(config: Mapping[str, Any]) -> str:
     """TOML text for a dict of sections ({"elasticity": {"policy": "v0.1", ...}})."""
     lines = []
     for section, table in config.items():
@@ -108,14 +118,17 @@ def _looks_like_json(text, path=""):
     return _ductile.elasticity.is_json_config(path, text)
 
 
-def load_config(source, *, format=None, plugin_path=None, allow_config_plugins=False):
+def load_config(source: StrPath | dict[str, Any] | Config, *,
+                format: Literal["toml", "deepspeed"] | None = None, plugin_path: PluginPath = None,
+                allow_config_plugins: bool = False) -> Config:
     """Loads a ductile TOML or a DeepSpeed JSON configuration.
 
     ``source``: a path (str or os.PathLike) to a .toml or .json file (other
     extensions: JSON when the content starts with '{'), a TOML or JSON text
-    (a str holding a newline, '=' or starting with '{'), or a dict (a
-    DeepSpeed config unless ``format="toml"``). ``format``: "toml",
-    "deepspeed" or None (detect). ``plugin_path``: extra plugin directories,
+    (a str holding a newline, '=' or starting with '{'), a dict (a
+    DeepSpeed config unless ``format="toml"``), or a loaded Config (returned
+    as it is; a ConfigError when ``format`` names the other kind). ``format``:
+    "toml", "deepspeed" or None (detect). ``plugin_path``: extra plugin directories,
     searched before DUCTILE_PLUGIN_PATH and the built-in ones.
     ``allow_config_plugins``: also search the directories the
     configuration's own ``[plugins] path`` names, running the code of the
@@ -137,6 +150,13 @@ def load_config(source, *, format=None, plugin_path=None, allow_config_plugins=F
             f"allow_config_plugins = {_shown(allow_config_plugins)} is not a bool; give True "
             "or False")
     if isinstance(source, Config):
+        if format is not None and source.format != format:
+            # Its readers take the DeepSpeed JSON text of a "deepspeed" one,
+            # the validated sections of a "toml" one: the other kind has none.
+            raise ConfigError(
+                f"config: {source.origin} is a loaded {source.format} config, but "
+                f"format={format!r} was asked for; valid: a {format} config (path, text, dict or "
+                f"a ductile.Config of format {format!r})")
         return source
     if isinstance(source, dict):
         if format == "toml":
@@ -206,7 +226,7 @@ def _deepspeed_config(origin, runtime, text, base_dir=""):
     return Config("deepspeed", origin, runtime, text, base_dir)
 
 
-def plugins(kind=None, *, plugin_path=None):
+def plugins(kind: str | None = None, *, plugin_path: PluginPath = None) -> list[dict[str, Any]]:
     """The installed plugins (as ``ductile plugins list``): dicts with kind,
     name, version, description, file and params."""
     return Runtime.plain(plugin_path).plugins(kind)

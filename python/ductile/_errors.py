@@ -13,8 +13,8 @@ Attributes of every instance: ``kind`` (the C++ ErrorKind name: ``config``,
 problem).
 """
 
-
 import re
+from collections.abc import Iterable
 
 # What a terminal would act on rather than show (as core::printable escapes
 # in C++): C0 controls but tab and newline, DEL, C1 controls, bidirectional
@@ -32,7 +32,7 @@ def _escape(match):
     return f"\\u{{{code:04x}}}"
 
 
-def printable(text):
+def printable(text: str) -> str:
     """`text` with control and bidi characters, NUL and lone surrogates
     escaped (newlines and tabs kept)."""
     return _UNPRINTABLE.sub(_escape, text)
@@ -42,9 +42,10 @@ class Error(Exception):
     """Base class of every ductile error. The message is printable(): no
     character in it acts on a terminal."""
 
-    kind = "internal"
+    kind: str = "internal"
 
-    def __init__(self, message="", *, kind=None, type="", diagnostics=()):
+    def __init__(self, message: object = "", *, kind: str | None = None, type: str = "",
+                 diagnostics: Iterable[object] = ()) -> None:
         super().__init__(printable(str(message)))
         if kind is not None:
             self.kind = kind
@@ -146,13 +147,14 @@ _BY_TYPE = {
 }
 
 
-def from_native(kind, type_name, message, diagnostics=()):
+def from_native(kind: str, type_name: str, message: str,
+                diagnostics: Iterable[object] = ()) -> Error:
     """The exception instance for a C++ ductile::Error (used by _ductile)."""
     cls = _BY_TYPE.get(type_name) or _BY_KIND.get(kind, InternalError)
     return cls(message, kind=kind, type=type_name, diagnostics=diagnostics)
 
 
-def error_class(kind, type_name=""):
+def error_class(kind: str, type_name: str = "") -> type[Error]:
     """The class from_native would pick."""
     return _BY_TYPE.get(type_name) or _BY_KIND.get(kind, InternalError)
 

@@ -3,11 +3,12 @@ os.PathLike) that a file name can be, else InvalidArgumentError naming the
 argument."""
 
 import os
+from typing import Any
 
 from ._errors import InvalidArgumentError
 
 
-def path_argument(value, name, where):
+def path_argument(value: Any, name: str, where: str) -> str:
     """`value` as a str path. `name`: the argument's name, `where`: the call
     (for the message). Refuses what is not a path, and names no file can
     have (empty, holding NUL, or a lone surrogate that is not a byte of a

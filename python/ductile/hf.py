@@ -79,6 +79,7 @@ import contextlib
 import json
 import math
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import accelerate.scheduler
@@ -89,6 +90,7 @@ import transformers
 from ._errors import IncompatibleError, InvalidArgumentError
 from ._hf_logging import StepReport, is_training_log
 from .torch import DynamicBatchSampler, FlattenCollate, VariableBatchLRScheduler
+from .torch._sampler import Lengths
 
 _logger = transformers.utils.logging.get_logger(__name__)
 
@@ -183,8 +185,10 @@ class DuctileTrainer(transformers.Trainer):
     # the type check, which does not read transformers.
     lr_scheduler: Any
 
-    def __init__(self, *args, max_tokens=None, lengths=None, lr_rule="sqrt",
-                 base_batch_size=None, order="random", sampler_options=None, **kwargs):
+    def __init__(self, *args: Any, max_tokens: int | None = None,
+                 lengths: Lengths | None = None, lr_rule: str = "sqrt",
+                 base_batch_size: float | None = None, order: str = "random",
+                 sampler_options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         if len(args) > 2:
             raise InvalidArgumentError(
                 "DuctileTrainer: pass the Trainer's arguments after model and args by keyword "
@@ -254,19 +258,19 @@ class DuctileTrainer(transformers.Trainer):
         self._fresh_sampler_state = self.ductile_sampler.state_dict()
         self._resumed_step = 0
 
-    def train(self, *args, **kwargs):
+    def train(self, *args: Any, **kwargs: Any) -> Any:
         with _ductile_engine(self.is_deepspeed_enabled):
             return super().train(*args, **kwargs)
 
-    def evaluate(self, *args, **kwargs):
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         with _ductile_engine(self.is_deepspeed_enabled):
             return super().evaluate(*args, **kwargs)
 
-    def predict(self, *args, **kwargs):
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
         with _ductile_engine(self.is_deepspeed_enabled):
             return super().predict(*args, **kwargs)
 
-    def get_train_dataloader(self):
+    def get_train_dataloader(self) -> torch.utils.data.DataLoader:
         if self.ductile_sampler is None:
             return super().get_train_dataloader()
         # Not through accelerator.prepare: the sampler already gives this
@@ -276,7 +280,8 @@ class DuctileTrainer(transformers.Trainer):
             collate_fn=self.data_collator, num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory)
 
-    def create_scheduler(self, num_training_steps, optimizer=None):
+    def create_scheduler(self, num_training_steps: int,
+                         optimizer: torch.optim.Optimizer | None = None) -> Any:
         if self.ductile_sampler is None:
             return super().create_scheduler(num_training_steps, optimizer)
         if self.lr_scheduler is None:
@@ -391,7 +396,8 @@ class DuctileTrainer(transformers.Trainer):
                 f"the samples epoch {epoch} has left after step {step} are packed again, and "
                 "the learning-rate schedule is planned again over the new step count")
 
-    def set_initial_training_values(self, args, dataloader):
+    def set_initial_training_values(self, args: transformers.TrainingArguments,
+                                    dataloader: torch.utils.data.DataLoader) -> tuple:
         values = super().set_initial_training_values(args, dataloader)
         if self.ductile_sampler is None:
             return values
@@ -484,7 +490,8 @@ class DuctileTrainer(transformers.Trainer):
 
     # -- What a training log shows (_hf_logging.py).
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
         if self._step_report is not None:
             self._step_report.count_inputs(inputs)
         return super().training_step(model, inputs, num_items_in_batch)
@@ -500,12 +507,14 @@ class DuctileTrainer(transformers.Trainer):
             self._step_report.lr_step = scheduler.last_step
         return super()._get_learning_rate()
 
-    def log(self, logs, start_time=None):
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self._step_report is not None and is_training_log(logs):
             self._step_report.add_to(logs)
         super().log(logs, start_time)
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any],
+                     return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None) -> Any:
         if self._flatten:
             # transformers builds the per-sample mask of a flattened row only
             # without a cache (FlattenCollate's docstring).

@@ -12,10 +12,14 @@ what ductile writes and the other way round.
 import os
 import struct
 import tempfile
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from . import _ductile
+from ._config import StrPath
 from ._errors import InvalidArgumentError, IoError
 from ._paths import path_argument
 
@@ -30,12 +34,22 @@ _CODES = {np.dtype(np.uint8): 1, np.dtype(np.int8): 2, np.dtype(np.int16): 3,
           np.dtype(np.uint32): 7, np.dtype(np.uint64): 8}
 
 
-def seqlen_prefix(metrics_path):
+class MapDataset(Protocol):
+    """A map-style dataset, as the length computations read one: its
+    ``len`` and its samples by index (a torch ``Dataset`` with ``__len__``,
+    a list, a Hugging Face ``datasets.Dataset``)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int, /) -> Any: ...
+
+
+def seqlen_prefix(metrics_path: StrPath) -> str:
     """``{metrics_path}/seqlen/seqlen_sample_to_metric``."""
     return os.path.join(os.fspath(metrics_path), SEQLEN_PREFIX)
 
 
-def read_metric(prefix):
+def read_metric(prefix: StrPath) -> npt.NDArray[np.int64]:
     """Every value of a metric file pair (PREFIX.bin + PREFIX.idx), in order,
     as int64. Raises NotFoundError or IoError naming the file,
     InvalidArgumentError for a prefix that is not a path."""
@@ -61,7 +75,8 @@ def _atomic_write(path, chunks):
             os.unlink(tmp)
 
 
-def write_metric(prefix, values, dtype=np.int64):
+def write_metric(prefix: StrPath, values: npt.ArrayLike,
+                 dtype: npt.DTypeLike = np.int64) -> None:
     """Writes one value per sample as PREFIX.bin/PREFIX.idx in DeepSpeed's
     format. ``dtype``: one of DeepSpeed's (int64 default, as its data
     analyzer writes lengths). Each file is written to a temporary name and
@@ -114,7 +129,8 @@ def write_metric(prefix, values, dtype=np.int64):
                                     doc_idx.astype("<i8").tobytes()])
 
 
-def lengths_from_metrics_path(metrics_path, dataset=None, length_fn=len):
+def lengths_from_metrics_path(metrics_path: StrPath, dataset: MapDataset | None = None,
+                              length_fn: Callable[[Any], int] = len) -> npt.NDArray[np.int64]:
     """DeepSpeed's ``metrics_path`` contract: the lengths in
     ``{metrics_path}/seqlen/seqlen_sample_to_metric.{bin,idx}`` when both
     files exist; otherwise computed once as ``length_fn(dataset[i])`` for

@@ -1,7 +1,8 @@
 """The package itself: `import ductile` without torch (and without importing
-matplotlib), the README one-liner, `python -m ductile` running the CLI, and
-`cmake --install` giving an importable package that finds its plugins from
-the install prefix. (The wheel, `pip wheel .` + `auditwheel repair`: test_wheel.py.)"""
+matplotlib), the README one-liner, `python -m ductile` running the CLI,
+mypy checking a user's calls against the package's annotations (py.typed),
+and `cmake --install` giving an importable package that finds its plugins
+from the install prefix. (The wheel, `pip wheel .` + `auditwheel repair`: test_wheel.py.)"""
 
 import os
 import subprocess
@@ -54,6 +55,31 @@ def test_python_m_ductile_is_the_cli():
     assert bad.returncode == 2 and "--world-size" in bad.stderr
 
 
+def test_mypy_checks_calls_against_the_package_annotations(tmp_path):
+    # Without py.typed mypy skips an installed package (its names are Any),
+    # and the names `ductile` re-exports on first use are seen only through
+    # the imports for type checkers in its __init__. numpy is not analysed
+    # (most of a cold run's time); its names are Any here.
+    (tmp_path / "mypy.ini").write_text("[mypy]\n[mypy-numpy,numpy.*]\nfollow_imports = skip\n")
+    (tmp_path / "user.py").write_text(
+        "import ductile\n"
+        "import ductile.metrics\n"
+        "config: ductile.Config = ductile.load_config('job.toml')\n"
+        "ductile.load_config(42)\n"
+        "prefix: int = ductile.metrics.seqlen_prefix('metrics')\n")
+    env = dict(os.environ, PYTHONPATH=os.path.join(BUILD, "python"))
+    proc = subprocess.run([sys.executable, "-m", "mypy", "--config-file", "mypy.ini",
+                           "--cache-dir", str(tmp_path / "cache"), "--no-error-summary",
+                           "user.py"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    errors = [line for line in proc.stdout.splitlines() if ": error: " in line]
+    assert proc.returncode == 1 and len(errors) == 2, proc.stdout + proc.stderr
+    assert errors[0].startswith("user.py:4:") and 'incompatible type "int"' in errors[0]
+    assert '"load_config"' in errors[0] and "Config" in errors[0]
+    assert errors[1].startswith("user.py:5:")
+    assert 'expression has type "str", variable has type "int"' in errors[1]
+
+
 def test_cmake_install_gives_an_importable_package(tmp_path):
     prefix = tmp_path / "prefix"
     proc = subprocess.run([CMAKE, "--install", BUILD, "--prefix", str(prefix)],
@@ -61,6 +87,7 @@ def test_cmake_install_gives_an_importable_package(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     site = prefix / "lib" / "python3" / "dist-packages"
     assert (site / "ductile" / "torch" / "__init__.py").exists()
+    assert (site / "ductile" / "py.typed").exists()
     env = dict(os.environ, PYTHONPATH=str(site))
     proc = subprocess.run(
         [sys.executable, "-c",

@@ -20,16 +20,22 @@ DeepSpeed's engine does around them:
   of each training forward counted here.
 """
 
+from __future__ import annotations
+
 import contextlib
 import logging
 import os
 import sys
 import time
 import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 
+from .._config import StrPath
 from .._errors import InvalidArgumentError, IoError
+from ..torch.zero3 import Zero3Engine
 
 _logger = logging.getLogger("ductile.deepspeed")
 
@@ -107,8 +113,13 @@ class DeepSpeedEngine(torch.nn.Module):
     """What ``ductile.deepspeed.initialize`` returns first: DeepSpeed's
     engine over ``zero3``, the ductile ZeRO-3 engine of ``module``."""
 
-    def __init__(self, module, zero3, batch, training, lr_scheduler=None,
-                 training_dataloader=None, config=None):
+    # batch: (train_batch_size, micro-batch per rank, gradient accumulation
+    # steps); training: the DeepSpeed config's training keys as the mapping
+    # read them; config: the DeepSpeed config as given.
+    def __init__(self, module: torch.nn.Module, zero3: Zero3Engine, batch: tuple[int, int, int],
+                 training: Mapping[str, Any], lr_scheduler: Any = None,
+                 training_dataloader: torch.utils.data.DataLoader | None = None,
+                 config: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.module = module
         self._zero3 = zero3
@@ -133,7 +144,7 @@ class DeepSpeedEngine(torch.nn.Module):
             self.global_steps = restored
             self.global_samples = restored * self._train_batch_size
             self.micro_steps = restored * self._accumulation
-        self._boundary = None  # set_gradient_accumulation_boundary's override
+        self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override
         self._timers = _Timers()
         # DeepSpeed's engine reports the gradient norm of every step.
         zero3.measure_grad_norm = True
@@ -141,52 +152,52 @@ class DeepSpeedEngine(torch.nn.Module):
     # --- what DeepSpeed's engine is -------------------------------------------------
 
     @property
-    def zero3(self):
+    def zero3(self) -> Zero3Engine:
         """The ductile ZeRO-3 engine underneath (``stats()``, ``units()``,
         ``full_parameters()``, ...)."""
         return self._zero3
 
     @property
-    def lr_scheduler(self):
+    def lr_scheduler(self) -> Any:
         """The scheduler stepped after each applied optimizer step (the
         config's, or the one given to initialize), or None."""
         return self._zero3.lr_scheduler
 
     @property
-    def config(self):
+    def config(self) -> dict[str, Any] | None:
         """The DeepSpeed config as given (a dict)."""
         return self._config
 
     @property
-    def global_rank(self):
+    def global_rank(self) -> int:
         return self._zero3.rank
 
     @property
-    def world_size(self):
+    def world_size(self) -> int:
         return self._zero3.world_size
 
     @property
-    def dp_world_size(self):
+    def dp_world_size(self) -> int:
         return self._zero3.world_size
 
     @property
-    def local_rank(self):
+    def local_rank(self) -> int:
         return int(os.environ.get("LOCAL_RANK", "0"))
 
     @property
-    def device(self):
+    def device(self) -> torch.device:
         return self._zero3.device
 
-    def train_batch_size(self):
+    def train_batch_size(self) -> int:
         return self._train_batch_size
 
-    def train_micro_batch_size_per_gpu(self):
+    def train_micro_batch_size_per_gpu(self) -> int:
         return self._micro_batch
 
-    def gradient_accumulation_steps(self):
+    def gradient_accumulation_steps(self) -> int:
         return self._accumulation
 
-    def set_train_batch_size(self, train_batch_size):
+    def set_train_batch_size(self, train_batch_size: int) -> None:
         """Changes the global batch by changing gradient_accumulation_steps,
         as DeepSpeed's does (the micro-batch and the world stay)."""
         per_step = self._micro_batch * self.world_size
@@ -198,64 +209,64 @@ class DeepSpeedEngine(torch.nn.Module):
         self._train_batch_size = train_batch_size
         self._accumulation = train_batch_size // per_step
 
-    def zero_optimization(self):
+    def zero_optimization(self) -> bool:
         return True
 
-    def zero_optimization_stage(self):
+    def zero_optimization_stage(self) -> int:
         return 3
 
-    def zero_optimization_partition_weights(self):
+    def zero_optimization_partition_weights(self) -> bool:
         return True
 
-    def zero_optimization_partition_gradients(self):
+    def zero_optimization_partition_gradients(self) -> bool:
         return True
 
-    def zero_offload_optimizer(self):
+    def zero_offload_optimizer(self) -> bool:
         return self._zero3.stats()["offloaded_groups"] != []
 
-    def fp16_enabled(self):
+    def fp16_enabled(self) -> bool:
         precision = self._zero3.mixed_precision
         return precision is not None and precision.param_dtype == torch.float16
 
-    def bfloat16_enabled(self):
+    def bfloat16_enabled(self) -> bool:
         precision = self._zero3.mixed_precision
         return precision is not None and precision.param_dtype == torch.bfloat16
 
-    def gradient_clipping(self):
+    def gradient_clipping(self) -> float:
         return self._zero3.gradient_clipping or 0.0
 
-    def steps_per_print(self):
+    def steps_per_print(self) -> int | None:
         return self._steps_per_print
 
-    def wall_clock_breakdown(self):
+    def wall_clock_breakdown(self) -> bool:
         return self._wall_clock_breakdown
 
-    def get_lr(self):
+    def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer else []
 
-    def get_mom(self):
+    def get_mom(self) -> list[tuple[float, float] | float | None]:
         if self.optimizer is None:
             return []
         return [g["betas"] if "betas" in g else g.get("momentum") for g in
                 self.optimizer.param_groups]
 
-    def get_global_grad_norm(self):
+    def get_global_grad_norm(self) -> float | None:
         """The global gradient norm (before clipping) of the last step, as a
         float; None before the first step."""
         norm = self._zero3.grad_norm
         return None if norm is None else float(norm)
 
-    def was_step_applied(self):
+    def was_step_applied(self) -> bool:
         """Whether the last boundary's optimizer step changed the model
         (False after an fp16 overflow skipped it)."""
         return self._zero3.step_applied
 
     @property
-    def loss_scale(self):
+    def loss_scale(self) -> float:
         return self._zero3.loss_scale
 
     @property
-    def cur_scale(self):
+    def cur_scale(self) -> float:
         return self._zero3.loss_scale
 
     # --- the training loop ---------------------------------------------------------
@@ -269,7 +280,7 @@ class DeepSpeedEngine(torch.nn.Module):
                 f"DeepSpeedEngine.{what}: the engine has no optimizer; give initialize() an "
                 "optimizer or an \"optimizer\" section in the config")
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._zero3.log_interval and self.module.training:
             tokens = _tokens_of(args, kwargs)
             if tokens is not None:
@@ -277,7 +288,8 @@ class DeepSpeedEngine(torch.nn.Module):
         with self._timing("fwd"):
             return self.module(*args, **kwargs)
 
-    def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False,
+                 scale_wrt_gas: bool = True) -> torch.Tensor:
         """Back-propagates ``loss`` divided by gradient_accumulation_steps
         (with ``scale_wrt_gas``, as DeepSpeed does); returns that loss.
         The gradient shards are complete when it returns."""
@@ -288,17 +300,17 @@ class DeepSpeedEngine(torch.nn.Module):
             self._zero3.backward(loss, retain_graph=retain_graph)
         return loss
 
-    def is_gradient_accumulation_boundary(self):
+    def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary is not None:
             return self._boundary
         return (self.micro_steps + 1) % self._accumulation == 0
 
-    def set_gradient_accumulation_boundary(self, is_boundary):
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Overrides the micro-step count's boundary (DeepSpeed's manual
         boundary, used by pipelines of micro-batches of their own)."""
         self._boundary = bool(is_boundary)
 
-    def step(self, lr_kwargs=None):
+    def step(self, lr_kwargs: Mapping[str, Any] | None = None) -> None:
         """At an accumulation boundary: clips, steps the optimizer on the
         shards and the scheduler (unless an fp16 overflow skipped the step),
         clears the gradients, counts the step and prints progress every
@@ -352,23 +364,24 @@ class DeepSpeedEngine(torch.nn.Module):
         return round(resident / 1024**3, 2), round(peak / 1024**3, 2)
 
     @contextlib.contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator[None]:
         """Backward passes inside keep full gradients locally; the first
         backward after it reduces their sum (``Zero3Engine.no_sync``).
         DeepSpeed refuses this under ZeRO-3; ductile can do it."""
         with self._zero3.no_sync():
             yield
 
-    def zero_grad(self):
+    def zero_grad(self) -> None:
         self._zero3.zero_grad()
 
-    def clip_grad_norm_(self, max_norm, norm_type=2.0):
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         return self._zero3.clip_grad_norm_(max_norm, norm_type)
 
     # --- checkpoints and weights ------------------------------------------------------
 
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
-                        exclude_frozen_parameters=False):
+    def save_checkpoint(self, save_dir: StrPath, tag: str | int | None = None,
+                        client_state: dict[str, Any] | None = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> bool:
         """Writes a checkpoint into ``save_dir/tag`` (tag: "global_step<N>")
         and points ``save_dir/latest`` at it (the commit of
         ``Zero3Engine.save``): shards, optimizer state, the scheduler's
@@ -392,9 +405,11 @@ class DeepSpeedEngine(torch.nn.Module):
         self._zero3.save(save_dir, client_state={"deepspeed_engine": state}, tag=str(tag))
         return True
 
-    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True,
-                        load_optimizer_states=True, load_lr_scheduler_states=True,
-                        load_module_only=False, custom_load_fn=None):
+    def load_checkpoint(self, load_dir: StrPath, tag: str | int | None = None,
+                        load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        custom_load_fn: None = None
+                        ) -> tuple[str, dict[str, Any]] | tuple[None, None]:
         """Restores a checkpoint of ``save_checkpoint`` (``load_dir/latest``,
         or ``load_dir/tag``), saved at any world size. Returns
         ``(path, client_state)``, or ``(None, None)`` with a warning when
@@ -425,8 +440,8 @@ class DeepSpeedEngine(torch.nn.Module):
         self.skipped_steps = state["skipped_steps"]
         return os.path.abspath(path), state["client_state"]
 
-    def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin",
-                         exclude_frozen_parameters=False):
+    def save_16bit_model(self, save_dir: StrPath, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
         """Writes the whole model's state dict (in the model's dtype) to
         ``save_dir/save_filename`` with torch.save on rank 0, as DeepSpeed
         does; ``.safetensors`` file names are written as safetensors.
@@ -442,12 +457,13 @@ class DeepSpeedEngine(torch.nn.Module):
                 torch.save(state, path)
         return True
 
-    def module_state_dict(self, destination=None, prefix="", keep_vars=False,
-                          exclude_frozen_parameters=False):
+    def module_state_dict(self, destination: Any = None, prefix: str = "",
+                          keep_vars: bool = False,
+                          exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
         """The model's whole state dict (collective)."""
         return self._zero3.state_dict()
 
-    def zero_gather_16bit_weights_on_model_save(self):
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """zero_optimization.stage3_gather_16bit_weights_on_model_save: HF
         Accelerate and the Trainer save the whole model only when true."""
         zero = (self._config or {}).get("zero_optimization") or {}
@@ -455,7 +471,8 @@ class DeepSpeedEngine(torch.nn.Module):
                          zero.get("gather_16bit_weights_on_model_save", False))
         return value is True
 
-    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters=False):
+    def _zero3_consolidated_16bit_state_dict(
+            self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
         """The whole model's state dict on rank 0 (an empty dict elsewhere),
         as HF Accelerate's get_state_dict takes it. Collective."""
         state = self._zero3.state_dict(rank0_only=True)
@@ -466,7 +483,7 @@ class DeepSpeedEngine(torch.nn.Module):
 
     _consolidated_16bit_state_dict = _zero3_consolidated_16bit_state_dict
 
-    def destroy(self):
+    def destroy(self) -> None:
         """Removes the hooks and gives the model its whole parameters back
         (``Zero3Engine.close``). Collective."""
         self._zero3.close()

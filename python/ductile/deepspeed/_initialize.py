@@ -10,22 +10,28 @@ working) or the config's; the scheduler is the script's or the config's
 (``ductile.deepspeed.lr_schedules``).
 """
 
+import argparse
+import datetime
 import json
 import os
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .._config import load_config
+from .._config import Config, StrPath, load_config
 from .._errors import ConfigError, InvalidArgumentError
 from ..torch.zero3 import _config as _zero3_config
 from ..torch.zero3._engine import Zero3Engine
 from ._engine import DeepSpeedEngine
 
 
-def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_port=29500,
-                     verbose=True, timeout=None, init_method=None, dist_init_required=None,
-                     config=None, rank=-1, world_size=-1):
+def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
+                     distributed_port: int = 29500, verbose: bool = True,
+                     timeout: datetime.timedelta | None = None, init_method: str | None = None,
+                     dist_init_required: bool | None = None, config: Any = None, rank: int = -1,
+                     world_size: int = -1) -> None:
     """Initialises torch.distributed's default process group from the
     launcher's environment (torchrun, ``ductile agent``: RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT), unless it is initialised already or
@@ -48,7 +54,7 @@ def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_por
         env.setdefault("MASTER_PORT", str(distributed_port))
         rank, world_size = 0, 1
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    kwargs = {"backend": backend}
+    kwargs: dict[str, Any] = {"backend": backend}
     if timeout is not None:
         kwargs["timeout"] = timeout
     if init_method is not None:
@@ -60,7 +66,7 @@ def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_por
     dist.init_process_group(**kwargs)
 
 
-def add_config_arguments(parser):
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Adds DeepSpeed's command-line arguments (``--deepspeed``,
     ``--deepspeed_config``, and the deprecated ``--deepscale`` ones) to an
     argparse parser; returns it."""
@@ -205,10 +211,19 @@ def _dataloader(training_data, micro_batch, collate_fn, drop_last, world_size, r
                                        collate_fn=collate_fn, drop_last=drop_last)
 
 
-def initialize(args=None, model=None, optimizer=None, model_parameters=None,
-               training_data=None, lr_scheduler=None, distributed_port=29500, mpu=None,
-               dist_init_required=None, collate_fn=None, config=None, mesh_param=None,
-               config_params=None):
+def initialize(
+        args: argparse.Namespace | None = None, model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+        | None = None,
+        model_parameters: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]] | None = None,
+        training_data: torch.utils.data.Dataset | None = None,
+        lr_scheduler: Any = None, distributed_port: int = 29500, mpu: None = None,
+        dist_init_required: bool | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        config: StrPath | dict[str, Any] | Config | None = None, mesh_param: None = None,
+        config_params: StrPath | dict[str, Any] | Config | None = None
+) -> tuple[DeepSpeedEngine, torch.optim.Optimizer | None, torch.utils.data.DataLoader | None,
+           Any]:
     """DeepSpeed's ``initialize`` on ductile's ZeRO-3 engine: returns
     ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 
@@ -235,6 +250,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
         source = {k: v for k, v in source.items() if k != "steps_per_print"}
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     loaded = load_config(source, format="deepspeed")
+    assert loaded.deepspeed is not None  # load_config refuses any other format
     as_dict = json.loads(loaded.deepspeed)
     world = _zero3_config.torch_world(None)
     settings = _zero3_config.resolve(loaded, None, None, world)

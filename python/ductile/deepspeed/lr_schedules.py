@@ -14,6 +14,8 @@ DeepSpeed loads here, and the reverse.
 """
 
 import logging
+from collections.abc import Mapping
+from typing import Any
 
 from .. import _ductile
 from .._errors import IncompatibleError, InvalidArgumentError
@@ -30,7 +32,7 @@ VALID_LR_SCHEDULES = list(_schedules.TYPES)
 class _Default:
     """An argument not given: the C++ spec keeps DeepSpeed's default."""
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return "<DeepSpeed's default>"
 
 
@@ -83,7 +85,8 @@ class _DeepSpeedScheduler:
 
     _type = ""
 
-    def __init__(self, optimizer, arguments):
+    # optimizer: a torch optimizer, or a wrapper whose .optimizer is one.
+    def __init__(self, optimizer: Any, arguments: Mapping[str, Any]) -> None:
         self.optimizer = _param_group_owner(optimizer)
         groups = self.optimizer.param_groups
         given = {key: value for key, value in arguments.items() if value is not DEFAULT}
@@ -100,15 +103,15 @@ class _DeepSpeedScheduler:
     _sets_last_lr_when_made = True
 
     @property
-    def params(self):
+    def params(self) -> dict[str, Any]:
         """Every parameter with its value, DeepSpeed's defaults filled in."""
         return self._schedule.params
 
-    def get_lr(self):
+    def get_lr(self) -> list[float]:
         """The rates at the current last_batch_iteration."""
         return self._schedule.lrs(self.last_batch_iteration)
 
-    def get_last_lr(self):
+    def get_last_lr(self) -> list[float]:
         """The rates last set on the param groups."""
         if getattr(self, "_last_lr", None) is None:
             raise IncompatibleError(
@@ -116,7 +119,7 @@ class _DeepSpeedScheduler:
                 "first")
         return self._last_lr
 
-    def step(self, last_batch_iteration=None):
+    def step(self, last_batch_iteration: int | None = None) -> None:
         """Moves to the next batch index (or the one given) and sets its
         rates."""
         if last_batch_iteration is None:
@@ -125,10 +128,10 @@ class _DeepSpeedScheduler:
         self.last_batch_iteration = last_batch_iteration
         self._last_lr = _set_lrs(self.optimizer.param_groups, lrs)
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, int]:
         return {"last_batch_iteration": self.last_batch_iteration}
 
-    def load_state_dict(self, sd):
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restores the batch index (the rates are set by the next step(),
         as DeepSpeed's do)."""
         if not isinstance(sd, dict) or "last_batch_iteration" not in sd:
@@ -146,8 +149,10 @@ class WarmupLR(_DeepSpeedScheduler):
 
     _type = "WarmupLR"
 
-    def __init__(self, optimizer, warmup_min_lr=DEFAULT, warmup_max_lr=DEFAULT,
-                 warmup_num_steps=DEFAULT, warmup_type=DEFAULT, last_batch_iteration=DEFAULT):
+    def __init__(self, optimizer: Any, warmup_min_lr: float | _Default = DEFAULT,
+                 warmup_max_lr: float | _Default = DEFAULT,
+                 warmup_num_steps: int | _Default = DEFAULT, warmup_type: str | _Default = DEFAULT,
+                 last_batch_iteration: int | _Default = DEFAULT) -> None:
         super().__init__(optimizer, dict(
             warmup_min_lr=warmup_min_lr, warmup_max_lr=warmup_max_lr,
             warmup_num_steps=warmup_num_steps, warmup_type=warmup_type,
@@ -160,8 +165,11 @@ class WarmupDecayLR(_DeepSpeedScheduler):
 
     _type = "WarmupDecayLR"
 
-    def __init__(self, optimizer, total_num_steps, warmup_min_lr=DEFAULT, warmup_max_lr=DEFAULT,
-                 warmup_num_steps=DEFAULT, warmup_type=DEFAULT, last_batch_iteration=DEFAULT):
+    def __init__(self, optimizer: Any, total_num_steps: int,
+                 warmup_min_lr: float | _Default = DEFAULT,
+                 warmup_max_lr: float | _Default | None = DEFAULT,
+                 warmup_num_steps: int | _Default = DEFAULT, warmup_type: str | _Default = DEFAULT,
+                 last_batch_iteration: int | _Default = DEFAULT) -> None:
         super().__init__(optimizer, dict(
             total_num_steps=total_num_steps, warmup_min_lr=warmup_min_lr,
             warmup_max_lr=warmup_max_lr, warmup_num_steps=warmup_num_steps,
@@ -175,9 +183,11 @@ class WarmupCosineLR(_DeepSpeedScheduler):
 
     _type = "WarmupCosineLR"
 
-    def __init__(self, optimizer, total_num_steps, warmup_min_ratio=DEFAULT,
-                 warmup_num_steps=DEFAULT, cos_min_ratio=DEFAULT, warmup_type=DEFAULT,
-                 last_batch_iteration=DEFAULT):
+    def __init__(self, optimizer: Any, total_num_steps: int,
+                 warmup_min_ratio: float | _Default = DEFAULT,
+                 warmup_num_steps: int | _Default = DEFAULT,
+                 cos_min_ratio: float | _Default = DEFAULT, warmup_type: str | _Default = DEFAULT,
+                 last_batch_iteration: int | _Default = DEFAULT) -> None:
         super().__init__(optimizer, dict(
             total_num_steps=total_num_steps, warmup_min_ratio=warmup_min_ratio,
             warmup_num_steps=warmup_num_steps, cos_min_ratio=cos_min_ratio,
@@ -193,11 +203,18 @@ class OneCycle(_DeepSpeedScheduler):
     _type = "OneCycle"
     _sets_last_lr_when_made = False
 
-    def __init__(self, optimizer, cycle_min_lr, cycle_max_lr, decay_lr_rate=DEFAULT,
-                 cycle_first_step_size=DEFAULT, cycle_second_step_size=DEFAULT,
-                 cycle_first_stair_count=DEFAULT, cycle_second_stair_count=DEFAULT,
-                 decay_step_size=DEFAULT, cycle_momentum=DEFAULT, cycle_min_mom=DEFAULT,
-                 cycle_max_mom=DEFAULT, decay_mom_rate=DEFAULT, last_batch_iteration=DEFAULT):
+    def __init__(self, optimizer: Any, cycle_min_lr: float, cycle_max_lr: float,
+                 decay_lr_rate: float | _Default = DEFAULT,
+                 cycle_first_step_size: int | _Default = DEFAULT,
+                 cycle_second_step_size: int | _Default | None = DEFAULT,
+                 cycle_first_stair_count: int | _Default = DEFAULT,
+                 cycle_second_stair_count: int | _Default | None = DEFAULT,
+                 decay_step_size: int | _Default = DEFAULT,
+                 cycle_momentum: bool | _Default = DEFAULT,
+                 cycle_min_mom: float | _Default = DEFAULT,
+                 cycle_max_mom: float | _Default = DEFAULT,
+                 decay_mom_rate: float | _Default = DEFAULT,
+                 last_batch_iteration: int | _Default = DEFAULT) -> None:
         super().__init__(optimizer, dict(
             cycle_min_lr=cycle_min_lr, cycle_max_lr=cycle_max_lr, decay_lr_rate=decay_lr_rate,
             cycle_first_step_size=cycle_first_step_size,
@@ -219,7 +236,7 @@ class OneCycle(_DeepSpeedScheduler):
         for group, beta in zip(self.optimizer.param_groups, first_betas):
             group["betas"] = (beta, second)
 
-    def get_mom(self):
+    def get_mom(self) -> list[tuple[float, float]] | None:
         """The (beta1, beta2) of every group at the current index, or None
         without cycle_momentum."""
         if not self.cycle_momentum:
@@ -227,7 +244,7 @@ class OneCycle(_DeepSpeedScheduler):
         second = self._schedule.second_beta
         return [(beta, second) for beta in self._schedule.betas(self.last_batch_iteration)]
 
-    def step(self, batch_iteration=None):
+    def step(self, batch_iteration: int | None = None) -> None:
         super().step(batch_iteration)
         if self.cycle_momentum:
             self._set_betas(self._schedule.betas(self.last_batch_iteration))
@@ -240,9 +257,11 @@ class LRRangeTest(_DeepSpeedScheduler):
 
     _type = "LRRangeTest"
 
-    def __init__(self, optimizer, lr_range_test_min_lr=DEFAULT, lr_range_test_step_size=DEFAULT,
-                 lr_range_test_step_rate=DEFAULT, lr_range_test_staircase=DEFAULT,
-                 last_batch_iteration=DEFAULT):
+    def __init__(self, optimizer: Any, lr_range_test_min_lr: float | _Default = DEFAULT,
+                 lr_range_test_step_size: int | _Default = DEFAULT,
+                 lr_range_test_step_rate: float | _Default = DEFAULT,
+                 lr_range_test_staircase: bool | _Default = DEFAULT,
+                 last_batch_iteration: int | _Default = DEFAULT) -> None:
         super().__init__(optimizer, dict(
             lr_range_test_min_lr=lr_range_test_min_lr,
             lr_range_test_step_size=lr_range_test_step_size,
@@ -250,7 +269,7 @@ class LRRangeTest(_DeepSpeedScheduler):
             lr_range_test_staircase=lr_range_test_staircase,
             last_batch_iteration=last_batch_iteration))
 
-    def step(self, batch_iteration=None):
+    def step(self, batch_iteration: int | None = None) -> None:
         super().step(batch_iteration)
 
 
@@ -258,7 +277,8 @@ _CLASSES = {cls._type: cls for cls in (WarmupLR, WarmupDecayLR, WarmupCosineLR, 
                                        LRRangeTest)}
 
 
-def scheduler_from_config(scheduler, optimizer):
+def scheduler_from_config(scheduler: dict[str, Any] | None,
+                          optimizer: Any) -> _DeepSpeedScheduler | None:
     """The scheduler a DeepSpeed config's block describes, on ``optimizer``:
     ``scheduler`` is the "scheduler" entry of the training dict
     ``_ductile.Runtime.from_deepspeed(..., read_training=True)`` returns

@@ -4,6 +4,11 @@ into shards, ``GatheredParameters`` holds whole parameters for a while,
 not own. Each is ``ductile.torch.zero3``'s, under DeepSpeed's signature.
 """
 
+from collections.abc import Iterable
+from typing import Any, Literal, Self
+
+import torch
+
 from .._errors import InvalidArgumentError
 from ..torch.zero3 import GatheredParameters as _Gathered
 from ..torch.zero3 import init as _init
@@ -21,9 +26,12 @@ class Init(_init):
     ``remote_device``, ``dtype`` or ``module`` given is refused, naming it,
     rather than ignored."""
 
-    def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True,
-                 remote_device=None, pin_memory=False, config_dict_or_path=None, config=None,
-                 enabled=True, dtype=None, mpu=None, **kwargs):
+    def __init__(self, module: None = None,
+                 data_parallel_group: "torch.distributed.ProcessGroup | None" = None,
+                 mem_efficient_linear: bool = True,
+                 remote_device: Literal["cpu"] | None = None, pin_memory: bool = False,
+                 config_dict_or_path: Any = None, config: Any = None, enabled: bool = True,
+                 dtype: None = None, mpu: None = None, **kwargs: Any) -> None:
         for name, value, allowed in (("module", module, None), ("remote_device", remote_device,
                                                                  (None, "cpu")),
                                      ("dtype", dtype, None), ("mpu", mpu, None)):
@@ -44,10 +52,10 @@ class Init(_init):
             rank = dist.get_rank(data_parallel_group)
         super().__init__(world_size=world_size, rank=rank)
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return super().__enter__() if self.enabled else self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Literal[False]:
         return super().__exit__(*exc) if self.enabled else False
 
 
@@ -56,7 +64,10 @@ class GatheredParameters(_Gathered):
     (``zero3.GatheredParameters``). ``fwd_module`` registers `params` as
     external parameters of that module, as DeepSpeed does."""
 
-    def __init__(self, params, modifier_rank=None, fwd_module=None, enabled=True):
+    def __init__(self,
+                 params: torch.nn.Module | torch.nn.Parameter | Iterable[torch.nn.Parameter],
+                 modifier_rank: int | None = None, fwd_module: torch.nn.Module | None = None,
+                 enabled: bool = True) -> None:
         super().__init__(params, modifier_rank=modifier_rank, enabled=enabled)
         if fwd_module is not None:
             for p in self.params:

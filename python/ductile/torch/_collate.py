@@ -2,9 +2,13 @@
 longest sample (:class:`PadCollate`), or flattened into one row with no
 padding at all (:class:`FlattenCollate`)."""
 
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
 import torch
 
 from .._errors import InvalidArgumentError
+from ..metrics import MapDataset
 
 
 def _pad_stack(tensors, pad_value, pad_to=None):
@@ -27,11 +31,12 @@ class PadCollate:
     way plus ``"lengths"`` (of the first field, or ``length_key``).
     """
 
-    def __init__(self, pad_value=0, length_key=None):
+    def __init__(self, pad_value: float = 0, length_key: str | None = None) -> None:
         self.pad_value = pad_value
         self.length_key = length_key
 
-    def __call__(self, samples):
+    def __call__(self, samples: Sequence[Any]
+                 ) -> tuple[torch.Tensor, torch.Tensor] | dict[str, torch.Tensor]:
         if not samples:
             raise InvalidArgumentError("PadCollate: an empty micro-batch")
         first = samples[0]
@@ -57,14 +62,14 @@ class PaddedSamples(torch.utils.data.Dataset):
     every micro-batch of a step has the same sequence length (pipeline
     parallelism, DeepSpeed's required_microbatches_of_same_lengths)."""
 
-    def __init__(self, dataset, sample_padding_fn):
+    def __init__(self, dataset: MapDataset, sample_padding_fn: Callable[[Any, int], Any]) -> None:
         self.dataset = dataset
         self.sample_padding_fn = sample_padding_fn
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, index):
+    def __getitem__(self, index: int | tuple[int, int]) -> Any:
         if isinstance(index, tuple):
             i, length = index
             return self.sample_padding_fn(self.dataset[i], length)
@@ -133,9 +138,11 @@ class FlattenCollate:
     ``ductile.InvalidArgumentError`` naming the sample.
     """
 
-    def __init__(self, *, return_position_ids=True, separator_id=-100,
-                 return_flash_attn_kwargs=False, return_seq_idx=False, position_ids_start=0,
-                 block_attention_mask=None, mask_dtype=torch.float32):
+    def __init__(self, *, return_position_ids: bool = True, separator_id: int = -100,
+                 return_flash_attn_kwargs: bool = False, return_seq_idx: bool = False,
+                 position_ids_start: int = 0,
+                 block_attention_mask: Literal["bidirectional", "causal"] | None = None,
+                 mask_dtype: torch.dtype = torch.float32) -> None:
         if block_attention_mask not in (None, "bidirectional", "causal"):
             raise InvalidArgumentError(
                 f"FlattenCollate: block_attention_mask={block_attention_mask!r} is not valid; "
@@ -152,7 +159,7 @@ class FlattenCollate:
         self.return_seq_idx = bool(return_seq_idx)
         self.position_ids_start = int(position_ids_start)
 
-    def __call__(self, samples):
+    def __call__(self, samples: Sequence[Any]) -> dict[str, Any]:
         if len(samples) == 0:
             raise InvalidArgumentError("FlattenCollate: an empty micro-batch")
         ids, labels = [], []

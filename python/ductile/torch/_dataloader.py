@@ -1,24 +1,36 @@
 """DataLoader, sampler and LR scheduler built together: from keyword
 arguments, or from a DeepSpeed config (DeepSpeed's entry point)."""
 
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
 import numpy as np
 import torch
 
 from .. import batching as _batching
 from .. import metrics as _metrics
+from .._config import Config, StrPath
 from .._errors import InvalidArgumentError
+from ..metrics import MapDataset
 from ._collate import FlattenCollate, PadCollate, PaddedSamples
 from ._lr_scheduler import VariableBatchLRScheduler
-from ._sampler import DynamicBatchSampler, _distributed_rank_and_size
+from ._sampler import DynamicBatchSampler, Lengths, _distributed_rank_and_size
 
 
-def variable_batch_dataloader(dataset, *, lengths=None, metrics_path=None, length_fn=len,
-                              optimizer=None, max_tokens, gradient_accumulation_steps=1,
-                              order="random", seed=1234, rank=None, world_size=None,
-                              lr_rule=None, base_batch_size=None, lr_scheduler=None,
-                              lr_options=None, collate_fn=None, collate=None,
-                              sample_padding_fn=None, num_workers=0, pin_memory=False,
-                              **pack_options):
+def variable_batch_dataloader(
+        dataset: MapDataset, *, lengths: Lengths | None = None,
+        metrics_path: StrPath | None = None, length_fn: Callable[[Any], int] = len,
+        optimizer: torch.optim.Optimizer | None = None, max_tokens: int,
+        gradient_accumulation_steps: int = 1, order: str = "random", seed: int = 1234,
+        rank: int | None = None, world_size: int | None = None, lr_rule: str | None = None,
+        base_batch_size: float | None = None,
+        lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        lr_options: Mapping[str, Any] | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        collate: Literal["pad", "flatten"] | None = None,
+        sample_padding_fn: Callable[[Any, int], Any] | None = None, num_workers: int = 0,
+        pin_memory: bool = False, **pack_options: Any
+) -> tuple[torch.utils.data.DataLoader, VariableBatchLRScheduler | None, DynamicBatchSampler]:
     """DataLoader + LR scheduler for variable-size batches of a map-style dataset.
 
     Lengths: ``lengths`` (one per sample), or DeepSpeed's ``metrics_path``
@@ -82,9 +94,15 @@ def _collate_of(collate, collate_fn):
 
 
 def get_dataloader_and_lr_scheduler_for_variable_batch_size(
-        dataset, ds_config, optimizer=None, *, lr_scheduler=None, rank=None, world_size=None,
-        collate_fn=None, collate=None, sample_padding_fn=None, length_fn=len, num_workers=0,
-        pin_memory=False):
+        dataset: MapDataset, ds_config: StrPath | dict[str, Any] | Config,
+        optimizer: torch.optim.Optimizer | None = None, *,
+        lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        rank: int | None = None, world_size: int | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        collate: Literal["pad", "flatten"] | None = None,
+        sample_padding_fn: Callable[[Any, int], Any] | None = None,
+        length_fn: Callable[[Any], int] = len, num_workers: int = 0, pin_memory: bool = False
+) -> tuple[torch.utils.data.DataLoader, VariableBatchLRScheduler | None, DynamicBatchSampler]:
     """DeepSpeed's entry point, from a DeepSpeed config (dict, JSON text or
     file): data_efficiency.data_sampling.dynamic_batching (max_tokens,
     lr_scaling_method, sequence_picking_order, min/max_batch_size,

@@ -2,9 +2,15 @@
 by that step's real batch size, from the sampler's packing."""
 
 import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
 
 from .. import batching as _batching
+from .._config import PluginPath
 from .._errors import InvalidArgumentError
+from ._sampler import DynamicBatchSampler
 
 
 class VariableBatchLRScheduler:
@@ -28,9 +34,14 @@ class VariableBatchLRScheduler:
     elastic resume the step sizes are those of the sampler's new packing.
     """
 
-    def __init__(self, optimizer, sampler, *, lr_rule="linear", base_batch_size,
-                 lr_params=None, base_lr=None, schedule="constant", warmup_steps=0,
-                 total_steps=0, min_lr=0.0, lr_scheduler=None, runtime=None, plugin_path=None):
+    # runtime: a ductile.Runtime (the extension has no stubs).
+    def __init__(self, optimizer: torch.optim.Optimizer, sampler: DynamicBatchSampler, *,
+                 lr_rule: str = "linear", base_batch_size: float,
+                 lr_params: Mapping[str, Any] | None = None, base_lr: float | None = None,
+                 schedule: str = "constant", warmup_steps: int = 0, total_steps: int = 0,
+                 min_lr: float = 0.0,
+                 lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+                 runtime: Any = None, plugin_path: PluginPath = None) -> None:
         self.optimizer = optimizer
         self.sampler = sampler
         self.base_batch_size = float(base_batch_size)
@@ -55,7 +66,7 @@ class VariableBatchLRScheduler:
             self._apply()
         # else: a sampler that resumed past step 0; load_state_dict sets the rates.
 
-    def batch_size(self, step=None):
+    def batch_size(self, step: int | None = None) -> int:
         """Samples of a step (default: the current one). The step's epoch is
         found by packing the sampler's epochs up to it, at most
         MAX_EPOCHS_AHEAD of them past the first one it knows (see
@@ -76,7 +87,7 @@ class VariableBatchLRScheduler:
         assert unscaled is not None  # kept whenever there is an lr_scheduler
         return [self.rule.scale(lr, float(batch), self.base_batch_size) for lr in unscaled]
 
-    def lr_at(self, step):
+    def lr_at(self, step: int) -> list[float]:
         """The rates of every param group at ``step`` (no lr_scheduler only)."""
         if self.lr_scheduler is not None:
             return []
@@ -88,7 +99,7 @@ class VariableBatchLRScheduler:
             group["lr"] = lr
         self._last_lr = rates
 
-    def step(self):
+    def step(self) -> None:
         """Moves to the next optimizer step and sets its learning rates."""
         if self.lr_scheduler is not None:
             # The wrapped scheduler steps from its own (unscaled) rates, so
@@ -102,10 +113,10 @@ class VariableBatchLRScheduler:
         self.last_step += 1
         self._apply()
 
-    def get_last_lr(self):
+    def get_last_lr(self) -> list[float]:
         return list(self._last_lr)
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         return {"format": "ductile.VariableBatchLRScheduler", "version": 1,
                 "last_step": self.last_step, "base_lrs": list(self.base_lrs),
                 "base_batch_size": self.base_batch_size, "rule": self.rule.name,
@@ -114,7 +125,7 @@ class VariableBatchLRScheduler:
                 "lr_scheduler": None if self.lr_scheduler is None
                 else self.lr_scheduler.state_dict()}
 
-    def load_state_dict(self, state, *, replan=False):
+    def load_state_dict(self, state: dict[str, Any], *, replan: bool = False) -> None:
         """Restores a state_dict: the following steps get exactly the rates
         they would have had. Raises InvalidArgumentError for a state of
         another configuration.

@@ -3,8 +3,11 @@ resumable mid-epoch at the same or another world size."""
 
 import dataclasses
 import hashlib
+from collections.abc import Iterator, Sequence
+from typing import Any, TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from .. import _ductile
@@ -12,6 +15,10 @@ from .. import batching as _batching
 from .._errors import InvalidArgumentError
 
 _int = _ductile.int_argument  # an int, strictly: no bool, no float (C++ conversion)
+
+# One length per sample: a list, a NumPy integer array (int64 is read without
+# a copy) or an integer tensor.
+Lengths: TypeAlias = Sequence[int] | npt.NDArray[np.integer[Any]] | torch.Tensor
 
 # The largest epoch a sampler iterates or a state names (no training runs 2^31
 # epochs; an epoch is added to the 64-bit seed of the random order).
@@ -82,9 +89,11 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
     :class:`VariableBatchLRScheduler` follows the new step sizes.
     """
 
-    def __init__(self, lengths, *, max_tokens, gradient_accumulation_steps=None,
-                 effective_batch_size=None, rank=None, world_size=None, order="random",
-                 seed=1234, pad_to_step_max=False, **pack_options):
+    def __init__(self, lengths: Lengths, *, max_tokens: int,
+                 gradient_accumulation_steps: int | None = None,
+                 effective_batch_size: int | None = None, rank: int | None = None,
+                 world_size: int | None = None, order: str = "random", seed: int = 1234,
+                 pad_to_step_max: bool = False, **pack_options: Any) -> None:
         self.rank, self.world_size = _distributed_rank_and_size(rank, world_size)
         if effective_batch_size is None:
             ga = 1 if gradient_accumulation_steps is None else _int(
@@ -115,9 +124,10 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
         # replayed in order to find the samples they took.
         self._anchor_epoch = 0
         self._anchor_step = 0
-        self._segments = []
+        self._segments: list[tuple[int, int]] = []
         self.layout_version = 0  # changes when load_state_dict changes the packing
-        self._layouts = {}
+        # epoch -> (plan, batch sizes and tokens of the steps run before it)
+        self._layouts: dict[int, tuple[_batching.PackPlan, list[int], list[int]]] = {}
         self._starts = [0]  # first global step of epochs _anchor_epoch, _anchor_epoch + 1, ...
         self.plan(0)  # checks every option now, not in the training loop
 
@@ -167,19 +177,19 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
         self._layouts[epoch] = layout
         return layout
 
-    def plan(self, epoch=None):
+    def plan(self, epoch: int | None = None) -> _batching.PackPlan:
         """The packing of an epoch (a ductile.batching.PackPlan), the same on
         every rank. After an elastic resume, for the resumed epoch: the
         packing of the samples that the steps already run left."""
         return self._layout(self.epoch if epoch is None else int(epoch))[0]
 
-    def batch_sizes(self, epoch=None):
+    def batch_sizes(self, epoch: int | None = None) -> npt.NDArray[np.int64]:
         """Samples per optimizer step (all ranks together) of an epoch, the
         steps run before an elastic resume included."""
         plan, done_sizes, _ = self._layout(self.epoch if epoch is None else int(epoch))
         return np.concatenate([np.asarray(done_sizes, dtype=np.int64), plan.batch_sizes])
 
-    def step_totals(self, epoch=None):
+    def step_totals(self, epoch: int | None = None) -> dict[str, npt.NDArray[np.int64]]:
         """Per optimizer step of an epoch, over every rank and micro-batch of
         the step: ``tokens``, ``samples`` and ``labels`` (``tokens -
         samples``: the next-token targets of a causal LM, whose first token
@@ -193,7 +203,7 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
         samples = self.batch_sizes(epoch)
         return {"tokens": tokens, "samples": samples, "labels": tokens - samples}
 
-    def step_of(self, position, epoch=None):
+    def step_of(self, position: int, epoch: int | None = None) -> int:
         """The step (index into :meth:`step_totals`) of this rank's
         micro-batch number ``position`` of the epoch, counted as
         :attr:`position` counts: ``enumerate(loader, start=sampler.position)``
@@ -209,12 +219,12 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
         return len(done_sizes) + int(plan.microbatch_steps[mine[position]])
 
     @property
-    def position(self):
+    def position(self) -> int:
         """Micro-batches of the current epoch this rank has handed out (where
         the next iteration starts)."""
         return self._position
 
-    def first_step(self, epoch=None):
+    def first_step(self, epoch: int | None = None) -> int:
         """The global index of the epoch's first optimizer step (steps of the
         earlier epochs as they ran, across elastic resumes)."""
         epoch = self.epoch if epoch is None else _check_epoch(int(epoch), self.seed, "epoch")
@@ -236,7 +246,7 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
     def _step_count(self, epoch):
         return len(self.batch_sizes(epoch))
 
-    def epoch_of(self, step):
+    def epoch_of(self, step: int) -> int:
         """The epoch whose optimizer steps include global step ``step``.
         With the random order, packs the epochs from the first one known
         (0, or the one resumed) up to it, each once, at most
@@ -297,11 +307,11 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
         return epoch
 
     @property
-    def resume_epoch(self):
+    def resume_epoch(self) -> int:
         """The first epoch whose steps this sampler knows (0 unless resumed)."""
         return self._anchor_epoch
 
-    def set_epoch(self, epoch):
+    def set_epoch(self, epoch: int) -> None:
         """Selects the epoch to iterate; with order="random" its packing is
         shuffled with seed + epoch. Keeps the position restored by
         load_state_dict when it is that state's epoch."""
@@ -315,10 +325,10 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
         plan = self.plan()
         return plan, plan.rank_microbatches[self.rank]
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self._microbatches()[1])
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[list[int] | list[tuple[int, int]]]:
         plan, mine = self._microbatches()
         start = self._position
         for position in range(start, len(mine)):
@@ -334,7 +344,8 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
         self._position = 0
         self.epoch += 1
 
-    def state_dict(self, consumed=None, epoch=None):
+    def state_dict(self, consumed: int | None = None,
+                   epoch: int | None = None) -> dict[str, Any]:
         """Where this rank stands: epoch and micro-batches handed out in it.
         With DataLoader workers (which fetch ahead) pass ``consumed``, the
         micro-batches the training loop has processed in this epoch, and
@@ -369,7 +380,7 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
                 "segments": [list(s) for s in self._segments]
                 if epoch == self._anchor_epoch else []}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores a state_dict. At the world size and batch settings it was
         saved with: the next iteration continues with exactly the
         micro-batches that were still to come on this rank. At others

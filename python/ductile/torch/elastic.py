@@ -29,6 +29,13 @@ maximum, through the engine, a callable or torch.distributed.
 
 import json
 import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from .zero3 import Zero3Engine
 
 from .._errors import InvalidArgumentError
 
@@ -38,7 +45,7 @@ _REQUEST = "DUCTILE_CHECKPOINT_REQUEST"
 _SAVED = "DUCTILE_CHECKPOINT_SAVED"
 
 
-def checkpoint_requested():
+def checkpoint_requested() -> bool:
     """True once the agent asked this round's workers to checkpoint, as this
     worker sees it (other ranks may see it a step later: see
     :func:`should_checkpoint`)."""
@@ -46,7 +53,7 @@ def checkpoint_requested():
     return bool(path and os.path.exists(path))
 
 
-def checkpoint_reason():
+def checkpoint_reason() -> str | None:
     """Why the agent asked ("scale-up: 3 node(s) admitted of 3 present",
     "node b drains (signal 15)"), or None when it has not asked."""
     path = os.environ.get(_REQUEST)
@@ -59,7 +66,8 @@ def checkpoint_reason():
         return None
 
 
-def should_checkpoint(sync=None):
+def should_checkpoint(
+        sync: "Zero3Engine | Callable[[torch.Tensor], torch.Tensor] | None" = None) -> bool:
     """True on every rank when any rank has seen the agent's request, so
     that all ranks save at the same step. Collective when `sync` reaches
     other ranks: call it at the same point of the loop on every rank.
@@ -90,7 +98,7 @@ def should_checkpoint(sync=None):
     return bool(float(flag.reshape(-1)[0]) > 0.0)
 
 
-def checkpoint_saved():
+def checkpoint_saved() -> None:
     """Tells the agent that this worker's checkpoint is complete. Once every
     worker of the round did (or ``--checkpoint-timeout`` passed), the agent
     re-forms; this worker should then take no more steps (exit, or wait to

@@ -14,10 +14,12 @@ dense fp32 on the CPU; every number is computed by the plugin.
 
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
+from ..._config import PluginPath
 from ..._ductile import optimizer as _native
 from ..._errors import InvalidArgumentError, UnsupportedError
 
@@ -45,9 +47,13 @@ class DuctileCPUAdam(torch.optim.Optimizer):
     node share its cores; ``plugin_params={"threads": N}`` fixes N instead.
     """
 
-    def __init__(self, model_params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
-                 weight_decay=0, amsgrad=False, adamw_mode=True, fp32_optimizer_states=True, *,
-                 plugin="cpu_adam", plugin_params=None, plugin_path=None):
+    def __init__(self, model_params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+                 lr: float = 1e-3, bias_correction: bool = True,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0, amsgrad: bool = False, adamw_mode: bool = True,
+                 fp32_optimizer_states: bool = True, *, plugin: str = "cpu_adam",
+                 plugin_params: Mapping[str, Any] | None = None,
+                 plugin_path: PluginPath = None) -> None:
         if amsgrad:
             raise UnsupportedError(
                 "DuctileCPUAdam: amsgrad=True is not supported (nor by DeepSpeedCPUAdam); "
@@ -67,19 +73,20 @@ class DuctileCPUAdam(torch.optim.Optimizer):
         # A count the caller fixed wins over torch's (0: the plugin's own).
         self._follow_torch = not (plugin_params or {}).get("threads")
         self._state_names = self._native.state_names
-        self._where = None  # id(parameter) -> (group, index), for step_parameters
+        # id(parameter) -> (group, index), for step_parameters
+        self._where: dict[int, tuple[int, int]] | None = None
 
     @property
-    def implementation(self):
+    def implementation(self) -> str:
         """How the plugin steps, e.g. ``"avx2, 8 threads (OpenMP: libgomp.so.1)"``."""
         return self._native.implementation
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's ``load_state_dict``; the loaded moments are then copied
         into buffers of the kind the step makes (see _zeroed_state)."""
         super().load_state_dict(state_dict)
@@ -91,7 +98,8 @@ class DuctileCPUAdam(torch.optim.Optimizer):
                     state[name] = _zeroed_state(loaded).copy_(loaded)
 
     @torch.no_grad()
-    def step(self, closure=None, fp16_param_groups=None):
+    def step(self, closure: Callable[[], float] | None = None,
+             fp16_param_groups: Sequence[Sequence[torch.Tensor]] | None = None) -> float | None:
         """One step of every parameter that has a gradient. ``closure``
         recomputes the loss (returned). ``fp16_param_groups``: for each param
         group a list of bf16 or fp16 CPU tensors, one per parameter, that
@@ -116,7 +124,9 @@ class DuctileCPUAdam(torch.optim.Optimizer):
         return loss
 
     @torch.no_grad()
-    def step_parameters(self, params, grads, copy_out=None, grad_scale=1.0):
+    def step_parameters(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                        copy_out: Sequence[torch.Tensor] | None = None,
+                        grad_scale: float = 1.0) -> None:
         """One step of some of the parameters only: ``params[k]`` with the
         gradient ``grads[k]`` (instead of its ``.grad``), its update rounded
         into ``copy_out[k]`` when given (a bf16/fp16 tensor of its size);
