@@ -133,6 +133,14 @@ void register_agent_command(CLI::App& app, CliContext& context) {
                               "once. Workers see the request with "
                               "ductile.torch.elastic.should_checkpoint()",
                               in_seconds(defaults.checkpoint_timeout)));
+  sub->add_flag("--warm-workers", o->warm_workers,
+                "Keep a spare Python per local rank that has imported torch ahead of the next "
+                "round, so that a restarted worker starts without those imports (the worker "
+                "command must be a Python script or -m MODULE)");
+  sub->add_option("--warm-imports", o->warm_imports,
+                  fmt::format("Modules the spares import, separated by commas (default {}); "
+                              "implies --warm-workers",
+                              agent::kDefaultWarmImports));
   // torchrun's options (docs/elastic-agent.md, "torchrun's command line").
   sub->add_option("--nnodes", o->nnodes, "torchrun: N or MIN:MAX nodes");
   sub->add_option("--rdzv-backend,--rdzv_backend", o->rdzv_backend,

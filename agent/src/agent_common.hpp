@@ -46,6 +46,15 @@ struct WorkerSetup {
   const std::filesystem::path& snapshot_restore;
 };
 std::vector<WorkerSpec> worker_specs(const WorkerSetup& setup);
+// True for the variables worker_specs() sets differently from round to
+// round (RANK, WORLD_SIZE, MASTER_PORT, TORCHELASTIC_RESTART_COUNT,
+// DUCTILE_ROUND, ...): a spare worker starts without them.
+bool is_round_variable(const std::string& name);
+// --warm-workers: how many words of the worker command are its Python and
+// the Python's options, before the script or -m MODULE. `chosen`: the agent
+// chose the interpreter (torchrun's form, a script without '--'). Throws
+// ductile::Error (invalid_argument) saying why a spare cannot run it.
+std::size_t interpreter_words(const std::vector<std::string>& command, bool chosen);
 // torchrun's directory of an attempt's files: <run_dir>/attempt_<restarts>,
 // made afresh for each round (a re-form without a failure reuses it).
 std::filesystem::path attempt_dir_of(const std::filesystem::path& run_dir, std::int64_t restarts);

@@ -3,8 +3,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdlib>
 #include <filesystem>
+#include <string_view>
 
 #include <fmt/format.h>
 
@@ -43,7 +45,65 @@ std::string found_on_path(const std::string& name) {
   return "";
 }
 
+// A Python module name: identifiers separated by dots.
+bool module_name(const std::string& name) {
+  bool start = true;
+  for (char c : name) {
+    if (c == '.') {
+      if (start) return false;
+      start = true;
+      continue;
+    }
+    const bool letter = std::isalpha(static_cast<unsigned char>(c)) || c == '_';
+    if (!letter && (start || !std::isdigit(static_cast<unsigned char>(c)))) return false;
+    start = false;
+  }
+  return !start;
+}
+
 }  // namespace
+
+std::size_t interpreter_words(const std::vector<std::string>& command, bool chosen) {
+  auto refuse = [&](const std::string& why) {
+    std::string words;
+    for (const auto& word : command) words += (words.empty() ? "" : " ") + word;
+    throw Error(ErrorKind::invalid_argument,
+                core::printable(fmt::format("--warm-workers: the worker command '{}' {}; give a "
+                                            "Python script or -m MODULE (ductile agent "
+                                            "--warm-workers train.py, or -- python3 -u train.py)",
+                                            excerpt(words), why),
+                                false));
+  };
+  const std::string program =
+      command.empty() ? "" : std::filesystem::path(command.front()).filename().string();
+  const bool python_name = program.starts_with("python") &&
+                           std::all_of(program.begin() + 6, program.end(),
+                                       [](char c) { return std::isdigit(c) || c == '.'; });
+  if (!chosen && !python_name)
+    refuse("does not start with a Python interpreter (python, python3 or python3.N)");
+  // The interpreter's options a spare started with them takes as they are.
+  constexpr std::string_view kFlags = "bBdEIOPqsSuv";
+  for (std::size_t i = 1; i < command.size(); ++i) {
+    const std::string& word = command[i];
+    if (word == "-") refuse("reads the program from stdin");
+    if (word[0] != '-' || word.starts_with("-m")) return i;  // the script, or -m MODULE
+    if (word == "-X" || word == "-W") {
+      ++i;  // its argument
+      continue;
+    }
+    if (word.starts_with("-X") || word.starts_with("-W")) continue;
+    for (char c : word.substr(1)) {
+      if (c == 'c') refuse("runs -c code");
+      if (kFlags.find(c) == std::string_view::npos)
+        refuse(
+            fmt::format("gives the Python option '{}', which a spare cannot take (valid: "
+                        "-{}, -W ARG, -X OPT)",
+                        excerpt(word), kFlags));
+    }
+  }
+  refuse("names no script or -m MODULE");
+  return 0;  // not reached
+}
 
 std::int64_t max_workers_per_node() {
   const long cores = sysconf(_SC_NPROCESSORS_ONLN);
@@ -131,6 +191,13 @@ void check_options(const AgentOptions& o) {
         fmt::format("--snapshot-dir '{}' is not a directory: give an existing directory (default "
                     "/dev/shm)",
                     excerpt(o.snapshot_dir)));
+  for (const auto& name : o.warm_imports)
+    if (!module_name(name))
+      bad(
+          fmt::format("--warm-imports '{}' is invalid: give Python module names separated by "
+                      "commas (default {})",
+                      excerpt(name), kDefaultWarmImports));
+  if (!o.warm_imports.empty()) interpreter_words(o.command, !o.interpreter_choice.empty());
   // The workers inherit this PATH: a command not found now would fail in
   // every round.
   const std::string& program = o.command.front();

@@ -124,6 +124,23 @@ void NodeWorkers::start(const RoundRecord& round, std::size_t group_rank, const 
   }
   conn_.fence_workers(group_.guard_pids());
   joined_ = true;
+  std::string spares_used;
+  for (const auto& line : group_.start_log())
+    spares_used += (spares_used.empty() ? "" : "; ") + line;
+  if (!spares_used.empty()) self_.log(fmt::format("round {}: {}", round.round, spares_used));
+  if (o_.warm_imports.empty() || (o_.stop_signal && o_.stop_signal->load() != 0)) return;
+  // The next round's spares import while this round's workers run.
+  SpareSetup setup{interpreter_words(o_.command, !o_.interpreter_choice.empty()), o_.warm_imports,
+                   is_round_variable};
+  try {
+    group_.start_spares(specs, setup, o_.stop_grace);
+  } catch (const std::system_error& e) {
+    // Without spares the next round's workers start cold: not a failure.
+    self_.log(
+        fmt::format("cannot start the spare workers ({}): the next round's workers start "
+                    "cold",
+                    e.what()));
+  }
 }
 
 std::optional<WorkerError> NodeWorkers::read_error(std::int64_t local_rank) {

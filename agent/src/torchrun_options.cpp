@@ -557,6 +557,14 @@ AgentOptions agent_options(const LaunchArguments& arguments, const std::vector<s
   if (o.failure_grace) a.failure_grace = seconds_option("--failure-grace", *o.failure_grace);
   if (o.checkpoint_timeout)
     a.checkpoint_timeout = seconds_option("--checkpoint-timeout", *o.checkpoint_timeout);
+  if (o.warm_workers || o.warm_imports) {
+    const std::string list = o.warm_imports.value_or(kDefaultWarmImports);
+    for (std::size_t from = 0; from <= list.size();) {
+      const std::size_t comma = std::min(list.find(',', from), list.size());
+      a.warm_imports.push_back(list.substr(from, comma - from));
+      from = comma + 1;
+    }
+  }
   return a;
 }
 

@@ -28,12 +28,41 @@ constexpr const char* kWorkerVariables[] = {
     // agent alone (worker_command in the CLI).
     "DUCTILE_CONSOLE_PYTHON"};
 
+// Of kWorkerVariables, those a round sets differently from the last: the
+// ranks and sizes, the master, the attempt and its files, the batch plan.
+// The others (LOCAL_RANK, LOCAL_WORLD_SIZE, ROLE_NAME, OMP_NUM_THREADS,
+// which a library reads as it is imported, ...) stay from round to round.
+constexpr const char* kRoundVariables[] = {"RANK",
+                                           "WORLD_SIZE",
+                                           "GROUP_RANK",
+                                           "GROUP_WORLD_SIZE",
+                                           "ROLE_RANK",
+                                           "ROLE_WORLD_SIZE",
+                                           "MASTER_ADDR",
+                                           "MASTER_PORT",
+                                           "TORCHELASTIC_RESTART_COUNT",
+                                           "TORCHELASTIC_ERROR_FILE",
+                                           "DUCTILE_GLOBAL_BATCH",
+                                           "DUCTILE_MICRO_BATCH",
+                                           "DUCTILE_GRADIENT_ACCUMULATION_STEPS",
+                                           "DUCTILE_ROUND",
+                                           "DUCTILE_MPI_JOIN",
+                                           "DUCTILE_CHECKPOINT_REQUEST",
+                                           "DUCTILE_CHECKPOINT_SAVED",
+                                           "DUCTILE_SNAPSHOT_RESTORE",
+                                           "OMPI_MCA_pmix_server_uri"};
+
 std::string env_or(const char* name, const std::string& fallback) {
   const char* value = std::getenv(name);
   return value ? std::string(value) : fallback;
 }
 
 }  // namespace
+
+bool is_round_variable(const std::string& name) {
+  return std::any_of(std::begin(kRoundVariables), std::end(kRoundVariables),
+                     [&](const char* v) { return name == v; });
+}
 
 std::filesystem::path attempt_dir_of(const std::filesystem::path& run_dir, std::int64_t restarts) {
   return run_dir / ("attempt_" + std::to_string(restarts));

@@ -221,7 +221,7 @@ void end_left_behind(pid_t agent, const sigset_t& guarded, std::int64_t grace_ms
 // The guard: runs in the forked child; only async-signal-safe calls from
 // here on (the agent has other threads).
 [[noreturn]] void run_guard(pid_t agent, const char* path, char* const* argv, char* const* envp,
-                            int out_fd, int err_fd, std::int64_t grace_ms) {
+                            int out_fd, int err_fd, int launch_fd, std::int64_t grace_ms) {
   sigset_t guarded;
   sigemptyset(&guarded);
   for (int s : {SIGTERM, SIGINT, SIGHUP, SIGCHLD, SIGUSR1, SIGQUIT}) sigaddset(&guarded, s);
@@ -251,6 +251,8 @@ void end_left_behind(pid_t agent, const sigset_t& guarded, std::int64_t grace_ms
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, nullptr);
+    // Above the descriptors dup2 is about to replace (out_fd may be 3).
+    const int launch = launch_fd >= 0 ? fcntl(launch_fd, F_DUPFD_CLOEXEC, 10) : -1;
     int devnull = open("/dev/null", O_RDONLY);
     if (devnull >= 0) dup2(devnull, 0);
     dup2(out_fd, 1);
@@ -259,6 +261,7 @@ void end_left_behind(pid_t agent, const sigset_t& guarded, std::int64_t grace_ms
     // the same descriptor keeps a close-on-exec flag it may carry.
     fcntl(1, F_SETFD, 0);
     fcntl(2, F_SETFD, 0);
+    if (launch >= 0) dup2(launch, kSpareLaunchFd);  // without close-on-exec
     execve(path, argv, envp);
     int e = errno;
     write_all(2, "ductile agent: cannot execute ");
@@ -271,6 +274,7 @@ void end_left_behind(pid_t agent, const sigset_t& guarded, std::int64_t grace_ms
   setpgid(worker, worker);
   close(out_fd);
   close(err_fd);
+  if (launch_fd >= 0) close(launch_fd);
   timespec second{1, 0};
   pid_t adopted[1024];
   for (;;) {

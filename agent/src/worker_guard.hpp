@@ -34,8 +34,13 @@ std::size_t children_of(pid_t self, pid_t* out, std::size_t max, bool one_thread
 // and `err_fd` as its stdout and stderr, passes SIGTERM and SIGINT on,
 // kills on SIGUSR1, SIGHUP or SIGQUIT or when the agent (`agent`) is gone,
 // and once the worker exits ends what it left behind (SIGTERM, SIGKILL
-// after `grace_ms`). Exits with the worker's encoded status.
+// after `grace_ms`). `launch_fd` >= 0: the worker gets it as descriptor
+// kSpareLaunchFd (a spare's end of its socket pair). Exits with the
+// worker's encoded status.
 [[noreturn]] void run_guard(pid_t agent, const char* path, char* const* argv, char* const* envp,
-                            int out_fd, int err_fd, std::int64_t grace_ms);
+                            int out_fd, int err_fd, int launch_fd, std::int64_t grace_ms);
+
+// The descriptor a spare worker reads its launch record from.
+inline constexpr int kSpareLaunchFd = 3;
 
 }  // namespace ductile::agent

@@ -5,6 +5,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -18,6 +19,8 @@
 #include <mutex>
 #include <system_error>
 #include <thread>
+
+#include <fmt/format.h>
 
 #include "worker_guard.hpp"
 
@@ -99,6 +102,103 @@ StreamTarget target_of(const std::filesystem::path& file, bool console, int own_
   t.fd_to_close = t.worker_fd = ends[1];
   fcntl(t.pipe_read, F_SETFL, O_NONBLOCK);
   return t;
+}
+
+// Forks the guard of one process (a worker or a spare) and returns its pid;
+// the guard leads a process group of its own.
+pid_t fork_guard(pid_t agent, const std::vector<std::string>& argv_words,
+                 const std::vector<std::string>& env, int out_fd, int err_fd, int launch_fd,
+                 std::chrono::milliseconds grace) {
+  // Built before fork: the guard may not allocate.
+  std::string path = resolve_on_path(argv_words.front());
+  std::vector<std::string> argv_copy = argv_words, env_copy = env;
+  std::vector<char*> argv, envp;
+  for (auto& a : argv_copy) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  for (auto& e : env_copy) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  pid_t guard = fork();
+  if (guard < 0) throw std::system_error(errno, std::generic_category(), "fork");
+  if (guard == 0)
+    run_guard(agent, path.c_str(), argv.data(), envp.data(), out_fd, err_fd, launch_fd,
+              grace.count());
+  setpgid(guard, guard);
+  return guard;
+}
+
+// The environment without the variables of one round, sorted: what a spare
+// starts with, and what a round's worker must share with it.
+std::vector<std::string> static_env_of(const std::vector<std::string>& env,
+                                       const SpareSetup& setup) {
+  std::vector<std::string> kept;
+  for (const auto& entry : env)
+    if (!setup.is_round_variable(entry.substr(0, entry.find('=')))) kept.push_back(entry);
+  std::sort(kept.begin(), kept.end());
+  return kept;
+}
+
+// The first variable set differently in two sorted environments.
+std::string first_difference(const std::vector<std::string>& a, const std::vector<std::string>& b) {
+  auto [in_a, in_b] = std::mismatch(a.begin(), a.end(), b.begin(), b.end());
+  const std::string& entry = in_a != a.end() ? *in_a : *in_b;
+  return entry.substr(0, entry.find('='));
+}
+
+// A spare's launch record (workers.hpp): NUL-terminated fields.
+std::string launch_record(const WorkerSpec& spec, std::size_t interpreter_words) {
+  std::string record;
+  auto field = [&](const std::string& text) {
+    record += text;
+    record += '\0';
+  };
+  field("ductile-warm-start-1");
+  std::error_code ec;
+  field(std::filesystem::current_path(ec).string());
+  field(std::to_string(spec.argv.size() - interpreter_words));
+  for (std::size_t i = interpreter_words; i < spec.argv.size(); ++i) field(spec.argv[i]);
+  for (const auto& entry : spec.env) field(entry);
+  return record;
+}
+
+// How long start() waits for a ready spare to take its launch record.
+constexpr std::chrono::seconds kSpareSendTimeout{5};
+
+// Sends `record` to a spare, the worker's stdout and stderr with its first
+// bytes, then ends the stream. Returns 0, or the errno of the failure
+// (ETIMEDOUT: not taken in time).
+int send_launch(int fd, const std::string& record, int out_fd, int err_fd) {
+  const int fds[2] = {out_fd, err_fd};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof fds)] = {};
+  iovec piece{const_cast<char*>(record.data()), record.size()};
+  msghdr message{};
+  message.msg_iov = &piece;
+  message.msg_iovlen = 1;
+  message.msg_control = control;
+  message.msg_controllen = sizeof control;
+  cmsghdr* rights = CMSG_FIRSTHDR(&message);
+  rights->cmsg_level = SOL_SOCKET;
+  rights->cmsg_type = SCM_RIGHTS;
+  rights->cmsg_len = CMSG_LEN(sizeof fds);
+  std::memcpy(CMSG_DATA(rights), fds, sizeof fds);
+  const auto deadline = std::chrono::steady_clock::now() + kSpareSendTimeout;
+  std::size_t sent = 0;
+  while (sent < record.size()) {
+    const ssize_t n = sent == 0 ? sendmsg(fd, &message, MSG_NOSIGNAL | MSG_DONTWAIT)
+                                : send(fd, record.data() + sent, record.size() - sent,
+                                       MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n > 0) {
+      sent += static_cast<std::size_t>(n);
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) return errno;
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) return ETIMEDOUT;
+    pollfd writable{fd, POLLOUT, 0};
+    poll(&writable, 1, static_cast<int>(left.count()));
+  }
+  return shutdown(fd, SHUT_WR) == 0 ? 0 : errno;
 }
 
 void write_to_console(bool to_stderr, const std::string& text) {
@@ -215,11 +315,13 @@ std::vector<std::string> last_lines_of(const std::filesystem::path& file, std::s
 
 WorkerGroup::~WorkerGroup() {
   stop(std::chrono::milliseconds(0));
+  stop_spares();
 }
 
 bool WorkerGroup::start(const std::vector<WorkerSpec>& specs, std::chrono::milliseconds grace,
                         const std::atomic<int>* stop_signal) {
   stop(std::chrono::milliseconds(0));
+  start_log_.clear();
   pid_t agent = getpid();
   if (!children_before_) {
     children_before_.emplace();
@@ -236,13 +338,6 @@ bool WorkerGroup::start(const std::vector<WorkerSpec>& specs, std::chrono::milli
       std::filesystem::create_directories(spec.directory, ec);
       if (ec) throw std::system_error(ec, "cannot make " + spec.directory.string());
     }
-    std::string path = resolve_on_path(spec.argv[0]);
-    std::vector<std::string> argv_copy = spec.argv, env_copy = spec.env;
-    std::vector<char*> argv, envp;
-    for (auto& a : argv_copy) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    for (auto& e : env_copy) envp.push_back(e.data());
-    envp.push_back(nullptr);
     // The log files first: a worker is started only once its output has
     // somewhere to go.
     StreamTarget out = target_of(spec.stdout_file, spec.stdout_console, 1);
@@ -253,26 +348,42 @@ bool WorkerGroup::start(const std::vector<WorkerSpec>& specs, std::chrono::milli
       close_target(out);
       throw;
     }
-    pid_t guard = fork();
-    if (guard < 0) {
-      int e = errno;
-      close_target(out);
-      close_target(err);
-      throw std::system_error(e, std::generic_category(), "fork");
+    Worker w;
+    w.spec = spec;
+    if (auto spare = take_spare(spec, stop_signal)) {
+      const std::string record = launch_record(spec, spare->setup.interpreter_words);
+      const int failed = record.size() > kMaxLaunchRecordBytes
+                             ? E2BIG
+                             : send_launch(spare->launch_fd, record, out.worker_fd, err.worker_fd);
+      if (failed == 0) {
+        w.guard_pid = spare->guard_pid;
+        w.exit_fd = spare->exit_fd;
+        close(spare->launch_fd);
+        start_log_.push_back(fmt::format("local rank {} started from its spare", spec.local_rank));
+      } else {
+        start_log_.push_back(
+            fmt::format("local rank {} started cold: its spare did not take "
+                        "the launch record ({})",
+                        spec.local_rank, std::strerror(failed)));
+        end_spare(*spare);
+      }
     }
-    if (guard == 0)
-      run_guard(agent, path.c_str(), argv.data(), envp.data(), out.worker_fd, err.worker_fd,
-                grace.count());
-    setpgid(guard, guard);
+    if (w.guard_pid < 0) {
+      try {
+        w.guard_pid =
+            fork_guard(agent, spec.argv, spec.env, out.worker_fd, err.worker_fd, -1, grace);
+      } catch (...) {
+        close_target(out);
+        close_target(err);
+        throw;
+      }
+      w.exit_fd = static_cast<int>(syscall(SYS_pidfd_open, w.guard_pid, 0));
+    }
     for (StreamTarget* t : {&out, &err})
       if (t->fd_to_close >= 0) {
         close(t->fd_to_close);
         t->fd_to_close = -1;
       }
-    Worker w;
-    w.spec = spec;
-    w.guard_pid = guard;
-    w.exit_fd = static_cast<int>(syscall(SYS_pidfd_open, guard, 0));
     w.out_fd = out.pipe_read;
     w.err_fd = err.pipe_read;
     w.out_file = out.teed_file;
@@ -280,6 +391,104 @@ bool WorkerGroup::start(const std::vector<WorkerSpec>& specs, std::chrono::milli
     workers_.push_back(std::move(w));
   }
   return true;
+}
+
+std::optional<WorkerGroup::Spare> WorkerGroup::take_spare(const WorkerSpec& spec,
+                                                          const std::atomic<int>* stop_signal) {
+  auto found = spares_.find(spec.local_rank);
+  if (found == spares_.end()) return std::nullopt;
+  Spare spare = std::move(found->second);
+  spares_.erase(found);
+  std::string why;
+  if (spec.argv.size() <= spare.interpreter.size() ||
+      !std::equal(spare.interpreter.begin(), spare.interpreter.end(), spec.argv.begin())) {
+    why = "its command does not start with its spare's interpreter";
+  } else if (auto env = static_env_of(spec.env, spare.setup); env != spare.static_env) {
+    why = fmt::format("its environment differs from its spare's in {}",
+                      first_difference(env, spare.static_env));
+  } else if (why = wait_until_ready(spare, stop_signal); why.empty()) {
+    return spare;
+  }
+  start_log_.push_back(fmt::format("local rank {} started cold: {}", spec.local_rank, why));
+  end_spare(spare);
+  return std::nullopt;
+}
+
+std::string WorkerGroup::wait_until_ready(Spare& spare, const std::atomic<int>* stop_signal) {
+  const auto deadline = std::chrono::steady_clock::now() + kSpareReadyTimeout;
+  pollfd ready{spare.launch_fd, POLLIN, 0};
+  // In steps: a stop signal does not wait for a spare's imports.
+  while (poll(&ready, 1, 100) <= 0) {
+    if (stop_signal && stop_signal->load() != 0) return "a stop signal came";
+    if (std::chrono::steady_clock::now() >= deadline)
+      return fmt::format("its spare was not ready within {} s", kSpareReadyTimeout.count());
+  }
+  char byte = 0;
+  if (recv(spare.launch_fd, &byte, 1, MSG_DONTWAIT) == 1 && byte == 'R') return "";
+  // Its end closed: the spare is gone, and its guard about to be.
+  int status = 0;
+  while (waitpid(spare.guard_pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  spare.guard_pid = -1;
+  return fmt::format("its spare exited with status {} before it was ready", encode_status(status));
+}
+
+void WorkerGroup::end_spare(Spare& spare) {
+  if (spare.guard_pid >= 0) {
+    kill(spare.guard_pid, SIGUSR1);  // the guard kills the spare's process group
+    while (waitpid(spare.guard_pid, nullptr, 0) < 0 && errno == EINTR) {
+    }
+    spare.guard_pid = -1;
+  }
+  for (int* fd : {&spare.exit_fd, &spare.launch_fd})
+    if (*fd >= 0) {
+      close(*fd);
+      *fd = -1;
+    }
+}
+
+void WorkerGroup::start_spares(const std::vector<WorkerSpec>& specs, const SpareSetup& setup,
+                               std::chrono::milliseconds grace) {
+  const pid_t agent = getpid();
+  for (const auto& spec : specs) {
+    if (spares_.contains(spec.local_rank) || spec.argv.size() <= setup.interpreter_words) continue;
+    Spare spare;
+    spare.setup = setup;
+    spare.interpreter.assign(spec.argv.begin(),
+                             spec.argv.begin() + static_cast<long>(setup.interpreter_words));
+    spare.static_env = static_env_of(spec.env, setup);
+    std::vector<std::string> argv = spare.interpreter;
+    std::string imports;
+    for (const auto& name : setup.imports) imports += (imports.empty() ? "" : ",") + name;
+    for (const char* word : {"-m", "ductile._warm_start"}) argv.emplace_back(word);
+    argv.push_back(std::to_string(kSpareLaunchFd));
+    argv.push_back(imports);
+    int ends[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, ends) != 0)
+      throw std::system_error(errno, std::generic_category(), "socketpair");
+    StreamTarget quiet = target_of({}, false, 1);  // /dev/null until the round's streams come
+    try {
+      spare.guard_pid = fork_guard(agent, argv, spare.static_env, quiet.worker_fd, quiet.worker_fd,
+                                   ends[1], grace);
+    } catch (...) {
+      close_target(quiet);
+      close(ends[0]);
+      close(ends[1]);
+      throw;
+    }
+    close_target(quiet);
+    close(ends[1]);
+    spare.launch_fd = ends[0];
+    spare.exit_fd = static_cast<int>(syscall(SYS_pidfd_open, spare.guard_pid, 0));
+    spares_.emplace(spec.local_rank, std::move(spare));
+  }
+}
+
+void WorkerGroup::stop_spares() {
+  // Every guard told first: they end their spares at the same time.
+  for (auto& [rank, spare] : spares_) kill(spare.guard_pid, SIGUSR1);
+  for (auto& [rank, spare] : spares_) end_spare(spare);
+  spares_.clear();
 }
 
 void WorkerGroup::read_output(Worker& w, bool is_err) {
@@ -440,7 +649,10 @@ void WorkerGroup::end_adopted(std::chrono::milliseconds grace) {
     std::size_t n = children_of(getpid(), children.data(), children.size(), false);
     std::size_t adopted = 0;
     for (std::size_t i = 0; i < n; ++i) {
-      if (children_before_->contains(children[i])) continue;
+      if (children_before_->contains(children[i]) ||
+          std::any_of(spares_.begin(), spares_.end(),
+                      [&](const auto& spare) { return spare.second.guard_pid == children[i]; }))
+        continue;
       ++adopted;
       // Exited: reaped; else signalled.
       if (waitpid(children[i], nullptr, WNOHANG) == children[i]) continue;

@@ -169,3 +169,51 @@ TEST_CASE("workers: a stop signal before the workers start leaves them unstarted
   group.stop(std::chrono::milliseconds(0));
   CHECK(no_marked_processes(marker));
 }
+
+TEST_CASE(
+    "workers: a spare runs the next worker when its environment is the spare's, else the "
+    "worker starts cold") {
+  TempDir dir;
+  const std::string marker = new_marker();
+  const auto script = dir.write("worker.py",
+                                "import os, sys\n"
+                                "print(os.environ['RANK'], os.environ['SETTING'], 'json' in "
+                                "sys.modules, sys.argv[1:])\n"
+                                "sys.exit(4)\n");
+  // RANK is set per round; SETTING is not.
+  const SpareSetup setup{1, {"json"}, [](const std::string& name) { return name == "RANK"; }};
+  auto spec = [&](const std::string& rank, const std::string& setting) {
+    WorkerSpec s{0,
+                 0,
+                 {DUCTILE_PYTHON, script.string(), "--flag"},
+                 {marker, "PATH=/usr/bin:/bin", "PYTHONPATH=" DUCTILE_PYTHON_SOURCES,
+                  "SETTING=" + setting, "RANK=" + rank}};
+    s.stdout_file = dir / ("out" + rank + ".log");
+    s.stdout_console = s.stderr_console = false;
+    return s;
+  };
+  WorkerGroup group;
+  auto round = [&](const WorkerSpec& worker) {
+    group.start({worker});
+    run_to_the_end(group);
+    REQUIRE(group.first_failure());
+    CHECK(group.first_failure()->status == 4);
+    group.start_spares({worker}, setup, std::chrono::milliseconds(0));
+    CHECK(group.spares() == 1);
+    return read_text(worker.stdout_file);
+  };
+  CHECK(round(spec("0", "a")) == "0 a False ['--flag']\n");
+  CHECK(group.start_log().empty());  // no spare yet
+  // The spare imported json: the worker it became sees it loaded.
+  CHECK(round(spec("1", "a")) == "1 a True ['--flag']\n");
+  CHECK(group.start_log() == std::vector<std::string>{"local rank 0 started from its spare"});
+  CHECK(round(spec("2", "b")) == "2 b False ['--flag']\n");
+  CHECK(group.start_log() ==
+        std::vector<std::string>{
+            "local rank 0 started cold: its environment differs from its spare's in SETTING"});
+  group.stop(std::chrono::milliseconds(0));
+  CHECK(group.spares() == 1);  // a round's end leaves them
+  group.stop_spares();
+  CHECK(group.spares() == 0);
+  CHECK(no_marked_processes(marker));
+}

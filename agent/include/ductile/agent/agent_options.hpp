@@ -92,6 +92,10 @@ struct AgentOptions {
   // The workers' output (torchrun's --log-dir, --redirects, --tee,
   // --local-ranks-filter); see workers.hpp.
   WorkerOutput output;
+  // --warm-workers: the modules each local rank's spare worker imports
+  // before its round (workers.hpp); empty: workers start cold. The worker
+  // command must be Python running a script or -m MODULE.
+  std::vector<std::string> warm_imports;
 
   std::chrono::seconds lease_ttl{5};                       // a dead agent is noticed after this
   std::chrono::milliseconds poll_interval{250};            // rendezvous reads
@@ -117,6 +121,10 @@ struct AgentOptions {
   // Set (to the signal number) by a signal handler to stop the agent.
   const std::atomic<int>* stop_signal = nullptr;
 };
+
+// What --warm-workers pre-imports unless --warm-imports says otherwise:
+// torch, and the torch._dynamo that torch.optim's first optimizer imports.
+inline constexpr const char* kDefaultWarmImports = "torch,torch._dynamo";
 
 // The shortest lease_ttl: etcd's leases last at least this long.
 inline constexpr std::chrono::seconds kMinLeaseTtl{2};

@@ -26,6 +26,24 @@
 //    shown in pieces of that size.
 // A failed worker's last lines come from its log files (stderr first).
 //
+// Spare workers (start_spares(), `ductile agent --warm-workers`): for each
+// local rank, a Python interpreter started ahead of the next round under a
+// guard of its own, with the worker's environment less the variables set
+// for one round only (SpareSetup::is_round_variable), its output on
+// /dev/null. It runs `python -m ductile._warm_start FD MODULES`: it
+// imports MODULES, writes 'R' (ready) to FD, one end of a socket pair, and
+// waits there for its launch record. start() activates the spare of a
+// worker's local rank when it was started with the same interpreter words
+// and the same environment less the round's variables, once it is ready
+// (it waits up to kSpareReadyTimeout for the imports): it sends the
+// worker's stdout and stderr (SCM_RIGHTS, the descriptors a cold worker
+// would get) and a record (at most kMaxLaunchRecordBytes) of NUL-terminated
+// fields: "ductile-warm-start-1", the working directory, the number of
+// program words, the program words (the script or -m MODULE and its
+// arguments), then the whole environment, "NAME=value" each. The spare then
+// runs the program as `python` would have. Otherwise the worker starts cold
+// and the spare is ended; start_log() says why.
+//
 // Threading: one thread drives a WorkerGroup (start, pump, stop).
 // Errors: start() throws std::system_error when processes, pipes, log files
 // or a worker's directory cannot be created (the workers started before
@@ -37,6 +55,7 @@
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <optional>
 #include <set>
@@ -90,6 +109,24 @@ struct WorkerSpec {
   std::filesystem::path directory{};
 };
 
+// Spare workers for the next round (see the top of this file).
+struct SpareSetup {
+  // How many words of a worker's argv are its Python and the Python's
+  // options; the words after them (the script, or -m MODULE, and its
+  // arguments) are the program the spare runs when activated.
+  std::size_t interpreter_words = 0;
+  std::vector<std::string> imports;  // modules the spare imports ahead
+  // True for the variables set for one round only (RANK, MASTER_PORT,
+  // ...): the others must be the spare's own for it to run the worker.
+  std::function<bool(const std::string& name)> is_round_variable;
+};
+
+// How long start() waits for a spare still importing; then, or when the
+// spare exits first, the worker starts cold.
+inline constexpr std::chrono::seconds kSpareReadyTimeout{30};
+// Longest launch record start() sends a spare (argv and environment).
+inline constexpr std::size_t kMaxLaunchRecordBytes = 4 << 20;
+
 // Longest piece of a teed line the agent holds before it shows it.
 inline constexpr std::size_t kMaxTeedLineBytes = 65536;
 // Lines of a failed worker's log file kept for its failure report.
@@ -126,14 +163,15 @@ struct WorkerExit {
 class WorkerGroup {
  public:
   WorkerGroup() = default;
-  ~WorkerGroup();  // stops the workers (grace 0)
+  ~WorkerGroup();  // stops the workers and the spares (grace 0)
   WorkerGroup(const WorkerGroup&) = delete;
   WorkerGroup& operator=(const WorkerGroup&) = delete;
 
-  // Starts the workers in order. `grace`: what each worker's guard gives the
-  // processes the worker left behind between SIGTERM and SIGKILL. Returns
-  // false when *stop (a stop signal's number) became non-zero meanwhile:
-  // the workers after it were not started.
+  // Starts the workers in order, each from the spare of its local rank when
+  // one fits (see the top of this file), else cold. `grace`: what each
+  // worker's guard gives the processes the worker left behind between
+  // SIGTERM and SIGKILL. Returns false when *stop (a stop signal's number)
+  // became non-zero meanwhile: the workers after it were not started.
   bool start(const std::vector<WorkerSpec>& workers,
              std::chrono::milliseconds grace = std::chrono::milliseconds(0),
              const std::atomic<int>* stop = nullptr);
@@ -154,8 +192,19 @@ class WorkerGroup {
   // SIGTERM to every worker's process group, SIGKILL after `grace`; waits
   // for all of them and forgets them. In a subreaper, then the same for the
   // processes re-parented to it since this group first started (what a
-  // killed guard left).
+  // killed guard left). The spares stay.
   void stop(std::chrono::milliseconds grace);
+
+  // Starts a spare for each of `specs`' local ranks that has none (see the
+  // top of this file); throws std::system_error as start() does.
+  void start_spares(const std::vector<WorkerSpec>& specs, const SpareSetup& setup,
+                    std::chrono::milliseconds grace);
+  // Ends the spares (their guards kill them at once) and reaps them.
+  void stop_spares();
+  std::size_t spares() const { return spares_.size(); }
+  // What the last start() did with the spares, a line each: which workers
+  // started from one, and why the others did not.
+  const std::vector<std::string>& start_log() const { return start_log_; }
 
  private:
   struct Worker {
@@ -168,10 +217,27 @@ class WorkerGroup {
     LineSplitter out_lines, err_lines;
     std::optional<int> status;
   };
+  struct Spare {
+    int guard_pid = -1;
+    int exit_fd = -1;                      // the guard's pidfd
+    int launch_fd = -1;                    // the agent's end of the socket pair
+    std::vector<std::string> interpreter;  // the argv words before the program
+    std::vector<std::string> static_env;   // sorted
+    SpareSetup setup;
+  };
   void read_output(Worker& w, bool is_err);
   void reap();
   void end_adopted(std::chrono::milliseconds grace);
+  // The spare of `spec`'s local rank, taken out of spares_, when it can run
+  // the worker; else nullopt, the spare ended, and the reason in start_log_.
+  std::optional<Spare> take_spare(const WorkerSpec& spec, const std::atomic<int>* stop_signal);
+  // "" once `spare` said it is ready; else why not (it exited: reaped; a
+  // stop signal came).
+  static std::string wait_until_ready(Spare& spare, const std::atomic<int>* stop_signal);
+  static void end_spare(Spare& spare);
   std::vector<Worker> workers_;
+  std::map<std::int64_t, Spare> spares_;  // by local rank
+  std::vector<std::string> start_log_;
   // This process's children before the group first started (an
   // ompi-server): not the workers', never ended by stop().
   std::optional<std::set<int>> children_before_;

@@ -1,0 +1,160 @@
+"""A spare worker of ``ductile agent --warm-workers``:
+``python [OPTIONS] -m ductile._warm_start FD MODULES``.
+
+The agent starts one per local rank ahead of the next round, with the
+worker's environment less the round's variables. It imports MODULES (torch
+and torch._dynamo by default), writes b"R" (ready) to FD, its end of a
+socket pair, and waits there for ONE launch record: the worker's stdout and
+stderr as descriptors, then NUL-terminated fields: a version tag, the
+working directory, the number of program words, the program words (a
+script, or -m MODULE, and its arguments) and the whole environment. It then
+becomes that worker as ``python [OPTIONS] PROGRAM`` would have started:
+the same argv, environment, working directory, sys.path[0], ``__main__``,
+output descriptors and exit status. A record that does not parse ends it
+with status 2 and a message.
+"""
+
+import builtins
+import importlib
+import importlib.machinery
+import io
+import os
+import runpy
+import socket
+import sys
+import types
+
+_TAG = b"ductile-warm-start-1"
+# As the agent's kMaxLaunchRecordBytes (workers.hpp).
+_MAX_RECORD_BYTES = 4 << 20
+# Once the record starts, the rest comes at once: the agent writes it in one go.
+_REST_TIMEOUT_S = 30.0
+
+
+class _BadRecord(Exception):
+    pass
+
+
+def _read_record(fd):
+    """Says the spare is ready, then returns the record's bytes and the
+    descriptors sent with them; waits for the agent (the spare's guard's
+    parent, whose end kills the spare) as long as it takes."""
+    with socket.socket(fileno=fd) as channel:
+        channel.sendall(b"R")
+        data, fds, _, _ = socket.recv_fds(channel, 65536, 2)
+        if len(fds) != 2:
+            for received in fds:
+                os.close(received)
+            raise _BadRecord(f"{len(fds)} descriptors came with it, not 2 (stdout, stderr)")
+        channel.settimeout(_REST_TIMEOUT_S)
+        chunks = [data]
+        size = len(data)
+        while data:
+            try:
+                data = channel.recv(65536)
+            except TimeoutError:
+                raise _BadRecord(f"it did not end within {_REST_TIMEOUT_S:g} s") from None
+            size += len(data)
+            if size > _MAX_RECORD_BYTES:
+                raise _BadRecord(f"it is longer than {_MAX_RECORD_BYTES} bytes")
+            chunks.append(data)
+    return b"".join(chunks), fds
+
+
+def _parse(record):
+    """(working directory, program words, environment) of a record."""
+    fields = record.split(b"\0")
+    if len(fields) < 4 or fields[-1] != b"" or fields[0] != _TAG:
+        raise _BadRecord(f"it does not start with {_TAG.decode()} or lacks its fields")
+    fields.pop()
+    cwd = os.fsdecode(fields[1])
+    if not fields[2].isdigit() or int(fields[2]) < 1 or 3 + int(fields[2]) > len(fields):
+        raise _BadRecord(f"its program word count {fields[2][:20]!r} is not 1 to "
+                         f"{len(fields) - 3}")
+    end = 3 + int(fields[2])
+    program = [os.fsdecode(word) for word in fields[3:end]]
+    env = {}
+    for entry in fields[end:]:
+        name, eq, value = entry.partition(b"=")
+        if not eq or not name:
+            raise _BadRecord(f"its environment entry {entry[:40]!r} is not NAME=value")
+        env[os.fsdecode(name)] = os.fsdecode(value)
+    return cwd, program, env
+
+
+def _take_streams(fds):
+    """The round's stdout and stderr in place of /dev/null, buffered as the
+    interpreter buffers them for what they are (a terminal: by line)."""
+    for fd, target in zip(fds, (1, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+    for stream, target in ((sys.stdout, 1), (sys.stderr, 2)):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(line_buffering=not stream.write_through
+                               and (target == 2 or os.isatty(target)))
+
+
+def _run(program):
+    """Runs the program as ``python PROGRAM`` does, in a fresh ``__main__``."""
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__builtins__=builtins, __annotations__={})
+    sys.modules["__main__"] = main
+    if program[0].startswith("-m"):
+        module = program[0][2:] or program[1]
+        sys.argv = ["-m"] + program[1 if program[0] != "-m" else 2:]
+        if not sys.flags.safe_path:
+            sys.path[0] = os.getcwd()
+        # What `python -m` calls (runpy has no public equivalent: run_module
+        # runs in a temporary module, not in __main__).
+        runpy._run_module_as_main(module, True)  # type: ignore[attr-defined]
+        return
+    script = program[0]
+    sys.argv = list(program)
+    if not sys.flags.safe_path:
+        sys.path[0] = os.path.dirname(os.path.realpath(script))
+    path = os.path.abspath(script)
+    try:
+        with open(path, "rb") as source:
+            text = source.read()
+    except OSError as e:
+        # The interpreter's own message and status for a script it cannot open.
+        print(f"{sys.executable}: can't open file {path!r}: [Errno {e.errno}] {e.strerror}",
+              file=sys.stderr, flush=True)
+        sys.exit(2)
+    code = compile(text, path, "exec")
+    main.__dict__.update(__file__=path, __cached__=None,
+                         __loader__=importlib.machinery.SourceFileLoader("__main__", path))
+    exec(code, main.__dict__)
+
+
+def main():
+    fd = int(sys.argv[1])
+    for name in sys.argv[2].split(","):
+        importlib.import_module(name)
+    try:
+        record, fds = _read_record(fd)
+        _take_streams(fds)
+        cwd, program, env = _parse(record)
+    except (_BadRecord, OSError, ValueError) as e:
+        print(f"ductile: error: the launch record of a spare worker is invalid: {e}",
+              file=sys.stderr, flush=True)
+        sys.exit(2)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        _run(program)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as error:  # noqa: BLE001 - the interpreter's own handling, below
+        # As the interpreter shows an uncaught exception: without this
+        # module's frames, then exit status 1.
+        traceback = error.__traceback__
+        while traceback and traceback.tb_frame.f_code.co_filename == __file__:
+            traceback = traceback.tb_next
+        sys.excepthook(type(error), error.with_traceback(traceback), traceback)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
