@@ -1,6 +1,7 @@
-// The gradients of a zero3 parameter group (_param.ParamGroup) on the step
-// path, in C++ so that a backward runs one Python function of ductile's a
-// group (GradientReducer.reduce) and none a parameter:
+// The gradients of a zero3 parameter group (GroupState, group_state.hpp:
+// _param.ParamGroup) on the step path, in C++ so that a backward runs one
+// Python function of ductile's a group (GradientReducer.reduce) and none a
+// parameter:
 //
 // - take_gradients(group, world, dtype): the gradients the group's
 //   parameters hold, laid out rank-major ((world, shard_numel), `dtype`; a
@@ -11,15 +12,18 @@
 //   gradient shard: into it while the members' `shard.grad` are still its
 //   views, else as a new one in the master dtype, each member's
 //   `shard.grad` a view of it (of the host copy when the optimizer is
-//   offloaded: `group.host.grad_views`).
+//   offloaded: `group.host_grad_views`).
 // - grads_attached(group): the members' `shard.grad` are still the views of
 //   the group's gradient shard (nobody cleared or replaced them since).
 //
-// Threading: the GIL held. Errors: torch's, as raised. Ownership: nothing is
-// kept; the group's tensors stay on the Python object.
+// Threading: the GIL held. Errors: torch's, as raised; a group that is not a
+// GroupState raises TypeError. Ownership: nothing is kept; the group's
+// tensors stay in its GroupState.
 #pragma once
 
 #include <pybind11/pybind11.h>
+
+#include "group_state.hpp"
 
 namespace ductile::python {
 

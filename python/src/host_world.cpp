@@ -11,6 +11,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <pybind11/stl.h>
 
 namespace ductile::python {
 
@@ -80,9 +81,20 @@ void drop(py::object& object) {
   throw Error(ErrorKind::communication, message);
 }
 
+// The HostWork a call returned, as a handle: `work` must be one (a bug of
+// the Python world otherwise). The GIL held.
+HostWork& host_work(const py::object& work, const std::string& what) {
+  if (!py::isinstance<HostWork>(work))
+    throw Error(ErrorKind::communication,
+                fmt::format("{}: the host world returned a {}, not a HostWork", what,
+                            Py_TYPE(work.ptr())->tp_name));
+  return work.cast<HostWork&>();
+}
+
 class HostHandle final : public CollectiveHandle {
  public:
-  HostHandle(py::object work, std::string what) : work_(std::move(work)), what_(std::move(what)) {}
+  HostHandle(py::object work, std::string what)
+      : work_(std::move(work)), what_(std::move(what)), host_(&host_work(work_, what_)) {}
   ~HostHandle() override { drop(work_); }
   HostHandle(const HostHandle&) = delete;
   HostHandle& operator=(const HostHandle&) = delete;
@@ -91,7 +103,7 @@ class HostHandle final : public CollectiveHandle {
     if (done_) return true;
     py::gil_scoped_acquire gil;
     try {
-      done_ = work_.attr("query")().cast<bool>();
+      done_ = host_->query();
     } catch (py::error_already_set& e) {
       rethrow(what_, e);
     }
@@ -102,7 +114,7 @@ class HostHandle final : public CollectiveHandle {
     if (done_) return;
     py::gil_scoped_acquire gil;
     try {
-      work_.attr("wait")();
+      host_->wait();
     } catch (py::error_already_set& e) {
       rethrow(what_, e);
     }
@@ -112,6 +124,7 @@ class HostHandle final : public CollectiveHandle {
  private:
   py::object work_;
   std::string what_;
+  HostWork* host_;  // work_'s
   bool done_ = false;
 };
 
@@ -126,29 +139,13 @@ std::shared_ptr<const T> held_by_python(T* object) {
   });
 }
 
-// One run of a planned coalesced gather (see host_world.hpp): what
-// TorchWorld.gather_plan returned for it, kept by the communicator.
-struct GatherRun {
-  py::object send;   // the shard (a tensor), or None: `sends` are joined
-  py::object sends;  // the shards of several small groups (a list), or None
-  py::object recv;   // the output, when `outs` is None: gathered straight into it
-  py::object outs;   // else the members' places ((world, count) views), with
-  py::object sizes;  // their counts: copied out of a (world, total) scratch
-  std::int64_t total = 0;
-  bool clone = false;  // the send lies in the output: copied first
-};
-
 // torch's functions a planned gather calls, looked up once per world.
 struct GatherOps {
-  py::object collective;  // all_gather_into_tensor(out, in, group=, async_op=True)
-  py::object group;
   py::object cat, empty, split_copy;
-  // With TorchWorld.direct_exchange (gloo), torch.distributed.group, whose
-  // WORLD is the default group, looked up at each gather when `group` is
-  // None (held, a ProcessGroup would outlive destroy_process_group()); else
-  // None: gathered by `collective`.
+  // torch.distributed.group, whose WORLD is the default group, looked up at
+  // each exchange when the world's group is None (held, a ProcessGroup
+  // would outlive destroy_process_group()).
   py::object groups;
-  int tag = 0;
 };
 
 // The collectives of a planned gather in flight, a scratch buffer each
@@ -232,38 +229,31 @@ class HostWorldCommunicator final : public Communicator {
  public:
   HostWorldCommunicator(py::object world, NativeStreamHandles* streams,
                         std::shared_ptr<HostWorldWaits> waits)
-      : world_(std::move(world)), streams_(streams), waits_(std::move(waits)) {
-    rank_ = world_.attr("rank").cast<int>();
-    size_ = world_.attr("size").cast<int>();
-    label_ = py::str(world_.attr("kind")).cast<std::string>();
-    if (py::hasattr(world_, "gather_plan")) {
-      const py::module_ torch = py::module_::import("torch");
-      auto* ops = new GatherOps{.collective = world_.attr("gather_collective"),
-                                .group = world_.attr("group"),
-                                .cat = torch.attr("cat"),
-                                .empty = torch.attr("empty"),
-                                .split_copy = torch.attr("split_with_sizes_copy"),
-                                .groups = py::none()};
-      if (py::getattr(world_, "direct_exchange", py::bool_(false)).cast<bool>()) {
-        ops->groups = py::module_::import("torch.distributed").attr("group");
-        ops->tag = world_.attr("direct_tag").cast<int>();
-      }
-      ops_ = held_by_python(ops);
-    }
+      : world_(std::move(world)),
+        host_(world_.cast<HostCommunicator&>()),
+        streams_(streams),
+        waits_(std::move(waits)) {
+    const py::module_ torch = py::module_::import("torch");
+    ops_ = held_by_python(
+        new GatherOps{.cat = torch.attr("cat"),
+                      .empty = torch.attr("empty"),
+                      .split_copy = torch.attr("split_with_sizes_copy"),
+                      .groups = py::module_::import("torch.distributed").attr("group")});
   }
   ~HostWorldCommunicator() override { drop(world_); }
   HostWorldCommunicator(const HostWorldCommunicator&) = delete;
   HostWorldCommunicator& operator=(const HostWorldCommunicator&) = delete;
 
-  int rank() const override { return rank_; }
-  int size() const override { return size_; }
+  int rank() const override { return host_.rank; }
+  int size() const override { return host_.size; }
 
   std::shared_ptr<CollectiveHandle> all_gather(const void* send, void* recv, std::size_t count,
                                                DataType type, Stream& stream) override {
     check(send, count, "all_gather");
     check(recv, count, "all_gather");
-    return call(stream, "all_gather", "all_gather_at", address(send), address(recv), count,
-                type_name(type));
+    return call(stream, "all_gather", [&](const py::object& on) {
+      return host_.all_gather_at(address(send), address(recv), count, type_name(type), on);
+    });
   }
 
   std::shared_ptr<CollectiveHandle> all_gather_coalesced(std::span<const GatherItem> items,
@@ -274,14 +264,13 @@ class HostWorldCommunicator final : public Communicator {
     }
     const std::optional<std::uintptr_t> native = ready(stream);
     py::gil_scoped_acquire gil;
-    if (!native && ops_ != nullptr) return planned_gather(items);
+    if (!native) return planned_gather(items);
     const py::object on = stream_argument(native);
     py::list list;
     for (const GatherItem& item : items)
       list.append(
           py::make_tuple(address(item.send), address(item.recv), item.count, type_name(item.type)));
-    return issue("all_gather_coalesced",
-                 [&] { return world_.attr("all_gather_coalesced_at")(list, on); });
+    return issue("all_gather_coalesced", [&] { return host_.all_gather_coalesced_at(list, on); });
   }
 
   std::shared_ptr<CollectiveHandle> reduce_scatter(const void* send, void* recv, std::size_t count,
@@ -289,8 +278,10 @@ class HostWorldCommunicator final : public Communicator {
                                                    Stream& stream) override {
     check(send, count, "reduce_scatter");
     check(recv, count, "reduce_scatter");
-    return call(stream, "reduce_scatter", "reduce_scatter_at", address(send), address(recv), count,
-                type_name(type), op_name(op));
+    return call(stream, "reduce_scatter", [&](const py::object& on) {
+      return host_.reduce_scatter_at(address(send), address(recv), count, type_name(type),
+                                     op_name(op), on);
+    });
   }
 
   std::shared_ptr<CollectiveHandle> all_reduce(const void* send, void* recv, std::size_t count,
@@ -298,22 +289,26 @@ class HostWorldCommunicator final : public Communicator {
                                                Stream& stream) override {
     check(send, count, "all_reduce");
     check(recv, count, "all_reduce");
-    return call(stream, "all_reduce", "all_reduce_at", address(send), address(recv), count,
-                type_name(type), op_name(op));
+    return call(stream, "all_reduce", [&](const py::object& on) {
+      return host_.all_reduce_at(address(send), address(recv), count, type_name(type), op_name(op),
+                                 on);
+    });
   }
 
   std::shared_ptr<CollectiveHandle> broadcast(void* buffer, std::size_t count, DataType type,
                                               int root, Stream& stream) override {
     check(buffer, count, "broadcast");
-    if (root < 0 || root >= size_)
+    if (root < 0 || root >= host_.size)
       throw Error(
           ErrorKind::invalid_argument,
-          fmt::format("broadcast: root {} is not a rank of the {}-rank world", root, size_));
-    return call(stream, "broadcast", "broadcast_at", address(buffer), count, type_name(type), root);
+          fmt::format("broadcast: root {} is not a rank of the {}-rank world", root, host_.size));
+    return call(stream, "broadcast", [&](const py::object& on) {
+      return host_.broadcast_at(address(buffer), count, type_name(type), root, on);
+    });
   }
 
   std::shared_ptr<CollectiveHandle> barrier(Stream& stream) override {
-    return call(stream, "barrier", "barrier_async");
+    return call(stream, "barrier", [&](const py::object& on) { return host_.barrier_async(on); });
   }
 
  private:
@@ -324,8 +319,7 @@ class HostWorldCommunicator final : public Communicator {
   // gathers the same groups into the same buffers every pass): no Python
   // function of ductile's runs. The GIL held.
   std::shared_ptr<CollectiveHandle> planned_gather(std::span<const GatherItem> items) {
-    std::string what =
-        fmt::format("all_gather_coalesced ({} host world, rank {} of {})", label_, rank_, size_);
+    std::string what = described("all_gather_coalesced");
     try {
       PlanKey key;
       key.reserve(items.size());
@@ -337,21 +331,18 @@ class HostWorldCommunicator final : public Communicator {
         py::list list;
         for (const auto& [send, recv, count, type] : key)
           list.append(py::make_tuple(send, recv, count, type_name(type)));
-        std::vector<GatherRun> runs;
-        for (py::handle run : world_.attr("gather_plan")(list)) {
-          const py::tuple t = py::reinterpret_borrow<py::tuple>(run);
-          runs.push_back(GatherRun{t[0], t[1], t[2], t[3], t[4], t[5].cast<std::int64_t>(),
-                                   t[6].cast<bool>()});
-        }
-        at = plans_.emplace(std::move(key), held_by_python(new std::vector(std::move(runs)))).first;
+        at =
+            plans_.emplace(std::move(key), held_by_python(new std::vector(host_.gather_plan(list))))
+                .first;
       }
       const GatherOps& ops = *ops_;
+      const int size = host_.size;
       const std::shared_ptr<const std::vector<GatherRun>>& plan = at->second;
       std::vector<PlannedGather::Part> parts;
       parts.reserve(plan->size());
       for (const GatherRun& run : *plan) {
         py::object send = run.sends.is_none() ? run.send : ops.cat(run.sends);
-        if (size_ == 1) {  // the gather is a copy, or nothing when in place
+        if (size == 1) {  // the gather is a copy, or nothing when in place
           if (!send.attr("data_ptr")().equal(run.recv.attr("data_ptr")()))
             run.recv.attr("copy_")(send);
           continue;
@@ -360,31 +351,37 @@ class HostWorldCommunicator final : public Communicator {
         py::object out = run.recv;
         py::object gathered = py::none();
         if (!run.outs.is_none()) {
-          gathered = ops.empty(size_ * run.total, py::arg("dtype") = send.attr("dtype"),
+          gathered = ops.empty(size * run.total, py::arg("dtype") = send.attr("dtype"),
                                py::arg("device") = send.attr("device"));
           out = gathered;
         }
         parts.push_back({issue_gather(ops, out, send), std::move(gathered), &run});
       }
-      return std::make_shared<PlannedGather>(std::move(parts), plan, ops_, waits_, size_,
+      return std::make_shared<PlannedGather>(std::move(parts), plan, ops_, waits_, size,
                                              std::move(what));
     } catch (py::error_already_set& e) {
       rethrow(what, e);
     }
   }
 
-  // One gather of every rank's `send` into `out`: the collective, or a
-  // direct exchange.
+  // One gather of every rank's `send` into `out`: the world's collective,
+  // or a direct exchange.
   py::list issue_gather(const GatherOps& ops, const py::object& out, const py::object& send) const {
-    if (ops.groups.is_none()) {
+    if (!host_.direct_exchange) {
       py::list works;
-      works.append(
-          ops.collective(out, send, py::arg("group") = ops.group, py::arg("async_op") = true));
+      works.append(host_.gather_collective(out, send, py::arg("group") = host_.group,
+                                           py::arg("async_op") = true));
       return works;
     }
     if (waits_ != nullptr) ++waits_->exchanges;
-    return issue_direct_gather(ops.group.is_none() ? ops.groups.attr("WORLD") : ops.group, rank_,
-                               size_, out, send, ops.tag);
+    return issue_direct_gather(host_.group.is_none() ? ops.groups.attr("WORLD") : host_.group,
+                               host_.rank, host_.size, out, send, host_.direct_tag);
+  }
+
+  // "<call> (<kind> host world, rank <r> of <n>)", for errors.
+  std::string described(const char* call) const {
+    return fmt::format("{} ({} host world, rank {} of {})", call, host_.kind, host_.rank,
+                       host_.size);
   }
 
   static void check(const void* buffer, std::size_t count, const char* call) {
@@ -419,7 +416,7 @@ class HostWorldCommunicator final : public Communicator {
 
   template <class Issue>
   std::shared_ptr<CollectiveHandle> issue(const char* call, Issue&& make) {
-    std::string what = fmt::format("{} ({} host world, rank {} of {})", call, label_, rank_, size_);
+    std::string what = described(call);
     try {
       py::object work = make();
       return std::make_shared<HostHandle>(std::move(work), std::move(what));
@@ -428,27 +425,25 @@ class HostWorldCommunicator final : public Communicator {
     }
   }
 
-  template <class... Args>
-  std::shared_ptr<CollectiveHandle> call(Stream& stream, const char* call, const char* method,
-                                         Args&&... args) {
+  // Issues `make(stream argument)` after the stream's earlier work.
+  template <class Make>
+  std::shared_ptr<CollectiveHandle> call(Stream& stream, const char* call, Make&& make) {
     const std::optional<std::uintptr_t> native = ready(stream);
     py::gil_scoped_acquire gil;
     const py::object on = stream_argument(native);
-    return issue(call, [&] { return world_.attr(method)(std::forward<Args>(args)..., on); });
+    return issue(call, [&] { return make(on); });
   }
 
   // Plans kept before the cache starts over (as the Python world's caches).
   static constexpr std::size_t kPlanLimit = 4096;
 
   py::object world_;
+  HostCommunicator& host_;                 // world_'s
   NativeStreamHandles* streams_;           // the accelerator's, or null (host streams)
-  std::shared_ptr<const GatherOps> ops_;   // null: the world makes no plans
+  std::shared_ptr<const GatherOps> ops_;   // torch's functions
   std::shared_ptr<HostWorldWaits> waits_;  // or null
   // By items; a handle in flight shares its plan.
   std::map<PlanKey, std::shared_ptr<const std::vector<GatherRun>>> plans_;
-  int rank_ = 0;
-  int size_ = 1;
-  std::string label_;
 };
 
 }  // namespace
@@ -471,9 +466,125 @@ py::list issue_direct_gather(const py::object& group, int rank, int size, const 
   return works;
 }
 
+HostCommunicator::HostCommunicator(int rank, int size, std::string kind, py::object group,
+                                   py::object gather_collective, bool direct_exchange,
+                                   int direct_tag)
+    : rank(rank),
+      size(size),
+      kind(std::move(kind)),
+      group(std::move(group)),
+      gather_collective(std::move(gather_collective)),
+      direct_exchange(direct_exchange),
+      direct_tag(direct_tag) {
+  if (size < 1 || rank < 0 || rank >= size)
+    throw Error(ErrorKind::invalid_argument,
+                fmt::format("HostCommunicator: rank = {} with size = {} is not a rank of the "
+                            "world; give a size of 1 or more and a rank in [0, size)",
+                            rank, size));
+}
+
 std::shared_ptr<Communicator> make_host_world(py::object world, NativeStreamHandles* streams,
                                               std::shared_ptr<HostWorldWaits> waits) {
+  if (!py::isinstance<HostCommunicator>(world))
+    throw Error(ErrorKind::invalid_argument,
+                fmt::format("host_world = a {} is not a host communicator; give a "
+                            "_ductile.zero.HostCommunicator (ductile.torch.zero3's TorchWorld)",
+                            Py_TYPE(world.ptr())->tp_name));
   return std::make_shared<HostWorldCommunicator>(std::move(world), streams, std::move(waits));
+}
+
+namespace {
+
+// Python's overrides of HostWork's and HostCommunicator's calls.
+class PyHostWork final : public HostWork {
+ public:
+  bool query() override { PYBIND11_OVERRIDE_PURE(bool, HostWork, query, ); }
+  void wait() override { PYBIND11_OVERRIDE_PURE(void, HostWork, wait, ); }
+};
+
+class PyHostCommunicator final : public HostCommunicator {
+ public:
+  using HostCommunicator::HostCommunicator;
+
+  py::object all_gather_at(std::uintptr_t send, std::uintptr_t recv, std::size_t count,
+                           const char* dtype, py::object stream) override {
+    PYBIND11_OVERRIDE_PURE(py::object, HostCommunicator, all_gather_at, send, recv, count, dtype,
+                           stream);
+  }
+  py::object all_gather_coalesced_at(py::list items, py::object stream) override {
+    PYBIND11_OVERRIDE_PURE(py::object, HostCommunicator, all_gather_coalesced_at, items, stream);
+  }
+  py::object reduce_scatter_at(std::uintptr_t send, std::uintptr_t recv, std::size_t count,
+                               const char* dtype, const char* op, py::object stream) override {
+    PYBIND11_OVERRIDE_PURE(py::object, HostCommunicator, reduce_scatter_at, send, recv, count,
+                           dtype, op, stream);
+  }
+  py::object all_reduce_at(std::uintptr_t send, std::uintptr_t recv, std::size_t count,
+                           const char* dtype, const char* op, py::object stream) override {
+    PYBIND11_OVERRIDE_PURE(py::object, HostCommunicator, all_reduce_at, send, recv, count, dtype,
+                           op, stream);
+  }
+  py::object broadcast_at(std::uintptr_t buffer, std::size_t count, const char* dtype, int root,
+                          py::object stream) override {
+    PYBIND11_OVERRIDE_PURE(py::object, HostCommunicator, broadcast_at, buffer, count, dtype, root,
+                           stream);
+  }
+  py::object barrier_async(py::object stream) override {
+    PYBIND11_OVERRIDE_PURE(py::object, HostCommunicator, barrier_async, stream);
+  }
+  std::vector<GatherRun> gather_plan(py::list items) override {
+    PYBIND11_OVERRIDE_PURE(std::vector<GatherRun>, HostCommunicator, gather_plan, items);
+  }
+};
+
+}  // namespace
+
+void register_host_world(py::module_& m) {
+  py::class_<HostWork, PyHostWork>(
+      m, "HostWork",
+      "A collective in flight that a HostCommunicator issued; subclasses define query() (never "
+      "blocks) and wait().")
+      .def(py::init<>());
+
+  py::class_<GatherRun>(m, "GatherRun",
+                        "One collective of a planned coalesced gather (HostCommunicator."
+                        "gather_plan); see python/src/host_world.hpp.")
+      .def(py::init([](py::object send, py::object sends, py::object recv, py::object outs,
+                       py::object sizes, std::int64_t total, bool clone) {
+             return GatherRun{std::move(send),
+                              std::move(sends),
+                              std::move(recv),
+                              std::move(outs),
+                              std::move(sizes),
+                              total,
+                              clone};
+           }),
+           py::kw_only(), py::arg("send") = py::none(), py::arg("sends") = py::none(),
+           py::arg("recv") = py::none(), py::arg("outs") = py::none(),
+           py::arg("sizes") = py::none(), py::arg("total"), py::arg("clone") = false)
+      .def_readonly("send", &GatherRun::send)
+      .def_readonly("sends", &GatherRun::sends)
+      .def_readonly("recv", &GatherRun::recv)
+      .def_readonly("outs", &GatherRun::outs)
+      .def_readonly("sizes", &GatherRun::sizes)
+      .def_readonly("total", &GatherRun::total)
+      .def_readonly("clone", &GatherRun::clone);
+
+  py::class_<HostCommunicator, PyHostCommunicator>(
+      m, "HostCommunicator",
+      "The host framework's communicator offered to the coordinator as its world: its facts, "
+      "given once here, and the calls the coordinator makes (all_gather_at, "
+      "all_gather_coalesced_at, reduce_scatter_at, all_reduce_at, broadcast_at, barrier_async, "
+      "gather_plan), which subclasses define; see python/src/host_world.hpp.")
+      .def(py::init<int, int, std::string, py::object, py::object, bool, int>(), py::kw_only(),
+           py::arg("rank"), py::arg("size"), py::arg("kind"), py::arg("group"),
+           py::arg("gather_collective"), py::arg("direct_exchange"), py::arg("direct_tag"))
+      .def_readonly("rank", &HostCommunicator::rank)
+      .def_readonly("size", &HostCommunicator::size)
+      .def_readonly("kind", &HostCommunicator::kind)
+      .def_readonly("group", &HostCommunicator::group)
+      .def_readonly("direct_exchange", &HostCommunicator::direct_exchange)
+      .def_readonly("direct_tag", &HostCommunicator::direct_tag);
 }
 
 }  // namespace ductile::python

@@ -1,15 +1,15 @@
-// A ductile::Communicator over a Python object: the host framework's
-// communicator (ductile.torch.zero3's TorchWorld, over torch.distributed's
-// process group), offered to the accelerator as its world
-// (ductile::HostWorld), so that the C++ coordinator's gathers run on it.
+// A ductile::Communicator over the host framework's communicator, which
+// Python implements (ductile.torch.zero3's TorchWorld, over
+// torch.distributed's process group) as a HostCommunicator, offered to the
+// accelerator as its world (ductile::HostWorld), so that the C++
+// coordinator's gathers run on it.
 //
-// The Python object provides `rank` and `size` (ints, read once), and
-// all_gather_at(send, recv, count, dtype), all_gather_coalesced_at([(send,
-// recv, count, dtype), ...]), reduce_scatter_at(send, recv, count, dtype,
-// op), all_reduce_at(send, recv, count, dtype, op), broadcast_at(buffer,
-// count, dtype, root) and barrier_async(), each issuing the collective and
-// returning a handle with query() (never blocks) and wait(). Buffers cross
-// as addresses (int); dtype and op are names ("float32", "sum").
+// The two sides meet through typed objects only: the world's facts (rank,
+// size, kind, group, direct exchange) are HostCommunicator's, given once
+// when Python constructs it; the calls C++ makes into Python are its
+// virtual methods, overridden in Python; each returns a HostWork (query()
+// never blocks, wait()), and a gather plan is a list of GatherRun. Buffers
+// cross as addresses (int); dtype and op are names ("float32", "sum").
 //
 // Every call also gets, last, the stream it is issued on: with `streams`
 // (the accelerator's NativeStreamHandles: cuda), that stream's native
@@ -21,35 +21,126 @@
 // busy, and the output is complete when the handle is (query() true or
 // wait() returned).
 //
-// Planned gathers: when the object also has gather_plan(items) and
-// `gather_collective` and `group` (TorchWorld does), a coalesced gather on
-// host streams is issued here, not in Python: gather_plan is asked once per distinct item list and
-// returns, per collective, (send, sends, recv, outs, sizes, total, clone) tensors over the
-// coordinator's buffers (see TorchWorld.gather_plan); each time those items come again, the send
-// (`sends` joined with torch.cat, or cloned) is gathered with gather_collective(out, send,
-// group=group, async_op=True) into `recv`, or into a scratch buffer copied out into `outs` (torch's
+// Planned gathers: a coalesced gather on host streams is issued here, not
+// in Python: gather_plan is asked once per distinct item list and returns
+// its runs (GatherRun) over the coordinator's buffers; each time those
+// items come again, each run's send (`sends` joined with torch.cat, or
+// cloned) is gathered with the world's gather collective (gather_collective
+// (out, send, group=group, async_op=True)), or by direct exchange, into
+// `recv`, or into a scratch buffer copied out into `outs` (torch's
 // split_with_sizes_copy) once the work completes (query() true or wait()).
 // With one rank each run is a copy of the send into `recv` (none when they
-// are the same memory), done before the call returns. The plans are kept by item list (4096 at
-// most: the coordinator reuses a few buffers); a handle in flight keeps its plan.
+// are the same memory), done before the call returns. The plans are kept
+// by item list (4096 at most: the coordinator reuses a few buffers); a
+// handle in flight keeps its plan.
 //
 // Threading: any thread; every call takes the GIL for the Python part and
-// releases it while it synchronises a stream. Errors: a Python exception
-// becomes ductile::Error(communication) naming the call. Ownership: holds
+// releases it while it synchronises a stream. Errors: a Python exception,
+// or a handle that is not a HostWork, becomes ductile::Error(communication)
+// naming the call. Ownership: holds
 // a reference to the Python object; handles hold their work objects, and
 // both are dropped under the GIL (or leaked once the interpreter is
 // finalising).
 #pragma once
 
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include <pybind11/pybind11.h>
 
 #include "ductile/accelerator.hpp"
 
 namespace ductile::python {
+
+// A collective in flight that a HostCommunicator issued: Python's handles
+// (zero3's Work, its exchanges, Done) subclass it as
+// _ductile.zero.HostWork and override both calls.
+//
+// Threading: called with the GIL held. Errors: Python's, as
+// py::error_already_set. Ownership: Python's object owns this one; C++
+// keeps the Python object while it uses it.
+class HostWork {
+ public:
+  HostWork() = default;
+  virtual ~HostWork() = default;
+  HostWork(const HostWork&) = delete;
+  HostWork& operator=(const HostWork&) = delete;
+
+  // True once the collective is complete; never blocks.
+  virtual bool query() = 0;
+  // Returns once the collective is complete.
+  virtual void wait() = 0;
+};
+
+// One collective of a planned coalesced gather (see above), as
+// HostCommunicator::gather_plan makes it (Python constructs it as
+// _ductile.zero.GatherRun): tensors over the coordinator's buffers.
+// Threading and ownership: Python objects, touched and dropped under the
+// GIL.
+struct GatherRun {
+  pybind11::object send;   // this rank's shard (a tensor), or None: `sends` are joined
+  pybind11::object sends;  // the shards of several small groups (a list), or None
+  pybind11::object recv;   // the output, when `outs` is None: gathered straight into it
+  pybind11::object outs;   // else the members' places ((world, count) views), with
+  pybind11::object sizes;  // their counts (a list): copied out of a (world, total) scratch
+  std::int64_t total = 0;  // elements a rank sends
+  bool clone = false;      // the send lies in the output: copied first
+};
+
+// The host framework's communicator, implemented in Python
+// (_ductile.zero.HostCommunicator, subclassed by TorchWorld): its facts,
+// given once at construction, and the calls C++ makes into it.
+//
+// The *_at calls issue a collective over the coordinator's memory at once
+// and return its handle, a HostWork; `stream` is the native stream handle
+// (an int) or None (see above). gather_plan returns the runs of a
+// coalesced gather of `items` ((send, recv, count, dtype) tuples).
+//
+// Threading: every call with the GIL held; the facts are read from any
+// thread. Errors: construction throws ductile::Error(invalid_argument) for
+// a rank outside [0, size) or a size under 1; the calls raise Python's
+// exceptions (py::error_already_set). Ownership: the Python object owns
+// this one; the facts' Python objects are dropped with it, under the GIL.
+class HostCommunicator {
+ public:
+  // `group`: the torch ProcessGroup, or None for the default group (looked
+  // up at each use, never held). `gather_collective`: torch's all-gather
+  // into a tensor, for planned gathers. `direct_exchange`: gathers go by
+  // direct exchange (issue_direct_gather) with `direct_tag`.
+  HostCommunicator(int rank, int size, std::string kind, pybind11::object group,
+                   pybind11::object gather_collective, bool direct_exchange, int direct_tag);
+  virtual ~HostCommunicator() = default;
+  HostCommunicator(const HostCommunicator&) = delete;
+  HostCommunicator& operator=(const HostCommunicator&) = delete;
+
+  virtual pybind11::object all_gather_at(std::uintptr_t send, std::uintptr_t recv,
+                                         std::size_t count, const char* dtype,
+                                         pybind11::object stream) = 0;
+  virtual pybind11::object all_gather_coalesced_at(pybind11::list items,
+                                                   pybind11::object stream) = 0;
+  virtual pybind11::object reduce_scatter_at(std::uintptr_t send, std::uintptr_t recv,
+                                             std::size_t count, const char* dtype, const char* op,
+                                             pybind11::object stream) = 0;
+  virtual pybind11::object all_reduce_at(std::uintptr_t send, std::uintptr_t recv,
+                                         std::size_t count, const char* dtype, const char* op,
+                                         pybind11::object stream) = 0;
+  virtual pybind11::object broadcast_at(std::uintptr_t buffer, std::size_t count, const char* dtype,
+                                        int root, pybind11::object stream) = 0;
+  virtual pybind11::object barrier_async(pybind11::object stream) = 0;
+  virtual std::vector<GatherRun> gather_plan(pybind11::list items) = 0;
+
+  const int rank;
+  const int size;
+  const std::string kind;  // shown in errors: "torch.distributed (gloo)"
+  const pybind11::object group;
+  const pybind11::object gather_collective;
+  const bool direct_exchange;
+  const int direct_tag;
+};
 
 // The host's waits inside planned gathers, which no Python profiler sees:
 // `waits`, the works waited for (Work.wait(): a collective's, or each
@@ -82,9 +173,13 @@ pybind11::list issue_direct_gather(const pybind11::object& group, int rank, int 
                                    const pybind11::object& out, const pybind11::object& send,
                                    int tag);
 
-// `streams` may be null; it must outlive the communicator. `waits` (may be
-// null) counts the planned gathers' waits.
+// `world` must be a HostCommunicator (else ductile::Error(invalid_argument)
+// naming its type). `streams` may be null; it must outlive the
+// communicator. `waits` (may be null) counts the planned gathers' waits.
 std::shared_ptr<Communicator> make_host_world(pybind11::object world, NativeStreamHandles* streams,
                                               std::shared_ptr<HostWorldWaits> waits);
+
+// _ductile.zero.HostWork, GatherRun and HostCommunicator.
+void register_host_world(pybind11::module_& m);
 
 }  // namespace ductile::python

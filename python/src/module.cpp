@@ -15,6 +15,7 @@
 #include "ductile/core/text.hpp"
 #include "ductile/pipeline/deepspeed_config.hpp"
 #include "ductile/version.hpp"
+#include "host_world.hpp"
 
 namespace ductile::python {
 
@@ -467,6 +468,7 @@ PYBIND11_MODULE(_ductile, m) {
   dp::register_batching(batching);
   auto zero = m.def_submodule("zero");
   dp::register_zero(zero);
+  dp::register_host_world(zero);
   auto optimizer = m.def_submodule("optimizer");
   dp::register_optimizer(optimizer);
   dp::register_host_buffer(optimizer);

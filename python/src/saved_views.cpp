@@ -2,9 +2,9 @@
 #include "saved_views.hpp"
 
 #include <algorithm>
-#include <cstdint>
+#include <memory>
 #include <string>
-#include <vector>
+#include <utility>
 
 #include "ductile/error.hpp"
 
@@ -15,89 +15,78 @@ namespace py = pybind11;
 namespace {
 
 struct SavedView {
-  py::object group;
+  py::object group;  // a GroupState
   py::object offset;
   py::object size;
   py::object stride;
 };
 
-class LiveCopies {
- public:
-  void add(std::uintptr_t start, std::size_t bytes, py::object group) {
-    auto at = position(start);
-    if (at != ranges_.end() && at->start == start)
-      throw Error(ErrorKind::internal, "zero3: a gathered copy is live twice");
-    ranges_.insert(at, Range{start, start + bytes, std::move(group)});
-  }
-
-  void remove(std::uintptr_t start) {
-    auto at = position(start);
-    if (at == ranges_.end() || at->start != start)
-      throw Error(ErrorKind::internal, "zero3: released a gathered copy that is not live");
-    ranges_.erase(at);
-  }
-
-  std::size_t size() const { return ranges_.size(); }
-
-  // The group whose copy holds `address`, or null.
-  const py::object* owner(std::uintptr_t address) const {
-    auto at = std::upper_bound(ranges_.begin(), ranges_.end(), address,
-                               [](std::uintptr_t a, const Range& r) { return a < r.start; });
-    if (at == ranges_.begin()) return nullptr;
-    --at;
-    return address < at->end ? &at->group : nullptr;
-  }
-
-  py::object pack(py::handle tensor) const {
-    if (!ranges_.empty()) {
-      const py::object* group = owner(tensor.attr("data_ptr")().cast<std::uintptr_t>());
-      if (group != nullptr && tensor.attr("numel")().cast<std::int64_t>() > 0) {
-        // A reinterpreting view keeps a private copy.
-        if (!tensor.attr("dtype").is(group->attr("dtype")) ||
-            !tensor.attr("device").equal(group->attr("full").attr("device")))
-          return tensor.attr("clone")();
-        return py::cast(SavedView{*group, tensor.attr("storage_offset")(),
-                                  py::tuple(tensor.attr("size")()),
-                                  py::tuple(tensor.attr("stride")())});
-      }
-    }
-    return py::reinterpret_borrow<py::object>(tensor);
-  }
-
- private:
-  struct Range {
-    std::uintptr_t start;
-    std::uintptr_t end;
-    py::object group;
-  };
-  std::vector<Range>::iterator position(std::uintptr_t start) {
-    return std::lower_bound(ranges_.begin(), ranges_.end(), start,
-                            [](const Range& r, std::uintptr_t s) { return r.start < s; });
-  }
-  std::vector<Range> ranges_;  // by start
-};
-
 py::object unpack_saved(py::handle packed) {
   if (!py::isinstance<SavedView>(packed)) return py::reinterpret_borrow<py::object>(packed);
   const auto& view = packed.cast<const SavedView&>();
-  if (view.group.attr("users").cast<std::int64_t>() == 0)
+  const GroupState& group = as_group(view.group);
+  if (group.users == 0)
     throw Error(ErrorKind::incompatible,
-                "zero3: backward needs the parameters of '" +
-                    py::str(view.group.attr("name")).cast<std::string>() +
+                "zero3: backward needs the parameters of '" + group.name +
                     "', which no running module has gathered; if a module's forward uses a "
                     "parameter of another module, declare it with ductile.torch.zero3."
                     "register_external_parameter(module, parameter) before initialize()");
-  return view.group.attr("full").attr("as_strided")(view.size, view.stride, view.offset);
+  return group.full.attr("as_strided")(view.size, view.stride, view.offset);
 }
 
 }  // namespace
+
+void LiveCopies::add(std::uintptr_t start, std::size_t bytes, py::object group) {
+  auto at = position(start);
+  if (at != ranges_.end() && at->start == start)
+    throw Error(ErrorKind::internal, "zero3: a gathered copy is live twice");
+  GroupState* state = &as_group(group);
+  ranges_.insert(at, Range{start, start + bytes, std::move(group), state});
+}
+
+void LiveCopies::remove(std::uintptr_t start) {
+  auto at = position(start);
+  if (at == ranges_.end() || at->start != start)
+    throw Error(ErrorKind::internal, "zero3: released a gathered copy that is not live");
+  ranges_.erase(at);
+}
+
+const LiveCopies::Range* LiveCopies::holding(std::uintptr_t address) const {
+  auto at = std::upper_bound(ranges_.begin(), ranges_.end(), address,
+                             [](std::uintptr_t a, const Range& r) { return a < r.start; });
+  if (at == ranges_.begin()) return nullptr;
+  --at;
+  return address < at->end ? &*at : nullptr;
+}
+
+py::object LiveCopies::pack(py::handle tensor) const {
+  if (!ranges_.empty()) {
+    const Range* range = holding(tensor.attr("data_ptr")().cast<std::uintptr_t>());
+    if (range != nullptr && tensor.attr("numel")().cast<std::int64_t>() > 0) {
+      const GroupState& group = *range->state;
+      // A reinterpreting view keeps a private copy.
+      if (tensor.attr("dtype").ptr() != group.dtype.ptr() ||
+          !tensor.attr("device").equal(group.full.attr("device")))
+        return tensor.attr("clone")();
+      return py::cast(SavedView{range->group, tensor.attr("storage_offset")(),
+                                py::tuple(tensor.attr("size")()),
+                                py::tuple(tensor.attr("stride")())});
+    }
+  }
+  return py::reinterpret_borrow<py::object>(tensor);
+}
+
+std::vector<LiveCopies::Range>::iterator LiveCopies::position(std::uintptr_t start) {
+  return std::lower_bound(ranges_.begin(), ranges_.end(), start,
+                          [](const Range& r, std::uintptr_t s) { return r.start < s; });
+}
 
 void register_saved_views(py::module_& zero) {
   py::class_<SavedView>(zero, "SavedView", "A saved tensor that lies in a gathered copy.")
       .def_readonly("group", &SavedView::group)
       .def_readonly("offset", &SavedView::offset);
-  py::class_<LiveCopies>(zero, "LiveCopies",
-                         "The materialised groups by the address range of their copy.")
+  py::class_<LiveCopies, std::shared_ptr<LiveCopies>>(
+      zero, "LiveCopies", "The materialised groups by the address range of their copy.")
       .def(py::init<>())
       .def("add", &LiveCopies::add, py::arg("address"), py::arg("bytes"), py::arg("group"))
       .def("remove", &LiveCopies::remove, py::arg("address"))

@@ -11,6 +11,8 @@
 #include <vector>
 
 #include "ductile/error.hpp"
+#include "group_state.hpp"
+#include "saved_views.hpp"
 
 namespace ductile::python {
 
@@ -40,14 +42,55 @@ struct Torch {
   bool grad() const { return grad_enabled().cast<bool>(); }
 };
 
-// A parameter group (_param.ParamGroup) and what the step path reads of it
-// on every use; its changing state (`users`, `full`, `full_address`) stays
-// on the Python object, which the saved-tensor hooks read.
-struct Group {
+// The number of gathered copies' views a group keeps (by address): the
+// coordinator's pool hands a group one of a few buffers, so after the first
+// passes a materialisation builds no tensor.
+constexpr Py_ssize_t kViewsKept = 8;
+
+// Where the passes are: set by the step path when a fetch opens a pass and
+// when its backward starts, by the owner at the end of the backward and of
+// the pass.
+enum class TrainingState {
+  idle,           // no pass open
+  forward,        // a pass open, its backward not started (forward running or done)
+  backward,       // autograd runs the pass's backward; the end of the backward is queued
+  post_backward,  // the end of the backward: the gradients left are reduced, the pass ends
+};
+
+// What the step path asks of its owner (_passes.Passes, which subclasses
+// it): the behaviour that stays in Python.
+class PassEvents {
+ public:
+  PassEvents() = default;
+  PassEvents(const PassEvents&) = delete;
+  PassEvents& operator=(const PassEvents&) = delete;
+  virtual ~PassEvents() = default;
+  // A fetch opens a pass.
+  virtual void begin_pass() = 0;
+  // Autograd is done with the backward of the pass.
+  virtual void end_backward() = 0;
+  // A unit's backward is done: reduce the gradients of a group it owns.
+  virtual void reduce_gradients(py::object group) = 0;
+  // (full, member views) over the gathered copy of `group` at `address`.
+  virtual py::object gathered_views(py::object group, std::uintptr_t address) = 0;
+};
+
+class PyPassEvents : public PassEvents {
+ public:
+  void begin_pass() override { PYBIND11_OVERRIDE_PURE(void, PassEvents, begin_pass, ); }
+  void end_backward() override { PYBIND11_OVERRIDE_PURE(void, PassEvents, end_backward, ); }
+  void reduce_gradients(py::object group) override {
+    PYBIND11_OVERRIDE_PURE(void, PassEvents, reduce_gradients, group);
+  }
+  py::object gathered_views(py::object group, std::uintptr_t address) override {
+    PYBIND11_OVERRIDE_PURE(py::object, PassEvents, gathered_views, group, address);
+  }
+};
+
+// A group of a unit: its Python object (kept alive here) and its state.
+struct UnitGroup {
   py::object object;
-  py::object id;
-  py::list params;
-  py::object full_bytes;
+  GroupState* state;
 };
 
 struct Unit {
@@ -64,16 +107,18 @@ void set_data(py::handle param, py::handle tensor) {
 
 class UnitPasses : public std::enable_shared_from_this<UnitPasses> {
  public:
-  UnitPasses(py::object session, py::object live, py::object memory, const py::object& owner)
-      : owner_(owner),
-        memory_(std::move(memory)),
+  // The session's (the coordinator binding's) methods are bound once here;
+  // `events` is held weakly, so that an engine that is dropped is freed.
+  UnitPasses(const py::object& session, std::shared_ptr<LiveCopies> live, const py::object& events)
+      : events_(events),
+        live_(std::move(live)),
         session_fetch_(session.attr("fetch")),
         session_release_(session.attr("release")),
         session_progress_(session.attr("progress")),
         session_full_data_(session.attr("full_data")),
-        session_stats_(session.attr("stats")),
-        live_add_(live.attr("add")),
-        live_remove_(live.attr("remove")) {}
+        session_stats_(session.attr("stats")) {
+    events.cast<PassEvents&>();  // any other type raises now rather than in a hook
+  }
 
   std::size_t add_unit(py::object name, const py::iterable& groups, const py::iterable& own) {
     Unit unit;
@@ -89,7 +134,7 @@ class UnitPasses : public std::enable_shared_from_this<UnitPasses> {
   void fetch(std::size_t mid) {
     Unit& u = unit(mid);
     if (u.fetched == 0) {
-      if (!pass_open) owner().attr("begin_pass")();
+      if (state == TrainingState::idle) begin_pass();
       session_fetch_(mid);
       for (std::size_t g : u.groups) materialize(groups_[g]);
     }
@@ -131,11 +176,16 @@ class UnitPasses : public std::enable_shared_from_this<UnitPasses> {
   // --- backward ----------------------------------------------------------------
 
   // From inside autograd's backward: the first call of a pass queues the
-  // owner's end of the backward for when autograd is done.
+  // owner's end of the backward for when autograd is done. A backward with
+  // no pass open (a retained graph differentiated again) opens one.
   void enter_backward() {
-    if (backward_active) return;
-    backward_active = true;
-    torch_.queue_callback(owner().attr("_end_backward"));
+    if (state == TrainingState::backward) return;
+    if (state == TrainingState::idle) begin_pass();
+    state = TrainingState::backward;
+    std::weak_ptr<UnitPasses> self = weak_from_this();
+    torch_.queue_callback(py::cpp_function([self] {
+      if (auto passes = self.lock()) passes->owner().cast<PassEvents&>().end_backward();
+    }));
   }
 
   void pre_backward(std::size_t mid) {
@@ -147,11 +197,12 @@ class UnitPasses : public std::enable_shared_from_this<UnitPasses> {
     release(mid);
     Unit& u = unit(mid);
     for (std::int64_t held = std::exchange(u.holds, 0); held > 0; --held) release(mid);
-    if (u.fetched == 0) {
+    if (u.fetched == 0 && !u.own.empty()) {
       // The unit's backward is done: its parameters' gradients are in (a
       // later use adds more, reduced at the end of the backward).
-      py::object reduce = owner().attr("gradients").attr("reduce");
-      for (std::size_t g : u.own) reduce(groups_[g].object);
+      const py::object events = owner();
+      auto& on = events.cast<PassEvents&>();
+      for (std::size_t g : u.own) on.reduce_gradients(groups_[g].object);
     }
   }
 
@@ -192,8 +243,9 @@ class UnitPasses : public std::enable_shared_from_this<UnitPasses> {
   static py::list groups_with_gradients(const py::iterable& groups) {
     py::list out;
     for (py::handle g : groups) {
-      if (!py::bool_(g.attr("trained"))) continue;
-      for (py::handle p : g.attr("params")) {
+      const GroupState& group = as_group(g);
+      if (group.trained.empty()) continue;
+      for (py::handle p : group.params) {
         if (!p.attr("grad").is_none()) {
           out.append(g);
           break;
@@ -212,14 +264,13 @@ class UnitPasses : public std::enable_shared_from_this<UnitPasses> {
     stack_.clear();
     grad_hooks_ = py::list();
     module_callback = py::none();
-    memory_ = session_fetch_ = session_release_ = session_progress_ = session_full_data_ =
-        session_stats_ = live_add_ = live_remove_ = py::none();
+    session_fetch_ = session_release_ = session_progress_ = session_full_data_ = session_stats_ =
+        py::none();
   }
 
   std::int64_t graph_task() const { return torch_.task(); }
 
-  bool pass_open = false;
-  bool backward_active = false;
+  TrainingState state = TrainingState::idle;
   py::object module_callback = py::none();
 
  private:
@@ -231,55 +282,72 @@ class UnitPasses : public std::enable_shared_from_this<UnitPasses> {
     return units_[mid];
   }
 
+  // The owner (a PassEvents); the object returned keeps it alive while it is used.
   py::object owner() const {
-    py::object o = owner_();
+    py::object o = events_();
     if (o.is_none())
       throw Error(ErrorKind::incompatible, "zero3: the engine of these hooks is gone");
     return o;
   }
 
+  void begin_pass() {
+    owner().cast<PassEvents&>().begin_pass();
+    state = TrainingState::forward;
+  }
+
   std::size_t group_index(py::handle g) {
     auto [at, added] = index_.try_emplace(g.ptr(), groups_.size());
-    if (added)
-      groups_.push_back(Group{py::reinterpret_borrow<py::object>(g), g.attr("id"),
-                              py::list(g.attr("params")), g.attr("full_bytes")});
+    if (added) groups_.push_back(UnitGroup{py::reinterpret_borrow<py::object>(g), &as_group(g)});
     return at->second;
   }
 
-  // Points the group's parameters at its gathered copy (one more user).
-  void materialize(Group& g) {
-    const py::object& object = g.object;
-    const auto users = object.attr("users").cast<std::int64_t>();
-    if (users == 0) {
-      py::object address = session_full_data_(g.id);
-      py::object cache = object.attr("_cache");
-      PyObject* hit = PyDict_GetItemWithError(cache.ptr(), address.ptr());
-      if (hit == nullptr && PyErr_Occurred() != nullptr) throw py::error_already_set();
-      py::object cached = hit != nullptr ? py::reinterpret_borrow<py::object>(hit)
-                                         : object.attr("views_at")(memory_, address);
-      const py::tuple pair = cached;
-      object.attr("full") = pair[0];
-      object.attr("full_address") = address;
-      const py::sequence views = pair[1];
-      const std::size_t n = g.params.size();
-      for (std::size_t i = 0; i < n; ++i) set_data(g.params[i], views[i]);
-      live_add_(address, g.full_bytes, object);
+  // The (full, member views) over the group's gathered copy at `address`:
+  // kept, or made by the owner and kept (the oldest dropped past kViewsKept).
+  py::object views_at(const UnitGroup& g, const py::object& address) {
+    PyObject* cache = g.state->views_cache.ptr();
+    PyObject* hit = PyDict_GetItemWithError(cache, address.ptr());
+    if (hit != nullptr) return py::reinterpret_borrow<py::object>(hit);
+    if (PyErr_Occurred() != nullptr) throw py::error_already_set();
+    py::object made =
+        owner().cast<PassEvents&>().gathered_views(g.object, address.cast<std::uintptr_t>());
+    if (PyDict_Size(cache) >= kViewsKept) {
+      Py_ssize_t at = 0;
+      PyObject* oldest = nullptr;
+      PyObject* value = nullptr;
+      if (PyDict_Next(cache, &at, &oldest, &value) != 0) {
+        const py::object key = py::reinterpret_borrow<py::object>(oldest);
+        if (PyDict_DelItem(cache, key.ptr()) != 0) throw py::error_already_set();
+      }
     }
-    object.attr("users") = users + 1;
+    if (PyDict_SetItem(cache, address.ptr(), made.ptr()) != 0) throw py::error_already_set();
+    return made;
+  }
+
+  // Points the group's parameters at its gathered copy (one more user).
+  void materialize(UnitGroup& g) {
+    GroupState& s = *g.state;
+    if (s.users == 0) {
+      const py::object address = session_full_data_(s.id);
+      const py::tuple pair = views_at(g, address);
+      s.full = pair[0];
+      s.full_address = address.cast<std::uintptr_t>();
+      const py::sequence views = pair[1];
+      const std::size_t n = s.params.size();
+      for (std::size_t i = 0; i < n; ++i) set_data(s.params[i], views[i]);
+      live_->add(s.full_address, s.full_bytes, g.object);
+    }
+    ++s.users;
   }
 
   // One user fewer; the last one gives the placeholder back.
-  void dematerialize(Group& g) {
-    const py::object& object = g.object;
-    const auto users = object.attr("users").cast<std::int64_t>() - 1;
-    object.attr("users") = users;
-    if (users != 0) return;
-    const py::object placeholder = object.attr("placeholder");
-    for (py::handle param : g.params) set_data(param, placeholder);
-    live_remove_(object.attr("full_address"));
+  void dematerialize(UnitGroup& g) {
+    GroupState& s = *g.state;
+    if (--s.users != 0) return;
+    for (py::handle param : s.params) set_data(param, s.placeholder);
+    live_->remove(s.full_address);
     // The copy may be freed now: never touch it again.
-    object.attr("full") = py::none();
-    object.attr("full_address") = 0;
+    s.full = py::none();
+    s.full_address = 0;
   }
 
   // The distinct tensors requiring grad in (nested) tuples, lists and dicts
@@ -304,7 +372,7 @@ class UnitPasses : public std::enable_shared_from_this<UnitPasses> {
       } else if (PyTuple_Check(value.ptr()) || PyList_Check(value.ptr())) {
         push_reversed(py::reinterpret_borrow<py::sequence>(value));
       } else if (PyDict_Check(value.ptr())) {
-        push_reversed(py::list(value.attr("values")()));
+        push_reversed(py::reinterpret_steal<py::list>(PyDict_Values(value.ptr())));
       }
     }
     return found;
@@ -314,12 +382,11 @@ class UnitPasses : public std::enable_shared_from_this<UnitPasses> {
   void hook_inputs(std::size_t mid, const py::handle& args, const py::handle& kwargs);
 
   Torch torch_;
-  py::weakref owner_;
-  py::object memory_;
+  py::weakref events_;
+  std::shared_ptr<LiveCopies> live_;
   py::object session_fetch_, session_release_, session_progress_, session_full_data_,
       session_stats_;
-  py::object live_add_, live_remove_;
-  std::vector<Group> groups_;
+  std::vector<UnitGroup> groups_;
   std::unordered_map<PyObject*, std::size_t> index_;  // group object -> index (held in groups_)
   std::vector<Unit> units_;
   std::vector<std::size_t> stack_;  // units in forward, innermost last
@@ -411,12 +478,26 @@ void register_unit_passes(py::module_& zero) {
       .def("__call__", &OnceAHook::operator());
   py::class_<AllInputsHook>(zero, "UnitInputsHook", "A multi-grad hook ending a unit's backward.")
       .def("__call__", &AllInputsHook::operator());
+  py::enum_<TrainingState>(zero, "TrainingState",
+                           "Where the passes of a zero3 engine are (UnitPasses.state).")
+      .value("IDLE", TrainingState::idle, "No pass open.")
+      .value("FORWARD", TrainingState::forward,
+             "A pass open, its backward not started (forward running or done).")
+      .value("BACKWARD", TrainingState::backward, "Autograd runs the backward of the pass.")
+      .value("POST_BACKWARD", TrainingState::post_backward,
+             "The end of the backward: the gradients left are reduced, the pass ends.");
+  py::class_<PassEvents, PyPassEvents>(
+      zero, "PassEvents",
+      "What the step path asks of its owner: begin_pass(), end_backward(), "
+      "reduce_gradients(group), gathered_views(group, address) -> (full, member views). "
+      "Subclassed in Python (the engine's Passes), which defines them.")
+      .def(py::init<>());
   using P = UnitPasses;
   py::class_<P, std::shared_ptr<P>>(zero, "UnitPasses",
                                     "The zero3 step path: unit hooks, fetch and release counts, "
                                     "materialisation of groups.")
-      .def(py::init<py::object, py::object, py::object, const py::object&>(), py::arg("session"),
-           py::arg("live"), py::arg("memory"), py::arg("owner"))
+      .def(py::init<const py::object&, std::shared_ptr<LiveCopies>, const py::object&>(),
+           py::arg("session"), py::arg("live"), py::arg("events"))
       .def("add_unit", &P::add_unit, py::arg("name"), py::arg("groups"), py::arg("own"),
            "Registers a unit gathering `groups` and owning `own`; returns its id.")
       .def("release_everything", &P::release_everything)
@@ -436,8 +517,7 @@ void register_unit_passes(py::module_& zero) {
       .def("clear_stack", &P::clear_stack)
       .def_static("groups_with_gradients", &P::groups_with_gradients, py::arg("groups"))
       .def("close", &P::close)
-      .def_readwrite("pass_open", &P::pass_open)
-      .def_readwrite("backward_active", &P::backward_active)
+      .def_readwrite("state", &P::state)
       .def_readwrite("module_callback", &P::module_callback);
 }
 

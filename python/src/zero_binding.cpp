@@ -124,9 +124,6 @@ class ZeroSession {
           std::move(host_world), dynamic_cast<NativeStreamHandles*>(accel_.get()), host_waits_));
     }
     zero_ = rt.get<ParameterCoordinator>();
-    storage_ = dynamic_cast<ShardStorage*>(zero_.get());
-    groups_ = dynamic_cast<ParameterGroups*>(zero_.get());
-    placement_ = dynamic_cast<ShardPlacement*>(zero_.get());
     world_ = accel_->world();
     stream_ = accel_->create_stream();
   }
@@ -135,49 +132,22 @@ class ZeroSession {
   std::string backend() const { return std::string(accel_->backend()); }
   int rank() const { return world_->rank(); }
   int size() const { return world_->size(); }
-  bool has_shard_storage() const { return storage_ != nullptr; }
-  bool has_parameter_groups() const { return groups_ != nullptr; }
-  bool has_shard_placement() const { return placement_ != nullptr; }
-  // "device" for a coordinator that cannot place shards elsewhere (nor
-  // says so): NVMe shards are then only reachable through set_shard().
-  std::string shard_location(ParameterId id) const {
-    return placement_ ? to_string(placement_->shard_location(id)) : "device";
-  }
+  std::string shard_location(ParameterId id) const { return to_string(zero_->shard_location(id)); }
   void move_shard(ParameterId id, const std::string& where) {
-    if (!placement_)
-      throw Error(ErrorKind::unsupported,
-                  "zero: the configured coordinator cannot keep shards in host memory "
-                  "(ShardPlacement)");
     if (where != "device" && where != "host")
       throw Error(ErrorKind::invalid_argument, "zero: move_shard(" + std::to_string(id) +
                                                    ", where=\"" + where +
                                                    "\"); valid: \"device\", \"host\"");
-    placement_->move_shard(id, where == "host" ? ShardLocation::host : ShardLocation::device);
+    zero_->move_shard(id, where == "host" ? ShardLocation::host : ShardLocation::device);
   }
   void register_group(ParameterId id, const std::vector<std::size_t>& member_numels,
                       const std::string& type) {
-    if (!groups_)
-      throw Error(ErrorKind::unsupported,
-                  "zero: the configured coordinator has no parameter groups (ParameterGroups)");
     std::size_t numel = 0;
     for (std::size_t n : member_numels) numel += n;
-    groups_->register_group({id, numel, data_type(type)}, member_numels);
+    zero_->register_group({id, numel, data_type(type)}, member_numels);
   }
   bool host_world() const { return host_world_; }
   const HostWorldWaits& host_waits() const { return *host_waits_; }
-
-  std::uintptr_t shard_data(ParameterId id) {
-    if (!storage_)
-      throw Error(ErrorKind::unsupported,
-                  "zero: the configured coordinator gives no direct access to its shards");
-    return reinterpret_cast<std::uintptr_t>(storage_->shard_data(id));
-  }
-  void shard_written(ParameterId id) {
-    if (!storage_)
-      throw Error(ErrorKind::unsupported,
-                  "zero: the configured coordinator gives no direct access to its shards");
-    storage_->shard_written(id);
-  }
 
   // The collectives below read tensors the framework wrote on its compute
   // stream (a gradient): with one set, they start after its work so far.
@@ -217,10 +187,8 @@ class ZeroSession {
     zero_->set_compute_stream(compute_stream_);
   }
 
-  py::object gather_memory() const {
-    auto* memory = dynamic_cast<GatherMemory*>(zero_.get());
-    if (memory == nullptr) return py::none();
-    GatherMemoryStats m = memory->gather_memory();
+  py::dict gather_memory() const {
+    GatherMemoryStats m = zero_->gather_memory();
     py::dict d;
     d["allocations"] = m.allocations;
     d["reuses"] = m.reuses;
@@ -229,10 +197,6 @@ class ZeroSession {
     d["idle_bytes"] = m.idle_bytes;
     d["high_water_bytes"] = m.high_water_bytes;
     return d;
-  }
-
-  void trim_gather_memory() {
-    if (auto* memory = dynamic_cast<GatherMemory*>(zero_.get())) memory->trim_gather_memory();
   }
   void barrier() {
     auto handle = world_->barrier(*stream_);
@@ -244,10 +208,7 @@ class ZeroSession {
   std::shared_ptr<RuntimeHandle> runtime_;
   std::shared_ptr<Accelerator> accel_;
   std::shared_ptr<ParameterCoordinator> zero_;
-  ShardStorage* storage_ = nullptr;      // zero_ itself, when it has the capability
-  ParameterGroups* groups_ = nullptr;    // likewise
-  ShardPlacement* placement_ = nullptr;  // likewise
-  bool host_world_ = false;              // the world is the host's communicator
+  bool host_world_ = false;  // the world is the host's communicator
   std::shared_ptr<HostWorldWaits> host_waits_ = std::make_shared<HostWorldWaits>();
   void after_compute() {
     if (!compute_stream_) return;
@@ -286,9 +247,6 @@ void register_zero(py::module_& m) {
       .def_property_readonly("host_world", &Z::host_world)
       .def_property_readonly("rank", &Z::rank)
       .def_property_readonly("size", &Z::size)
-      .def_property_readonly("has_shard_storage", &Z::has_shard_storage)
-      .def_property_readonly("has_parameter_groups", &Z::has_parameter_groups)
-      .def_property_readonly("has_shard_placement", &Z::has_shard_placement)
       .def("shard_location", &Z::shard_location, py::arg("id"))
       .def("move_shard", &Z::move_shard, py::arg("id"), py::arg("where"),
            py::call_guard<py::gil_scoped_release>())
@@ -313,8 +271,17 @@ void register_zero(py::module_& m) {
                           std::size_t bytes) { z.zero().set_full(id, address(data), bytes); })
       .def("read_shard", [](Z& z, ParameterId id, std::uintptr_t out,
                             std::size_t bytes) { z.zero().read_shard(id, address(out), bytes); })
-      .def("shard_data", &Z::shard_data)
-      .def("shard_written", &Z::shard_written)
+      .def("shard_data",
+           [](Z& z, ParameterId id) {
+             return reinterpret_cast<std::uintptr_t>(z.zero().shard_data(id));
+           })
+      .def("shard_written", [](Z& z, ParameterId id) { z.zero().shard_written(id); })
+      .def(
+          "staging_bytes_bound",
+          [](Z& z, std::size_t largest_shard_numel, std::size_t element_size) {
+            return z.zero().staging_bytes_bound(largest_shard_numel, element_size);
+          },
+          py::arg("largest_shard_numel"), py::arg("element_size"))
       .def(
           "fetch", [](Z& z, ModuleId id) { z.zero().fetch(id); }, py::arg("module"),
           py::call_guard<py::gil_scoped_release>())
@@ -359,8 +326,9 @@ void register_zero(py::module_& m) {
       .def("barrier", &Z::barrier)
       .def("set_compute_stream", &Z::set_compute_stream, py::arg("native"))
       .def("gather_memory", &Z::gather_memory)
-      .def("trim_gather_memory", &Z::trim_gather_memory);
+      .def("trim_gather_memory", [](Z& z) { z.zero().trim_gather_memory(); });
 
+  register_group_state(m);
   register_saved_views(m);
   register_unit_passes(m);
   register_group_gradients(m);

@@ -360,6 +360,66 @@ def test_one_rank_trains_and_close_gives_the_parameters_back():
     loss_of(model(x), y).backward()  # a plain model again
 
 
+def test_the_step_path_says_where_the_pass_is_and_keeps_the_group_state():
+    """Where the pass is (TrainingState) and a group's materialisation, as
+    the C++ step path keeps them, read from Python inside a block's forward,
+    inside its backward and between them."""
+    from ductile.torch.zero3._passes import TrainingState
+    engine = local_engine()
+    passes, block = engine._passes, engine.module.blocks[0]
+    (group,) = [g for g in engine._groups if g.name == "blocks.0"]
+    assert isinstance(group, ductile._ductile.zero.GroupState)
+    seen = []
+
+    def look(where):
+        seen.append((where, passes.state, group.users, group.full_address != 0,
+                     group.params[0].numel() > 0))
+
+    def after_our_pre_hook(module, args):
+        look("forward")
+
+    def after_our_hook(module, args, output):
+        look("after forward")
+        output.register_hook(lambda grad: look("backward"))  # after the step path's own
+
+    handles = [block.register_forward_pre_hook(after_our_pre_hook),
+               block.register_forward_hook(after_our_hook)]
+    x, y = Windows(batch=2).step(0)
+    assert passes.state == TrainingState.IDLE
+    for _ in range(2):
+        loss = loss_of(engine(x), y)
+        look("between")
+        engine.backward(loss)
+        look("after backward")
+        # The reduced gradient shard is the group's (C++), the members' views of it.
+        assert ductile._ductile.zero.grads_attached(group), group.grad_flat
+        engine.step()
+    for handle in handles:
+        handle.remove()
+    step = [("forward", TrainingState.FORWARD, 1, True, True),
+            ("after forward", TrainingState.FORWARD, 0, False, False),
+            ("between", TrainingState.FORWARD, 0, False, False),
+            ("backward", TrainingState.BACKWARD, 1, True, True),
+            ("after backward", TrainingState.IDLE, 0, False, False)]
+    assert seen == step + step
+    assert group.full is None and len(passes.live) == 0
+
+
+def test_a_dropped_engine_frees_its_groups():
+    """A group and its members refer to each other through the group's C++
+    state; the garbage collector sees that cycle and frees them."""
+    import gc
+    import weakref
+    engine = local_engine()
+    train(engine, 1)
+    groups = [weakref.ref(g) for g in engine._groups]
+    members = [weakref.ref(zp) for g in engine._groups for zp in g.members]
+    engine.close()
+    del engine
+    gc.collect()
+    assert [r() for r in groups + members] == [None] * len(groups + members)
+
+
 def test_module_outputs_reach_the_caller_untouched():
     """A Hugging Face ModelOutput returned by a hooked module is the object
     the module made, and in-place changes of its tensors train as in plain

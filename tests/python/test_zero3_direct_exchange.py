@@ -29,6 +29,7 @@ def test_exchanges_equal_torchs_collectives(tmp_path, ranks):
         with open(f"{out}.rank{rank}") as f:
             report = json.load(f)
         assert report["size"] == ranks and report["direct"], report
+        assert report["collectives_direct"] is False, report
         # The default group is looked up at each exchange, never held.
         assert report["group_references_an_engine_holds"] == 0, report
         assert report["checks"] and all(report["checks"].values()), report["checks"]

@@ -455,3 +455,34 @@ def test_a_rank_folder_writable_by_others_or_a_link_is_refused(tmp_path):
         assert os.stat(tmp_path / "fresh" / "rank0").st_mode & 0o777 == 0o700
     finally:
         engine.close()
+
+
+def test_the_staging_bound_is_the_coordinators_for_its_configured_gathers_and_bucket():
+    """The device bytes planned for host shards staged for gathers follow
+    the [zero] section as the coordinator reads it: (gathers in flight + the
+    fetch's own) buffers, each of the larger of a rank's share of the
+    prefetch bucket and the largest shard; without the keys, the schema's
+    defaults (2 gathers, a bucket of 5e7 elements)."""
+    def bound(config):
+        engine = zero3.initialize(make_model(layers=1), torch.optim.Adam, config)
+        try:
+            largest = max(g.shard_numel for g in engine._groups)
+            assert {g.element_size for g in engine._groups} == {4}
+            return engine._placement.staging_cap, largest
+        finally:
+            engine.close()
+
+    three = CONFIG.replace("max_ongoing_fetch_events = 2", "max_ongoing_fetch_events = 3") \
+        .replace("prefetch_bucket_size = 20000", "prefetch_bucket_size = 1e6")
+    cap, largest = bound(three)
+    assert largest < 1_000_000
+    assert cap == (3 + 1) * 1_000_000 * 4
+    one = CONFIG.replace("max_ongoing_fetch_events = 2", "max_ongoing_fetch_events = 1") \
+        .replace("prefetch_bucket_size = 20000", "prefetch_bucket_size = 0")
+    cap, largest = bound(one)
+    assert cap == (1 + 1) * largest * 4
+    defaults = CONFIG.replace("max_ongoing_fetch_events = 2\n", "") \
+        .replace("prefetch_bucket_size = 20000\n", "")
+    assert "max_ongoing" not in defaults and "prefetch_bucket" not in defaults
+    cap, _ = bound(defaults)
+    assert cap == (2 + 1) * 50_000_000 * 4

@@ -10,6 +10,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from ductile.torch.zero3 import _torch_world
 from ductile.torch.zero3._torch_world import TorchWorld
 
 
@@ -96,10 +97,15 @@ def main(out_path):
         checks[f"reduce_scatter {op} {count}"] = torch.equal(out, expected)
         checks[f"gather between reduce_scatters {count}"] = torch.equal(
             side_out, torch.cat([values(count, r, torch.float32, 5) for r in range(size)]))
-    # Without an exchange (NCCL, more than MAX_RANKS ranks): torch's
-    # collectives, the same values.
-    collectives = TorchWorld()
-    collectives.direct_exchange = False
+    # Without an exchange (NCCL, more than MAX_RANKS ranks: here a world
+    # made while the limit is 1): torch's collectives, the same values.
+    limit = _torch_world.MAX_RANKS
+    _torch_world.MAX_RANKS = 1
+    try:
+        collectives = TorchWorld()
+    finally:
+        _torch_world.MAX_RANKS = limit
+    report["collectives_direct"] = collectives.direct_exchange
     count = 1_001
     inp = values(count, rank, torch.float32, 3)
     out = torch.empty(size * count)

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -30,9 +31,10 @@ namespace ductile::zero {
 namespace {
 
 // A whole, non-negative number of elements from a [zero] key given as integer
-// or float (DeepSpeed writes 5e7). The one check of these keys: the validate
-// hook runs it before anything is created, and `ductile config check` runs
-// the hook.
+// or float (DeepSpeed writes 5e7). The one check of these keys (their schema
+// entries carry no bound, so the rule and its message live here alone): the
+// validate hook runs it before anything is created, and `ductile config
+// check` runs the hook.
 std::size_t element_count(const Params& params, const char* key) {
   double v = params.get_double(key);
   if (!std::isfinite(v) || v < 0 || v != std::floor(v) || v > 9.0e18)
@@ -45,13 +47,11 @@ std::size_t element_count(const Params& params, const char* key) {
 }
 
 PlannerLimits limits_of(const Params& p) {
-  PlannerLimits limits;
-  limits.prefetch_bucket = element_count(p, "prefetch_bucket_size");
-  limits.max_live = element_count(p, "max_live_parameters");
-  limits.max_reuse = element_count(p, "max_reuse_distance");
-  limits.persistence_threshold = element_count(p, "param_persistence_threshold");
-  limits.max_ongoing = static_cast<std::size_t>(p.get_int("max_ongoing_fetch_events"));
-  return limits;
+  return {.prefetch_bucket = element_count(p, "prefetch_bucket_size"),
+          .max_live = element_count(p, "max_live_parameters"),
+          .max_reuse = element_count(p, "max_reuse_distance"),
+          .persistence_threshold = element_count(p, "param_persistence_threshold"),
+          .max_ongoing = static_cast<std::size_t>(p.get_int("max_ongoing_fetch_events"))};
 }
 
 std::shared_ptr<Accelerator> required_accelerator(const HostContext& ctx) {
@@ -60,11 +60,14 @@ std::shared_ptr<Accelerator> required_accelerator(const HostContext& ctx) {
   return accel;
 }
 
-class PartitionedCoordinator final : public ParameterCoordinator,
-                                     public ParameterGroups,
-                                     public ShardStorage,
-                                     public ShardPlacement,
-                                     public GatherMemory {
+// a * b, or the largest size_t when that overflows (a bound that large is
+// no bound).
+std::size_t saturating_product(std::size_t a, std::size_t b) {
+  constexpr std::size_t most = std::numeric_limits<std::size_t>::max();
+  return a != 0 && b > most / a ? most : a * b;
+}
+
+class PartitionedCoordinator final : public ParameterCoordinator {
  public:
   // The plugin's validate hook: every [zero] value a run would refuse.
   static void validate(const Params& params, std::string_view) { limits_of(params); }
@@ -196,8 +199,6 @@ class PartitionedCoordinator final : public ParameterCoordinator,
     }
   }
 
-  // --- ShardStorage ---
-
   void* shard_data(ParameterId id) override {
     const std::uint32_t pi = planner_.parameter_index(id);
     if (pipeline_->on_nvme(pi))
@@ -212,7 +213,7 @@ class PartitionedCoordinator final : public ParameterCoordinator,
     drop_copy("shard_written", planner_.parameter_index(id));
   }
 
-  // --- ShardPlacement ---
+  // --- Shard placement ---
 
   ShardLocation shard_location(ParameterId id) const override {
     return pipeline_->location(planner_.parameter_index(id));
@@ -234,10 +235,17 @@ class PartitionedCoordinator final : public ParameterCoordinator,
     pipeline_->move_shard(pi, where);
   }
 
-  // --- GatherMemory ---
-
-  GatherMemoryStats gather_memory() const override { return pipeline_->memory_stats(); }
-  void trim_gather_memory() override { pipeline_->trim(); }
+  std::size_t staging_bytes_bound(std::size_t largest_shard_numel,
+                                  std::size_t element_size) const override {
+    // Staged at once: the buffers of every gather in flight, and those of
+    // the module's own gather, staged before the oldest in flight retires.
+    const PlannerLimits& limits = planner_.limits();
+    const auto world = static_cast<std::size_t>(world_);
+    const std::size_t bucket_share =
+        limits.prefetch_bucket / world + (limits.prefetch_bucket % world != 0 ? 1 : 0);
+    const std::size_t buffer = std::max(largest_shard_numel, bucket_share);
+    return saturating_product(saturating_product(limits.max_ongoing + 1, buffer), element_size);
+  }
 
   // --- The training loop ---
 
@@ -353,6 +361,9 @@ class PartitionedCoordinator final : public ParameterCoordinator,
     return out;
   }
 
+  GatherMemoryStats gather_memory() const override { return pipeline_->memory_stats(); }
+  void trim_gather_memory() override { pipeline_->trim(); }
+
   CoordinatorStats stats() const override {
     const PlannerCounters& c = planner_.counters();
     CoordinatorStats s;
@@ -458,26 +469,22 @@ class PartitionedCoordinator final : public ParameterCoordinator,
 static constexpr ParamSpec kSchema[] = {
     {.key = "prefetch_bucket_size",
      .type = ParamType::floating,
-     .flags = param_has_min,
      .default_value = "50000000",
      .doc = "Elements gathered ahead per fetch with a complete trace (DeepSpeed "
             "stage3_prefetch_bucket_size); 0 turns prefetch off"},
     {.key = "max_live_parameters",
      .type = ParamType::floating,
-     .flags = param_has_min,
      .default_value = "1000000000",
      .doc =
          "Limit on gathered elements: prefetch keeps all of them within it, copies kept by "
          "release() never make the unused ones exceed it (DeepSpeed stage3_max_live_parameters)"},
     {.key = "max_reuse_distance",
      .type = ParamType::floating,
-     .flags = param_has_min,
      .default_value = "1000000000",
      .doc = "A released parameter used again within this many elements of upcoming trace stays "
             "gathered (DeepSpeed stage3_max_reuse_distance)"},
     {.key = "param_persistence_threshold",
      .type = ParamType::floating,
-     .flags = param_has_min,
      .default_value = "100000",
      .doc = "Parameters of at most this many elements stay gathered once fetched (DeepSpeed "
             "stage3_param_persistence_threshold)"},

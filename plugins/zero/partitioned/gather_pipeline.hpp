@@ -12,7 +12,7 @@
 //   that read NVMe shards is still waited for: its host buffers go back);
 // - a released copy goes back to the pool only once the compute stream has
 //   passed the work enqueued before the release (record_stream semantics).
-// Shards live in device memory, in pinned host memory (ShardPlacement) or
+// Shards live in device memory, in pinned host memory (move_shard()) or
 // on NVMe, from the read-ahead (nvme_read_ahead.hpp) when one is given. A
 // host or NVMe shard is copied to a device buffer of the copy pool on the
 // communication stream before its gather, and the host waits for such a
@@ -54,7 +54,7 @@ class GatherPipeline {
 
   // Parameter index `pi` (dense, in order), a group of tensors of
   // `member_numels` elements each (one for a plain parameter), each sharded
-  // on its own (ParameterGroups in the SDK): a zero-filled shard in device
+  // on its own (register_group() in the SDK): a zero-filled shard in device
   // or host memory (`where`), or none when the shard lives on NVMe.
   void add_parameter(std::uint32_t pi, std::span<const std::size_t> member_numels, DataType type,
                      ShardLocation where);

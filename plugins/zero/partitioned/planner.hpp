@@ -43,13 +43,15 @@
 
 namespace ductile::zero {
 
-// Limits of the [zero] section, in elements (max_ongoing: gathers).
+// Limits of the [zero] section, in elements (max_ongoing: gathers). No
+// defaults here: they live in the plugin's schema (coordinator.cpp), whose
+// validated values set every field; tests set every field themselves.
 struct PlannerLimits {
-  std::size_t prefetch_bucket = 50'000'000;
-  std::size_t max_live = 1'000'000'000;
-  std::size_t max_reuse = 1'000'000'000;
-  std::size_t persistence_threshold = 100'000;
-  std::size_t max_ongoing = 2;  // >= 1
+  std::size_t prefetch_bucket;
+  std::size_t max_live;
+  std::size_t max_reuse;
+  std::size_t persistence_threshold;
+  std::size_t max_ongoing;  // >= 1
 };
 
 enum class StepKind : std::uint8_t {

@@ -96,6 +96,25 @@ struct ParameterInfo {
   DataType type = DataType::f32;  // element type; its size is size_of(type)
 };
 
+// Where this rank's shard of a parameter lives (see shard_location()).
+enum class ShardLocation : std::uint32_t {
+  device,  // device memory (the default)
+  host,    // pinned host memory: copied to the device for each gather
+  nvme,    // a file under the coordinator's NVMe directory
+};
+
+DUCTILE_SDK_API inline const char* to_string(ShardLocation l) noexcept {
+  switch (l) {
+    case ShardLocation::device:
+      return "device";
+    case ShardLocation::host:
+      return "host";
+    case ShardLocation::nvme:
+      return "nvme";
+  }
+  return "unknown";
+}
+
 // Counters and gauges of a coordinator, for tests, benchmarks and logs.
 // "Live" elements are those of non-persistent parameters that are in flight
 // or available; persistent parameters are counted separately.
@@ -133,6 +152,17 @@ struct CoordinatorStats {
   std::size_t nvme_buffers_in_use = 0;    // read-ahead buffers holding or awaiting a shard
 };
 
+// Counters of the memory a coordinator gathers into, for tests and
+// benchmarks (see gather_memory()).
+struct GatherMemoryStats {
+  std::uint64_t allocations = 0;     // device allocations made for gathered copies
+  std::uint64_t reuses = 0;          // copies placed in a buffer kept from an earlier one
+  std::uint64_t frees = 0;           // device buffers given back to the accelerator
+  std::size_t in_use_bytes = 0;      // bytes of gathered copies alive (in flight or used)
+  std::size_t idle_bytes = 0;        // bytes kept for reuse
+  std::size_t high_water_bytes = 0;  // maximum of in_use_bytes
+};
+
 class DUCTILE_SDK_API ParameterCoordinator : public Plugin {
  public:
   static constexpr PluginKind kind = PluginKind::zero;
@@ -146,6 +176,32 @@ class DUCTILE_SDK_API ParameterCoordinator : public Plugin {
   // stay gathered. Throws invalid_argument for a duplicate id or numel 0, io
   // when the shard file cannot be created.
   virtual void register_parameter(const ParameterInfo& info) = 0;
+
+  // Registers parameter `info.id` (info.numel elements of info.type) as a
+  // group of tensors of `member_numels` elements each, in order; they must
+  // sum to info.numel. A group is gathered, prefetched and released as one
+  // parameter (one collective), so that a framework fetching a module's
+  // parameters makes one gather and one materialisation a module instead of
+  // one a tensor. Each member is partitioned on its own, as a parameter of
+  // that many elements would be: with s_i = ceil(n_i / world size), rank r
+  // holds elements [r * s_i, (r + 1) * s_i) of member i, zero-padded past
+  // n_i. So:
+  // - the shard (shard_numel() = s_0 + s_1 + ... elements; shard_data(),
+  //   set_shard(), read_shard()) holds this rank's slices of the members
+  //   back to back, member 0 first;
+  // - the gathered copy (full_data(): world size * shard_numel() elements)
+  //   holds each member whole, back to back: member i at element offset
+  //   world size * (s_0 + ... + s_{i-1}), its first n_i elements meaningful
+  //   and the rest of its world size * s_i elements padding;
+  // - set_full() and read_full() take and give the members' n_i meaningful
+  //   elements back to back (info.numel elements in all).
+  // In every other respect (modules, persistence by info.numel, NVMe shard
+  // files, prefetch and release) the group is one parameter; one coalesced
+  // gather brings it. A single member is a plain parameter. Throws as
+  // register_parameter(), and invalid_argument when `member_numels` is
+  // empty, holds a 0 or does not sum to info.numel (nothing is registered).
+  virtual void register_group(const ParameterInfo& info,
+                              std::span<const std::size_t> member_numels) = 0;
 
   // Adds a module using `parameters` (registered ids; duplicates are ignored;
   // a parameter may belong to several modules). Throws invalid_argument for a
@@ -178,6 +234,63 @@ class DUCTILE_SDK_API ParameterCoordinator : public Plugin {
   // bytes). Throws invalid_argument for an unknown id or a wrong size, io
   // when the shard file cannot be read.
   virtual void read_shard(ParameterId id, void* host_out, std::size_t bytes) = 0;
+
+  // Direct access to this rank's shard, so that a framework can keep its
+  // optimizer's master weights in the shard itself instead of in a second
+  // copy: a device pointer to the shard of `id` (shard_numel() elements of
+  // the parameter's type, the padding of the last rank's shard included),
+  // or a host pointer when the shard lives in host memory, valid as long as
+  // the coordinator or until the shard moves (move_shard()). Reading is
+  // allowed at any time; writing only while no gather is in flight (after
+  // end_step() or release_all(), before the next fetch()), and every write
+  // must be followed by shard_written(). Throws invalid_argument for an
+  // unknown id, unsupported when the shard lives in a file (NVMe offload;
+  // use set_shard()/read_shard() for those). Local, no communication.
+  virtual void* shard_data(ParameterId id) = 0;
+
+  // Says that the shard of `id` was written through shard_data(): what
+  // set_shard() does, without the copy (a gathered copy no fetched module
+  // uses is dropped; a persistent parameter is gathered again on its next
+  // fetch). Throws invalid_argument for an unknown id, incompatible while a
+  // fetched module uses the parameter. Local, no communication.
+  virtual void shard_written(ParameterId id) = 0;
+
+  // --- Shard placement (parameter offload; local, no communication) ---
+  //
+  // A shard lives in device memory unless moved to pinned host memory, per
+  // parameter, so that a framework under a device-memory budget moves only
+  // what does not fit, or in a file when NVMe offload is on. A host shard
+  // is copied to a device buffer of shard_numel() elements for each gather
+  // of its parameter (staging_bytes_bound() bounds those buffers), and the
+  // host waits for such a gather before its module computes: the host may
+  // write the shard after end_step() or release_all() without racing a
+  // copy.
+
+  // Where the shard of `id` lives. Throws invalid_argument for an unknown id.
+  virtual ShardLocation shard_location(ParameterId id) const = 0;
+
+  // Moves the shard of `id`, values kept, into device or pinned host memory
+  // (`where`: device or host; the same place is a no-op). Allowed when
+  // shard_data() allows writing (no module using the parameter is fetched);
+  // a gathered copy no fetched module uses is dropped first. A pointer from
+  // shard_data() is invalid afterwards. Throws invalid_argument for an
+  // unknown id or `where` = nvme, unsupported for a shard in a file,
+  // incompatible while a fetched module uses the parameter, and the
+  // accelerator's error when the memory cannot be had (nothing moved).
+  virtual void move_shard(ParameterId id, ShardLocation where) = 0;
+
+  // The most bytes of device memory that the buffers staging host shards
+  // for gathers take at once, for a framework that budgets device memory
+  // before it registers its parameters: a buffer set for each gather in
+  // flight (at most max_ongoing_fetch_events) and for the one fetch()
+  // stages for its own module, each of at most the larger of
+  // `largest_shard_numel` (the largest shard_numel() to be registered) and
+  // a rank's share of a prefetch bucket (ceil(prefetch_bucket_size / world
+  // size)) elements of `element_size` bytes. Depends only on the validated
+  // configuration and the arguments; saturates at the largest size_t.
+  // Never throws.
+  virtual std::size_t staging_bytes_bound(std::size_t largest_shard_numel,
+                                          std::size_t element_size) const = 0;
 
   // --- The training loop ---
 
@@ -263,6 +376,13 @@ class DUCTILE_SDK_API ParameterCoordinator : public Plugin {
 
   virtual CoordinatorStats stats() const = 0;
 
+  // The device memory the gathered copies are made in: what is allocated,
+  // reused, in use and kept idle for reuse.
+  virtual GatherMemoryStats gather_memory() const = 0;
+  // Frees the buffers kept for reuse (none is in use by a gathered copy).
+  // Local, no communication.
+  virtual void trim_gather_memory() = 0;
+
   // Recomputes the accounting from scratch and checks every invariant: live
   // elements equal the sum over non-persistent parameters in flight or
   // available; idle elements never exceed max_live_parameters (so live never
@@ -271,151 +391,6 @@ class DUCTILE_SDK_API ParameterCoordinator : public Plugin {
   // parameter are fetched modules using it; NVMe buffers in use never exceed
   // nvme_buffer_count. Throws internal describing the first violation.
   virtual void check_invariants() const = 0;
-};
-
-// Optional capability of a coordinator: direct access to this rank's shards,
-// so that a framework can keep its optimizer's master weights in the shards
-// themselves instead of in a second copy. Find it with
-// dynamic_cast<ShardStorage*>(coordinator.get()); a coordinator without it
-// is used through set_shard()/read_shard(). It is a separate interface so
-// that coordinators built against an SDK without it still load and work.
-//
-// Threading, errors and collectives as for ParameterCoordinator; neither
-// call communicates.
-class DUCTILE_SDK_API ShardStorage {
- public:
-  virtual ~ShardStorage() = default;
-
-  // Device pointer to this rank's shard of `id` (shard_numel() elements of
-  // the parameter's type, the padding of the last rank's shard included),
-  // or a host pointer when the shard lives in host memory (ShardPlacement),
-  // valid as long as the coordinator (or until the shard moves). Reading is allowed at any time;
-  // writing only while no gather is in flight (after end_step() or
-  // release_all(), before the next fetch()), and every write must be
-  // followed by shard_written(). Throws invalid_argument for an unknown id,
-  // unsupported when the shard lives in a file (NVMe offload; use
-  // set_shard()/read_shard() for those).
-  virtual void* shard_data(ParameterId id) = 0;
-
-  // Says that the shard of `id` was written through shard_data(): what
-  // set_shard() does, without the copy (a gathered copy no fetched module
-  // uses is dropped; a persistent parameter is gathered again on its next
-  // fetch). Throws invalid_argument for an unknown id, incompatible while a
-  // fetched module uses the parameter.
-  virtual void shard_written(ParameterId id) = 0;
-};
-
-// Optional capability of a coordinator: parameter groups, several tensors
-// gathered, prefetched and released as one parameter (one collective), so
-// that a framework fetching a module's parameters makes one gather and one
-// materialisation a module instead of one a tensor. Find it with
-// dynamic_cast<ParameterGroups*>(coordinator.get()); a separate interface
-// (like ShardStorage) so that coordinators built without it still load.
-//
-// Threading, collectives and errors as for ParameterCoordinator; no call
-// here communicates.
-class DUCTILE_SDK_API ParameterGroups {
- public:
-  virtual ~ParameterGroups() = default;
-
-  // Registers parameter `info.id` (info.numel elements of info.type) as a
-  // group of tensors of `member_numels` elements each, in order; they must
-  // sum to info.numel. Each member is partitioned on its own, as a
-  // parameter of that many elements would be: with s_i = ceil(n_i / world
-  // size), rank r holds elements [r * s_i, (r + 1) * s_i) of member i,
-  // zero-padded past n_i. So:
-  // - the shard (shard_numel() = s_0 + s_1 + ... elements; ShardStorage's
-  //   shard_data(), set_shard(), read_shard()) holds this rank's slices of
-  //   the members back to back, member 0 first;
-  // - the gathered copy (full_data(): world size * shard_numel() elements)
-  //   holds each member whole, back to back: member i at element offset
-  //   world size * (s_0 + ... + s_{i-1}), its first n_i elements meaningful
-  //   and the rest of its world size * s_i elements padding;
-  // - set_full() and read_full() take and give the members' n_i meaningful
-  //   elements back to back (info.numel elements in all).
-  // In every other respect (modules, persistence by info.numel, NVMe shard
-  // files, prefetch and release) the group is one parameter; one coalesced
-  // gather brings it. A single member is a plain parameter. Throws as
-  // register_parameter(), and invalid_argument when `member_numels` is
-  // empty, holds a 0 or does not sum to info.numel (nothing is registered).
-  virtual void register_group(const ParameterInfo& info,
-                              std::span<const std::size_t> member_numels) = 0;
-};
-
-// Where this rank's shard of a parameter lives (see ShardPlacement).
-enum class ShardLocation : std::uint32_t {
-  device,  // device memory (the default)
-  host,    // pinned host memory: copied to the device for each gather
-  nvme,    // a file under the coordinator's NVMe directory
-};
-
-DUCTILE_SDK_API inline const char* to_string(ShardLocation l) noexcept {
-  switch (l) {
-    case ShardLocation::device:
-      return "device";
-    case ShardLocation::host:
-      return "host";
-    case ShardLocation::nvme:
-      return "nvme";
-  }
-  return "unknown";
-}
-
-// Optional capability of a coordinator: shards kept in host memory instead
-// of device memory (parameter offload), chosen per parameter, so that a
-// framework under a device-memory budget moves only what does not fit.
-// Find it with dynamic_cast<ShardPlacement*>(coordinator.get()); a separate
-// interface (like ShardStorage) so that coordinators built without it
-// still load.
-//
-// A host shard is brought to the device for each gather of its parameter
-// (a copy to a device buffer of shard_numel() elements, then the gather
-// from it), and a gather of one is waited for by the host before its
-// module computes: the host may write the shard after end_step() or
-// release_all() without racing a copy. Through ShardStorage, shard_data()
-// of a host shard is a host pointer, with the same rules for writing.
-//
-// Threading, collectives and errors as for ParameterCoordinator; no call
-// here communicates.
-class DUCTILE_SDK_API ShardPlacement {
- public:
-  virtual ~ShardPlacement() = default;
-
-  // Where the shard of `id` lives. Throws invalid_argument for an unknown id.
-  virtual ShardLocation shard_location(ParameterId id) const = 0;
-
-  // Moves the shard of `id`, values kept, into device or pinned host memory
-  // (`where`: device or host; the same place is a no-op). Allowed when
-  // ShardStorage allows writing (no module using the parameter is fetched);
-  // a gathered copy no fetched module uses is dropped first. A pointer from
-  // shard_data() is invalid afterwards. Throws invalid_argument for an
-  // unknown id or `where` = nvme, unsupported for a shard in a file,
-  // incompatible while a fetched module uses the parameter, and the
-  // accelerator's error when the memory cannot be had (nothing moved).
-  virtual void move_shard(ParameterId id, ShardLocation where) = 0;
-};
-
-// Counters of the memory a coordinator gathers into, for tests and
-// benchmarks (see GatherMemory).
-struct GatherMemoryStats {
-  std::uint64_t allocations = 0;     // device allocations made for gathered copies
-  std::uint64_t reuses = 0;          // copies placed in a buffer kept from an earlier one
-  std::uint64_t frees = 0;           // device buffers given back to the accelerator
-  std::size_t in_use_bytes = 0;      // bytes of gathered copies alive (in flight or used)
-  std::size_t idle_bytes = 0;        // bytes kept for reuse
-  std::size_t high_water_bytes = 0;  // maximum of in_use_bytes
-};
-
-// Optional capability of a coordinator: its gathered-copy memory, found
-// with dynamic_cast<GatherMemory*>(coordinator.get()). A separate interface
-// (like ShardStorage) so that coordinators without it still load.
-// Threading and errors as for ParameterCoordinator; no communication.
-class DUCTILE_SDK_API GatherMemory {
- public:
-  virtual ~GatherMemory() = default;
-  virtual GatherMemoryStats gather_memory() const = 0;
-  // Frees the buffers kept for reuse (none is in use by a gathered copy).
-  virtual void trim_gather_memory() = 0;
 };
 
 }  // namespace ductile

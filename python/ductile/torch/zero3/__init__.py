@@ -39,8 +39,13 @@ belong to must be declared with ``register_external_parameter``;
 ``engine.state_dict()``. docs/zero3.md describes it all.
 """
 
-from ..._config import load_config
-from ._engine import Zero3Engine, register_external_parameter
+from typing import Any
+
+import torch
+
+from ..._config import PluginPath, StrPath, load_config
+from ._engine import (ConfigSource, Groups, OptimizerFactory, Zero3Engine,
+                      register_external_parameter)
 from ._full import GatheredParameters
 from ._init import init
 from ._precision import DynamicLossScaler, MixedPrecision
@@ -49,10 +54,15 @@ __all__ = ["initialize", "init", "Zero3Engine", "register_external_parameter",
            "GatheredParameters", "MixedPrecision", "DynamicLossScaler"]
 
 
-def initialize(model, optimizer_factory=None, config=None, *, plugin_path=None,
-               mixed_precision=None, load_from=None, group=None, step_in_backward=False,
-               groups="auto", allow_config_plugins=False, offload_optimizer=None,
-               max_device_memory=None):
+def initialize(model: torch.nn.Module, optimizer_factory: OptimizerFactory | None = None,
+               config: ConfigSource | None = None, *, plugin_path: PluginPath = None,
+               mixed_precision: MixedPrecision | str | torch.dtype | None = None,
+               load_from: StrPath | None = None,
+               group: "torch.distributed.ProcessGroup | None" = None,
+               step_in_backward: bool = False, groups: Groups = "auto",
+               allow_config_plugins: bool = False,
+               offload_optimizer: bool | str | dict[str, Any] | None = None,
+               max_device_memory: int | float | None = None) -> Zero3Engine:
     """Partitions ``model``'s parameters and installs the hooks; returns the
     engine. Collective: every rank calls it with the same model structure.
 

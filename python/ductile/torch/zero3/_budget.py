@@ -17,12 +17,12 @@ the host steps them, so the master must be where the state is (moving the
 state alone would bring it back to the device every step). Under a budget,
 the groups whose optimizer takes the most device memory go first, until the
 rest fits; then, as the last resort, the parameter shards of the largest
-groups go to host memory (the coordinator's ShardPlacement), whose optimizers
+groups go to host memory (the coordinator's move_shard), whose optimizers
 are on the host by then. A host shard costs a device buffer of its size
-while its gather is in flight (``staging``: at most the coordinator's
-gathers in flight at once, each at most a group or a prefetch bucket, over
-the world size). A budget that cannot be met even so is an error naming
-the numbers.
+while its gather is in flight (``staging``: at most the bound the
+coordinator reports for its configured gathers in flight and prefetch
+bucket). A budget that cannot be met even so is an error naming the
+numbers.
 
 The accounting is the engine's own: the bytes of the tensors it keeps, and
 the coordinator's pool of gathered copies (the larger of its high-water of
@@ -205,29 +205,20 @@ def gather_reserve(session, groups):
     return min(everything, limit + 2 * largest) * size
 
 
-def staging_cap(groups, zero_params):
+def staging_cap(session, groups):
     """The most bytes of host shards the coordinator copies to the device at
-    once: a buffer for each gather in flight, at most
-    ``max_ongoing_fetch_events`` of them plus the one a fetch waits for,
-    each of at most the larger of a group and a prefetch bucket, over the
-    world size. `zero_params`: the [zero] section's coordinator keys (a
-    coordinator without them is taken to prefetch 2 gathers ahead)."""
-    events = int(zero_params.get("max_ongoing_fetch_events", 2))
-    bucket = int(zero_params.get("prefetch_bucket_size", 0))
-    world = groups[0].world
-    size = max(g.element_size for g in groups)
-    largest = max(bucket, *(g.world * g.shard_numel for g in groups))
-    return (events + 1) * -(-largest // world) * size
+    once, as it bounds them for `groups` (its gathers in flight and its
+    prefetch bucket are its own configuration)."""
+    return session.staging_bytes_bound(max(g.shard_numel for g in groups),
+                                       max(g.element_size for g in groups))
 
 
-def account(resident, session, placement, gradient_bytes):
+def account(resident, session, gradient_bytes):
     """A step's device bytes by the engine's accounting: `resident` (the
     shards, the masters and optimizer state on the device:
     resident_bytes()), the gradient shards at the step (`gradient_bytes`),
     the gathered copies."""
-    gathered = gathered_bytes(session)
-    return resident + gradient_bytes + (placement.gather_reserve if gathered is None
-                                        else gathered)
+    return resident + gradient_bytes + gathered_bytes(session)
 
 
 def resident_bytes(groups, optimizer):
@@ -251,9 +242,6 @@ def resident_bytes(groups, optimizer):
 
 def gathered_bytes(session):
     """The coordinator's pool of gathered copies at this point: the larger
-    of its high-water of copies in use and what it holds now (None when the
-    coordinator does not say)."""
+    of its high-water of copies in use and what it holds now."""
     memory = session.gather_memory()
-    if memory is None:
-        return None
     return max(memory["high_water_bytes"], memory["in_use_bytes"] + memory["idle_bytes"])

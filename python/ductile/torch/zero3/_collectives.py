@@ -17,6 +17,7 @@ order: both are issued from the training thread).
 
 import torch
 
+from ... import _ductile
 from ._memory import type_name
 
 
@@ -71,16 +72,19 @@ class SessionCollectives:
         self._session.barrier()
 
 
-class Done:
+class _Done(_ductile.zero.HostWork):
     """The handle of a collective that needed no communication."""
 
-    @staticmethod
-    def query():
+    __slots__ = ()
+
+    def query(self):
         return True
 
-    @staticmethod
-    def wait():
+    def wait(self):
         return None
+
+
+Done = _Done()
 
 
 def gather_bytes(comm, data):

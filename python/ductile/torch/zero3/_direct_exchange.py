@@ -46,7 +46,7 @@ TAG = 0x64756374
 REDUCE_SCATTER_TAG = TAG + 1
 
 
-class _Exchange:
+class _Exchange(_ductile.zero.HostWork):
     """Messages in flight: complete once each was waited for."""
 
     __slots__ = ("_works", "_done")
@@ -74,6 +74,7 @@ class DirectGather(_Exchange):
     __slots__ = ()
 
     def __init__(self, group, rank, size, out, inp):
+        _ductile.zero.HostWork.__init__(self)
         works = _ductile.zero.direct_gather(group, rank, size, out, inp, TAG)
         self._works = works
         self._done = not works
@@ -89,6 +90,7 @@ class DirectReduceScatter(_Exchange):
     _received: Sequence[torch.Tensor]  # emptied once added
 
     def __init__(self, group, rank, size, out, inp):
+        _ductile.zero.HostWork.__init__(self)
         n = out.numel()
         works, received = [], []
         for k in range(1, size):

@@ -29,21 +29,37 @@ facade (DeepSpeed's engine API); the work sits on seams, as FSDP2's
   accumulation, checkpoints, full weights), each call handed to its seam.
 """
 
+from __future__ import annotations
+
 import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Literal, TypeAlias
 
 import torch
 
+from ..._config import Config, PluginPath, StrPath
 from ..._errors import IncompatibleError, InvalidArgumentError
 from . import _config, _full
 from ._loss_scaling import LossScaling
 from ._optimizer_step import OptimizerStep
 from ._passes import ENGINE, EXTERNAL
+from ._precision import MixedPrecision
 from ._sharded_model import ShardedModel
 from ._snapshots import Snapshots
 from ._step_log import StepLog
 
+# Builds the optimizer over the shard parameters it is given (None: no
+# optimizer).
+OptimizerFactory: TypeAlias = Callable[[list[torch.Tensor]], torch.optim.Optimizer | None]
+# Which modules gather their parameters as one group: "auto", "module", a
+# tuple of module classes or a predicate (zero3.initialize).
+Groups: TypeAlias = (Literal["auto", "module"] | tuple[type[torch.nn.Module], ...]
+                     | Callable[[torch.nn.Module], bool])
+# A configuration: a TOML or DeepSpeed JSON (path, text, dict) or a loaded one.
+ConfigSource: TypeAlias = StrPath | dict[str, Any] | Config
 
-def register_external_parameter(module, parameter):
+
+def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
     """Declares that ``module``'s forward uses ``parameter`` although it
     belongs to another module (DeepSpeed's
     ``deepspeed.zero.register_external_parameter``): the engine gathers it
@@ -73,10 +89,16 @@ class Zero3Engine:
     accelerator's device first, as ``deepspeed.initialize`` does (its
     drop-in passes it); zero3.initialize refuses a model elsewhere instead."""
 
-    def __init__(self, model, optimizer_factory=None, config=None, *, plugin_path=None,
-                 mixed_precision=None, load_from=None, group=None, step_in_backward=False,
-                 groups="auto", offload_optimizer=None, max_device_memory=None,
-                 move_model=False):
+    # config: also the Settings the DeepSpeed drop-in resolved (_config.py).
+    def __init__(self, model: torch.nn.Module, optimizer_factory: OptimizerFactory | None = None,
+                 config: ConfigSource | _config.Settings | None = None, *,
+                 plugin_path: PluginPath = None,
+                 mixed_precision: MixedPrecision | str | torch.dtype | None = None,
+                 load_from: StrPath | None = None,
+                 group: torch.distributed.ProcessGroup | None = None,
+                 step_in_backward: bool = False, groups: Groups = "auto",
+                 offload_optimizer: bool | str | dict[str, Any] | None = None,
+                 max_device_memory: int | float | None = None, move_model: bool = False) -> None:
         if not isinstance(model, torch.nn.Module):
             raise InvalidArgumentError(
                 f"zero3.initialize: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -138,8 +160,10 @@ class Zero3Engine:
         # resumes from memory under `ductile agent`), or None.
         self.restored_from_memory = self._snapshots.restore()
 
+    # A scheduler: any object with step() (and state_dict()/load_state_dict()
+    # for checkpoints), a torch LRScheduler or one of lr_schedules'.
     @property
-    def lr_scheduler(self):
+    def lr_scheduler(self) -> Any:
         """Stepped after every applied step(): a DeepSpeed config's
         "scheduler" (zero3.initialize builds it), or one set by the caller.
         After a restore from memory, the first scheduler set gets the
@@ -147,36 +171,37 @@ class Zero3Engine:
         return self._lr_scheduler
 
     @lr_scheduler.setter
-    def lr_scheduler(self, scheduler):
+    def lr_scheduler(self, scheduler: Any) -> None:
         self._snapshots.apply_scheduler_state(scheduler)
         self._lr_scheduler = scheduler
 
     @property
-    def gradient_clipping(self):
+    def gradient_clipping(self) -> float | None:
         """The global norm step() clips the gradient to (DeepSpeed's
         ``gradient_clipping``); 0 or None: no clipping."""
         return self._steps.gradient_clipping
 
     @gradient_clipping.setter
-    def gradient_clipping(self, value):
+    def gradient_clipping(self, value: float | None) -> None:
         self._steps.set_gradient_clipping(value)
 
     @property
-    def log_interval(self):
+    def log_interval(self) -> int:
         """Optimizer steps between the progress lines of the
         ``ductile.zero3`` logger on rank 0 (_step_log.py); 0: none. From
         [zero] log_interval, else a DeepSpeed config's steps_per_print."""
         return 0 if self._step_log is None else self._step_log.interval
 
     @log_interval.setter
-    def log_interval(self, value):
+    def log_interval(self, value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise InvalidArgumentError(
                 f"zero3: log_interval = {value!r}; valid: an integer >= 0 (optimizer steps "
                 "between progress lines; 0: none)")
         self._step_log = StepLog(value, self) if value else None
 
-    def count_batch(self, samples, tokens=None):
+    def count_batch(self, samples: int | torch.Tensor,
+                    tokens: int | torch.Tensor | None = None) -> None:
         """Counts this rank's samples (and tokens) trained towards the next
         progress line's samples/s and tokens/s (ints or 0-d integer tensors,
         read only at a logged step). Does nothing without log_interval."""
@@ -184,45 +209,45 @@ class Zero3Engine:
             self._step_log.count(samples, tokens)
 
     @property
-    def global_step(self):
+    def global_step(self) -> int:
         """The optimizer steps taken (saved in checkpoints)."""
         return self._steps.global_step
 
     @global_step.setter
-    def global_step(self, value):
+    def global_step(self, value: int) -> None:
         self._steps.global_step = value
 
     @property
-    def device(self):
+    def device(self) -> torch.device:
         """The torch device of the gathered parameters (cpu or cuda)."""
         return self._memory.device
 
     @property
-    def step_applied(self):
+    def step_applied(self) -> bool:
         """Whether the last step() changed the shards (False after an fp16
         overflow skipped it, and before the first step)."""
         return self._steps.step_applied
 
     @property
-    def grad_norm(self):
+    def grad_norm(self) -> torch.Tensor | None:
         """The global gradient norm before clipping of the last step that
         computed it (a 0-d tensor; None before): every step with
         gradient_clipping, or with ``measure_grad_norm`` on."""
         return self._steps.grad_norm
 
     @property
-    def measure_grad_norm(self):
+    def measure_grad_norm(self) -> bool:
         """Whether step() computes the global gradient norm even without
         clipping (one more scalar all-reduce a step)."""
         return self._steps.measure_grad_norm
 
     @measure_grad_norm.setter
-    def measure_grad_norm(self, value):
+    def measure_grad_norm(self, value: bool) -> None:
         self._steps.measure_grad_norm = bool(value)
 
     # --- shards and passes --------------------------------------------------------
 
-    def shards_changed(self):
+    def shards_changed(self) -> None:
         """Says that the optimizer's shards were written outside
         optimizer.step() (which the engine sees by itself): the next pass
         gathers the new values (offloaded masters are copied again). With
@@ -231,7 +256,7 @@ class Zero3Engine:
         if self._offload is not None:
             self._offload.masters_changed()
 
-    def shards_writable(self):
+    def shards_writable(self) -> None:
         """Before writing the optimizer's shards: an offloaded master may
         still be read by its copy to the device (cuda); waits for it."""
         if self._offload is not None:
@@ -245,23 +270,25 @@ class Zero3Engine:
     def _backward_active(self):
         return self._passes.backward_active
 
+    # Called as fn("fetch" or "release", unit name, stats()) around each
+    # unit's gathers (diagnostics); None: none.
     @property
-    def module_callback(self):
+    def module_callback(self) -> Callable[[str, str, dict[str, Any]], object] | None:
         return self._passes.module_callback
 
     @module_callback.setter
-    def module_callback(self, fn):
+    def module_callback(self, fn: Callable[[str, str, dict[str, Any]], object] | None) -> None:
         self._passes.module_callback = fn
 
     # --- the training loop -----------------------------------------------------------
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
-    def backward(self, loss, **kwargs):
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward(**kwargs)`` (the loss scaled first with fp16 loss
         scaling); gradient shards are complete when it returns."""
         if self._scaler is not None:
@@ -273,7 +300,7 @@ class Zero3Engine:
         loss.backward(**kwargs)
 
     @contextlib.contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator[None]:
         """Backward passes inside sum full gradients locally, with no
         communication; the first backward after it reduce-scatters the sum
         (gradient accumulation with one reduce-scatter per step)."""
@@ -284,11 +311,11 @@ class Zero3Engine:
         finally:
             self._gradients.sync = previous
 
-    def set_requires_gradient_sync(self, sync):
+    def set_requires_gradient_sync(self, sync: bool) -> None:
         """FSDP2's switch: False keeps full gradients locally (see no_sync)."""
         self._gradients.sync = bool(sync)
 
-    def clip_grad_norm_(self, max_norm, norm_type=2.0):
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scales the gradient shards so that the norm of the whole gradient
         (over every rank's shards) is at most max_norm; returns that norm
         (before clipping) as a tensor, the same on every rank. Collective;
@@ -296,7 +323,7 @@ class Zero3Engine:
         first). The host does not wait for the device."""
         return self._steps.clip_grad_norm_(max_norm, norm_type)
 
-    def step(self, lr_kwargs=None):
+    def step(self, lr_kwargs: Mapping[str, Any] | None = None) -> None:
         """Steps the optimizer on the shards, then clears the gradient shards
         and steps ``lr_scheduler`` (with ``lr_kwargs``) when there is one.
         With gradient_clipping (DeepSpeed config) the gradient is clipped
@@ -325,24 +352,24 @@ class Zero3Engine:
         if snapshots.enabled:
             snapshots.after_step()
 
-    def zero_grad(self):
+    def zero_grad(self) -> None:
         """Clears the gradient shards (step() does it after stepping)."""
         self._steps.zero_grad()
 
     @property
-    def loss_scale(self):
+    def loss_scale(self) -> float:
         """The current loss scale (1.0 without loss scaling)."""
         return self._scaler.scale if self._scaler is not None else 1.0
 
     # --- views and counters ----------------------------------------------------------
 
-    def shard_parameters(self):
+    def shard_parameters(self) -> list[torch.Tensor]:
         """This rank's shards, one flat tensor per parameter, in
         ``model.named_parameters()`` order: what the optimizer steps on
         (fp32 masters with mixed precision)."""
         return [zp.shard for zp in self._params]
 
-    def stats(self):
+    def stats(self) -> dict[str, Any]:
         """The coordinator's counters (gathers, prefetched, waited time, live
         and peak elements, trace) plus the engine's gradient reduce-scatters."""
         s = self._session.stats()
@@ -364,23 +391,22 @@ class Zero3Engine:
         if self._offload is not None:
             s.update(self._offload.counters)
         s["units"] = len(self._passes.units)
-        memory = self._session.gather_memory()
-        if memory is not None:
-            s.update({f"gather_{k}": v for k, v in memory.items()})
+        s.update({f"gather_{k}": v for k, v in self._session.gather_memory().items()})
         return s
 
-    def units(self):
+    def units(self) -> dict[str, list[str]]:
         """The hooked modules (units), as module names, and the parameters
         each gathers as one group ({unit: [parameter names]}, its own group
         first)."""
         return {u.name: [zp.name for g in u.own for zp in g.members]
                 for u in self._passes.units}
 
-    def trace(self):
+    def trace(self) -> list[str]:
         """The recorded module order, as unit names (empty while recording)."""
         return [self._passes.module_names[mid] for mid in self._session.trace()]
 
-    def all_reduce(self, tensor, op="mean"):
+    def all_reduce(self, tensor: torch.Tensor,
+                   op: Literal["sum", "mean", "min", "max"] = "mean") -> torch.Tensor:
         """All-reduces a contiguous tensor in place over the engine's ranks
         (op: sum, mean, min, max) and returns it. Collective."""
         if not isinstance(tensor, torch.Tensor) or not tensor.is_contiguous():
@@ -393,25 +419,27 @@ class Zero3Engine:
             tensor.div_(self.world_size)
         return tensor
 
-    def check_invariants(self):
+    def check_invariants(self) -> None:
         self._session.check_invariants()
 
     # --- full parameters, checkpoints ---------------------------------------------------
 
-    def full_parameters(self, dtype=None):
+    def full_parameters(self, dtype: _full.DtypeArgument = None) -> dict[str, torch.Tensor]:
         """Every parameter, whole, on every rank (a dict name -> tensor, new
         memory), from the optimizer's shards (fp32 masters with mixed
         precision) unless `dtype` says otherwise. Collective."""
         return _full.full_parameters(self, dtype)
 
-    def state_dict(self, dtype=None, rank0_only=False):
+    def state_dict(self, dtype: _full.DtypeArgument = None,
+                   rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """``model.state_dict()`` with every parameter whole (new memory, on
         the cpu): the keys of the unwrapped model, tied parameters under each
         of their names, buffers as they are. Collective; with rank0_only the
         other ranks get an empty dict."""
         return _full.state_dict(self, dtype, rank0_only)
 
-    def save_consolidated(self, path, dtype=None, max_shard_bytes=5 << 30):
+    def save_consolidated(self, path: StrPath, dtype: _full.DtypeArgument = None,
+                          max_shard_bytes: int = 5 << 30) -> None:
         """Writes the whole model as Hugging Face safetensors into the folder
         `path` (``model.safetensors``, or numbered files with an index past
         max_shard_bytes; plus ``config.json`` for a transformers model), so
@@ -419,7 +447,7 @@ class Zero3Engine:
         most one file's tensors at a time. Collective."""
         _full.save_consolidated(self, path, dtype, max_shard_bytes)
 
-    def close(self):
+    def close(self) -> None:
         """Removes the hooks and gives every parameter its full values back
         (all-gathered; collective). The engine is unusable afterwards."""
         self._snapshots.finish_save()
@@ -433,7 +461,8 @@ class Zero3Engine:
             for zp in self._params:
                 zp.param.data = full[zp.name]
 
-    def save(self, directory, client_state=None, tag=None, background=False):
+    def save(self, directory: StrPath, client_state: Any = None, tag: str | None = None,
+             background: bool = False) -> None:
         """Writes a checkpoint (shards, optimizer state, global_step, the
         lr_scheduler's state, `client_state`) into `directory`/<tag> (tag:
         "step<N>" by default) and commits it atomically by pointing `directory`/latest
@@ -452,12 +481,12 @@ class Zero3Engine:
         from . import _checkpoint
         _checkpoint.save(self, directory, client_state, tag)
 
-    def wait_for_save(self):
+    def wait_for_save(self) -> None:
         """Waits until the save(background=True) in progress is committed;
         raises its error on every rank. Collective."""
         self._snapshots.finish_save()
 
-    def load(self, directory, lr_scheduler=True):
+    def load(self, directory: StrPath, lr_scheduler: bool = True) -> Any:
         """Restores shards, optimizer state, global_step and (with
         ``lr_scheduler``) the scheduler's state from the checkpoint
         `directory`/latest names (or from `directory` itself when it holds a

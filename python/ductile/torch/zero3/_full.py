@@ -7,14 +7,27 @@ with mixed precision) one at a time, so no rank holds more than one whole
 parameter beyond what it keeps.
 """
 
+from __future__ import annotations
+
 import json
 import os
 import weakref
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Literal, Self, TypeAlias
 
 import torch
 
+from ..._config import StrPath
 from ..._errors import IncompatibleError, InvalidArgumentError, IoError
 from ._precision import as_dtype
+
+if TYPE_CHECKING:
+    from ._engine import Zero3Engine
+
+# The dtype of whole parameters: a torch dtype, "fp32"/"bf16"/"fp16" (and
+# their long names), "param" (each parameter's own) or None (the optimizer
+# shards': the fp32 masters with mixed precision).
+DtypeArgument: TypeAlias = torch.dtype | str | None
 
 _OWNER = "_ductile_zero3_owner"
 
@@ -38,7 +51,8 @@ def _dtype_of(zp, dtype):
     return as_dtype(dtype, "dtype")
 
 
-def full_parameters(engine, dtype=None):
+def full_parameters(engine: Zero3Engine,
+                    dtype: DtypeArgument = None) -> dict[str, torch.Tensor]:
     return {zp.name: _gather(engine, zp, _dtype_of(zp, dtype)) for zp in engine._params}
 
 
@@ -51,7 +65,8 @@ def _entries(engine):
     return out
 
 
-def state_dict(engine, dtype=None, rank0_only=False):
+def state_dict(engine: Zero3Engine, dtype: DtypeArgument = None,
+               rank0_only: bool = False) -> dict[str, torch.Tensor]:
     keep = not rank0_only or engine.rank == 0
     out, gathered = {}, {}
     for key, entry in _entries(engine):
@@ -84,7 +99,8 @@ def _plan_files(items, max_shard_bytes):
     return files
 
 
-def save_consolidated(engine, path, dtype=None, max_shard_bytes=5 << 30):
+def save_consolidated(engine: Zero3Engine, path: StrPath, dtype: DtypeArgument = None,
+                      max_shard_bytes: int = 5 << 30) -> None:
     from safetensors.torch import save_file
 
     path = os.fspath(path)
@@ -169,7 +185,9 @@ class GatheredParameters:
     changes are dropped. Collective; use it between passes, not inside a
     forward."""
 
-    def __init__(self, params, modifier_rank=None, enabled=True):
+    def __init__(self,
+                 params: torch.nn.Module | torch.nn.Parameter | Iterable[torch.nn.Parameter],
+                 modifier_rank: int | None = None, enabled: bool = True) -> None:
         if isinstance(params, torch.nn.Module):
             params = list(params.parameters())
         elif isinstance(params, torch.nn.Parameter):
@@ -177,9 +195,9 @@ class GatheredParameters:
         self.params = list(params)
         self.modifier_rank = modifier_rank
         self.enabled = enabled
-        self._held = []
+        self._held: list[tuple[Zero3Engine, Any]] = []  # (engine, its ZeroParam)
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         if not self.enabled:
             return self
         seen = set()
@@ -206,7 +224,7 @@ class GatheredParameters:
                 zp.param.data = full
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Literal[False]:
         if not self.enabled:
             return False
         try:

@@ -32,7 +32,7 @@ holding its slice of each parameter.
 import json
 import os
 import weakref
-from typing import Any
+from typing import Any, Literal, Self
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -122,7 +122,7 @@ class _Mode(TorchDispatchMode):
 class init:  # noqa: N801 - used as a context manager, like torch.no_grad
     """``with zero3.init(): model = Model(...)``: see the module's docstring."""
 
-    def __init__(self, world_size=None, rank=None):
+    def __init__(self, world_size: int | None = None, rank: int | None = None) -> None:
         detected = launch_world()
         self.world_size = detected[0] if world_size is None else world_size
         self.rank = detected[1] if rank is None else rank
@@ -130,7 +130,7 @@ class init:  # noqa: N801 - used as a context manager, like torch.no_grad
                 and 0 <= self.rank < self.world_size):
             raise InvalidArgumentError(
                 f"zero3.init: rank {self.rank!r} of world size {self.world_size!r} is not valid")
-        self._owners = {}
+        self._owners: dict[int, InitShard] = {}  # meta storage id -> this rank's slice
         # torch's hook handle and dispatch mode, set by __enter__
         self._handle: Any = None
         self._mode: Any = None
@@ -150,14 +150,14 @@ class init:  # noqa: N801 - used as a context manager, like torch.no_grad
         weakref.finalize(meta, owners.pop, key, None)
         return meta
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         self._handle = torch.nn.modules.module.register_module_parameter_registration_hook(
             self._register)
         self._mode = _Mode(self._owners)
         self._mode.__enter__()
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Literal[False]:
         self._mode.__exit__(*exc)
         self._handle.remove()
         self._owners.clear()

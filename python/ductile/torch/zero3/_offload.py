@@ -307,6 +307,7 @@ def place(groups, placement, offload, budget, has_optimizer, step_in_backward, d
                 f"{dtype}; valid: float32 parameters, or MixedPrecision with "
                 "master_dtype=torch.float32")
         group.host = HostShard(group, device, offload.pin)
+        group.host_grad_views = group.host.grad_views  # what the members' shard.grad are
     return OptimizerOffload(groups, device, step_in_backward)
 
 

@@ -223,6 +223,5 @@ class OptimizerStep:
         if size != self._resident_key:  # state added (first steps, a load): count again
             self._resident_key = size
             self._resident = _budget.resident_bytes(self.groups, self.optimizer)
-        self.device_high_water = _budget.account(self._resident, self.session,
-                                                 self.placement, gradient_bytes)
+        self.device_high_water = _budget.account(self._resident, self.session, gradient_bytes)
         self.placement.check(self.device_high_water, self.global_step)

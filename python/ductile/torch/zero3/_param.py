@@ -27,10 +27,13 @@ is a view of the group's flat gradient shard) and ``store`` (its slice of
 the group's store). ``param.data`` is a view of the gathered copy while a
 module using it runs, an empty placeholder otherwise.
 
-Materialising a group (pointing its parameters at views of the gathered
-copy) and releasing it are done by the step path in C++
-(python/src/unit_passes.cpp), which writes ``users``, ``full`` and
-``full_address`` here.
+What the step path in C++ (python/src/unit_passes.cpp, group_gradients.cpp,
+saved_views.cpp) reads or writes on every use is owned by C++: a
+``ParamGroup`` is a ``_ductile.zero.GroupState`` (python/src/group_state.hpp)
+and a ``ZeroParam`` a ``_ductile.zero.MemberState``, whose fields (``users``,
+``full``, ``full_address``, ``params``, ``grad_flat``, ``shard``, ...) are
+typed properties here. Materialising a group (pointing its parameters at
+views of the gathered copy) and releasing it are done by that step path.
 
 The live copies (``_ductile.zero.LiveCopies``, C++) map addresses to
 materialised groups, so that a tensor autograd saves for backward that lies
@@ -43,22 +46,16 @@ from typing import Any
 
 import torch
 
+from ... import _ductile
 from ._memory import type_name
 
-# Views over gathered copies kept per group, by address: the coordinator's
-# pool hands a group one of a few buffers, so after the first passes a
-# materialisation builds no tensor.
-_VIEW_CACHE = 8
 
-
-class ZeroParam:
-    """One unique parameter of the model and what the engine knows of it."""
-
-    __slots__ = ("id", "name", "param", "shape", "numel", "dtype", "type", "element_size",
-                 "shard_numel", "store", "shard", "requires_grad", "orig_dtype", "group",
-                 "offset")
+class ZeroParam(_ductile.zero.MemberState):
+    """One unique parameter of the model and what the engine knows of it;
+    ``shard`` and ``requires_grad`` are C++ (MemberState)."""
 
     def __init__(self, pid, name, param, dtype):
+        super().__init__()
         self.id = pid
         self.name = name
         self.param = param
@@ -90,16 +87,16 @@ class ZeroParam:
         return lo, min(lo + self.shard_numel, self.numel)
 
 
-class ParamGroup:
-    """Parameters gathered, materialised, released and reduced together."""
-
-    __slots__ = ("id", "members", "params", "dtype", "type", "element_size", "world",
-                 "shard_numel", "numel", "sizes", "numels", "store", "master", "direct",
-                 "persistent", "users", "full", "full_address", "full_bytes", "_cache",
-                 "trained", "grad_flat", "grad_views", "accumulated", "accumulated_mask",
-                 "name", "placeholder", "host", "shard_on_host")
+class ParamGroup(_ductile.zero.GroupState):
+    """Parameters gathered, materialised, released and reduced together.
+    What the step path uses (``id``, ``name``, ``members``, ``params``,
+    ``trained``, ``dtype``, ``sizes``, ``numels``, ``shard_numel``,
+    ``full_bytes``, ``users``, ``full``, ``full_address``, ``placeholder``,
+    ``views_cache``, ``grad_flat``, ``grad_views``, ``host_grad_views``) is
+    C++ (GroupState)."""
 
     def __init__(self, gid, name, members, world):
+        super().__init__()
         self.id = gid
         self.name = name
         self.members = members
@@ -124,30 +121,19 @@ class ParamGroup:
         self.master = None
         self.direct = False
         self.persistent = False
-        self.users = 0          # fetched units (engine-side) materialising it
-        self.full = None        # flat tensor over the gathered copy (while materialised)
-        self.full_address = 0
         self.full_bytes = world * self.shard_numel * self.element_size
-        self._cache = {}        # address -> (full, views of the members)
-        self.grad_flat = None   # the flat gradient shard (master dtype) and its member views
-        self.grad_views = None
         self.accumulated = None  # gradients summed without sync, rank-major (reduce dtype)
         self.accumulated_mask = None
-        self.placeholder = None  # param.data between uses (an empty tensor)
         self.host = None  # its optimizer offload (_offload.HostShard), or None
         self.shard_on_host = False  # the coordinator keeps its shard in host memory
 
     def views_at(self, memory, address):
-        """(full, member views) over the gathered copy at `address`."""
-        cached = self._cache.get(address)
-        if cached is None:
-            full = memory.tensor(address, self.world * self.shard_numel, self.dtype)
-            pieces = full.split([self.world * s for s in self.sizes])
-            views = [piece[:zp.numel].view(zp.shape) for piece, zp in zip(pieces, self.members)]
-            if len(self._cache) >= _VIEW_CACHE:
-                self._cache.pop(next(iter(self._cache)))
-            cached = self._cache[address] = (full, views)
-        return cached
+        """(full, member views) over the gathered copy at `address` (the step
+        path keeps a few, in ``views_cache``)."""
+        full = memory.tensor(address, self.world * self.shard_numel, self.dtype)
+        pieces = full.split([self.world * s for s in self.sizes])
+        views = [piece[:zp.numel].view(zp.shape) for piece, zp in zip(pieces, self.members)]
+        return full, views
 
 
 class Placeholders:

@@ -2,9 +2,11 @@
 hooks that drive them, and the passes they run in (FSDP2's ``FSDPState``
 seam): which unit runs, when its groups are fetched and materialised, when
 they are released and their gradients reduced, and when a pass begins and
-ends. The hooks, the counts and the materialisation are C++
-(``_ductile.zero.UnitPasses``, python/src/unit_passes.cpp), which torch
-calls directly; this module installs them and runs the edges of a pass.
+ends. The hooks, the counts, the materialisation and where the passes are
+(``state``, a ``TrainingState``) are C++ (``_ductile.zero.UnitPasses``,
+python/src/unit_passes.cpp), which torch calls directly; this module
+installs them and runs the edges of a pass, which the step path calls
+through the one ``PassEvents`` object ``Passes`` is.
 
 - A forward pre-hook on a unit (_units.py) fetches its groups and
   materialises them (one coordinator call, and a group's parameters
@@ -50,7 +52,9 @@ from ._units import EXTERNAL
 
 ENGINE = "_ductile_zero3_engine"
 
-__all__ = ["ENGINE", "EXTERNAL", "GuardedParameters", "Passes"]
+TrainingState = _ductile.zero.TrainingState
+
+__all__ = ["ENGINE", "EXTERNAL", "GuardedParameters", "Passes", "TrainingState"]
 
 
 class GuardedParameters(collections.OrderedDict):
@@ -77,26 +81,32 @@ class GuardedParameters(collections.OrderedDict):
         return p
 
 
-class Passes:
+class Passes(_ductile.zero.PassEvents):
     """One engine's passes over its model: the unit hooks, the fetch and
     release of each unit's groups, and the reduce-scatters a backward
     starts. The hooks and the counts are C++ (``_ductile.zero.UnitPasses``,
     python/src/unit_passes.hpp): a unit's forward and backward call no
     Python function of ductile's but ``gradients.reduce`` once a group; the
-    edges of a pass (its start, the end of its backward) run here."""
+    edges of a pass (its start, the end of its backward) run here, as the
+    step path's ``PassEvents``."""
 
     def __init__(self, session, memory, params, groups, gradients, begin_pass):
+        super().__init__()
         self.session = session
         self.memory = memory
         self.params = params
         self.groups = groups
         self.param_of = {id(zp.param): zp for zp in params}
         self.gradients = gradients
-        self._begin_pass_callback = begin_pass
+        # The events the step path calls, bound straight to what runs them
+        # (one Python call each): the engine's start of a pass, and the
+        # reducer once a group whose unit's backward is done.
+        self.begin_pass = begin_pass
+        self.reduce_gradients = gradients.reduce
         self.units = []           # coordinator module id -> _units.Unit
         self.module_names = []
         self.live = _ductile.zero.LiveCopies()
-        self.core = _ductile.zero.UnitPasses(session, self.live, memory, self)
+        self.core = _ductile.zero.UnitPasses(session, self.live, self)
         self.placeholders = Placeholders(memory.device)
         self._guarded_modules = []  # (module, GuardedParameters, plain dict)
         self._guarded = False
@@ -104,10 +114,21 @@ class Passes:
         self._handles = []
 
     # The state of the passes the C++ step path keeps and acts on.
-    pass_open = property(lambda self: self.core.pass_open)
-    backward_active = property(lambda self: self.core.backward_active)
     module_callback = property(lambda self: self.core.module_callback,
                                lambda self, value: setattr(self.core, "module_callback", value))
+
+    @property
+    def state(self):
+        """Where the passes are: a TrainingState."""
+        return self.core.state
+
+    @property
+    def pass_open(self):
+        return self.core.state != TrainingState.IDLE
+
+    @property
+    def backward_active(self):
+        return self.core.state == TrainingState.BACKWARD
 
     @property
     def module_stack(self):
@@ -176,16 +197,16 @@ class Passes:
 
     # --- passes, fetch and release ---------------------------------------------------
 
-    def begin_pass(self):
-        """Called by the step path when a fetch opens a pass."""
-        self._begin_pass_callback()
-        self.core.pass_open = True
+    def gathered_views(self, group, address):
+        """(full, member views) over `group`'s gathered copy at `address`
+        (called by the step path when it has none kept for that address)."""
+        return group.views_at(self.memory, address)
 
     def end_pass(self):
         self.core.release_everything()
         self.gradients.drain()
         self.session.end_step()
-        self.core.pass_open = False
+        self.core.state = TrainingState.IDLE
         recording = self.session.trace_mode != "complete"
         if recording != self._guarded:
             self._set_guards(recording)
@@ -195,7 +216,8 @@ class Passes:
         fetched and waits for its gradients, locally (no collective: the
         other ranks may not have failed), so the next pass starts clean."""
         self.core.clear_stack()
-        self.core.backward_active = False
+        if self.core.state == TrainingState.BACKWARD:
+            self.core.state = TrainingState.FORWARD  # the pass stays open
         self.core.release_everything()
         self.gradients.abandon(self.groups)
 
@@ -203,7 +225,7 @@ class Passes:
 
     def root_forward(self, forward, args, kwargs):
         """The model's forward, with the saved-tensor hooks on."""
-        if self.core.backward_active:
+        if self.core.state == TrainingState.BACKWARD:
             self.abandon()  # the last backward raised before it ended
         self.in_forward = True
         try:
@@ -215,15 +237,15 @@ class Passes:
             raise
         finally:
             self.in_forward = False
-        if not torch.is_grad_enabled() and self.core.pass_open:
+        if not torch.is_grad_enabled() and self.core.state != TrainingState.IDLE:
             self.end_pass()  # no backward follows a pass without grad
         return output
 
-    def _end_backward(self):
+    def end_backward(self):
         """Queued by the step path at the first backward hook of a pass: the
         gradients left (a parameter used by a later unit, a unit whose inputs
         need no gradient) are reduced and the pass ends."""
-        self.core.backward_active = False
+        self.core.state = TrainingState.POST_BACKWARD
         for group in self.core.groups_with_gradients(self.groups):
             self.gradients.reduce(group)
         self.end_pass()

@@ -61,11 +61,10 @@ class ShardedModel:
         self.params = self.sharding.collect(model)
         units = self.sharding.plan(model, groups)
         self.groups = self.sharding.groups
-        zero = runtime.section("zero")
         self.placement = _budget.Placement(
             self.groups, precision.master_dtype if precision is not None else None,
             2 if has_optimizer else 0, _budget.gather_reserve(self.session, self.groups),
-            _budget.staging_cap(self.groups, zero["params"] if zero else {}))
+            _budget.staging_cap(self.session, self.groups))
         self.offload = place(self.groups, self.placement, offload,
                              _budget.budget_bytes(max_device_memory, self.memory.device),
                              has_optimizer, step_in_backward, self.memory.device)

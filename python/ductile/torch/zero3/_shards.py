@@ -4,16 +4,14 @@ with the coordinator, and this rank's shards: filled at set-up
 with what the optimizer wrote (``Sharding.changed``).
 
 A group is one coordinator parameter (``register_group``: one collective a
-group). A coordinator without ``ParameterGroups`` gets one parameter a
-group member instead (groups of one), and still works, a collective a
-parameter.
+group).
 """
 
 from typing import Any
 
 import torch
 
-from ..._errors import IncompatibleError, InvalidArgumentError, UnsupportedError
+from ..._errors import IncompatibleError, InvalidArgumentError
 from . import _init, _units
 from ._param import ParamGroup, ZeroParam
 
@@ -75,20 +73,14 @@ class Sharding:
         return params
 
     def plan(self, model, policy):
-        """The units and groups; with a coordinator lacking groups, every
-        member is a group of its own."""
+        """The units and groups."""
         param_of = {id(zp.param): zp for zp in self.params}
-        grouped = self.session.has_parameter_groups
 
-        def make_groups(name, members):
-            pieces = [members] if grouped else [[zp] for zp in members]
-            made = []
-            for piece in pieces:
-                made.append(ParamGroup(len(self.groups), name, piece, self.world))
-                self.groups.append(made[-1])
-            return made
+        def make_group(name, members):
+            self.groups.append(ParamGroup(len(self.groups), name, members, self.world))
+            return self.groups[-1]
 
-        self.units = _units.plan(model, param_of, policy, make_groups)
+        self.units = _units.plan(model, param_of, policy, make_group)
         return self.units
 
     # --- partitioning -------------------------------------------------------------------
@@ -128,10 +120,7 @@ class Sharding:
 
     def _register(self, group):
         session = self.session
-        if len(group.members) == 1:
-            session.register_parameter(group.id, group.numel, group.type)
-        else:
-            session.register_group(group.id, group.numels, group.type)
+        session.register_group(group.id, group.numels, group.type)
         if session.shard_numel(group.id) != group.shard_numel:
             raise IncompatibleError(
                 f"zero3: the coordinator partitions '{group.name}' into "
@@ -139,28 +128,20 @@ class Sharding:
                 f"{group.shard_numel} (ceil(numel / world) a member)")
         group.persistent = session.is_persistent(group.id)
         if group.shard_on_host:
-            if not session.has_shard_placement:
-                raise UnsupportedError(
-                    f"zero3: '{group.name}''s parameter shard is to live in host memory "
-                    "([zero] offload_param = \"cpu\", or max_device_memory), and the configured "
-                    "coordinator cannot keep shards there (ShardPlacement); valid: coordinator = "
-                    "\"partitioned\"")
             session.move_shard(group.id, "host")  # zero-filled: nothing to copy yet
 
     def _make_shards(self, group):
         """The coordinator's flat shard (`store`), the optimizer's (`master`)
         and each member's views of them."""
         session = self.session
+        location = session.shard_location(group.id)
+        on_host = location == "host"
+        # A shard in a file (NVMe offload) is reached through set_shard():
+        # the engine keeps a device copy of it.
         store = None
-        on_host = session.shard_location(group.id) == "host"
-        if session.has_shard_storage:
-            try:
-                address = session.shard_data(group.id)
-            except UnsupportedError:
-                address = None
-            if address is not None:
-                store = (self.memory.host_tensor if on_host else self.memory.tensor)(
-                    address, group.shard_numel, group.dtype)
+        if location != "nvme":
+            store = (self.memory.host_tensor if on_host else self.memory.tensor)(
+                session.shard_data(group.id), group.shard_numel, group.dtype)
         group.direct = store is not None
         if store is None:
             store = torch.zeros(group.shard_numel, dtype=group.dtype, device=self.memory.device)

@@ -5,12 +5,16 @@ host framework supplies the communication, so a job started by torchrun
 ``TorchWorld`` serves two callers:
 
 - the C++ coordinator, through the accelerator's host world
-  (``HostWorld::offer_world``; python/src/host_world.cpp): its collectives
-  arrive as addresses, byte counts and element type names (``*_at`` calls),
+  (``HostWorld::offer_world``; python/src/host_world.cpp): TorchWorld is a
+  ``_ductile.zero.HostCommunicator``, whose typed facts (rank, size, kind,
+  group, direct exchange) it sets once at construction and whose calls it
+  defines; its collectives arrive as addresses, element counts and element
+  type names (``*_at`` calls), returning ``HostWork`` handles,
   wrapped here into tensors over that memory without copying (kept by
   address: the coordinator reuses a few buffers, so after the first passes
   no tensor is made); on host streams a coalesced gather is asked for here
-  once, as a plan (``gather_plan``), and issued from C++ after that;
+  once, as a plan (``gather_plan``: ``_ductile.zero.GatherRun`` entries),
+  and issued from C++ after that;
 - the engine (gradients, checkpoints, all_reduce), on tensors (the calls of
   _collectives.py).
 
@@ -76,13 +80,14 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-class Work:
+class Work(_ductile.zero.HostWork):
     """A collective in flight; `finish` (optional) runs once, when it is
     seen complete, before query() returns True or wait() returns."""
 
     __slots__ = ("_work", "_finish", "_done")
 
     def __init__(self, work, finish=None):
+        _ductile.zero.HostWork.__init__(self)
         self._work = work
         self._finish = finish
         self._done = False
@@ -105,13 +110,14 @@ class Work:
         self._done = True
 
 
-class _OnStream:
+class _OnStream(_ductile.zero.HostWork):
     """Collectives already ordered on a cuda stream (their copy-outs too):
     done when the event recorded after them is."""
 
     __slots__ = ("_event",)
 
     def __init__(self, stream):
+        _ductile.zero.HostWork.__init__(self)
         self._event = torch.cuda.Event()
         self._event.record(stream)
 
@@ -122,29 +128,27 @@ class _OnStream:
         self._event.synchronize()
 
 
-class _Run:
-    """Consecutive items of a coalesced gather that are one parameter
-    group: their sends back to back (the group's shard), their outputs back
-    to back, each `size` elements a rank; or several groups of one dtype
-    packed together (`sends`: their shards, copied in back to back)."""
-
-    __slots__ = ("send", "sends", "recv", "outs", "sizes", "total")
-
-    def __init__(self, world, runs):
-        items = [item for run in runs for item in run]
-        dtype = items[0][3]
-        self.sizes = [count for _, _, count, _ in items]
-        self.total = sum(self.sizes)
-        self.sends = self.send = self.recv = self.outs = None
-        if len(runs) == 1:
-            self.send = world._at(items[0][0], self.total, dtype)
-            self.recv = world._at(items[0][1], self.total * world.size, dtype)
-        else:
-            self.sends = [world._at(run[0][0], sum(c for _, _, c, _ in run), dtype)
-                          for run in runs]
-        if len(items) > 1 and world.size > 1:
-            self.outs = [world._at(recv, count * world.size, dtype).view(world.size, count)
-                         for _, recv, count, _ in items]
+def _run(world, runs):
+    """The GatherRun of consecutive items of a coalesced gather that are one
+    parameter group: their sends back to back (the group's shard), their
+    outputs back to back, each `size` elements a rank; or of several groups
+    of one dtype packed together (`sends`: their shards, copied in back to
+    back)."""
+    items = [item for run in runs for item in run]
+    dtype = items[0][3]
+    sizes = [count for _, _, count, _ in items]
+    total = sum(sizes)
+    send = sends = recv = outs = None
+    if len(runs) == 1:
+        send = world._at(items[0][0], total, dtype)
+        recv = world._at(items[0][1], total * world.size, dtype)
+    else:
+        sends = [world._at(run[0][0], sum(c for _, _, c, _ in run), dtype) for run in runs]
+    if len(items) > 1 and world.size > 1:
+        outs = [world._at(place, count * world.size, dtype).view(world.size, count)
+                for _, place, count, _ in items]
+    return _ductile.zero.GatherRun(send=send, sends=sends, recv=recv, outs=outs, sizes=sizes,
+                                   total=total)
 
 
 def _packed(runs, limit, size, member_alone=None):
@@ -210,8 +214,10 @@ def _runs(items, size):
     return runs
 
 
-class TorchWorld:
-    """The default process group (or `group`) as a world communicator."""
+class TorchWorld(_ductile.zero.HostCommunicator):
+    """The default process group (or `group`) as a world communicator.
+    rank, size, kind, group, direct_exchange and direct_tag are the C++
+    base's (read-only)."""
 
     def __init__(self, group=None):
         if not dist.is_available() or not dist.is_initialized():
@@ -219,32 +225,34 @@ class TorchWorld:
                 "zero3: torch.distributed is not initialised; call "
                 "torch.distributed.init_process_group() first (torchrun sets the environment "
                 "for env://)")
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
         self.backend = str(dist.get_backend(group))
-        self.kind = f"torch.distributed ({self.backend})"
         if "nccl" in self.backend:
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.device = torch.device("cpu")
-        self._memory = DeviceMemory(self.device.type, self.device)
+        size = dist.get_world_size(group)
         # gloo: gathers and sum reduce-scatters by direct exchange
         # (_direct_exchange.py), the C++ host world's planned gathers too
-        # (with direct_tag); False: by torch's collectives. The default
-        # group is looked up at each call, never held: a ProcessGroup kept
-        # alive past destroy_process_group() outlives the interpreter, and a
-        # gloo thread dropping its tensors then aborts the process (see
-        # "The world" in docs/zero3.md).
-        self.direct_exchange = self.device.type == "cpu" and "gloo" in self.backend and \
-            1 < self.size <= MAX_RANKS
-        self.direct_tag = TAG
+        # (with direct_tag); False: by torch's collectives (the C++ host
+        # world's planned gathers with gather_collective). The default
+        # group (None) is looked up at each call, never held: a
+        # ProcessGroup kept alive past destroy_process_group() outlives the
+        # interpreter, and a gloo thread dropping its tensors then aborts
+        # the process (see "The world" in docs/zero3.md).
+        _ductile.zero.HostCommunicator.__init__(
+            self, rank=dist.get_rank(group), size=size,
+            kind=f"torch.distributed ({self.backend})", group=group,
+            gather_collective=_all_gather,
+            direct_exchange=self.device.type == "cpu" and "gloo" in self.backend and
+            1 < size <= MAX_RANKS,
+            direct_tag=TAG)
+        self._memory = DeviceMemory(self.device.type, self.device)
         # The engine's calls done by exchange (the C++ host world counts its
         # own: stats()["host_world_exchanges"]).
         self.exchanges = {"all_gather": 0, "reduce_scatter": 0}
         self._root = {}     # group rank -> global rank (broadcast takes a global one)
         self._tensors = {}  # (address, numel, dtype) -> tensor over that memory
-        self._plans = {}    # coalesced gather items -> [_Run]
+        self._plans = {}    # coalesced gather items -> [GatherRun]
         self._streams = {}  # cudaStream_t -> torch.cuda.ExternalStream
 
     # --- tensors over the coordinator's memory ------------------------------------
@@ -304,8 +312,7 @@ class TorchWorld:
         key = tuple(items)
         runs = self._plans.get(key)
         if runs is None:
-            runs = [_Run(self, packed)
-                    for packed in self._packing(_runs(items, self.size))]
+            runs = [_run(self, packed) for packed in self._packing(_runs(items, self.size))]
             if len(self._plans) >= _CACHE_LIMIT:
                 self._plans.clear()
             self._plans[key] = runs
@@ -328,25 +335,23 @@ class TorchWorld:
 
     # The C++ host world (python/src/host_world.cpp) issues coalesced
     # gathers on host streams (cpu) itself, from the plan made here the
-    # first time it sees their items, with this collective on `group` (or,
-    # with direct_exchange, by sends and receives on it): the coordinator
-    # gathers the same groups into the same buffers every pass, so no
-    # Python function of ductile's runs.
-    gather_collective = staticmethod(_all_gather)
-
+    # first time it sees their items, with gather_collective on `group`
+    # (or, with direct_exchange, by sends and receives on it): the
+    # coordinator gathers the same groups into the same buffers every
+    # pass, so no Python function of ductile's runs.
     def gather_plan(self, items):
         """How to gather coalesced `items` (see all_gather_coalesced_at):
-        per collective, (send, sends, recv, outs, sizes, total, clone) as
-        in _Run; `clone`: a single item gathered in place, whose send the
-        collective must not read while it writes."""
+        a GatherRun per collective (see _run); `clone`: a single item
+        gathered in place, whose send the collective must not read while it
+        writes."""
         if len(items) == 1:
             send, recv, count, dtype = items[0]
             clone = send == recv + self.rank * count * _SIZES[dtype] and \
                 not self.direct_exchange  # an exchange sends from the output itself
-            return [(self._at(send, count, dtype), None, self._at(recv, count * self.size, dtype),
-                     None, None, count, clone)]
-        return [(run.send, run.sends, run.recv, run.outs, run.sizes, run.total, False)
-                for run in self._plan(items)]
+            return [_ductile.zero.GatherRun(send=self._at(send, count, dtype),
+                                            recv=self._at(recv, count * self.size, dtype),
+                                            total=count, clone=clone)]
+        return self._plan(items)
 
     def _gather_run(self, run):
         send = run.send

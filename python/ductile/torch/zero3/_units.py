@@ -89,7 +89,7 @@ def _selector(model, policy):
         "torch.nn.Module classes, or a callable module -> bool")
 
 
-def plan(model, param_of, policy, make_groups):
+def plan(model, param_of, policy, make_group):
     """The units of `model`, in named_modules() order (the root first when it
     is one). `param_of`: id(parameter) -> ZeroParam of every managed
     parameter. `make_group(name, members)` makes a ParamGroup."""
@@ -140,7 +140,7 @@ def plan(model, param_of, policy, make_groups):
         for zp in owned[key]:
             by_dtype.setdefault(zp.dtype, []).append(zp)
         for members in by_dtype.values():
-            unit.own.extend(make_groups(unit.name, members))
+            unit.own.append(make_group(unit.name, members))
         result.append(unit)
     for key, unit in units.items():
         seen = {id(g) for g in unit.own}

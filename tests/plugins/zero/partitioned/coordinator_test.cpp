@@ -270,13 +270,11 @@ TEST_CASE("usage errors name the call, the id and what is valid") {
   zero->end_step();
 }
 
-TEST_CASE("ShardStorage: shards written in place are what the next gather returns") {
+TEST_CASE("shard_data: shards written in place are what the next gather returns") {
   auto& e = env();
   ZeroConfig config;
   config.param_persistence_threshold = 4;  // parameter 2 stays gathered once fetched
   auto zero = make_coordinator(config);
-  auto* storage = dynamic_cast<ShardStorage*>(zero.get());
-  REQUIRE(storage != nullptr);
   register_f32(*zero, 1, 11);
   register_f32(*zero, 2, 3);
   zero->register_module(1, std::vector<ParameterId>{1, 2});
@@ -288,7 +286,7 @@ TEST_CASE("ShardStorage: shards written in place are what the next gather return
   for (ParameterId id : {1, 2}) {
     std::vector<float> copy(zero->shard_numel(id));
     zero->read_shard(id, copy.data(), copy.size() * sizeof(float));
-    CHECK(std::memcmp(storage->shard_data(id), copy.data(), copy.size() * sizeof(float)) == 0);
+    CHECK(std::memcmp(zero->shard_data(id), copy.data(), copy.size() * sizeof(float)) == 0);
   }
   zero->fetch(1);
   zero->release(1);
@@ -299,12 +297,12 @@ TEST_CASE("ShardStorage: shards written in place are what the next gather return
   // + 1000 * rank-independent offset; the padding stays 0.
   for (ParameterId id : {1, 2}) {
     const std::size_t shard = zero->shard_numel(id), numel = id == 1 ? 11 : 3;
-    auto* data = static_cast<float*>(storage->shard_data(id));
+    auto* data = static_cast<float*>(zero->shard_data(id));
     for (std::size_t i = 0; i < shard; ++i) {
       const std::size_t global = static_cast<std::size_t>(e.rank) * shard + i;
       data[i] = global < numel ? static_cast<float>(1000 * id + global) : 0.0f;
     }
-    storage->shard_written(id);
+    zero->shard_written(id);
   }
   CHECK(zero->status(2) == ParameterStatus::not_available);  // the stale copy was dropped
   zero->fetch(1);
@@ -316,7 +314,7 @@ TEST_CASE("ShardStorage: shards written in place are what the next gather return
   }
   // Not while a fetched module uses it; unknown ids are refused.
   try {
-    storage->shard_written(1);
+    zero->shard_written(1);
     FAIL("no error");
   } catch (const Error& err) {
     CHECK(err.kind() == ErrorKind::incompatible);
@@ -324,7 +322,7 @@ TEST_CASE("ShardStorage: shards written in place are what the next gather return
   }
   zero->release(1);
   zero->end_step();
-  CHECK_THROWS_AS(storage->shard_data(77), Error);
+  CHECK_THROWS_AS(zero->shard_data(77), Error);
   zero->check_invariants();
 }
 

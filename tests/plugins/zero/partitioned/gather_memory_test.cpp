@@ -1,4 +1,4 @@
-// The partitioned coordinator's pool of gathered copies (GatherMemory) on
+// The partitioned coordinator's pool of gathered copies (gather_memory()) on
 // the real cpu backend under mpirun with 1 and 2 ranks: copies reuse the
 // pool's buffers once the trace runs, and on the host an idle buffer holds
 // no resident page once its pass has issued its last gather.
@@ -10,14 +10,12 @@
 
 using namespace zero_test;
 
-TEST_CASE("GatherMemory: on the host, idle copies give their pages back once a pass gathered all") {
+TEST_CASE("on the host, idle gathered copies give their pages back once a pass gathered all") {
   auto& e = env();
   ZeroConfig config;
   config.prefetch_bucket_size = 0;  // each module gathers at its fetch
   config.max_reuse_distance = 0;    // and is freed at its release
   auto zero = make_coordinator(config);
-  auto* memory = dynamic_cast<GatherMemory*>(zero.get());
-  REQUIRE(memory != nullptr);
   // Three modules of one parameter each, of distinct sizes (each its own
   // buffer in the pool), many pages each.
   const std::vector<std::size_t> sizes = {96 * 1024, 160 * 1024, 224 * 1024};
@@ -35,7 +33,7 @@ TEST_CASE("GatherMemory: on the host, idle copies give their pages back once a p
   };
   pass();  // records the trace
   pass();  // runs it: the pool now holds a buffer of each size
-  const auto allocations = memory->gather_memory().allocations;
+  const auto allocations = zero->gather_memory().allocations;
 
   std::vector<void*> copies(sizes.size());
   for (ModuleId m = 0; m < sizes.size(); ++m) {
@@ -58,7 +56,7 @@ TEST_CASE("GatherMemory: on the host, idle copies give their pages back once a p
   // and kept its buffer (nothing was freed or allocated).
   for (ModuleId m = 0; m < sizes.size(); ++m)
     CHECK(residency(copies[m], bytes_of(m)).resident == 0);
-  CHECK(memory->gather_memory().idle_bytes == bytes_of(0) + bytes_of(1) + bytes_of(2));
+  CHECK(zero->gather_memory().idle_bytes == bytes_of(0) + bytes_of(1) + bytes_of(2));
   zero->end_step();
 
   // The next pass gathers into the same buffers, whole and right.
@@ -71,6 +69,6 @@ TEST_CASE("GatherMemory: on the host, idle copies give their pages back once a p
     zero->release(m);
   }
   zero->end_step();
-  CHECK(memory->gather_memory().allocations == allocations);
+  CHECK(zero->gather_memory().allocations == allocations);
   zero->check_invariants();
 }

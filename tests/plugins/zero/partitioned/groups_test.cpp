@@ -1,4 +1,4 @@
-// ParameterGroups of the partitioned coordinator on the real cpu backend
+// Parameter groups of the partitioned coordinator on the real cpu backend
 // under mpirun with 1, 2 and 3 ranks: several tensors sharded one by one,
 // gathered in one collective, each whole and back to back in the copy.
 #include <algorithm>
@@ -11,19 +11,13 @@ using namespace zero_test;
 
 namespace {
 
-ParameterGroups& groups_of(ParameterCoordinator& zero) {
-  auto* groups = dynamic_cast<ParameterGroups*>(&zero);
-  REQUIRE(groups != nullptr);
-  return *groups;
-}
-
 // A group of `numels` members of `type`, its full values (the members back
 // to back) set from param_bytes(id, ..., version).
 std::vector<std::uint8_t> register_group(ParameterCoordinator& zero, ParameterId id,
                                          const std::vector<std::size_t>& numels, DataType type,
                                          int version = 0) {
   const std::size_t numel = std::accumulate(numels.begin(), numels.end(), std::size_t{0});
-  groups_of(zero).register_group({id, numel, type}, numels);
+  zero.register_group({id, numel, type}, numels);
   auto bytes = param_bytes(id, numel * size_of(type), version);
   zero.set_full(id, bytes.data(), bytes.size());
   return bytes;
@@ -106,13 +100,11 @@ TEST_CASE("a group's members are sharded one by one and gathered whole, back to 
 TEST_CASE("a group's shard written in place is what its next gather returns") {
   auto& e = env();
   auto zero = make_coordinator(ZeroConfig{});
-  auto* storage = dynamic_cast<ShardStorage*>(zero.get());
-  REQUIRE(storage != nullptr);
   const std::vector<std::size_t> numels = {6, 1, 11};
   register_group(*zero, 1, numels, DataType::f32);
   zero->register_module(1, std::vector<ParameterId>{1});
   // Each member's elements become 100 * member + its index; padding stays 0.
-  auto* data = static_cast<float*>(storage->shard_data(1));
+  auto* data = static_cast<float*>(zero->shard_data(1));
   std::size_t offset = 0;
   for (std::size_t k = 0; k < numels.size(); ++k) {
     const std::size_t s = (numels[k] + e.size - 1) / e.size;
@@ -122,7 +114,7 @@ TEST_CASE("a group's shard written in place is what its next gather returns") {
     }
     offset += s;
   }
-  storage->shard_written(1);
+  zero->shard_written(1);
   zero->fetch(1);
   std::vector<float> got(18);
   zero->read_full(1, got.data(), got.size() * sizeof(float));
@@ -157,10 +149,9 @@ TEST_CASE("a group's shard in an NVMe file round-trips and gathers") {
 
 TEST_CASE("a bad group is refused with what is valid, and registers nothing") {
   auto zero = make_coordinator(ZeroConfig{});
-  auto& groups = groups_of(*zero);
   auto refused = [&](std::size_t numel, std::vector<std::size_t> members, const char* says) {
     try {
-      groups.register_group({7, numel, DataType::f32}, members);
+      zero->register_group({7, numel, DataType::f32}, members);
       FAIL("no error");
     } catch (const Error& err) {
       CHECK(err.kind() == ErrorKind::invalid_argument);
@@ -171,6 +162,6 @@ TEST_CASE("a bad group is refused with what is valid, and registers nothing") {
   refused(10, {4, 5}, "9 elements in all");
   refused(10, {10, 0}, "a member of 0 elements");
   // Nothing was registered: the id is still free.
-  groups.register_group({7, 10, DataType::f32}, std::vector<std::size_t>{4, 6});
+  zero->register_group({7, 10, DataType::f32}, std::vector<std::size_t>{4, 6});
   CHECK(zero->shard_numel(7) > 0);
 }

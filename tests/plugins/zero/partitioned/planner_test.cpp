@@ -462,10 +462,11 @@ TEST_CASE("property: with room to prefetch, most gathers of a traced pass are pr
 }
 
 TEST_CASE("a fixed model: prefetch in trace order, one warning per distinct deviation") {
-  PlannerLimits limits;
-  limits.prefetch_bucket = 150;
-  limits.max_live = 1000;
-  limits.persistence_threshold = 0;
+  const PlannerLimits limits{.prefetch_bucket = 150,
+                             .max_live = 1000,
+                             .max_reuse = 1'000'000'000,
+                             .persistence_threshold = 0,
+                             .max_ongoing = 2};
   Planner planner(limits);
   for (ParameterId id = 0; id < 6; ++id) planner.add_parameter(id, 60 + 7 * id);
   for (ModuleId m = 0; m < 4; ++m) planner.add_module(m, std::vector<ParameterId>{m, m + 1, 5});
@@ -549,7 +550,11 @@ TEST_CASE("a fixed model: prefetch in trace order, one warning per distinct devi
 }
 
 TEST_CASE("calls out of order and unknown ids are errors that change nothing") {
-  Planner planner(PlannerLimits{});
+  Planner planner(PlannerLimits{.prefetch_bucket = 50'000'000,
+                                .max_live = 1'000'000'000,
+                                .max_reuse = 1'000'000'000,
+                                .persistence_threshold = 100'000,
+                                .max_ongoing = 2});
   planner.add_parameter(1, 10);
   planner.add_module(7, std::vector<ParameterId>{1});
   auto kind_of = [](auto&& call) {

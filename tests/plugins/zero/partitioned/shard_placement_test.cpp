@@ -1,9 +1,10 @@
-// The partitioned coordinator's ShardPlacement (parameter offload to host
+// The partitioned coordinator's shard placement (parameter offload to host
 // memory) on the real cpu backend under mpirun with 1 and 3 ranks (3 gives
 // shards that do not divide evenly). On the cpu backend device and host
 // memory are both host memory; a host shard still takes the staging path
 // (a copy into a pool buffer before its gather), which is what is checked.
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -13,12 +14,6 @@
 using namespace zero_test;
 
 namespace {
-
-ShardPlacement& placement_of(ParameterCoordinator& zero) {
-  auto* placement = dynamic_cast<ShardPlacement*>(&zero);
-  REQUIRE(placement != nullptr);
-  return *placement;
-}
 
 // The error `call` throws: its kind and message.
 template <class Call>
@@ -34,15 +29,13 @@ Error error_of(Call call) {
 
 }  // namespace
 
-TEST_CASE("ShardPlacement: host shards gather what they hold, prefetched along the trace") {
+TEST_CASE("shard placement: host shards gather what they hold, prefetched along the trace") {
   auto& e = env();
   ZeroConfig config;
   config.param_persistence_threshold = 4;  // parameter 5 stays gathered once fetched
   config.prefetch_bucket_size = 400;
   config.max_reuse_distance = 0;
   auto zero = make_coordinator(config);
-  auto& placement = placement_of(*zero);
-  auto& storage = dynamic_cast<ShardStorage&>(*zero);
   const std::vector<std::size_t> sizes = {50, 173, 300, 99, 251, 3, 120};
   for (ParameterId p = 0; p < sizes.size(); ++p) register_f32(*zero, p, sizes[p], 0);
   for (ModuleId m = 0; m + 1 < sizes.size(); ++m)
@@ -50,17 +43,17 @@ TEST_CASE("ShardPlacement: host shards gather what they hold, prefetched along t
 
   // Every other shard to the host (the persistent one too), values kept.
   for (ParameterId p = 0; p < sizes.size(); ++p) {
-    CHECK(placement.shard_location(p) == ShardLocation::device);
-    if (p % 2 == 1 || p == 5) placement.move_shard(p, ShardLocation::host);
+    CHECK(zero->shard_location(p) == ShardLocation::device);
+    if (p % 2 == 1 || p == 5) zero->move_shard(p, ShardLocation::host);
   }
   for (ParameterId p = 0; p < sizes.size(); ++p) {
     const bool host = p % 2 == 1 || p == 5;
-    CHECK(placement.shard_location(p) == (host ? ShardLocation::host : ShardLocation::device));
+    CHECK(zero->shard_location(p) == (host ? ShardLocation::host : ShardLocation::device));
     CHECK(shard_matches(*zero, e.rank, p, sizes[p] * 4, 0));
     // shard_data() points at what read_shard() copies (host memory for a host shard).
     std::vector<std::uint8_t> shard(zero->shard_numel(p) * 4);
     zero->read_shard(p, shard.data(), shard.size());
-    CHECK(std::memcmp(storage.shard_data(p), shard.data(), shard.size()) == 0);
+    CHECK(std::memcmp(zero->shard_data(p), shard.data(), shard.size()) == 0);
   }
 
   for (int pass = 0; pass < 4; ++pass) {
@@ -75,61 +68,79 @@ TEST_CASE("ShardPlacement: host shards gather what they hold, prefetched along t
       }
       const std::size_t shard = zero->shard_numel(p) * 4;
       const std::size_t first = static_cast<std::size_t>(e.rank) * shard;
-      auto* data = static_cast<std::uint8_t*>(storage.shard_data(p));
+      auto* data = static_cast<std::uint8_t*>(zero->shard_data(p));
       for (std::size_t i = 0; i < shard; ++i)
         data[i] = first + i < bytes.size() ? bytes[first + i] : 0;
-      storage.shard_written(p);
+      zero->shard_written(p);
     }
   }
   CHECK(zero->stats().prefetched_params > 0);
   // The staging buffers come from the gathered copies' pool and go back to it.
-  auto* memory = dynamic_cast<GatherMemory*>(zero.get());
-  REQUIRE(memory != nullptr);
-  CHECK(memory->gather_memory().in_use_bytes == zero->stats().persistent_numel * 4);
+  CHECK(zero->gather_memory().in_use_bytes == zero->stats().persistent_numel * 4);
 
   // Back to the device, values kept: the gathers still return version 4.
-  for (ParameterId p = 0; p < sizes.size(); ++p) placement.move_shard(p, ShardLocation::device);
+  for (ParameterId p = 0; p < sizes.size(); ++p) zero->move_shard(p, ShardLocation::device);
   for (ParameterId p = 0; p < sizes.size(); ++p)
-    CHECK(placement.shard_location(p) == ShardLocation::device);
+    CHECK(zero->shard_location(p) == ShardLocation::device);
   chain_pass(*zero, sizes, 4, [] {});
 }
 
-TEST_CASE("ShardPlacement: what cannot move is an error naming the call and what is valid") {
+TEST_CASE("shard placement: what cannot move is an error naming the call and what is valid") {
   ductile::test::TempDir dir;
   ZeroConfig config;
   auto zero = make_coordinator(config);
-  auto& placement = placement_of(*zero);
   register_f32(*zero, 1, 64);
   zero->register_module(1, std::vector<ParameterId>{1});
 
-  Error to_nvme = error_of([&] { placement.move_shard(1, ShardLocation::nvme); });
+  Error to_nvme = error_of([&] { zero->move_shard(1, ShardLocation::nvme); });
   CHECK(to_nvme.kind() == ErrorKind::invalid_argument);
   CHECK(std::string(to_nvme.what()).find("move_shard(1, nvme)") != std::string::npos);
   CHECK(std::string(to_nvme.what()).find("valid: device, host") != std::string::npos);
-  CHECK(error_of([&] { placement.move_shard(77, ShardLocation::host); }).kind() ==
+  CHECK(error_of([&] { zero->move_shard(77, ShardLocation::host); }).kind() ==
         ErrorKind::invalid_argument);
-  CHECK(error_of([&] { (void)placement.shard_location(77); }).kind() ==
-        ErrorKind::invalid_argument);
+  CHECK(error_of([&] { (void)zero->shard_location(77); }).kind() == ErrorKind::invalid_argument);
 
   zero->fetch(1);
-  Error in_use = error_of([&] { placement.move_shard(1, ShardLocation::host); });
+  Error in_use = error_of([&] { zero->move_shard(1, ShardLocation::host); });
   CHECK(in_use.kind() == ErrorKind::incompatible);
   CHECK(std::string(in_use.what()).find("move_shard(1)") != std::string::npos);
-  CHECK(placement.shard_location(1) == ShardLocation::device);  // nothing moved
+  CHECK(zero->shard_location(1) == ShardLocation::device);  // nothing moved
   zero->release(1);
   zero->end_step();
-  placement.move_shard(1, ShardLocation::host);
-  placement.move_shard(1, ShardLocation::host);  // already there: nothing to do
-  CHECK(placement.shard_location(1) == ShardLocation::host);
+  zero->move_shard(1, ShardLocation::host);
+  zero->move_shard(1, ShardLocation::host);  // already there: nothing to do
+  CHECK(zero->shard_location(1) == ShardLocation::host);
 
   // A shard in a file stays there.
   ZeroConfig on_nvme;
   on_nvme.nvme_path = dir.path().string();
   auto nvme = make_coordinator(on_nvme);
   register_f32(*nvme, 1, 64);
-  auto& nvme_placement = placement_of(*nvme);
-  CHECK(nvme_placement.shard_location(1) == ShardLocation::nvme);
-  Error from_file = error_of([&] { nvme_placement.move_shard(1, ShardLocation::host); });
+  CHECK(nvme->shard_location(1) == ShardLocation::nvme);
+  Error from_file = error_of([&] { nvme->move_shard(1, ShardLocation::host); });
   CHECK(from_file.kind() == ErrorKind::unsupported);
   CHECK(std::string(from_file.what()).find("nvme_path") != std::string::npos);
+}
+
+TEST_CASE("shard placement: the staging bound follows the gathers in flight and the bucket") {
+  const auto world = static_cast<std::size_t>(env().size);
+  ZeroConfig config;
+  config.max_ongoing_fetch_events = 3;
+  config.prefetch_bucket_size = 1200;
+  auto zero = make_coordinator(config);
+  // Four buffer sets (three gathers in flight and the fetch's own), each of
+  // a rank's share of the bucket or the largest shard, whichever is larger.
+  const std::size_t share = (1200 + world - 1) / world;
+  CHECK(zero->staging_bytes_bound(1, 4) == 4 * share * 4);
+  CHECK(zero->staging_bytes_bound(share + 7, 2) == 4 * (share + 7) * 2);
+
+  config.max_ongoing_fetch_events = 1;
+  config.prefetch_bucket_size = 0;  // no prefetch: the largest shard alone
+  auto unbucketed = make_coordinator(config);
+  CHECK(unbucketed->staging_bytes_bound(10, 8) == 2 * 10 * 8);
+
+  // The largest bucket the schema takes does not wrap around.
+  config.prefetch_bucket_size = 9e18;
+  auto huge = make_coordinator(config);
+  CHECK(huge->staging_bytes_bound(1, 8) == std::numeric_limits<std::size_t>::max());
 }
