@@ -155,7 +155,7 @@ struct HostWorldWaits {
 };
 
 // A gather by direct exchange (TorchWorld.direct_exchange, gloo;
-// python/ductile/torch/zero3/_direct_exchange.py says why): `send` (a
+// python/ductile/torch/zero3/_world.py says why): `send` (a
 // tensor of n elements) is copied into its place in `out` (a 1-D tensor of
 // size x n, rank order) unless it lies there, then sent from there to every
 // other rank, and theirs are received into their places, over `group` (a

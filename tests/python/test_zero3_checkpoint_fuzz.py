@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ductile
-from ductile.torch.zero3 import _checkpoint, _checkpoint_reads
+from ductile.torch.zero3 import _checkpoint, _checkpoint_files
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -59,7 +59,7 @@ def test_latest_reader_takes_any_bytes(tmp_path, data):
     (tmp_path / "latest").write_bytes(data)
     base = os.path.realpath(tmp_path)
     try:
-        pointer = _checkpoint_reads.read_latest(str(tmp_path), base)
+        pointer = _checkpoint_files.read_latest(str(tmp_path), base)
     except ductile.Error as e:
         assert str(e).startswith(str(tmp_path / "latest") + ": "), e
         return
@@ -80,10 +80,10 @@ def test_manifest_reader_takes_any_bytes(tmp_path, data, signed, sidecar):
     elif checksum.exists():
         os.unlink(checksum)
     digest = hashlib.sha256(data).hexdigest() if signed else "0" * 64
-    pointer = _checkpoint_reads.Pointer(str(tmp_path / "latest"), "tag", digest)
-    source = _checkpoint_reads.Source(str(folder), os.path.realpath(tmp_path), pointer)
+    pointer = _checkpoint_files.Pointer(str(tmp_path / "latest"), "tag", digest)
+    source = _checkpoint_files.Source(str(folder), os.path.realpath(tmp_path), pointer)
     try:
-        path, manifest = _checkpoint_reads.read_manifest(source)
+        path, manifest = _checkpoint_files.read_manifest(source)
     except ductile.Error as e:
         assert str(e), e
         return

@@ -1,5 +1,5 @@
 """TorchWorld's gathers and reduce-scatters on gloo by direct exchange
-(python/ductile/torch/zero3/_direct_exchange.py, and the C++ host world's
+(python/ductile/torch/zero3/_world.py, and the C++ host world's
 planned gathers, which every zero3 training test on torchrun runs): on 2
 and 3 ranks under torchrun, equal to torch's own collectives on the same
 inputs, several in flight at once, in place, of every size down to none,

@@ -145,7 +145,7 @@ def test_the_host_reads_no_device_value_on_the_step_path(runs):
     assert not reads, blocking
     waits = sum(v for k, v in blocking.items() if re.search(r"\bwait\b", k))
     collectives = sum(calls["collectives"].values())
-    # On gloo a collective is a direct exchange (_direct_exchange.py): a
+    # On gloo a collective is a direct exchange (_world.py): a
     # send and a receive a peer, each waited for.
     world = runs["auto"][0]["world"]
     assert 0 < waits <= 2 * (world - 1) * collectives, (blocking, calls["collectives"])

@@ -1,6 +1,6 @@
 """One rank of test_zero3_direct_exchange.py under torchrun (gloo): the
 gathers and reduce-scatters of TorchWorld by direct exchange
-(_direct_exchange.py) against torch's own collectives on the same inputs.
+(_world.py) against torch's own collectives on the same inputs.
 Writes what it saw to <out>.rank<r> (JSON)."""
 
 import gc
@@ -10,8 +10,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ductile.torch.zero3 import _torch_world
-from ductile.torch.zero3._torch_world import TorchWorld
+from ductile.torch.zero3 import _world
+from ductile.torch.zero3._world import TorchWorld
 
 
 def values(count, rank, dtype, salt):
@@ -99,12 +99,12 @@ def main(out_path):
             side_out, torch.cat([values(count, r, torch.float32, 5) for r in range(size)]))
     # Without an exchange (NCCL, more than MAX_RANKS ranks: here a world
     # made while the limit is 1): torch's collectives, the same values.
-    limit = _torch_world.MAX_RANKS
-    _torch_world.MAX_RANKS = 1
+    limit = _world.MAX_RANKS
+    _world.MAX_RANKS = 1
     try:
         collectives = TorchWorld()
     finally:
-        _torch_world.MAX_RANKS = limit
+        _world.MAX_RANKS = limit
     report["collectives_direct"] = collectives.direct_exchange
     count = 1_001
     inp = values(count, rank, torch.float32, 3)

@@ -302,7 +302,7 @@ def profile_calls(train_step, batches, engine):
     import pstats
     before = engine.stats()
     # The engine's gathers and reduce-scatters by direct exchange on gloo
-    # (_direct_exchange.py): collectives too, which cProfile does not see
+    # (_world.py): collectives too, which cProfile does not see
     # as such.
     exchanges = getattr(engine.comm, "exchanges", None)
     exchanges_before = dict(exchanges) if exchanges is not None else {}
@@ -322,7 +322,7 @@ def profile_calls(train_step, batches, engine):
     optimizer = f"{os.sep}torch{os.sep}optim{os.sep}"
     for (path, _, name), (_, calls, _, _, callers) in pstats.Stats(profiler).stats.items():
         total += calls
-        if path.endswith((f"{os.sep}_torch_world.py", f"{os.sep}_direct_exchange.py")) and \
+        if path.endswith(f"{os.sep}_world.py") and \
                 name in ("query", "wait", "<genexpr>"):
             # How often the coordinator polls a collective before it
             # completes is the machine's timing, not the engine's work.

@@ -1,52 +1,461 @@
-"""The ZeRO-3 engine: a torch.nn.Module's parameters partitioned by the C++
-coordinator (the configured ``zero`` plugin) over the ranks of its world,
-gathered just in time by module hooks. ``Zero3Engine`` is the user's
-facade (DeepSpeed's engine API); the work sits on seams, as FSDP2's
-``fully_shard`` does (``FSDPState``, ``FSDPParamGroup``, ``FSDPParam``):
-
-- _sharded_model.py: the sharding set-up (coordinator session, world,
-  groups and shards, placement and offload, gradient reducer, hooks) and
-  the shards' update before a pass;
-- _units.py: which modules are hooked (units) and which parameters each
-  gathers (groups);
-- _shards.py: the parameters and groups registered with the coordinator,
-  this rank's shards filled, and written back after a step;
-- _param.py: group and parameter state (flat shards, master copies,
-  materialisation, saved-tensor packing);
-- _passes.py: fetch and release of each unit's groups, the hooks that
-  drive them, and the passes (forward, backward) they run in;
-- _gradients.py: reduce-scatters by group;
-- _loss_scaling.py: fp16 loss scaling (unscale, overflow, the scale);
-- _optimizer_step.py: the optimizer, clipping and the step;
-- _grad_shards.py: what unscaling, the overflow check and clipping do to
-  the gradient shards;
-- _offload.py and _budget.py: optimizer offload to the host, and where
-  each group's tensors live under max_device_memory;
-- _step_log.py: the progress line every log_interval steps;
-- _snapshots.py: the in-memory snapshots every snapshot_interval steps
-  under ``ductile agent``, and the restore from one at start;
-- this file: the configuration, and the training API (backward, step,
-  accumulation, checkpoints, full weights), each call handed to its seam.
-"""
+"""The engine: its configuration, the sharded model it drives, the step and its log line, and
+``initialize``."""
 
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
+import resource
+import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal, TypeAlias
 
 import torch
 
-from ..._config import Config, PluginPath, StrPath
-from ..._errors import IncompatibleError, InvalidArgumentError
-from . import _config, _full
-from ._loss_scaling import LossScaling
-from ._optimizer_step import OptimizerStep
-from ._passes import ENGINE, EXTERNAL
-from ._precision import MixedPrecision
-from ._sharded_model import ShardedModel
+from ... import _ductile
+from ..._config import Config, PluginPath, StrPath, load_config
+from ..._errors import ConfigError, IncompatibleError, InvalidArgumentError
+from . import _gradients, _optimizer_step, _param
+from ._gradients import GradientReducer, LossScaling, MixedPrecision
+from ._optimizer_step import OptimizerStep, place
+from ._param import Sharding
+from ._passes import ENGINE, EXTERNAL, Passes
 from ._snapshots import Snapshots
-from ._step_log import StepLog
+from ._world import DeviceMemory, SessionCollectives
+
+# zero3's configuration: a ductile TOML with [zero] and [accelerator]
+# sections, or a DeepSpeed JSON config (a dict is one, as for
+# ``deepspeed.initialize(config=...)``).
+#
+# A DeepSpeed config's ZeRO keys are mapped onto [zero] by the pipeline's one
+# mapping (``pipeline::deepspeed_sections``, also behind ``ductile config
+# check``): ``zero_optimization.stage3_*`` (the coordinator's limits),
+# ``offload_param`` (device "nvme": nvme_path, buffer_count) and
+# ``offload_optimizer`` (device, pin_memory, ratio: [zero] offload_optimizer,
+# offload_pin_memory, offload_ratio), with warnings for the keys accepted but
+# not acted on. The same pass reads, into a typed dict, what configures torch
+# objects here: the ``bf16`` / ``fp16`` sections (MixedPrecision,
+# _gradients.py), ``gradient_clipping`` (engine.step() clips to it first) and
+# ``optimizer`` (type Adam/AdamW and params, when no optimizer_factory is
+# given). A value "auto" (Hugging Face's placeholder) keeps ductile's default.
+
+
+class Settings:
+    """What zero3 takes from its configuration."""
+
+    def __init__(self, loaded, mixed_precision, gradient_clipping, offload=None,
+                 optimizer=None, training=None):
+        self.loaded = loaded
+        # What a DeepSpeed config sets for the training framework, as the
+        # mapping read it (pipeline::DeepSpeedTraining); None for a TOML.
+        self.training = training
+        self.mixed_precision = mixed_precision
+        self.gradient_clipping = gradient_clipping
+        self.offload = offload or OffloadSettings()
+        self.optimizer = optimizer  # a factory for a DeepSpeed "optimizer" section, or None
+
+
+class OffloadSettings:
+    """Offload as asked: ``optimizer`` (every group's optimizer on the
+    host), ``ratio`` (only that share of the optimizer bytes), ``pin``
+    (pinned host buffers on cuda), ``param`` (every group's parameter shard
+    in host memory, and its optimizer with it)."""
+
+    def __init__(self, optimizer=False, ratio=None, pin=True, param=False):
+        self.optimizer = optimizer
+        self.ratio = ratio
+        self.pin = pin
+        self.param = param
+
+
+def offload_argument(value, runtime):
+    """OffloadSettings from initialize(offload_optimizer=...): None, False or
+    "none" (off), True or "cpu" (on), or a dict of DeepSpeed's
+    offload_optimizer keys, mapped and checked by the pipeline as the same
+    object inside a DeepSpeed config (``pipeline::deepspeed_offload_optimizer``)."""
+    where = "zero3.initialize"
+    if value is None or value is False:
+        return OffloadSettings()
+    if value is True or isinstance(value, str):
+        value = {"device": "cpu" if value is True else value}
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: offload_optimizer = {value!r}; valid: None, True, False, "
+                          f"\"cpu\", \"none\" or a dict of DeepSpeed's offload_optimizer "
+                          f"keys ({e})") from e
+    keys, warns = runtime.offload_optimizer(text, where)
+    for message in warns:
+        warnings.warn(message, UserWarning, stacklevel=4)
+    return _offload_of_keys(keys)
+
+
+def _backend(world):
+    if world is not None:
+        return "cuda" if world.device.type == "cuda" else "cpu"
+    return "cpu"
+
+
+def _offload_of_keys(keys):
+    """OffloadSettings of [zero]'s validated offload keys."""
+    param = keys.get("offload_param") == "cpu"
+    if keys["offload_optimizer"] != "cpu":
+        return OffloadSettings(pin=keys["offload_pin_memory"], param=param)
+    ratio = keys["offload_ratio"]
+    return OffloadSettings(True, None if ratio == 1.0 else ratio, keys["offload_pin_memory"],
+                           param)
+
+
+def _offload_of(runtime):
+    """OffloadSettings of a validated [zero] section (TOML, or mapped from
+    DeepSpeed's offload_optimizer)."""
+    section = runtime.section("zero")
+    return OffloadSettings() if section is None else _offload_of_keys(section["host_params"])
+
+
+def resolve(config, plugin_path, mixed_precision, world):
+    """Loads `config` (TOML path/text, DeepSpeed JSON path/text/dict, or a
+    loaded ductile.Config, or Settings resolved already); returns Settings.
+    `mixed_precision` (given to initialize) wins over the config's
+    bf16/fp16 sections."""
+    if isinstance(config, Settings):
+        return config
+    loaded = load_config(config, plugin_path=plugin_path)
+    training = None
+    clipping = None
+    precision = None
+    optimizer = None
+    if loaded.format == "deepspeed":
+        runtime, warns, training = _ductile.Runtime.from_deepspeed(
+            loaded.deepspeed, loaded.origin, plugin_path, loaded.base_dir,
+            require_zero_stage3=True, accelerator_backend=_backend(world), read_training=True)
+        for message in warns:
+            warnings.warn(message, UserWarning, stacklevel=4)
+        precision = _gradients.from_training(training)
+        clipping = training["gradient_clipping"]
+        if training["optimizer"] is not None:
+            optimizer = optimizer_factory(training["optimizer"], loaded.origin)
+        loaded = Config("deepspeed", loaded.origin, runtime, loaded.deepspeed, loaded.base_dir)
+    if mixed_precision is not None:
+        if not isinstance(mixed_precision, _gradients.MixedPrecision):
+            mixed_precision = _gradients.MixedPrecision(mixed_precision)
+        if precision is not None:
+            _warn_replaced("mixed_precision", "bf16/fp16 section", loaded.origin)
+        precision = mixed_precision
+    return Settings(loaded, precision, clipping, _offload_of(loaded.runtime), optimizer,
+                    training)
+
+
+def _warn_replaced(argument, key, origin):
+    warnings.warn(f"zero3.initialize: the {argument} argument replaces {origin}'s {key} "
+                  "(an argument given to initialize wins over the config)", UserWarning,
+                  stacklevel=5)
+
+
+def warn_overridden(settings, optimizer_factory, offload_optimizer):
+    """Warns for each of initialize's arguments that replaces what the
+    config set (the rule: the argument wins); mixed_precision is resolve's."""
+    origin = settings.loaded.origin
+    if optimizer_factory is not None and settings.optimizer is not None:
+        _warn_replaced("optimizer_factory", "optimizer section", origin)
+    if offload_optimizer is not None and settings.offload.optimizer:
+        key = ("zero_optimization.offload_optimizer" if settings.loaded.format == "deepspeed"
+               else "[zero] offload_optimizer")
+        _warn_replaced("offload_optimizer", key, origin)
+
+
+def log_interval(settings):
+    """The steps between the engine's progress lines: [zero] log_interval
+    (validated by the schema, 0 by default), else a DeepSpeed config's
+    steps_per_print, else 0 (none)."""
+    section = settings.loaded.runtime.section("zero")
+    interval = 0 if section is None else section["host_params"]["log_interval"]
+    if not interval and settings.training is not None:
+        interval = settings.training["steps_per_print"] or 0
+    return interval
+
+
+def snapshot_keys(settings):
+    """([zero] snapshot_interval, snapshot_replicas), validated by the
+    schema (a DeepSpeed config's "snapshot" object is mapped onto them)."""
+    section = settings.loaded.runtime.section("zero")
+    keys = {} if section is None else section["host_params"]
+    return keys.get("snapshot_interval", 1), keys.get("snapshot_replicas", 1)
+
+
+def torch_world(group):
+    """The host's world when torch.distributed is initialised, else None."""
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    from ._world import TorchWorld
+    return TorchWorld(group)
+
+
+def optimizer_factory(optimizer, origin):
+    """An optimizer_factory for a DeepSpeed config's ``optimizer`` section, as
+    the pipeline read and checked it: torch's AdamW, or Adam when the weight
+    decay is not decoupled (``adam_w_mode`` false), with the parameters given."""
+    cls = torch.optim.AdamW if optimizer["decoupled_weight_decay"] else torch.optim.Adam
+    kwargs = {k: optimizer[k] for k in ("lr", "betas", "eps", "weight_decay")
+              if optimizer[k] is not None}
+
+    def factory(shards):
+        try:
+            return cls(shards, **kwargs)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{origin}: optimizer.params: {e}") from e
+    return factory
+
+
+# The engine's progress lines: every ``log_interval`` optimizer steps
+# ([zero] log_interval, or a DeepSpeed config's steps_per_print), one line
+# through the ``ductile.zero3`` logger on rank 0 with what the interval did.
+#
+# Between two lines a step costs one integer test and, for the steps that
+# count samples (``Zero3Engine.count_batch``), two additions; the counters
+# are read, summed over the ranks (one all-reduce of two numbers) and
+# formatted only at a logged step.
+#
+# The line's fields (also on the record as ``record.zero3_step``, a dict):
+#
+# - ``step``: the engine's global_step after the logged step;
+# - ``loss_scale``: the fp16 loss scale (1.0 without loss scaling);
+# - ``lr``: the learning rate of the logged step (the optimizer's first
+#   parameter group);
+# - ``step_time_s``: the interval's wall time over its steps (forward,
+#   backward, step and whatever the loop did between steps);
+# - ``samples_per_second``, ``tokens_per_second``: what count_batch counted
+#   over the interval on every rank, over its wall time (absent when nothing
+#   was counted);
+# - ``peak_memory_bytes`` and ``peak_memory``: the device's peak allocated
+#   memory ("device", cuda) or the process's peak resident set ("host_rss",
+#   cpu) since the start;
+# - ``gather_wait_ms``: per step, the time the passes waited for parameter
+#   gathers (the coordinator's fetch_wait_ns) and ``grad_wait_ms`` for the
+#   gradient reduce-scatters;
+# - ``offload_to_host_bytes``, ``offload_to_device_bytes``: per step, the
+#   gradient shards copied to the host and the parameters copied back (with
+#   offload_optimizer or offload_param; absent without).
+
+logger = logging.getLogger("ductile.zero3")
+
+
+def _visible_logger():
+    """The logger at INFO unless the application set its level, with a
+    handler to stderr when nothing would print its records: a log_interval
+    asks for lines to be seen."""
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    if not logger.hasHandlers():
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[%(asctime)s] [%(name)s] %(message)s"))
+        logger.addHandler(handler)
+    return logger
+
+
+def _peak_memory(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "device"
+    # ru_maxrss is in KiB on Linux.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "host_rss"
+
+
+class StepLog:
+    """The interval's counters of one engine and the line they make."""
+
+    def __init__(self, interval, engine):
+        self.interval = interval
+        self._engine = engine
+        _visible_logger()
+        self._restart()
+
+    def _restart(self):
+        engine = self._engine
+        self._start = time.perf_counter()
+        self._steps = 0  # counted here: a checkpoint's load moves global_step
+        self._samples = 0
+        self._tokens = 0
+        coordinator = engine._session.stats()
+        self._fetch_wait_ns = coordinator["fetch_wait_ns"]
+        self._grad_wait_ns = engine._gradients.counters["grad_wait_ns"]
+        offload = engine._offload
+        self._offload_bytes = None if offload is None else (
+            offload.counters["offload_grad_bytes"], offload.counters["offload_param_bytes"])
+
+    def count(self, samples, tokens):
+        self._samples = self._samples + samples
+        if tokens is not None:
+            self._tokens = self._tokens + tokens
+
+    def due(self, step):
+        """Whether the step that ends at global_step `step` is logged;
+        called once a step."""
+        self._steps += 1
+        return step % self.interval == 0
+
+    def log(self, lr):
+        """At a logged step, after it: the line (rank 0), and a new
+        interval. Collective with more than one rank (the counts' sum)."""
+        engine = self._engine
+        seconds = max(time.perf_counter() - self._start, 1e-9)
+        steps = max(self._steps, 1)
+        samples, tokens = self._counted()
+        if engine.rank == 0:
+            fields = {"step": engine.global_step, "loss_scale": float(engine.loss_scale),
+                      "lr": None if lr is None else float(lr), "step_time_s": seconds / steps}
+            if samples:
+                fields["samples_per_second"] = samples / seconds
+            if tokens:
+                fields["tokens_per_second"] = tokens / seconds
+            fields["peak_memory_bytes"], fields["peak_memory"] = _peak_memory(engine.device)
+            fields["gather_wait_ms"] = (engine._session.stats()["fetch_wait_ns"]
+                                        - self._fetch_wait_ns) / 1e6 / steps
+            fields["grad_wait_ms"] = (engine._gradients.counters["grad_wait_ns"]
+                                      - self._grad_wait_ns) / 1e6 / steps
+            if self._offload_bytes is not None:
+                counters = engine._offload.counters
+                fields["offload_to_host_bytes"] = (counters["offload_grad_bytes"]
+                                                   - self._offload_bytes[0]) // steps
+                fields["offload_to_device_bytes"] = (counters["offload_param_bytes"]
+                                                     - self._offload_bytes[1]) // steps
+            logger.info(" ".join(f"{key}={_text(value)}" for key, value in fields.items()),
+                        extra={"zero3_step": fields})
+        self._restart()
+
+    def _counted(self):
+        """The interval's samples and tokens over every rank."""
+        engine = self._engine
+        counts = (self._samples, self._tokens)
+        tensors = any(isinstance(c, torch.Tensor) for c in counts)
+        if engine.world_size == 1 and not tensors:
+            return counts
+        if tensors:
+            counts = torch.stack([torch.as_tensor(c, dtype=torch.int64).to(engine.device)
+                                  for c in counts])
+        else:
+            counts = torch.tensor(counts, dtype=torch.int64, device=engine.device)
+        if engine.world_size > 1:
+            engine.comm.all_reduce(counts, "sum").wait()
+        return counts.tolist()
+
+
+def _text(value):
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+# The sharding set-up of the zero3 engine (FSDP2's ``fully_shard``
+# set-up): a model's parameters partitioned over a world, and what keeps
+# them so.
+#
+# ``ShardedModel`` builds, in order: the coordinator session (the configured
+# ``zero`` plugin) over the world, the device and the world's collectives;
+# the parameters, their groups and units, registered with the coordinator
+# (_param.py); where each group's optimizer state lives under
+# max_device_memory (_optimizer_step.py, _optimizer_step.py); this rank's shards filled; the
+# gradient reducer (_gradients.py); and the pass hooks installed
+# (_passes.py). Before each pass it brings the shards up to date with what
+# the optimizer wrote.
+#
+# The world is torch.distributed's process group when it is initialised and
+# the configuration allows it (``[accelerator] communicator = "auto"`` or
+# ``"host"``): the coordinator's gathers and the engine's reduce-scatters run
+# on it (gloo on cpu, NCCL on cuda) and no MPI is started. Otherwise it is the
+# accelerator's own (Open MPI under mpirun or ``ductile agent --mpi-world``,
+# NCCL over an MPI bootstrap, or a single process).
+
+
+class ShardedModel:
+    """A model's parameters partitioned over the ranks of a world: the
+    coordinator session, the sharding (parameters, groups, units), their
+    placement and offload, the gradient reducer and the passes."""
+
+    def __init__(self, model, runtime, world, precision, groups, offload, max_device_memory,
+                 load_from, has_optimizer, step_in_backward, move_model=False):
+        self.session = _ductile.zero.Session(runtime, world)
+        self.memory = DeviceMemory(self.session.backend)
+        if self.session.host_world:
+            if world.device.type != self.memory.device.type:
+                raise IncompatibleError(
+                    f"zero3: torch.distributed's {world.backend} process group works on "
+                    f"{world.device.type}, the configured accelerator on {self.session.backend}; "
+                    "use gloo with backend = \"cpu\" or NCCL with backend = \"cuda\"")
+            self.comm = world
+        else:
+            self.comm = SessionCollectives(self.session, self.memory.device)
+        self.rank = self.session.rank
+        self.world_size = self.session.size
+
+        self.sharding = Sharding(self.session, self.memory, self.comm, precision)
+        if move_model and not any(p.is_meta for p in model.parameters()):
+            # DeepSpeed's engine takes the model where it was built (the HF
+            # Trainer leaves it on the CPU for it) and moves it, buffers too.
+            model.to(self.memory.device)
+        self.params = self.sharding.collect(model)
+        units = self.sharding.plan(model, groups)
+        self.groups = self.sharding.groups
+        self.placement = _optimizer_step.Placement(
+            self.groups, precision.master_dtype if precision is not None else None,
+            2 if has_optimizer else 0, _optimizer_step.gather_reserve(self.session, self.groups),
+            _optimizer_step.staging_cap(self.session, self.groups))
+        self.offload = place(self.groups, self.placement, offload,
+                             _optimizer_step.budget_bytes(max_device_memory, self.memory.device),
+                             has_optimizer, step_in_backward, self.memory.device)
+        self.sharding.offload = self.offload
+        self.sharding.partition(model, load_from)
+        reduce_dtype = precision.reduce_dtype if precision is not None else None
+        self.gradients = GradientReducer(self.comm, reduce_dtype)
+        self.passes = Passes(self.session, self.memory, self.params, self.groups,
+                             self.gradients, self.begin_pass)
+        self.passes.register_units(units)
+        self.passes.install(model)
+
+    def begin_pass(self):
+        """Before a pass: on cuda, torch's current stream becomes the
+        coordinator's compute stream (gathers ordered after the optimizer's
+        writes and before the kernels that read them, copies reused only
+        after those kernels: see docs/zero3.md, "Streams"); then the shards
+        are brought up to date."""
+        if self.memory.device.type == "cuda":
+            self.session.set_compute_stream(torch.cuda.current_stream(self.memory.device)
+                                            .cuda_stream)
+        if self.sharding.changed:
+            self.sharding.sync()
+
+
+# The ZeRO-3 engine: a torch.nn.Module's parameters partitioned by the C++
+# coordinator (the configured ``zero`` plugin) over the ranks of its world,
+# gathered just in time by module hooks. ``Zero3Engine`` is the user's
+# facade (DeepSpeed's engine API); the work sits on seams, as FSDP2's
+# ``fully_shard`` does (``FSDPState``, ``FSDPParamGroup``, ``FSDPParam``):
+#
+# - this file: the configuration (a ductile TOML or a DeepSpeed config), the
+#   sharding set-up (``ShardedModel``: coordinator session, world, groups and
+#   shards, placement and offload, gradient reducer, hooks), the progress
+#   line every log_interval steps, and the training API (backward, step,
+#   accumulation, checkpoints, full weights), each call handed to its seam;
+# - _param.py: parameters and their groups (flat shards, master copies,
+#   materialisation, saved-tensor packing), the model sharded into them (at
+#   once, or built straight into shards under ``init()``), and full
+#   parameters gathered back;
+# - _passes.py: which modules are hooked (units), the fetch and release of
+#   their groups, the hooks that drive them and the passes they run in;
+# - _gradients.py: reduce-scatters by group, what unscaling, the overflow
+#   check and clipping do to the gradient shards, mixed precision and fp16
+#   loss scaling;
+# - _optimizer_step.py: the optimizer and its step, per-parameter
+#   optimizers, where each group's tensors live under max_device_memory, and
+#   optimizer offload to the host;
+# - _checkpoint.py and _checkpoint_files.py: checkpoints (the ranks'
+#   agreement, the atomic save, the load on any world size) and their files;
+# - _snapshots.py: the in-memory snapshots every snapshot_interval steps
+#   under ``ductile agent``, and the restore from one at start;
+# - _world.py: the world (torch's process group or the accelerator's own),
+#   its collectives, and device memory.
 
 # Builds the optimizer over the shard parameters it is given (None: no
 # optimizer).
@@ -89,9 +498,9 @@ class Zero3Engine:
     accelerator's device first, as ``deepspeed.initialize`` does (its
     drop-in passes it); zero3.initialize refuses a model elsewhere instead."""
 
-    # config: also the Settings the DeepSpeed drop-in resolved (_config.py).
+    # config: also the Settings the DeepSpeed drop-in resolved.
     def __init__(self, model: torch.nn.Module, optimizer_factory: OptimizerFactory | None = None,
-                 config: ConfigSource | _config.Settings | None = None, *,
+                 config: ConfigSource | Settings | None = None, *,
                  plugin_path: PluginPath = None,
                  mixed_precision: MixedPrecision | str | torch.dtype | None = None,
                  load_from: StrPath | None = None,
@@ -107,21 +516,21 @@ class Zero3Engine:
                 "zero3.initialize: config is required: a ductile TOML (path or text) with "
                 "[zero] and [accelerator] sections, or a DeepSpeed JSON config (path, text or "
                 "dict)")
-        world = _config.torch_world(group)
-        settings = _config.resolve(config, plugin_path, mixed_precision, world)
+        world = torch_world(group)
+        settings = resolve(config, plugin_path, mixed_precision, world)
         self.config = settings.loaded
         # A DeepSpeed config's training keys as the mapping read them; None
         # for a TOML.
         self.training = settings.training
         self.mixed_precision = precision = settings.mixed_precision
         if settings is not config:  # not the DeepSpeed drop-in's, resolved from its config
-            _config.warn_overridden(settings, optimizer_factory, offload_optimizer)
+            warn_overridden(settings, optimizer_factory, offload_optimizer)
         if optimizer_factory is None:
             optimizer_factory = settings.optimizer
         offload = settings.offload
         if offload_optimizer is not None:
             param = offload.param  # the argument is about the optimizer only
-            offload = _config.offload_argument(offload_optimizer, settings.loaded.runtime)
+            offload = offload_argument(offload_optimizer, settings.loaded.runtime)
             offload.param = param
 
         sharded = ShardedModel(model, settings.loaded.runtime, world, precision, groups,
@@ -141,7 +550,7 @@ class Zero3Engine:
         self._gradients = sharded.gradients
         self._passes = sharded.passes
         for zp in self._params:
-            _full.register_owner(self, zp)
+            _param.register_owner(self, zp)
 
         self._scaler = precision.loss_scaler if precision is not None else None
         scaling = None
@@ -153,9 +562,9 @@ class Zero3Engine:
         self.optimizer = self._steps.optimizer
         self.step_in_backward = self._steps.step_in_backward
         self._lr_scheduler = None
-        interval = _config.log_interval(settings)  # checked by the schema
+        interval = log_interval(settings)  # checked by the schema
         self._step_log = StepLog(interval, self) if interval else None
-        self._snapshots = Snapshots(self, *_config.snapshot_keys(settings))
+        self._snapshots = Snapshots(self, *snapshot_keys(settings))
         # The step restored from DUCTILE_SNAPSHOT_RESTORE (a round that
         # resumes from memory under `ductile agent`), or None.
         self.restored_from_memory = self._snapshots.restore()
@@ -188,7 +597,7 @@ class Zero3Engine:
     @property
     def log_interval(self) -> int:
         """Optimizer steps between the progress lines of the
-        ``ductile.zero3`` logger on rank 0 (_step_log.py); 0: none. From
+        ``ductile.zero3`` logger on rank 0; 0: none. From
         [zero] log_interval, else a DeepSpeed config's steps_per_print."""
         return 0 if self._step_log is None else self._step_log.interval
 
@@ -424,28 +833,28 @@ class Zero3Engine:
 
     # --- full parameters, checkpoints ---------------------------------------------------
 
-    def full_parameters(self, dtype: _full.DtypeArgument = None) -> dict[str, torch.Tensor]:
+    def full_parameters(self, dtype: _param.DtypeArgument = None) -> dict[str, torch.Tensor]:
         """Every parameter, whole, on every rank (a dict name -> tensor, new
         memory), from the optimizer's shards (fp32 masters with mixed
         precision) unless `dtype` says otherwise. Collective."""
-        return _full.full_parameters(self, dtype)
+        return _param.full_parameters(self, dtype)
 
-    def state_dict(self, dtype: _full.DtypeArgument = None,
+    def state_dict(self, dtype: _param.DtypeArgument = None,
                    rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """``model.state_dict()`` with every parameter whole (new memory, on
         the cpu): the keys of the unwrapped model, tied parameters under each
         of their names, buffers as they are. Collective; with rank0_only the
         other ranks get an empty dict."""
-        return _full.state_dict(self, dtype, rank0_only)
+        return _param.state_dict(self, dtype, rank0_only)
 
-    def save_consolidated(self, path: StrPath, dtype: _full.DtypeArgument = None,
+    def save_consolidated(self, path: StrPath, dtype: _param.DtypeArgument = None,
                           max_shard_bytes: int = 5 << 30) -> None:
         """Writes the whole model as Hugging Face safetensors into the folder
         `path` (``model.safetensors``, or numbered files with an index past
         max_shard_bytes; plus ``config.json`` for a transformers model), so
         that ``from_pretrained(path)`` loads it. Rank 0 writes, holding at
         most one file's tensors at a time. Collective."""
-        _full.save_consolidated(self, path, dtype, max_shard_bytes)
+        _param.save_consolidated(self, path, dtype, max_shard_bytes)
 
     def close(self) -> None:
         """Removes the hooks and gives every parameter its full values back
@@ -497,3 +906,80 @@ class Zero3Engine:
         self._snapshots.finish_save()
         from . import _checkpoint
         return _checkpoint.load(self, directory, lr_scheduler)
+
+
+def initialize(model: torch.nn.Module, optimizer_factory: OptimizerFactory | None = None,
+               config: ConfigSource | None = None, *, plugin_path: PluginPath = None,
+               mixed_precision: MixedPrecision | str | torch.dtype | None = None,
+               load_from: StrPath | None = None,
+               group: torch.distributed.ProcessGroup | None = None,
+               step_in_backward: bool = False, groups: Groups = "auto",
+               allow_config_plugins: bool = False,
+               offload_optimizer: bool | str | dict[str, Any] | None = None,
+               max_device_memory: int | float | None = None) -> Zero3Engine:
+    """Partitions ``model``'s parameters and installs the hooks; returns the
+    engine. Collective: every rank calls it with the same model structure.
+
+    ``optimizer_factory``: called with the list of shard parameters (one flat
+    tensor per parameter, in ``model.named_parameters()`` order, fp32 masters
+    with mixed precision), returns a ``torch.optim`` optimizer (or None: no
+    optimizer). ``config``: a ductile TOML (path or text; a dict of sections
+    through ``ductile.load_config(d, format="toml")``) with a ``[zero]``
+    section (e.g. ``coordinator = "partitioned"``) and an ``[accelerator]``
+    section, or a DeepSpeed JSON config (path, text, or dict, as
+    ``deepspeed.initialize`` takes it: ZeRO stage 3; its bf16/fp16,
+    gradient_clipping, optimizer and scheduler keys are honoured: the
+    scheduler is ``engine.lr_scheduler``, stepped by ``step()``), or a loaded
+    ``ductile.Config``. When
+    torch.distributed is initialised (torchrun) and ``[accelerator]
+    communicator`` is "auto" or "host", its process group (``group``, or the
+    default one) is the world: no MPI. ``mixed_precision``: a
+    ``MixedPrecision``, or "bf16"/"fp16" (fp32 masters and reduction).
+    Initial values: the slices ``zero3.init`` kept, safetensors files
+    (``load_from``), or rank 0's values, broadcast as
+    DistributedDataParallel does. ``step_in_backward``: one optimizer per
+    shard (``optimizer_factory([shard])``), stepped as soon as that shard's
+    gradient is reduce-scattered, so the gradient shards never all exist at
+    once (no global clipping or fp16 loss scaling then; accumulate with
+    ``no_sync()`` for all but the last micro-batch). ``groups``: which
+    modules are hooked and gather their parameters as one group (one
+    collective each way): "auto" (the transformer blocks: a Hugging Face
+    model's ``_no_split_modules``, else each child of an ``nn.ModuleList``;
+    the root takes the rest), "module" (every module with parameters), a
+    tuple of module classes or a callable ``module -> bool`` (those, and the
+    root). ``offload_optimizer``: "cpu" (or True) keeps every group's fp32
+    master and Adam state in host memory, stepped by the cpu_adam plugin
+    (a dict takes DeepSpeed's offload_optimizer keys: device, pin_memory,
+    ratio); the optimizer must be Adam or AdamW. ``max_device_memory``:
+    bytes (int) or a fraction of the device's memory (float): the groups'
+    optimizers that do not fit go to the host. ``engine.stats()`` reports
+    the placement and the device bytes (docs/zero3.md, "Offload").
+    ``mixed_precision``, ``offload_optimizer`` and ``optimizer_factory``
+    win over what the config sets for the same thing (its bf16/fp16
+    sections, offload_optimizer key, optimizer section), with a UserWarning
+    naming the key they replace.
+    ``allow_config_plugins``: load plugins from the directories the
+    config's own ``[plugins] path`` names (off: see ``ductile.load_config``).
+    Under ``ductile agent``, the engine writes snapshots of the training
+    state into DUCTILE_SNAPSHOT_DIR every ``[zero] snapshot_interval``
+    steps, and loads DUCTILE_SNAPSHOT_RESTORE when a round resumes from
+    one (``engine.restored_from_memory``: its step; docs/zero3.md,
+    "Snapshots in memory").
+    Raises ConfigError (also for a plugin the config selects from a
+    directory it names, without ``allow_config_plugins``),
+    InvalidArgumentError (a parameter of an unsupported dtype or on the
+    wrong device, a bad ``groups``).
+    """
+    if config is not None:
+        config = load_config(config, plugin_path=plugin_path,
+                             allow_config_plugins=allow_config_plugins)
+    engine = Zero3Engine(model, optimizer_factory, config, plugin_path=plugin_path,
+                         mixed_precision=mixed_precision, load_from=load_from, group=group,
+                         step_in_backward=step_in_backward, groups=groups,
+                         offload_optimizer=offload_optimizer,
+                         max_device_memory=max_device_memory)
+    scheduler = (engine.training or {}).get("scheduler")
+    if scheduler is not None and engine.optimizer is not None:
+        from ...deepspeed.lr_schedules import scheduler_from_config
+        engine.lr_scheduler = scheduler_from_config(scheduler, engine.optimizer)
+    return engine

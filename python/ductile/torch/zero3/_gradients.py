@@ -1,56 +1,347 @@
-"""Gradients of a zero3 engine, by group: when a unit's backward is done
-(_passes.py), the full gradients of its group's parameters are laid out
-rank-major in one flat buffer (``torch._chunk_cat``: member by member, each
-split into the ranks' slices as the shards are; ``_ductile.zero.
-take_gradients``, python/src/group_gradients.hpp, one C++ call a group),
-reduce-scattered (summed,
-then divided by the world size) into this rank's flat gradient shard, and
-dropped. Groups smaller than ``bucket_bytes`` share a collective: their
-rank-major layouts are joined side by side (rank r's slices of every group
-together) and reduce-scattered at once when the bucket is full, or at the
-end of the backward, since on a small group the collective's fixed cost
-(a gloo round trip, a kernel launch) is larger than its bytes'. A group of
-``bucket_bytes`` or more goes alone, as soon as its backward is done. The
-reduce-scatters run while backward goes on; ``drain()`` finishes the rest at
-its end. Each member's ``shard.grad`` is a view of the group's flat
-gradient shard, so clipping, unscaling and the optimizer's foreach kernels
-see a handful of big tensors.
+"""Gradients: their reduce-scatter into flat gradient shards after each unit's backward,
+clipping, overflow checks, mixed precision and loss scaling."""
 
-A parameter whose gradient arrives after its group was reduced (one used
-again by a later unit) is reduced again with the group at the end of the
-backward; reduction is linear, so the sum is the same.
-
-Reduce dtype: the full gradients are cast to ``reduce_dtype`` (fp32 unless
-configured) by the layout copy, and the result is added to the gradient
-shard in the master dtype, so bf16 compute still sums in fp32.
-
-With ``on_group_ready`` set (the engine's step_in_backward), each group is
-handed over as soon as its reduce-scatter completes, so the optimizer steps
-its parameters and drops their gradient shards: no rank ever holds all
-gradient shards at once.
-
-Gradient accumulation, two ways (``sync``):
-- ``sync`` on (the default): every micro-batch's gradients are
-  reduce-scattered and added to the gradient shards (fp32 with mixed
-  precision): communication every micro-batch, memory of a shard;
-- ``sync`` off (``engine.no_sync()``): each group's rank-major gradients
-  are summed locally in the reduce dtype and nothing is communicated; the
-  next backward with ``sync`` on reduce-scatters the sum once: one
-  reduce-scatter a group per step, memory of the full gradients while
-  accumulating.
-
-Every parameter of a group that gets a gradient on one rank must get one on
-every rank (as with per-parameter reduction, the ranks would otherwise
-issue different collectives); a member without one adds zeros and keeps no
-gradient shard.
-"""
-
+import math
 import time
 
 import torch
 
 from ... import _ductile
-from ._collectives import Done
+from ..._errors import InvalidArgumentError
+from ._world import Done
+
+# Mixed precision of the zero3 engine: the dtypes parameters are gathered,
+# gradients reduced and the optimizer's shards kept in, and fp16 loss scalers.
+#
+# ``MixedPrecision(param_dtype, reduce_dtype, master_dtype)``:
+#
+# - ``param_dtype``: the dtype parameters are gathered and computed in (the
+#   coordinator's shards are kept in it, so a gather moves 2 bytes an element
+#   in bf16/fp16); None: the model's own dtype;
+# - ``reduce_dtype``: the dtype gradients are reduce-scattered and summed in;
+#   fp32 by default;
+# - ``master_dtype``: the dtype of the shards the optimizer steps on (and of
+#   its state and of the gradient shards); fp32 by default. When it differs
+#   from ``param_dtype`` the optimizer's shards are a master copy, cast into
+#   the coordinator's shards after every optimizer step.
+#
+# fp16 needs loss scaling: ``DynamicLossScaler`` (DeepSpeed's and
+# torch.amp.GradScaler's rule): the loss is multiplied by the scale before
+# backward; before the optimizer step the gradient shards are unscaled and
+# checked for inf/NaN on every rank (one all-reduce); a step with an overflow
+# is skipped and the scale halved (after ``hysteresis`` overflows in a row),
+# and after ``growth_interval`` steps without one it doubles.
+#
+# ``from_training(training)`` builds them from a DeepSpeed config's ``bf16``
+# / ``fp16`` sections as the pipeline read them (``enabled``, ``loss_scale``
+# (0: dynamic), ``initial_scale_power``, ``loss_scale_window``,
+# ``hysteresis``, ``min_loss_scale``).
+
+_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def as_dtype(value, what):
+    if value is None or isinstance(value, torch.dtype):
+        if value not in (None, torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            raise InvalidArgumentError(f"zero3: {what} = {value} is not a floating dtype; valid: "
+                                       "torch.float32, torch.bfloat16, torch.float16")
+        return value
+    dtype = _NAMES.get(str(value).lower())
+    if dtype is None:
+        raise InvalidArgumentError(f"zero3: {what} = {value!r} is not valid; valid: 'fp32', "
+                                   "'bf16', 'fp16' or a torch dtype")
+    return dtype
+
+
+class MixedPrecision:
+    """See the module's docstring. ``loss_scale``: None (fp32/bf16: none;
+    fp16: a DynamicLossScaler with its defaults), a number (static), or a
+    DynamicLossScaler."""
+
+    def __init__(self, param_dtype=None, reduce_dtype=torch.float32,
+                 master_dtype=torch.float32, loss_scale=None):
+        self.param_dtype = as_dtype(param_dtype, "param_dtype")
+        self.reduce_dtype = as_dtype(reduce_dtype, "reduce_dtype")
+        self.master_dtype = as_dtype(master_dtype, "master_dtype")
+        if loss_scale is None and self.param_dtype == torch.float16:
+            loss_scale = DynamicLossScaler()
+        if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
+            if not math.isfinite(loss_scale) or loss_scale <= 0:
+                raise InvalidArgumentError(
+                    f"zero3: loss_scale = {loss_scale} must be a positive finite number")
+            loss_scale = StaticLossScaler(float(loss_scale))
+        self.loss_scaler = loss_scale
+
+    def __repr__(self):
+        return (f"MixedPrecision(param_dtype={self.param_dtype}, reduce_dtype="
+                f"{self.reduce_dtype}, master_dtype={self.master_dtype}, "
+                f"loss_scaler={self.loss_scaler!r})")
+
+
+class StaticLossScaler:
+    dynamic = False
+
+    def __init__(self, scale):
+        self.scale = scale
+        self.skipped_steps = 0
+
+    def update(self, overflow):
+        if overflow:
+            self.skipped_steps += 1
+
+    def state_dict(self):
+        return {"scale": self.scale, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state):
+        self.scale = float(state["scale"])
+        self.skipped_steps = int(state["skipped_steps"])
+
+    def __repr__(self):
+        return f"StaticLossScaler({self.scale})"
+
+
+class DynamicLossScaler:
+    """DeepSpeed's defaults: 2^16, window 1000, hysteresis 2, minimum 1."""
+
+    dynamic = True
+
+    def __init__(self, initial_scale=2.0 ** 16, growth_interval=1000, hysteresis=2,
+                 min_scale=1.0, factor=2.0):
+        for name, v in (("initial_scale", initial_scale), ("min_scale", min_scale),
+                        ("factor", factor)):
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise InvalidArgumentError(f"zero3: loss scaler {name} = {v!r} must be positive")
+        if int(growth_interval) < 1 or int(hysteresis) < 1:
+            raise InvalidArgumentError("zero3: loss scaler growth_interval and hysteresis must "
+                                       "be at least 1")
+        self.scale = float(initial_scale)
+        self.growth_interval = int(growth_interval)
+        self.hysteresis = int(hysteresis)
+        self.min_scale = float(min_scale)
+        self.factor = float(factor)
+        self._good_steps = 0
+        self._hysteresis_left = self.hysteresis
+        self.skipped_steps = 0
+
+    def update(self, overflow):
+        if overflow:
+            self.skipped_steps += 1
+            self._good_steps = 0
+            self._hysteresis_left -= 1
+            if self._hysteresis_left <= 0:
+                self.scale = max(self.scale / self.factor, self.min_scale)
+                self._hysteresis_left = self.hysteresis
+            return
+        self._good_steps += 1
+        if self._good_steps % self.growth_interval == 0:
+            self.scale *= self.factor
+            self._hysteresis_left = self.hysteresis
+
+    def state_dict(self):
+        return {"scale": self.scale, "good_steps": self._good_steps,
+                "hysteresis_left": self._hysteresis_left, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state):
+        self.scale = float(state["scale"])
+        self._good_steps = int(state["good_steps"])
+        self._hysteresis_left = int(state["hysteresis_left"])
+        self.skipped_steps = int(state["skipped_steps"])
+
+    def __repr__(self):
+        return f"DynamicLossScaler(scale={self.scale})"
+
+
+def from_training(training):
+    """A MixedPrecision from a DeepSpeed config's precision settings, as the
+    pipeline read and checked them (``_ductile.Runtime.from_deepspeed``'s
+    training dict), or None (fp32)."""
+    if training["precision"] == "bf16":
+        return MixedPrecision(torch.bfloat16)
+    if training["precision"] != "fp16":
+        return None
+    if training["loss_scale"]:
+        return MixedPrecision(torch.float16, loss_scale=training["loss_scale"])
+    scaler = DynamicLossScaler(initial_scale=2.0 ** training["initial_scale_power"],
+                               growth_interval=training["loss_scale_window"],
+                               hysteresis=training["hysteresis"],
+                               min_scale=training["min_loss_scale"])
+    return MixedPrecision(torch.float16, loss_scale=scaler)
+
+
+# What a zero3 step does to the gradient shards before the optimizer:
+# unscaling (fp16 loss scaling), the overflow check and clipping by the
+# global norm. They work on the groups' flat gradient shards (a handful of
+# big tensors, torch's foreach kernels) and never wait on the host, except
+# for fp16's overflow decision (whether to skip the step is the host's), as
+# torch.amp.GradScaler does.
+
+
+def gradient_tensors(groups):
+    """The gradient shards of `groups`: each group's flat shard while its
+    members still hold views of it, else the members' own gradients."""
+    out = []
+    for group in groups:
+        if _ductile.zero.grads_attached(group):
+            out.append(group.grad_flat)
+        else:
+            out.extend(zp.shard.grad for zp in group.members if zp.shard.grad is not None)
+    return out
+
+
+def unscale(grads, scale):
+    if grads:
+        torch._foreach_mul_(grads, 1.0 / scale)
+
+
+def overflow(grads, comm, device):
+    """True when a gradient shard of any rank holds inf or NaN (collective;
+    the host reads the answer)."""
+    flag = torch.zeros(1, dtype=torch.float32, device=device)
+    if grads:
+        finite = torch.stack([torch.isfinite(n) for n in torch._foreach_norm(grads, 1.0)])
+        flag = (~finite).any().float().reshape(1)
+    comm.all_reduce(flag, "max").wait()
+    return bool(flag.item())
+
+
+def global_norm(grads, comm, device, norm_type, scaled=(), scale=1.0):
+    """The norm of `grads` and of `scaled` multiplied by `scale` (gradients
+    whose unscaling is deferred: the offloaded groups'), over every rank's
+    shards: a 0-d float32 tensor, the same on every rank (collective)."""
+    norms = list(torch._foreach_norm(grads, norm_type)) if grads else []
+    if scaled:
+        norms += [n * scale for n in torch._foreach_norm(scaled, norm_type)]
+    if math.isinf(norm_type):
+        local = torch.zeros((), dtype=torch.float32, device=device)
+        if norms:
+            local = torch.stack(norms).float().max()
+        local = local.reshape(1)
+        comm.all_reduce(local, "max").wait()
+        return local.reshape(())
+    local = torch.zeros((), dtype=torch.float64, device=device)
+    if norms:
+        local = torch.stack(norms).double().pow(norm_type).sum()
+    local = local.reshape(1)
+    comm.all_reduce(local, "sum").wait()
+    return local.reshape(()).pow(1.0 / norm_type).float()
+
+
+def clip_coefficient(total, max_norm):
+    """What clipping multiplies the gradients by (a 0-d float64 tensor on
+    total's device): max_norm / total when that is below 1; 1 when the norm
+    is within max_norm or not finite (nothing is clipped then)."""
+    coefficient = max_norm / (total.double() + 1e-6)
+    keep = torch.logical_or(coefficient >= 1.0, ~torch.isfinite(total))
+    return torch.where(keep, torch.ones_like(coefficient), coefficient)
+
+
+def clip(grads, comm, device, max_norm, norm_type):
+    """Scales `grads` so that the norm over every rank's shards is at most
+    max_norm; returns that norm (before clipping) as a 0-d float32 tensor,
+    the same on every rank. A non-finite norm clips nothing."""
+    total = global_norm(grads, comm, device, norm_type)
+    coefficient = clip_coefficient(total, max_norm)
+    if grads:
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for dtype, same in by_dtype.items():
+            torch._foreach_mul_(same, coefficient.to(dtype))
+    return total
+
+
+# fp16 loss scaling of the zero3 engine (torch.amp.GradScaler's part):
+# the engine multiplies the loss by the scale before backward; before a step
+# the gradient shards are divided by it (once a step, whether clipping or the
+# step asks first), every rank learns whether any rank's gradient overflowed,
+# and the scaler (static or dynamic) updates the scale, the
+# step being skipped on an overflow.
+#
+# With optimizer offload the offloaded groups' host gradients are never
+# rewritten: their unscaling is folded into the cpu_adam plugin's
+# ``grad_scale`` (_optimizer_step.py), and only the device's shards are divided.
+
+
+class LossScaling:
+    """The loss scaler of one engine, over its gradient shards."""
+
+    def __init__(self, scaler, groups, offload, comm, device):
+        self.scaler = scaler
+        self.groups = groups
+        self.device_groups = [g for g in groups if g.host is None]  # not offloaded
+        self.offload = offload
+        self.comm = comm
+        self.device = device
+        self.unscaled = False  # the gradient shards are unscaled for this step
+
+    def unscale(self):
+        """Divides the gradient shards by the loss scale (once a step)."""
+        if self.unscaled:
+            return
+        if self.offload is not None:
+            self.offload.unscale(gradient_tensors(self.device_groups),
+                                 1.0 / self.scaler.scale)
+        else:
+            unscale(gradient_tensors(self.groups), self.scaler.scale)
+        self.unscaled = True
+
+    def update(self):
+        """Before a step: unscales, checks every rank's gradient shards for
+        inf or NaN (collective) and updates the scale; True when the step
+        must be skipped."""
+        self.unscale()
+        skip = overflow(gradient_tensors(self.groups), self.comm,
+                                     self.device)
+        self.scaler.update(skip)
+        return skip
+
+
+# Gradients of a zero3 engine, by group: when a unit's backward is done
+# (_passes.py), the full gradients of its group's parameters are laid out
+# rank-major in one flat buffer (``torch._chunk_cat``: member by member, each
+# split into the ranks' slices as the shards are; ``_ductile.zero.
+# take_gradients``, python/src/group_gradients.hpp, one C++ call a group),
+# reduce-scattered (summed,
+# then divided by the world size) into this rank's flat gradient shard, and
+# dropped. Groups smaller than ``bucket_bytes`` share a collective: their
+# rank-major layouts are joined side by side (rank r's slices of every group
+# together) and reduce-scattered at once when the bucket is full, or at the
+# end of the backward, since on a small group the collective's fixed cost
+# (a gloo round trip, a kernel launch) is larger than its bytes'. A group of
+# ``bucket_bytes`` or more goes alone, as soon as its backward is done. The
+# reduce-scatters run while backward goes on; ``drain()`` finishes the rest at
+# its end. Each member's ``shard.grad`` is a view of the group's flat
+# gradient shard, so clipping, unscaling and the optimizer's foreach kernels
+# see a handful of big tensors.
+#
+# A parameter whose gradient arrives after its group was reduced (one used
+# again by a later unit) is reduced again with the group at the end of the
+# backward; reduction is linear, so the sum is the same.
+#
+# Reduce dtype: the full gradients are cast to ``reduce_dtype`` (fp32 unless
+# configured) by the layout copy, and the result is added to the gradient
+# shard in the master dtype, so bf16 compute still sums in fp32.
+#
+# With ``on_group_ready`` set (the engine's step_in_backward), each group is
+# handed over as soon as its reduce-scatter completes, so the optimizer steps
+# its parameters and drops their gradient shards: no rank ever holds all
+# gradient shards at once.
+#
+# Gradient accumulation, two ways (``sync``):
+# - ``sync`` on (the default): every micro-batch's gradients are
+#   reduce-scattered and added to the gradient shards (fp32 with mixed
+#   precision): communication every micro-batch, memory of a shard;
+# - ``sync`` off (``engine.no_sync()``): each group's rank-major gradients
+#   are summed locally in the reduce dtype and nothing is communicated; the
+#   next backward with ``sync`` on reduce-scatters the sum once: one
+#   reduce-scatter a group per step, memory of the full gradients while
+#   accumulating.
+#
+# Every parameter of a group that gets a gradient on one rank must get one on
+# every rank (as with per-parameter reduction, the ranks would otherwise
+# issue different collectives); a member without one adds zeros and keeps no
+# gradient shard.
 
 _take_gradients = _ductile.zero.take_gradients
 _add_grad_shard = _ductile.zero.add_grad_shard

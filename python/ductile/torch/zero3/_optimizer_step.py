@@ -1,21 +1,761 @@
-"""Clipping and the optimizer step of the zero3 engine: the optimizer made
-over the shards (one optimizer, one a parameter with step_in_backward, or
-the device's and the host's parts with optimizer offload), clipping by the
-global norm, the step (skipped on an fp16 overflow), clearing the gradient
-shards, and the device memory the step accounts for under
-max_device_memory.
+"""The optimizer step on shards: per-parameter optimizers, the device memory budget, and
+optimizer offload to the host."""
 
-The step never waits on the host for the device, except for fp16's
-overflow decision (_grad_shards.py). After it the optimizer's shards have
-changed: the next pass gathers the new values (``Sharding.changed``).
-"""
-
+import concurrent.futures
+import os
+import time
+import warnings
 from typing import Any
 
+import torch
+
 from ..._errors import IncompatibleError, InvalidArgumentError
-from . import _budget, _grad_shards
-from ._offload import OffloadedOptimizer
-from ._per_parameter import PerParameterOptimizers
+from . import _gradients
+from ._gradients import clip_coefficient, global_norm
+
+# Where the zero3 engine keeps each group's tensors, and the device
+# memory it accounts for (``max_device_memory``, ``engine.stats()``).
+#
+# Per group, on the device unless offloaded:
+#
+# - ``parameters``: the compute-dtype shard the coordinator gathers from;
+# - ``master_weights``: the fp32 master shard, when it is not that shard
+#   itself (mixed precision);
+# - ``optimizer_state``: Adam's two fp32 moments of the trained members;
+# - ``gradients``: the fp32 gradient shard, from the group's reduce-scatter
+#   until the step;
+# - ``gathered``: the coordinator's gathered copies (one budget for all
+#   groups: what the coordinator's limits let it hold, see _reserve).
+#
+# Offloading a group's optimizer moves its state *and* its master to the host:
+# the host steps them, so the master must be where the state is (moving the
+# state alone would bring it back to the device every step). Under a budget,
+# the groups whose optimizer takes the most device memory go first, until the
+# rest fits; then, as the last resort, the parameter shards of the largest
+# groups go to host memory (the coordinator's move_shard), whose optimizers
+# are on the host by then. A host shard costs a device buffer of its size
+# while its gather is in flight (``staging``: at most the bound the
+# coordinator reports for its configured gathers in flight and prefetch
+# bucket). A budget that cannot be met even so is an error naming the
+# numbers.
+#
+# The accounting is the engine's own: the bytes of the tensors it keeps, and
+# the coordinator's pool of gathered copies (the larger of its high-water of
+# copies in use and what it holds at the step). Activations and the
+# framework's workspaces are the model's, not counted.
+
+_FP32 = 4
+
+
+def budget_bytes(value, device):
+    """``max_device_memory`` as bytes: an int (bytes) or a float in (0, 1]
+    (that fraction of the device's memory; on the cpu backend, of the
+    host's)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgumentError(
+            f"zero3: max_device_memory = {value!r}; valid: a number of bytes (int >= 1) or a "
+            "fraction of the device's memory (float in (0, 1])")
+    if isinstance(value, float):
+        if not 0.0 < value <= 1.0:
+            raise InvalidArgumentError(
+                f"zero3: max_device_memory = {value!r}; a fraction must lie in (0, 1] (or give "
+                "bytes as an int)")
+        if device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+        else:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return int(value * total)
+    if value < 1:
+        raise InvalidArgumentError(
+            f"zero3: max_device_memory = {value}; valid: a number of bytes >= 1")
+    return int(value)
+
+
+class GroupBytes:
+    """A group's device bytes by kind (see the module's docstring)."""
+
+    def __init__(self, group, master_dtype, states):
+        trained = sum(zp.shard_numel for zp in group.trained)
+        self.group = group
+        self.parameters = group.shard_numel * group.element_size
+        self.master_weights = group.shard_numel * _FP32 \
+            if master_dtype is not None and master_dtype != group.dtype else 0
+        self.optimizer_state = states * trained * _FP32
+        self.gradients = group.shard_numel * _FP32 if trained else 0
+
+    @property
+    def optimizer(self):
+        """What offloading the group's optimizer frees on the device."""
+        return self.optimizer_state + self.master_weights
+
+
+class Placement:
+    """Which groups' optimizers are on the host, and the device bytes."""
+
+    def __init__(self, groups, master_dtype, states, gather_reserve, staging_cap):
+        self.master_dtype = master_dtype  # of the optimizer's shards; None: the shards' own
+        self.bytes = [GroupBytes(g, master_dtype, states) for g in groups]
+        self.gather_reserve = gather_reserve
+        self.staging_cap = staging_cap
+        self.world = groups[0].world if groups else 1
+        self.offloaded = set()  # group ids whose optimizer is on the host
+        self.shards_on_host = set()  # group ids whose parameter shard is in host memory
+        self.budget = None
+        self.warned = False
+
+    def staging(self):
+        """Device bytes of host shards copied for gathers in flight: at most
+        all of them, the staging cap, and the gathered copies' reserve over
+        the world size (a shard is 1/world of its gathered copy)."""
+        on_host = sum(b.parameters for b in self.bytes if b.group.id in self.shards_on_host)
+        return min(on_host, self.staging_cap, -(-self.gather_reserve // self.world))
+
+    def device_need(self):
+        total = self.gather_reserve + self.staging()
+        for b in self.bytes:
+            total += b.gradients
+            if b.group.id not in self.shards_on_host:
+                total += b.parameters
+            if b.group.id not in self.offloaded:
+                total += b.optimizer
+        return total
+
+    def choose(self, budget, all_optimizers, ratio=None, all_shards=False):
+        """Offloads every group's optimizer (`all_optimizers`; with
+        `ratio`, the largest ones until that share of the optimizer bytes)
+        and every parameter shard with its optimizer (`all_shards`); then,
+        under `budget`, the largest of the other optimizers until the need
+        fits, and then the largest shards. IncompatibleError naming the
+        numbers when it cannot."""
+        candidates = sorted((b for b in self.bytes if b.optimizer_state),
+                            key=lambda b: (-b.optimizer, b.group.id))
+        if all_shards:
+            for b in self.bytes:
+                self.shards_on_host.add(b.group.id)
+                if b.optimizer_state:
+                    self.offloaded.add(b.group.id)
+        if all_optimizers:
+            total = sum(b.optimizer for b in candidates)
+            moved = 0
+            for b in candidates:
+                if ratio is not None and total and moved >= ratio * total:
+                    break
+                self.offloaded.add(b.group.id)
+                moved += b.optimizer
+        self.budget = budget
+        if budget is None:
+            return self.offloaded
+        for b in candidates:
+            if self.device_need() <= budget:
+                break
+            self.offloaded.add(b.group.id)
+        # The last resort: parameter shards, the largest first (their
+        # optimizers are all on the host by now).
+        for b in sorted(self.bytes, key=lambda b: (-b.parameters, b.group.id)):
+            if self.device_need() <= budget:
+                break
+            self.shards_on_host.add(b.group.id)
+        need = self.device_need()
+        if need > budget:
+            raise IncompatibleError(
+                f"zero3: max_device_memory = {budget} bytes cannot be met: with the optimizer "
+                f"state, master weights and parameter shards of every group on the host, the "
+                f"device still needs {need} bytes (gradient shards {self.total('gradients')}, "
+                f"gathered copies up to {self.gather_reserve}, host shards copied for them up "
+                f"to {self.staging()}); valid: max_device_memory >= {need} (or lower [zero] "
+                "max_live_parameters or prefetch_bucket_size to gather less at once)")
+        return self.offloaded
+
+    def check(self, high_water, step):
+        """Warns once when a step's accounted bytes passed the budget: the
+        coordinator gathered more than its limits promised."""
+        if self.budget is not None and high_water > self.budget and not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"zero3: step {step} held {high_water} bytes on the device by the engine's "
+                f"accounting, over max_device_memory = {self.budget}; the gathered copies took "
+                f"more than the {self.gather_reserve} bytes planned for them", UserWarning,
+                stacklevel=1)
+
+    def total(self, kind, where="device"):
+        out = 0
+        for b in self.bytes:
+            if kind == "parameters":
+                on_host = b.group.id in self.shards_on_host
+            else:
+                on_host = b.group.id in self.offloaded and kind in ("optimizer_state",
+                                                                     "master_weights")
+            if on_host == (where == "host"):
+                out += getattr(b, kind)
+        return out
+
+    def report(self):
+        """{kind: {"device": bytes, "host": bytes}} of the plan."""
+        return {kind: {"device": self.total(kind), "host": self.total(kind, "host")}
+                for kind in ("parameters", "master_weights", "optimizer_state", "gradients")}
+
+
+def gather_reserve(session, groups):
+    """The most the coordinator's gathered copies may take: its live limit
+    (max_live_parameters) plus the largest group, which a unit may gather
+    beyond it, or every group at once without a limit; plus the root's
+    group, open from the forward to the end of the backward."""
+    stats = session.stats()
+    limit = int(stats.get("max_live_numel") or 0)
+    size = max(g.element_size for g in groups)
+    everything = sum(g.world * g.shard_numel for g in groups)
+    largest = max(g.world * g.shard_numel for g in groups)
+    if limit <= 0 or limit >= everything:
+        return everything * size
+    return min(everything, limit + 2 * largest) * size
+
+
+def staging_cap(session, groups):
+    """The most bytes of host shards the coordinator copies to the device at
+    once, as it bounds them for `groups` (its gathers in flight and its
+    prefetch bucket are its own configuration)."""
+    return session.staging_bytes_bound(max(g.shard_numel for g in groups),
+                                       max(g.element_size for g in groups))
+
+
+def account(resident, session, gradient_bytes):
+    """A step's device bytes by the engine's accounting: `resident` (the
+    shards, the masters and optimizer state on the device:
+    resident_bytes()), the gradient shards at the step (`gradient_bytes`),
+    the gathered copies."""
+    return resident + gradient_bytes + gathered_bytes(session)
+
+
+def resident_bytes(groups, optimizer):
+    """The shards, and the masters and optimizer state on the device. It
+    walks every parameter's state: the engine calls it again only when the
+    optimizer's state changed in size (its first steps, a load)."""
+    total = 0
+    state = optimizer.state if optimizer is not None else {}
+    for group in groups:
+        if not group.shard_on_host:
+            total += group.shard_numel * group.element_size
+        if group.host is None:
+            if group.master is not group.store:
+                total += group.master.numel() * group.master.element_size()
+            for zp in group.members:
+                for value in state.get(zp.shard, {}).values():
+                    if isinstance(value, torch.Tensor) and value.numel() == zp.shard_numel:
+                        total += value.numel() * value.element_size()
+    return total
+
+
+def gathered_bytes(session):
+    """The coordinator's pool of gathered copies at this point: the larger
+    of its high-water of copies in use and what it holds now."""
+    memory = session.gather_memory()
+    return max(memory["high_water_bytes"], memory["in_use_bytes"] + memory["idle_bytes"])
+
+
+# The optimizer of an engine that steps in backward (``step_in_backward``):
+# one optimizer per parameter shard, each stepped as soon as that shard's
+# gradient is reduce-scattered, so the gradient shards never all exist at
+# once (torch's ``_apply_optimizer_in_backward`` does the same for plain
+# modules). ``PerParameterOptimizers`` shows them as one optimizer to the
+# engine's checkpoints: ``param_groups`` (one group per parameter, in order),
+# ``state``, ``state_dict()`` and ``load_state_dict()`` with torch's layout.
+
+
+class PerParameterOptimizers:
+    def __init__(self, factory, shards):
+        self.optimizers = []
+        for shard in shards:
+            optimizer = factory([shard])
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise InvalidArgumentError(
+                    "zero3: with step_in_backward, optimizer_factory must return a "
+                    f"torch.optim.Optimizer for each shard, got {type(optimizer).__name__}")
+            if len(optimizer.param_groups) != 1:
+                raise InvalidArgumentError(
+                    "zero3: with step_in_backward, optimizer_factory([shard]) must make one "
+                    "parameter group")
+            self.optimizers.append(optimizer)
+        self.kind = type(self.optimizers[0]).__name__ if self.optimizers else "none"
+
+    @property
+    def param_groups(self):
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    @property
+    def state(self):
+        merged = {}
+        for o in self.optimizers:
+            merged.update(o.state)
+        return merged
+
+    def step(self):
+        """Nothing: every parameter was stepped during backward."""
+
+    def zero_grad(self, set_to_none=True):
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        state, groups, index = {}, [], 0
+        for o in self.optimizers:
+            sd = o.state_dict()
+            for group in sd["param_groups"]:
+                groups.append(dict(group, params=[index]))
+            if 0 in sd["state"]:
+                state[index] = sd["state"][0]
+            index += 1
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict):
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.optimizers):
+            raise ValueError(f"{len(groups)} parameter groups for {len(self.optimizers)} "
+                             "per-parameter optimizers")
+        for o, group in zip(self.optimizers, groups):
+            (index,) = group["params"]
+            entry = state_dict["state"].get(index)
+            o.load_state_dict({"state": {0: entry} if entry is not None else {},
+                               "param_groups": [dict(group, params=[0])]})
+
+
+# Optimizer offload of the zero3 engine (ZeRO-Offload): for the groups it
+# covers, the fp32 master shard and Adam's state live in host memory (pinned
+# on cuda) and the ``cpu_adam`` plugin steps them (``DuctileCPUAdam``); the
+# device keeps the compute-dtype shard the coordinator gathers from.
+#
+# What moves when, per offloaded group:
+#
+# - backward: when the group's reduce-scatter completes (the reducer's
+#   ``on_group_ready``), its gradient shard is copied to the host (on cuda: on
+#   a copy stream, after an event on the compute stream, into pinned memory,
+#   ``non_blocking``); with ``step_in_backward`` the group's host step starts
+#   then, on a worker thread, and the device gradient is dropped;
+# - ``engine.step()``: clipping and fp16 unscaling read the device gradient
+#   shards and are folded into the plugin's ``grad_scale`` (the host copy is
+#   never rewritten); each group's host step waits for its own gradient copy
+#   only, writes the master (and, under mixed precision, its bf16/fp16
+#   rounding: the plugin's copy-out, half the bytes to move), and its copy
+#   back to the device is issued at once, so the next group's step overlaps
+#   it;
+# - before the next pass: the compute stream waits for those copies (an
+#   event each, no host wait) and the coordinator gathers the new values.
+#
+# The host waits only for the CPU's own work and for a copy it is about to
+# read or overwrite (an event that has long completed by then).
+#
+# Groups not offloaded keep their masters and state on the device and are
+# stepped by the optimizer ``optimizer_factory`` made, as without offload.
+# ``OffloadedOptimizer`` shows both as that one optimizer (its class, its
+# param_groups, torch's state layout), so LR schedulers and checkpoints see
+# no difference and a checkpoint loads with or without offload.
+
+
+class HostShard:
+    """A group's host buffers: the fp32 master (what the optimizer's
+    parameters view), the fp32 gradient copy, and under mixed precision the
+    rounded copy that goes to the device. The master and the rounded copy
+    are made with the group's shards (``attach``)."""
+
+    def __init__(self, group, device, pin):
+        pin = bool(pin) and device.type == "cuda"
+        self.pinned = pin
+        self.master = None
+        self.grad = torch.zeros(group.shard_numel, dtype=torch.float32, pin_memory=pin)
+        self.grad_views = self.grad.split(group.sizes)
+        self.half = None
+        self.half_views = None
+        self.grad_copied = None   # event: the last gradient copy to the host is done
+        self.params_copied = None  # event: the last copy to the device is done
+        self.sent = False          # a step's copy to the device was issued, not yet waited on
+
+    def attach(self, group, shard=None):
+        """Makes the master (and the rounded copy under mixed precision).
+        `shard`: the coordinator's shard when it lives in host memory; it
+        serves as the master (fp32) or the rounded copy, so the step writes
+        it directly and nothing goes to a device."""
+        n = group.shard_numel
+        if shard is not None and shard.dtype == torch.float32:
+            self.master = shard
+        else:
+            self.master = torch.zeros(n, dtype=torch.float32, pin_memory=self.pinned)
+        if group.dtype != torch.float32:
+            self.half = shard if shard is not None else \
+                torch.zeros(n, dtype=group.dtype, pin_memory=self.pinned)
+            self.half_views = self.half.split(group.sizes)
+
+
+def _record(stream):
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+class OptimizerOffload:
+    """Moves and steps the offloaded groups (see the module's docstring)."""
+
+    def __init__(self, groups, device, eager):
+        self.groups = [g for g in groups if g.host is not None]
+        self.device = device
+        # DuctileCPUAdam over the offloaded shards, set with it
+        self.optimizer: Any = None
+        self.cuda = device.type == "cuda"
+        # read only when self.cuda
+        self.copy_stream: Any = torch.cuda.Stream(device) if self.cuda else None
+        self.eager = eager          # step_in_backward: step each group as its gradient lands
+        self.worker = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="ductile-zero3-offload") if eager else None
+        self.pending = []           # futures of the eager steps
+        self.factors = []           # grad_scale factors of this step (floats, 0-d tensors)
+        self.counters = {"offload_grad_copies": 0, "offload_param_copies": 0,
+                         "offload_grad_bytes": 0, "offload_param_bytes": 0,
+                         "offload_steps": 0, "offload_step_ns": 0}
+
+    # --- backward ------------------------------------------------------------------------
+
+    def gradient_ready(self, group):
+        """The group's gradient shard on the device is complete (for now:
+        accumulation with sync on completes it again): copy it to the host."""
+        host = group.host
+        if host is None or group.grad_flat is None:
+            return
+        if self.cuda:
+            # After the group's backward on the compute stream: its shard's
+            # gathers are consumed, its gradient shard complete.
+            ready = _record(torch.cuda.current_stream(self.device))
+            self.copy_stream.wait_event(ready)
+            with torch.cuda.stream(self.copy_stream):
+                host.grad.copy_(group.grad_flat, non_blocking=True)
+            group.grad_flat.record_stream(self.copy_stream)
+            host.grad_copied = _record(self.copy_stream)
+        else:
+            host.grad.copy_(group.grad_flat)
+        self.counters["offload_grad_copies"] += 1
+        self.counters["offload_grad_bytes"] += host.grad.numel() * host.grad.element_size()
+        if self.eager:
+            _, params, grads, outs = self._work(group)
+            # The device copy may go: the host copy is what the step reads.
+            group.grad_flat = None
+            group.grad_views = None
+            worker = self.worker
+            assert worker is not None  # made when eager
+            self.pending.append(worker.submit(self._step, group, params, grads, outs, 1.0,
+                                              ready if self.cuda else None))
+
+    # --- the step --------------------------------------------------------------------------
+
+    def scale(self, factor):
+        """Multiplies the host gradients by `factor` (a float or a 0-d
+        tensor) in this step's update, instead of rewriting them."""
+        self.factors.append(factor)
+
+    def unscale(self, grads_on_device, inverse_scale):
+        if grads_on_device:
+            torch._foreach_mul_(grads_on_device, inverse_scale)
+        self.scale(inverse_scale)
+
+    def clip(self, all_grads, device_grads, comm, max_norm, norm_type):
+        """Clipping by the global norm: the device's gradient shards are
+        scaled in place, the offloaded groups' through grad_scale (their
+        norms count with the factors deferred so far: fp16's unscaling)."""
+        on_device = {id(g) for g in device_grads}
+        deferred = [g for g in all_grads if id(g) not in on_device]
+        scale = 1.0
+        for f in self.factors:
+            scale = scale * f
+        total = global_norm(device_grads, comm, self.device, norm_type, deferred, scale)
+        coefficient = clip_coefficient(total, max_norm)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in device_grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for dtype, same in by_dtype.items():
+            torch._foreach_mul_(same, coefficient.to(dtype))
+        self.scale(coefficient)
+        return total
+
+    def _grad_scale(self):
+        scale = 1.0
+        for f in self.factors:
+            # A tensor (the clipping coefficient) is read here: the host
+            # needs the number to step (DeepSpeed's CPU Adam reads it too).
+            scale *= float(f) if isinstance(f, torch.Tensor) else f
+        return scale
+
+    def step(self, skip=False):
+        """Steps every offloaded group with a gradient (waits for the eager
+        ones); after it the masters are current and their copies to the
+        device issued."""
+        try:
+            for future in self.pending:
+                future.result()
+            if not skip and not self.eager:
+                scale = self._grad_scale()
+                ready = _record(torch.cuda.current_stream(self.device)) if self.cuda else None
+                for group in self.groups:
+                    _, params, grads, outs = self._work(group)
+                    if params:
+                        self._step(group, params, grads, outs, scale, ready)
+        finally:
+            self.pending = []
+            self.factors = []
+
+    def abandon(self):
+        """After a failed step or backward: waits for what the worker runs."""
+        for future in self.pending:
+            future.exception()
+        self.pending = []
+        self.factors = []
+
+    def _work(self, group):
+        """(group, parameters, gradients, copy-outs) of the members that have
+        a gradient, read on the calling thread (the engine may clear the
+        ``.grad`` attributes before a worker runs)."""
+        host = group.host
+        params, grads, outs = [], [], []
+        for k, zp in enumerate(group.members):
+            if zp.requires_grad and zp.shard.grad is not None:
+                params.append(zp.shard)
+                grads.append(host.grad_views[k])
+                if host.half_views is not None:
+                    outs.append(host.half_views[k])
+        return group, params, grads, outs if host.half_views is not None else None
+
+    def _step(self, group, params, grads, outs, scale, ready):
+        """One group's host step, then its copy to the device, issued after
+        `ready` (an event of the compute stream after the last pass read the
+        device shard; None on the cpu)."""
+        start = time.perf_counter_ns()
+        host = group.host
+        if host.grad_copied is not None:
+            host.grad_copied.synchronize()
+        if host.params_copied is not None:
+            host.params_copied.synchronize()  # the master (or half) is not read by a copy any more
+        self.optimizer.step_parameters(params, grads, outs, grad_scale=scale)
+        self._send(group, ready)
+        self.counters["offload_steps"] += 1
+        self.counters["offload_step_ns"] += time.perf_counter_ns() - start
+
+    # --- to the device ---------------------------------------------------------------------
+
+    def _send(self, group, ready=None):
+        """Issues the copy of the updated parameters to the device shard,
+        after `ready` (else after what the calling thread's current stream
+        has queued)."""
+        host = group.host
+        source = host.half if host.half is not None else host.master
+        if source is group.store:  # a shard in host memory, written by the step itself
+            host.sent = True
+            return
+        if self.cuda:
+            if ready is not None:
+                self.copy_stream.wait_event(ready)
+            else:
+                self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.copy_stream):
+                group.store.copy_(source, non_blocking=host.pinned)
+            host.params_copied = _record(self.copy_stream)
+        else:
+            group.store.copy_(source)
+        host.sent = True
+        self.counters["offload_param_copies"] += 1
+        self.counters["offload_param_bytes"] += group.store.numel() * group.store.element_size()
+
+    def to_device(self, group):
+        """Before a pass: the device shard holds the master's values. After
+        a step the copy is in flight: the compute stream waits for it. After
+        anything else that wrote the master (initial values, a load,
+        GatheredParameters) it is copied now, rounded first under mixed
+        precision."""
+        host = group.host
+        if not host.sent:
+            if host.params_copied is not None:
+                host.params_copied.synchronize()
+            if host.half is not None:
+                host.half.copy_(host.master)
+            self._send(group)
+        host.sent = False
+        if self.cuda and host.params_copied is not None:
+            torch.cuda.current_stream(self.device).wait_event(host.params_copied)
+
+    def masters_changed(self):
+        """The masters are (about to be) written outside a step: no copy of
+        theirs is in flight any more, and the next pass copies them again."""
+        for group in self.groups:
+            host = group.host
+            if host.params_copied is not None:
+                host.params_copied.synchronize()
+            host.sent = False
+
+    def close(self):
+        if self.worker is not None:
+            self.abandon()
+            self.worker.shutdown(wait=True)
+            self.worker = None
+
+
+def place(groups, placement, offload, budget, has_optimizer, step_in_backward, device):
+    """Chooses the groups whose optimizer lives on the host and those whose
+    parameter shard does (all that `offload` asks for, and what does not fit
+    under `budget`) and gives the former host buffers, before their shards
+    are made; returns the OptimizerOffload, or None when no group's
+    optimizer is offloaded."""
+    chosen = placement.choose(budget, offload.optimizer and has_optimizer, offload.ratio,
+                              offload.param)
+    for group in groups:
+        group.shard_on_host = group.id in placement.shards_on_host
+    if not chosen:
+        return None
+    if step_in_backward:
+        # Each group is stepped on the host as its gradient lands: all of them.
+        chosen.update(g.id for g in groups if g.trained)
+    for group in groups:
+        if group.id not in chosen:
+            continue
+        dtype = placement.master_dtype or group.dtype
+        if dtype != torch.float32:
+            raise IncompatibleError(
+                f"zero3: optimizer offload steps fp32 masters; the shards of '{group.name}' are "
+                f"{dtype}; valid: float32 parameters, or MixedPrecision with "
+                "master_dtype=torch.float32")
+        group.host = HostShard(group, device, offload.pin)
+        group.host_grad_views = group.host.grad_views  # what the members' shard.grad are
+    return OptimizerOffload(groups, device, step_in_backward)
+
+
+# --- the optimizer -----------------------------------------------------------------------
+
+_HYPER = ("lr", "betas", "eps", "weight_decay")
+
+
+def adam_settings(optimizer):
+    """(adamw_mode, per-group bias_correction) of a torch Adam/AdamW or a
+    DuctileCPUAdam; IncompatibleError for what the CPU plugin cannot run."""
+    from ...ops.adam import DuctileCPUAdam
+    name = type(optimizer).__name__
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, DuctileCPUAdam)):
+        raise IncompatibleError(
+            f"zero3: optimizer offload steps with the cpu_adam plugin, which runs Adam and "
+            f"AdamW; optimizer_factory made a {name}. Valid: torch.optim.Adam, "
+            "torch.optim.AdamW, ductile.ops.adam.DuctileCPUAdam, or no offload")
+    modes = []
+    for k, group in enumerate(optimizer.param_groups):
+        for key, bad in (("amsgrad", True), ("maximize", True), ("capturable", True),
+                         ("differentiable", True)):
+            if group.get(key) is bad:
+                raise IncompatibleError(
+                    f"zero3: optimizer offload: param group {k} of the {name} has {key}=True, "
+                    f"which the cpu_adam plugin does not run; valid: {key}=False")
+        if isinstance(optimizer, DuctileCPUAdam):
+            modes.append(bool(group.get("adamw_mode", optimizer.defaults["adamw_mode"])))
+        elif isinstance(optimizer, torch.optim.AdamW):
+            modes.append(True)
+        else:
+            modes.append(bool(group.get("decoupled_weight_decay", False)))
+    if len(set(modes)) > 1:
+        raise IncompatibleError(
+            f"zero3: optimizer offload: the {name}'s param groups mix decoupled and L2 weight "
+            "decay; valid: one kind for all groups")
+    return (modes[0] if modes else True), [bool(g.get("bias_correction", True))
+                                          for g in optimizer.param_groups]
+
+
+class OffloadedOptimizer(torch.optim.Optimizer):
+    """The engine's optimizer when some groups are offloaded: the
+    factory's param groups (hyper-parameters as the factory set them, every
+    shard), whose state lives in one dict (torch's layout: ``step``,
+    ``exp_avg``, ``exp_avg_sq`` per shard, on the device or on the host).
+    ``step()`` steps the device shards with an optimizer of the factory's
+    class and the host shards with the cpu_adam plugin (the engine's step
+    does the latter group by group: call ``engine.step()``, not this)."""
+
+    def __init__(self, made, host_shards, plugin_params=None):
+        from ...ops.adam import DuctileCPUAdam
+        adamw_mode, bias = adam_settings(made)
+        self.checkpoint_class = type(made).__name__
+        groups = [dict(g) for g in made.param_groups]
+        super().__init__(groups, made.defaults)
+        hosted = {id(p) for p in host_shards}
+        self._split = []  # per group: (device params, host params)
+        for g in self.param_groups:
+            self._split.append(([p for p in g["params"] if id(p) not in hosted],
+                                [p for p in g["params"] if id(p) in hosted]))
+        device_groups = [dict({k: v for k, v in g.items() if k != "params"}, params=d)
+                         for g, (d, _) in zip(self.param_groups, self._split)]
+        self.device = None
+        if any(d for d, _ in self._split):
+            self.device = type(made)(device_groups, **_constructor_defaults(made))
+        host_groups = [dict({k: g[k] for k in _HYPER}, params=h, bias_correction=b,
+                            adamw_mode=adamw_mode)
+                       for g, (_, h), b in zip(self.param_groups, self._split, bias)]
+        self.host = DuctileCPUAdam(host_groups, adamw_mode=adamw_mode,
+                                   plugin_params=plugin_params)
+        self._share_state()
+
+    def _share_state(self):
+        """One state dict for all: the sub-optimizers write into this one's
+        (the parameters are disjoint), so state_dict() and the checkpoints
+        see every shard's state."""
+        if self.device is not None:
+            self.device.state = self.state
+        self.host.state = self.state
+
+    def sync_hyper_parameters(self):
+        """A scheduler changed this optimizer's groups: the sub-optimizers'
+        follow."""
+        for g, mine in enumerate(self.param_groups):
+            if self.device is not None:
+                for key, value in mine.items():
+                    if key != "params":
+                        self.device.param_groups[g][key] = value
+            theirs = self.host.param_groups[g]
+            for key in _HYPER:
+                theirs[key] = mine[key]
+
+    @torch.no_grad()
+    def step_device(self):
+        self.sync_hyper_parameters()
+        if self.device is not None:
+            self.device.step()
+
+    def step(self, closure=None):
+        """Both parts at once, from the parameters' ``.grad`` (the engine
+        steps the host part itself, group by group)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.step_device()
+        self.host.step()
+        return loss
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        self._share_state()
+        self.sync_hyper_parameters()
+
+    def zero_grad(self, set_to_none=True):
+        super().zero_grad(set_to_none=set_to_none)
+
+
+def _constructor_defaults(made):
+    """The keyword arguments that rebuild `made`'s class with its defaults
+    (those its constructor accepts)."""
+    import inspect
+    accepted = inspect.signature(type(made).__init__).parameters
+    return {k: v for k, v in made.defaults.items() if k in accepted}
+
+
+# Clipping and the optimizer step of the zero3 engine: the optimizer made
+# over the shards (one optimizer, one a parameter with step_in_backward, or
+# the device's and the host's parts with optimizer offload), clipping by the
+# global norm, the step (skipped on an fp16 overflow), clearing the gradient
+# shards, and the device memory the step accounts for under
+# max_device_memory.
+#
+# The step never waits on the host for the device, except for fp16's
+# overflow decision (_gradients.py). After it the optimizer's shards have
+# changed: the next pass gathers the new values (``Sharding.changed``).
 
 
 class OptimizerStep:
@@ -132,10 +872,10 @@ class OptimizerStep:
         if self.scaling is not None:
             self.scaling.unscale()
         if self.offload is not None:
-            return self.offload.clip(_grad_shards.gradient_tensors(self.groups),
-                                     _grad_shards.gradient_tensors(self.device_groups),
+            return self.offload.clip(_gradients.gradient_tensors(self.groups),
+                                     _gradients.gradient_tensors(self.device_groups),
                                      self.comm, max_norm, norm_type)
-        return _grad_shards.clip(_grad_shards.gradient_tensors(self.groups), self.comm,
+        return _gradients.clip(_gradients.gradient_tensors(self.groups), self.comm,
                                  self.device, max_norm, norm_type)
 
     def _clip_and_scale(self):
@@ -146,8 +886,8 @@ class OptimizerStep:
             self.grad_norm = self.clip_grad_norm_(self.gradient_clipping)
         elif self.measure_grad_norm and self.offload is None and self.scaling is None:
             # The norm alone: no pass over the gradients to scale them by 1.
-            self.grad_norm = _grad_shards.global_norm(
-                _grad_shards.gradient_tensors(self.groups), self.comm, self.device, 2.0)
+            self.grad_norm = _gradients.global_norm(
+                _gradients.gradient_tensors(self.groups), self.comm, self.device, 2.0)
         elif self.measure_grad_norm:
             self.grad_norm = self.clip_grad_norm_(float("inf"))
         return self.scaling is not None and self.scaling.update()
@@ -180,7 +920,7 @@ class OptimizerStep:
 
     def _offloaded_step(self):
         """step() with groups on the host: the device's part by the
-        factory's optimizer, the host's group by group (see _offload.py)."""
+        factory's optimizer, the host's group by group."""
         gradient_bytes = self._gradient_bytes()
         try:
             skip = False
@@ -222,6 +962,6 @@ class OptimizerStep:
         size = (id(state), len(state))
         if size != self._resident_key:  # state added (first steps, a load): count again
             self._resident_key = size
-            self._resident = _budget.resident_bytes(self.groups, self.optimizer)
-        self.device_high_water = _budget.account(self._resident, self.session, gradient_bytes)
+            self._resident = resident_bytes(self.groups, self.optimizer)
+        self.device_high_water = account(self._resident, self.session, gradient_bytes)
         self.placement.check(self.device_high_water, self.global_step)

@@ -1,53 +1,67 @@
-"""Parameter state of the zero3 engine (FSDP2's ``FSDPParam`` /
-``FSDPParamGroup`` seam): parameters are partitioned, gathered,
-materialised, released and reduced by group.
+"""Parameters and their groups: the sharded parameter, the group gathered in one collective,
+how a model is sharded into them (at once, or built straight into shards under ``init()``), and
+full parameters gathered back."""
 
-A ``ParamGroup`` is the unit of all of that: the parameters one hooked
-module (a unit, see _units.py) owns. The coordinator knows it as one
-parameter (``ParameterGroups`` in the SDK): each member is sharded on its
-own (``ceil(numel / world)`` elements a rank, zero-padded, as a parameter
-alone would be), this rank's slices lie back to back in one flat shard, and
-the gathered copy holds each member whole, back to back. So one collective
-moves a group, and every member of the gathered copy is a contiguous view
-of it.
+from __future__ import annotations
 
-Per group, up to three flat tensors:
-
-- ``store``: this rank's flat shard as the coordinator keeps it, in the
-  compute dtype (what is gathered): the coordinator's own memory
-  (``direct``), or a copy written back with ``set_shard`` (a coordinator
-  without ShardStorage, or a shard kept in a file under nvme_path);
-- ``master``: the optimizer's flat shard, ``store`` itself when the master
-  dtype is the compute dtype, else an fp32 copy (mixed precision);
-- ``full``: the gathered copy while a module using the group runs.
-
-Per parameter (``ZeroParam``): ``shard`` (a ``torch.nn.Parameter`` over its
-slice of the group's ``master``: what the optimizer steps on; its ``.grad``
-is a view of the group's flat gradient shard) and ``store`` (its slice of
-the group's store). ``param.data`` is a view of the gathered copy while a
-module using it runs, an empty placeholder otherwise.
-
-What the step path in C++ (python/src/unit_passes.cpp, group_gradients.cpp,
-saved_views.cpp) reads or writes on every use is owned by C++: a
-``ParamGroup`` is a ``_ductile.zero.GroupState`` (python/src/group_state.hpp)
-and a ``ZeroParam`` a ``_ductile.zero.MemberState``, whose fields (``users``,
-``full``, ``full_address``, ``params``, ``grad_flat``, ``shard``, ...) are
-typed properties here. Materialising a group (pointing its parameters at
-views of the gathered copy) and releasing it are done by that step path.
-
-The live copies (``_ductile.zero.LiveCopies``, C++) map addresses to
-materialised groups, so that a tensor autograd saves for backward that lies
-in a gathered copy (a weight, ``weight.t()``) is saved as "this view of
-group g" and rebuilt over the copy gathered again for backward: a release
-in between never leaves autograd reading freed memory.
-"""
-
-from typing import Any
+import json
+import os
+import weakref
+from collections.abc import Iterable
+from typing import Any, Literal, Self, TYPE_CHECKING, TypeAlias
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ... import _ductile
-from ._memory import type_name
+from ..._config import StrPath
+from ..._errors import IncompatibleError, InvalidArgumentError, IoError
+from . import _passes
+from ._gradients import as_dtype
+from ._world import type_name
+
+# Parameter state of the zero3 engine (FSDP2's ``FSDPParam`` /
+# ``FSDPParamGroup`` seam): parameters are partitioned, gathered,
+# materialised, released and reduced by group.
+#
+# A ``ParamGroup`` is the unit of all of that: the parameters one hooked
+# module (a unit, see _passes.py) owns. The coordinator knows it as one
+# parameter (``ParameterGroups`` in the SDK): each member is sharded on its
+# own (``ceil(numel / world)`` elements a rank, zero-padded, as a parameter
+# alone would be), this rank's slices lie back to back in one flat shard, and
+# the gathered copy holds each member whole, back to back. So one collective
+# moves a group, and every member of the gathered copy is a contiguous view
+# of it.
+#
+# Per group, up to three flat tensors:
+#
+# - ``store``: this rank's flat shard as the coordinator keeps it, in the
+#   compute dtype (what is gathered): the coordinator's own memory
+#   (``direct``), or a copy written back with ``set_shard`` (a coordinator
+#   without ShardStorage, or a shard kept in a file under nvme_path);
+# - ``master``: the optimizer's flat shard, ``store`` itself when the master
+#   dtype is the compute dtype, else an fp32 copy (mixed precision);
+# - ``full``: the gathered copy while a module using the group runs.
+#
+# Per parameter (``ZeroParam``): ``shard`` (a ``torch.nn.Parameter`` over its
+# slice of the group's ``master``: what the optimizer steps on; its ``.grad``
+# is a view of the group's flat gradient shard) and ``store`` (its slice of
+# the group's store). ``param.data`` is a view of the gathered copy while a
+# module using it runs, an empty placeholder otherwise.
+#
+# What the step path in C++ (python/src/unit_passes.cpp, group_gradients.cpp,
+# saved_views.cpp) reads or writes on every use is owned by C++: a
+# ``ParamGroup`` is a ``_ductile.zero.GroupState`` (python/src/group_state.hpp)
+# and a ``ZeroParam`` a ``_ductile.zero.MemberState``, whose fields (``users``,
+# ``full``, ``full_address``, ``params``, ``grad_flat``, ``shard``, ...) are
+# typed properties here. Materialising a group (pointing its parameters at
+# views of the gathered copy) and releasing it are done by that step path.
+#
+# The live copies (``_ductile.zero.LiveCopies``, C++) map addresses to
+# materialised groups, so that a tensor autograd saves for backward that lies
+# in a gathered copy (a weight, ``weight.t()``) is saved as "this view of
+# group g" and rebuilt over the copy gathered again for backward: a release
+# in between never leaves autograd reading freed memory.
 
 
 class ZeroParam(_ductile.zero.MemberState):
@@ -124,7 +138,7 @@ class ParamGroup(_ductile.zero.GroupState):
         self.full_bytes = world * self.shard_numel * self.element_size
         self.accumulated = None  # gradients summed without sync, rank-major (reduce dtype)
         self.accumulated_mask = None
-        self.host = None  # its optimizer offload (_offload.HostShard), or None
+        self.host = None  # its optimizer offload (_optimizer_step.HostShard), or None
         self.shard_on_host = False  # the coordinator keeps its shard in host memory
 
     def views_at(self, memory, address):
@@ -136,16 +150,683 @@ class ParamGroup(_ductile.zero.GroupState):
         return full, views
 
 
-class Placeholders:
-    """One empty tensor per dtype: ``param.data`` between uses."""
+# The zero3 engine's parameters and their groups (_passes.py), registered
+# with the coordinator, and this rank's shards: filled at set-up
+# (_engine.py builds it), and brought up to date before each pass
+# with what the optimizer wrote (``Sharding.changed``).
+#
+# A group is one coordinator parameter (``register_group``: one collective a
+# group).
 
-    def __init__(self, device):
-        self._device = device
-        self._by_dtype = {}
 
-    def get(self, dtype):
-        t = self._by_dtype.get(dtype)
-        if t is None:
-            t = self._by_dtype[dtype] = torch.empty(0, dtype=dtype, device=self._device)
-        return t
+def replace_parameter(model, old, new):
+    """Every module slot holding `old` holds `new` (ties stay ties)."""
+    for module in model.modules():
+        for key, p in list(module._parameters.items()):
+            if p is old:
+                module._parameters[key] = new
+        listed = module.__dict__.get(_passes.EXTERNAL)
+        if listed:
+            module.__dict__[_passes.EXTERNAL] = [new if p is old else p for p in listed]
 
+
+class Sharding:
+    """The engine's parameters, groups and units, and their shards."""
+
+    def __init__(self, session, memory, comm, precision):
+        self.session = session
+        self.memory = memory
+        self.comm = comm
+        self.rank = session.rank
+        self.world = session.size
+        self.precision = precision
+        # the engine's OptimizerOffload, when groups are offloaded
+        self.offload: Any = None
+        self.changed = False  # the optimizer's shards changed since the last sync()
+        self.params = []
+        self.groups = []
+        self.units = []
+
+    # --- what is partitioned ----------------------------------------------------------
+
+    def collect(self, model):
+        precision = self.precision
+        params: list[ZeroParam] = []
+        seen: set[int] = set()
+        for name, p in model.named_parameters():
+            if id(p) in seen or p.numel() == 0:
+                continue  # shared (tied), or nothing to partition
+            seen.add(id(p))
+            if not p.is_meta and p.device != self.memory.device:
+                raise InvalidArgumentError(
+                    f"zero3.initialize: parameter '{name}' is on {p.device}, the "
+                    f"{self.session.backend} accelerator needs {self.memory.device}; move the "
+                    "model first")
+            if not p.is_floating_point():
+                raise InvalidArgumentError(
+                    f"zero3: parameter '{name}' has dtype {p.dtype}, which cannot be "
+                    "partitioned; valid: torch.float32, torch.float64, torch.float16, "
+                    "torch.bfloat16")
+            dtype = precision.param_dtype if precision is not None and \
+                precision.param_dtype is not None else p.dtype
+            params.append(ZeroParam(len(params), name, p, dtype))
+        if not params:
+            raise InvalidArgumentError("zero3.initialize: the model has no parameters")
+        self.params = params
+        return params
+
+    def plan(self, model, policy):
+        """The units and groups."""
+        param_of = {id(zp.param): zp for zp in self.params}
+
+        def make_group(name, members):
+            self.groups.append(ParamGroup(len(self.groups), name, members, self.world))
+            return self.groups[-1]
+
+        self.units = _passes.plan(model, param_of, policy, make_group)
+        return self.units
+
+    # --- partitioning -------------------------------------------------------------------
+
+    def partition(self, model, load_from):
+        """Registers every group and fills this rank's shards: from the
+        slices zero3.init kept, from safetensors (load_from), or from rank
+        0's values (broadcast, as DistributedDataParallel does)."""
+        source = SafetensorsSource(load_from) if load_from is not None else None
+        aliases: dict[int, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
+        try:
+            # One group at a time: its shards are filled (and whatever held
+            # their initial values let go) before the next one is allocated.
+            for group in self.groups:
+                self._register(group)
+                self._make_shards(group)
+                for zp in group.members:
+                    values = self._initial_values(zp, source, aliases[id(zp.param)])
+                    if values is not None:
+                        zp.store.copy_(values)
+                        if zp.shard.data_ptr() != zp.store.data_ptr():
+                            zp.shard.data.copy_(values)
+                    del values
+                    if zp.param.is_meta:
+                        real = torch.nn.Parameter(torch.empty(0, dtype=zp.param.dtype,
+                                                              device=self.memory.device),
+                                                  requires_grad=zp.requires_grad)
+                        replace_parameter(model, zp.param, real)
+                        zp.param = real
+                group.params = [zp.param for zp in group.members]
+        finally:
+            if source is not None:
+                source.close()
+        self.sync()
+
+    def _register(self, group):
+        session = self.session
+        session.register_group(group.id, group.numels, group.type)
+        if session.shard_numel(group.id) != group.shard_numel:
+            raise IncompatibleError(
+                f"zero3: the coordinator partitions '{group.name}' into "
+                f"{session.shard_numel(group.id)} elements a rank, the engine expects "
+                f"{group.shard_numel} (ceil(numel / world) a member)")
+        group.persistent = session.is_persistent(group.id)
+        if group.shard_on_host:
+            session.move_shard(group.id, "host")  # zero-filled: nothing to copy yet
+
+    def _make_shards(self, group):
+        """The coordinator's flat shard (`store`), the optimizer's (`master`)
+        and each member's views of them."""
+        session = self.session
+        location = session.shard_location(group.id)
+        on_host = location == "host"
+        # A shard in a file (NVMe offload) is reached through set_shard():
+        # the engine keeps a device copy of it.
+        store = None
+        if location != "nvme":
+            store = (self.memory.host_tensor if on_host else self.memory.tensor)(
+                session.shard_data(group.id), group.shard_numel, group.dtype)
+        group.direct = store is not None
+        if store is None:
+            store = torch.zeros(group.shard_numel, dtype=group.dtype, device=self.memory.device)
+        group.store = store
+        precision = self.precision
+        master_dtype = precision.master_dtype if precision is not None else None
+        if group.host is not None:
+            # The optimizer is offloaded: the master is on the host. With the
+            # shard there too, the host step writes the coordinator's shard
+            # itself (fp32), or its rounding (mixed precision).
+            group.host.attach(group, store if on_host and group.direct else None)
+            master = group.host.master
+        elif on_host and group.trained:
+            # The optimizer steps on the device: its master stays there.
+            master = torch.zeros(group.shard_numel, dtype=master_dtype or group.dtype,
+                                 device=self.memory.device)
+        elif master_dtype is None or master_dtype == group.dtype:
+            master = store
+        else:
+            master = torch.zeros(group.shard_numel, dtype=master_dtype, device=self.memory.device)
+        group.master = master
+        stores = store.split(group.sizes)
+        masters = master.split(group.sizes)
+        for zp, s, m in zip(group.members, stores, masters):
+            zp.store = s
+            shard = torch.nn.Parameter(m, requires_grad=zp.requires_grad)
+            if group.direct and master is store:
+                # The coordinator owns the memory: it lives as long as the shard.
+                shard._ductile_zero3_session = session
+            zp.shard = shard
+
+    def _initial_values(self, zp, source, names):
+        """This rank's shard values (a flat tensor of shard_numel), or None
+        when the coordinator's zero-filled shard is already right."""
+        lo, hi = zp.slice_of(self.rank)
+        out = torch.zeros(zp.shard_numel, dtype=zp.param.dtype)
+        if source is not None:
+            key = source.key_for(names)
+            if key is None:
+                raise IncompatibleError(
+                    f"{source.path}: no tensor for parameter '{zp.name}' (looked for "
+                    f"{', '.join(repr(n) for n in names)})")
+            out[:hi - lo] = source.read(key, zp.shape, lo, hi)
+            return out.to(self.memory.device)
+        shard = shard_of(zp.param)
+        if shard is not None:
+            if (shard.world, shard.rank) != (self.world, self.rank):
+                raise IncompatibleError(
+                    f"zero3.initialize: parameter '{zp.name}' was partitioned by zero3.init "
+                    f"for rank {shard.rank} of {shard.world}, the engine is rank {self.rank} of "
+                    f"{self.world}")
+            return shard.values.to(self.memory.device)
+        if zp.param.is_meta:
+            raise InvalidArgumentError(
+                f"zero3.initialize: parameter '{zp.name}' is on the meta device; build the "
+                "model under zero3.init() or give load_from= (safetensors)")
+        data = zp.param.data
+        if not data.is_contiguous():
+            data = data.contiguous()
+        if self.world > 1:
+            data = data.clone()
+            self.comm.broadcast(data.view(-1), 0).wait()
+        out[:hi - lo] = data.reshape(-1)[lo:hi]
+        return out.to(self.memory.device)
+
+    # --- before a pass --------------------------------------------------------------------
+
+    def sync(self):
+        """After the shards changed: master copies are cast into the
+        coordinator's shards (one copy a group); a direct shard only needs
+        its copy that outlived the pass (a persistent one) dropped; a copied
+        shard is written back."""
+        session = self.session
+        with torch.no_grad():
+            for group in self.groups:
+                if group.host is not None:
+                    self.offload.to_device(group)
+                elif group.master is not group.store:
+                    group.store.copy_(group.master)
+                if not group.direct:
+                    session.set_shard(group.id, group.store.data_ptr(),
+                                      group.shard_numel * group.element_size)
+                elif group.persistent:
+                    session.shard_written(group.id)
+        self.changed = False
+
+
+# Partitioned construction: no rank ever holds the whole model.
+#
+# ``with zero3.init(): model = Model(...)`` builds the model with each
+# parameter initialised directly into this rank's shard, with the values the
+# unsharded model gets from the same seed:
+#
+# - when a module registers a parameter, the parameter is replaced by one on
+#   the meta device (full shape, no memory) and this rank keeps only its
+#   slice of the values the parameter was created with (``ceil(numel /
+#   world)`` elements, as the coordinator partitions it);
+# - an in-place write to such a parameter or a view of it (``uniform_`` of
+#   ``reset_parameters``, ``normal_``/``zeros_`` of Hugging Face's
+#   ``_init_weights``, ``fill_``, ``copy_`` from a real tensor, ``mul_``) runs
+#   on a transient full tensor holding this rank's slice, so it draws exactly
+#   the random numbers the eager model draws, and the rank keeps its slice of
+#   the result. At most one parameter is whole at a time.
+#
+# Limits: an init that reads elements outside the element it writes
+# (``orthogonal_``) or that skips meta tensors (``trunc_normal_``) does not
+# give the eager values; out-of-place reads of a parameter during
+# construction give meta tensors. The world size and rank come from
+# torch.distributed when it is initialised, else from the launcher's
+# environment (mpirun, torchrun), and must be the engine's.
+#
+# ``zero3.initialize(model, ..., load_from=path)`` fills the shards of a
+# model built on the meta device (or under ``zero3.init``) from Hugging Face
+# safetensors files (one file, a folder with ``model.safetensors`` or a
+# sharded ``model.safetensors.index.json``): each rank reads only the rows
+# holding its slice of each parameter.
+
+_INIT = "_ductile_zero3_init"
+
+
+class InitShard:
+    """This rank's slice of a parameter built under zero3.init."""
+
+    __slots__ = ("values", "numel", "world", "rank", "lo", "hi", "dtype", "__weakref__")
+
+    def __init__(self, numel, dtype, world, rank):
+        self.numel = numel
+        self.world = world
+        self.rank = rank
+        self.dtype = dtype
+        shard = -(-numel // world)
+        self.lo = min(rank * shard, numel)
+        self.hi = min(self.lo + shard, numel)
+        self.values = torch.zeros(shard, dtype=dtype)
+
+    def take(self, full):
+        self.values[:self.hi - self.lo].copy_(full.reshape(-1)[self.lo:self.hi])
+
+    def whole(self):
+        """A transient full tensor holding this rank's slice (zeros elsewhere)."""
+        full = torch.zeros(self.numel, dtype=self.dtype)
+        full[self.lo:self.hi] = self.values[:self.hi - self.lo]
+        return full
+
+
+def shard_of(param):
+    return getattr(param, _INIT, None)
+
+
+def launch_world():
+    """(world size, rank) of this process: torch.distributed, else the launcher."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    for size, rank in (("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"), ("PMI_SIZE", "PMI_RANK"),
+                       ("WORLD_SIZE", "RANK")):
+        if os.environ.get(size) and os.environ.get(rank):
+            return int(os.environ[size]), int(os.environ[rank])
+    return 1, 0
+
+
+def _writes_first_argument(func):
+    args = func._schema.arguments
+    return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+
+
+class _Mode(TorchDispatchMode):
+    """Runs in-place writes to partitioned parameters on transient full tensors."""
+
+    def __init__(self, owners):
+        super().__init__()
+        self._owners = owners  # meta storage id -> InitShard
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = args[0] if args else None
+        if (isinstance(target, torch.Tensor) and target.is_meta and self._owners
+                and _writes_first_argument(func)):
+            shard = self._owners.get(target.untyped_storage()._cdata)
+            if shard is not None:
+                return self._write(func, target, shard, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _write(self, func, target, shard, args, kwargs):
+        for a in list(args[1:]) + list(kwargs.values()):
+            if isinstance(a, torch.Tensor) and a.is_meta:
+                raise IncompatibleError(
+                    f"zero3.init: {func} writes a partitioned parameter from another meta "
+                    "tensor (a partitioned parameter's values are not available during "
+                    "construction); initialise it from real values")
+        full = shard.whole()
+        real = full.as_strided(target.size(), target.stride(), target.storage_offset())
+        func(real, *args[1:], **kwargs)
+        shard.take(full)
+        return target
+
+
+class init:  # noqa: N801 - used as a context manager, like torch.no_grad
+    """``with zero3.init(): model = Model(...)``: see the module's docstring."""
+
+    def __init__(self, world_size: int | None = None, rank: int | None = None) -> None:
+        detected = launch_world()
+        self.world_size = detected[0] if world_size is None else world_size
+        self.rank = detected[1] if rank is None else rank
+        if not (isinstance(self.world_size, int) and isinstance(self.rank, int)
+                and 0 <= self.rank < self.world_size):
+            raise InvalidArgumentError(
+                f"zero3.init: rank {self.rank!r} of world size {self.world_size!r} is not valid")
+        self._owners: dict[int, InitShard] = {}  # meta storage id -> this rank's slice
+        # torch's hook handle and dispatch mode, set by __enter__
+        self._handle: Any = None
+        self._mode: Any = None
+
+    def _register(self, module, name, param):
+        if param is None or shard_of(param) is not None or param.is_meta:
+            return None
+        shard = InitShard(param.numel(), param.dtype, self.world_size, self.rank)
+        with torch.no_grad():
+            shard.take(param.detach())
+        meta = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
+                                  requires_grad=param.requires_grad)
+        setattr(meta, _INIT, shard)
+        self._owners[meta.untyped_storage()._cdata] = shard
+        # The storage id may be reused once the parameter dies: forget it then.
+        owners, key = self._owners, meta.untyped_storage()._cdata
+        weakref.finalize(meta, owners.pop, key, None)
+        return meta
+
+    def __enter__(self) -> Self:
+        self._handle = torch.nn.modules.module.register_module_parameter_registration_hook(
+            self._register)
+        self._mode = _Mode(self._owners)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> Literal[False]:
+        self._mode.__exit__(*exc)
+        self._handle.remove()
+        self._owners.clear()
+        return False
+
+
+# --- safetensors --------------------------------------------------------------------
+
+
+def _safetensors_files(path):
+    """{tensor name: file} of a safetensors file or folder."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            try:
+                with open(index, encoding="utf-8") as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise IoError(f"{index}: not a safetensors index: {e}") from e
+            return {k: os.path.join(path, v) for k, v in weight_map.items()}
+        single = os.path.join(path, "model.safetensors")
+        if not os.path.isfile(single):
+            raise IoError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
+        path = single
+    from safetensors import safe_open
+    try:
+        with safe_open(path, framework="pt") as f:
+            return {k: path for k in f.keys()}
+    except (OSError, ValueError, RuntimeError) as e:
+        raise IoError(f"{path}: not a safetensors file: {e}") from e
+
+
+class SafetensorsSource:
+    """Reads each parameter's slice [lo, hi) of the flattened tensor, row by row."""
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        self.files = _safetensors_files(path)
+        self._open = {}
+
+    def _handle(self, file):
+        from safetensors import safe_open
+        f = self._open.get(file)
+        if f is None:
+            f = self._open[file] = safe_open(file, framework="pt")
+        return f
+
+    def close(self):
+        self._open.clear()
+
+    def key_for(self, names):
+        for name in names:
+            if name in self.files:
+                return name
+        return None
+
+    def read(self, key, shape, lo, hi):
+        f = self._handle(self.files[key])
+        sl = f.get_slice(key)
+        stored = tuple(sl.get_shape())
+        if stored != tuple(shape):
+            raise IncompatibleError(
+                f"{self.files[key]}: '{key}' has shape {list(stored)}, the model's parameter "
+                f"{list(shape)}")
+        if hi <= lo:
+            return torch.empty(0)
+        if len(stored) <= 1:
+            return sl[lo:hi].reshape(-1)
+        row = 1
+        for d in stored[1:]:
+            row *= d
+        r0, r1 = lo // row, (hi - 1) // row + 1
+        rows = sl[r0:r1].reshape(-1)
+        return rows[lo - r0 * row:hi - r0 * row]
+
+
+# Whole parameters out of a zero3 engine: ``full_parameters``,
+# ``state_dict``, ``save_consolidated`` (Hugging Face safetensors) and the
+# ``GatheredParameters`` context (read or modify full parameters, DeepSpeed's
+# ``deepspeed.zero.GatheredParameters``). Every call is collective: each
+# parameter is all-gathered from the optimizer's shards (the fp32 masters
+# with mixed precision) one at a time, so no rank holds more than one whole
+# parameter beyond what it keeps.
+
+if TYPE_CHECKING:
+    from ._engine import Zero3Engine
+
+# The dtype of whole parameters: a torch dtype, "fp32"/"bf16"/"fp16" (and
+# their long names), "param" (each parameter's own) or None (the optimizer
+# shards': the fp32 masters with mixed precision).
+DtypeArgument: TypeAlias = torch.dtype | str | None
+
+_OWNER = "_ductile_zero3_owner"
+
+
+def _gather(engine, zp, dtype=None):
+    """zp's whole value (shape zp.shape, new memory), on the engine's device."""
+    shard = zp.shard.detach()
+    out = torch.empty(engine.world_size * zp.shard_numel, dtype=shard.dtype,
+                      device=engine._memory.device)
+    # An offloaded master is on the host: the collective takes a device copy.
+    engine.comm.all_gather(out, shard.to(out.device).contiguous()).wait()
+    full = out[:zp.numel].view(zp.shape)
+    if dtype is not None and dtype != full.dtype:
+        full = full.to(dtype)
+    return full
+
+
+def _dtype_of(zp, dtype):
+    if dtype == "param":
+        return zp.orig_dtype
+    return as_dtype(dtype, "dtype")
+
+
+def full_parameters(engine: Zero3Engine,
+                    dtype: DtypeArgument = None) -> dict[str, torch.Tensor]:
+    return {zp.name: _gather(engine, zp, _dtype_of(zp, dtype)) for zp in engine._params}
+
+
+def _entries(engine):
+    """(state_dict key, ZeroParam or buffer tensor) in model.state_dict() order."""
+    by_param = {id(zp.param): zp for zp in engine._params}
+    out = []
+    for key, value in engine.module.state_dict(keep_vars=True).items():
+        out.append((key, by_param.get(id(value), value)))
+    return out
+
+
+def state_dict(engine: Zero3Engine, dtype: DtypeArgument = None,
+               rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    keep = not rank0_only or engine.rank == 0
+    out, gathered = {}, {}
+    for key, entry in _entries(engine):
+        if not hasattr(entry, "shard"):
+            if keep:
+                out[key] = entry.detach().clone().cpu()
+            continue
+        if entry.id not in gathered:
+            value = _gather(engine, entry, _dtype_of(entry, dtype)).cpu()
+            gathered[entry.id] = value if keep else None
+        if keep:
+            out[key] = gathered[entry.id]
+    return out
+
+
+def _plan_files(items, max_shard_bytes):
+    """Groups (key, nbytes) into files of at most max_shard_bytes each (a
+    larger tensor alone); returns the list of key lists."""
+    files: list[list] = []
+    current: list = []
+    size = 0
+    for key, nbytes in items:
+        if current and size + nbytes > max_shard_bytes:
+            files.append(current)
+            current, size = [], 0
+        current.append(key)
+        size += nbytes
+    if current or not files:
+        files.append(current)
+    return files
+
+
+def save_consolidated(engine: Zero3Engine, path: StrPath, dtype: DtypeArgument = None,
+                      max_shard_bytes: int = 5 << 30) -> None:
+    from safetensors.torch import save_file
+
+    path = os.fspath(path)
+    if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise InvalidArgumentError(
+            f"zero3: save_consolidated max_shard_bytes = {max_shard_bytes!r}; a positive int")
+    # One name per tensor: safetensors refuses shared storage, and
+    # from_pretrained ties the others again (tie_word_embeddings).
+    entries, seen = [], set()
+    for key, entry in _entries(engine):
+        ident = ("param", entry.id) if hasattr(entry, "shard") else ("buffer", id(entry))
+        if ident in seen:
+            continue
+        seen.add(ident)
+        entries.append((key, entry))
+
+    def out_dtype(entry):
+        if hasattr(entry, "shard"):
+            return _dtype_of(entry, dtype) or entry.shard.dtype
+        return entry.dtype
+
+    def nbytes(entry):
+        numel = entry.numel if hasattr(entry, "shard") else entry.numel()
+        return numel * torch.empty((), dtype=out_dtype(entry)).element_size()
+
+    sizes = {key: nbytes(entry) for key, entry in entries}
+    files = _plan_files([(key, sizes[key]) for key, _ in entries], max_shard_bytes)
+    names = ["model.safetensors"] if len(files) == 1 else [
+        f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    lookup = dict(entries)
+    if engine.rank == 0:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            raise IoError(f"{path}: cannot create the folder: {e.strerror}") from e
+    for name, keys in zip(names, files):
+        tensors = {}
+        for key in keys:
+            entry = lookup[key]
+            if hasattr(entry, "shard"):
+                value = _gather(engine, entry, out_dtype(entry))
+            else:
+                value = entry.detach()
+            if engine.rank == 0:
+                tensors[key] = value.contiguous().cpu()
+        if engine.rank == 0:
+            try:
+                save_file(tensors, os.path.join(path, name), metadata={"format": "pt"})
+            except OSError as e:
+                raise IoError(f"{os.path.join(path, name)}: cannot write: {e.strerror}") from e
+    if engine.rank == 0:
+        if len(files) > 1:
+            index = {"metadata": {"total_size": sum(sizes.values())},
+                     "weight_map": {key: n for n, keys in zip(names, files) for key in keys}}
+            with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+                json.dump(index, f, indent=2)
+        config = getattr(engine.module, "config", None)
+        if config is not None and hasattr(config, "save_pretrained"):
+            config.save_pretrained(path)
+    engine.comm.barrier()
+
+
+def register_owner(engine, zp):
+    setattr(zp.param, _OWNER, (weakref.ref(engine), zp))
+
+
+def _owner(param):
+    owner = getattr(param, _OWNER, None)
+    if owner is None:
+        return None, None
+    engine = owner[0]()
+    return engine, owner[1]
+
+
+class GatheredParameters:
+    """``with GatheredParameters(params, modifier_rank=0): ...``: inside,
+    each of `params` (parameters of a zero3 model, or a module: its
+    parameters) holds its whole value (in the model's dtype, the fp32
+    masters' values with mixed precision). On exit, with modifier_rank set,
+    that rank's values (changes included) are broadcast and become the
+    shards (and the optimizer's masters) everywhere; with modifier_rank None
+    changes are dropped. Collective; use it between passes, not inside a
+    forward."""
+
+    def __init__(self,
+                 params: torch.nn.Module | torch.nn.Parameter | Iterable[torch.nn.Parameter],
+                 modifier_rank: int | None = None, enabled: bool = True) -> None:
+        if isinstance(params, torch.nn.Module):
+            params = list(params.parameters())
+        elif isinstance(params, torch.nn.Parameter):
+            params = [params]
+        self.params = list(params)
+        self.modifier_rank = modifier_rank
+        self.enabled = enabled
+        self._held: list[tuple[Zero3Engine, Any]] = []  # (engine, its ZeroParam)
+
+    def __enter__(self) -> Self:
+        if not self.enabled:
+            return self
+        seen = set()
+        for p in self.params:
+            engine, zp = _owner(p)
+            if engine is None:
+                raise InvalidArgumentError(
+                    "zero3.GatheredParameters: a parameter that no live zero3 engine manages")
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if engine._passes.pass_open:
+                raise IncompatibleError(
+                    "zero3.GatheredParameters: inside a pass (between a forward and the end of "
+                    "its backward); use it between steps")
+            if self.modifier_rank is not None and not 0 <= self.modifier_rank < engine.world_size:
+                raise InvalidArgumentError(
+                    f"zero3.GatheredParameters: modifier_rank {self.modifier_rank} is not a rank "
+                    f"of the {engine.world_size}-rank world")
+            self._held.append((engine, zp))
+        for engine, zp in self._held:
+            full = _gather(engine, zp, zp.orig_dtype)
+            with torch.no_grad():
+                zp.param.data = full
+        return self
+
+    def __exit__(self, *exc: object) -> Literal[False]:
+        if not self.enabled:
+            return False
+        try:
+            if self.modifier_rank is not None:
+                for engine, zp in self._held:
+                    with torch.no_grad():
+                        flat = zp.param.data.reshape(-1).contiguous()
+                        if engine.world_size > 1:
+                            engine.comm.broadcast(flat, self.modifier_rank).wait()
+                        lo, hi = zp.slice_of(engine.rank)
+                        engine.shards_writable()
+                        zp.shard.zero_()
+                        zp.shard[:hi - lo].copy_(flat[lo:hi])
+                    engine.shards_changed()
+        finally:
+            for engine, zp in self._held:
+                with torch.no_grad():
+                    zp.param.data = engine._passes.placeholders.get(zp.dtype)
+            self._held = []
+        return False

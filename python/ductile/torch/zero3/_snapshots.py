@@ -59,8 +59,7 @@ Without a committed snapshot of the current step on every rank, the save
 is written in the foreground, with a warning.
 
 Threading: every method runs on the training thread, as step() does; a
-BackgroundSave's thread touches only its files.
-"""
+BackgroundSave's thread touches only its files."""
 
 import json
 import logging
@@ -72,7 +71,7 @@ import torch
 
 from ..._errors import CommunicationError, Error, InvalidArgumentError, IoError
 from . import _checkpoint
-from ._agreement import agree
+from ._checkpoint import agree
 from ._checkpoint_files import (fs, header, io_error, rank_stem, read_header, shard_layout,
                                 write_file)
 
@@ -437,4 +436,3 @@ class BackgroundSave:
             except OSError as e:
                 raise io_error(path, "cannot remove a rank's record", e) from e
         return records
-

@@ -1,55 +1,346 @@
-"""torch.distributed's process group as zero3's world communicator: the
-host framework supplies the communication, so a job started by torchrun
-(gloo on cpu, NCCL on cuda) needs no MPI.
+"""The world zero3 runs on: the ranks, their collectives (torch.distributed's process group, or
+the accelerator's own), the direct exchange between ranks, and device memory."""
 
-``TorchWorld`` serves two callers:
-
-- the C++ coordinator, through the accelerator's host world
-  (``HostWorld::offer_world``; python/src/host_world.cpp): TorchWorld is a
-  ``_ductile.zero.HostCommunicator``, whose typed facts (rank, size, kind,
-  group, direct exchange) it sets once at construction and whose calls it
-  defines; its collectives arrive as addresses, element counts and element
-  type names (``*_at`` calls), returning ``HostWork`` handles,
-  wrapped here into tensors over that memory without copying (kept by
-  address: the coordinator reuses a few buffers, so after the first passes
-  no tensor is made); on host streams a coalesced gather is asked for here
-  once, as a plan (``gather_plan``: ``_ductile.zero.GatherRun`` entries),
-  and issued from C++ after that;
-- the engine (gradients, checkpoints, all_reduce), on tensors (the calls of
-  _collectives.py).
-
-Each call issues the collective at once, asynchronously, on the calling
-thread, and returns a handle with ``query()`` and ``wait()``. A coalesced
-gather of a parameter group (its members' slices back to back in the
-shard, each member whole in the output) is one all-gather of the flat
-shard and one copy-out (``split_with_sizes_copy``) into the members'
-places, as FSDP2 does; the small groups of one coalesced gather (a
-prefetch) share one all-gather, their shards copied in back to back. On
-gloo (up to _direct_exchange.MAX_RANKS ranks) an all-gather, and a sum
-reduce-scatter, is a direct exchange instead: sends and receives straight
-into the output (_direct_exchange.py says why).
-
-Stream semantics. cpu: the collective runs on gloo's threads; its output
-(copied out) is complete when the work is (``query()`` true, or
-``wait()``; an exchange's ``query()`` is true only once it was waited
-for). cuda: the coordinator passes the stream it issues on (its
-communication stream, ``stream``: a ``cudaStream_t`` as an int); the
-collective is ordered after that stream's work, the stream's later work
-after the collective (``Work.wait()`` there, a device-side wait) and the
-copy-out runs on it, so the coordinator's event recorded on the stream
-marks the end and the host never waits. The engine's own collectives on
-cuda are ordered after torch's current stream by torch itself, and
-``wait()`` makes the current stream wait for them.
-"""
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ... import _ductile
-from ..._errors import InvalidArgumentError
-from ._collectives import Done
-from ._direct_exchange import MAX_RANKS, TAG, DirectGather, DirectReduceScatter
-from ._memory import DeviceMemory
+from ..._errors import InvalidArgumentError, UnsupportedError
+
+# Tensors over memory the C++ coordinator owns, without copying, and the
+# element types both sides understand.
+#
+# On the cpu backend the coordinator's "device" memory is host memory: a
+# writable memoryview over it goes to ``torch.frombuffer``; so does a shard
+# the coordinator keeps in host memory on any backend (parameter offload). On
+# cuda device memory goes through ``__cuda_array_interface__`` to
+# ``torch.as_tensor``. The
+# tensors never own the memory; whoever makes one keeps it only while the
+# coordinator keeps the buffer (see materialize and dematerialize in _param.py).
+
+# torch dtype -> (ductile element type name, __cuda_array_interface__ typestr)
+_TYPES = {
+    torch.float32: ("float32", "<f4"),
+    torch.float64: ("float64", "<f8"),
+    torch.float16: ("float16", "<f2"),
+    torch.bfloat16: ("bfloat16", "<u2"),  # no typestr for bf16: carried as raw 16-bit words
+    torch.int32: ("int32", "<i4"),
+    torch.int64: ("int64", "<i8"),
+    torch.uint8: ("uint8", "|u1"),
+}
+
+_ELEMENT_SIZE = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in _TYPES}
+
+
+def type_name(dtype, what):
+    """ductile's name for a torch dtype; InvalidArgumentError naming `what`
+    for a type the collectives cannot carry."""
+    entry = _TYPES.get(dtype)
+    if entry is None:
+        valid = ", ".join(str(t) for t in _TYPES)
+        raise InvalidArgumentError(
+            f"zero3: {what} has dtype {dtype}, which cannot be partitioned; valid: {valid}")
+    return entry[0]
+
+
+class _CudaArray:
+    """A minimal __cuda_array_interface__ holder for torch.as_tensor."""
+
+    def __init__(self, address, numel, typestr):
+        self.__cuda_array_interface__ = {
+            "data": (address, False), "shape": (numel,), "typestr": typestr, "version": 2,
+            "strides": None}
+
+
+class DeviceMemory:
+    """Makes flat tensors over the coordinator's memory on its backend."""
+
+    def __init__(self, backend, device=None):
+        self.backend = backend
+        if backend == "cpu":
+            self.device = torch.device("cpu")
+        elif backend == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device()) \
+                if device is None else torch.device(device)
+        else:
+            raise UnsupportedError(
+                f"zero3: the {backend} accelerator is not supported from PyTorch; valid: cpu, "
+                "cuda")
+
+    def tensor(self, address, numel, dtype):
+        """A 1-D tensor of `numel` elements of `dtype` at `address`."""
+        if self.backend == "cpu":
+            return self.host_tensor(address, numel, dtype)
+        typestr = _TYPES[dtype][1]
+        t = torch.as_tensor(_CudaArray(address, numel, typestr), device=self.device)
+        return t.view(dtype) if dtype == torch.bfloat16 else t
+
+    @staticmethod
+    def host_tensor(address, numel, dtype):
+        """A 1-D cpu tensor of `numel` elements of `dtype` over the
+        coordinator's host memory at `address`."""
+        view = _ductile.zero.host_view(address, numel * _ELEMENT_SIZE[dtype])
+        return torch.frombuffer(view, dtype=dtype)
+
+
+# The engine's collectives on tensors, over one of two worlds:
+#
+# - ``SessionCollectives``: the accelerator's own world communicator (Open MPI
+#   on cpu, NCCL on cuda, or a single process), through the C++ session;
+# - ``TorchWorld``: torch.distributed's process group, the
+#   host framework's communicator, which the C++ coordinator also uses for
+#   its gathers.
+#
+# Both give the same calls: ``all_gather(out, inp)``, ``reduce_scatter(out,
+# inp, op)``, ``all_reduce(tensor, op)`` (in place), ``broadcast(tensor,
+# root)``, each returning a handle with ``query()`` (never blocks) and
+# ``wait()``; and ``barrier()`` (blocking). Tensors are contiguous and on the
+# world's device; ops are "sum", "min", "max". Every rank issues the same
+# collectives in the same order (the engine's and the coordinator's share one
+# order: both are issued from the training thread).
+
+
+class _Held:
+    """A session collective's handle that keeps its tensors alive until it
+    is waited for (the C++ side holds only their addresses)."""
+
+    __slots__ = ("_pending", "_tensors")
+
+    def __init__(self, pending, *tensors):
+        self._pending = pending
+        self._tensors = tensors
+
+    def query(self):
+        return self._pending.query()
+
+    def wait(self):
+        self._pending.wait()
+        self._tensors = ()
+
+
+class SessionCollectives:
+    def __init__(self, session, device):
+        self._session = session
+        self.device = device
+        self.rank = session.rank
+        self.size = session.size
+        self.kind = "accelerator"
+
+    def all_gather(self, out, inp):
+        return _Held(self._session.all_gather(inp.data_ptr(), out.data_ptr(), inp.numel(),
+                                              type_name(inp.dtype, "an all_gather tensor")),
+                     out, inp)
+
+    def reduce_scatter(self, out, inp, op="sum"):
+        return _Held(self._session.reduce_scatter(
+            inp.data_ptr(), out.data_ptr(), out.numel(),
+            type_name(inp.dtype, "a reduce_scatter tensor"), op), out, inp)
+
+    def all_reduce(self, tensor, op="sum"):
+        return _Held(self._session.all_reduce(tensor.data_ptr(), tensor.data_ptr(),
+                                              tensor.numel(),
+                                              type_name(tensor.dtype, "an all_reduce tensor"),
+                                              op), tensor)
+
+    def broadcast(self, tensor, root=0):
+        return _Held(self._session.broadcast(tensor.data_ptr(), tensor.numel(),
+                                             type_name(tensor.dtype, "a broadcast tensor"),
+                                             root), tensor)
+
+    def barrier(self):
+        self._session.barrier()
+
+
+class _Done(_ductile.zero.HostWork):
+    """The handle of a collective that needed no communication."""
+
+    __slots__ = ()
+
+    def query(self):
+        return True
+
+    def wait(self):
+        return None
+
+
+Done = _Done()
+
+
+def gather_bytes(comm, data):
+    """Every rank's `data` (bytes of any length), by rank. Collective."""
+    if comm.size == 1:
+        return [bytes(data)]
+    device = comm.device
+    lengths = torch.zeros(comm.size, dtype=torch.int64, device=device)
+    comm.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64, device=device)).wait()
+    lengths = lengths.cpu()
+    count = int(lengths.max())
+    send = torch.zeros(max(count, 1), dtype=torch.uint8)
+    if data:
+        send[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    send = send.to(device)
+    recv = torch.empty(comm.size * send.numel(), dtype=torch.uint8, device=device)
+    comm.all_gather(recv, send).wait()
+    raw = recv.cpu().numpy().tobytes()
+    n = send.numel()
+    return [raw[r * n:r * n + int(lengths[r])] for r in range(comm.size)]
+
+
+# All-gather and reduce-scatter over gloo by direct exchange: each rank
+# sends its piece to every other rank and receives theirs straight into the
+# output (``ProcessGroup.send`` / ``recv``), instead of gloo's collectives.
+#
+# Why: gloo's ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` stage
+# through a flat buffer of the whole output that they allocate on every call
+# and copy through twice, on gloo's worker thread. For a large group that
+# costs more than the bytes' transfer: on 2 ranks of this project's CPU
+# machine (2 cores), gathering 66 MB took 74 ms as one collective and 20 ms as
+# one exchange (a send and a receive a rank), and that buffer, allocated at
+# the end of backward, was part of the step's peak memory
+# (tests/benchmarks/python/bench_zero3.py, docs/benchmarks.md). An exchange sends
+# the same bytes a ring does, (ranks - 1) pieces a rank.
+#
+# Where: TorchWorld uses it on gloo up to ``MAX_RANKS`` ranks (each rank
+# then keeps (ranks - 1) sends and receives in flight); NCCL's collectives
+# run on the device and are kept. A gather's messages are issued by one C++
+# function (``issue_direct_gather`` in python/src/host_world.cpp), which the
+# C++ host world's planned gathers call too, with ``TAG``.
+#
+# Order: messages between two ranks with one tag are matched in the order
+# they were posted, so every rank posts its exchanges in the same order, as
+# with collectives (the engine's and the coordinator's all come from the
+# training thread). Gathers and reduce-scatters use tags of their own; a
+# user's point-to-point messages on the same group must not use them.
+#
+# Completion: gloo reports a send or receive complete only once it has been
+# waited for, so ``query()`` is true only after ``wait()``: a poller sees the
+# exchange in flight until it waits, and the wait then returns at once when
+# the bytes are in.
+
+# Ranks up to which TorchWorld exchanges directly on gloo. Beyond, gloo's
+# ring keeps 2 messages in flight a rank instead of 2 x (ranks - 1).
+MAX_RANKS = 8
+# gloo's point-to-point tags of the gathers (the C++ host world's planned
+# gathers get it as TorchWorld.direct_tag) and of the reduce-scatters.
+TAG = 0x64756374
+REDUCE_SCATTER_TAG = TAG + 1
+
+
+class _Exchange(_ductile.zero.HostWork):
+    """Messages in flight: complete once each was waited for."""
+
+    __slots__ = ("_works", "_done")
+    _works: Sequence[Any]  # emptied once waited for
+    _done: bool
+
+    def query(self):
+        return self._done
+
+    def wait(self):
+        if self._done:
+            return
+        for work in self._works:
+            work.wait()
+        self._works = ()
+        self._done = True
+
+
+class DirectGather(_Exchange):
+    """``out`` (ranks x n elements) gets every rank's ``inp`` (n elements)
+    in rank order; issued at once, complete after ``wait()``. The messages
+    are issued in C++ (``_ductile.zero.direct_gather``, which the C++ host
+    world's planned gathers call too)."""
+
+    __slots__ = ()
+
+    def __init__(self, group, rank, size, out, inp):
+        _ductile.zero.HostWork.__init__(self)
+        works = _ductile.zero.direct_gather(group, rank, size, out, inp, TAG)
+        self._works = works
+        self._done = not works
+
+
+class DirectReduceScatter(_Exchange):
+    """``out`` (n elements) gets the sum over ranks of their ``inp`` slice
+    ``rank`` (``inp``: ranks x n elements, each rank's slice sent to it);
+    the other ranks' slices arrive in buffers of their own and are added
+    by ``wait()``. ``inp`` must stay unchanged until then."""
+
+    __slots__ = ("_received", "_mine", "_out")
+    _received: Sequence[torch.Tensor]  # emptied once added
+
+    def __init__(self, group, rank, size, out, inp):
+        _ductile.zero.HostWork.__init__(self)
+        n = out.numel()
+        works, received = [], []
+        for k in range(1, size):
+            dst = (rank + k) % size
+            works.append(group.send([inp[dst * n:(dst + 1) * n]], dst, REDUCE_SCATTER_TAG))
+            buffer = torch.empty_like(out)
+            works.append(group.recv([buffer], (rank - k) % size, REDUCE_SCATTER_TAG))
+            received.append(buffer)
+        self._works = works
+        self._received = received
+        self._mine = inp[rank * n:(rank + 1) * n]
+        self._out = out
+        self._done = False
+
+    def wait(self):
+        if self._done:
+            return
+        _Exchange.wait(self)
+        received = self._received
+        torch.add(self._mine, received[0], out=self._out)
+        for buffer in received[1:]:
+            self._out.add_(buffer)
+        self._received = ()
+        self._mine = self._out = None
+
+
+# torch.distributed's process group as zero3's world communicator: the
+# host framework supplies the communication, so a job started by torchrun
+# (gloo on cpu, NCCL on cuda) needs no MPI.
+#
+# ``TorchWorld`` serves two callers:
+#
+# - the C++ coordinator, through the accelerator's host world
+#   (``HostWorld::offer_world``; python/src/host_world.cpp): TorchWorld is a
+#   ``_ductile.zero.HostCommunicator``, whose typed facts (rank, size, kind,
+#   group, direct exchange) it sets once at construction and whose calls it
+#   defines; its collectives arrive as addresses, element counts and element
+#   type names (``*_at`` calls), returning ``HostWork`` handles,
+#   wrapped here into tensors over that memory without copying (kept by
+#   address: the coordinator reuses a few buffers, so after the first passes
+#   no tensor is made); on host streams a coalesced gather is asked for here
+#   once, as a plan (``gather_plan``: ``_ductile.zero.GatherRun`` entries),
+#   and issued from C++ after that;
+# - the engine (gradients, checkpoints, all_reduce), on tensors (the calls below).
+#
+# Each call issues the collective at once, asynchronously, on the calling
+# thread, and returns a handle with ``query()`` and ``wait()``. A coalesced
+# gather of a parameter group (its members' slices back to back in the
+# shard, each member whole in the output) is one all-gather of the flat
+# shard and one copy-out (``split_with_sizes_copy``) into the members'
+# places, as FSDP2 does; the small groups of one coalesced gather (a
+# prefetch) share one all-gather, their shards copied in back to back. On
+# gloo (up to MAX_RANKS ranks) an all-gather, and a sum
+# reduce-scatter, is a direct exchange instead: sends and receives straight
+# into the output (``_Exchange`` says why).
+#
+# Stream semantics. cpu: the collective runs on gloo's threads; its output
+# (copied out) is complete when the work is (``query()`` true, or
+# ``wait()``; an exchange's ``query()`` is true only once it was waited
+# for). cuda: the coordinator passes the stream it issues on (its
+# communication stream, ``stream``: a ``cudaStream_t`` as an int); the
+# collective is ordered after that stream's work, the stream's later work
+# after the collective (``Work.wait()`` there, a device-side wait) and the
+# copy-out runs on it, so the coordinator's event recorded on the stream
+# marks the end and the host never waits. The engine's own collectives on
+# cuda are ordered after torch's current stream by torch itself, and
+# ``wait()`` makes the current stream wait for them.
 
 _DTYPES = {
     "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
@@ -232,7 +523,7 @@ class TorchWorld(_ductile.zero.HostCommunicator):
             self.device = torch.device("cpu")
         size = dist.get_world_size(group)
         # gloo: gathers and sum reduce-scatters by direct exchange
-        # (_direct_exchange.py), the C++ host world's planned gathers too
+        #, the C++ host world's planned gathers too
         # (with direct_tag); False: by torch's collectives (the C++ host
         # world's planned gathers with gather_collective). The default
         # group (None) is looked up at each call, never held: a
