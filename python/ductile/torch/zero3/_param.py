@@ -26,7 +26,7 @@ from ._world import type_name
 #
 # A ``ParamGroup`` is the unit of all of that: the parameters one hooked
 # module (a unit, see _passes.py) owns. The coordinator knows it as one
-# parameter (``ParameterGroups`` in the SDK): each member is sharded on its
+# parameter (``register_group`` in the SDK): each member is sharded on its
 # own (``ceil(numel / world)`` elements a rank, zero-padded, as a parameter
 # alone would be), this rank's slices lie back to back in one flat shard, and
 # the gathered copy holds each member whole, back to back. So one collective
@@ -37,8 +37,8 @@ from ._world import type_name
 #
 # - ``store``: this rank's flat shard as the coordinator keeps it, in the
 #   compute dtype (what is gathered): the coordinator's own memory
-#   (``direct``), or a copy written back with ``set_shard`` (a coordinator
-#   without ShardStorage, or a shard kept in a file under nvme_path);
+#   (``direct``), or a copy written back with ``set_shard`` (a shard kept in
+#   a file under nvme_path);
 # - ``master``: the optimizer's flat shard, ``store`` itself when the master
 #   dtype is the compute dtype, else an fp32 copy (mixed precision);
 # - ``full``: the gathered copy while a module using the group runs.
