@@ -31,10 +31,10 @@ namespace ductile::zero {
 namespace {
 
 // A whole, non-negative number of elements from a [zero] key given as integer
-// or float (DeepSpeed writes 5e7). The one check of these keys (their schema
-// entries carry no bound, so the rule and its message live here alone): the
-// validate hook runs it before anything is created, and `ductile config
-// check` runs the hook.
+// or float (DeepSpeed writes 5e7). The schema's bound (>= 0) is reported
+// with every other key's problem by `config check`; this check adds what a
+// schema cannot say (a whole number, at most 9e18) and keeps the cast below
+// defined. The validate hook runs it before anything is created.
 std::size_t element_count(const Params& params, const char* key) {
   double v = params.get_double(key);
   if (!std::isfinite(v) || v < 0 || v != std::floor(v) || v > 9.0e18)
@@ -469,22 +469,26 @@ class PartitionedCoordinator final : public ParameterCoordinator {
 static constexpr ParamSpec kSchema[] = {
     {.key = "prefetch_bucket_size",
      .type = ParamType::floating,
+     .flags = param_has_min,
      .default_value = "50000000",
      .doc = "Elements gathered ahead per fetch with a complete trace (DeepSpeed "
             "stage3_prefetch_bucket_size); 0 turns prefetch off"},
     {.key = "max_live_parameters",
      .type = ParamType::floating,
+     .flags = param_has_min,
      .default_value = "1000000000",
      .doc =
          "Limit on gathered elements: prefetch keeps all of them within it, copies kept by "
          "release() never make the unused ones exceed it (DeepSpeed stage3_max_live_parameters)"},
     {.key = "max_reuse_distance",
      .type = ParamType::floating,
+     .flags = param_has_min,
      .default_value = "1000000000",
      .doc = "A released parameter used again within this many elements of upcoming trace stays "
             "gathered (DeepSpeed stage3_max_reuse_distance)"},
     {.key = "param_persistence_threshold",
      .type = ParamType::floating,
+     .flags = param_has_min,
      .default_value = "100000",
      .doc = "Parameters of at most this many elements stay gathered once fetched (DeepSpeed "
             "stage3_param_persistence_threshold)"},
