@@ -186,10 +186,13 @@ void ProgressBar::draw_locked(bool final) noexcept {
     std::string text = "\r" + line;
     if (drawn_chars_ > line.size()) text.append(drawn_chars_ - line.size(), ' ');
     if (final) text += "\n";
+    // The line counts as open before its first byte is out: a signal that
+    // comes once the text is seen must find it so and end it.
+    if (!final) g_open_line_fd.store(options_.fd);
     write_all(options_.fd, text);
     drawn_chars_ = line.size();
     on_screen_ = !final;
-    g_open_line_fd.store(on_screen_ ? options_.fd : -1);
+    if (final) g_open_line_fd.store(-1);
   } catch (const std::exception&) {
     // No memory for a line: this redraw is skipped.
   }
