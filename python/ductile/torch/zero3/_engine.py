@@ -352,7 +352,7 @@ def _text(value):
 # set-up): a model's parameters partitioned over a world, and what keeps
 # them so.
 #
-# ``ShardedModel`` builds, in order: the coordinator session (the configured
+# ``ShardedModel`` builds, in order: the coordinator's handle (the configured
 # ``zero`` plugin) over the world, the device and the world's collectives;
 # the parameters, their groups and units, registered with the coordinator
 # (_param.py); where each group's optimizer state lives under
@@ -371,7 +371,7 @@ def _text(value):
 
 class ShardedModel:
     """A model's parameters partitioned over the ranks of a world: the
-    coordinator session, the sharding (parameters, groups, units), their
+    coordinator's handle, the sharding (parameters, groups, units), their
     placement and offload, the gradient reducer and the passes."""
 
     def __init__(self, model, runtime, world, precision, groups, offload, max_device_memory,
@@ -434,7 +434,7 @@ class ShardedModel:
 # ``fully_shard`` does (``FSDPState``, ``FSDPParamGroup``, ``FSDPParam``):
 #
 # - this file: the configuration (a ductile TOML or a DeepSpeed config), the
-#   sharding set-up (``ShardedModel``: coordinator session, world, groups and
+#   sharding set-up (``ShardedModel``: the coordinator's handle, world, groups and
 #   shards, placement and offload, gradient reducer, hooks), the progress
 #   line every log_interval steps, and the training API (backward, step,
 #   accumulation, checkpoints, full weights), each call handed to its seam;
