@@ -67,16 +67,14 @@ void Agent::setup() {
 
   self_.prefix = "/ductile/agent/" + o_.job_id + "/";
   self_.addr = o_.node_addr.empty() ? fully_qualified_host_name() : o_.node_addr;
-  if (o_.node_id.empty()) {
+  self_.id = o_.node_id;
+  if (self_.id.empty()) {
     std::random_device random;
     std::string id = fmt::format("{}-{}-{:04x}", host_name(), getpid(), random() & 0xffff);
     // A host name may hold characters a node id may not.
     for (char& c : id)
       if (!valid_node_id(std::string(1, c))) c = '_';
-    if (id.size() > kMaxNodeIdChars) id = id.substr(id.size() - kMaxNodeIdChars);
-    self_.id = id;
-  } else {
-    self_.id = o_.node_id;
+    self_.id = id.substr(id.size() - std::min(id.size(), kMaxNodeIdChars));  // its end
   }
   workers_.make_run_dir();
   snapshots_.make_area();
@@ -92,7 +90,6 @@ void Agent::setup() {
   leadership_.start_mpi_server();
 }
 
-// Applies the round record; returns an exit code when the agent is done.
 std::optional<int> Agent::apply(const RoundRecord& round) {
   if (round.state == RoundState::failed) {
     workers_.stop(o_.stop_grace);
@@ -110,13 +107,9 @@ std::optional<int> Agent::apply(const RoundRecord& round) {
         // torchrun's "Root Cause": the worker's exception, from its
         // TORCHELASTIC_ERROR_FILE.
         error = "\n  its error (TORCHELASTIC_ERROR_FILE): " + f->error_message;
-        std::size_t from = 0;
-        while (from < f->error_traceback.size()) {
-          auto eol = f->error_traceback.find('\n', from);
-          if (eol == std::string::npos) eol = f->error_traceback.size();
-          error += "\n  ! " + f->error_traceback.substr(from, eol - from);
-          from = eol + 1;
-        }
+        auto traceback = split(f->error_traceback, '\n');
+        if (traceback.back().empty()) traceback.pop_back();  // the end of its last line
+        for (const auto& line : traceback) error += "\n  ! " + line;
       } else {
         error =
             "\n  its error (TORCHELASTIC_ERROR_FILE): <N/A> (it wrote none; to enable traceback "
@@ -138,8 +131,6 @@ std::optional<int> Agent::apply(const RoundRecord& round) {
     return kAgentOk;
   }
   if (round.round == workers_.current_round()) return std::nullopt;
-  // A store this agent served for an earlier round's workers serves no one
-  // now (another leader placed this round's).
   leadership_.drop_stale_worker_store(round);
   if (!workers_.empty()) {
     self_.log(fmt::format("stopping the workers of round {} for round {}", workers_.current_round(),

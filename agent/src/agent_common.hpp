@@ -5,6 +5,7 @@
 // contract.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
@@ -72,6 +73,25 @@ std::filesystem::path checkpoint_saved_of(const std::filesystem::path& run_dir, 
 // How many of the oldest registrations an agent reads each pass to find the
 // leader (the oldest live one); the leader reads them all.
 inline constexpr std::int64_t kLeaderWindow = 16;
+
+// `text`'s pieces between `separator`s, empty ones included ("a,,b": "a",
+// "", "b"; "": one empty piece).
+inline std::vector<std::string> split(const std::string& text, char separator) {
+  std::vector<std::string> pieces;
+  for (std::size_t from = 0;;) {
+    const std::size_t end = std::min(text.find(separator, from), text.size());
+    pieces.push_back(text.substr(from, end - from));
+    if (end == text.size()) return pieces;
+    from = end + 1;
+  }
+}
+
+// agent_options.cpp
+// An executable regular file.
+bool runnable_file(const std::string& file);
+// As execvp searches: the first runnable `name` in `dirs` (PATH's form, an
+// empty directory is '.'); "" when there is none.
+std::string found_on_path(const std::string& name, const std::string& dirs);
 
 // hosts.cpp
 std::chrono::milliseconds now_ms();

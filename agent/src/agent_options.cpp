@@ -27,24 +27,6 @@ std::string env_path() {
   return path ? path : "/usr/local/bin:/usr/bin:/bin";
 }
 
-bool runnable_file(const std::string& file) {
-  std::error_code ec;
-  return access(file.c_str(), X_OK) == 0 && std::filesystem::is_regular_file(file, ec);
-}
-
-// As execvp searches: each directory of PATH (an empty one is '.').
-std::string found_on_path(const std::string& name) {
-  const std::string dirs = env_path();
-  for (std::size_t begin = 0; begin <= dirs.size();) {
-    auto end = std::min(dirs.find(':', begin), dirs.size());
-    const std::string dir = dirs.substr(begin, end - begin);
-    const std::string candidate = (dir.empty() ? "." : dir) + "/" + name;
-    if (runnable_file(candidate)) return candidate;
-    begin = end + 1;
-  }
-  return "";
-}
-
 // A Python module name: identifiers separated by dots.
 bool module_name(const std::string& name) {
   bool start = true;
@@ -63,10 +45,22 @@ bool module_name(const std::string& name) {
 
 }  // namespace
 
+bool runnable_file(const std::string& file) {
+  std::error_code ec;
+  return access(file.c_str(), X_OK) == 0 && std::filesystem::is_regular_file(file, ec);
+}
+
+std::string found_on_path(const std::string& name, const std::string& dirs) {
+  for (const auto& dir : split(dirs, ':')) {
+    const std::string candidate = (dir.empty() ? "." : dir) + "/" + name;
+    if (runnable_file(candidate)) return candidate;
+  }
+  return "";
+}
+
 std::size_t interpreter_words(const std::vector<std::string>& command, bool chosen) {
   auto refuse = [&](const std::string& why) {
-    std::string words;
-    for (const auto& word : command) words += (words.empty() ? "" : " ") + word;
+    const std::string words = core::join(command, " ");
     throw Error(ErrorKind::invalid_argument,
                 core::printable(fmt::format("--warm-workers: the worker command '{}' {}; give a "
                                             "Python script or -m MODULE (ductile agent "
@@ -116,12 +110,13 @@ void check_options(const AgentOptions& o) {
   auto bad = [](const std::string& message) {
     throw Error(ErrorKind::invalid_argument, core::printable(message, false));
   };
-  if (!valid_node_id(o.job_id))
-    bad(fmt::format("--job-id '{}' is invalid: use 1 to {} letters, digits, '.', '_' and '-'",
-                    excerpt(o.job_id), kMaxNodeIdChars));
-  if (!o.node_id.empty() && !valid_node_id(o.node_id))
-    bad(fmt::format("--node-id '{}' is invalid: use 1 to {} letters, digits, '.', '_' and '-'",
-                    excerpt(o.node_id), kMaxNodeIdChars));
+  auto id_option = [&](const char* option, const std::string& id) {
+    if (!valid_node_id(id))
+      bad(fmt::format("{} '{}' is invalid: use 1 to {} letters, digits, '.', '_' and '-'", option,
+                      excerpt(id), kMaxNodeIdChars));
+  };
+  id_option("--job-id", o.job_id);
+  if (!o.node_id.empty()) id_option("--node-id", o.node_id);
   if (const std::int64_t cap = max_workers_per_node();
       o.nproc_per_node < 1 || o.nproc_per_node > cap)
     bad(
@@ -176,9 +171,7 @@ void check_options(const AgentOptions& o) {
                     o.master_port));
   // The workers' ROLE_NAME and the prefix of their teed lines: no control
   // character reaches either.
-  if (!valid_node_id(o.role))
-    bad(fmt::format("--role '{}' is invalid: use 1 to {} letters, digits, '.', '_' and '-'",
-                    excerpt(o.role), kMaxNodeIdChars));
+  id_option("--role", o.role);
   std::string addr = o.node_addr.empty() ? fully_qualified_host_name() : o.node_addr;
   if (addr.empty() || addr.size() > kMaxAddrChars ||
       !std::all_of(addr.begin(), addr.end(), [](char c) {
@@ -202,7 +195,7 @@ void check_options(const AgentOptions& o) {
   // every round.
   const std::string& program = o.command.front();
   if (program.find('/') != std::string::npos ? !runnable_file(program)
-                                             : found_on_path(program).empty())
+                                             : found_on_path(program, env_path()).empty())
     bad(fmt::format("the worker command '{}' {}: give an executable file{}", excerpt(program),
                     program.find('/') != std::string::npos
                         ? "is not an executable file"

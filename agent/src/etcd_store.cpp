@@ -4,6 +4,7 @@
 #include "ductile/agent/etcd_store.hpp"
 
 #include <curl/curl.h>
+#include <openssl/evp.h>
 
 #include <array>
 #include <charconv>
@@ -14,6 +15,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "agent_common.hpp"
 #include "ductile/error.hpp"
 
 namespace ductile::agent {
@@ -21,50 +23,11 @@ namespace {
 
 using json = nlohmann::json;
 
-constexpr char kBase64[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-
 std::string base64_encode(const std::string& in) {
-  std::string out;
-  out.reserve((in.size() + 2) / 3 * 4);
-  std::size_t i = 0;
-  for (; i + 2 < in.size(); i += 3) {
-    auto n = (std::uint32_t(std::uint8_t(in[i])) << 16) |
-             (std::uint32_t(std::uint8_t(in[i + 1])) << 8) | std::uint8_t(in[i + 2]);
-    for (int s : {18, 12, 6, 0}) out += kBase64[(n >> s) & 63];
-  }
-  if (i + 1 == in.size()) {
-    auto n = std::uint32_t(std::uint8_t(in[i])) << 16;
-    out += kBase64[(n >> 18) & 63];
-    out += kBase64[(n >> 12) & 63];
-    out += "==";
-  } else if (i + 2 == in.size()) {
-    auto n =
-        (std::uint32_t(std::uint8_t(in[i])) << 16) | (std::uint32_t(std::uint8_t(in[i + 1])) << 8);
-    out += kBase64[(n >> 18) & 63];
-    out += kBase64[(n >> 12) & 63];
-    out += kBase64[(n >> 6) & 63];
-    out += '=';
-  }
-  return out;
-}
-
-std::string base64_decode(const std::string& in) {
-  std::array<int, 256> table;
-  table.fill(-1);
-  for (int i = 0; i < 64; ++i) table[std::uint8_t(kBase64[i])] = i;
-  std::string out;
-  std::uint32_t buffer = 0;
-  int bits = 0;
-  for (char c : in) {
-    int v = table[std::uint8_t(c)];
-    if (v < 0) continue;  // padding
-    buffer = (buffer << 6) | std::uint32_t(v);
-    bits += 6;
-    if (bits >= 8) {
-      bits -= 8;
-      out += char((buffer >> bits) & 0xff);
-    }
-  }
+  std::string out(4 * ((in.size() + 2) / 3) + 1, '\0');  // EVP_EncodeBlock ends it with a NUL
+  out.resize(static_cast<std::size_t>(EVP_EncodeBlock(
+      reinterpret_cast<unsigned char*>(out.data()),
+      reinterpret_cast<const unsigned char*>(in.data()), static_cast<int>(in.size()))));
   return out;
 }
 
@@ -101,9 +64,19 @@ std::int64_t as_int(const json& object, const char* field) {
 std::string as_bytes(const json& kv, const char* field) {
   auto it = kv.find(field);
   if (it == kv.end()) return {};
-  if (!it->is_string())
-    throw StoreError(fmt::format("etcd answered with a {} that is not base64", field));
-  return base64_decode(it->get<std::string>());
+  // The gateway pads every value: an unpadded or invalid one is an answer
+  // no etcd gives.
+  const auto* text = it->is_string() ? &it->get_ref<const std::string&>() : nullptr;
+  std::string bytes(text ? text->size() / 4 * 3 : 0, '\0');
+  const int size = text && text->size() % 4 == 0
+                       ? EVP_DecodeBlock(reinterpret_cast<unsigned char*>(bytes.data()),
+                                         reinterpret_cast<const unsigned char*>(text->data()),
+                                         static_cast<int>(text->size()))
+                       : -1;
+  if (size < 0) throw StoreError(fmt::format("etcd answered with a {} that is not base64", field));
+  // EVP_DecodeBlock counts the padding as bytes.
+  bytes.resize(static_cast<std::size_t>(size) - (text->ends_with("==") ? 2 : text->ends_with('=')));
+  return bytes;
 }
 
 KeyValue to_key_value(const json& kv) {
@@ -145,9 +118,8 @@ std::string etcd_endpoint_from_url(const std::string& url, const std::string& wh
   // commas.
   std::string endpoints;
   bool valid = !rest.empty();
-  for (std::size_t from = 0; valid && from <= rest.size();) {
-    auto comma = std::min(rest.find(',', from), rest.size());
-    std::string one = rest.substr(from, comma - from);
+  for (std::string one : split(rest, ',')) {
+    if (!valid) break;
     while (!one.empty() && one.back() == '/') one.pop_back();
     auto colon = one.rfind(':');
     valid = !one.empty() && colon != std::string::npos && colon > 0 && colon + 1 < one.size() &&
@@ -159,7 +131,6 @@ std::string etcd_endpoint_from_url(const std::string& url, const std::string& wh
       valid = port > 0 && port < 65536;
     }
     endpoints += (endpoints.empty() ? "" : ",") + scheme + one;
-    from = comma + 1;
   }
   if (!valid)
     throw Error(ErrorKind::invalid_argument,
@@ -174,10 +145,11 @@ void check_etcd_tls(const std::string& url, const EtcdTls& tls,
                     const std::vector<std::string>& options) {
   auto bad = [](const std::string& message) { throw Error(ErrorKind::invalid_argument, message); };
   const std::string endpoint = etcd_endpoint_from_url(url, options.at(0));
+  const std::pair<const std::string*, int> files[] = {
+      {&tls.ca_file, 1}, {&tls.cert_file, 2}, {&tls.key_file, 3}};
   if (tls.configured() && !endpoint.starts_with("https://")) {
     std::string given;
-    for (auto [file, option] :
-         {std::pair{&tls.ca_file, 1}, {&tls.cert_file, 2}, {&tls.key_file, 3}})
+    for (auto [file, option] : files)
       if (!file->empty()) given += (given.empty() ? "" : ", ") + options.at(option);
     bad(fmt::format(
         "{} '{}' is plaintext HTTP but TLS is configured ({}): give the etcd's TLS "
@@ -194,8 +166,7 @@ void check_etcd_tls(const std::string& url, const EtcdTls& tls,
         fmt::format("{} and {} go together: give both (the client's certificate and its key) or "
                     "neither",
                     options.at(2), options.at(3)));
-  for (auto [file, option] :
-       {std::pair{&tls.ca_file, 1}, {&tls.cert_file, 2}, {&tls.key_file, 3}}) {
+  for (auto [file, option] : files) {
     if (file->empty()) continue;
     std::ifstream in(*file);
     std::error_code ec;
@@ -276,13 +247,12 @@ struct EtcdStore::Impl {
       auto code_it = reply.find("code");
       std::int64_t code =
           code_it != reply.end() && code_it->is_number_integer() ? code_it->get<std::int64_t>() : 0;
+      const std::string what =
+          fmt::format("etcd at {}: {} failed (HTTP {}): {}", endpoint, path, status, message);
       // gRPC codes 4 (deadline exceeded), 14 (unavailable): no leader yet,
       // a restart in progress; retrying helps.
-      if (status >= 500 || code == 4 || code == 14)
-        throw StoreUnavailable(
-            fmt::format("etcd at {}: {} failed (HTTP {}): {}", endpoint, path, status, message));
-      throw StoreError(
-          fmt::format("etcd at {}: {} failed (HTTP {}): {}", endpoint, path, status, message));
+      if (status >= 500 || code == 4 || code == 14) throw StoreUnavailable(what);
+      throw StoreError(what);
     }
     return reply;
   }
@@ -293,11 +263,8 @@ EtcdStore::EtcdStore(std::string endpoint, std::chrono::milliseconds timeout, Et
   static std::once_flag once;
   std::call_once(once, [] { curl_global_init(CURL_GLOBAL_DEFAULT); });
   impl_->endpoints = endpoint;
-  for (std::size_t from = 0; from <= endpoint.size();) {
-    auto comma = std::min(endpoint.find(',', from), endpoint.size());
-    if (comma > from) impl_->members.push_back(endpoint.substr(from, comma - from));
-    from = comma + 1;
-  }
+  for (auto& member : split(endpoint, ','))
+    if (!member.empty()) impl_->members.push_back(std::move(member));
   if (impl_->members.empty()) impl_->members.push_back(endpoint);
   impl_->timeout = timeout;
   impl_->tls = std::move(tls);
@@ -344,18 +311,6 @@ void EtcdStore::put(const std::string& key, const std::string& value, std::int64
   json request = {{"key", base64_encode(key)}, {"value", base64_encode(value)}};
   if (lease != 0) request["lease"] = std::to_string(lease);
   impl_->call("/v3/kv/put", request);
-}
-
-std::optional<KeyValue> EtcdStore::get(const std::string& key) {
-  auto kvs = key_values(impl_->call("/v3/kv/range", {{"key", base64_encode(key)}}));
-  if (kvs.empty()) return std::nullopt;
-  return kvs.front();
-}
-
-std::vector<KeyValue> EtcdStore::get_prefix(const std::string& prefix) {
-  return key_values(impl_->call(
-      "/v3/kv/range",
-      {{"key", base64_encode(prefix)}, {"range_end", base64_encode(prefix_end(prefix))}}));
 }
 
 std::vector<std::vector<KeyValue>> EtcdStore::read(const std::vector<RangeRead>& reads) {

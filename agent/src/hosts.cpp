@@ -5,6 +5,7 @@
 #include <netdb.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <set>
 #include <vector>
 
@@ -71,14 +72,12 @@ std::string fully_qualified_host_name() {
       gethostbyaddr_r(address, length, found->ai_family, &entry, buffer.data(), buffer.size(),
                       &result, &error) == 0 &&
       result && result->h_name) {
-    fqdn = result->h_name;
     std::vector<std::string> names = {result->h_name};
     for (char** alias = result->h_aliases; alias && *alias; ++alias) names.push_back(*alias);
-    for (const auto& n : names)
-      if (n.find('.') != std::string::npos) {
-        fqdn = n;
-        break;
-      }
+    auto dotted = std::find_if(names.begin(), names.end(), [](const std::string& n) {
+      return n.find('.') != std::string::npos;
+    });
+    fqdn = dotted != names.end() ? *dotted : names.front();
   }
   freeaddrinfo(found);
   return fqdn;

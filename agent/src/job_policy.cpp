@@ -35,9 +35,7 @@ JobPolicy JobPolicy::load(const std::filesystem::path& config, core::RuntimeOpti
   impl->final_batch = result.final_batch_size;
   impl->name = impl->loaded->source.policy;
   impl->origin = impl->loaded->source.origin;
-  JobPolicy policy;
-  policy.impl_ = std::move(impl);
-  return policy;
+  return JobPolicy(std::move(impl));
 }
 
 JobPolicy JobPolicy::any_size(std::int64_t nproc_per_node, std::int64_t min_nodes,
@@ -47,9 +45,7 @@ JobPolicy JobPolicy::any_size(std::int64_t nproc_per_node, std::int64_t min_node
     impl->valid_gpus.push_back(n * nproc_per_node);
   impl->name = "none";
   impl->origin = "no --config: any node count from --nnodes";
-  JobPolicy policy;
-  policy.impl_ = std::move(impl);
-  return policy;
+  return JobPolicy(std::move(impl));
 }
 
 bool JobPolicy::has_config() const {
@@ -64,10 +60,6 @@ const std::string& JobPolicy::origin() const {
 }
 const std::vector<std::int64_t>& JobPolicy::valid_gpus() const {
   return impl_->valid_gpus;
-}
-
-bool JobPolicy::accepts(std::int64_t world_size) const {
-  return std::binary_search(impl_->valid_gpus.begin(), impl_->valid_gpus.end(), world_size);
 }
 
 BatchPlan JobPolicy::plan(std::int64_t world_size) const {

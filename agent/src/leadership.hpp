@@ -55,15 +55,13 @@ class Leadership {
             std::optional<RoundRecord>& round);
 
  private:
-  // The round's members whose mark (done/ or saved/<round>/<id>) is theirs:
-  // the record an agent writes, on the lease of the member's registration.
-  std::vector<std::string> marked(const std::string& what, const RoundRecord& round,
-                                  const std::vector<NodeInfo>& alive);
-  // The live nodes' drain marks (draining/<id>), checked as marked() does.
-  std::vector<std::string> draining(const std::vector<NodeInfo>& alive);
-  // The leader starts a new run over a previous run's last round: the old
-  // run's records are removed first.
-  void clear_previous_run();
+  // The round's members whose mark (done/ or saved/<round>/<id>) is theirs,
+  // or with `round` null the live nodes whose draining/<id> is: the record
+  // an agent writes, on the lease of the node's registration. A mark that
+  // is not is ignored, saying `if_ignored`.
+  std::vector<std::string> marked(const std::string& what, const RoundRecord* round,
+                                  const std::vector<NodeInfo>& alive,
+                                  const char* if_ignored = "not counted");
   // Where the round's workers find their store (MASTER_ADDR, MASTER_PORT),
   // serving it when this agent does; `server` receives a new one.
   void place_worker_store(RoundRecord& next, const NodeInfo& rank0,

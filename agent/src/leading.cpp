@@ -107,19 +107,20 @@ void Leadership::track_membership(const std::vector<NodeInfo>& alive) {
   }
 }
 
-std::vector<std::string> Leadership::marked(const std::string& what, const RoundRecord& round,
-                                            const std::vector<NodeInfo>& alive) {
-  const std::string r = std::to_string(round.round);
-  const std::string prefix = self_.key(what + "/" + r + "/");
+std::vector<std::string> Leadership::marked(const std::string& what, const RoundRecord* round,
+                                            const std::vector<NodeInfo>& alive,
+                                            const char* if_ignored) {
+  const std::string r = round ? std::to_string(round->round) : "";
+  const std::string prefix = self_.key(what + "/" + (round ? r + "/" : ""));
   std::vector<std::string> out;
   for (const auto& kv : conn_.store().get_prefix(prefix)) {
     const std::string node = kv.key.substr(prefix.size());
-    auto member = std::find(round.members.begin(), round.members.end(), node);
     auto it =
         std::find_if(alive.begin(), alive.end(), [&](const NodeInfo& n) { return n.id == node; });
     try {
-      check_mark(what.c_str(), kv.value, node, round.round);
-      if (member == round.members.end())
+      check_mark(what.c_str(), kv.value, node, round ? round->round : 0);
+      if (round &&
+          std::find(round->members.begin(), round->members.end(), node) == round->members.end())
         throw MalformedRecord(
             fmt::format("{} record: {} is not a member of round {}", what, excerpt(node, 80), r));
       // A node's mark is on its registration's lease (a key that etcdctl
@@ -129,35 +130,10 @@ std::vector<std::string> Leadership::marked(const std::string& what, const Round
             "{} record: it is not on the lease of node {}'s registration", what, excerpt(node)));
       out.push_back(node);
     } catch (const MalformedRecord& e) {
-      conn_.ignore_record(kv, e.what(), "not counted");
+      conn_.ignore_record(kv, e.what(), if_ignored);
     }
   }
   return out;
-}
-
-std::vector<std::string> Leadership::draining(const std::vector<NodeInfo>& alive) {
-  const std::string prefix = self_.key("draining/");
-  std::vector<std::string> out;
-  for (const auto& kv : conn_.store().get_prefix(prefix)) {
-    const std::string node = kv.key.substr(prefix.size());
-    auto it =
-        std::find_if(alive.begin(), alive.end(), [&](const NodeInfo& n) { return n.id == node; });
-    try {
-      check_mark("draining", kv.value, node, 0);
-      if (it == alive.end() || kv.lease == 0 || kv.lease != it->lease)
-        throw MalformedRecord(fmt::format(
-            "draining record: it is not on the lease of node {}'s registration", excerpt(node)));
-      out.push_back(node);
-    } catch (const MalformedRecord& e) {
-      conn_.ignore_record(kv, e.what(), "the node is not draining");
-    }
-  }
-  return out;
-}
-
-void Leadership::clear_previous_run() {
-  for (const char* records : {"failure/", "done/", "checkpoint/", "saved/"})
-    conn_.store().erase_prefix(self_.key(records));
 }
 
 void Leadership::place_worker_store(RoundRecord& next, const NodeInfo& rank0,
@@ -229,13 +205,13 @@ void Leadership::lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue
         conn_.ignore_record(*f, e.what(), "not counted as a failure");
       }
     }
-    auto done = marked("done", *seen.round, alive);
+    auto done = marked("done", &*seen.round, alive);
     seen.all_done = std::all_of(seen.round->members.begin(), seen.round->members.end(),
                                 [&](const std::string& id) {
                                   return std::find(done.begin(), done.end(), id) != done.end();
                                 });
   }
-  seen.draining = draining(alive);
+  seen.draining = marked("draining", nullptr, alive, "the node is not draining");
   if (settings_.checkpoint_timeout.count() > 0 && seen.round && !seen.round->members.empty()) {
     std::string r = std::to_string(seen.round->round);
     if (auto c = conn_.store().get(self_.key("checkpoint/" + r))) {
@@ -245,7 +221,7 @@ void Leadership::lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue
         conn_.ignore_record(*c, e.what(), "no checkpoint asked");
       }
     }
-    seen.saved = marked("saved", *seen.round, alive);
+    seen.saved = marked("saved", &*seen.round, alive);
   }
   Decision d = decide(seen, settings_);
   if (d.action == Action::keep) return;
@@ -289,7 +265,7 @@ void Leadership::lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue
   }
   next.reason = excerpt(d.reason, kMaxTextChars - 3);  // what every reader accepts
   std::string text = to_json(next);
-  if (previous) clear_previous_run();
+  if (previous) membership_.clear_previous_run();
   if (conn_.store().compare_and_swap(self_.key("round"), round_kv ? round_kv->mod_revision : 0,
                                      text)) {
     if (next_store) worker_store_ = std::move(next_store);  // the old round's goes

@@ -24,22 +24,6 @@ struct Address {
   socklen_t length = 0;
 };
 
-Address wildcard(int family) {
-  Address a;
-  if (family == AF_INET6) {
-    auto* v6 = reinterpret_cast<sockaddr_in6*>(&a.storage);
-    v6->sin6_family = AF_INET6;
-    v6->sin6_addr = in6addr_any;
-    a.length = sizeof(sockaddr_in6);
-  } else {
-    auto* v4 = reinterpret_cast<sockaddr_in*>(&a.storage);
-    v4->sin_family = AF_INET;
-    v4->sin_addr.s_addr = htonl(INADDR_ANY);
-    a.length = sizeof(sockaddr_in);
-  }
-  return a;
-}
-
 void set_port(Address& a, int port) {
   const auto p = htons(static_cast<std::uint16_t>(port));
   if (a.storage.ss_family == AF_INET6)
@@ -97,15 +81,13 @@ int listen_at(const Address& a) {
 
 // Every interface: v6 with v4-mapped where the kernel allows, else v4.
 std::vector<int> listen_everywhere(int port) {
-  Address v6 = wildcard(AF_INET6);
-  set_port(v6, port);
-  if (int fd = listen_at(v6); fd >= 0) return {fd};
-  if (errno == EADDRINUSE) throw std::system_error(errno, std::generic_category(), "bind");
-  Address v4 = wildcard(AF_INET);
-  set_port(v4, port);
-  int fd = listen_at(v4);
-  if (fd < 0) throw std::system_error(errno, std::generic_category(), "bind");
-  return {fd};
+  for (const char* any : {"::", "0.0.0.0"})
+    for (Address a : resolve(any)) {
+      set_port(a, port);
+      if (int fd = listen_at(a); fd >= 0) return {fd};
+      if (errno == EADDRINUSE) throw std::system_error(errno, std::generic_category(), "bind");
+    }
+  throw std::system_error(errno, std::generic_category(), "bind");
 }
 
 // `port` on each of `addresses` that is one of this machine's; throws

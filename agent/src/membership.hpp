@@ -43,6 +43,9 @@ class Membership {
   // In the loop: registers again when this node's key is gone or was
   // overwritten (a lost lease, a deletion, a hostile write).
   void reclaim_node_key(const std::string& why);
+  // Removes a previous run's failure, done, checkpoint and saved records
+  // (the first agent of a run, or the leader starting one over them).
+  void clear_previous_run();
 
   // membership.cpp
   // The live agents' registrations: leased keys holding valid records (or

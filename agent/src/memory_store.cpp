@@ -37,6 +37,12 @@ std::size_t MemoryStore::footprint(const std::string& key, const std::string& va
   return key.size() + value.size() + 64;
 }
 
+std::unique_lock<std::mutex> MemoryStore::locked() {
+  std::unique_lock lock(mutex_);
+  expire();
+  return lock;
+}
+
 void MemoryStore::expire() {
   const auto now = Clock::now();
   bool removed = false;
@@ -132,8 +138,7 @@ std::vector<KeyValue> MemoryStore::range_locked(const RangeRead& r) const {
 }
 
 std::int64_t MemoryStore::grant_lease(std::int64_t ttl_seconds) {
-  std::lock_guard lock(mutex_);
-  expire();
+  auto lock = locked();
   if (ttl_seconds > limits_.max_lease_ttl_seconds)
     throw StoreError(fmt::format("{}: refused a lease of TTL {} s: the maximum is {} s",
                                  description_, ttl_seconds, limits_.max_lease_ttl_seconds));
@@ -144,8 +149,7 @@ std::int64_t MemoryStore::grant_lease(std::int64_t ttl_seconds) {
 }
 
 bool MemoryStore::keep_alive(std::int64_t lease) {
-  std::lock_guard lock(mutex_);
-  expire();
+  auto lock = locked();
   auto it = leases_.find(lease);
   if (it == leases_.end()) return false;
   it->second.deadline = deadline_after(it->second.ttl);
@@ -153,8 +157,7 @@ bool MemoryStore::keep_alive(std::int64_t lease) {
 }
 
 void MemoryStore::revoke_lease(std::int64_t lease) {
-  std::lock_guard lock(mutex_);
-  expire();
+  auto lock = locked();
   auto it = leases_.find(lease);
   if (it == leases_.end()) return;
   auto keys = std::move(it->second.keys);
@@ -165,8 +168,7 @@ void MemoryStore::revoke_lease(std::int64_t lease) {
 }
 
 std::int64_t MemoryStore::lease_remaining(std::int64_t lease) {
-  std::lock_guard lock(mutex_);
-  expire();
+  auto lock = locked();
   auto it = leases_.find(lease);
   if (it == leases_.end()) return -1;
   // Whole seconds, cut as etcd cuts them.
@@ -175,42 +177,24 @@ std::int64_t MemoryStore::lease_remaining(std::int64_t lease) {
 }
 
 void MemoryStore::put(const std::string& key, const std::string& value, std::int64_t lease) {
-  std::lock_guard lock(mutex_);
-  expire();
+  auto lock = locked();
   put_locked(key, value, lease);
 }
 
-std::optional<KeyValue> MemoryStore::get(const std::string& key) {
-  std::lock_guard lock(mutex_);
-  expire();
-  auto found = range_locked(RangeRead{key});
-  if (found.empty()) return std::nullopt;
-  return found.front();
-}
-
-std::vector<KeyValue> MemoryStore::get_prefix(const std::string& prefix) {
-  std::lock_guard lock(mutex_);
-  expire();
-  return range_locked(RangeRead{prefix, true});
-}
-
 std::vector<std::vector<KeyValue>> MemoryStore::read(const std::vector<RangeRead>& reads) {
-  std::lock_guard lock(mutex_);
-  expire();
+  auto lock = locked();
   std::vector<std::vector<KeyValue>> out;
   for (const auto& r : reads) out.push_back(range_locked(r));
   return out;
 }
 
 void MemoryStore::erase(const std::string& key) {
-  std::lock_guard lock(mutex_);
-  expire();
+  auto lock = locked();
   if (remove_locked(key)) ++revision_;
 }
 
 void MemoryStore::erase_prefix(const std::string& prefix) {
-  std::lock_guard lock(mutex_);
-  expire();
+  auto lock = locked();
   std::vector<std::string> doomed;
   for (auto it = keys_.lower_bound(prefix); it != keys_.end() && it->first.starts_with(prefix);
        ++it)
@@ -221,8 +205,7 @@ void MemoryStore::erase_prefix(const std::string& prefix) {
 
 bool MemoryStore::compare_and_swap(const std::string& key, std::int64_t expected_mod_revision,
                                    const std::string& value, std::int64_t lease) {
-  std::lock_guard lock(mutex_);
-  expire();
+  auto lock = locked();
   auto it = keys_.find(key);
   const std::int64_t current = it == keys_.end() ? 0 : it->second.mod_revision;
   if (current != expected_mod_revision) return false;

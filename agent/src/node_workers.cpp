@@ -17,6 +17,7 @@
 
 #include <fmt/format.h>
 
+#include "ductile/core/text.hpp"
 #include "ductile/error.hpp"
 
 namespace ductile::agent {
@@ -124,10 +125,8 @@ void NodeWorkers::start(const RoundRecord& round, std::size_t group_rank, const 
   }
   conn_.fence_workers(group_.guard_pids());
   joined_ = true;
-  std::string spares_used;
-  for (const auto& line : group_.start_log())
-    spares_used += (spares_used.empty() ? "" : "; ") + line;
-  if (!spares_used.empty()) self_.log(fmt::format("round {}: {}", round.round, spares_used));
+  if (!group_.start_log().empty())
+    self_.log(fmt::format("round {}: {}", round.round, core::join(group_.start_log(), "; ")));
   if (o_.warm_imports.empty() || (o_.stop_signal && o_.stop_signal->load() != 0)) return;
   // The next round's spares import while this round's workers run.
   SpareSetup setup{interpreter_words(o_.command, !o_.interpreter_choice.empty()), o_.warm_imports,

@@ -56,23 +56,19 @@ class Reader {
     const json* v = fallback ? find(name) : &require(name);
     if (!v) return *fallback;
     auto expected = [&] { return fmt::format("an integer from {} to {}", low, high); };
-    if (!v->is_number_integer()) bad(name, *v, expected());
-    if (v->is_number_unsigned()) {
-      auto u = v->get<std::uint64_t>();
-      if (u > static_cast<std::uint64_t>(high) || static_cast<std::int64_t>(u) < low)
-        bad(name, *v, expected());
-      return static_cast<std::int64_t>(u);
-    }
+    // An unsigned value past `high` may not fit an int64_t.
+    if (!v->is_number_integer() ||
+        (v->is_number_unsigned() && v->get<std::uint64_t>() > static_cast<std::uint64_t>(high)))
+      bad(name, *v, expected());
     auto i = v->get<std::int64_t>();
     if (i < low || i > high) bad(name, *v, expected());
     return i;
   }
 
   std::string text(const json& v, const char* name, std::size_t limit) const {
-    if (!v.is_string()) bad(name, v, fmt::format("a string of at most {} bytes", limit));
-    const auto& s = v.get_ref<const std::string&>();
-    if (s.size() > limit) bad(name, v, fmt::format("a string of at most {} bytes", limit));
-    return s;
+    if (!v.is_string() || v.get_ref<const std::string&>().size() > limit)
+      bad(name, v, fmt::format("a string of at most {} bytes", limit));
+    return v.get<std::string>();
   }
   std::string text(const char* name, std::size_t limit,
                    std::optional<std::string> fallback = std::nullopt) const {
@@ -114,6 +110,10 @@ class Reader {
   const char* what_;
   json root_;
 };
+
+constexpr std::pair<RoundState, const char*> kRoundStates[] = {{RoundState::running, "running"},
+                                                               {RoundState::succeeded, "succeeded"},
+                                                               {RoundState::failed, "failed"}};
 
 json failure_json(const FailureReport& f) {
   json j = {{"node", f.node},
@@ -159,14 +159,8 @@ std::string excerpt(const std::string& text, std::size_t limit) {
 }
 
 const char* to_string(RoundState state) {
-  switch (state) {
-    case RoundState::running:
-      return "running";
-    case RoundState::succeeded:
-      return "succeeded";
-    case RoundState::failed:
-      return "failed";
-  }
+  for (auto [known, name] : kRoundStates)
+    if (known == state) return name;
   return "running";
 }
 
@@ -255,14 +249,11 @@ RoundRecord round_from_json(const std::string& text) {
   out.started_ms = r.integer("started_ms", 0, kMaxRound);
   out.reason = r.text("reason", kMaxTextChars, "");
   const json& state = r.require("state");
-  if (state == "succeeded")
-    out.state = RoundState::succeeded;
-  else if (state == "failed")
-    out.state = RoundState::failed;
-  else if (state == "running")
-    out.state = RoundState::running;
-  else
+  auto known = std::find_if(std::begin(kRoundStates), std::end(kRoundStates),
+                            [&](const auto& s) { return state == s.second; });
+  if (known == std::end(kRoundStates))
     r.bad("state", state, "\"running\", \"succeeded\" or \"failed\"");
+  out.state = known->first;
   if (const json* f = r.find("failure")) out.failure = failure_of(Reader("round's failure", *f));
   auto members_count = static_cast<std::int64_t>(out.members.size());
   if (waiting ? out.world_size != 0
@@ -359,10 +350,9 @@ std::vector<std::string> settings_differences(const std::string& theirs_text,
   const json& t = theirs.root();
   compare("policy", *policy, mine["policy"]);
   compare("nproc_per_node", t.value("nproc_per_node", json()), mine["nproc_per_node"]);
-  compare("--mpi-world", t.contains("mpi_world") ? t["mpi_world"] : json(false), mine["mpi_world"]);
-  compare("--node-rank (a static rendezvous)",
-          t.contains("node_ranked") ? t["node_ranked"] : json(false),
-          mine.contains("node_ranked") ? mine["node_ranked"] : json(false));
+  compare("--mpi-world", t.value("mpi_world", json(false)), mine["mpi_world"]);
+  compare("--node-rank (a static rendezvous)", t.value("node_ranked", json(false)),
+          mine.value("node_ranked", json(false)));
   const json& mp = mine["params"];
   for (auto it = mp.begin(); it != mp.end(); ++it)
     compare(it.key(), params->contains(it.key()) ? (*params)[it.key()] : json(), it.value());

@@ -122,6 +122,11 @@ void Membership::reclaim_node_key(const std::string& why) {
   // The key keeps changing: the next pass tries again.
 }
 
+void Membership::clear_previous_run() {
+  for (const char* records : {"failure/", "done/", "checkpoint/", "saved/"})
+    conn_.store().erase_prefix(self_.key(records));
+}
+
 void Membership::join(const JobPolicy& policy) {
   auto own = conn_.store().get(self_.key("nodes/" + self_.id));
   own_revision_ = first_revision_ = own ? own->create_revision : 0;
@@ -143,10 +148,7 @@ void Membership::check_settings(const std::vector<NodeInfo>& others_alive,
     // First agent of a (new) run: state a finished or crashed run left
     // behind is not this run's.
     conn_.store().erase(self_.key("round"));
-    conn_.store().erase_prefix(self_.key("failure/"));
-    conn_.store().erase_prefix(self_.key("done/"));
-    conn_.store().erase_prefix(self_.key("checkpoint/"));
-    conn_.store().erase_prefix(self_.key("saved/"));
+    clear_previous_run();
   }
   // A static rendezvous: one agent per node rank (the oldest keeps it).
   for (const auto& n : others_alive)

@@ -29,12 +29,11 @@ Decision decide(const Observation& seen, const RendezvousSettings& s) {
   auto alive_count = static_cast<std::int64_t>(admissible.size());
   std::int64_t k =
       admitted_nodes(s.valid_gpus, s.nproc_per_node, s.min_nodes, s.max_nodes, alive_count);
-  auto first = [&](std::int64_t n) {
-    return std::vector<NodeInfo>(admissible.begin(), admissible.begin() + n);
-  };
   auto form = [&](std::string reason, bool counted) {
-    Decision d{Action::new_round, first(k), counted, std::move(reason)};
-    return d;
+    return Decision{Action::new_round,
+                    {admissible.begin(), admissible.begin() + k},
+                    counted,
+                    std::move(reason)};
   };
   bool settled = seen.now - seen.last_membership_change >= s.settle || alive_count >= s.max_nodes;
 

@@ -49,6 +49,23 @@ std::string take_bytes(Cursor& in) {
   return s;
 }
 
+// Strings (literals too) after their length; numbers and enums as they are.
+template <class T>
+void put_field(std::string& out, const T& value) {
+  if constexpr (std::is_convertible_v<const T&, std::string>)
+    put_bytes(out, value);
+  else
+    put(out, value);
+}
+
+// Fields of the agents' protocol in order (an operation or a status first).
+template <class... Fields>
+std::string message(const Fields&... fields) {
+  std::string out;
+  (put_field(out, fields), ...);
+  return out;
+}
+
 KeyValue take_kv(Cursor& in) {
   KeyValue kv;
   kv.key = take_bytes(in);
@@ -75,8 +92,7 @@ std::string random_nonce() {
   return nonce;
 }
 
-// HMAC-SHA256(secret, label, first, second), each field after its length
-// so that no two inputs read the same.
+// Each field after its length: no two inputs read the same.
 std::string proof(const std::string& secret, std::string_view label, const std::string& first,
                   const std::string& second) {
   std::string message;
@@ -95,17 +111,6 @@ std::string proof(const std::string& secret, std::string_view label, const std::
 bool same_proof(const std::string& a, const std::string& b) {
   return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
 }
-
-namespace {
-
-std::string unauthorized(const std::string& why) {
-  std::string out;
-  put(out, Status::unauthorized);
-  put_bytes(out, why);
-  return out;
-}
-
-}  // namespace
 
 AgentPeer::AgentPeer(KeyValueStore& store, std::string secret)
     : store_(store), secret_(std::move(secret)), admitted_(secret_.empty()) {}
@@ -136,7 +141,8 @@ std::string AgentPeer::answer(const std::string& request, bool& close) {
   if (admitted_) return serve(store_, request);
   close = true;
   if (op != Op::prove || client_nonce_.empty())
-    return unauthorized(
+    return message(
+        Status::unauthorized,
         "this rendezvous admits the agents of its job only, and this agent gave no proof of the "
         "job's secret: give every agent of the job the same DUCTILE_RDZV_SECRET or "
         "DUCTILE_RDZV_SECRET_FILE");
@@ -144,14 +150,13 @@ std::string AgentPeer::answer(const std::string& request, bool& close) {
   if (!in.bytes(given, EVP_MAX_MD_SIZE) || in.left() != 0)
     throw BadMessage("a proof of another size");
   if (!same_proof(given, proof(secret_, kAgentLabel, host_nonce_, client_nonce_)))
-    return unauthorized(
+    return message(
+        Status::unauthorized,
         "the host refused this agent's proof of the secret: the secrets differ (every agent of "
         "the job needs the same DUCTILE_RDZV_SECRET or DUCTILE_RDZV_SECRET_FILE)");
   close = false;
   admitted_ = true;
-  std::string out;
-  put(out, Status::ok);
-  return out;
+  return message(Status::ok);
 }
 
 std::string serve(KeyValueStore& store, const std::string& request) {
@@ -332,10 +337,7 @@ struct RendezvousClient::Impl {
   // The challenge-response of store_wire.hpp, the agent's side.
   void prove_secret(std::chrono::steady_clock::time_point deadline) {
     const std::string client_nonce = random_nonce();
-    std::string hello;
-    wire::put(hello, Op::hello);
-    put_bytes(hello, client_nonce);
-    const std::string answer = round_trip(hello, deadline);
+    const std::string answer = round_trip(message(Op::hello, client_nonce), deadline);
     Cursor in(answer);
     const auto has_secret = take<std::uint8_t>(in);
     auto refuse = [&](const std::string& why) {
@@ -355,10 +357,7 @@ struct RendezvousClient::Impl {
           "the host's proof of the secret does not match this agent's: the secrets differ "
           "(every agent of the job needs the same DUCTILE_RDZV_SECRET or "
           "DUCTILE_RDZV_SECRET_FILE)");
-    std::string prove;
-    wire::put(prove, Op::prove);
-    put_bytes(prove, proof(secret, kAgentLabel, host_nonce, client_nonce));
-    round_trip(prove, deadline);
+    round_trip(message(Op::prove, proof(secret, kAgentLabel, host_nonce, client_nonce)), deadline);
   }
 
   void send_all(const std::string& data, std::chrono::steady_clock::time_point deadline) {
@@ -396,13 +395,8 @@ struct RendezvousClient::Impl {
 
 RendezvousClient::RendezvousClient(std::string host, int port, std::chrono::milliseconds timeout,
                                    std::string description, std::string secret)
-    : impl_(std::make_unique<Impl>()) {
-  impl_->host = std::move(host);
-  impl_->port = port;
-  impl_->timeout = timeout;
-  impl_->description = std::move(description);
-  impl_->secret = std::move(secret);
-}
+    : impl_(std::make_unique<Impl>(std::move(host), port, timeout, std::move(description),
+                                   std::move(secret))) {}
 
 RendezvousClient::~RendezvousClient() = default;
 
@@ -426,12 +420,6 @@ std::string RendezvousClient::call(const std::string& request) {
 
 namespace {
 
-std::string request(Op op) {
-  std::string out;
-  wire::put(out, op);
-  return out;
-}
-
 // The single value of an answer.
 template <class T>
 T only_value(const std::string& answer, const std::string& description) {
@@ -445,56 +433,29 @@ T only_value(const std::string& answer, const std::string& description) {
 }  // namespace
 
 std::int64_t RendezvousClient::grant_lease(std::int64_t ttl_seconds) {
-  std::string r = request(Op::grant);
-  wire::put(r, ttl_seconds);
-  return only_value<std::int64_t>(call(r), impl_->description);
+  return only_value<std::int64_t>(call(message(Op::grant, ttl_seconds)), impl_->description);
 }
 
 bool RendezvousClient::keep_alive(std::int64_t lease) {
-  std::string r = request(Op::keep_alive);
-  wire::put(r, lease);
-  return only_value<std::uint8_t>(call(r), impl_->description) != 0;
+  return only_value<std::uint8_t>(call(message(Op::keep_alive, lease)), impl_->description) != 0;
 }
 
 void RendezvousClient::revoke_lease(std::int64_t lease) {
-  std::string r = request(Op::revoke);
-  wire::put(r, lease);
-  call(r);
+  call(message(Op::revoke, lease));
 }
 
 std::int64_t RendezvousClient::lease_remaining(std::int64_t lease) {
-  std::string r = request(Op::remaining);
-  wire::put(r, lease);
-  return only_value<std::int64_t>(call(r), impl_->description);
+  return only_value<std::int64_t>(call(message(Op::remaining, lease)), impl_->description);
 }
 
 void RendezvousClient::put(const std::string& key, const std::string& value, std::int64_t lease) {
-  std::string r = request(Op::put);
-  put_bytes(r, key);
-  put_bytes(r, value);
-  wire::put(r, lease);
-  call(r);
-}
-
-std::optional<KeyValue> RendezvousClient::get(const std::string& key) {
-  auto found = read({RangeRead{key}});
-  if (found.front().empty()) return std::nullopt;
-  return found.front().front();
-}
-
-std::vector<KeyValue> RendezvousClient::get_prefix(const std::string& prefix) {
-  return read({RangeRead{prefix, true}}).front();
+  call(message(Op::put, key, value, lease));
 }
 
 std::vector<std::vector<KeyValue>> RendezvousClient::read(const std::vector<RangeRead>& reads) {
-  std::string r = request(Op::read);
-  wire::put(r, static_cast<std::uint32_t>(reads.size()));
-  for (const auto& one : reads) {
-    put_bytes(r, one.key);
-    wire::put<std::uint8_t>(r, one.prefix);
-    wire::put(r, one.limit);
-    wire::put<std::uint8_t>(r, one.oldest_first);
-  }
+  std::string r = message(Op::read, static_cast<std::uint32_t>(reads.size()));
+  for (const auto& one : reads)
+    r += message(one.key, std::uint8_t{one.prefix}, one.limit, std::uint8_t{one.oldest_first});
   std::string answer = call(r);
   try {
     Cursor in(answer);
@@ -514,25 +475,18 @@ std::vector<std::vector<KeyValue>> RendezvousClient::read(const std::vector<Rang
 }
 
 void RendezvousClient::erase(const std::string& key) {
-  std::string r = request(Op::erase);
-  put_bytes(r, key);
-  call(r);
+  call(message(Op::erase, key));
 }
 
 void RendezvousClient::erase_prefix(const std::string& prefix) {
-  std::string r = request(Op::erase_prefix);
-  put_bytes(r, prefix);
-  call(r);
+  call(message(Op::erase_prefix, prefix));
 }
 
 bool RendezvousClient::compare_and_swap(const std::string& key, std::int64_t expected_mod_revision,
                                         const std::string& value, std::int64_t lease) {
-  std::string r = request(Op::compare_and_swap);
-  put_bytes(r, key);
-  wire::put(r, expected_mod_revision);
-  put_bytes(r, value);
-  wire::put(r, lease);
-  return only_value<std::uint8_t>(call(r), impl_->description) != 0;
+  return only_value<std::uint8_t>(
+             call(message(Op::compare_and_swap, key, expected_mod_revision, value, lease)),
+             impl_->description) != 0;
 }
 
 std::string RendezvousClient::describe() const {

@@ -162,9 +162,9 @@ struct StoreServer::Impl final : TorchClients {
       [[maybe_unused]] auto n =
           ::send(c.fd, frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
       drop(c);
-      return in.used() + size;
+    } else {
+      queue_out(c, frame);
     }
-    queue_out(c, frame);
     return in.used() + size;
   }
 
@@ -231,14 +231,14 @@ struct StoreServer::Impl final : TorchClients {
     while (!c.closing && reading(c)) {
       ssize_t n = ::recv(c.fd, buffer, sizeof buffer, 0);
       if (n > 0) {
+        const auto got = static_cast<std::size_t>(n);
         c.last_input = Clock::now();
         // Grown to one message's bound at most (not to twice it).
-        if (c.in.size() + static_cast<std::size_t>(n) > c.in.capacity())
-          c.in.reserve(
-              std::min(kMaxBuffered + sizeof buffer,
-                       std::max(2 * c.in.capacity(), c.in.size() + static_cast<std::size_t>(n))));
-        c.in.append(buffer, static_cast<std::size_t>(n));
-        buffered += static_cast<std::size_t>(n);
+        if (c.in.size() + got > c.in.capacity())
+          c.in.reserve(std::min(kMaxBuffered + sizeof buffer,
+                                std::max(2 * c.in.capacity(), c.in.size() + got)));
+        c.in.append(buffer, got);
+        buffered += got;
         process(id, c);
         trim(c.in);
         // In every state, waiting included: no message is larger.
@@ -277,12 +277,17 @@ struct StoreServer::Impl final : TorchClients {
     connections.erase(it);
   }
 
-  void reset_workers() {
+  template <class Predicate>
+  void close_where(Predicate doomed) {
     for (auto it = connections.begin(); it != connections.end();)
-      if (it->second.kind != Kind::agent)
+      if (doomed(it->second))
         close_connection(it++);
       else
         ++it;
+  }
+
+  void reset_workers() {
+    close_where([](const Connection& c) { return c.kind != Kind::agent; });
     workers.clear();
   }
 
@@ -290,21 +295,17 @@ struct StoreServer::Impl final : TorchClients {
   // are closed; the time until the next may be: poll's timeout (-1: none).
   int close_silent(Clock::time_point now) {
     Clock::time_point next = Clock::time_point::max();
-    for (auto& [id, c] : connections) {
-      // An agent that did not prove the secret in time.
-      if (!c.closing && c.peer && !c.peer->admitted()) {
-        if (c.admit_by <= now) {
-          drop(c);
-          continue;
-        }
-        next = std::min(next, c.admit_by);
-      }
-      if (c.closing || c.in.empty() || c.torch.waiting()) continue;
-      const auto deadline = c.last_input + limits.idle_message_timeout;
+    auto close_at = [&](Connection& c, Clock::time_point deadline) {
       if (deadline <= now)
         drop(c);
       else
         next = std::min(next, deadline);
+    };
+    for (auto& [id, c] : connections) {
+      // An agent that did not prove the secret in time.
+      if (!c.closing && c.peer && !c.peer->admitted()) close_at(c, c.admit_by);
+      if (!c.closing && !c.in.empty() && !c.torch.waiting())
+        close_at(c, c.last_input + limits.idle_message_timeout);
     }
     if (accept_paused_until > now) next = std::min(next, accept_paused_until);
     if (next == Clock::time_point::max()) return -1;
@@ -327,11 +328,7 @@ struct StoreServer::Impl final : TorchClients {
       }
       const auto now = Clock::now();
       const int timeout = close_silent(now);
-      for (auto it = connections.begin(); it != connections.end();)
-        if (it->second.closing)
-          close_connection(it++);
-        else
-          ++it;
+      close_where([](const Connection& c) { return c.closing; });
       // Negative descriptors are skipped by poll: the listening sockets
       // rest while accepting is paused.
       const bool accepting = accept_paused_until <= now;
@@ -373,14 +370,11 @@ struct StoreServer::Impl final : TorchClients {
         // Input that came behind a WAIT answered meanwhile.
         if (!c.closing && !c.in.empty() && !c.torch.waiting()) process(id, c);
       keep_within_buffer_limit();
-      for (auto it = connections.begin(); it != connections.end();) {
-        flush(it->second);
-        trim(it->second.out);
-        if (it->second.closing)
-          close_connection(it++);
-        else
-          ++it;
-      }
+      close_where([this](Connection& c) {
+        flush(c);
+        trim(c.out);
+        return c.closing;
+      });
     }
   }
 };

@@ -2,8 +2,6 @@
 // torchrun_options.hpp and docs/elastic-agent.md, "torchrun's command line").
 #include "ductile/agent/torchrun_options.hpp"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -11,12 +9,13 @@
 #include <filesystem>
 #include <map>
 #include <random>
-#include <set>
 #include <thread>
+#include <type_traits>
 #include <utility>
 
 #include <fmt/format.h>
 
+#include "agent_common.hpp"
 #include "ductile/agent/records.hpp"
 #include "ductile/core/text.hpp"
 #include "ductile/error.hpp"
@@ -45,32 +44,32 @@ std::chrono::milliseconds seconds_option(const std::string& name, double value) 
   return std::chrono::milliseconds(static_cast<std::int64_t>(std::llround(value * 1000)));
 }
 
-std::int64_t whole_number(const std::string& what, const std::string& text) {
+// All of `text` read as a number (an integer when T is one), else nullopt.
+template <class T>
+std::optional<T> number(const std::string& text) {
   std::size_t used = 0;
-  long long value = -1;
   try {
-    value = std::stoll(text, &used);
+    const T value = std::is_integral_v<T> ? static_cast<T>(std::stoll(text, &used))
+                                          : static_cast<T>(std::stod(text, &used));
+    if (used == text.size() && !text.empty()) return value;
   } catch (const std::exception&) {
-    used = 0;
   }
-  if (used != text.size() || text.empty() || value < 0)
-    bad(fmt::format("{} '{}' is invalid: give a whole number", what, text));
-  return value;
+  return std::nullopt;
+}
+
+std::int64_t whole_number(const std::string& what, const std::string& text) {
+  const auto value = number<std::int64_t>(text);
+  if (!value || *value < 0) bad(fmt::format("{} '{}' is invalid: give a whole number", what, text));
+  return *value;
 }
 
 double seconds_text(const std::string& what, const std::string& text) {
-  std::size_t used = 0;
-  double value = -1;
-  try {
-    value = std::stod(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used != text.size() || text.empty() || !std::isfinite(value) || value < 0 ||
-      value > static_cast<double>(kMaxDuration.count()))
+  const auto value = number<double>(text);
+  if (!value || !std::isfinite(*value) || *value < 0 ||
+      *value > static_cast<double>(kMaxDuration.count()))
     bad(fmt::format("{} '{}' is invalid: give seconds from 0 to {}", what, text,
                     kMaxDuration.count()));
-  return value;
+  return *value;
 }
 
 // GPUs this process may use: CUDA_VISIBLE_DEVICES's entries, else the
@@ -101,31 +100,20 @@ std::int64_t workers_per_node(const std::string& text) {
     std::int64_t gpus = visible_gpus();
     return gpus > 0 ? gpus : std::max<std::int64_t>(1, std::thread::hardware_concurrency());
   }
-  std::size_t used = 0;
-  long long value = 0;
-  try {
-    value = std::stoll(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
+  const auto value = number<std::int64_t>(text);
   const std::int64_t cap = max_workers_per_node();
-  if (used != text.size() || text.empty() || value < 1 || value > cap)
+  if (!value || *value < 1 || *value > cap)
     bad(
         fmt::format("--nproc-per-node '{}' is invalid: give the number of workers of this node, "
                     "1 to {} (this machine's {} online cores x {}), or cpu, gpu or auto",
                     text, cap, cap / kWorkersPerCore, kWorkersPerCore));
-  return value;
+  return *value;
 }
 
 // torchrun's --rdzv-conf: key=value pairs separated by commas.
 void apply_rdzv_conf(const std::string& text, LaunchArguments& o, RdzvConf& rdzv) {
   std::map<std::string, std::string> conf;
-  std::size_t from = 0;
-  while (from < text.size()) {
-    auto comma = text.find(',', from);
-    if (comma == std::string::npos) comma = text.size();
-    std::string pair = text.substr(from, comma - from);
-    from = comma + 1;
+  for (const auto& pair : split(text, ',')) {
     if (pair.empty()) continue;
     auto eq = pair.find('=');
     if (eq == std::string::npos || eq == 0)
@@ -227,16 +215,10 @@ std::pair<std::string, int> host_and_port(const std::string& option, const std::
   }
   int port = default_port;
   if (!port_text.empty()) {
-    std::size_t used = 0;
-    long value = -1;
-    try {
-      value = std::stol(port_text, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used != port_text.size() || value < 0 || value > 65535)
+    const auto value = number<std::int64_t>(port_text);
+    if (!value || *value < 0 || *value > 65535)
       bad(fmt::format("{} '{}' is invalid: the port must be 0 to 65535", option, endpoint));
-    port = static_cast<int>(value);
+    port = static_cast<int>(*value);
   }
   if (host.empty() || host.find_first_of(" /,@") != std::string::npos)
     bad(fmt::format("{} '{}' is invalid: give HOST:PORT", option, endpoint));
@@ -411,15 +393,11 @@ StreamsByRank streams_option(const std::string& option, const std::string& text)
     out.all = digit(text);
     return out;
   }
-  std::size_t from = 0;
-  while (from <= text.size()) {
-    auto comma = std::min(text.find(',', from), text.size());
-    std::string pair = text.substr(from, comma - from);
+  for (const auto& pair : split(text, ',')) {
     auto colon = pair.find(':');
     if (colon == std::string::npos) digit("");
     out.by_rank[whole_number(option + " local rank", pair.substr(0, colon))] =
         digit(pair.substr(colon + 1));
-    from = comma + 1;
   }
   return out;
 }
@@ -430,15 +408,9 @@ void apply_output_options(LaunchArguments& o) {
   if (!o.redirects.empty()) out.redirects = streams_option("--redirects", o.redirects);
   if (!o.tee.empty()) out.tee = streams_option("--tee", o.tee);
   if (!o.local_ranks_filter.empty()) {
-    std::set<std::int64_t> ranks;
-    std::size_t from = 0;
-    while (from <= o.local_ranks_filter.size()) {
-      auto comma = std::min(o.local_ranks_filter.find(',', from), o.local_ranks_filter.size());
-      ranks.insert(
-          whole_number("--local-ranks-filter", o.local_ranks_filter.substr(from, comma - from)));
-      from = comma + 1;
-    }
-    out.console_ranks = std::move(ranks);
+    out.console_ranks.emplace();
+    for (const auto& rank : split(o.local_ranks_filter, ','))
+      out.console_ranks->insert(whole_number("--local-ranks-filter", rank));
   }
   // torchrun's options that have no meaning here: say what to use.
   if (!o.logs_specs.empty())
@@ -464,11 +436,6 @@ void apply_output_options(LaunchArguments& o) {
         "with it (torch.cuda.set_device(LOCAL_RANK))");
 }
 
-bool is_executable_file(const std::string& path) {
-  std::error_code ec;
-  return access(path.c_str(), X_OK) == 0 && std::filesystem::is_regular_file(path, ec);
-}
-
 // The workers' Python, and why: $PYTHON_EXEC (as torchrun); else the
 // interpreter of the environment whose `ductile` console script ran the
 // agent (torchrun runs its own sys.executable); else an active virtual
@@ -479,17 +446,12 @@ std::pair<std::string, std::string> workers_python() {
     return {console, "the interpreter whose `ductile` console script ran the agent"};
   if (const char* venv = std::getenv("VIRTUAL_ENV"); venv && *venv) {
     const std::string python = (std::filesystem::path(venv) / "bin" / "python").string();
-    if (is_executable_file(python)) return {python, "the active virtual environment, $VIRTUAL_ENV"};
+    if (runnable_file(python)) return {python, "the active virtual environment, $VIRTUAL_ENV"};
   }
   const char* path = std::getenv("PATH");
   const std::string dirs = path ? path : "";
-  for (std::size_t begin = 0; begin <= dirs.size();) {
-    auto end = std::min(dirs.find(':', begin), dirs.size());
-    const std::string dir = dirs.substr(begin, end - begin);
-    const std::string candidate = (dir.empty() ? "." : dir) + "/python3";
-    if (is_executable_file(candidate)) return {candidate, "python3 on PATH"};
-    begin = end + 1;
-  }
+  if (auto python = found_on_path("python3", dirs); !python.empty())
+    return {python, "python3 on PATH"};
   bad(
       fmt::format("no Python for the workers: PYTHON_EXEC and VIRTUAL_ENV are unset and PATH "
                   "'{}' has no python3; set PYTHON_EXEC to the interpreter, run the agent with "
@@ -557,14 +519,8 @@ AgentOptions agent_options(const LaunchArguments& arguments, const std::vector<s
   if (o.failure_grace) a.failure_grace = seconds_option("--failure-grace", *o.failure_grace);
   if (o.checkpoint_timeout)
     a.checkpoint_timeout = seconds_option("--checkpoint-timeout", *o.checkpoint_timeout);
-  if (o.warm_workers || o.warm_imports) {
-    const std::string list = o.warm_imports.value_or(kDefaultWarmImports);
-    for (std::size_t from = 0; from <= list.size();) {
-      const std::size_t comma = std::min(list.find(',', from), list.size());
-      a.warm_imports.push_back(list.substr(from, comma - from));
-      from = comma + 1;
-    }
-  }
+  if (o.warm_workers || o.warm_imports)
+    a.warm_imports = split(o.warm_imports.value_or(kDefaultWarmImports), ',');
   return a;
 }
 

@@ -13,25 +13,9 @@ namespace ductile::agent {
 
 namespace {
 
-// Set for each worker; a value of the agent's own environment is replaced.
-constexpr const char* kWorkerVariables[] = {
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
-    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_SIGNALS_TO_HANDLE",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS", "DEEPSPEED_ELASTICITY_CONFIG",
-    "DUCTILE_GLOBAL_BATCH", "DUCTILE_MICRO_BATCH", "DUCTILE_GRADIENT_ACCUMULATION_STEPS",
-    "DUCTILE_ROUND", "DUCTILE_AGENT_NODE_ID", "DUCTILE_MPI_JOIN", "DUCTILE_CHECKPOINT_REQUEST",
-    "DUCTILE_CHECKPOINT_SAVED", "DUCTILE_SNAPSHOT_DIR", "DUCTILE_SNAPSHOT_RESTORE",
-    "OMPI_MCA_pmix_server_uri",
-    // Set by the `ductile` console script for the
-    // agent alone (worker_command in the CLI).
-    "DUCTILE_CONSOLE_PYTHON"};
-
-// Of kWorkerVariables, those a round sets differently from the last: the
-// ranks and sizes, the master, the attempt and its files, the batch plan.
-// The others (LOCAL_RANK, LOCAL_WORLD_SIZE, ROLE_NAME, OMP_NUM_THREADS,
-// which a library reads as it is imported, ...) stay from round to round.
+// Set for each worker (a value of the agent's own environment is
+// replaced), differently from round to round: the ranks and sizes, the
+// master, the attempt and its files, the batch plan.
 constexpr const char* kRoundVariables[] = {"RANK",
                                            "WORLD_SIZE",
                                            "GROUP_RANK",
@@ -51,6 +35,15 @@ constexpr const char* kRoundVariables[] = {"RANK",
                                            "DUCTILE_CHECKPOINT_SAVED",
                                            "DUCTILE_SNAPSHOT_RESTORE",
                                            "OMPI_MCA_pmix_server_uri"};
+// Set for each worker the same in every round (LOCAL_RANK, OMP_NUM_THREADS,
+// which a library reads as it is imported, ...).
+constexpr const char* kSteadyVariables[] = {
+    "LOCAL_RANK", "LOCAL_WORLD_SIZE", "ROLE_NAME", "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_SIGNALS_TO_HANDLE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS", "DEEPSPEED_ELASTICITY_CONFIG",
+    "DUCTILE_AGENT_NODE_ID", "DUCTILE_SNAPSHOT_DIR",
+    // Set by the `ductile` console script for the agent alone (worker_command in the CLI).
+    "DUCTILE_CONSOLE_PYTHON"};
 
 std::string env_or(const char* name, const std::string& fallback) {
   const char* value = std::getenv(name);
@@ -97,7 +90,8 @@ std::vector<WorkerSpec> worker_specs(const WorkerSetup& s) {
   for (char** e = environ; *e; ++e) {
     std::string entry(*e);
     std::string name = entry.substr(0, entry.find('='));
-    if (std::none_of(std::begin(kWorkerVariables), std::end(kWorkerVariables),
+    if (!is_round_variable(name) &&
+        std::none_of(std::begin(kSteadyVariables), std::end(kSteadyVariables),
                      [&](const char* v) { return name == v; }))
       base.push_back(std::move(entry));
   }

@@ -5,10 +5,10 @@
 // calls only. See worker_guard.hpp.
 #include "worker_guard.hpp"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
-#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -54,14 +54,6 @@ pid_t parent_of(const char* pid_text) {
   return parent;
 }
 
-struct LinuxDirent64 {
-  std::uint64_t d_ino;
-  std::int64_t d_off;
-  unsigned short d_reclen;
-  unsigned char d_type;
-  char d_name[1];
-};
-
 // Writes the decimal digits of `value` at `out`; returns the end.
 char* put_number(char* out, long value) {
   char digits[24];
@@ -105,8 +97,8 @@ void write_all(int fd, const char* text, std::size_t n) {
   }
 }
 
-void write_all(int fd, const char* text) {
-  write_all(fd, text, std::strlen(text));
+void write_all(int fd, std::initializer_list<const char*> texts) {
+  for (const char* text : texts) write_all(fd, text, std::strlen(text));
 }
 
 int encode_status(int status) {
@@ -115,11 +107,7 @@ int encode_status(int status) {
   return 1;
 }
 
-// The children of `self` (at most `max` of them) into `out`, with raw
-// system calls (async-signal-safe). `one_thread`: `self` has no other
-// thread, and its children are those of its one task's list, when the
-// kernel keeps one (CONFIG_PROC_CHILDREN); else /proc is searched for the
-// processes whose parent is `self`.
+// A task's list of children is kept by kernels with CONFIG_PROC_CHILDREN.
 std::size_t children_of(pid_t self, pid_t* out, std::size_t max, bool one_thread) {
   if (one_thread) {
     char path[96] = "/proc/";
@@ -138,10 +126,10 @@ std::size_t children_of(pid_t self, pid_t* out, std::size_t max, bool one_thread
   std::size_t found = 0;
   alignas(8) char buffer[16384];
   for (;;) {
-    long got = syscall(SYS_getdents64, dir, buffer, sizeof buffer);
+    const ssize_t got = getdents64(dir, buffer, sizeof buffer);
     if (got <= 0) break;
-    for (long offset = 0; offset < got;) {
-      const auto* entry = reinterpret_cast<const LinuxDirent64*>(buffer + offset);
+    for (ssize_t offset = 0; offset < got;) {
+      const auto* entry = reinterpret_cast<const dirent64*>(buffer + offset);
       offset += entry->d_reclen;
       pid_t pid = 0;
       const char* c = entry->d_name;
@@ -213,13 +201,10 @@ void end_left_behind(pid_t agent, const sigset_t& guarded, std::int64_t grace_ms
   kill(-worker, SIGKILL);  // children the worker left in its group
   end_left_behind(agent, guarded, grace_ms);
   _exit(encode_status(status));
+}
 
 }  // namespace
 
-}  // namespace
-
-// The guard: runs in the forked child; only async-signal-safe calls from
-// here on (the agent has other threads).
 [[noreturn]] void run_guard(pid_t agent, const char* path, char* const* argv, char* const* envp,
                             int out_fd, int err_fd, int launch_fd, std::int64_t grace_ms) {
   sigset_t guarded;
@@ -236,9 +221,7 @@ void end_left_behind(pid_t agent, const sigset_t& guarded, std::int64_t grace_ms
   pid_t worker = fork();
   if (worker < 0) {
     const int e = errno;
-    write_all(err_fd, "ductile agent: cannot fork a worker process: ");
-    write_all(err_fd, strerrordesc_np(e));
-    write_all(err_fd, "\n");
+    write_all(err_fd, {"ductile agent: cannot fork a worker process: ", strerrordesc_np(e), "\n"});
     _exit(127);
   }
   if (worker == 0) {
@@ -264,11 +247,7 @@ void end_left_behind(pid_t agent, const sigset_t& guarded, std::int64_t grace_ms
     if (launch >= 0) dup2(launch, kSpareLaunchFd);  // without close-on-exec
     execve(path, argv, envp);
     int e = errno;
-    write_all(2, "ductile agent: cannot execute ");
-    write_all(2, path);
-    write_all(2, ": ");
-    write_all(2, strerrordesc_np(e));
-    write_all(2, "\n");
+    write_all(2, {"ductile agent: cannot execute ", path, ": ", strerrordesc_np(e), "\n"});
     _exit(127);
   }
   setpgid(worker, worker);

@@ -13,12 +13,13 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 
 namespace ductile::agent {
 
 // Writes all `n` bytes of `text` to `fd`, stopping at the first error.
 void write_all(int fd, const char* text, std::size_t n);
-void write_all(int fd, const char* text);  // a NUL-terminated text
+void write_all(int fd, std::initializer_list<const char*> texts);  // NUL-terminated texts
 
 // A wait status as a process exit code: the code, or 128 + the signal.
 int encode_status(int status);

@@ -22,6 +22,8 @@
 
 #include <fmt/format.h>
 
+#include "agent_common.hpp"
+#include "ductile/core/text.hpp"
 #include "worker_guard.hpp"
 
 namespace ductile::agent {
@@ -35,15 +37,9 @@ std::mutex& output_mutex() {
 std::string resolve_on_path(const std::string& name) {
   if (name.find('/') != std::string::npos) return name;
   const char* path = std::getenv("PATH");
-  std::string dirs = path ? path : "/usr/local/bin:/usr/bin:/bin";
-  std::size_t begin = 0;
-  while (begin <= dirs.size()) {
-    auto end = dirs.find(':', begin);
-    if (end == std::string::npos) end = dirs.size();
-    std::string dir = dirs.substr(begin, end - begin);
+  for (const auto& dir : split(path ? path : "/usr/local/bin:/usr/bin:/bin", ':')) {
     std::string candidate = (dir.empty() ? "." : dir) + "/" + name;
     if (access(candidate.c_str(), X_OK) == 0) return candidate;
-    begin = end + 1;
   }
   return name;  // execve fails with ENOENT; reported as exit 127
 }
@@ -58,12 +54,17 @@ struct StreamTarget {
   int teed_file = -1;  // teed: the log file the agent writes
 };
 
-void close_target(StreamTarget& t) {
-  for (int* fd : {&t.fd_to_close, &t.pipe_read, &t.teed_file})
+// Closes each of `fds` that is open, and marks it closed.
+void close_fds(std::initializer_list<int*> fds) {
+  for (int* fd : fds)
     if (*fd >= 0) {
       close(*fd);
       *fd = -1;
     }
+}
+
+void close_target(StreamTarget& t) {
+  close_fds({&t.fd_to_close, &t.pipe_read, &t.teed_file});
 }
 
 int open_log_file(const std::filesystem::path& file) {
@@ -201,6 +202,14 @@ int send_launch(int fd, const std::string& record, int out_fd, int err_fd) {
   return shutdown(fd, SHUT_WR) == 0 ? 0 : errno;
 }
 
+// The wait status of child `pid`, once it exited.
+int wait_for_exit(pid_t pid) {
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  return status;
+}
+
 void write_to_console(bool to_stderr, const std::string& text) {
   if (text.empty()) return;
   std::lock_guard lock(output_mutex());
@@ -242,22 +251,17 @@ void LineSplitter::feed(const char* data, std::size_t n, const std::string& pref
     // when a line over the bound is cut).
     std::size_t end = begin;
     while (end < n && data[end] != '\n' && data[end] != '\r') ++end;
-    if (end == n) {
-      std::size_t rest = n - begin;
-      while (partial_.size() + rest >= kMaxTeedLineBytes) {
-        std::size_t take = kMaxTeedLineBytes - partial_.size();
-        emit(data + begin, take);
-        begin += take;
-        rest -= take;
-      }
-      partial_.append(data + begin, rest);
-      return;
-    }
-    if (partial_.size() + (end - begin) > kMaxTeedLineBytes) {
+    // Cut at the bound: a line with its ending may fill it, a held piece
+    // stays below it.
+    if (partial_.size() + (end - begin) >= kMaxTeedLineBytes + (end < n ? 1 : 0)) {
       std::size_t take = kMaxTeedLineBytes - partial_.size();
       emit(data + begin, take);
       begin += take;
       continue;
+    }
+    if (end == n) {
+      partial_.append(data + begin, end - begin);
+      return;
     }
     emit(data + begin, end - begin);
     if (data[end] == '\r') {
@@ -302,12 +306,7 @@ std::vector<std::string> last_lines_of(const std::filesystem::path& file, std::s
   std::string joined;
   splitter.feed(text.data(), text.size(), "", joined);
   splitter.finish("", joined);
-  std::size_t from = 0;
-  while (from < joined.size()) {
-    auto eol = joined.find('\n', from);
-    lines.push_back(joined.substr(from, eol - from));
-    from = eol + 1;
-  }
+  lines = split(joined, '\n');
   while (!lines.empty() && lines.back().empty()) lines.pop_back();
   if (lines.size() > count) lines.erase(lines.begin(), lines.end() - static_cast<long>(count));
   return lines;
@@ -379,11 +378,7 @@ bool WorkerGroup::start(const std::vector<WorkerSpec>& specs, std::chrono::milli
       }
       w.exit_fd = static_cast<int>(syscall(SYS_pidfd_open, w.guard_pid, 0));
     }
-    for (StreamTarget* t : {&out, &err})
-      if (t->fd_to_close >= 0) {
-        close(t->fd_to_close);
-        t->fd_to_close = -1;
-      }
+    close_fds({&out.fd_to_close, &err.fd_to_close});
     w.out_fd = out.pipe_read;
     w.err_fd = err.pipe_read;
     w.out_file = out.teed_file;
@@ -426,9 +421,7 @@ std::string WorkerGroup::wait_until_ready(Spare& spare, const std::atomic<int>* 
   char byte = 0;
   if (recv(spare.launch_fd, &byte, 1, MSG_DONTWAIT) == 1 && byte == 'R') return "";
   // Its end closed: the spare is gone, and its guard about to be.
-  int status = 0;
-  while (waitpid(spare.guard_pid, &status, 0) < 0 && errno == EINTR) {
-  }
+  const int status = wait_for_exit(spare.guard_pid);
   spare.guard_pid = -1;
   return fmt::format("its spare exited with status {} before it was ready", encode_status(status));
 }
@@ -436,15 +429,10 @@ std::string WorkerGroup::wait_until_ready(Spare& spare, const std::atomic<int>* 
 void WorkerGroup::end_spare(Spare& spare) {
   if (spare.guard_pid >= 0) {
     kill(spare.guard_pid, SIGUSR1);  // the guard kills the spare's process group
-    while (waitpid(spare.guard_pid, nullptr, 0) < 0 && errno == EINTR) {
-    }
+    wait_for_exit(spare.guard_pid);
     spare.guard_pid = -1;
   }
-  for (int* fd : {&spare.exit_fd, &spare.launch_fd})
-    if (*fd >= 0) {
-      close(*fd);
-      *fd = -1;
-    }
+  close_fds({&spare.exit_fd, &spare.launch_fd});
 }
 
 void WorkerGroup::start_spares(const std::vector<WorkerSpec>& specs, const SpareSetup& setup,
@@ -458,11 +446,9 @@ void WorkerGroup::start_spares(const std::vector<WorkerSpec>& specs, const Spare
                              spec.argv.begin() + static_cast<long>(setup.interpreter_words));
     spare.static_env = static_env_of(spec.env, setup);
     std::vector<std::string> argv = spare.interpreter;
-    std::string imports;
-    for (const auto& name : setup.imports) imports += (imports.empty() ? "" : ",") + name;
     for (const char* word : {"-m", "ductile._warm_start"}) argv.emplace_back(word);
     argv.push_back(std::to_string(kSpareLaunchFd));
-    argv.push_back(imports);
+    argv.push_back(core::join(setup.imports, ","));
     int ends[2];
     if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, ends) != 0)
       throw std::system_error(errno, std::generic_category(), "socketpair");
@@ -538,10 +524,7 @@ void WorkerGroup::reap() {
         // worker left (killed with its group): what is buffered is shown.
         if (more_out == (w.out_fd >= 0) && more_err == (w.err_fd >= 0)) break;
       }
-      if (w.exit_fd >= 0) {
-        close(w.exit_fd);
-        w.exit_fd = -1;
-      }
+      close_fds({&w.exit_fd});
       w.status = encode_status(status);
       if (*w.status != 0 && !first_failed_) first_failed_ = i;
     }
@@ -572,9 +555,7 @@ bool WorkerGroup::pump(std::chrono::milliseconds wait) {
 }
 
 bool WorkerGroup::running() const {
-  for (const auto& w : workers_)
-    if (!w.status) return true;
-  return false;
+  return std::any_of(workers_.begin(), workers_.end(), [](const Worker& w) { return !w.status; });
 }
 
 std::vector<int> WorkerGroup::guard_pids() const {
@@ -593,10 +574,8 @@ std::optional<WorkerExit> WorkerGroup::first_failure() const {
 }
 
 bool WorkerGroup::all_succeeded() const {
-  if (workers_.empty()) return false;
-  for (const auto& w : workers_)
-    if (!w.status || *w.status != 0) return false;
-  return true;
+  return !workers_.empty() && std::all_of(workers_.begin(), workers_.end(),
+                                          [](const Worker& w) { return w.status == 0; });
 }
 
 void WorkerGroup::stop(std::chrono::milliseconds grace) {
@@ -616,22 +595,13 @@ void WorkerGroup::stop(std::chrono::milliseconds grace) {
   }
   if (running()) {
     signal_all(SIGKILL);
-    for (auto& w : workers_) {
-      if (w.status) continue;
-      int status = 0;
-      while (waitpid(w.guard_pid, &status, 0) < 0 && errno == EINTR) {
-      }
-      w.status = encode_status(status);
-    }
+    for (auto& w : workers_)
+      if (!w.status) w.status = encode_status(wait_for_exit(w.guard_pid));
   }
   for (auto& w : workers_) {
     read_output(w, false);
     read_output(w, true);
-    for (int* fd : {&w.out_fd, &w.err_fd, &w.out_file, &w.err_file, &w.exit_fd})
-      if (*fd >= 0) {
-        close(*fd);
-        *fd = -1;
-      }
+    close_fds({&w.out_fd, &w.err_fd, &w.out_file, &w.err_file, &w.exit_fd});
   }
   workers_.clear();
   first_failed_.reset();

@@ -49,7 +49,6 @@ class JobPolicy {
   const std::string& origin() const;  // the file it came from
   // Sorted ascending; may be empty.
   const std::vector<std::int64_t>& valid_gpus() const;
-  bool accepts(std::int64_t world_size) const;
   // Throws ductile::Error when the policy rejects `world_size`. Without a
   // configuration only world_size is set.
   BatchPlan plan(std::int64_t world_size) const;
@@ -65,6 +64,7 @@ class JobPolicy {
 
  private:
   struct Impl;
+  explicit JobPolicy(std::shared_ptr<const Impl> impl) : impl_(std::move(impl)) {}
   std::shared_ptr<const Impl> impl_;
 };
 

@@ -68,9 +68,16 @@ class KeyValueStore {
 
   // Writes `key` (attached to `lease` when not 0).
   virtual void put(const std::string& key, const std::string& value, std::int64_t lease = 0) = 0;
-  virtual std::optional<KeyValue> get(const std::string& key) = 0;
+  // get() and get_prefix() are one read() each unless a store overrides them.
+  virtual std::optional<KeyValue> get(const std::string& key) {
+    auto found = read({RangeRead{key}});
+    if (found.front().empty()) return std::nullopt;
+    return found.front().front();
+  }
   // Every key starting with `prefix`, in key order.
-  virtual std::vector<KeyValue> get_prefix(const std::string& prefix) = 0;
+  virtual std::vector<KeyValue> get_prefix(const std::string& prefix) {
+    return read({RangeRead{prefix, true}}).front();
+  }
   // Several reads in one request, from one revision of the store; one
   // result per read, in order.
   virtual std::vector<std::vector<KeyValue>> read(const std::vector<RangeRead>& reads) = 0;

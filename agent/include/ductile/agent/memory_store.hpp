@@ -63,8 +63,6 @@ class MemoryStore final : public KeyValueStore {
   void revoke_lease(std::int64_t lease) override;
   std::int64_t lease_remaining(std::int64_t lease) override;
   void put(const std::string& key, const std::string& value, std::int64_t lease = 0) override;
-  std::optional<KeyValue> get(const std::string& key) override;
-  std::vector<KeyValue> get_prefix(const std::string& prefix) override;
   std::vector<std::vector<KeyValue>> read(const std::vector<RangeRead>& reads) override;
   void erase(const std::string& key) override;
   void erase_prefix(const std::string& prefix) override;
@@ -87,6 +85,8 @@ class MemoryStore final : public KeyValueStore {
   };
   // Bytes a key and its value count for in max_bytes.
   static std::size_t footprint(const std::string& key, const std::string& value);
+  // mutex_ held, the leases past their deadline expired.
+  std::unique_lock<std::mutex> locked();
   // With mutex_ held.
   void expire();
   // Throws StoreError when writing `value` at `key` would pass a bound.

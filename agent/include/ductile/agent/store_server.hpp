@@ -113,8 +113,6 @@ class RendezvousClient final : public KeyValueStore {
   void revoke_lease(std::int64_t lease) override;
   std::int64_t lease_remaining(std::int64_t lease) override;
   void put(const std::string& key, const std::string& value, std::int64_t lease = 0) override;
-  std::optional<KeyValue> get(const std::string& key) override;
-  std::vector<KeyValue> get_prefix(const std::string& prefix) override;
   std::vector<std::vector<KeyValue>> read(const std::vector<RangeRead>& reads) override;
   void erase(const std::string& key) override;
   void erase_prefix(const std::string& prefix) override;
