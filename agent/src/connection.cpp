@@ -151,10 +151,16 @@ void RendezvousConnection::open() {
   };
   // Every kind: the snapshot servers (snapshot_server.hpp) ask for it too.
   std::tie(secret_, secret_source_) = secret_from_environment();
+  snapshot_auth_ = SnapshotAuth(secret_);
   switch (o_.rendezvous) {
     case RendezvousKind::etcd: {
       std::string endpoint = etcd_endpoint_from_url(o_.rdzv, "--rdzv");
       check_etcd_tls(o_.rdzv, o_.tls, {"--rdzv", "--rdzv-cacert", "--rdzv-cert", "--rdzv-key"});
+      // A job over TLS copies its snapshots over TLS too, with the same
+      // files (loaded now: a bad one stops the agent at its start).
+      if (endpoint.starts_with("https://") && !o_.tls.ca_file.empty() && !o_.tls.cert_file.empty())
+        snapshot_auth_.tls = std::make_shared<const SnapshotTls>(
+            o_.tls, std::vector<std::string>{"--rdzv-cacert", "--rdzv-cert", "--rdzv-key"});
       store_ = std::make_unique<EtcdStore>(endpoint, o_.request_timeout, o_.tls);
       make_store_ = [endpoint, tls = o_.tls](std::chrono::milliseconds timeout) {
         return std::make_unique<EtcdStore>(endpoint, timeout, tls);

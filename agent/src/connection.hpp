@@ -11,7 +11,8 @@
 // agents that prove they hold it (store_server.hpp).
 //
 // Errors: open() throws ductile::Error (invalid_argument) for a bad secret
-// variable; grant_first_lease() for a host whose secret differs.
+// variable or TLS files the snapshot copies cannot load;
+// grant_first_lease() for a host whose secret differs.
 //
 // Threading: used by the agent's thread only; the keep-alive runs threads
 // of its own (keep_alive.hpp).
@@ -28,6 +29,7 @@
 #include "ductile/agent/memory_store.hpp"
 #include "ductile/agent/store_server.hpp"
 #include "keep_alive.hpp"
+#include "snapshot_server.hpp"
 
 namespace ductile::agent {
 
@@ -50,9 +52,11 @@ class RendezvousConnection {
   void close();
 
   KeyValueStore& store() { return *store_; }
-  // The job's secret (empty: none), after open(); the snapshot servers
-  // prove it as the hosted rendezvous does, whatever the rendezvous' kind.
-  const std::string& secret() const { return secret_; }
+  // How the snapshot servers know the job's agents, after open(): the
+  // job's secret (empty: none), proved as the hosted rendezvous does,
+  // whatever the rendezvous' kind; and TLS when the job's etcd is https
+  // with a CA, a certificate and a key.
+  const SnapshotAuth& snapshot_auth() const { return snapshot_auth_; }
   std::int64_t lease() const { return lease_; }
   KeepAlive& keep_alive() { return *keep_alive_; }
   // The guards of the workers the fence kills (empty: none); nothing before
@@ -104,6 +108,7 @@ class RendezvousConnection {
   std::map<std::string, IgnoredKind> ignored_kinds_;
   // The job's secret (empty: none) and the variable it came from.
   std::string secret_, secret_source_;
+  SnapshotAuth snapshot_auth_;
 };
 
 }  // namespace ductile::agent

@@ -45,9 +45,9 @@ void NodeSnapshots::make_area() {
 
 void NodeSnapshots::serve() {
   if (!area_) return;
-  replication_ = std::make_unique<SnapshotReplication>(*area_, self_, conn_.secret());
+  replication_ = std::make_unique<SnapshotReplication>(*area_, self_, conn_.snapshot_auth());
   server_ = std::make_unique<SnapshotServer>(
-      area_->root(), self_.addr, conn_.secret(),
+      area_->root(), self_.addr, conn_.snapshot_auth(),
       [replication = replication_.get()](const SnapshotMessage& message) {
         return replication->on_message(message);
       });
@@ -260,7 +260,7 @@ std::filesystem::path NodeSnapshots::restore(const RoundRecord& round,
   }
   const auto dest = area_->restore() / chosen->tag;
   try {
-    copy_snapshot(sources, dest, chosen->sha256, conn_.secret(), kRestoreCopyTimeout, true);
+    copy_snapshot(sources, dest, chosen->sha256, conn_.snapshot_auth(), kRestoreCopyTimeout, true);
   } catch (const Error& e) {
     // The other members restore it: workers started here from another
     // state would train a different model. The round fails instead, as it

@@ -40,10 +40,10 @@ constexpr std::chrono::milliseconds kMessageTimeout{5000};
 // against `expected` when given, and `limit`.
 void copy_snapshot_file(const SnapshotFileSource& source, const fs::path& to,
                         std::optional<std::uintmax_t> expected, std::uintmax_t limit,
-                        const std::string& secret, std::chrono::milliseconds timeout,
+                        const SnapshotAuth& auth, std::chrono::milliseconds timeout,
                         const std::atomic<bool>* abandon) {
   if (source.local.empty()) {
-    fetch_file(source.host, source.port, source.relative, to, secret, timeout, expected, limit,
+    fetch_file(source.host, source.port, source.relative, to, auth, timeout, expected, limit,
                abandon);
     return;
   }
@@ -74,7 +74,7 @@ void copy_snapshot_file(const SnapshotFileSource& source, const fs::path& to,
 using namespace snapshot_replication_detail;
 
 void copy_snapshot(const std::vector<SnapshotFileSource>& sources, const fs::path& dest,
-                   const std::string& sha256, const std::string& secret,
+                   const std::string& sha256, const SnapshotAuth& auth,
                    std::chrono::milliseconds timeout, bool complete,
                    const std::atomic<bool>* abandon) {
   fs::path staging = dest;
@@ -101,7 +101,7 @@ void copy_snapshot(const std::vector<SnapshotFileSource>& sources, const fs::pat
       std::vector<std::string> errors;
       for (const SnapshotFileSource* source : list) {
         try {
-          copy_snapshot_file(*source, staging / file, expected, limit, secret, timeout, abandon);
+          copy_snapshot_file(*source, staging / file, expected, limit, auth, timeout, abandon);
           check(*source);
           return;
         } catch (const Error& e) {
@@ -165,11 +165,11 @@ void copy_snapshot(const std::vector<SnapshotFileSource>& sources, const fs::pat
 }
 
 SnapshotReplication::SnapshotReplication(const SnapshotArea& area, const NodeIdentity& self,
-                                         std::string secret, std::chrono::milliseconds timeout,
+                                         SnapshotAuth auth, std::chrono::milliseconds timeout,
                                          std::chrono::milliseconds watch_interval)
     : area_(area),
       self_(self),
-      secret_(std::move(secret)),
+      auth_(std::move(auth)),
       timeout_(timeout),
       watch_interval_(watch_interval) {
   thread_ = std::thread([this] { run(); });
@@ -358,8 +358,8 @@ void SnapshotReplication::watch() {
       const auto held = holdings.find(node);
       if (held == holdings.end() || held->second.port <= 0) continue;  // the periodic pull
       try {
-        send_snapshot_message(held->second.addr, held->second.port, message, secret_,
-                              kMessageTimeout, &abandon_watch_);
+        send_snapshot_message(held->second.addr, held->second.port, message, auth_, kMessageTimeout,
+                              &abandon_watch_);
       } catch (const Error& e) {
         self_.log(
             fmt::format("cannot announce snapshot {} to node {}: {}", copy->tag, node, e.what()));
@@ -454,11 +454,16 @@ bool SnapshotReplication::pull(const Holdings& from, const SnapshotCopy& copy) {
   if (::mkdir(node_dir.c_str(), 0700) != 0 && errno != EEXIST)
     throw Error(ErrorKind::io,
                 fmt::format("cannot make '{}': {}", node_dir.string(), std::strerror(errno)));
+  // The oldest replica goes before the new one arrives, not after: no more
+  // than kReplicasKeptPerNode of a node's snapshots are held at any moment.
+  // The newest kept is the one every member can still restore: the workers
+  // wait until it is replicated before the state changes again.
+  prune(node_dir, kReplicasKeptPerNode - 1);
   std::vector<SnapshotFileSource> sources;
   for (const auto& file : copy.files)
     sources.push_back({file, from.addr, from.port, "own/" + copy.tag + "/" + file, {}});
   try {
-    copy_snapshot(sources, dest, copy.sha256, secret_, timeout_, false, &abandon_);
+    copy_snapshot(sources, dest, copy.sha256, auth_, timeout_, false, &abandon_);
   } catch (const Error& e) {
     if (abandon_) return false;
     if (failed_.size() >= kMaxFailuresRemembered) failed_.clear();
@@ -467,7 +472,6 @@ bool SnapshotReplication::pull(const Holdings& from, const SnapshotCopy& copy) {
     return false;
   }
   ++copies_made_;
-  prune(node_dir);
   acknowledge(from, copy);
   return true;
 }
@@ -486,7 +490,7 @@ void SnapshotReplication::acknowledge(const Holdings& origin, const SnapshotCopy
   message.tag = copy.tag;
   message.sha256 = copy.sha256;
   try {
-    send_snapshot_message(origin.addr, origin.port, message, secret_, kMessageTimeout, &abandon_);
+    send_snapshot_message(origin.addr, origin.port, message, auth_, kMessageTimeout, &abandon_);
   } catch (const Error& e) {
     if (abandon_) return;  // told at the next pass
     // Not tried again for this snapshot (the origin is gone, or refuses):
@@ -498,7 +502,7 @@ void SnapshotReplication::acknowledge(const Holdings& origin, const SnapshotCopy
   acknowledged_.insert(key);
 }
 
-void SnapshotReplication::prune(const fs::path& node_dir) {
+void SnapshotReplication::prune(const fs::path& node_dir, std::size_t keep) {
   std::vector<std::pair<std::int64_t, std::string>> folders;
   std::vector<std::string> stale;  // copies cut short (none runs now)
   std::error_code ec;
@@ -511,8 +515,7 @@ void SnapshotReplication::prune(const fs::path& node_dir) {
       stale.push_back(name);
   }
   std::sort(folders.begin(), folders.end(), std::greater<>());
-  for (std::size_t i = kReplicasKeptPerNode; i < folders.size(); ++i)
-    stale.push_back(folders[i].second);
+  for (std::size_t i = keep; i < folders.size(); ++i) stale.push_back(folders[i].second);
   for (const auto& name : stale) fs::remove_all(node_dir / name, ec);
 }
 

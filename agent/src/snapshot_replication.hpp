@@ -7,7 +7,8 @@
 // committed own snapshot of member (i - k) mod n into
 // replicas/<node>/<tag>/ (staged in <tag>.tmp, then renamed; checked
 // against the manifest's SHA-256 and the sizes the manifest gives), and
-// keeps the 2 newest of each node.
+// keeps the 2 newest of each node: the older is removed before a new one
+// is copied, so that 2 are held at any moment.
 //
 // A new snapshot is pulled at once: the origin looks at own/latest every
 // few milliseconds and, when its workers commit a snapshot, sends a notify
@@ -64,18 +65,19 @@ struct SnapshotFileSource {
 // and checked against `sha256` and its sidecar, each rank file's size
 // against the manifest's (with `complete`, every shard file the manifest
 // lists must be among them); then renamed to `dest`. `timeout`: the longest
-// wait without progress; `abandon`, when set, stops the copy. Throws
+// wait without progress; `abandon`, when set, stops the copy; `auth`: how
+// the holders' servers are asked (snapshot_server.hpp). Throws
 // ductile::Error (io) naming the file and the problem (the staging folder
 // is then removed).
 void copy_snapshot(const std::vector<SnapshotFileSource>& sources,
                    const std::filesystem::path& dest, const std::string& sha256,
-                   const std::string& secret, std::chrono::milliseconds timeout, bool complete,
+                   const SnapshotAuth& auth, std::chrono::milliseconds timeout, bool complete,
                    const std::atomic<bool>* abandon = nullptr);
 
 class SnapshotReplication {
  public:
   // `watch_interval`: how often own/latest is looked at.
-  SnapshotReplication(const SnapshotArea& area, const NodeIdentity& self, std::string secret,
+  SnapshotReplication(const SnapshotArea& area, const NodeIdentity& self, SnapshotAuth auth,
                       std::chrono::milliseconds timeout = std::chrono::seconds(30),
                       std::chrono::milliseconds watch_interval = std::chrono::milliseconds(15));
   // Stops the threads (an in-flight copy is abandoned).
@@ -116,7 +118,8 @@ class SnapshotReplication {
   bool pull(const Holdings& from, const SnapshotCopy& copy);
   // Tells `origin` (once a round) that this node holds `copy` of it.
   void acknowledge(const Holdings& origin, const SnapshotCopy& copy);
-  void prune(const std::filesystem::path& node_dir);
+  // Removes the copies cut short and all but the `keep` newest replicas.
+  void prune(const std::filesystem::path& node_dir, std::size_t keep);
   // The members (i + k) mod n, k = 1..min(R, n - 1), of the round (caller
   // holds ack_mutex_).
   std::vector<std::string> successors() const;
@@ -125,7 +128,7 @@ class SnapshotReplication {
 
   const SnapshotArea& area_;
   const NodeIdentity& self_;
-  const std::string secret_;
+  const SnapshotAuth auth_;
   const std::chrono::milliseconds timeout_;
   const std::chrono::milliseconds watch_interval_;
   std::mutex mutex_;

@@ -13,11 +13,17 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <cstring>
 #include <string_view>
 #include <system_error>
 
 #include <fmt/format.h>
+#include <openssl/bio.h>
+#include <openssl/err.h>
+#include <openssl/ssl.h>
+#include <openssl/x509.h>
+#include <openssl/x509v3.h>
 
 #include "ductile/agent/records.hpp"
 #include "ductile/error.hpp"
@@ -67,60 +73,212 @@ void wait_for(int fd, short events, milliseconds idle, Clock::time_point deadlin
   }
 }
 
-void send_all(int fd, const char* data, std::size_t size, milliseconds idle,
-              Clock::time_point deadline, const std::atomic<bool>* abandon) {
-  while (size > 0) {
-    const ssize_t n = ::send(fd, data, size, MSG_NOSIGNAL);
-    if (n > 0) {
+// A socket BIO whose writes never raise SIGPIPE (send with MSG_NOSIGNAL,
+// as the plain connections do): the library cannot count on the process
+// ignoring it. OpenSSL's socket BIO does the rest.
+int send_without_sigpipe(BIO* bio, const char* data, int size) {
+  BIO_clear_retry_flags(bio);
+  int fd = -1;
+  BIO_get_fd(bio, &fd);
+  const ssize_t n = ::send(fd, data, static_cast<std::size_t>(size), MSG_NOSIGNAL);
+  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
+    BIO_set_retry_write(bio);
+  return static_cast<int>(n);
+}
+
+BIO_METHOD* socket_without_sigpipe() {
+  static BIO_METHOD* const method = [] {
+    const BIO_METHOD* socket = BIO_s_socket();
+    BIO_METHOD* m = BIO_meth_new(BIO_TYPE_SOCKET, "socket without SIGPIPE");
+    if (!m) return m;
+    BIO_meth_set_write(m, send_without_sigpipe);
+    BIO_meth_set_read(m, BIO_meth_get_read(socket));
+    BIO_meth_set_puts(m, BIO_meth_get_puts(socket));
+    BIO_meth_set_ctrl(m, BIO_meth_get_ctrl(socket));
+    BIO_meth_set_create(m, BIO_meth_get_create(socket));
+    BIO_meth_set_destroy(m, BIO_meth_get_destroy(socket));
+    return m;
+  }();
+  return method;
+}
+
+// OpenSSL's reasons for this thread's last failure (its queue emptied),
+// with the check of the peer's certificate when that failed.
+std::string tls_reasons(const SSL* ssl) {
+  std::string reasons;
+  while (const unsigned long error = ERR_get_error()) {
+    const char* reason = ERR_reason_error_string(error);
+    const std::string text = reason ? reason : fmt::format("error {:x}", error);
+    if (reasons.find(text) == std::string::npos) reasons += (reasons.empty() ? "" : "; ") + text;
+  }
+  if (ssl && SSL_get_verify_result(ssl) != X509_V_OK)
+    reasons += fmt::format(" (the peer's certificate: {})",
+                           X509_verify_cert_error_string(SSL_get_verify_result(ssl)));
+  return reasons.empty() ? "no reason given" : reasons;
+}
+
+// One connection, plain or TLS: the framing below reads and writes
+// through it, each call bounded like the plain socket's (the same waits
+// on the non-blocking socket, whichever way OpenSSL asks to wait).
+class Link {
+ public:
+  // `fd`: a connected non-blocking socket, closed with the link when
+  // `owns_fd`.
+  Link(int fd, bool owns_fd) : fd_(fd), owns_fd_(owns_fd) {}
+  ~Link() {
+    if (ssl_) SSL_free(ssl_);
+    if (owns_fd_) ::close(fd_);
+  }
+  Link(const Link&) = delete;
+  Link& operator=(const Link&) = delete;
+
+  // The TLS handshake, as the server or the client, within `idle` and
+  // `deadline`: the peer's certificate verified against the job's CA.
+  // Throws Broken with OpenSSL's reason and the files involved.
+  void start_tls(const SnapshotTls& tls, bool server, milliseconds idle, Clock::time_point deadline,
+                 const std::atomic<bool>* abandon) {
+    ssl_ = SSL_new(tls.context());
+    BIO* bio = ssl_ ? BIO_new(socket_without_sigpipe()) : nullptr;
+    if (!bio) throw Broken{fmt::format("cannot start TLS: {}", tls_reasons(ssl_))};
+    BIO_set_fd(bio, fd_, BIO_NOCLOSE);
+    SSL_set_bio(ssl_, bio, bio);
+    described_ = tls.described();
+    if (server)
+      SSL_set_accept_state(ssl_);
+    else
+      SSL_set_connect_state(ssl_);
+    tls_call(
+        "the TLS handshake failed", [this] { return SSL_do_handshake(ssl_); }, idle, deadline,
+        abandon);
+  }
+
+  void send_all(const char* data, std::size_t size, milliseconds idle, Clock::time_point deadline,
+                const std::atomic<bool>* abandon) {
+    while (size > 0) {
+      std::size_t n = 0;
+      if (ssl_) {
+        const int chunk = static_cast<int>(std::min<std::size_t>(size, INT_MAX));
+        n = static_cast<std::size_t>(tls_call(
+            "the TLS connection failed", [&] { return SSL_write(ssl_, data, chunk); }, idle,
+            deadline, abandon));
+      } else {
+        const ssize_t sent = ::send(fd_, data, size, MSG_NOSIGNAL);
+        if (sent < 0 && errno == EINTR) continue;
+        if (sent < 0 && errno != EAGAIN && errno != EWOULDBLOCK) throw Broken{std::strerror(errno)};
+        if (sent <= 0) {
+          wait_for(fd_, POLLOUT, idle, deadline, abandon);
+          continue;
+        }
+        n = static_cast<std::size_t>(sent);
+      }
       data += n;
-      size -= static_cast<std::size_t>(n);
-      continue;
+      size -= n;
     }
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) throw Broken{std::strerror(errno)};
-    wait_for(fd, POLLOUT, idle, deadline, abandon);
   }
-}
 
-void send_all(int fd, const std::string& data, milliseconds idle, Clock::time_point deadline,
+  // Up to `size` bytes (at least one) into `data`.
+  std::size_t receive_some(char* data, std::size_t size, milliseconds idle,
+                           Clock::time_point deadline, const std::atomic<bool>* abandon) {
+    if (ssl_) {
+      const int chunk = static_cast<int>(std::min<std::size_t>(size, INT_MAX));
+      return static_cast<std::size_t>(tls_call(
+          "the TLS connection failed", [&] { return SSL_read(ssl_, data, chunk); }, idle, deadline,
+          abandon));
+    }
+    for (;;) {
+      const ssize_t n = ::recv(fd_, data, size, 0);
+      if (n > 0) return static_cast<std::size_t>(n);
+      if (n == 0) throw Broken{"the connection was closed"};
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) throw Broken{std::strerror(errno)};
+      wait_for(fd_, POLLIN, idle, deadline, abandon);
+    }
+  }
+
+  // Before a served connection is closed: its answer sent (and TLS's
+  // close_notify), the client's unread bytes (a request refused before it
+  // was read) are drained for a moment, so that the close is a FIN after
+  // the answer and not a reset that could cut it off.
+  void drain_before_close() {
+    if (ssl_ && SSL_is_init_finished(ssl_)) {
+      ERR_clear_error();
+      SSL_shutdown(ssl_);  // sends close_notify; the client's is not awaited
+    }
+    ::shutdown(fd_, SHUT_WR);
+    const auto until = Clock::now() + std::chrono::seconds(1);
+    char discard[4096];
+    for (std::size_t drained = 0; drained < (64u << 10);) {
+      const auto left = std::chrono::duration_cast<milliseconds>(until - Clock::now());
+      pollfd p{fd_, POLLIN, 0};
+      if (left.count() <= 0 || ::poll(&p, 1, static_cast<int>(left.count())) <= 0) break;
+      const ssize_t n = ::recv(fd_, discard, sizeof discard, 0);
+      if (n <= 0) break;
+      drained += static_cast<std::size_t>(n);
+    }
+  }
+
+ private:
+  // Runs `call` (an SSL_* function: > 0 is done) until done, waiting on
+  // the socket for what OpenSSL asks. Returns its result.
+  template <class Call>
+  int tls_call(std::string_view failed, Call call, milliseconds idle, Clock::time_point deadline,
+               const std::atomic<bool>* abandon) {
+    for (;;) {
+      ERR_clear_error();
+      errno = 0;
+      const int n = call();
+      if (n > 0) return n;
+      switch (SSL_get_error(ssl_, n)) {
+        case SSL_ERROR_WANT_READ:
+          wait_for(fd_, POLLIN, idle, deadline, abandon);
+          continue;
+        case SSL_ERROR_WANT_WRITE:
+          wait_for(fd_, POLLOUT, idle, deadline, abandon);
+          continue;
+        case SSL_ERROR_ZERO_RETURN:
+          throw Broken{"the connection was closed"};
+        case SSL_ERROR_SYSCALL:
+          if (errno != 0 && ERR_peek_error() == 0) throw Broken{std::strerror(errno)};
+          if (ERR_peek_error() == 0) throw Broken{"the connection was closed"};
+          [[fallthrough]];
+        default:
+          throw Broken{fmt::format("{}: {}; {}", failed, tls_reasons(ssl_), described_)};
+      }
+    }
+  }
+
+  int fd_;
+  bool owns_fd_;
+  SSL* ssl_ = nullptr;
+  std::string described_;  // the TLS files, for messages
+};
+
+void send_all(Link& link, const std::string& data, milliseconds idle, Clock::time_point deadline,
               const std::atomic<bool>* abandon) {
-  send_all(fd, data.data(), data.size(), idle, deadline, abandon);
+  link.send_all(data.data(), data.size(), idle, deadline, abandon);
 }
 
-// Up to `size` bytes (at least one) into `data`.
-std::size_t receive_some(int fd, char* data, std::size_t size, milliseconds idle,
-                         Clock::time_point deadline, const std::atomic<bool>* abandon) {
-  for (;;) {
-    const ssize_t n = ::recv(fd, data, size, 0);
-    if (n > 0) return static_cast<std::size_t>(n);
-    if (n == 0) throw Broken{"the connection was closed"};
-    if (errno == EINTR) continue;
-    if (errno != EAGAIN && errno != EWOULDBLOCK) throw Broken{std::strerror(errno)};
-    wait_for(fd, POLLIN, idle, deadline, abandon);
-  }
-}
-
-void receive_exact(int fd, char* data, std::size_t size, milliseconds idle,
+void receive_exact(Link& link, char* data, std::size_t size, milliseconds idle,
                    Clock::time_point deadline, const std::atomic<bool>* abandon) {
   while (size > 0) {
-    const std::size_t n = receive_some(fd, data, size, idle, deadline, abandon);
+    const std::size_t n = link.receive_some(data, size, idle, deadline, abandon);
     data += n;
     size -= n;
   }
 }
 
-std::string receive_string(int fd, std::size_t size, milliseconds idle, Clock::time_point deadline,
-                           const std::atomic<bool>* abandon) {
+std::string receive_string(Link& link, std::size_t size, milliseconds idle,
+                           Clock::time_point deadline, const std::atomic<bool>* abandon) {
   std::string out(size, '\0');
-  receive_exact(fd, out.data(), size, idle, deadline, abandon);
+  receive_exact(link, out.data(), size, idle, deadline, abandon);
   return out;
 }
 
 template <class T>
-T receive_value(int fd, milliseconds idle, Clock::time_point deadline,
+T receive_value(Link& link, milliseconds idle, Clock::time_point deadline,
                 const std::atomic<bool>* abandon) {
   T value{};
-  receive_exact(fd, reinterpret_cast<char*>(&value), sizeof value, idle, deadline, abandon);
+  receive_exact(link, reinterpret_cast<char*>(&value), sizeof value, idle, deadline, abandon);
   return value;
 }
 
@@ -186,24 +344,6 @@ std::string refusal(std::uint8_t status, const std::string& why) {
   return out;
 }
 
-// Before a served connection is closed: its answer sent, the client's
-// unread bytes (a request refused before it was read) are drained for a
-// moment, so that the close is a FIN after the answer and not a reset that
-// could cut it off.
-void drain_before_close(int fd) {
-  ::shutdown(fd, SHUT_WR);
-  const auto until = Clock::now() + std::chrono::seconds(1);
-  char discard[4096];
-  for (std::size_t drained = 0; drained < (64u << 10);) {
-    const auto left = std::chrono::duration_cast<milliseconds>(until - Clock::now());
-    pollfd p{fd, POLLIN, 0};
-    if (left.count() <= 0 || ::poll(&p, 1, static_cast<int>(left.count())) <= 0) break;
-    const ssize_t n = ::recv(fd, discard, sizeof discard, 0);
-    if (n <= 0) break;
-    drained += static_cast<std::size_t>(n);
-  }
-}
-
 // A connected non-blocking socket to host:port, or Broken.
 int connect_to(const std::string& host, int port, milliseconds timeout,
                const std::atomic<bool>* abandon) {
@@ -243,68 +383,67 @@ int connect_to(const std::string& host, int port, milliseconds timeout,
   throw Broken{fmt::format("cannot connect: {}", last)};
 }
 
-// Connects to the server at host:port, proves `secret`, sends `request`
-// (a file's path or a message) and `body` when not empty (its 32-bit
-// length first), and reads the status: returns the connection, the answer's
-// size next. Throws Broken (the server's refusal included).
-int open_request(const std::string& host, int port, const std::string& request,
-                 const std::string& body, const std::string& secret, milliseconds timeout,
-                 const std::atomic<bool>* abandon) {
+// Connects to the server at host:port (over TLS when `auth` has it),
+// proves its secret, sends `request` (a file's path or a message) and
+// `body` when not empty (its 32-bit length first), and reads the status:
+// returns the connection, the answer's size next. Throws Broken (the
+// server's refusal included).
+std::unique_ptr<Link> open_request(const std::string& host, int port, const std::string& request,
+                                   const std::string& body, const SnapshotAuth& auth,
+                                   milliseconds timeout, const std::atomic<bool>* abandon) {
   const auto no_deadline = Clock::time_point::max();
-  const int fd = connect_to(host, port, timeout, abandon);
-  try {
-    const std::string client_nonce = wire::random_nonce();
-    std::string hello(kSnapshotMagic, sizeof kSnapshotMagic);
-    hello += client_nonce;
-    send_all(fd, hello, timeout, no_deadline, abandon);
-    const auto has_secret = receive_value<std::uint8_t>(fd, timeout, no_deadline, abandon);
-    std::string sent;
-    if (has_secret == 1) {
-      const std::string host_nonce =
-          receive_string(fd, wire::kNonceBytes, timeout, no_deadline, abandon);
-      const std::string host_proof = receive_string(fd, kProofBytes, timeout, no_deadline, abandon);
-      if (secret.empty())
-        throw Broken{
-            "the server asks for the job's secret and this agent has none: the secrets differ "
-            "(every agent of the job needs the same DUCTILE_RDZV_SECRET or "
-            "DUCTILE_RDZV_SECRET_FILE, or none)"};
-      if (!wire::same_proof(host_proof,
-                            wire::proof(secret, kSnapshotHostLabel, client_nonce, host_nonce)))
-        throw Broken{
-            "the server's proof of the secret does not match this agent's: the secrets differ "
-            "(every agent of the job needs the same DUCTILE_RDZV_SECRET or "
-            "DUCTILE_RDZV_SECRET_FILE)"};
-      wire::put<std::uint8_t>(sent, 1);
-      sent += wire::proof(secret, kSnapshotAgentLabel, host_nonce, client_nonce);
-    } else if (has_secret == 0) {
-      if (!secret.empty())
-        throw Broken{
-            "the server has no secret and this agent has one: the secrets differ (every agent of "
-            "the job needs the same DUCTILE_RDZV_SECRET or DUCTILE_RDZV_SECRET_FILE, or none)"};
-      wire::put<std::uint8_t>(sent, 0);
-    } else {
-      throw Broken{"it does not speak the snapshot protocol"};
-    }
-    wire::put(sent, static_cast<std::uint32_t>(request.size()));
-    sent += request;
-    if (!body.empty()) {
-      wire::put(sent, static_cast<std::uint32_t>(body.size()));
-      sent += body;
-    }
-    send_all(fd, sent, timeout, no_deadline, abandon);
-    const auto status = receive_value<std::uint8_t>(fd, timeout, no_deadline, abandon);
-    if (status != kOk) {
-      const auto size = receive_value<std::uint32_t>(fd, timeout, no_deadline, abandon);
-      if (size > kMaxReason || (status != kRefused && status != kUnauthorized))
-        throw Broken{"it does not speak the snapshot protocol"};
-      throw Broken{fmt::format("the server refused it: {}",
-                               receive_string(fd, size, timeout, no_deadline, abandon))};
-    }
-    return fd;
-  } catch (...) {
-    ::close(fd);
-    throw;
+  const std::string& secret = auth.secret;
+  auto link = std::make_unique<Link>(connect_to(host, port, timeout, abandon), true);
+  if (auth.tls) link->start_tls(*auth.tls, false, timeout, no_deadline, abandon);
+  const std::string client_nonce = wire::random_nonce();
+  std::string hello(kSnapshotMagic, sizeof kSnapshotMagic);
+  hello += client_nonce;
+  send_all(*link, hello, timeout, no_deadline, abandon);
+  const auto has_secret = receive_value<std::uint8_t>(*link, timeout, no_deadline, abandon);
+  std::string sent;
+  if (has_secret == 1) {
+    const std::string host_nonce =
+        receive_string(*link, wire::kNonceBytes, timeout, no_deadline, abandon);
+    const std::string host_proof =
+        receive_string(*link, kProofBytes, timeout, no_deadline, abandon);
+    if (secret.empty())
+      throw Broken{
+          "the server asks for the job's secret and this agent has none: the secrets differ "
+          "(every agent of the job needs the same DUCTILE_RDZV_SECRET or "
+          "DUCTILE_RDZV_SECRET_FILE, or none)"};
+    if (!wire::same_proof(host_proof,
+                          wire::proof(secret, kSnapshotHostLabel, client_nonce, host_nonce)))
+      throw Broken{
+          "the server's proof of the secret does not match this agent's: the secrets differ "
+          "(every agent of the job needs the same DUCTILE_RDZV_SECRET or "
+          "DUCTILE_RDZV_SECRET_FILE)"};
+    wire::put<std::uint8_t>(sent, 1);
+    sent += wire::proof(secret, kSnapshotAgentLabel, host_nonce, client_nonce);
+  } else if (has_secret == 0) {
+    if (!secret.empty())
+      throw Broken{
+          "the server has no secret and this agent has one: the secrets differ (every agent of "
+          "the job needs the same DUCTILE_RDZV_SECRET or DUCTILE_RDZV_SECRET_FILE, or none)"};
+    wire::put<std::uint8_t>(sent, 0);
+  } else {
+    throw Broken{"it does not speak the snapshot protocol"};
   }
+  wire::put(sent, static_cast<std::uint32_t>(request.size()));
+  sent += request;
+  if (!body.empty()) {
+    wire::put(sent, static_cast<std::uint32_t>(body.size()));
+    sent += body;
+  }
+  send_all(*link, sent, timeout, no_deadline, abandon);
+  const auto status = receive_value<std::uint8_t>(*link, timeout, no_deadline, abandon);
+  if (status != kOk) {
+    const auto size = receive_value<std::uint32_t>(*link, timeout, no_deadline, abandon);
+    if (size > kMaxReason || (status != kRefused && status != kUnauthorized))
+      throw Broken{"it does not speak the snapshot protocol"};
+    throw Broken{fmt::format("the server refused it: {}",
+                             receive_string(*link, size, timeout, no_deadline, abandon))};
+  }
+  return link;
 }
 
 }  // namespace snapshot_server_detail
@@ -325,9 +464,61 @@ bool servable_snapshot_path(const std::string& relative) {
   return false;
 }
 
+SnapshotTls::SnapshotTls(const EtcdTls& files, const std::vector<std::string>& options) {
+  described_ = fmt::format(
+      "this agent verifies the peer's certificate against {} '{}' and presents {} '{}' (key {} "
+      "'{}')",
+      options.at(0), files.ca_file, options.at(1), files.cert_file, options.at(2), files.key_file);
+  ERR_clear_error();
+  context_ = SSL_CTX_new(TLS_method());
+  if (!context_)
+    throw Error(ErrorKind::io, fmt::format("cannot make a TLS context for the snapshot copies: {}",
+                                           tls_reasons(nullptr)));
+  auto refuse = [&](std::size_t option, const std::string& file, const std::string& problem,
+                    const std::string& valid) {
+    const std::string reasons = tls_reasons(nullptr);
+    SSL_CTX_free(context_);
+    return Error(
+        ErrorKind::invalid_argument,
+        fmt::format("{} '{}' {}: {}; give {}", options.at(option), file, problem, reasons, valid));
+  };
+  SSL_CTX_set_min_proto_version(context_, TLS1_2_VERSION);
+  // An encrypted key fails to load instead of asking for its passphrase on
+  // the terminal.
+  SSL_CTX_set_default_passwd_cb(context_, [](char*, int, int, void*) { return 0; });
+  if (SSL_CTX_load_verify_locations(context_, files.ca_file.c_str(), nullptr) != 1)
+    throw refuse(0, files.ca_file, "cannot be loaded as the job's CA",
+                 "the PEM file of the CA that signed the agents' certificates");
+  if (SSL_CTX_use_certificate_chain_file(context_, files.cert_file.c_str()) != 1)
+    throw refuse(1, files.cert_file, "cannot be loaded as this agent's certificate",
+                 "a PEM certificate signed by the job's CA");
+  // Checked against the certificate as it loads.
+  if (SSL_CTX_use_PrivateKey_file(context_, files.key_file.c_str(), SSL_FILETYPE_PEM) != 1)
+    throw refuse(
+        2, files.key_file,
+        fmt::format("cannot be loaded as the key of {} '{}'", options.at(1), files.cert_file),
+        "the certificate's unencrypted PEM key");
+  // Mutual TLS: a server asks for the client's certificate and refuses a
+  // client without one. Both sides check the peer's chain against the CA,
+  // and that the certificate was issued for TLS clients (what etcd asks of
+  // the same certificates), whichever side presents it: an agent's one
+  // certificate serves both ends. No host name is checked: agents address
+  // each other by IP, and a certificate made for etcd need not name it.
+  SSL_CTX_set_verify(context_, SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT, nullptr);
+  SSL_CTX_set_purpose(context_, X509_PURPOSE_SSL_CLIENT);
+  SSL_CTX_set_mode(context_, SSL_MODE_ENABLE_PARTIAL_WRITE);
+  // One file a connection: no session is resumed, so none is kept.
+  SSL_CTX_set_session_cache_mode(context_, SSL_SESS_CACHE_OFF);
+  SSL_CTX_set_num_tickets(context_, 0);
+}
+
+SnapshotTls::~SnapshotTls() {
+  SSL_CTX_free(context_);
+}
+
 SnapshotServer::SnapshotServer(const std::filesystem::path& area, const std::string& host,
-                               std::string secret, SnapshotMessageHandler handler)
-    : secret_(std::move(secret)), handler_(std::move(handler)) {
+                               SnapshotAuth auth, SnapshotMessageHandler handler)
+    : auth_(std::move(auth)), handler_(std::move(handler)) {
   area_fd_ = ::open(area.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
   if (area_fd_ < 0)
     throw Error(ErrorKind::io, fmt::format("cannot open the snapshot area '{}' to serve it: {}",
@@ -395,9 +586,12 @@ void SnapshotServer::accept_loop() {
       }
       connections_.insert(fd);
       std::thread([this, fd] {
-        serve(fd);
-        // Still listed meanwhile: a stopping server cuts the drain short.
-        drain_before_close(fd);
+        {
+          Link link(fd, false);
+          serve(link);
+          // Still listed meanwhile: a stopping server cuts the drain short.
+          link.drain_before_close();
+        }
         std::unique_lock lock(mutex_);
         connections_.erase(fd);
         ::close(fd);
@@ -407,35 +601,36 @@ void SnapshotServer::accept_loop() {
   }
 }
 
-void SnapshotServer::serve(int fd) {
+void SnapshotServer::serve(Link& link) {
   const milliseconds idle = kSnapshotIdleTimeout;
   // The handshake and the request come within the proof's time.
   const auto handshake_deadline = Clock::now() + wire::kProofTimeout;
   const auto no_deadline = Clock::time_point::max();
   try {
+    if (auth_.tls) link.start_tls(*auth_.tls, true, idle, handshake_deadline, nullptr);
     char magic[sizeof kSnapshotMagic];
-    receive_exact(fd, magic, sizeof magic, idle, handshake_deadline, nullptr);
+    receive_exact(link, magic, sizeof magic, idle, handshake_deadline, nullptr);
     if (std::memcmp(magic, kSnapshotMagic, sizeof magic) != 0) return;
     const std::string client_nonce =
-        receive_string(fd, wire::kNonceBytes, idle, handshake_deadline, nullptr);
+        receive_string(link, wire::kNonceBytes, idle, handshake_deadline, nullptr);
     std::string hello;
     std::string host_nonce;
-    if (secret_.empty()) {
+    if (auth_.secret.empty()) {
       wire::put<std::uint8_t>(hello, 0);
     } else {
       host_nonce = wire::random_nonce();
       wire::put<std::uint8_t>(hello, 1);
       hello += host_nonce;
-      hello += wire::proof(secret_, kSnapshotHostLabel, client_nonce, host_nonce);
+      hello += wire::proof(auth_.secret, kSnapshotHostLabel, client_nonce, host_nonce);
     }
-    send_all(fd, hello, idle, handshake_deadline, nullptr);
-    const auto proving = receive_value<std::uint8_t>(fd, idle, handshake_deadline, nullptr);
+    send_all(link, hello, idle, handshake_deadline, nullptr);
+    const auto proving = receive_value<std::uint8_t>(link, idle, handshake_deadline, nullptr);
     if (proving > 1) return;
     std::string given;
-    if (proving == 1) given = receive_string(fd, kProofBytes, idle, handshake_deadline, nullptr);
-    if (!secret_.empty()) {
+    if (proving == 1) given = receive_string(link, kProofBytes, idle, handshake_deadline, nullptr);
+    if (!auth_.secret.empty()) {
       if (proving == 0) {
-        send_all(fd,
+        send_all(link,
                  refusal(kUnauthorized,
                          "this snapshot server serves the agents of its job only, and this agent "
                          "gave no proof of the job's secret: give every agent of the job the "
@@ -443,9 +638,9 @@ void SnapshotServer::serve(int fd) {
                  idle, no_deadline, nullptr);
         return;
       }
-      if (!wire::same_proof(given,
-                            wire::proof(secret_, kSnapshotAgentLabel, host_nonce, client_nonce))) {
-        send_all(fd,
+      if (!wire::same_proof(
+              given, wire::proof(auth_.secret, kSnapshotAgentLabel, host_nonce, client_nonce))) {
+        send_all(link,
                  refusal(kUnauthorized,
                          "the snapshot server refused this agent's proof of the secret: the "
                          "secrets differ (every agent of the job needs the same "
@@ -454,30 +649,30 @@ void SnapshotServer::serve(int fd) {
         return;
       }
     }
-    const auto size = receive_value<std::uint32_t>(fd, idle, handshake_deadline, nullptr);
+    const auto size = receive_value<std::uint32_t>(link, idle, handshake_deadline, nullptr);
     if (size > kMaxSnapshotRequest) {
-      send_all(fd,
+      send_all(link,
                refusal(kRefused, fmt::format("a request of {} bytes, over the {} allowed", size,
                                              kMaxSnapshotRequest)),
                idle, no_deadline, nullptr);
       return;
     }
-    const std::string relative = receive_string(fd, size, idle, handshake_deadline, nullptr);
+    const std::string relative = receive_string(link, size, idle, handshake_deadline, nullptr);
     if (relative.starts_with("notify/") || relative.starts_with("have/")) {
-      const std::string why = take_message(fd, relative);
+      const std::string why = take_message(link, relative);
       if (why.empty()) {
         std::string taken;
         wire::put(taken, kOk);
         wire::put(taken, std::uint64_t{0});
-        send_all(fd, taken, idle, no_deadline, nullptr);
+        send_all(link, taken, idle, no_deadline, nullptr);
       } else {
-        send_all(fd, refusal(kRefused, why), idle, no_deadline, nullptr);
+        send_all(link, refusal(kRefused, why), idle, no_deadline, nullptr);
       }
       return;
     }
     if (!servable_snapshot_path(relative)) {
       send_all(
-          fd,
+          link,
           refusal(kRefused, fmt::format("'{}' is not a snapshot file: give own/<tag>/<file> or "
                                         "replicas/<node>/<tag>/<file>",
                                         excerpt(relative))),
@@ -488,7 +683,7 @@ void SnapshotServer::serve(int fd) {
     std::string why;
     const int file = open_below(area_fd_, relative, info, why);
     if (file < 0) {
-      send_all(fd, refusal(kRefused, fmt::format("'{}': {}", relative, why)), idle, no_deadline,
+      send_all(link, refusal(kRefused, fmt::format("'{}': {}", relative, why)), idle, no_deadline,
                nullptr);
       return;
     }
@@ -496,7 +691,7 @@ void SnapshotServer::serve(int fd) {
     wire::put(head, kOk);
     wire::put(head, static_cast<std::uint64_t>(info.st_size));
     try {
-      send_all(fd, head, idle, no_deadline, nullptr);
+      send_all(link, head, idle, no_deadline, nullptr);
       // Its size as it was when opened: a file that shrinks since ends the
       // connection early, and the client refuses the copy.
       std::string buffer(kChunk, '\0');
@@ -506,7 +701,7 @@ void SnapshotServer::serve(int fd) {
         const ssize_t n = ::pread(file, buffer.data(), want, offset);
         if (n < 0 && errno == EINTR) continue;
         if (n <= 0) break;
-        send_all(fd, buffer.data(), static_cast<std::size_t>(n), idle, no_deadline, nullptr);
+        link.send_all(buffer.data(), static_cast<std::size_t>(n), idle, no_deadline, nullptr);
         offset += n;
       }
     } catch (const Broken&) {
@@ -521,7 +716,7 @@ void SnapshotServer::serve(int fd) {
   }
 }
 
-std::string SnapshotServer::take_message(int fd, const std::string& request) {
+std::string SnapshotServer::take_message(Link& link, const std::string& request) {
   const auto parts = split_path(request);
   const bool notify = parts[0] == "notify";
   const std::size_t names = notify ? 4 : 5;
@@ -551,11 +746,11 @@ std::string SnapshotServer::take_message(int fd, const std::string& request) {
   if (notify) {
     const milliseconds idle = kSnapshotIdleTimeout;
     const auto deadline = Clock::now() + wire::kProofTimeout;
-    const auto size = receive_value<std::uint32_t>(fd, idle, deadline, nullptr);
+    const auto size = receive_value<std::uint32_t>(link, idle, deadline, nullptr);
     if (size > kMaxNotifyBody)
       return fmt::format("a notify's file list of {} bytes, over the {} allowed", size,
                          kMaxNotifyBody);
-    const std::string body = receive_string(fd, size, idle, deadline, nullptr);
+    const std::string body = receive_string(link, size, idle, deadline, nullptr);
     std::set<std::string> seen;
     for (std::size_t from = 0; from < body.size();) {
       const auto end = body.find('\n', from);
@@ -576,7 +771,7 @@ std::string SnapshotServer::take_message(int fd, const std::string& request) {
 }
 
 std::uintmax_t fetch_file(const std::string& host, int port, const std::string& relative,
-                          const std::filesystem::path& dest, const std::string& secret,
+                          const std::filesystem::path& dest, const SnapshotAuth& auth,
                           milliseconds timeout, std::optional<std::uintmax_t> expected_size,
                           std::uintmax_t max_size, const std::atomic<bool>* abandon) {
   const std::string where =
@@ -587,12 +782,12 @@ std::uintmax_t fetch_file(const std::string& host, int port, const std::string& 
   };
   if (relative.size() > kMaxSnapshotRequest) throw fail("the path is too long");
   const auto no_deadline = Clock::time_point::max();
-  int fd = -1;
+  std::unique_ptr<Link> link;
   int out = -1;
   bool created = false;  // only a copy this call created is removed (O_EXCL)
   try {
-    fd = open_request(host, port, relative, "", secret, timeout, abandon);
-    const auto size = receive_value<std::uint64_t>(fd, timeout, no_deadline, abandon);
+    link = open_request(host, port, relative, "", auth, timeout, abandon);
+    const auto size = receive_value<std::uint64_t>(*link, timeout, no_deadline, abandon);
     if (expected_size && size != *expected_size)
       throw Broken{fmt::format("it has {} bytes, not the {} expected", size, *expected_size)};
     if (size > max_size)
@@ -603,9 +798,9 @@ std::uintmax_t fetch_file(const std::string& host, int port, const std::string& 
     created = true;
     std::string buffer(static_cast<std::size_t>(std::min<std::uint64_t>(size, kChunk)) + 1, '\0');
     for (std::uint64_t left = size; left > 0;) {
-      const std::size_t n = receive_some(
-          fd, buffer.data(), static_cast<std::size_t>(std::min<std::uint64_t>(left, kChunk)),
-          timeout, no_deadline, abandon);
+      const std::size_t n = link->receive_some(
+          buffer.data(), static_cast<std::size_t>(std::min<std::uint64_t>(left, kChunk)), timeout,
+          no_deadline, abandon);
       for (std::size_t done = 0; done < n;) {
         const ssize_t w = ::write(out, buffer.data() + done, n - done);
         if (w < 0 && errno == EINTR) continue;
@@ -619,15 +814,12 @@ std::uintmax_t fetch_file(const std::string& host, int port, const std::string& 
       throw Broken{fmt::format("cannot write the copy: {}", std::strerror(errno))};
     }
     out = -1;
-    ::close(fd);
     return size;
   } catch (const Broken& e) {
-    if (fd >= 0) ::close(fd);
     if (out >= 0) ::close(out);
     if (created) ::unlink(dest.c_str());
     throw fail(e.why);
   } catch (const wire::BadMessage& e) {
-    if (fd >= 0) ::close(fd);
     if (out >= 0) ::close(out);
     if (created) ::unlink(dest.c_str());
     throw fail(e.what());
@@ -635,7 +827,7 @@ std::uintmax_t fetch_file(const std::string& host, int port, const std::string& 
 }
 
 void send_snapshot_message(const std::string& host, int port, const SnapshotMessage& message,
-                           const std::string& secret, milliseconds timeout,
+                           const SnapshotAuth& auth, milliseconds timeout,
                            const std::atomic<bool>* abandon) {
   const bool notify = message.kind == SnapshotMessage::Kind::notify;
   const std::string request =
@@ -646,18 +838,15 @@ void send_snapshot_message(const std::string& host, int port, const SnapshotMess
   if (notify)
     for (const auto& file : message.files) body += file + "\n";
   const auto no_deadline = Clock::time_point::max();
-  int fd = -1;
+  std::unique_ptr<Link> link;
   try {
-    fd = open_request(host, port, request, body, secret, timeout, abandon);
-    if (receive_value<std::uint64_t>(fd, timeout, no_deadline, abandon) != 0)
+    link = open_request(host, port, request, body, auth, timeout, abandon);
+    if (receive_value<std::uint64_t>(*link, timeout, no_deadline, abandon) != 0)
       throw Broken{"it does not speak the snapshot protocol"};
-    ::close(fd);
   } catch (const Broken& e) {
-    if (fd >= 0) ::close(fd);
     throw Error(ErrorKind::io, fmt::format("cannot send '{}' to the snapshot server at {}:{}: {}",
                                            request, host, port, e.why));
   } catch (const wire::BadMessage& e) {
-    if (fd >= 0) ::close(fd);
     throw Error(ErrorKind::io, fmt::format("cannot send '{}' to the snapshot server at {}:{}: {}",
                                            request, host, port, e.what()));
   }

@@ -31,6 +31,11 @@
 // connection's thread: two agents copying from each other would wait on
 // each other).
 //
+// A job whose rendezvous uses TLS (an https etcd with --rdzv-cacert,
+// --rdzv-cert and --rdzv-key) runs the same protocol inside TLS: the server
+// presents the agent's certificate and requires one of the client, each
+// side verifying the other's chain against the job's CA (SnapshotTls).
+//
 // Served: regular files only, reached without following a link (each
 // component opened with O_NOFOLLOW below the area), names as a save
 // writes them. Bounded: a request of at most kMaxSnapshotRequest bytes,
@@ -44,6 +49,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -51,9 +57,16 @@
 #include <thread>
 #include <vector>
 
+#include "ductile/agent/etcd_store.hpp"
 #include "snapshot_plan.hpp"
 
+struct ssl_ctx_st;  // OpenSSL's SSL_CTX
+
 namespace ductile::agent {
+
+namespace snapshot_server_detail {
+class Link;  // one connection, plain or TLS
+}
 
 inline constexpr std::size_t kMaxSnapshotRequest = 4096;
 inline constexpr std::chrono::seconds kSnapshotIdleTimeout{30};
@@ -83,6 +96,44 @@ struct SnapshotMessage {
 // connection's thread; must not block.
 using SnapshotMessageHandler = std::function<std::string(const SnapshotMessage&)>;
 
+// The TLS of the snapshot copies: the job's CA, this agent's certificate
+// and key, loaded once. Each side verifies the other's certificate chain
+// against the CA and accepts a certificate issued for TLS clients (the
+// purpose etcd asks of the agents' certificates), whichever side presents
+// it; not the host name: the agents address each other by IP, which their
+// certificates need not name. Ownership: owns its OpenSSL context.
+// Threading: immutable once made; its connections may run on any threads.
+// Errors: the constructor throws ductile::Error (invalid_argument) naming
+// the option, the file and OpenSSL's reason when one cannot be loaded or
+// the key is not the certificate's.
+class SnapshotTls {
+ public:
+  // `files`: all three set. `options`: their options' names for messages,
+  // as {"--rdzv-cacert", "--rdzv-cert", "--rdzv-key"}.
+  SnapshotTls(const EtcdTls& files, const std::vector<std::string>& options);
+  ~SnapshotTls();
+  SnapshotTls(const SnapshotTls&) = delete;
+  SnapshotTls& operator=(const SnapshotTls&) = delete;
+  ssl_ctx_st* context() const { return context_; }
+  // The files, named by their options, for a failed handshake's message.
+  const std::string& described() const { return described_; }
+
+ private:
+  ssl_ctx_st* context_ = nullptr;
+  std::string described_;
+};
+
+// How the agents of a job know each other: the job's secret (empty: none)
+// and, for a job over TLS, its TLS (null: plain TCP). Implicit from a
+// secret alone.
+struct SnapshotAuth {
+  SnapshotAuth(std::string job_secret = {}, std::shared_ptr<const SnapshotTls> job_tls = nullptr)
+      : secret(std::move(job_secret)), tls(std::move(job_tls)) {}
+  SnapshotAuth(const char* job_secret) : secret(job_secret) {}
+  std::string secret;
+  std::shared_ptr<const SnapshotTls> tls;
+};
+
 // Ownership: owns its listening sockets, its thread and its connections'
 // threads; holds the area's directory open (it must outlive nothing: a
 // removed area serves nothing). Threading: its own threads; construct and
@@ -91,9 +142,10 @@ using SnapshotMessageHandler = std::function<std::string(const SnapshotMessage&)
 class SnapshotServer {
  public:
   // Serves `area` on a free port of `host`'s addresses (listen_on);
-  // `secret` empty: no proof asked. `handler`: the messages' (none: they
-  // are refused).
-  SnapshotServer(const std::filesystem::path& area, const std::string& host, std::string secret,
+  // `auth`'s secret empty: no proof asked; its TLS set: TLS clients with
+  // a certificate of the job's CA only. `handler`: the messages' (none:
+  // they are refused).
+  SnapshotServer(const std::filesystem::path& area, const std::string& host, SnapshotAuth auth,
                  SnapshotMessageHandler handler = {});
   // Stops serving: open connections are cut.
   ~SnapshotServer();
@@ -103,12 +155,12 @@ class SnapshotServer {
 
  private:
   void accept_loop();
-  void serve(int fd);
+  void serve(snapshot_server_detail::Link& link);
   // The answer to a message whose request line is `request`: its body (a
-  // notify's) read from `fd`.
-  std::string take_message(int fd, const std::string& request);
+  // notify's) read from `link`.
+  std::string take_message(snapshot_server_detail::Link& link, const std::string& request);
 
-  const std::string secret_;
+  const SnapshotAuth auth_;
   const SnapshotMessageHandler handler_;
   int area_fd_ = -1;
   std::vector<int> listeners_;
@@ -122,7 +174,8 @@ class SnapshotServer {
 };
 
 // Copies the file `relative` of the area served at host:port to `dest`
-// (created, never replaced: O_EXCL), proving `secret` when there is one.
+// (created, never replaced: O_EXCL), proving `auth`'s secret when there is
+// one, over TLS when it has TLS.
 // The size the server announces must be `expected_size` when given and at
 // most `max_size`; the bytes received must be as many. `timeout`: the
 // longest wait without progress (connecting included); `abandon`, when
@@ -130,7 +183,7 @@ class SnapshotServer {
 // Throws ductile::Error (io) naming the server, the file and the problem
 // (dest is then removed).
 std::uintmax_t fetch_file(const std::string& host, int port, const std::string& relative,
-                          const std::filesystem::path& dest, const std::string& secret,
+                          const std::filesystem::path& dest, const SnapshotAuth& auth,
                           std::chrono::milliseconds timeout,
                           std::optional<std::uintmax_t> expected_size = std::nullopt,
                           std::uintmax_t max_size = UINTMAX_MAX,
@@ -140,7 +193,7 @@ std::uintmax_t fetch_file(const std::string& host, int port, const std::string& 
 // answer (`timeout`: the longest wait without progress). Throws
 // ductile::Error (io) naming the server and why (its refusal included).
 void send_snapshot_message(const std::string& host, int port, const SnapshotMessage& message,
-                           const std::string& secret, std::chrono::milliseconds timeout,
+                           const SnapshotAuth& auth, std::chrono::milliseconds timeout,
                            const std::atomic<bool>* abandon = nullptr);
 
 }  // namespace ductile::agent

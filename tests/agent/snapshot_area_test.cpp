@@ -23,12 +23,16 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
+#include <cstdint>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -78,16 +82,18 @@ std::string rank_file(int rank, int world) {
 }
 
 // A snapshot of `step` as the workers of one node write it into their
-// root: the shard files of `ranks` (of `world`), the manifest listing
-// every rank's shard and its size, its sidecar; `latest` names it when
-// `commit`. Returns the manifest's SHA-256.
+// root: the shard files of `ranks` (of `world`; rank r's of `shard_bytes`
+// + 37 r + step bytes), the manifest listing every rank's shard and its
+// size, its sidecar; `latest` names it when `commit`. Returns the
+// manifest's SHA-256.
 std::string write_snapshot(const fs::path& root, std::int64_t step, int world,
-                           const std::vector<int>& ranks, bool commit) {
+                           const std::vector<int>& ranks, bool commit,
+                           std::size_t shard_bytes = 1000) {
   const std::string tag = "step" + std::to_string(step);
   nlohmann::json shards = nlohmann::json::array();
   for (int r = 0; r < world; ++r) {
     const std::size_t size =
-        1000 + 37 * static_cast<std::size_t>(r) + static_cast<std::size_t>(step);
+        shard_bytes + 37 * static_cast<std::size_t>(r) + static_cast<std::size_t>(step);
     shards.push_back({{"file", rank_file(r, world)}, {"bytes", size}, {"crc32", 0}});
     if (std::find(ranks.begin(), ranks.end(), r) != ranks.end())
       write_file(root / tag / rank_file(r, world),
@@ -681,4 +687,191 @@ TEST_CASE("snapshot area: a dead agent's area is removed by the next agent, a li
   CHECK(read_file(live.own() / "kept") == "x");
   CHECK(fs::is_directory(other));
   CHECK(read_file(live.own() / "kept") == "x");
+}
+
+namespace snapshot_area_test {
+
+// What the files in `area` take in memory (their blocks, each inode once):
+// the shard files' ("rank*.bin") and every other file's (manifests, their
+// sidecars, the pointers and counts).
+struct HeldBytes {
+  std::uintmax_t shards = 0;
+  std::uintmax_t other = 0;
+};
+
+HeldBytes held_bytes(const fs::path& area) {
+  HeldBytes held;
+  std::set<std::pair<dev_t, ino_t>> seen;
+  for (const auto& entry : fs::recursive_directory_iterator(area)) {
+    struct stat info {};
+    if (::lstat(entry.path().c_str(), &info) != 0 || !S_ISREG(info.st_mode) ||
+        !seen.insert({info.st_dev, info.st_ino}).second)
+      continue;
+    const auto bytes = static_cast<std::uintmax_t>(info.st_blocks) * 512;
+    (entry.path().filename().string().starts_with("rank") ? held.shards : held.other) += bytes;
+  }
+  return held;
+}
+
+bool receive_exactly(int fd, char* into, std::size_t size) {
+  for (std::size_t got = 0; got < size;) {
+    const ssize_t n = ::recv(fd, into + got, size - got, 0);
+    if (n <= 0) return false;
+    got += static_cast<std::size_t>(n);
+  }
+  return true;
+}
+
+bool send_exactly(int fd, const std::string& bytes) {
+  for (std::size_t sent = 0; sent < bytes.size();) {
+    const ssize_t n = ::send(fd, bytes.data() + sent, bytes.size() - sent, MSG_NOSIGNAL);
+    if (n <= 0) return false;
+    sent += static_cast<std::size_t>(n);
+  }
+  return true;
+}
+
+// A holder's snapshot server without a secret that serves the files of
+// `folder`, a shard file's first half only until release(): the copy of a
+// replica held at half-way.
+class HalfwayHolder {
+ public:
+  explicit HalfwayHolder(fs::path folder) : folder_(std::move(folder)) {
+    listener_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    REQUIRE(listener_ >= 0);
+    sockaddr_in at{};
+    at.sin_family = AF_INET;
+    at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    REQUIRE(::bind(listener_, reinterpret_cast<sockaddr*>(&at), sizeof at) == 0);
+    REQUIRE(::listen(listener_, 16) == 0);
+    socklen_t size = sizeof at;
+    REQUIRE(::getsockname(listener_, reinterpret_cast<sockaddr*>(&at), &size) == 0);
+    port_ = ntohs(at.sin_port);
+    thread_ = std::thread([this] { serve(); });
+  }
+  ~HalfwayHolder() {
+    release();
+    ::shutdown(listener_, SHUT_RDWR);
+    thread_.join();
+    ::close(listener_);
+  }
+  int port() const { return port_; }
+  void release() {
+    std::unique_lock lock(mutex_);
+    released_ = true;
+    changed_.notify_all();
+  }
+
+ private:
+  void serve() {
+    for (;;) {
+      const int fd = ::accept4(listener_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd < 0) return;
+      timeval wait{30, 0};  // far above what the agent takes to ask
+      ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &wait, sizeof wait);
+      answer(fd);
+      ::close(fd);
+    }
+  }
+  // One request: the client's hello ("DSN1", its nonce), "no secret", the
+  // path asked for; its file (a message: nothing) after the status and size.
+  void answer(int fd) {
+    char hello[36];
+    char proving = 0;
+    std::uint32_t size = 0;
+    if (!receive_exactly(fd, hello, sizeof hello) || !send_exactly(fd, std::string(1, '\0')) ||
+        !receive_exactly(fd, &proving, 1) ||
+        !receive_exactly(fd, reinterpret_cast<char*>(&size), sizeof size) || size > 4096)
+      return;
+    std::string path(size, '\0');
+    if (!receive_exactly(fd, path.data(), size)) return;
+    const std::string file = path.substr(path.rfind('/') + 1);
+    const std::string bytes = path.starts_with("own/") ? read_file(folder_ / file) : std::string();
+    std::string head(1, '\0');
+    const std::uint64_t length = bytes.size();
+    head.append(reinterpret_cast<const char*>(&length), sizeof length);
+    const std::size_t first = file.starts_with("rank") ? bytes.size() / 2 : bytes.size();
+    if (!send_exactly(fd, head + bytes.substr(0, first)) || first == bytes.size()) return;
+    std::unique_lock lock(mutex_);
+    changed_.wait_for(lock, std::chrono::seconds(60), [this] { return released_; });
+    lock.unlock();
+    send_exactly(fd, bytes.substr(first));
+  }
+
+  fs::path folder_;
+  int listener_ = -1;
+  int port_ = 0;
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  bool released_ = false;
+  std::thread thread_;
+};
+
+}  // namespace snapshot_area_test
+
+// The bound on a node's memory for snapshots, with replicas = 1: its own
+// two (double-buffered) and two of its predecessor's, also while a third of
+// the predecessor's arrives: (1 + 1) x 2 x the node's shard bytes, plus the
+// small files (manifests, sidecars, pointers, counts, the lock), counted
+// apart.
+TEST_CASE("snapshot replication: a replica arriving takes the older one's place, 2 held at most") {
+  ductile::test::TempDir base;
+  constexpr std::size_t kShard = 1 << 20;  // each rank's shard: the node's state
+  SnapshotArea a(base.path().string(), "job", "node-a");
+  SnapshotServer server(a.root(), "127.0.0.1", "");
+  Node b(base.path(), "node-b", "");
+  write_file(b.area.own() / "replicas", "1\n");
+  // B's workers' two snapshots (rank 1 of 2), and A's (rank 0) pulled by B.
+  write_snapshot(b.area.own(), 2, 2, {1}, false, kShard);
+  write_snapshot(b.area.own(), 3, 2, {1}, true, kShard);
+  struct stat shard {};
+  REQUIRE(::stat((b.area.own() / "step3" / "rank1-of-2.bin").c_str(), &shard) == 0);
+  const auto state = static_cast<std::uintmax_t>(shard.st_blocks) * 512;
+  const std::uintmax_t bound = (1 + 1) * 2 * state;
+  auto holdings_of_a = [&](int port) {
+    Holdings held;
+    held.node = "node-a";
+    held.addr = "127.0.0.1";
+    held.port = port;
+    held.own = a.own_copies();
+    return held;
+  };
+  for (std::int64_t step : {2, 3}) {
+    write_snapshot(a.own(), step, 2, {0}, true, kShard);
+    const std::size_t before = b.replication.copies_made();
+    b.replication.update({"node-a", "node-b"}, {{"node-a", holdings_of_a(server.port())}});
+    REQUIRE(eventually([&] { return b.replication.copies_made() == before + 1; }));
+  }
+  CHECK(held_bytes(b.area.root()).shards <= bound);
+
+  // A's step 4 arrives from a holder that gives half of its shard file and
+  // waits: step 2's replica is gone already.
+  write_snapshot(a.own(), 4, 2, {0}, true, kShard);
+  HalfwayHolder holder(a.own() / "step4");
+  b.replication.update({"node-a", "node-b"}, {{"node-a", holdings_of_a(holder.port())}});
+  const fs::path arriving = b.area.replicas() / "node-a" / "step4.tmp" / "rank0-of-2.bin";
+  const std::uintmax_t half = fs::file_size(a.own() / "step4" / "rank0-of-2.bin") / 2;
+  REQUIRE(eventually([&] {
+    std::error_code ec;
+    return fs::file_size(arriving, ec) == half;
+  }));
+  const HeldBytes during = held_bytes(b.area.root());
+  CHECK(during.shards <= bound);
+  // 11 small files (B's 2 manifests and sidecars, latest, replicas, the
+  // lock; the manifests and sidecars of A's step 3 and step 4), a page each.
+  CHECK(during.other <= 16 * 4096);
+  CHECK_FALSE(fs::exists(b.area.replicas() / "node-a" / "step2"));
+  CHECK(fs::exists(b.area.replicas() / "node-a" / "step3"));
+
+  holder.release();
+  REQUIRE(eventually([&] { return b.replication.copies_made() == 3; }));
+  const auto held = b.area.replica_copies();
+  REQUIRE(held.count("node-a") == 1);
+  REQUIRE(held.at("node-a").size() == 2);
+  CHECK(held.at("node-a")[0].tag == "step4");
+  CHECK(held.at("node-a")[1].tag == "step3");
+  CHECK(read_file(b.area.replicas() / "node-a" / "step4" / "rank0-of-2.bin") ==
+        read_file(a.own() / "step4" / "rank0-of-2.bin"));
+  CHECK(held_bytes(b.area.root()).shards <= bound);
+  CHECK(b.replication.freeze(std::chrono::seconds(30)));
 }

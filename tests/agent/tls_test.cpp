@@ -1,9 +1,18 @@
 // `ductile agent` to an etcd that speaks only TLS and authenticates its
 // clients by certificate (--client-cert-auth), with certificates the test
-// makes with openssl.
+// makes with openssl; and the agents' snapshot copies over TLS with the
+// same certificates.
 #include <doctest/doctest.h>
 
+#include <chrono>
+#include <filesystem>
+#include <memory>
+
+#include <nlohmann/json.hpp>
+
+#include "../../agent/src/snapshot_server.hpp"
 #include "agent_job.hpp"
+#include "ductile/error.hpp"
 #include "process.hpp"
 
 using namespace ductile::test;
@@ -117,5 +126,199 @@ TEST_CASE("agent: TLS to etcd with client certificates - plaintext and wrong CAs
   r = run_process(agent_argv("c", etcd.url(), {"--rdzv-cert", tls.client_cert.string()}), {marker});
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("--rdzv-cert and --rdzv-key go together") != std::string::npos);
+  CHECK(no_marked_processes(marker));
+}
+
+// Each worker commits a snapshot into its agent's area as a zero3 save
+// does (rank file, manifest, its SHA-256 sidecar, then `latest`, renamed
+// into place) with replicas = 1, waits until it holds the other node's
+// replica and the other node holds its own (own/replicated says step 1),
+// and copies both out for the test; then waits for the test to let it
+// end. The agents copy over TLS: the shards copied equal the originals.
+// A snapshot server refuses a client whose certificate is of another CA,
+// and a client without TLS, at once; a client that trusts another CA
+// refuses the server.
+TEST_CASE("agent: snapshots copied between agents over TLS, other certificates refused") {
+  TempDir dir;
+  const std::string marker = new_marker();
+  TlsFiles tls = make_certificates(dir.path(), "job");
+  TlsFiles other = make_certificates(dir.path(), "other");
+  EtcdServer etcd(dir.path(), tls);
+  auto config = dir.write("job.toml", kJobToml);
+  const auto shm = dir / "shm";
+  const auto out = dir / "out";
+  std::filesystem::create_directories(shm);
+  std::filesystem::create_directories(out);
+  const std::string worker = R"sh(set -e
+own="$DUCTILE_SNAPSHOT_DIR"; root="${own%/own}"; mine="$OUT/$DUCTILE_AGENT_NODE_ID"
+mkdir -p "$mine"
+printf '1\n' > "$own/replicas"
+mkdir "$own/step1.tmp"
+head -c 300000 /dev/urandom > "$own/step1.tmp/rank$RANK-of-2.bin"
+printf '{"node":"%s","shards":[{"file":"rank0-of-2.bin","bytes":300000},{"file":"rank1-of-2.bin","bytes":300000}]}' \
+  "$DUCTILE_AGENT_NODE_ID" > "$own/step1.tmp/manifest.json"
+(cd "$own/step1.tmp" && sha256sum manifest.json > manifest.json.sha256)
+mv "$own/step1.tmp" "$own/step1"
+printf 'step1\nsha256 %s\n' "$(cut -c1-64 "$own/step1/manifest.json.sha256")" > "$own/latest.tmp"
+mv "$own/latest.tmp" "$own/latest"
+cp "$own/step1/rank$RANK-of-2.bin" "$mine/own.bin"
+i=0
+until [ "$(cat "$own/replicated" 2>/dev/null)" = 1 ] && \
+      [ -n "$(ls "$root/replicas" 2>/dev/null)" ] && \
+      [ -f "$root/replicas/$(ls "$root/replicas")/step1/manifest.json" ]; do
+  i=$((i+1)); [ $i -lt 1200 ] || { echo "no replica after 120 s"; exit 3; }; sleep 0.1
+done
+cp -r "$root/replicas/$(ls "$root/replicas")/step1" "$mine/replica.tmp"
+mv "$mine/replica.tmp" "$mine/replica"
+echo "worker $DUCTILE_AGENT_NODE_ID holds the replica of node $(ls "$root/replicas")"
+i=0
+until [ -f "$OUT/release" ]; do
+  i=$((i+1)); [ $i -lt 1800 ] || { echo "not released after 180 s"; exit 4; }; sleep 0.1
+done
+)sh";
+  auto agent_argv = [&](const std::string& name) {
+    return std::vector<std::string>{DUCTILE_CLI,
+                                    "agent",
+                                    "--config",
+                                    config.string(),
+                                    "--rdzv",
+                                    etcd.url(),
+                                    "--rdzv-cacert",
+                                    tls.ca.string(),
+                                    "--rdzv-cert",
+                                    tls.client_cert.string(),
+                                    "--rdzv-key",
+                                    tls.client_key.string(),
+                                    "--job-id",
+                                    "tls-snapshots",
+                                    "--node-id",
+                                    name,
+                                    "--node-addr",
+                                    "127.0.0.1",
+                                    "--nproc-per-node",
+                                    "1",
+                                    "--min-nodes",
+                                    "2",
+                                    "--settle",
+                                    "0",
+                                    "--lease-ttl",
+                                    "2",
+                                    "--snapshot-dir",
+                                    shm.string(),
+                                    "--",
+                                    "/bin/sh",
+                                    "-c",
+                                    worker};
+  };
+  const std::vector<std::string> env = {marker, "OUT=" + out.string()};
+  Child a(agent_argv("a"), env, dir / "a.log");
+  Child b(agent_argv("b"), env, dir / "b.log");
+  const bool replicated = wait_until(
+      [&] {
+        return std::filesystem::exists(out / "a" / "replica") &&
+               std::filesystem::exists(out / "b" / "replica");
+      },
+      180s);
+  if (!replicated) std::cout << a.output() << b.output();
+  REQUIRE(replicated);
+  // Each holds the other's shard, byte for byte, and its manifest.
+  for (const auto& [holder, origin] : {std::pair{"a", "b"}, std::pair{"b", "a"}}) {
+    INFO("node " << holder << " holds node " << origin << "'s snapshot");
+    const auto original = read_text(out / origin / "own.bin");
+    CHECK(original.size() == 300000);
+    std::string copied;
+    for (const auto& entry : std::filesystem::directory_iterator(out / holder / "replica"))
+      if (entry.path().filename().string().starts_with("rank")) copied = read_text(entry.path());
+    CHECK(copied == original);
+    CHECK(read_text(out / holder / "replica" / "manifest.json")
+              .find(std::string("\"node\":\"") + origin + "\"") != std::string::npos);
+  }
+
+  // Node a's snapshot server, from its record in etcd.
+  ductile::agent::EtcdStore store(etcd.endpoint(), 2000ms, tls.client());
+  const auto record = store.get("/ductile/agent/tls-snapshots/snapshots/a");
+  REQUIRE(record);
+  const int port = nlohmann::json::parse(record->value).at("port").get<int>();
+  REQUIRE(port > 0);
+  auto copy_error = [&](const ductile::agent::SnapshotAuth& auth, const std::string& name) {
+    const auto started = std::chrono::steady_clock::now();
+    std::string error;
+    try {
+      ductile::agent::fetch_file("127.0.0.1", port, "own/step1/manifest.json", dir / name, auth,
+                                 120s);
+    } catch (const ductile::Error& e) {
+      error = e.what();
+    }
+    // Refused, not timed out: far below the copy's 120 s.
+    CHECK(std::chrono::steady_clock::now() - started < 60s);
+    CHECK_FALSE(std::filesystem::exists(dir / name));
+    return error;
+  };
+  // The job's CA trusted, a certificate of another CA shown: the server
+  // refuses it.
+  const std::vector<std::string> options = {"--rdzv-cacert", "--rdzv-cert", "--rdzv-key"};
+  auto foreign = std::make_shared<const ductile::agent::SnapshotTls>(
+      ductile::agent::EtcdTls{tls.ca.string(), other.client_cert.string(),
+                              other.client_key.string()},
+      options);
+  std::string error = copy_error({"", foreign}, "foreign.bin");
+  INFO(error);
+  CHECK(error.find("cannot copy 'own/step1/manifest.json' from the snapshot server at "
+                   "127.0.0.1:" +
+                   std::to_string(port)) != std::string::npos);
+  CHECK(error.find("unknown ca") != std::string::npos);
+  CHECK(error.find("presents --rdzv-cert '" + other.client_cert.string() + "'") !=
+        std::string::npos);
+  // The other way: a client that trusts another CA refuses the server.
+  auto distrustful = std::make_shared<const ductile::agent::SnapshotTls>(
+      ductile::agent::EtcdTls{other.ca.string(), tls.client_cert.string(), tls.client_key.string()},
+      options);
+  error = copy_error({"", distrustful}, "distrustful.bin");
+  CHECK(error.find("the TLS handshake failed: certificate verify failed") != std::string::npos);
+  CHECK(error.find("against --rdzv-cacert '" + other.ca.string() + "'") != std::string::npos);
+  // No TLS at all: the server ends the connection at its first bytes.
+  error = copy_error({}, "plain.bin");
+  CHECK(error.find("from the snapshot server at 127.0.0.1:" + std::to_string(port)) !=
+        std::string::npos);
+  CHECK(error.find("the connection was closed") != std::string::npos);
+  // The job's own certificate: served.
+  auto own = std::make_shared<const ductile::agent::SnapshotTls>(tls.client(), options);
+  CHECK(ductile::agent::fetch_file("127.0.0.1", port, "own/step1/manifest.json",
+                                   dir / "manifest.json", {"", own}, 120s) > 0);
+  CHECK(read_text(dir / "manifest.json").find("\"node\":\"a\"") != std::string::npos);
+
+  // A key that is not the certificate's: the agent stops at its start.
+  auto r = run_process({DUCTILE_CLI,
+                        "agent",
+                        "--config",
+                        config.string(),
+                        "--rdzv",
+                        etcd.url(),
+                        "--rdzv-cacert",
+                        tls.ca.string(),
+                        "--rdzv-cert",
+                        tls.client_cert.string(),
+                        "--rdzv-key",
+                        other.client_key.string(),
+                        "--job-id",
+                        "tls-snapshots-bad",
+                        "--node-addr",
+                        "127.0.0.1",
+                        "--snapshot-dir",
+                        shm.string(),
+                        "--",
+                        "/bin/true"},
+                       {marker});
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("--rdzv-key '" + other.client_key.string() +
+                   "' cannot be loaded as the key of --rdzv-cert '" + tls.client_cert.string() +
+                   "': key values mismatch") != std::string::npos);
+
+  std::ofstream(out / "release") << "1\n";
+  auto sa = a.wait(120s), sb = b.wait(120s);
+  if (sa != std::optional<int>(0) || sb != std::optional<int>(0))
+    std::cout << a.output() << b.output();
+  CHECK(sa == std::optional<int>(0));
+  CHECK(sb == std::optional<int>(0));
   CHECK(no_marked_processes(marker));
 }

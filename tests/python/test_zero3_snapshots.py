@@ -120,6 +120,48 @@ def test_a_step_waits_until_the_last_snapshot_is_replicated(snapshots, monkeypat
     assert "zero3 snapshot of step 3: its copies to 1 other node(s) did not complete" in caplog.text
 
 
+def held_bytes(root):
+    """What the files under `root` take (blocks, each inode once): the rank
+    files' bytes, and every other file's."""
+    shards, other, seen = 0, 0, set()
+    for folder, _, files in os.walk(root):
+        for name in files:
+            info = os.lstat(os.path.join(folder, name))
+            if (info.st_dev, info.st_ino) in seen:
+                continue
+            seen.add((info.st_dev, info.st_ino))
+            if name.startswith("rank"):
+                shards += info.st_blocks * 512
+            else:
+                other += info.st_blocks * 512
+    return shards, other
+
+
+def test_the_node_holds_two_snapshots_at_every_operation_of_a_third(snapshots):
+    """Double-buffered in memory: while step N's snapshot is written and
+    committed, the rank file of step N - 2 is written over, never beside
+    the others; at every file-system operation of three snapshots the
+    rank files take at most 2 x the node's state (its rank file)."""
+    engine = engine_of()
+    train(engine, 2)
+    state = os.lstat(snapshots / "step2" / "rank0-of-1.bin").st_blocks * 512
+    manifest = sum(os.lstat(snapshots / "step2" / name).st_blocks * 512
+                   for name in ("manifest.json", "manifest.json.sha256"))
+    seen = []
+    _checkpoint_files._fault_hook = lambda op, path: seen.append((op, *held_bytes(snapshots)))
+    try:
+        train(engine, 3)
+    finally:
+        _checkpoint_files._fault_hook = None
+    assert tags(snapshots) == ["step4", "step5"]
+    assert {op for op, _, _ in seen} >= {"write", "rename", "remove"}, seen
+    assert max(shards for _, shards, _ in seen) <= 2 * state, (state, seen)
+    # The small files: the manifests and sidecars of three folders (the
+    # superseded one's go once the new one is committed), latest, its staged
+    # copy and replicas, a page each.
+    assert max(other for _, _, other in seen) <= 3 * manifest + 3 * 4096, seen
+
+
 def test_interval_2_writes_at_even_steps_only(snapshots):
     engine = engine_of(with_keys(snapshot_interval=2))
     seen = []

@@ -21,7 +21,11 @@ and every process below it). From the kill, per run: the survivors'
 workers started again (detection and re-form), torch imported (process
 start), the group joined and the state restored (ductile: zero3.initialize,
 which restores; torchrun: init_process_group, then DCP's load), the first
-step of the new round completed; and the steps trained again.
+step of the new round completed; and the steps trained again. For ductile,
+each live agent's snapshot area is sampled every few milliseconds: the
+peak its rank files reach, against (1 + snapshot_replicas) x 2 x its node's
+state, is printed for the steady training before the kill and after the
+restore (from the survivors' fourth step); and, not bound, in between.
 
 usage: bench_recovery.py [--cli PATH] [--python PATH] [--runs 2] [--kill-after 6]
                          [--steps 12] [--launchers ductile,ductile-warm,torchrun]
@@ -36,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -75,7 +80,8 @@ import ductile, ductile.torch.zero3 as zero3
 world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
 config = ductile.load_config(
     {"accelerator": {"backend": "cpu", "communicator": "auto", "timeout": 120},
-     "zero": {"coordinator": "partitioned", "snapshot_interval": 1, "snapshot_replicas": 1}},
+     "zero": {"coordinator": "partitioned", "snapshot_interval": 1,
+              "snapshot_replicas": %d}},
     format="toml")
 model = make_model(seed=0, **MODEL)
 note("built", ROUND, world, rank)
@@ -145,9 +151,18 @@ def notes(path):
     return rows
 
 
+REPLICAS = 1  # the workers' snapshot_replicas
+# A node's snapshot memory, at most: its own snapshots and those of each node
+# it keeps replicas of, double-buffered, in its node's state bytes.
+BOUND = (1 + REPLICAS) * 2
+
+
 def area_bytes(base):
-    """Per agent's snapshot area: (bytes of every file in it, bytes of its
-    node's newest snapshot's rank files: the state a snapshot holds)."""
+    """Per live agent's snapshot area: (bytes its rank files take, bytes its
+    other files take, bytes the rank files of its node's newest snapshot
+    take: the node's state). Bytes are blocks (st_blocks x 512), each inode
+    counted once: a restore's hard links to the area's own files take
+    nothing more."""
     out = {}
     for area in os.listdir(base):
         try:  # a live agent holds its area's lock; a killed one's is free
@@ -158,13 +173,20 @@ def area_bytes(base):
             pass
         except OSError:
             continue
-        held = 0
+        shards, small, seen = 0, 0, set()
         for folder, _, files in os.walk(os.path.join(base, area)):
             for name in files:
                 try:
-                    held += os.lstat(os.path.join(folder, name)).st_size
+                    info = os.lstat(os.path.join(folder, name))
                 except FileNotFoundError:
-                    pass  # removed meanwhile (a snapshot superseded)
+                    continue  # removed meanwhile (a snapshot superseded)
+                if (info.st_dev, info.st_ino) in seen:
+                    continue
+                seen.add((info.st_dev, info.st_ino))
+                if name.startswith("rank"):
+                    shards += info.st_blocks * 512
+                else:
+                    small += info.st_blocks * 512
         own = os.path.join(base, area, "own")
         state = 0
         try:
@@ -172,12 +194,45 @@ def area_bytes(base):
                 tag = f.readline().strip()
             for name in os.listdir(os.path.join(own, tag)):
                 if name.startswith("rank"):
-                    state += os.lstat(os.path.join(own, tag, name)).st_size
+                    state += os.lstat(os.path.join(own, tag, name)).st_blocks * 512
         except OSError:
             continue
         if state:
-            out[area] = (held, state)
+            out[area] = (shards, small, state)
     return out
+
+
+class MemorySampler:
+    """Samples the live areas every few milliseconds on a thread; peak()
+    is each area's highest held / state ratio among the samples taken in a
+    time window."""
+
+    def __init__(self, base):
+        self.base, self.samples = base, []  # (time, area, shards, small, state)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.stop.is_set():
+            now = time.time()
+            for area, (shards, small, state) in area_bytes(self.base).items():
+                self.samples.append((now, area, shards, small, state))
+            self.stop.wait(0.005)
+
+    def close(self):
+        self.stop.set()
+        self.thread.join()
+
+    def peak(self, start, end):
+        """{area: (its highest rank files / state ratio, the most bytes its
+        other files took)} among the samples taken from `start` to `end`."""
+        peaks = {}
+        for at, area, shards, small, state in self.samples:
+            if start <= at < end:
+                ratio, most = peaks.get(area, (0.0, 0))
+                peaks[area] = (max(ratio, shards / state), max(most, small))
+        return peaks
 
 
 def wait_for(predicate, limit, what, alive):
@@ -194,7 +249,8 @@ def race_one(kind, args, directory):
     out = os.path.join(directory, "notes")
     script = os.path.join(directory, "worker.py")
     with open(script, "w") as f:
-        f.write((TORCHRUN_WORKER if kind == "torchrun" else DUCTILE_WORKER) % (MODEL, BATCH))
+        f.write(TORCHRUN_WORKER % (MODEL, BATCH) if kind == "torchrun" else
+                DUCTILE_WORKER % (MODEL, BATCH, REPLICAS))
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([os.path.join(args.build, "python"),
                                            os.path.join(ROOT, "tests", "python")]),
@@ -205,10 +261,14 @@ def race_one(kind, args, directory):
     config = os.path.join(directory, "job.toml")
     with open(config, "w") as f:
         f.write(JOB_TOML)
-    shm = os.path.join(directory, "shm") if args.snapshot_dir is None else args.snapshot_dir
+    # Each run's agents in a folder of their own: the areas measured are
+    # theirs, never those a killed agent of an earlier run left.
+    shm = os.path.join(directory if args.snapshot_dir is None else args.snapshot_dir,
+                       f"shm-{os.path.basename(directory)}")
     os.makedirs(shm, exist_ok=True)
     c10d = f"127.0.0.1:{free_port()}"
     nodes, logs = [], []
+    sampler = None if kind == "torchrun" else MemorySampler(shm)
     try:
         for i in range(NODES):
             log = open(os.path.join(directory, f"node{i}.log"), "w")
@@ -235,7 +295,6 @@ def race_one(kind, args, directory):
         wait_for(lambda: len(stepped(NODES, args.kill_after - 1)) >= NODES, 900,
                  f"{kind}: step {args.kill_after} at world size {NODES}", nodes)
         done = max(r[4] for r in notes(out) if r[0] == "stepped") + 1
-        memory = None if kind == "torchrun" else area_bytes(shm)
         victim = nodes[-1] if args.victim == "last" else random.choice(nodes)
         survivors_of = [p for p in nodes if p is not victim]
         killed = kill_node(victim)
@@ -265,22 +324,36 @@ def race_one(kind, args, directory):
         resumed_at = ready[0][4]
         # detection and re-form, process start (torch imported), join and
         # restore, first step; the total; steps trained again.
-        if memory:
-            # And once the survivors' workers took 8 snapshots of their own
-            # (the restored copy released): the areas of the live agents.
+        if sampler:
+            # Until the survivors' workers took 8 snapshots of their own.
             wait_for(lambda: len([r for r in notes(out) if r[0] == "stepped" and
                                   r[2] == survivors and r[5] > killed]) >= 8 * survivors
                      or all(p.poll() is not None for p in survivors_of), 300,
                      f"{kind}: 8 steps after the restore", survivors_of)
-            after_restore = area_bytes(shm)
-            for area, (held, state) in sorted(after_restore.items()):
-                if area in memory:
-                    print(f"{kind}: {area} after the restore: {held / 2**20:.1f} MiB held, its "
-                          f"node's state {state / 2**20:.1f} MiB ({held / state:.2f}x)",
-                          flush=True)
-            for area, (held, state) in sorted(memory.items()):
-                print(f"{kind}: {area}: {held / 2**20:.1f} MiB held in memory, its node's state "
-                      f"{state / 2**20:.1f} MiB ({held / state:.2f}x)", flush=True)
+            sampler.close()
+            # Steady training: up to the kill; and from the survivors'
+            # fourth step on, once the last round's snapshots, the restored
+            # copy and the lost node's replicas are released (two
+            # snapshots of the new round committed and replicated).
+            steps = [sorted(r[5] for r in notes(out) if r[0] == "stepped" and
+                            r[2] == survivors and r[3] == rank) for rank in range(survivors)]
+            windows = [("before the kill", 0, killed)]
+            if all(len(t) >= 4 for t in steps):
+                steady = max(t[3] for t in steps)
+                # Not bound: the last round's snapshots, the restored copy
+                # and the lost node's replicas are still held (elastic-agent.md).
+                windows += [("in the restore's transition", killed, steady),
+                            ("after the restore", steady, float("inf"))]
+            # After the kill, the survivors' areas only (the killed node's is
+            # sampled as it dies).
+            survivors_areas = sampler.peak(windows[-1][1], float("inf"))
+            for when, start, end in windows:
+                for area, (ratio, small) in sorted(sampler.peak(start, end).items()):
+                    if start >= killed and area not in survivors_areas:
+                        continue
+                    print(f"{kind}: {area} {when}: rank files at most {ratio:.2f}x its node's "
+                          f"state (bound {BOUND}x: (1 + {REPLICAS} replica) x 2), other files "
+                          f"at most {small / 2**10:.0f} KiB", flush=True)
         return (times[0], times[1] - times[0], times[2] - times[1], first_step - times[2],
                 first_step, done - resumed_at)
     except Exception:
@@ -289,6 +362,8 @@ def race_one(kind, args, directory):
         print(f"{kind}: failed; its logs are in {kept}", file=sys.stderr)
         raise
     finally:
+        if sampler:
+            sampler.close()
         stop_all(nodes, logs)
         for p in nodes:
             for pid in descendants(p.pid)[1:]:
@@ -298,6 +373,7 @@ def race_one(kind, args, directory):
                     pass
         if etcd:
             etcd.stop()
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 COLUMNS = ("detection and re-form (s)", "process start (s)", "join and restore (s)",
@@ -318,7 +394,9 @@ def main():
                         help="the step after which a node is killed (0: a random one of each run)")
     parser.add_argument("--victim", default="last", choices=("last", "random"),
                         help="the node killed: the last started, or any of the 3 at random")
-    parser.add_argument("--snapshot-dir", default=None, dest="snapshot_dir")
+    parser.add_argument("--snapshot-dir", default=None, dest="snapshot_dir",
+                        help="where each run's agents get a folder for their snapshot areas "
+                             "(default: the run's temporary folder; /dev/shm: in memory)")
     parser.add_argument("--launchers", default="ductile,torchrun", type=lambda s: s.split(","))
     args = parser.parse_args()
     bad = [k for k in args.launchers if k not in NAMES]
