@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Literal, TypeAlias
 
 from . import _ductile
-from ._errors import ConfigError, Error, InvalidArgumentError
+from ._errors import ConfigError, Error, InvalidArgumentError, shown as _shown
 
 Runtime = _ductile.Runtime
 
@@ -88,11 +88,6 @@ def toml_from_dict(config: Mapping[str, Any]) -> str:
             where = f"[{section}] {key!r}"
             lines.append(f"{_toml_key(key, f'[{section}]')} = {_toml_value(value, where)}")
     return "\n".join(lines) + "\n"
-
-
-def _shown(value):
-    text = repr(value)
-    return text if len(text) <= 80 else text[:80] + "..."
 
 
 def _json_of(config):

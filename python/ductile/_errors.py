@@ -150,13 +150,19 @@ _BY_TYPE = {
 def from_native(kind: str, type_name: str, message: str,
                 diagnostics: Iterable[object] = ()) -> Error:
     """The exception instance for a C++ ductile::Error (used by _ductile)."""
-    cls = _BY_TYPE.get(type_name) or _BY_KIND.get(kind, InternalError)
-    return cls(message, kind=kind, type=type_name, diagnostics=diagnostics)
+    return error_class(kind, type_name)(message, kind=kind, type=type_name,
+                                        diagnostics=diagnostics)
 
 
 def error_class(kind: str, type_name: str = "") -> type[Error]:
     """The class from_native would pick."""
     return _BY_TYPE.get(type_name) or _BY_KIND.get(kind, InternalError)
+
+
+def shown(value: object) -> str:
+    """repr(value) for a message, cut after 80 characters."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:80] + "..."
 
 
 __all__ = [

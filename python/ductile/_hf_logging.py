@@ -37,11 +37,9 @@ class StepReport(transformers.TrainerCallback):
 
     def __init__(self, trainer):
         self.trainer = trainer
-        self._start_step = 0
-        self._start_time = time.perf_counter()
-        self._positions = 0
         self.lr_step = None  # the scheduler's step when the Trainer read the learning rate
         self.plot_path = None
+        self._restart(0)
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._restart(state.global_step)

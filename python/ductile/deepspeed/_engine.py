@@ -221,9 +221,6 @@ class DeepSpeedEngine(torch.nn.Module):
     def zero_optimization_partition_gradients(self) -> bool:
         return True
 
-    def zero_offload_optimizer(self) -> bool:
-        return self._zero3.stats()["offloaded_groups"] != []
-
     def fp16_enabled(self) -> bool:
         precision = self._zero3.mixed_precision
         return precision is not None and precision.param_dtype == torch.float16
@@ -263,10 +260,6 @@ class DeepSpeedEngine(torch.nn.Module):
 
     @property
     def loss_scale(self) -> float:
-        return self._zero3.loss_scale
-
-    @property
-    def cur_scale(self) -> float:
         return self._zero3.loss_scale
 
     # --- the training loop ---------------------------------------------------------

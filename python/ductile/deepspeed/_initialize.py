@@ -135,12 +135,12 @@ def batch_sizes(training, world_size, origin):
     return train, micro, gas
 
 
-def _rebind(optimizer):
+def _rebind(optimizer, model_params):
     """An optimizer_factory that moves the script's `optimizer` onto the
     shards: each of its parameters becomes the shard of the same parameter
     (its state is dropped: it has none before the first step), so the
     object the script holds, and a scheduler made over it, stay valid."""
-    def factory(shards, model_params):
+    def factory(shards):
         position = {id(p): i for i, p in enumerate(model_params)}
         for group in optimizer.param_groups:
             moved = []
@@ -156,11 +156,10 @@ def _rebind(optimizer):
     return factory
 
 
-def _factory_of(optimizer, model_parameters, settings, model_params, origin):
+def _factory_of(optimizer, model_parameters, settings, model_params):
     """The zero3 optimizer_factory for initialize's optimizer arguments."""
     if isinstance(optimizer, torch.optim.Optimizer):
-        rebind = _rebind(optimizer)
-        return lambda shards: rebind(shards, model_params)
+        return _rebind(optimizer, model_params)
     if optimizer is not None:
         if not callable(optimizer):
             raise InvalidArgumentError(
@@ -179,11 +178,10 @@ def _factory_of(optimizer, model_parameters, settings, model_params, origin):
     position = {id(p): i for i, p in enumerate(model_params)}
 
     def factory(shards):
-        mapped = []
-        for group in groups:
-            params = [shards[position[id(p)]] for p in group["params"] if id(p) in position]
-            mapped.append(dict(group, params=params))
-        return settings.optimizer(mapped)  # torch optimizers take parameter groups
+        # torch optimizers take parameter groups
+        return settings.optimizer([
+            dict(group, params=[shards[position[id(p)]] for p in group["params"]
+                                if id(p) in position]) for group in groups])
     return factory
 
 
@@ -259,7 +257,7 @@ def initialize(
     rank = dist.get_rank() if dist.is_initialized() else 0
     batch = batch_sizes(training, world_size, loaded.origin)
     model_params = list(model.parameters())
-    factory = _factory_of(optimizer, model_parameters, settings, model_params, loaded.origin)
+    factory = _factory_of(optimizer, model_parameters, settings, model_params)
     zero3 = Zero3Engine(model, factory, settings, move_model=True)
     scheduler = _scheduler(lr_scheduler, zero3.optimizer, training)
     loader = _dataloader(training_data, batch[1], collate_fn, training["dataloader_drop_last"],

@@ -10,7 +10,7 @@ import torch
 from .. import batching as _batching
 from .._config import PluginPath
 from .._errors import InvalidArgumentError
-from ._sampler import DynamicBatchSampler
+from ._sampler import DynamicBatchSampler, check_state_keys
 
 
 class VariableBatchLRScheduler:
@@ -63,7 +63,7 @@ class VariableBatchLRScheduler:
             self._unscaled = [g["lr"] for g in optimizer.param_groups]
         self._last_lr = [g["lr"] for g in optimizer.param_groups]
         if self.sampler.first_step(self.sampler.resume_epoch) == 0:
-            self._apply()
+            self._apply(self.batch_size(0))
         # else: a sampler that resumed past step 0; load_state_dict sets the rates.
 
     def batch_size(self, step: int | None = None) -> int:
@@ -93,8 +93,9 @@ class VariableBatchLRScheduler:
             return []
         return self._rates(int(step), self.batch_size(int(step)))
 
-    def _apply(self):
-        rates = self._rates(self.last_step, self.batch_size(self.last_step))
+    def _apply(self, batch):
+        """Sets the rates of the current step, whose batch holds `batch` samples."""
+        rates = self._rates(self.last_step, batch)
         for group, lr in zip(self.optimizer.param_groups, rates):
             group["lr"] = lr
         self._last_lr = rates
@@ -111,7 +112,7 @@ class VariableBatchLRScheduler:
             self.lr_scheduler.step()
             self._unscaled = [g["lr"] for g in self.optimizer.param_groups]
         self.last_step += 1
-        self._apply()
+        self._apply(self.batch_size(self.last_step))
 
     def get_last_lr(self) -> list[float]:
         return list(self._last_lr)
@@ -144,16 +145,7 @@ class VariableBatchLRScheduler:
                 f"load_state_dict: state version {state.get('version')!r} is not supported; "
                 "this ductile reads version 1")
         mine = self.state_dict()
-        missing = [key for key in mine if key not in state]
-        if missing:
-            raise InvalidArgumentError(
-                f"load_state_dict: the state lacks {', '.join(missing)}: it is damaged")
-        extra = sorted(repr(key) for key in state if key not in mine)
-        if extra:
-            raise InvalidArgumentError(
-                f"load_state_dict: the state has keys a version 1 state does not have: "
-                f"{', '.join(extra[:10])}{' ...' if len(extra) > 10 else ''}: it was not "
-                "written by VariableBatchLRScheduler.state_dict")
+        check_state_keys(state, list(mine), 1, "VariableBatchLRScheduler.state_dict")
         last_step = state["last_step"]
         if isinstance(last_step, bool) or not isinstance(last_step, int) or last_step < 0:
             raise InvalidArgumentError(
@@ -197,7 +189,4 @@ class VariableBatchLRScheduler:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
             self._unscaled = list(state["unscaled"])
         self.last_step = last_step
-        rates = self._rates(last_step, batch)
-        for group, lr in zip(self.optimizer.param_groups, rates):
-            group["lr"] = lr
-        self._last_lr = rates
+        self._apply(batch)

@@ -1,6 +1,7 @@
 """DynamicBatchSampler: this rank's micro-batches of a token-budget packing,
 resumable mid-epoch at the same or another world size."""
 
+import bisect
 import dataclasses
 import hashlib
 from collections.abc import Iterator, Sequence
@@ -12,7 +13,7 @@ import torch
 
 from .. import _ductile
 from .. import batching as _batching
-from .._errors import InvalidArgumentError
+from .._errors import InvalidArgumentError, shown as _shown
 
 _int = _ductile.int_argument  # an int, strictly: no bool, no float (C++ conversion)
 
@@ -288,14 +289,8 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
                     self._check_ahead(self._anchor_epoch + k, step, "the steps of the epochs "
                                       "before it")
             return self._anchor_epoch + k
-        lo, hi = 0, known - 1  # the last epoch whose first step is <= step
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self._starts[mid] <= step:
-                lo = mid
-            else:
-                hi = mid - 1
-        return self._anchor_epoch + lo
+        # The last epoch whose first step is <= step.
+        return self._anchor_epoch + bisect.bisect_right(self._starts, step, 0, known) - 1
 
     def _check_ahead(self, epoch, step, why):
         if epoch - self._anchor_epoch > MAX_EPOCHS_AHEAD:
@@ -394,16 +389,8 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
             raise InvalidArgumentError(
                 f"load_state_dict: state version {version!r} is not supported; this ductile "
                 "reads versions 1 and 2")
-        missing = sorted(_STATE_KEYS[version] - state.keys())
-        if missing:
-            raise InvalidArgumentError(
-                f"load_state_dict: the state lacks {', '.join(missing)}: it is damaged")
-        extra = sorted(repr(k) for k in state.keys() - _STATE_KEYS[version])
-        if extra:
-            raise InvalidArgumentError(
-                f"load_state_dict: the state has keys a version {version} state does not have: "
-                f"{', '.join(extra[:10])}{' ...' if len(extra) > 10 else ''}: it was not written "
-                "by DynamicBatchSampler.state_dict")
+        check_state_keys(state, sorted(_STATE_KEYS[version]), version,
+                         "DynamicBatchSampler.state_dict")
         mine = {"seed": self.seed, "order": self.order, "samples": len(self.lengths),
                 "max_tokens": self.max_tokens, "lengths_sha256": self._fingerprint}
         for key, value in mine.items():
@@ -466,6 +453,21 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
         self._position = position
 
 
+def check_state_keys(state, keys, version, writer):
+    """InvalidArgumentError unless `state` has exactly `keys` (in the order
+    a message names the missing ones), as `writer` of `version` writes it."""
+    missing = [key for key in keys if key not in state]
+    if missing:
+        raise InvalidArgumentError(
+            f"load_state_dict: the state lacks {', '.join(missing)}: it is damaged")
+    extra = sorted(repr(key) for key in state if key not in keys)
+    if extra:
+        raise InvalidArgumentError(
+            f"load_state_dict: the state has keys a version {version} state does not have: "
+            f"{', '.join(extra[:10])}{' ...' if len(extra) > 10 else ''}: it was not written by "
+            f"{writer}")
+
+
 def _step_tokens(plan):
     tokens, _ = plan.microbatch_tokens()
     per_step = np.bincount(plan.microbatch_steps, weights=tokens, minlength=plan.step_count)
@@ -485,11 +487,6 @@ def _state_int(state, key, low=0, high=None):
             f"load_state_dict: {key} = {_shown(value)} must be an integer {bound}: the state is "
             "damaged or of other data")
     return int(value)
-
-
-def _shown(value):
-    text = repr(value)
-    return text if len(text) <= 80 else text[:80] + "..."
 
 
 def _check_epoch(epoch, seed, what):

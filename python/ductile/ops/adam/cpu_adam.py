@@ -21,7 +21,7 @@ import torch
 
 from ..._config import PluginPath
 from ..._ductile import optimizer as _native
-from ..._errors import InvalidArgumentError, UnsupportedError
+from ..._errors import InvalidArgumentError, UnsupportedError, shown as _shown
 
 _HALF_TYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -117,9 +117,7 @@ class DuctileCPUAdam(torch.optim.Optimizer):
             for i, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
-                copy = None
-                if fp16_param_groups is not None:
-                    copy = fp16_param_groups[g][i]
+                copy = None if fp16_param_groups is None else fp16_param_groups[g][i]
                 self._step_one(g, group, i, p, p.grad, copy, 1.0, threads)
         return loss
 
@@ -282,12 +280,6 @@ def _check_betas(betas, name):
         raise InvalidArgumentError(
             f"DuctileCPUAdam: {name} = {_shown(betas)} is invalid; valid: a pair (beta1, beta2) "
             "of numbers in [0, 1), such as (0.9, 0.999)")
-
-
-def _shown(value, limit=80):
-    """repr(value), cut after `limit` characters for a message."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _length_text(value):

@@ -1,6 +1,7 @@
 """Checkpoints: the ranks' agreement, then the atomic save and the load (re-sharded to any
 world size)."""
 
+import contextlib
 import copy
 import hashlib
 import hmac
@@ -12,29 +13,20 @@ import torch
 
 from ... import _errors
 from ..._errors import Error, IncompatibleError, InvalidArgumentError, IoError
+from ..._paths import path_argument
 from ._checkpoint_files import (CHECKSUM, FORMAT, HMAC_FILE, LATEST, MANIFEST, RankFiles, VERSION,
-                                check_loss_scaler, check_model, check_root, check_tag,
-                                checkpoint_key, clean_after_load, describe, element_size,
-                                final_name, from_json, fs, fsync_dir, header, hmac_text, io_error,
-                                lock_root, optimizer_class, optimizer_view, pointer_text,
-                                rank_stem, read_latest, read_manifest, remove_leftovers,
-                                remove_tree, resolve, shard_chunks, shard_layout, tag_problem,
-                                unlock_root, write_file)
+                                check_loss_scaler, check_model, check_tag, checkpoint_key,
+                                clean_after_load, describe, final_name, from_json, fs, fsync_dir,
+                                header, hmac_text, io_error, lock_root, optimizer_class,
+                                optimizer_view, pointer_text, rank_stem, read_latest,
+                                read_manifest, remove_leftovers, remove_tree, resolve,
+                                shard_chunks, shard_layout, tag_problem, unlock_root, write_file)
 from ._world import gather_bytes
 
-# What every rank must hear from every other: each rank's outcome of a
-# local phase (a save's writes, a load's reads and checks), exchanged with two
-# small collectives, so that one rank's error is raised on all of them at
-# once instead of leaving the others in the next collective until its
-# timeout.
-#
-#     outcome = agree(engine, lambda: phase())   # every rank, same order
-#     outcome.value                              # this rank's return value
-#
-# ``agree`` runs ``phase`` on this rank, catching any exception; then the
-# ranks all-gather (ok, error class, message, payload); if any rank failed,
-# every rank raises: the failing rank its own exception, the others the same
-# ductile error class with a message naming the rank and its message.
+# What every rank must hear from every other: each rank's outcome of a local phase (a save's
+# writes, a load's reads and checks), exchanged with two small collectives, so that one rank's
+# error is raised on all of them at once (the others name the failing rank and its message)
+# instead of leaving them in the next collective until its timeout.
 
 _RECORD_LIMIT = 1 << 16  # bytes of one rank's record (a message is cut to fit)
 
@@ -94,75 +86,12 @@ def agree(comm, phase, payload=lambda value: b"", what="zero3"):
     return Outcome(value, [bytes.fromhex(rec["payload"]) for rec in parsed])
 
 
-# Sharded checkpoints of a zero3 engine that commit atomically, loadable
-# at any world size.
-#
-# ``engine.save(root)`` writes, for a job of W ranks::
-#
-#     root/latest                  the committed checkpoint's folder name and the
-#                                  SHA-256 of its manifest (written last)
-#     root/<tag>/manifest.json     by rank 0: save id, step, parameters, optimizer, client
-#                                  state, and each shard file's size and CRC-32C
-#     root/<tag>/manifest.json.sha256  the manifest's SHA-256 (sha256sum's format)
-#     root/<tag>/manifest.json.hmac    with a key only: the manifest's HMAC-SHA256
-#     root/<tag>/rank<r>-of-<W>.bin  rank r's shards: a header naming the save, then, parameter
-#                                  after parameter in model.named_parameters() order, its
-#                                  values and its optimizer state tensors of shard shape
-#                                  (Adam's exp_avg, exp_avg_sq; keys sorted), raw
-#                                  little-endian elements
-#
-# The tag is ``step<N>`` (the engine's optimizer steps) unless given; a
-# folder of that name that exists already gets a new one, ``<tag>.<k>``.
-# Format version 4; versions 3 (shard files checked by CRC-32) and 2 (no
-# checksum of the manifest either) load.
-#
-# How a save commits. Rank 0 takes an exclusive flock on ``root`` for the
-# whole save (another save into the same root is refused; a save killed
-# releases it with its process). Every file is written into ``root/<tag>.tmp``
-# and fsynced; rank 0 then writes the manifest and its checksum, fsyncs the
-# folder, renames it to its final name and fsyncs ``root``; last, ``latest``
-# is written beside (``latest.tmp``), fsynced and renamed over the old one,
-# and ``root`` fsynced again. The rename of ``latest`` is the commit: a save
-# stopped at any point before it leaves the old checkpoint as ``latest`` names
-# it, whole; after it, the new one. After the commit, every other folder of
-# the same tag (the superseded save, or one an interrupted save renamed but
-# never committed) is removed. A save that fails (on any rank) before its
-# commit removes what it wrote. The ``*.tmp`` leftovers of a killed save are
-# removed by the next save, or by a load, when no save holds the lock.
-#
-# Why files from two saves cannot mix. Every shard file's header carries its
-# save id and step, and the manifest carries the save id, the step and every
-# shard file's size and CRC-32C: a shard of another save (a leftover, a copy)
-# is an error naming the file and both saves. The manifest itself is checked
-# against the SHA-256 in ``latest`` and in its sidecar before it is parsed:
-# an edit (a step, an optimizer scalar) is refused, naming the file.
-#
-# Damage, not forgery. The SHA-256 and CRC-32C are unkeyed: whoever can
-# write the checkpoint can edit the manifest and record its new SHA-256, and
-# the load accepts it. With a key (DUCTILE_CHECKPOINT_KEY, or the file
-# DUCTILE_CHECKPOINT_KEY_FILE names; _checkpoint_files.checkpoint_key), rank
-# 0 writes manifest.json.hmac, the HMAC-SHA256 of the manifest under it, and
-# every rank the SHA-256 of its shard file into the manifest (the CRC-32C is
-# easily forged); a load with a key refuses a manifest whose HMAC does not
-# verify or that has none, and a shard file whose SHA-256 differs. A load
-# without a key checks a keyed checkpoint for damage as any other.
-#
-# How a load fails. Each rank reads the manifest, checks the model and the
-# optimizer against it, reads the pieces it needs from the old ranks' files,
-# checking each file's type (a regular file inside the checkpoint: a FIFO
-# would block), header, size and CRC-32C, and builds the new optimizer state,
-# all without touching the engine. The ranks then agree
-# (``agree``): if any rank failed, every rank raises at once (the
-# others name the failing rank and its message) and the model and optimizer
-# are unchanged everywhere. Only then are shards and optimizer state replaced.
-#
-# Snapshots in memory (_snapshots.py) are written by the same code
-# (``write`` with a ``Target``): the leader of each node's root does there
-# what rank 0 does in a save, without fsyncs, and keeps the new and the
-# previously committed tag folders only.
-#
-# Re-partitioning on W' ranks: rank r' needs elements [r' s', (r'+1) s') of
-# each flattened parameter, which lie in one or a few of the old ranks' shards.
+# Sharded checkpoints that commit atomically, loadable at any world size: the files, the commit
+# (the rename of ``latest``), the checksums and the keyed HMAC, and how a load fails without
+# touching the engine are described in docs/zero3.md, "Checkpoints that commit atomically".
+# Snapshots in memory (_snapshots.py) are written by the same code (``write`` with a ``Target``).
+# Re-partitioning on W' ranks: rank r' needs elements [r' s', (r'+1) s') of each flattened
+# parameter, which lie in one or a few of the old ranks' shards.
 
 # --- save --------------------------------------------------------------------------
 
@@ -209,10 +138,8 @@ class Written:
                 if path is not None and os.path.lexists(path):
                     remove_tree(path)
             if self.pointer is not None and os.path.lexists(self.pointer):
-                try:
+                with contextlib.suppress(OSError):
                     os.unlink(self.pointer)
-                except OSError:
-                    pass
         unlock_root(self.lock)
         self.lock = None
 
@@ -223,7 +150,7 @@ def save_target(engine, root, tag=None):
         raise IncompatibleError(
             "zero3: save() in the middle of a pass (a forward without its backward); save "
             "between steps")
-    root = check_root(root, "zero3 save")
+    root = path_argument(root, "directory", "zero3 save")
     if tag is None:
         tag = f"step{engine.global_step}"
     check_tag(tag)
@@ -510,7 +437,7 @@ def _read(engine, root):
             last = min(first + info.shard_numel, info.numel)
             by_key = {}  # state key (None: the parameter) -> this rank's shard of it
             for key, dtype, base in entry:
-                esize = element_size(dtype)
+                esize = dtype.itemsize
                 out = torch.zeros(info.shard_numel, dtype=dtype)
                 raw = out.view(torch.uint8).numpy()
                 q = first // old_shard if old_shard else 0
@@ -574,10 +501,9 @@ def load_manifest(engine, root, lr_scheduler=True):
     if engine._pass_open:
         raise IncompatibleError(
             "zero3: load() in the middle of a pass (a forward without its backward)")
-    root = check_root(root, "zero3 load")
-    read = agree(engine.comm, lambda: _read(engine, root),
-                 what="zero3 load")
-    path, manifest, values, state = read.value
+    root = path_argument(root, "directory", "zero3 load")
+    path, manifest, values, state = agree(engine.comm, lambda: _read(engine, root),
+                                          what="zero3 load").value
     optimizer = engine.optimizer
     if optimizer is not None:
         # The optimizer's own checks of the state may fail on one rank: the

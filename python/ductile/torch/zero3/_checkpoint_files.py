@@ -1,31 +1,26 @@
 """The checkpoint's files: their format (header, layout, checksums, signatures), durable
 writes, and bounded, checked reads."""
 
+import contextlib
 import copy
 import errno
 import fcntl
 import hashlib
 import hmac
 import json
+import math
 import os
 import re
 import shutil
 import stat
 import unicodedata
 import zlib
-from typing import TypeGuard
+from typing import NamedTuple, TypeGuard
 
 import torch
 
 from ... import _ductile
 from ..._errors import Error, IncompatibleError, InvalidArgumentError, IoError
-from ..._paths import path_argument
-
-# The files of a zero3 checkpoint (see _checkpoint.py), as a save writes
-# them: the file-system operations (each one passing the test hook), the
-# shard files' header, the manifest's parameter and optimizer entries, the
-# names a tag may take, and the root's lock with the leftovers of killed
-# saves; and the reads that check them back.
 
 FORMAT = "ductile-zero3-checkpoint"
 # 4: shard files checked by CRC-32C ("crc32c" in the manifest's shard
@@ -77,10 +72,6 @@ def dtype_of(name, where):
     except (RuntimeError, TypeError) as e:
         raise IoError(f"{where}: dtype {name!r} cannot be read from raw bytes") from e
     return dtype
-
-
-def element_size(dtype):
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def raw_bytes(tensor):
@@ -326,7 +317,7 @@ def shard_layout(parameters, where):
         entry = []
         for key, dtype in pieces:
             entry.append((key, dtype, layout))
-            layout += shard * element_size(dtype)
+            layout += shard * dtype.itemsize
         offsets.append((shard, entry))
     return offsets, layout
 
@@ -348,12 +339,11 @@ def check_tag(tag):
 
 
 def final_name(root, tag):
-    if not os.path.lexists(os.path.join(root, tag)):
-        return tag
-    k = 1
-    while os.path.lexists(os.path.join(root, f"{tag}.{k}")):
+    name, k = tag, 0
+    while os.path.lexists(os.path.join(root, name)):
         k += 1
-    return f"{tag}.{k}"
+        name = f"{tag}.{k}"
+    return name
 
 
 def tag_problem(tag):
@@ -373,11 +363,6 @@ def tag_problem(tag):
 
 def pointer_text(name, checksum):
     return f"{name}\nsha256 {checksum}\n".encode()
-
-
-def check_root(root, what):
-    """`root` as a str path; InvalidArgumentError for one no file can have."""
-    return path_argument(root, "directory", what)
 
 
 def remove_tree(path):
@@ -428,10 +413,8 @@ def remove_leftovers(root, keep=()):
                 remove_tree(path)
             else:
                 fs("remove", path)
-                try:
+                with contextlib.suppress(OSError):
                     os.unlink(path)
-                except OSError:
-                    pass
 
 
 def clean_after_load(root):
@@ -450,17 +433,9 @@ def clean_after_load(root):
         unlock_root(fd)
 
 
-# What a zero3 checkpoint load reads (see _checkpoint.py), each file
-# checked before a byte of it is read: it must be a regular file (not a FIFO,
-# which would block the open, nor a directory or a device), no larger than
-# what it can hold, and reached without leaving the checkpoint (a link to a
-# file elsewhere is refused). `latest` names the folder and, since format
-# version 3, the SHA-256 of its manifest, which manifest.json.sha256 beside
-# it records too: an edited manifest is refused before it is parsed. With a
-# key, manifest.json.hmac must verify first, and each shard file must match
-# the SHA-256 the manifest records (see _checkpoint.py). Then the manifest's
-# entries are checked for the types a save writes, and every shard file for
-# its header, size and CRC-32C (zlib's CRC-32 in versions 2 and 3).
+# What a load reads (docs/zero3.md, "Checkpoints that commit atomically"), each file checked
+# before a byte of it is read: a regular file (a FIFO would block the open), no larger than what it
+# can hold, reached without leaving the checkpoint.
 
 # The most a file of the checkpoint may hold, before it is read: `latest`
 # and the sidecar hold a name and a checksum; a manifest, about 300 bytes a
@@ -481,7 +456,7 @@ def shard_checksum(version):
 
 def _checked_fd(path, base, cap, what):
     """An open descriptor of `path` after the checks every file of a load
-    passes (see the module's docstring); `cap`: the most bytes it may hold
+    passes (see the comment above); `cap`: the most bytes it may hold
     (None: any). Raises IoError naming the file."""
     real = os.path.realpath(path)
     if os.path.commonpath([real, base]) != base:
@@ -542,14 +517,13 @@ def _text(data, path, what):
                       f"{data[e.start]:#04x})") from e
 
 
-class Pointer:
+class Pointer(NamedTuple):
     """What `latest` says: the checkpoint folder's name and, since version
     3, the SHA-256 of its manifest."""
 
-    def __init__(self, path, name, checksum):
-        self.path = path
-        self.name = name
-        self.checksum = checksum
+    path: str
+    name: str
+    checksum: str | None
 
 
 def read_latest(root, base):
@@ -584,14 +558,13 @@ def _numbered(name):
     return bool(head) and k.isdigit()
 
 
-class Source:
+class Source(NamedTuple):
     """Where a load reads: the checkpoint folder, the root it lies in
     (resolved: no file may lead out of it) and root/latest's Pointer."""
 
-    def __init__(self, folder, base, pointer):
-        self.folder = folder
-        self.base = base
-        self.pointer = pointer
+    folder: str
+    base: str
+    pointer: Pointer | None
 
 
 def resolve(root):
@@ -727,9 +700,7 @@ def check_entries(path, manifest):
         if not isinstance(shape, list) or not all(_count(d) for d in shape):
             bad(f"{where}.shape", "a list of sizes")
         numel, shard = meta.get("numel"), meta.get("shard_numel")
-        product = 1
-        for d in shape:
-            product *= d
+        product = math.prod(shape)
         if not _count(numel) or numel != product:
             bad(f"{where}.numel", f"the product of its shape, {product}")
         if not _count(shard) or shard * world < numel:

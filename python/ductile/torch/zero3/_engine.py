@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import resource
@@ -25,49 +26,39 @@ from ._passes import ENGINE, EXTERNAL, Passes
 from ._snapshots import Snapshots
 from ._world import DeviceMemory, SessionCollectives
 
-# zero3's configuration: a ductile TOML with [zero] and [accelerator]
-# sections, or a DeepSpeed JSON config (a dict is one, as for
-# ``deepspeed.initialize(config=...)``).
-#
-# A DeepSpeed config's ZeRO keys are mapped onto [zero] by the pipeline's one
-# mapping (``pipeline::deepspeed_sections``, also behind ``ductile config
-# check``): ``zero_optimization.stage3_*`` (the coordinator's limits),
-# ``offload_param`` (device "nvme": nvme_path, buffer_count) and
-# ``offload_optimizer`` (device, pin_memory, ratio: [zero] offload_optimizer,
-# offload_pin_memory, offload_ratio), with warnings for the keys accepted but
-# not acted on. The same pass reads, into a typed dict, what configures torch
-# objects here: the ``bf16`` / ``fp16`` sections (MixedPrecision,
-# _gradients.py), ``gradient_clipping`` (engine.step() clips to it first) and
-# ``optimizer`` (type Adam/AdamW and params, when no optimizer_factory is
-# given). A value "auto" (Hugging Face's placeholder) keeps ductile's default.
+# zero3's configuration: a ductile TOML with [zero] and [accelerator] sections, or a DeepSpeed
+# JSON config (a dict is one), whose ZeRO keys the pipeline's one mapping
+# (``pipeline::deepspeed_sections``, also behind ``ductile config check``) maps onto [zero]; the
+# same pass reads what configures torch objects here (bf16/fp16, gradient_clipping, optimizer).
+# A value "auto" (Hugging Face's placeholder) keeps ductile's default.
 
 
-class Settings:
-    """What zero3 takes from its configuration."""
-
-    def __init__(self, loaded, mixed_precision, gradient_clipping, offload=None,
-                 optimizer=None, training=None):
-        self.loaded = loaded
-        # What a DeepSpeed config sets for the training framework, as the
-        # mapping read it (pipeline::DeepSpeedTraining); None for a TOML.
-        self.training = training
-        self.mixed_precision = mixed_precision
-        self.gradient_clipping = gradient_clipping
-        self.offload = offload or OffloadSettings()
-        self.optimizer = optimizer  # a factory for a DeepSpeed "optimizer" section, or None
-
-
+@dataclasses.dataclass
 class OffloadSettings:
     """Offload as asked: ``optimizer`` (every group's optimizer on the
     host), ``ratio`` (only that share of the optimizer bytes), ``pin``
     (pinned host buffers on cuda), ``param`` (every group's parameter shard
     in host memory, and its optimizer with it)."""
 
-    def __init__(self, optimizer=False, ratio=None, pin=True, param=False):
-        self.optimizer = optimizer
-        self.ratio = ratio
-        self.pin = pin
-        self.param = param
+    optimizer: bool = False
+    ratio: float | None = None
+    pin: bool = True
+    param: bool = False
+
+
+@dataclasses.dataclass
+class Settings:
+    """What zero3 takes from its configuration. ``training``: what a
+    DeepSpeed config sets for the training framework, as the mapping read it
+    (pipeline::DeepSpeedTraining), None for a TOML; ``optimizer``: a factory
+    for a DeepSpeed "optimizer" section, or None."""
+
+    loaded: Config
+    mixed_precision: MixedPrecision | None
+    gradient_clipping: float | None
+    offload: OffloadSettings
+    optimizer: OptimizerFactory | None
+    training: dict[str, Any] | None
 
 
 def offload_argument(value, runtime):
@@ -93,9 +84,7 @@ def offload_argument(value, runtime):
 
 
 def _backend(world):
-    if world is not None:
-        return "cuda" if world.device.type == "cuda" else "cpu"
-    return "cpu"
+    return "cuda" if world is not None and world.device.type == "cuda" else "cpu"
 
 
 def _offload_of_keys(keys):
@@ -166,22 +155,26 @@ def warn_overridden(settings, optimizer_factory, offload_optimizer):
         _warn_replaced("offload_optimizer", key, origin)
 
 
+def _zero_keys(settings):
+    """The [zero] section's keys, validated by the schema ({} without one)."""
+    section = settings.loaded.runtime.section("zero")
+    return {} if section is None else section["host_params"]
+
+
 def log_interval(settings):
     """The steps between the engine's progress lines: [zero] log_interval
-    (validated by the schema, 0 by default), else a DeepSpeed config's
-    steps_per_print, else 0 (none)."""
-    section = settings.loaded.runtime.section("zero")
-    interval = 0 if section is None else section["host_params"]["log_interval"]
+    (0 by default), else a DeepSpeed config's steps_per_print, else 0
+    (none)."""
+    interval = _zero_keys(settings).get("log_interval", 0)
     if not interval and settings.training is not None:
         interval = settings.training["steps_per_print"] or 0
     return interval
 
 
 def snapshot_keys(settings):
-    """([zero] snapshot_interval, snapshot_replicas), validated by the
-    schema (a DeepSpeed config's "snapshot" object is mapped onto them)."""
-    section = settings.loaded.runtime.section("zero")
-    keys = {} if section is None else section["host_params"]
+    """([zero] snapshot_interval, snapshot_replicas) (a DeepSpeed config's
+    "snapshot" object is mapped onto them)."""
+    keys = _zero_keys(settings)
     return keys.get("snapshot_interval", 1), keys.get("snapshot_replicas", 1)
 
 
@@ -210,35 +203,9 @@ def optimizer_factory(optimizer, origin):
     return factory
 
 
-# The engine's progress lines: every ``log_interval`` optimizer steps
-# ([zero] log_interval, or a DeepSpeed config's steps_per_print), one line
-# through the ``ductile.zero3`` logger on rank 0 with what the interval did.
-#
-# Between two lines a step costs one integer test and, for the steps that
-# count samples (``Zero3Engine.count_batch``), two additions; the counters
-# are read, summed over the ranks (one all-reduce of two numbers) and
-# formatted only at a logged step.
-#
-# The line's fields (also on the record as ``record.zero3_step``, a dict):
-#
-# - ``step``: the engine's global_step after the logged step;
-# - ``loss_scale``: the fp16 loss scale (1.0 without loss scaling);
-# - ``lr``: the learning rate of the logged step (the optimizer's first
-#   parameter group);
-# - ``step_time_s``: the interval's wall time over its steps (forward,
-#   backward, step and whatever the loop did between steps);
-# - ``samples_per_second``, ``tokens_per_second``: what count_batch counted
-#   over the interval on every rank, over its wall time (absent when nothing
-#   was counted);
-# - ``peak_memory_bytes`` and ``peak_memory``: the device's peak allocated
-#   memory ("device", cuda) or the process's peak resident set ("host_rss",
-#   cpu) since the start;
-# - ``gather_wait_ms``: per step, the time the passes waited for parameter
-#   gathers (the coordinator's fetch_wait_ns) and ``grad_wait_ms`` for the
-#   gradient reduce-scatters;
-# - ``offload_to_host_bytes``, ``offload_to_device_bytes``: per step, the
-#   gradient shards copied to the host and the parameters copied back (with
-#   offload_optimizer or offload_param; absent without).
+# The progress lines (docs/zero3.md, "Progress lines"). Between two lines a step costs one
+# integer test and, for the steps that count samples (``Zero3Engine.count_batch``), two
+# additions; the counters are summed over the ranks and formatted only at a logged step.
 
 logger = logging.getLogger("ductile.zero3")
 
@@ -343,30 +310,7 @@ class StepLog:
 
 
 def _text(value):
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    return str(value)
-
-
-# The sharding set-up of the zero3 engine (FSDP2's ``fully_shard``
-# set-up): a model's parameters partitioned over a world, and what keeps
-# them so.
-#
-# ``ShardedModel`` builds, in order: the coordinator's handle (the configured
-# ``zero`` plugin) over the world, the device and the world's collectives;
-# the parameters, their groups and units, registered with the coordinator
-# (_param.py); where each group's optimizer state lives under
-# max_device_memory (_optimizer_step.py, _optimizer_step.py); this rank's shards filled; the
-# gradient reducer (_gradients.py); and the pass hooks installed
-# (_passes.py). Before each pass it brings the shards up to date with what
-# the optimizer wrote.
-#
-# The world is torch.distributed's process group when it is initialised and
-# the configuration allows it (``[accelerator] communicator = "auto"`` or
-# ``"host"``): the coordinator's gathers and the engine's reduce-scatters run
-# on it (gloo on cpu, NCCL on cuda) and no MPI is started. Otherwise it is the
-# accelerator's own (Open MPI under mpirun or ``ductile agent --mpi-world``,
-# NCCL over an MPI bootstrap, or a single process).
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
 class ShardedModel:
@@ -427,35 +371,8 @@ class ShardedModel:
             self.sharding.sync()
 
 
-# The ZeRO-3 engine: a torch.nn.Module's parameters partitioned by the C++
-# coordinator (the configured ``zero`` plugin) over the ranks of its world,
-# gathered just in time by module hooks. ``Zero3Engine`` is the user's
-# facade (DeepSpeed's engine API); the work sits on seams, as FSDP2's
-# ``fully_shard`` does (``FSDPState``, ``FSDPParamGroup``, ``FSDPParam``):
-#
-# - this file: the configuration (a ductile TOML or a DeepSpeed config), the
-#   sharding set-up (``ShardedModel``: the coordinator's handle, world, groups and
-#   shards, placement and offload, gradient reducer, hooks), the progress
-#   line every log_interval steps, and the training API (backward, step,
-#   accumulation, checkpoints, full weights), each call handed to its seam;
-# - _param.py: parameters and their groups (flat shards, master copies,
-#   materialisation, saved-tensor packing), the model sharded into them (at
-#   once, or built straight into shards under ``init()``), and full
-#   parameters gathered back;
-# - _passes.py: which modules are hooked (units), the fetch and release of
-#   their groups, the hooks that drive them and the passes they run in;
-# - _gradients.py: reduce-scatters by group, what unscaling, the overflow
-#   check and clipping do to the gradient shards, mixed precision and fp16
-#   loss scaling;
-# - _optimizer_step.py: the optimizer and its step, per-parameter
-#   optimizers, where each group's tensors live under max_device_memory, and
-#   optimizer offload to the host;
-# - _checkpoint.py and _checkpoint_files.py: checkpoints (the ranks'
-#   agreement, the atomic save, the load on any world size) and their files;
-# - _snapshots.py: the in-memory snapshots every snapshot_interval steps
-#   under ``ductile agent``, and the restore from one at start;
-# - _world.py: the world (torch's process group or the accelerator's own),
-#   its collectives, and device memory.
+# The ZeRO-3 engine: ``Zero3Engine`` is the user's facade (DeepSpeed's engine API); the work sits
+# on seams, one file each, as FSDP2's ``fully_shard`` does (docs/architecture.md lists them).
 
 # Builds the optimizer over the shard parameters it is given (None: no
 # optimizer).
@@ -662,8 +579,7 @@ class Zero3Engine:
         gathers the new values (offloaded masters are copied again). With
         offload on cuda, call ``shards_writable()`` before writing."""
         self._sharding.changed = True
-        if self._offload is not None:
-            self._offload.masters_changed()
+        self.shards_writable()
 
     def shards_writable(self) -> None:
         """Before writing the optimizer's shards: an offloaded master may

@@ -10,32 +10,11 @@ from ... import _ductile
 from ..._errors import InvalidArgumentError
 from ._world import Done
 
-# Mixed precision of the zero3 engine: the dtypes parameters are gathered,
-# gradients reduced and the optimizer's shards kept in, and fp16 loss scalers.
-#
-# ``MixedPrecision(param_dtype, reduce_dtype, master_dtype)``:
-#
-# - ``param_dtype``: the dtype parameters are gathered and computed in (the
-#   coordinator's shards are kept in it, so a gather moves 2 bytes an element
-#   in bf16/fp16); None: the model's own dtype;
-# - ``reduce_dtype``: the dtype gradients are reduce-scattered and summed in;
-#   fp32 by default;
-# - ``master_dtype``: the dtype of the shards the optimizer steps on (and of
-#   its state and of the gradient shards); fp32 by default. When it differs
-#   from ``param_dtype`` the optimizer's shards are a master copy, cast into
-#   the coordinator's shards after every optimizer step.
-#
-# fp16 needs loss scaling: ``DynamicLossScaler`` (DeepSpeed's and
-# torch.amp.GradScaler's rule): the loss is multiplied by the scale before
-# backward; before the optimizer step the gradient shards are unscaled and
-# checked for inf/NaN on every rank (one all-reduce); a step with an overflow
-# is skipped and the scale halved (after ``hysteresis`` overflows in a row),
-# and after ``growth_interval`` steps without one it doubles.
-#
-# ``from_training(training)`` builds them from a DeepSpeed config's ``bf16``
-# / ``fp16`` sections as the pipeline read them (``enabled``, ``loss_scale``
-# (0: dynamic), ``initial_scale_power``, ``loss_scale_window``,
-# ``hysteresis``, ``min_loss_scale``).
+# Mixed precision (docs/zero3.md, "Mixed precision"): ``MixedPrecision(param_dtype, reduce_dtype,
+# master_dtype)`` are the dtypes parameters are gathered and computed in (None: the model's own),
+# gradients are reduced in, and the optimizer's shards, its state and the gradient shards are kept
+# in (a master copy when it differs from param_dtype). fp16 needs loss scaling:
+# ``DynamicLossScaler`` follows DeepSpeed's and torch.amp.GradScaler's rule.
 
 _NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -169,12 +148,9 @@ def from_training(training):
     return MixedPrecision(torch.float16, loss_scale=scaler)
 
 
-# What a zero3 step does to the gradient shards before the optimizer:
-# unscaling (fp16 loss scaling), the overflow check and clipping by the
-# global norm. They work on the groups' flat gradient shards (a handful of
-# big tensors, torch's foreach kernels) and never wait on the host, except
-# for fp16's overflow decision (whether to skip the step is the host's), as
-# torch.amp.GradScaler does.
+# Unscaling, the overflow check and clipping work on the groups' flat gradient shards (a handful
+# of big tensors, torch's foreach kernels) and never wait on the host, except for fp16's overflow
+# decision, as torch.amp.GradScaler does.
 
 
 def gradient_tensors(groups):
@@ -241,25 +217,22 @@ def clip(grads, comm, device, max_norm, norm_type):
     max_norm; returns that norm (before clipping) as a 0-d float32 tensor,
     the same on every rank. A non-finite norm clips nothing."""
     total = global_norm(grads, comm, device, norm_type)
-    coefficient = clip_coefficient(total, max_norm)
-    if grads:
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        for dtype, same in by_dtype.items():
-            torch._foreach_mul_(same, coefficient.to(dtype))
+    scale_by(grads, clip_coefficient(total, max_norm))
     return total
 
 
-# fp16 loss scaling of the zero3 engine (torch.amp.GradScaler's part):
-# the engine multiplies the loss by the scale before backward; before a step
-# the gradient shards are divided by it (once a step, whether clipping or the
-# step asks first), every rank learns whether any rank's gradient overflowed,
-# and the scaler (static or dynamic) updates the scale, the
-# step being skipped on an overflow.
-#
-# With optimizer offload the offloaded groups' host gradients are never
-# rewritten: their unscaling is folded into the cpu_adam plugin's
+def scale_by(grads, coefficient):
+    """Multiplies `grads` in place by the 0-d tensor `coefficient`, one
+    foreach call a dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for dtype, same in by_dtype.items():
+        torch._foreach_mul_(same, coefficient.to(dtype))
+
+
+# fp16 loss scaling (torch.amp.GradScaler's part). With optimizer offload the offloaded groups'
+# host gradients are never rewritten: their unscaling is folded into the cpu_adam plugin's
 # ``grad_scale`` (_optimizer_step.py), and only the device's shards are divided.
 
 
@@ -291,57 +264,18 @@ class LossScaling:
         inf or NaN (collective) and updates the scale; True when the step
         must be skipped."""
         self.unscale()
-        skip = overflow(gradient_tensors(self.groups), self.comm,
-                                     self.device)
+        skip = overflow(gradient_tensors(self.groups), self.comm, self.device)
         self.scaler.update(skip)
         return skip
 
 
-# Gradients of a zero3 engine, by group: when a unit's backward is done
-# (_passes.py), the full gradients of its group's parameters are laid out
-# rank-major in one flat buffer (``torch._chunk_cat``: member by member, each
-# split into the ranks' slices as the shards are; ``_ductile.zero.
-# take_gradients``, python/src/group_gradients.hpp, one C++ call a group),
-# reduce-scattered (summed,
-# then divided by the world size) into this rank's flat gradient shard, and
-# dropped. Groups smaller than ``bucket_bytes`` share a collective: their
-# rank-major layouts are joined side by side (rank r's slices of every group
-# together) and reduce-scattered at once when the bucket is full, or at the
-# end of the backward, since on a small group the collective's fixed cost
-# (a gloo round trip, a kernel launch) is larger than its bytes'. A group of
-# ``bucket_bytes`` or more goes alone, as soon as its backward is done. The
-# reduce-scatters run while backward goes on; ``drain()`` finishes the rest at
-# its end. Each member's ``shard.grad`` is a view of the group's flat
-# gradient shard, so clipping, unscaling and the optimizer's foreach kernels
-# see a handful of big tensors.
-#
-# A parameter whose gradient arrives after its group was reduced (one used
-# again by a later unit) is reduced again with the group at the end of the
-# backward; reduction is linear, so the sum is the same.
-#
-# Reduce dtype: the full gradients are cast to ``reduce_dtype`` (fp32 unless
-# configured) by the layout copy, and the result is added to the gradient
-# shard in the master dtype, so bf16 compute still sums in fp32.
-#
-# With ``on_group_ready`` set (the engine's step_in_backward), each group is
-# handed over as soon as its reduce-scatter completes, so the optimizer steps
-# its parameters and drops their gradient shards: no rank ever holds all
-# gradient shards at once.
-#
-# Gradient accumulation, two ways (``sync``):
-# - ``sync`` on (the default): every micro-batch's gradients are
-#   reduce-scattered and added to the gradient shards (fp32 with mixed
-#   precision): communication every micro-batch, memory of a shard;
-# - ``sync`` off (``engine.no_sync()``): each group's rank-major gradients
-#   are summed locally in the reduce dtype and nothing is communicated; the
-#   next backward with ``sync`` on reduce-scatters the sum once: one
-#   reduce-scatter a group per step, memory of the full gradients while
-#   accumulating.
-#
-# Every parameter of a group that gets a gradient on one rank must get one on
-# every rank (as with per-parameter reduction, the ranks would otherwise
-# issue different collectives); a member without one adds zeros and keeps no
-# gradient shard.
+# Gradients by group (docs/zero3.md, "Gradients" and "Gradient accumulation"): a unit's full
+# gradients are laid out rank-major in one flat buffer by one C++ call a group
+# (``_ductile.zero.take_gradients``, python/src/group_gradients.hpp), cast to the reduce dtype by
+# that copy, reduce-scattered (small groups share a bucket) and added to the gradient shard in the
+# master dtype, so bf16 compute still sums in fp32. A member without a gradient on this rank adds
+# zeros: every rank must issue the same collectives. With ``on_group_ready`` set
+# (step_in_backward) each group is handed over as soon as its reduce-scatter completes.
 
 _take_gradients = _ductile.zero.take_gradients
 _add_grad_shard = _ductile.zero.add_grad_shard

@@ -2,6 +2,7 @@
 optimizer offload to the host."""
 
 import concurrent.futures
+import math
 import os
 import time
 import warnings
@@ -11,38 +12,12 @@ import torch
 
 from ..._errors import IncompatibleError, InvalidArgumentError
 from . import _gradients
-from ._gradients import clip_coefficient, global_norm
+from ._gradients import clip_coefficient, global_norm, scale_by
 
-# Where the zero3 engine keeps each group's tensors, and the device
-# memory it accounts for (``max_device_memory``, ``engine.stats()``).
-#
-# Per group, on the device unless offloaded:
-#
-# - ``parameters``: the compute-dtype shard the coordinator gathers from;
-# - ``master_weights``: the fp32 master shard, when it is not that shard
-#   itself (mixed precision);
-# - ``optimizer_state``: Adam's two fp32 moments of the trained members;
-# - ``gradients``: the fp32 gradient shard, from the group's reduce-scatter
-#   until the step;
-# - ``gathered``: the coordinator's gathered copies (one budget for all
-#   groups: what the coordinator's limits let it hold, see _reserve).
-#
-# Offloading a group's optimizer moves its state *and* its master to the host:
-# the host steps them, so the master must be where the state is (moving the
-# state alone would bring it back to the device every step). Under a budget,
-# the groups whose optimizer takes the most device memory go first, until the
-# rest fits; then, as the last resort, the parameter shards of the largest
-# groups go to host memory (the coordinator's move_shard), whose optimizers
-# are on the host by then. A host shard costs a device buffer of its size
-# while its gather is in flight (``staging``: at most the bound the
-# coordinator reports for its configured gathers in flight and prefetch
-# bucket). A budget that cannot be met even so is an error naming the
-# numbers.
-#
-# The accounting is the engine's own: the bytes of the tensors it keeps, and
-# the coordinator's pool of gathered copies (the larger of its high-water of
-# copies in use and what it holds at the step). Activations and the
-# framework's workspaces are the model's, not counted.
+# Where the engine keeps each group's tensors (parameter shard, fp32 master, Adam state, gradient
+# shard; plus the coordinator's gathered copies), which of them go to the host under
+# ``max_device_memory`` and in what order, and what is accounted: docs/zero3.md, "A budget". The
+# accounting is the engine's own; activations and the framework's workspaces are the model's.
 
 _FP32 = 4
 
@@ -220,14 +195,6 @@ def staging_cap(session, groups):
                                        max(g.element_size for g in groups))
 
 
-def account(resident, session, gradient_bytes):
-    """A step's device bytes by the engine's accounting: `resident` (the
-    shards, the masters and optimizer state on the device:
-    resident_bytes()), the gradient shards at the step (`gradient_bytes`),
-    the gathered copies."""
-    return resident + gradient_bytes + gathered_bytes(session)
-
-
 def resident_bytes(groups, optimizer):
     """The shards, and the masters and optimizer state on the device. It
     walks every parameter's state: the engine calls it again only when the
@@ -254,13 +221,9 @@ def gathered_bytes(session):
     return max(memory["high_water_bytes"], memory["in_use_bytes"] + memory["idle_bytes"])
 
 
-# The optimizer of an engine that steps in backward (``step_in_backward``):
-# one optimizer per parameter shard, each stepped as soon as that shard's
-# gradient is reduce-scattered, so the gradient shards never all exist at
-# once (torch's ``_apply_optimizer_in_backward`` does the same for plain
-# modules). ``PerParameterOptimizers`` shows them as one optimizer to the
-# engine's checkpoints: ``param_groups`` (one group per parameter, in order),
-# ``state``, ``state_dict()`` and ``load_state_dict()`` with torch's layout.
+# step_in_backward: one optimizer per parameter shard, each stepped as soon as that shard's
+# gradient is reduce-scattered (as torch's ``_apply_optimizer_in_backward``), shown to the
+# checkpoints as one optimizer with torch's layout.
 
 
 class PerParameterOptimizers:
@@ -285,10 +248,7 @@ class PerParameterOptimizers:
 
     @property
     def state(self):
-        merged = {}
-        for o in self.optimizers:
-            merged.update(o.state)
-        return merged
+        return {p: s for o in self.optimizers for p, s in o.state.items()}
 
     def step(self):
         """Nothing: every parameter was stepped during backward."""
@@ -320,36 +280,10 @@ class PerParameterOptimizers:
                                "param_groups": [dict(group, params=[0])]})
 
 
-# Optimizer offload of the zero3 engine (ZeRO-Offload): for the groups it
-# covers, the fp32 master shard and Adam's state live in host memory (pinned
-# on cuda) and the ``cpu_adam`` plugin steps them (``DuctileCPUAdam``); the
-# device keeps the compute-dtype shard the coordinator gathers from.
-#
-# What moves when, per offloaded group:
-#
-# - backward: when the group's reduce-scatter completes (the reducer's
-#   ``on_group_ready``), its gradient shard is copied to the host (on cuda: on
-#   a copy stream, after an event on the compute stream, into pinned memory,
-#   ``non_blocking``); with ``step_in_backward`` the group's host step starts
-#   then, on a worker thread, and the device gradient is dropped;
-# - ``engine.step()``: clipping and fp16 unscaling read the device gradient
-#   shards and are folded into the plugin's ``grad_scale`` (the host copy is
-#   never rewritten); each group's host step waits for its own gradient copy
-#   only, writes the master (and, under mixed precision, its bf16/fp16
-#   rounding: the plugin's copy-out, half the bytes to move), and its copy
-#   back to the device is issued at once, so the next group's step overlaps
-#   it;
-# - before the next pass: the compute stream waits for those copies (an
-#   event each, no host wait) and the coordinator gathers the new values.
-#
-# The host waits only for the CPU's own work and for a copy it is about to
-# read or overwrite (an event that has long completed by then).
-#
-# Groups not offloaded keep their masters and state on the device and are
-# stepped by the optimizer ``optimizer_factory`` made, as without offload.
-# ``OffloadedOptimizer`` shows both as that one optimizer (its class, its
-# param_groups, torch's state layout), so LR schedulers and checkpoints see
-# no difference and a checkpoint loads with or without offload.
+# Optimizer offload (ZeRO-Offload): the offloaded groups' fp32 masters and Adam state live in host
+# memory and the ``cpu_adam`` plugin steps them; what moves when, and why the host never waits
+# for the device: docs/zero3.md, "Offload". ``OffloadedOptimizer`` shows the device's and the
+# host's parts as the factory's one optimizer, so LR schedulers and checkpoints see no difference.
 
 
 class HostShard:
@@ -461,26 +395,17 @@ class OptimizerOffload:
         norms count with the factors deferred so far: fp16's unscaling)."""
         on_device = {id(g) for g in device_grads}
         deferred = [g for g in all_grads if id(g) not in on_device]
-        scale = 1.0
-        for f in self.factors:
-            scale = scale * f
-        total = global_norm(device_grads, comm, self.device, norm_type, deferred, scale)
+        total = global_norm(device_grads, comm, self.device, norm_type, deferred,
+                            math.prod(self.factors, start=1.0))
         coefficient = clip_coefficient(total, max_norm)
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for g in device_grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        for dtype, same in by_dtype.items():
-            torch._foreach_mul_(same, coefficient.to(dtype))
+        scale_by(device_grads, coefficient)
         self.scale(coefficient)
         return total
 
     def _grad_scale(self):
-        scale = 1.0
-        for f in self.factors:
-            # A tensor (the clipping coefficient) is read here: the host
-            # needs the number to step (DeepSpeed's CPU Adam reads it too).
-            scale *= float(f) if isinstance(f, torch.Tensor) else f
-        return scale
+        # A tensor (the clipping coefficient) is read here: the host needs
+        # the number to step (DeepSpeed's CPU Adam reads it too).
+        return math.prod((float(f) for f in self.factors), start=1.0)
 
     def step(self, skip=False):
         """Steps every offloaded group with a gradient (waits for the eager
@@ -734,9 +659,6 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._share_state()
         self.sync_hyper_parameters()
 
-    def zero_grad(self, set_to_none=True):
-        super().zero_grad(set_to_none=set_to_none)
-
 
 def _constructor_defaults(made):
     """The keyword arguments that rebuild `made`'s class with its defaults
@@ -746,16 +668,9 @@ def _constructor_defaults(made):
     return {k: v for k, v in made.defaults.items() if k in accepted}
 
 
-# Clipping and the optimizer step of the zero3 engine: the optimizer made
-# over the shards (one optimizer, one a parameter with step_in_backward, or
-# the device's and the host's parts with optimizer offload), clipping by the
-# global norm, the step (skipped on an fp16 overflow), clearing the gradient
-# shards, and the device memory the step accounts for under
-# max_device_memory.
-#
-# The step never waits on the host for the device, except for fp16's
-# overflow decision (_gradients.py). After it the optimizer's shards have
-# changed: the next pass gathers the new values (``Sharding.changed``).
+# The step never waits on the host for the device, except for fp16's overflow decision
+# (_gradients.py). After it the optimizer's shards have changed: the next pass gathers the new
+# values (``Sharding.changed``).
 
 
 class OptimizerStep:
@@ -800,21 +715,18 @@ class OptimizerStep:
                     "gradient is reduced, before the whole gradient exists: it cannot clip "
                     "the global norm (gradient_clipping) nor skip overflowing steps (fp16 "
                     "loss scaling)")
-            if self.offload is not None:
-                self._make_offloaded_optimizer(optimizer_factory)
-            else:
-                trained = [zp for zp in self.params if zp.requires_grad]
-                self.optimizer = PerParameterOptimizers(optimizer_factory,
-                                                        [zp.shard for zp in trained])
-                by_id = dict(zip((zp.id for zp in trained), self.optimizer.optimizers))
-                self.gradients.on_group_ready = lambda g: self._step_group(g, by_id)
+        if optimizer_factory is not None and self.offload is not None:
+            self._make_offloaded_optimizer(optimizer_factory)
+        elif self.step_in_backward:
+            trained = [zp for zp in self.params if zp.requires_grad]
+            self.optimizer = PerParameterOptimizers(optimizer_factory,
+                                                    [zp.shard for zp in trained])
+            by_id = dict(zip((zp.id for zp in trained), self.optimizer.optimizers))
+            self.gradients.on_group_ready = lambda g: self._step_group(g, by_id)
         elif optimizer_factory is not None:
-            if self.offload is not None:
-                self._make_offloaded_optimizer(optimizer_factory)
-            else:
-                self.optimizer = optimizer_factory([zp.shard for zp in self.params])
-            if self.optimizer is not None:
-                self.optimizer.register_step_post_hook(self._optimizer_stepped)
+            self.optimizer = optimizer_factory([zp.shard for zp in self.params])
+        if self.optimizer is not None and not self.step_in_backward:
+            self.optimizer.register_step_post_hook(self._optimizer_stepped)
 
     def set_gradient_clipping(self, value):
         self.gradient_clipping = value
@@ -963,5 +875,7 @@ class OptimizerStep:
         if size != self._resident_key:  # state added (first steps, a load): count again
             self._resident_key = size
             self._resident = resident_bytes(self.groups, self.optimizer)
-        self.device_high_water = account(self._resident, self.session, gradient_bytes)
+        # The engine's accounting: what resident_bytes() counted, the gradient
+        # shards at the step, the gathered copies.
+        self.device_high_water = self._resident + gradient_bytes + gathered_bytes(self.session)
         self.placement.check(self.device_high_water, self.global_step)

@@ -5,6 +5,7 @@ full parameters gathered back."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import weakref
 from collections.abc import Iterable
@@ -20,48 +21,22 @@ from . import _passes
 from ._gradients import as_dtype
 from ._world import type_name
 
-# Parameter state of the zero3 engine (FSDP2's ``FSDPParam`` /
-# ``FSDPParamGroup`` seam): parameters are partitioned, gathered,
-# materialised, released and reduced by group.
+# Parameter state (FSDP2's ``FSDPParam`` / ``FSDPParamGroup`` seam; docs/zero3.md,
+# "Partitioning"). A ``ParamGroup`` is the parameters one hooked module (a unit, _passes.py) owns,
+# one coordinator parameter: each member sharded on its own (``ceil(numel / world)`` elements a
+# rank, zero-padded), this rank's slices back to back in one flat shard, the gathered copy holding
+# each member whole, back to back. Per group, up to three flat tensors: ``store`` (this rank's
+# shard in the compute dtype, as the coordinator keeps it: its own memory, ``direct``, or a copy
+# written back with ``set_shard``), ``master`` (the optimizer's shard: ``store`` itself, or an
+# fp32 copy under mixed precision) and ``full`` (the gathered copy while a module using the group
+# runs). Per parameter (``ZeroParam``): ``shard`` (a ``torch.nn.Parameter`` over its slice of
+# ``master``, whose ``.grad`` is a view of the group's flat gradient shard) and ``store``.
 #
-# A ``ParamGroup`` is the unit of all of that: the parameters one hooked
-# module (a unit, see _passes.py) owns. The coordinator knows it as one
-# parameter (``register_group`` in the SDK): each member is sharded on its
-# own (``ceil(numel / world)`` elements a rank, zero-padded, as a parameter
-# alone would be), this rank's slices lie back to back in one flat shard, and
-# the gathered copy holds each member whole, back to back. So one collective
-# moves a group, and every member of the gathered copy is a contiguous view
-# of it.
-#
-# Per group, up to three flat tensors:
-#
-# - ``store``: this rank's flat shard as the coordinator keeps it, in the
-#   compute dtype (what is gathered): the coordinator's own memory
-#   (``direct``), or a copy written back with ``set_shard`` (a shard kept in
-#   a file under nvme_path);
-# - ``master``: the optimizer's flat shard, ``store`` itself when the master
-#   dtype is the compute dtype, else an fp32 copy (mixed precision);
-# - ``full``: the gathered copy while a module using the group runs.
-#
-# Per parameter (``ZeroParam``): ``shard`` (a ``torch.nn.Parameter`` over its
-# slice of the group's ``master``: what the optimizer steps on; its ``.grad``
-# is a view of the group's flat gradient shard) and ``store`` (its slice of
-# the group's store). ``param.data`` is a view of the gathered copy while a
-# module using it runs, an empty placeholder otherwise.
-#
-# What the step path in C++ (python/src/unit_passes.cpp, group_gradients.cpp,
-# saved_views.cpp) reads or writes on every use is owned by C++: a
-# ``ParamGroup`` is a ``_ductile.zero.GroupState`` (python/src/group_state.hpp)
-# and a ``ZeroParam`` a ``_ductile.zero.MemberState``, whose fields (``users``,
-# ``full``, ``full_address``, ``params``, ``grad_flat``, ``shard``, ...) are
-# typed properties here. Materialising a group (pointing its parameters at
-# views of the gathered copy) and releasing it are done by that step path.
-#
-# The live copies (``_ductile.zero.LiveCopies``, C++) map addresses to
-# materialised groups, so that a tensor autograd saves for backward that lies
-# in a gathered copy (a weight, ``weight.t()``) is saved as "this view of
-# group g" and rebuilt over the copy gathered again for backward: a release
-# in between never leaves autograd reading freed memory.
+# What the C++ step path (python/src/unit_passes.cpp, group_gradients.cpp, saved_views.cpp) reads
+# or writes on every use is owned by C++: a ``ParamGroup`` is a ``_ductile.zero.GroupState``
+# (python/src/group_state.hpp) and a ``ZeroParam`` a ``_ductile.zero.MemberState``, whose fields
+# are typed properties here. The live copies (``_ductile.zero.LiveCopies``) let a tensor autograd
+# saves inside a gathered copy be rebuilt over the copy gathered again for backward.
 
 
 class ZeroParam(_ductile.zero.MemberState):
@@ -150,13 +125,9 @@ class ParamGroup(_ductile.zero.GroupState):
         return full, views
 
 
-# The zero3 engine's parameters and their groups (_passes.py), registered
-# with the coordinator, and this rank's shards: filled at set-up
-# (_engine.py builds it), and brought up to date before each pass
-# with what the optimizer wrote (``Sharding.changed``).
-#
-# A group is one coordinator parameter (``register_group``: one collective a
-# group).
+# The engine's parameters and groups, registered with the coordinator (one coordinator parameter,
+# one collective, a group), and this rank's shards, brought up to date before each pass with what
+# the optimizer wrote (``Sharding.changed``).
 
 
 def replace_parameter(model, old, new):
@@ -372,35 +343,13 @@ class Sharding:
         self.changed = False
 
 
-# Partitioned construction: no rank ever holds the whole model.
-#
-# ``with zero3.init(): model = Model(...)`` builds the model with each
-# parameter initialised directly into this rank's shard, with the values the
-# unsharded model gets from the same seed:
-#
-# - when a module registers a parameter, the parameter is replaced by one on
-#   the meta device (full shape, no memory) and this rank keeps only its
-#   slice of the values the parameter was created with (``ceil(numel /
-#   world)`` elements, as the coordinator partitions it);
-# - an in-place write to such a parameter or a view of it (``uniform_`` of
-#   ``reset_parameters``, ``normal_``/``zeros_`` of Hugging Face's
-#   ``_init_weights``, ``fill_``, ``copy_`` from a real tensor, ``mul_``) runs
-#   on a transient full tensor holding this rank's slice, so it draws exactly
-#   the random numbers the eager model draws, and the rank keeps its slice of
-#   the result. At most one parameter is whole at a time.
-#
-# Limits: an init that reads elements outside the element it writes
-# (``orthogonal_``) or that skips meta tensors (``trunc_normal_``) does not
-# give the eager values; out-of-place reads of a parameter during
-# construction give meta tensors. The world size and rank come from
-# torch.distributed when it is initialised, else from the launcher's
-# environment (mpirun, torchrun), and must be the engine's.
-#
-# ``zero3.initialize(model, ..., load_from=path)`` fills the shards of a
-# model built on the meta device (or under ``zero3.init``) from Hugging Face
-# safetensors files (one file, a folder with ``model.safetensors`` or a
-# sharded ``model.safetensors.index.json``): each rank reads only the rows
-# holding its slice of each parameter.
+# Partitioned construction, ``with zero3.init()`` (docs/zero3.md, "Partitioned construction"): a
+# parameter is replaced by a meta one as its module registers it and this rank keeps only its
+# slice; an in-place write to it runs on a transient full tensor holding that slice, so it draws
+# the random numbers the eager model draws. At most one parameter is whole at a time. The world
+# size and rank come from torch.distributed when it is initialised, else from the launcher's
+# environment (mpirun, torchrun), and must be the engine's. ``load_from`` reads, from
+# safetensors files, only the rows holding this rank's slice of each parameter.
 
 _INIT = "_ductile_zero3_init"
 
@@ -573,10 +522,7 @@ class SafetensorsSource:
         self._open.clear()
 
     def key_for(self, names):
-        for name in names:
-            if name in self.files:
-                return name
-        return None
+        return next((name for name in names if name in self.files), None)
 
     def read(self, key, shape, lo, hi):
         f = self._handle(self.files[key])
@@ -590,21 +536,15 @@ class SafetensorsSource:
             return torch.empty(0)
         if len(stored) <= 1:
             return sl[lo:hi].reshape(-1)
-        row = 1
-        for d in stored[1:]:
-            row *= d
+        row = math.prod(stored[1:])
         r0, r1 = lo // row, (hi - 1) // row + 1
         rows = sl[r0:r1].reshape(-1)
         return rows[lo - r0 * row:hi - r0 * row]
 
 
-# Whole parameters out of a zero3 engine: ``full_parameters``,
-# ``state_dict``, ``save_consolidated`` (Hugging Face safetensors) and the
-# ``GatheredParameters`` context (read or modify full parameters, DeepSpeed's
-# ``deepspeed.zero.GatheredParameters``). Every call is collective: each
-# parameter is all-gathered from the optimizer's shards (the fp32 masters
-# with mixed precision) one at a time, so no rank holds more than one whole
-# parameter beyond what it keeps.
+# Whole parameters out of an engine (``full_parameters``, ``state_dict``, ``save_consolidated``,
+# ``GatheredParameters``): collective, each parameter all-gathered from the optimizer's shards
+# one at a time, so no rank holds more than one whole parameter beyond what it keeps.
 
 if TYPE_CHECKING:
     from ._engine import Zero3Engine
@@ -631,9 +571,7 @@ def _gather(engine, zp, dtype=None):
 
 
 def _dtype_of(zp, dtype):
-    if dtype == "param":
-        return zp.orig_dtype
-    return as_dtype(dtype, "dtype")
+    return zp.orig_dtype if dtype == "param" else as_dtype(dtype, "dtype")
 
 
 def full_parameters(engine: Zero3Engine,
@@ -644,10 +582,8 @@ def full_parameters(engine: Zero3Engine,
 def _entries(engine):
     """(state_dict key, ZeroParam or buffer tensor) in model.state_dict() order."""
     by_param = {id(zp.param): zp for zp in engine._params}
-    out = []
-    for key, value in engine.module.state_dict(keep_vars=True).items():
-        out.append((key, by_param.get(id(value), value)))
-    return out
+    return [(key, by_param.get(id(value), value))
+            for key, value in engine.module.state_dict(keep_vars=True).items()]
 
 
 def state_dict(engine: Zero3Engine, dtype: DtypeArgument = None,
@@ -754,10 +690,7 @@ def register_owner(engine, zp):
 
 def _owner(param):
     owner = getattr(param, _OWNER, None)
-    if owner is None:
-        return None, None
-    engine = owner[0]()
-    return engine, owner[1]
+    return (None, None) if owner is None else (owner[0](), owner[1])
 
 
 class GatheredParameters:

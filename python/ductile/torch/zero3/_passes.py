@@ -23,27 +23,11 @@ class Placeholders:
         return t
 
 
-# Which modules the zero3 engine hooks and which parameters each gathers
-# (FSDP2's ``fully_shard`` per module, chosen by a policy instead of by hand).
-#
-# A *unit* is a hooked module: its forward fetches, its end releases, and the
-# end of its backward reduce-scatters. It owns a *group* (_param.ParamGroup):
-# the parameters of the modules under it that no nested unit owns, one group
-# a dtype. It also gathers the groups of parameters that its modules use but
-# another unit owns: a weight tied across units, or one declared with
-# ``register_external_parameter``.
-#
-# ``groups`` of ``zero3.initialize`` says which modules are units:
-#
-# - ``"auto"`` (the default): the transformer blocks. A Hugging Face model
-#   names them (``_no_split_modules``, the classes ``accelerate`` never
-#   splits); otherwise each child of an ``nn.ModuleList`` that holds
-#   parameters is one. The root owns the rest (embeddings, final norm,
-#   head). A model with neither falls back to ``"module"``.
-# - ``"module"``: every module that owns parameters (DeepSpeed's granularity:
-#   the least gathered memory, the most collectives).
-# - a tuple of module classes, or a callable ``module -> bool``: those
-#   modules, and the root.
+# Which modules the engine hooks (units) and which parameters each gathers (FSDP2's
+# ``fully_shard`` per module, chosen by a policy: ``groups`` of ``zero3.initialize``, described
+# there and in docs/zero3.md). A unit owns the parameters of the modules under it that no nested
+# unit owns, one group a dtype, and also gathers the groups of parameters its modules use but
+# another unit owns (a tie across units, or ``register_external_parameter``).
 
 EXTERNAL = "_ductile_zero3_external_parameters"
 
@@ -78,9 +62,8 @@ def _selector(model, policy):
     """A predicate module -> is a unit (the root aside), or None for "module"."""
     if policy is None or policy == "auto":
         names = _block_classes(model)
-        if names:
-            if any(type(m).__name__ in names for m in model.modules()):
-                return lambda m: type(m).__name__ in names
+        if names and any(type(m).__name__ in names for m in model.modules()):
+            return lambda m: type(m).__name__ in names
         listed: set[int] = set()
         for m in model.modules():
             if isinstance(m, torch.nn.ModuleList):
@@ -94,13 +77,10 @@ def _selector(model, policy):
         policy = (policy,)
     if isinstance(policy, (tuple, list, set, frozenset)):
         classes = tuple(policy)
-        if not classes or not all(isinstance(c, type) and issubclass(c, torch.nn.Module)
-                                  for c in classes):
-            raise InvalidArgumentError(
-                f"zero3.initialize: groups = {policy!r}; valid: \"auto\", \"module\", a tuple "
-                "of torch.nn.Module classes, or a callable module -> bool")
-        return lambda m: isinstance(m, classes)
-    if callable(policy):
+        if classes and all(isinstance(c, type) and issubclass(c, torch.nn.Module)
+                           for c in classes):
+            return lambda m: isinstance(m, classes)
+    elif callable(policy):
         return lambda m: bool(policy(m))
     raise InvalidArgumentError(
         f"zero3.initialize: groups = {policy!r}; valid: \"auto\", \"module\", a tuple of "
@@ -114,25 +94,18 @@ def plan(model, param_of, policy, make_group):
     select = _selector(model, policy)
     per_module = select is None
     unit_of: dict[int, Unit] = {}  # id(module) -> the Unit whose modules it belongs to
-    units: collections.OrderedDict[int, Unit] = collections.OrderedDict()
+    units: dict[int, Unit] = {}
     for name, module in model.named_modules():
-        if module is model:
-            owner = None
-        elif per_module:
-            owner = None
-        elif select(module):
-            owner = None
-        else:
+        owner = None
+        if module is not model and not per_module and not select(module):
             owner = unit_of.get(id(_parent_of(model, name)))
         if owner is None:
             owner = units.setdefault(id(module), Unit(module, name or "<root>"))
         unit_of[id(module)] = owner
     # Parameters to their owning unit, in named_modules() order (a tied
     # parameter belongs to the first module holding it).
-    owned: collections.OrderedDict[int, list] = collections.OrderedDict(
-        (key, []) for key in units)
-    used: collections.OrderedDict[int, list] = collections.OrderedDict(
-        (key, []) for key in units)
+    owned: dict[int, list] = {key: [] for key in units}
+    used: dict[int, list] = {key: [] for key in units}
     taken = set()
     for name, module in model.named_modules():
         unit = unit_of[id(module)]
@@ -152,14 +125,11 @@ def plan(model, param_of, policy, make_group):
                     f"zero3.initialize: an external parameter registered on module "
                     f"'{name or type(module).__name__}' is not a parameter of the model")
             used[key].append(zp)
-    result = []
     for key, unit in units.items():
-        by_dtype: collections.OrderedDict[torch.dtype, list] = collections.OrderedDict()
+        by_dtype: dict[torch.dtype, list] = {}
         for zp in owned[key]:
             by_dtype.setdefault(zp.dtype, []).append(zp)
-        for members in by_dtype.values():
-            unit.own.append(make_group(unit.name, members))
-        result.append(unit)
+        unit.own = [make_group(unit.name, members) for members in by_dtype.values()]
     for key, unit in units.items():
         seen = {id(g) for g in unit.own}
         unit.groups = list(unit.own)
@@ -167,7 +137,7 @@ def plan(model, param_of, policy, make_group):
             if zp.group is not None and id(zp.group) not in seen:
                 seen.add(id(zp.group))
                 unit.groups.append(zp.group)
-    return [u for u in result if u.groups]
+    return [u for u in units.values() if u.groups]
 
 
 def _parent_of(model, name):
@@ -177,47 +147,18 @@ def _parent_of(model, name):
     return model.get_submodule(parent) if parent else model
 
 
-# Fetch and release of the zero3 engine's groups, the module and tensor
-# hooks that drive them, and the passes they run in (FSDP2's ``FSDPState``
-# seam): which unit runs, when its groups are fetched and materialised, when
-# they are released and their gradients reduced, and when a pass begins and
-# ends. The hooks, the counts, the materialisation and where the passes are
-# (``state``, a ``TrainingState``) are C++ (``_ductile.zero.UnitPasses``,
-# python/src/unit_passes.cpp), which torch calls directly; this module
-# installs them and runs the edges of a pass, which the step path calls
-# through the one ``PassEvents`` object ``Passes`` is.
-#
-# - A forward pre-hook on a unit fetches its groups and
-#   materialises them (one coordinator call, and a group's parameters
-#   pointed at views of its gathered copy); the forward hook releases them.
-# - Release is counted: a unit is fetched and released once per use, and
-#   its last release hands its groups back to the coordinator
-#   (``session.release``: each gathered copy freed unless persistent, used by
-#   another fetched unit, or kept for a use soon in the trace) and points
-#   their parameters at the empty placeholder again.
-# - For backward, a tensor hook on the unit's outputs fetches it again when
-#   the first of their gradients arrives, and one on its inputs releases it
-#   once all of theirs are in (a multi-grad hook, mode "all", for more than
-#   one input). Nothing is inserted into the graph and no tensor is replaced,
-#   so custom output types (a Hugging Face ``ModelOutput``), tensor identity
-#   and in-place changes behave as without ductile
-#   (tests/benchmarks/python/bench_hooks.py measures the alternatives). That
-#   release, the last of the unit in this backward, reduce-scatters the
-#   unit's own groups (small groups share a collective: _gradients.py;
-#   autograd has accumulated their parameters' gradients by then, since it
-#   runs AccumulateGrad nodes first).
-# - A recomputation inside backward (non-reentrant activation checkpointing)
-#   fetches through the same pre-hook and holds the unit until its own
-#   backward is done, since what autograd recomputes points into the copy.
-# - The root module's forward runs with saved-tensor hooks (C++) that save
-#   views of gathered copies as "this view of group g".
-# - While the trace is recorded, each module's ``_parameters`` refuses a
-#   parameter no running unit gathered, naming it (GuardedParameters); once
-#   the trace runs, the plain dict is back (no Python call a parameter).
-# - A pass is a forward and its backward (or a forward without grad); the end
-#   of its backward reduce-scatters what gradients are left (a parameter used
-#   by a later unit, a unit whose inputs need no gradient), releases what is
-#   still fetched, and ends the coordinator's step.
+# Fetch and release of the groups, the hooks that drive them and the passes they run in (FSDP2's
+# ``FSDPState`` seam; docs/zero3.md, "Gathering"). The hooks, the counts, the materialisation and
+# where the passes are (``state``, a ``TrainingState``) are C++ (``_ductile.zero.UnitPasses``,
+# python/src/unit_passes.cpp), which torch calls directly; this module installs them and runs the
+# edges of a pass, which the step path calls through the one ``PassEvents`` object ``Passes`` is.
+# Nothing is inserted into the graph and no tensor is replaced, so custom output types, tensor
+# identity and in-place changes behave as without ductile. A unit's last release in a backward
+# reduce-scatters its own groups (autograd runs AccumulateGrad nodes first, so their gradients are
+# in); the end of a backward reduce-scatters what is left (a parameter used by a later unit, a
+# unit whose inputs need no gradient). While the trace is recorded, each module's ``_parameters``
+# refuses a parameter no running unit gathered, naming it (GuardedParameters); once the trace
+# runs, the plain dict is back (no Python call a parameter).
 
 ENGINE = "_ductile_zero3_engine"
 

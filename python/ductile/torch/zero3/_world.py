@@ -10,16 +10,10 @@ import torch.distributed as dist
 from ... import _ductile
 from ..._errors import InvalidArgumentError, UnsupportedError
 
-# Tensors over memory the C++ coordinator owns, without copying, and the
-# element types both sides understand.
-#
-# On the cpu backend the coordinator's "device" memory is host memory: a
-# writable memoryview over it goes to ``torch.frombuffer``; so does a shard
-# the coordinator keeps in host memory on any backend (parameter offload). On
-# cuda device memory goes through ``__cuda_array_interface__`` to
-# ``torch.as_tensor``. The
-# tensors never own the memory; whoever makes one keeps it only while the
-# coordinator keeps the buffer (see materialize and dematerialize in _param.py).
+# Tensors over memory the C++ coordinator owns, without copying: host memory (the cpu backend's,
+# or a shard kept on the host) through ``torch.frombuffer``, cuda memory through
+# ``__cuda_array_interface__``. The tensors never own the memory; whoever makes one keeps it only
+# while the coordinator keeps the buffer (see materialize and dematerialize in _param.py).
 
 # torch dtype -> (ductile element type name, __cuda_array_interface__ typestr)
 _TYPES = {
@@ -86,21 +80,12 @@ class DeviceMemory:
         return torch.frombuffer(view, dtype=dtype)
 
 
-# The engine's collectives on tensors, over one of two worlds:
-#
-# - ``SessionCollectives``: the accelerator's own world communicator (Open MPI
-#   on cpu, NCCL on cuda, or a single process), through the C++ session;
-# - ``TorchWorld``: torch.distributed's process group, the
-#   host framework's communicator, which the C++ coordinator also uses for
-#   its gathers.
-#
-# Both give the same calls: ``all_gather(out, inp)``, ``reduce_scatter(out,
-# inp, op)``, ``all_reduce(tensor, op)`` (in place), ``broadcast(tensor,
-# root)``, each returning a handle with ``query()`` (never blocks) and
-# ``wait()``; and ``barrier()`` (blocking). Tensors are contiguous and on the
-# world's device; ops are "sum", "min", "max". Every rank issues the same
-# collectives in the same order (the engine's and the coordinator's share one
-# order: both are issued from the training thread).
+# The engine's collectives, the same calls over either world (``SessionCollectives``: the
+# accelerator's own, through the C++ session; ``TorchWorld``: torch.distributed's process group):
+# ``all_gather(out, inp)``, ``reduce_scatter(out, inp, op)``, ``all_reduce(tensor, op)`` (in
+# place), ``broadcast(tensor, root)``, each returning a handle with ``query()`` (never blocks) and
+# ``wait()``; and ``barrier()``. Every rank issues the same collectives in the same order (the
+# engine's and the coordinator's are all issued from the training thread).
 
 
 class _Held:
@@ -189,36 +174,16 @@ def gather_bytes(comm, data):
     return [raw[r * n:r * n + int(lengths[r])] for r in range(comm.size)]
 
 
-# All-gather and reduce-scatter over gloo by direct exchange: each rank
-# sends its piece to every other rank and receives theirs straight into the
-# output (``ProcessGroup.send`` / ``recv``), instead of gloo's collectives.
-#
-# Why: gloo's ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` stage
-# through a flat buffer of the whole output that they allocate on every call
-# and copy through twice, on gloo's worker thread. For a large group that
-# costs more than the bytes' transfer: on 2 ranks of this project's CPU
-# machine (2 cores), gathering 66 MB took 74 ms as one collective and 20 ms as
-# one exchange (a send and a receive a rank), and that buffer, allocated at
-# the end of backward, was part of the step's peak memory
-# (tests/benchmarks/python/bench_zero3.py, docs/benchmarks.md). An exchange sends
-# the same bytes a ring does, (ranks - 1) pieces a rank.
-#
-# Where: TorchWorld uses it on gloo up to ``MAX_RANKS`` ranks (each rank
-# then keeps (ranks - 1) sends and receives in flight); NCCL's collectives
-# run on the device and are kept. A gather's messages are issued by one C++
-# function (``issue_direct_gather`` in python/src/host_world.cpp), which the
-# C++ host world's planned gathers call too, with ``TAG``.
-#
-# Order: messages between two ranks with one tag are matched in the order
-# they were posted, so every rank posts its exchanges in the same order, as
-# with collectives (the engine's and the coordinator's all come from the
-# training thread). Gathers and reduce-scatters use tags of their own; a
-# user's point-to-point messages on the same group must not use them.
-#
-# Completion: gloo reports a send or receive complete only once it has been
-# waited for, so ``query()`` is true only after ``wait()``: a poller sees the
-# exchange in flight until it waits, and the wait then returns at once when
-# the bytes are in.
+# All-gather and reduce-scatter over gloo by direct exchange (docs/zero3.md, "The world"): each
+# rank sends its piece to every other rank and receives theirs straight into the output. Why:
+# gloo's collectives stage through a flat buffer of the whole output, allocated on every call and
+# copied through twice; on 2 ranks of a 2-core machine, gathering 66 MB took 74 ms as one
+# collective and 20 ms as one exchange, and that buffer was part of the step's peak memory
+# (tests/benchmarks/python/bench_zero3.py). Messages between two ranks with one tag match in the
+# order they were posted, so every rank posts its exchanges in the same order, as with
+# collectives; a user's point-to-point messages on the group must not use these tags. gloo reports
+# a send or receive complete only once it was waited for, so ``query()`` is true only after
+# ``wait()``.
 
 # Ranks up to which TorchWorld exchanges directly on gloo. Beyond, gloo's
 # ring keeps 2 messages in flight a rank instead of 2 x (ranks - 1).
@@ -300,54 +265,23 @@ class DirectReduceScatter(_Exchange):
         self._mine = self._out = None
 
 
-# torch.distributed's process group as zero3's world communicator: the
-# host framework supplies the communication, so a job started by torchrun
-# (gloo on cpu, NCCL on cuda) needs no MPI.
+# torch.distributed's process group as zero3's world (docs/zero3.md, "The world"). ``TorchWorld``
+# serves the C++ coordinator, as a ``_ductile.zero.HostCommunicator`` (python/src/host_world.cpp)
+# whose collectives arrive as addresses (``*_at`` calls) and are wrapped into tensors over that
+# memory, cached by address since the coordinator reuses a few buffers; on host streams a
+# coalesced gather is planned here once (``gather_plan``) and issued from C++ after that. It also
+# serves the engine (gradients, checkpoints, all_reduce), on tensors.
 #
-# ``TorchWorld`` serves two callers:
-#
-# - the C++ coordinator, through the accelerator's host world
-#   (``HostWorld::offer_world``; python/src/host_world.cpp): TorchWorld is a
-#   ``_ductile.zero.HostCommunicator``, whose typed facts (rank, size, kind,
-#   group, direct exchange) it sets once at construction and whose calls it
-#   defines; its collectives arrive as addresses, element counts and element
-#   type names (``*_at`` calls), returning ``HostWork`` handles,
-#   wrapped here into tensors over that memory without copying (kept by
-#   address: the coordinator reuses a few buffers, so after the first passes
-#   no tensor is made); on host streams a coalesced gather is asked for here
-#   once, as a plan (``gather_plan``: ``_ductile.zero.GatherRun`` entries),
-#   and issued from C++ after that;
-# - the engine (gradients, checkpoints, all_reduce), on tensors (the calls below).
-#
-# Each call issues the collective at once, asynchronously, on the calling
-# thread, and returns a handle with ``query()`` and ``wait()``. A coalesced
-# gather of a parameter group (its members' slices back to back in the
-# shard, each member whole in the output) is one all-gather of the flat
-# shard and one copy-out (``split_with_sizes_copy``) into the members'
-# places, as FSDP2 does; the small groups of one coalesced gather (a
-# prefetch) share one all-gather, their shards copied in back to back. On
-# gloo (up to MAX_RANKS ranks) an all-gather, and a sum
-# reduce-scatter, is a direct exchange instead: sends and receives straight
-# into the output (``_Exchange`` says why).
-#
-# Stream semantics. cpu: the collective runs on gloo's threads; its output
-# (copied out) is complete when the work is (``query()`` true, or
-# ``wait()``; an exchange's ``query()`` is true only once it was waited
-# for). cuda: the coordinator passes the stream it issues on (its
-# communication stream, ``stream``: a ``cudaStream_t`` as an int); the
-# collective is ordered after that stream's work, the stream's later work
-# after the collective (``Work.wait()`` there, a device-side wait) and the
-# copy-out runs on it, so the coordinator's event recorded on the stream
-# marks the end and the host never waits. The engine's own collectives on
-# cuda are ordered after torch's current stream by torch itself, and
-# ``wait()`` makes the current stream wait for them.
+# Stream semantics. cpu: the collective runs on gloo's threads; its output (copied out) is
+# complete when the work is. cuda: the coordinator passes the stream it issues on (a
+# ``cudaStream_t`` as an int); the collective is ordered after that stream's work, the stream's
+# later work after the collective (``Work.wait()`` there, a device-side wait) and the copy-out
+# runs on it, so the coordinator's event recorded on the stream marks the end and the host never
+# waits. The engine's own collectives on cuda are ordered after torch's current stream by torch
+# itself, and ``wait()`` makes the current stream wait for them.
 
-_DTYPES = {
-    "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-    "bfloat16": torch.bfloat16, "int32": torch.int32, "int64": torch.int64,
-    "uint8": torch.uint8,
-}
-_SIZES = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in _DTYPES.items()}
+_DTYPES = {name: dtype for dtype, (name, _) in _TYPES.items()}
+_SIZES = {name: _ELEMENT_SIZE[dtype] for name, dtype in _DTYPES.items()}
 _CACHE_LIMIT = 4096  # tensors and gather plans kept by address before the caches start over
 # Small groups of one coalesced gather (a prefetch of several) are packed
 # into one collective: a group whose gathered bytes are under
@@ -522,14 +456,10 @@ class TorchWorld(_ductile.zero.HostCommunicator):
         else:
             self.device = torch.device("cpu")
         size = dist.get_world_size(group)
-        # gloo: gathers and sum reduce-scatters by direct exchange
-        #, the C++ host world's planned gathers too
-        # (with direct_tag); False: by torch's collectives (the C++ host
-        # world's planned gathers with gather_collective). The default
-        # group (None) is looked up at each call, never held: a
-        # ProcessGroup kept alive past destroy_process_group() outlives the
-        # interpreter, and a gloo thread dropping its tensors then aborts
-        # the process (see "The world" in docs/zero3.md).
+        # direct_exchange: gathers (the C++ host world's planned ones too, with direct_tag) and
+        # sum reduce-scatters by direct exchange. The default group (None) is looked up at each
+        # call, never held: a ProcessGroup kept alive past destroy_process_group() outlives the
+        # interpreter, and a gloo thread dropping its tensors then aborts the process.
         _ductile.zero.HostCommunicator.__init__(
             self, rank=dist.get_rank(group), size=size,
             kind=f"torch.distributed ({self.backend})", group=group,
@@ -556,9 +486,6 @@ class TorchWorld(_ductile.zero.HostCommunicator):
         dtype = _DTYPES[dtype_name]
         if numel == 0:
             t = torch.empty(0, dtype=dtype, device=self.device)
-        elif self.device.type == "cpu":
-            nbytes = numel * _SIZES[dtype_name]
-            t = torch.frombuffer(_ductile.zero.host_view(address, nbytes), dtype=dtype)
         else:
             t = self._memory.tensor(address, numel, dtype)
         if len(self._tensors) >= _CACHE_LIMIT:
