@@ -13,6 +13,8 @@
 // Threading: both functions release the GIL while they read the buffers;
 // the caller must not resize or free them meanwhile (bytes, numpy arrays
 // and memoryviews cannot be resized while a view is exported).
+// A large file in shared memory (a snapshot's shard) is written through a
+// mapping kept from one call to the next (file_mappings.hpp).
 // Errors: a bad argument is InvalidArgumentError naming it; a failed
 // write(2) is OSError carrying errno and its strerror.
 #include <unistd.h>
@@ -31,6 +33,7 @@
 #endif
 
 #include "bindings.hpp"
+#include "file_mappings.hpp"
 
 namespace ductile::python {
 
@@ -297,13 +300,18 @@ py::tuple write_buffers(const py::handle& fd_argument, const py::handle& buffers
   int error = 0;
   {
     py::gil_scoped_release released;
+    const auto mapped =
+        FileMappings::instance().lease(fd, static_cast<std::uint64_t>(offset) + total);
     auto position = static_cast<off_t>(offset);
     for (const auto& view : views.views()) {
       const auto* p = static_cast<const unsigned char*>(view.buf);
       auto left = static_cast<std::size_t>(view.len);
       while (left > 0 && error == 0) {
         const std::size_t block = left < kWriteBlock ? left : kWriteBlock;
-        error = write_all(fd, p, block, position);
+        if (mapped)
+          std::memcpy(mapped.data() + position, p, block);
+        else
+          error = write_all(fd, p, block, position);
         if (error != 0) break;
         state = update(state, p, block);
         p += block;
