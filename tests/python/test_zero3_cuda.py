@@ -76,3 +76,30 @@ def test_the_host_never_waits_for_the_gpu_during_a_step(runs, launcher):
     debug = runs[launcher][0]["sync_debug"]
     assert debug["steps"] == 3
     assert debug["fetch_wait_ns"] == 0, debug
+
+
+def test_shards_reach_the_host_through_two_reused_pinned_buffers(tmp_path):
+    """A checkpoint's or snapshot's CUDA shards go to the file through the
+    engine's DeviceStaging: copies on its own stream that wait for the
+    compute stream's work (a kernel still queued behind a long sleep when
+    the save starts is in the bytes), two pinned buffers reused by every
+    save, and the file's bytes those of the tensors, in order, across a
+    buffer's end and with CPU tensors (Adam's step) among them."""
+    from ductile.torch.zero3._checkpoint_files import _BATCH_BYTES, DeviceStaging, write_file
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    tensors = [torch.randn(n, device="cuda", generator=generator)
+               for n in (5, _BATCH_BYTES // 4 + 7, 1 << 20)]
+    tensors += [torch.arange(10, dtype=torch.int64), torch.tensor(3.0)]
+    staging = DeviceStaging()
+    assert staging.stream != torch.cuda.current_stream()
+    assert all(b.is_pinned() for b in staging.buffers)
+    pointers = [b.data_ptr() for b in staging.buffers]
+    for round in range(2):
+        torch.cuda._sleep(200_000_000)  # the compute stream is busy a while...
+        tensors[1].mul_(2)  # ...before this runs, still queued when the save starts
+        path = tmp_path / f"shard{round}.bin"
+        size, _ = write_file(str(path), staging.copies(tensors), durable=False)
+        expected = b"".join(t.cpu().numpy().tobytes() for t in tensors)
+        assert size == len(expected)
+        assert path.read_bytes() == expected
+        assert [b.data_ptr() for b in staging.buffers] == pointers
