@@ -101,7 +101,7 @@ const std::vector<Pin> kPins = {
      "DUCTILE_INTERFACE_REVISION_BATCHING",
      DUCTILE_INTERFACE_REVISION_BATCHING,
      1,
-     0xb7901b193421bc39ull},
+     0xafbe6438d5eef1c8ull},
     {{"lr_scaling_rule.hpp"},
      "DUCTILE_INTERFACE_REVISION_LR",
      DUCTILE_INTERFACE_REVISION_LR,

@@ -32,8 +32,11 @@ namespace {
 
 constexpr const char* kLimitText = "2^62 (4611686018427387904)";
 
-void check_range(std::string_view key, std::int64_t value, std::int64_t min,
-                 std::string_view policy) {
+// The one read of an integer setting: checked against [min, 2^62], then
+// carried as the unsigned value the arithmetic uses.
+u64 checked_value(const Params& params, std::string_view key, std::int64_t min,
+                  std::string_view policy) {
+  const std::int64_t value = params.get_int(key);
   if (value < min)
     config_error_at(
         std::string(key),
@@ -42,11 +45,12 @@ void check_range(std::string_view key, std::int64_t value, std::int64_t min,
     config_error_at(std::string(key),
                     fmt::format("elasticity ({}): {} = {} is too large: must be <= {}", policy, key,
                                 value, kLimitText));
+  return static_cast<u64>(value);
 }
 
 }  // namespace
 
-void check_settings(const Params& params, std::string_view policy) {
+Settings read_settings(const Params& params, std::string_view policy) {
   if (!params.get_bool("enabled"))
     config_error(
         fmt::format("elasticity ({}): enabled = false: elasticity is disabled; set "
@@ -99,29 +103,19 @@ void check_settings(const Params& params, std::string_view policy) {
                     fmt::format("elasticity ({}): min_gpus = {} is greater than max_gpus = {}; "
                                 "min_gpus must be <= max_gpus",
                                 policy, min_gpus, max_gpus));
-  check_range("min_gpus", min_gpus, 1, policy);
-  check_range("max_gpus", max_gpus, 1, policy);
-  check_range("model_parallel_size", params.get_int("model_parallel_size"), 1, policy);
-  check_range("num_gpus_per_node", params.get_int("num_gpus_per_node"), 1, policy);
-  check_range("min_time", params.get_int("min_time"), 0, policy);
-  check_range("max_train_batch_size", params.get_int("max_train_batch_size"), 1, policy);
-}
-
-Settings read_settings(const Params& params) {
-  const auto unsigned_value = [&](std::string_view key) {
-    return static_cast<u64>(params.get_int(key));
-  };
-  const auto& micro = params.get_int_list("micro_batch_sizes");
-  std::vector<u64> micro_batch_sizes;
-  micro_batch_sizes.reserve(micro.size());
-  for (const std::int64_t m : micro) micro_batch_sizes.push_back(static_cast<u64>(m));
-  return Settings{.max_train_batch_size = unsigned_value("max_train_batch_size"),
-                  .micro_batch_sizes = std::move(micro_batch_sizes),
-                  .min_gpus = unsigned_value("min_gpus"),
-                  .max_gpus = unsigned_value("max_gpus"),
-                  .num_gpus_per_node = unsigned_value("num_gpus_per_node"),
-                  .model_parallel_size = unsigned_value("model_parallel_size"),
-                  .min_time = unsigned_value("min_time"),
+  // DeepSpeed's order of checks, hence locals before the Settings.
+  const u64 checked_min_gpus = checked_value(params, "min_gpus", 1, policy);
+  const u64 checked_max_gpus = checked_value(params, "max_gpus", 1, policy);
+  const u64 model_parallel_size = checked_value(params, "model_parallel_size", 1, policy);
+  const u64 num_gpus_per_node = checked_value(params, "num_gpus_per_node", 1, policy);
+  const u64 min_time = checked_value(params, "min_time", 0, policy);
+  return Settings{.max_train_batch_size = checked_value(params, "max_train_batch_size", 1, policy),
+                  .micro_batch_sizes = std::vector<u64>(micro.begin(), micro.end()),
+                  .min_gpus = checked_min_gpus,
+                  .max_gpus = checked_max_gpus,
+                  .num_gpus_per_node = num_gpus_per_node,
+                  .model_parallel_size = model_parallel_size,
+                  .min_time = min_time,
                   .prefer_larger_batch = params.get_bool("prefer_larger_batch")};
 }
 

@@ -2,13 +2,13 @@
 // `elasticity` keys and defaults) and DeepSpeed's configuration checks.
 //
 // The schema bounds are deliberately loose (types only): every range check
-// is done here, by check_settings, because a schema's errors are the core's
+// is done here, by read_settings, because a schema's errors are the core's
 // ConfigError while DeepSpeed's API promises ElasticityConfigError for every
 // elasticity setting; TOML, DeepSpeed JSON and the embedding API all report
-// it naming the key, the value and what is valid. check_settings is run by
+// it naming the key, the value and what is valid. read_settings is run by
 // the policy's validate hook, which the core runs before it creates the
-// policy and for `ductile config check`; the policy then reads the checked
-// values once (read_settings) and computes every plan from them.
+// policy and for `ductile config check`, and once more when the policy is
+// created: it computes every plan from that copy.
 #pragma once
 
 #include <cstddef>
@@ -104,18 +104,15 @@ struct Settings {
   bool prefer_larger_batch;
 };
 
-// DeepSpeed's checks of the parameters in DeepSpeed's order: enabled,
-// required keys present, micro batches positive, min/max GPUs, model parallel
-// size, GPUs per node, min_time, max_train_batch_size; plus ours: the list is
-// not empty, holds at most kMaxMicroBatchSizes entries and no value exceeds
-// 2^62. `policy` names the policy in messages. Throws ElasticityConfigError
-// (a ParamError naming the key where there is one).
-void check_settings(const Params& params, std::string_view policy);
-
-// The parameters as Settings: the one read of the values check_settings
-// accepted (their signed 64-bit values as the unsigned ones the arithmetic
-// uses). Call it only on parameters check_settings accepted.
-Settings read_settings(const Params& params);
+// The parameters as Settings, the one read of every value: DeepSpeed's checks
+// in DeepSpeed's order (enabled, required keys present, micro batches
+// positive, min/max GPUs, model parallel size, GPUs per node, min_time,
+// max_train_batch_size) plus ours (the list is not empty, holds at most
+// kMaxMicroBatchSizes entries and no value exceeds 2^62), each value then
+// converted once from the parameter's int64 to the unsigned type the
+// arithmetic uses. `policy` names the policy in messages. Throws
+// ElasticityConfigError (a ParamError naming the key where there is one).
+Settings read_settings(const Params& params, std::string_view policy);
 
 // The world size of a request, validated (0 = not given).
 u64 request_world_size(const ElasticityRequest& request);

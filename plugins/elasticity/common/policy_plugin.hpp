@@ -18,13 +18,12 @@ class PolicyPlugin final : public ElasticityPolicy {
   // The core creates a plugin only from parameters its validate hook
   // accepted: they are read once here, and every plan is computed from them.
   explicit PolicyPlugin(const HostContext& ctx)
-      : settings_(read_settings(ctx.params())), logger_(ctx.logger()) {}
+      : settings_(read_settings(ctx.params(), ctx.plugin_name())), logger_(ctx.logger()) {}
 
   // The validate hook (see DUCTILE_PLUGIN): DeepSpeed's configuration checks
   // and the policy's own, on the parameters alone.
   static void validate(const Params& params, std::string_view name) {
-    check_settings(params, name);
-    Check(read_settings(params));
+    Check(read_settings(params, name));
   }
 
   ElasticityResult compute(const ElasticityRequest& request) const override {

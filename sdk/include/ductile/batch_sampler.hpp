@@ -71,7 +71,9 @@ inline constexpr std::int64_t kMaxTokenBudget = (std::int64_t{1} << 31) - 1;
 
 // The validated configuration of a sampler, as given by its parameters.
 struct PackOptions {
-  std::int64_t max_tokens = 0;            // token budget of one micro-batch (1..kMaxTokenBudget)
+  // Token budget of one micro-batch (1..kMaxTokenBudget). No default: the
+  // key is required by the schema, so the value always comes from it.
+  std::int64_t max_tokens;
   std::int64_t min_batch_size = 1;        // fewest samples in a micro-batch (0 = no minimum)
   std::int64_t max_batch_size = 0;        // most samples in a micro-batch (0 = no maximum)
   std::int64_t effective_batch_size = 1;  // micro-batches per step (>= 1)
