@@ -185,14 +185,11 @@ int run_pack(const CliContext& context, const PackFlags& o) {
   }
   const pipeline::PackPlan& plan = *packed;
   const auto& s = plan.stats;
-  const auto ranks = options.ranks;
-
+  progress.finish();
   if (o.json) {
-    progress.finish();
     std::cout << json << "\n";
     return kExitOk;
   }
-  progress.finish();
 
   auto& out = std::cout;
   out << fmt::format("ductile pack: {} ({} samples) with sampler '{}'\n", setup.lengths.string(),
@@ -214,7 +211,7 @@ int run_pack(const CliContext& context, const PackFlags& o) {
   row("packing time",
       fmt::format("{:.6f} s ({:.3g} sequences/s)", s.seconds,
                   s.seconds > 0 ? static_cast<double>(lengths.size()) / s.seconds : 0.0));
-  for (std::int64_t rank = 0; rank < ranks; ++rank)
+  for (std::int64_t rank = 0; rank < options.ranks; ++rank)
     row(fmt::format("rank {}", rank),
         fmt::format("{} micro-batches",
                     plan.microbatches_of_rank(static_cast<std::size_t>(rank)).size()));
@@ -283,11 +280,10 @@ void register_pack_command(CLI::App& app, CliContext& context) {
       pack, context, [&context, o] { return run_pack(context, *o); }, &o->json);
 }
 
-namespace {
-
 // The batching part of `ductile demo`: packs the configured lengths with the
 // configured sampler and shows the first steps with their learning rates.
-void run_batching_demo(DemoContext& demo) {
+void demo_batching(DemoContext& demo) {
+  if (!demo.runtime.has(PluginKind::batching)) return;
   auto& out = demo.out;
   out << "\n-- dynamic batching --\n";
   const auto setup = pipeline::pack_setup_from_config(demo.runtime.config());
@@ -328,13 +324,6 @@ void run_batching_demo(DemoContext& demo) {
                        plan.batch_max_seqlens[st],
                        plan.lr_rule ? fmt::format("  {:.6g}", plan.lrs[st]) : "");
   }
-}
-
-}  // namespace
-
-void demo_batching(DemoContext& demo) {
-  if (!demo.runtime.has(PluginKind::batching)) return;
-  run_batching_demo(demo);
 }
 
 }  // namespace ductile::cli

@@ -42,10 +42,6 @@ int as_int(std::size_t count) {
   return static_cast<int>(count);
 }
 
-const char* bytes_of(const void* p) {
-  return static_cast<const char*>(p);
-}
-
 // An MpiStart for an MPI call that makes one request.
 template <class Call>
 MpiStart one_request(Call call) {
@@ -119,8 +115,8 @@ MpiCommunicator::~MpiCommunicator() {
 }
 
 std::shared_ptr<CollectiveHandle> MpiCommunicator::post(Stream& stream, const char* call,
-                                                        std::function<void()> prepare,
                                                         MpiStart start,
+                                                        std::function<void()> prepare,
                                                         std::function<void()> finish) {
   HostStream& host_stream = as_host_stream(stream, call);
   MpiEngine* engine = &MpiEngine::get();
@@ -128,6 +124,10 @@ std::shared_ptr<CollectiveHandle> MpiCommunicator::post(Stream& stream, const ch
   // Without a finishing step the handle completes when MPI does, saving a
   // thread hand-off.
   auto handle = (prepare || finish) ? std::make_shared<Completion>() : posted;
+  auto collective_handle = [&]() -> std::shared_ptr<CollectiveHandle> {
+    if (handle == posted) return std::make_shared<MpiHandle>(handle, engine);
+    return std::make_shared<CompletionHandle>(handle);
+  };
   std::uint64_t sequence = engine->next_sequence(id_);
   std::string what = std::string(call) + " (" + backend_ + " communicator, collective #" +
                      std::to_string(sequence) + ")";
@@ -140,8 +140,7 @@ std::shared_ptr<CollectiveHandle> MpiCommunicator::post(Stream& stream, const ch
     host_stream.enqueue_lazy([posted, finish = std::move(finish),
                               handle](bool) { complete_after(*posted, finish, *handle); },
                              posted);
-    if (handle == posted) return std::make_shared<MpiHandle>(handle, engine);
-    return std::make_shared<CompletionHandle>(handle);
+    return collective_handle();
   }
   host_stream.enqueue([engine, id = id_, sequence, what, prepare = std::move(prepare),
                        start = std::move(start), finish = std::move(finish), posted,
@@ -161,31 +160,28 @@ std::shared_ptr<CollectiveHandle> MpiCommunicator::post(Stream& stream, const ch
     engine->submit(id, sequence, what, start, posted);
     complete_after(*posted, finish, *handle);
   });
-  if (handle == posted) return std::make_shared<MpiHandle>(handle, engine);
-  return std::make_shared<CompletionHandle>(handle);
+  return collective_handle();
 }
 
 std::shared_ptr<CollectiveHandle> MpiCommunicator::do_all_gather(const void* send, void* recv,
                                                                  std::size_t count, DataType type,
                                                                  Stream& stream) {
-  const char* call = "all_gather";
   std::size_t block = count * size_of(type);
   // Rank r's input already in place in the output: MPI_IN_PLACE.
-  bool in_place = count > 0 && send == bytes_of(recv) + static_cast<std::size_t>(rank_) * block;
+  bool in_place =
+      count > 0 && send == static_cast<const char*>(recv) + static_cast<std::size_t>(rank_) * block;
   MPI_Datatype datatype = mpi_datatype(type);
-  return post(
-      stream, call, nullptr,
-      [=, rank = rank_, size = size_, max_ranks = exchange_max_ranks_](MPI_Comm comm,
-                                                                       MpiPosting& posting) {
-        return start_all_gather(in_place ? nullptr : send, static_cast<char*>(recv), as_int(count),
-                                datatype, block, rank, size, max_ranks, comm, posting);
-      },
-      nullptr);
+  return post(stream, "all_gather",
+              [=, rank = rank_, size = size_, max_ranks = exchange_max_ranks_](
+                  MPI_Comm comm, MpiPosting& posting) {
+                return start_all_gather(in_place ? nullptr : send, static_cast<char*>(recv),
+                                        as_int(count), datatype, block, rank, size, max_ranks, comm,
+                                        posting);
+              });
 }
 
 std::shared_ptr<CollectiveHandle> MpiCommunicator::do_all_gather_coalesced(
     std::span<const GatherItem> items, std::size_t total, Stream& stream) {
-  const char* call = "all_gather_coalesced";
   if (items.size() == 1)
     return do_all_gather(items[0].send, items[0].recv, items[0].count, items[0].type, stream);
   // One gather of all tensors packed back to back; unpacked into each
@@ -223,61 +219,52 @@ std::shared_ptr<CollectiveHandle> MpiCommunicator::do_all_gather_coalesced(
     buffers->recv.reset();
   };
   return post(
-      stream, call, prepare,
+      stream, "all_gather_coalesced",
       [buffers, total, rank = rank_, size, max_ranks = exchange_max_ranks_](MPI_Comm comm,
                                                                             MpiPosting& posting) {
         return start_all_gather(buffers->send.get(), buffers->recv.get(), as_int(total), MPI_BYTE,
                                 total, rank, size, max_ranks, comm, posting);
       },
-      finish);
+      prepare, finish);
 }
 
 std::shared_ptr<CollectiveHandle> MpiCommunicator::do_reduce_scatter(const void* send, void* recv,
                                                                      std::size_t count,
                                                                      DataType type, ReduceOp op,
                                                                      Stream& stream) {
-  const char* call = "reduce_scatter";
-  MpiEngine& engine = MpiEngine::get();
   MPI_Datatype datatype = mpi_datatype(type);
-  MPI_Op mpi_op = engine.reduce_op(type, op);
-  return post(stream, call, nullptr, one_request([=](MPI_Comm comm, MPI_Request* request) {
+  MPI_Op mpi_op = MpiEngine::get().reduce_op(type, op);
+  return post(stream, "reduce_scatter", one_request([=](MPI_Comm comm, MPI_Request* request) {
                 return MPI_Ireduce_scatter_block(send, recv, as_int(count), datatype, mpi_op, comm,
                                                  request);
-              }),
-              nullptr);
+              }));
 }
 
 std::shared_ptr<CollectiveHandle> MpiCommunicator::do_all_reduce(const void* send, void* recv,
                                                                  std::size_t count, DataType type,
                                                                  ReduceOp op, Stream& stream) {
-  const char* call = "all_reduce";
-  MpiEngine& engine = MpiEngine::get();
   MPI_Datatype datatype = mpi_datatype(type);
-  MPI_Op mpi_op = engine.reduce_op(type, op);
+  MPI_Op mpi_op = MpiEngine::get().reduce_op(type, op);
   bool in_place = send == recv;
-  return post(stream, call, nullptr, one_request([=](MPI_Comm comm, MPI_Request* request) {
+  return post(stream, "all_reduce", one_request([=](MPI_Comm comm, MPI_Request* request) {
                 return MPI_Iallreduce(in_place ? MPI_IN_PLACE : send, recv, as_int(count), datatype,
                                       mpi_op, comm, request);
-              }),
-              nullptr);
+              }));
 }
 
 std::shared_ptr<CollectiveHandle> MpiCommunicator::do_broadcast(void* buffer, std::size_t count,
                                                                 DataType type, int root,
                                                                 Stream& stream) {
-  const char* call = "broadcast";
   MPI_Datatype datatype = mpi_datatype(type);
-  return post(stream, call, nullptr, one_request([=](MPI_Comm comm, MPI_Request* request) {
+  return post(stream, "broadcast", one_request([=](MPI_Comm comm, MPI_Request* request) {
                 return MPI_Ibcast(buffer, as_int(count), datatype, root, comm, request);
-              }),
-              nullptr);
+              }));
 }
 
 std::shared_ptr<CollectiveHandle> MpiCommunicator::do_barrier(Stream& stream) {
-  return post(stream, "barrier", nullptr, one_request([](MPI_Comm comm, MPI_Request* request) {
+  return post(stream, "barrier", one_request([](MPI_Comm comm, MPI_Request* request) {
                 return MPI_Ibarrier(comm, request);
-              }),
-              nullptr);
+              }));
 }
 
 }  // namespace ductile::accel

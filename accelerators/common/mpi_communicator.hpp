@@ -54,12 +54,11 @@ class DUCTILE_ACCEL_API MpiCommunicator final : public CheckedCommunicator {
   std::shared_ptr<CollectiveHandle> do_barrier(Stream& stream) override;
 
  private:
-  struct Staging;
   // `prepare` runs on the stream before posting, `finish` after completion
   // (both optional).
-  std::shared_ptr<CollectiveHandle> post(Stream& stream, const char* call,
-                                         std::function<void()> prepare, MpiStart start,
-                                         std::function<void()> finish);
+  std::shared_ptr<CollectiveHandle> post(Stream& stream, const char* call, MpiStart start,
+                                         std::function<void()> prepare = nullptr,
+                                         std::function<void()> finish = nullptr);
 
   std::string backend_;
   int id_ = -1;

@@ -26,10 +26,6 @@ using Clock = std::chrono::steady_clock;
 constexpr std::uint32_t kHelloMagic = 0x444a4e31;  // "DJN1"
 constexpr std::uint32_t kStatusPort = 0, kStatusRefused = 1;
 
-std::string errno_text() {
-  return std::strerror(errno);
-}
-
 class Socket {
  public:
   explicit Socket(int fd = -1) : fd_(fd) {}
@@ -94,6 +90,12 @@ bool send_message(int fd, std::uint32_t status, const std::string& text) {
   return write_all(fd, header, sizeof header) && write_all(fd, text.data(), text.size());
 }
 
+// Tells every rank that reached rank 0 why the join failed.
+void refuse_all(std::vector<Socket>& peers, const std::string& why) {
+  for (auto& p : peers)
+    if (p) send_message(p.fd(), kStatusRefused, why);
+}
+
 std::string mpi_failure(const char* call, int code) {
   return std::string(call) + " failed: " + mpi_error_string(code);
 }
@@ -126,18 +128,17 @@ bool gather_joiners(JoinRequest& r, Clock::time_point deadline, std::vector<Sock
   Socket listener(std::exchange(r.listener, -1));
   peers.resize(static_cast<std::size_t>(r.size));
   int joined = 1;
-  auto refuse_all = [&](const std::string& why) {
-    for (auto& p : peers)
-      if (p) send_message(p.fd(), kStatusRefused, why);
+  auto refuse = [&](const std::string& why) {
+    refuse_all(peers, why);
     error = why;
     return false;
   };
   while (joined < r.size) {
     if (!wait_for(listener.fd(), POLLIN, deadline))
-      return refuse_all(std::to_string(r.size - joined) + " of the " + std::to_string(r.size) +
-                        " ranks did not reach rank 0 at port " + std::to_string(r.port) +
-                        " within " + std::to_string(static_cast<int>(r.timeout_seconds)) +
-                        " s (DUCTILE_MPI_JOIN_TIMEOUT)");
+      return refuse(std::to_string(r.size - joined) + " of the " + std::to_string(r.size) +
+                    " ranks did not reach rank 0 at port " + std::to_string(r.port) + " within " +
+                    std::to_string(static_cast<int>(r.timeout_seconds)) +
+                    " s (DUCTILE_MPI_JOIN_TIMEOUT)");
     Socket peer(accept4(listener.fd(), nullptr, nullptr, SOCK_CLOEXEC));
     if (!peer) continue;
     std::uint32_t hello[3];
@@ -154,7 +155,7 @@ bool gather_joiners(JoinRequest& r, Clock::time_point deadline, std::vector<Sock
                                        : "two processes joined with RANK=" + std::to_string(rank) +
                                              " (every rank from 1 to WORLD_SIZE-1 must join once)";
       send_message(peer.fd(), kStatusRefused, why);
-      return refuse_all(why);
+      return refuse(why);
     }
     peers[static_cast<std::size_t>(rank)] = std::move(peer);
     ++joined;
@@ -170,8 +171,7 @@ MPI_Comm join_as_root(JoinRequest& r, Clock::time_point deadline, std::string& e
   if (rc != MPI_SUCCESS) {
     error = mpi_failure("MPI_Open_port", rc) +
             " (is the ompi-server named by OMPI_MCA_pmix_server_uri running?)";
-    for (auto& p : peers)
-      if (p) send_message(p.fd(), kStatusRefused, "rank 0: " + error);
+    refuse_all(peers, "rank 0: " + error);
     return MPI_COMM_NULL;
   }
   MPI_Comm group = MPI_COMM_NULL;
@@ -186,8 +186,7 @@ MPI_Comm join_as_root(JoinRequest& r, Clock::time_point deadline, std::string& e
   }
   MPI_Close_port(port);
   if (!error.empty()) {
-    for (auto& p : peers)
-      if (p) send_message(p.fd(), kStatusRefused, "rank 0: " + error);
+    refuse_all(peers, "rank 0: " + error);
     return MPI_COMM_NULL;
   }
   return group;
@@ -213,7 +212,7 @@ MPI_Comm join_as_member(const JoinRequest& r, Clock::time_point deadline, std::s
     } else if (Clock::now() >= deadline) {
       error = "rank " + std::to_string(r.rank) + " could not reach rank 0 at " + r.host + ":" +
               port_text + " within " + std::to_string(static_cast<int>(r.timeout_seconds)) +
-              " s (DUCTILE_MPI_JOIN, DUCTILE_MPI_JOIN_TIMEOUT): " + errno_text();
+              " s (DUCTILE_MPI_JOIN, DUCTILE_MPI_JOIN_TIMEOUT): " + std::strerror(errno);
       return MPI_COMM_NULL;
     } else {
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -310,7 +309,7 @@ bool listen_for_joiners(JoinRequest& r, std::string& error) {
   if (!listener || bind(listener.fd(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
       listen(listener.fd(), 128) != 0) {
     error = "rank 0 cannot listen on port " + std::to_string(r.port) +
-            " (DUCTILE_MPI_JOIN): " + errno_text() + "; give a free port";
+            " (DUCTILE_MPI_JOIN): " + std::strerror(errno) + "; give a free port";
     return false;
   }
   r.listener = listener.release();

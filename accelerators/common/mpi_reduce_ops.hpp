@@ -9,8 +9,7 @@
 
 namespace ductile::accel {
 
-// The MPI datatype carrying `type`. Throws Error(invalid_argument) for an
-// unknown DataType.
+// The MPI datatype carrying `type`, a valid DataType (callers check it).
 MPI_Datatype mpi_datatype(DataType type);
 
 // The ops for every (DataType, ReduceOp). Created and freed by the engine
@@ -20,7 +19,7 @@ class MpiReduceOps {
  public:
   void create();
   void release() noexcept;
-  // Throws Error(invalid_argument) for an unknown ReduceOp.
+  // `op` must be a valid ReduceOp (callers check it).
   MPI_Op get(DataType type, ReduceOp op) const;
 
  private:

@@ -73,38 +73,18 @@ std::string cuda_message(cudaError_t error) {
     if (ductile_result_ != ncclSuccess) throw_nccl(ductile_result_, #call, comm); \
   } while (0)
 
+// NCCL's types and ops, indexed by DataType and ReduceOp (both checked by
+// CheckedCommunicator before a collective gets here).
+constexpr ncclDataType_t kNcclTypes[] = {ncclFloat32, ncclFloat64, ncclFloat16, ncclBfloat16,
+                                         ncclInt32,   ncclInt64,   ncclUint8};
+constexpr ncclRedOp_t kNcclOps[] = {ncclSum, ncclProd, ncclMin, ncclMax};
+
 ncclDataType_t nccl_type(DataType type) {
-  switch (type) {
-    case DataType::f32:
-      return ncclFloat32;
-    case DataType::f64:
-      return ncclFloat64;
-    case DataType::f16:
-      return ncclFloat16;
-    case DataType::bf16:
-      return ncclBfloat16;
-    case DataType::i32:
-      return ncclInt32;
-    case DataType::i64:
-      return ncclInt64;
-    case DataType::u8:
-      return ncclUint8;
-  }
-  throw Error(ErrorKind::invalid_argument, "unknown DataType");
+  return kNcclTypes[static_cast<std::size_t>(type)];
 }
 
 ncclRedOp_t nccl_op(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::sum:
-      return ncclSum;
-    case ReduceOp::prod:
-      return ncclProd;
-    case ReduceOp::min:
-      return ncclMin;
-    case ReduceOp::max:
-      return ncclMax;
-  }
-  throw Error(ErrorKind::invalid_argument, "unknown ReduceOp");
+  return kNcclOps[static_cast<std::size_t>(op)];
 }
 
 // The runtime's current device is per host thread: set it on entry.

@@ -15,6 +15,7 @@
 #include <limits>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "accelerator_base.hpp"
@@ -50,37 +51,29 @@ constexpr ParamSpec kSchema[] = {
             "forever"},
 };
 
+// The results worth naming in messages; any other prints as "a Level Zero error".
+#define DUCTILE_ZE_RESULT(result) std::pair<ze_result_t, const char*>(result, #result)
+constexpr std::pair<ze_result_t, const char*> kResultNames[] = {
+    DUCTILE_ZE_RESULT(ZE_RESULT_SUCCESS),
+    DUCTILE_ZE_RESULT(ZE_RESULT_NOT_READY),
+    DUCTILE_ZE_RESULT(ZE_RESULT_ERROR_DEVICE_LOST),
+    DUCTILE_ZE_RESULT(ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY),
+    DUCTILE_ZE_RESULT(ZE_RESULT_ERROR_OUT_OF_DEVICE_MEMORY),
+    DUCTILE_ZE_RESULT(ZE_RESULT_ERROR_UNINITIALIZED),
+    DUCTILE_ZE_RESULT(ZE_RESULT_ERROR_UNSUPPORTED_VERSION),
+    DUCTILE_ZE_RESULT(ZE_RESULT_ERROR_UNSUPPORTED_FEATURE),
+    DUCTILE_ZE_RESULT(ZE_RESULT_ERROR_INVALID_ARGUMENT),
+    DUCTILE_ZE_RESULT(ZE_RESULT_ERROR_INVALID_NULL_HANDLE),
+    DUCTILE_ZE_RESULT(ZE_RESULT_ERROR_INVALID_NULL_POINTER),
+    DUCTILE_ZE_RESULT(ZE_RESULT_ERROR_INVALID_SIZE),
+    DUCTILE_ZE_RESULT(ZE_RESULT_ERROR_UNKNOWN),
+};
+#undef DUCTILE_ZE_RESULT
+
 const char* result_name(ze_result_t result) {
-  switch (result) {
-    case ZE_RESULT_SUCCESS:
-      return "ZE_RESULT_SUCCESS";
-    case ZE_RESULT_NOT_READY:
-      return "ZE_RESULT_NOT_READY";
-    case ZE_RESULT_ERROR_DEVICE_LOST:
-      return "ZE_RESULT_ERROR_DEVICE_LOST";
-    case ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY:
-      return "ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY";
-    case ZE_RESULT_ERROR_OUT_OF_DEVICE_MEMORY:
-      return "ZE_RESULT_ERROR_OUT_OF_DEVICE_MEMORY";
-    case ZE_RESULT_ERROR_UNINITIALIZED:
-      return "ZE_RESULT_ERROR_UNINITIALIZED";
-    case ZE_RESULT_ERROR_UNSUPPORTED_VERSION:
-      return "ZE_RESULT_ERROR_UNSUPPORTED_VERSION";
-    case ZE_RESULT_ERROR_UNSUPPORTED_FEATURE:
-      return "ZE_RESULT_ERROR_UNSUPPORTED_FEATURE";
-    case ZE_RESULT_ERROR_INVALID_ARGUMENT:
-      return "ZE_RESULT_ERROR_INVALID_ARGUMENT";
-    case ZE_RESULT_ERROR_INVALID_NULL_HANDLE:
-      return "ZE_RESULT_ERROR_INVALID_NULL_HANDLE";
-    case ZE_RESULT_ERROR_INVALID_NULL_POINTER:
-      return "ZE_RESULT_ERROR_INVALID_NULL_POINTER";
-    case ZE_RESULT_ERROR_INVALID_SIZE:
-      return "ZE_RESULT_ERROR_INVALID_SIZE";
-    case ZE_RESULT_ERROR_UNKNOWN:
-      return "ZE_RESULT_ERROR_UNKNOWN";
-    default:
-      return "a Level Zero error";
-  }
+  for (const auto& [code, name] : kResultNames)
+    if (code == result) return name;
+  return "a Level Zero error";
 }
 
 [[noreturn]] void throw_ze(ze_result_t result, const char* call) {
@@ -307,11 +300,10 @@ class StagedCommunicator final : public CheckedCommunicator {
  private:
   std::shared_ptr<CollectiveHandle> do_all_gather(const void* send, void* recv, std::size_t count,
                                                   DataType type, Stream& stream) override {
-    const char* call = "all_gather";
     std::size_t bytes = count * size_of(type);
     std::size_t n = static_cast<std::size_t>(size());
     return staged(
-        stream, call, bytes, bytes * n,
+        stream, "all_gather", bytes, bytes * n,
         [&](StagedOp& op) {
           return std::vector<Copy>{{op.send, send, bytes}};
         },
@@ -326,12 +318,11 @@ class StagedCommunicator final : public CheckedCommunicator {
   std::shared_ptr<CollectiveHandle> do_all_gather_coalesced(std::span<const GatherItem> items,
                                                             std::size_t total,
                                                             Stream& stream) override {
-    const char* call = "all_gather_coalesced";
     std::size_t n = static_cast<std::size_t>(size());
     std::vector<GatherItem> list(items.begin(), items.end());
     // Packed on the way out, unpacked per rank on the way back.
     return staged(
-        stream, call, total, total * n,
+        stream, "all_gather_coalesced", total, total * n,
         [&](StagedOp& op) {
           std::vector<Copy> copies;
           std::size_t offset = 0;
@@ -363,11 +354,10 @@ class StagedCommunicator final : public CheckedCommunicator {
   std::shared_ptr<CollectiveHandle> do_reduce_scatter(const void* send, void* recv,
                                                       std::size_t count, DataType type,
                                                       ReduceOp op_kind, Stream& stream) override {
-    const char* call = "reduce_scatter";
     std::size_t bytes = count * size_of(type);
     std::size_t n = static_cast<std::size_t>(size());
     return staged(
-        stream, call, bytes * n, bytes,
+        stream, "reduce_scatter", bytes * n, bytes,
         [&](StagedOp& op) {
           return std::vector<Copy>{{op.send, send, bytes * n}};
         },
@@ -382,10 +372,9 @@ class StagedCommunicator final : public CheckedCommunicator {
   std::shared_ptr<CollectiveHandle> do_all_reduce(const void* send, void* recv, std::size_t count,
                                                   DataType type, ReduceOp op_kind,
                                                   Stream& stream) override {
-    const char* call = "all_reduce";
     std::size_t bytes = count * size_of(type);
     return staged(
-        stream, call, bytes, bytes,
+        stream, "all_reduce", bytes, bytes,
         [&](StagedOp& op) {
           return std::vector<Copy>{{op.send, send, bytes}};
         },
@@ -399,11 +388,10 @@ class StagedCommunicator final : public CheckedCommunicator {
 
   std::shared_ptr<CollectiveHandle> do_broadcast(void* buffer, std::size_t count, DataType type,
                                                  int root, Stream& stream) override {
-    const char* call = "broadcast";
     std::size_t bytes = count * size_of(type);
     bool is_root = rank() == root;
     return staged(
-        stream, call, bytes, 0,
+        stream, "broadcast", bytes, 0,
         [&](StagedOp& op) {
           return is_root ? std::vector<Copy>{{op.send, buffer, bytes}} : std::vector<Copy>{};
         },
@@ -434,17 +422,17 @@ class StagedCommunicator final : public CheckedCommunicator {
     ZeStream& ze = as_ze_stream(stream, call);
     auto op = std::make_shared<StagedOp>(ze.context(), send_bytes, recv_bytes);
     ze.append([&](ze_command_list_handle_t list) {
-      for (const Copy& copy : copies_in(*op))
-        if (copy.bytes)
-          DUCTILE_ZE_CHECK(zeCommandListAppendMemoryCopy(list, copy.dst, copy.src, copy.bytes,
-                                                         nullptr, 0, nullptr));
+      const auto append_copies = [&](const std::vector<Copy>& copies) {
+        for (const Copy& copy : copies)
+          if (copy.bytes)
+            DUCTILE_ZE_CHECK(zeCommandListAppendMemoryCopy(list, copy.dst, copy.src, copy.bytes,
+                                                           nullptr, 0, nullptr));
+      };
+      append_copies(copies_in(*op));
       DUCTILE_ZE_CHECK(zeCommandListAppendBarrier(list, op->ready.get(), 0, nullptr));
       ze_event_handle_t host_done = op->host_done.get();
       DUCTILE_ZE_CHECK(zeCommandListAppendWaitOnEvents(list, 1, &host_done));
-      for (const Copy& copy : copies_out(*op))
-        if (copy.bytes)
-          DUCTILE_ZE_CHECK(zeCommandListAppendMemoryCopy(list, copy.dst, copy.src, copy.bytes,
-                                                         nullptr, 0, nullptr));
+      append_copies(copies_out(*op));
       DUCTILE_ZE_CHECK(zeCommandListAppendBarrier(list, op->done.get(), 0, nullptr));
     });
     HostStream& host = ze.host();

@@ -21,6 +21,12 @@ bool before(const SourcePosition& a, const SourcePosition& b) {
   return std::tie(a.line, a.column) < std::tie(b.line, b.column);
 }
 
+void sort_by_position(std::vector<Diagnostic>& list) {
+  std::stable_sort(list.begin(), list.end(), [](const Diagnostic& a, const Diagnostic& b) {
+    return before(a.where, b.where);
+  });
+}
+
 }  // namespace
 
 bool Problems::wanted(const SourcePosition& where) {
@@ -32,9 +38,7 @@ bool Problems::wanted(const SourcePosition& where) {
 void Problems::add(Diagnostic diagnostic) {
   list_.push_back(std::move(diagnostic));
   if (list_.size() < 4 * kMaxConfigDiagnostics) return;
-  std::stable_sort(list_.begin(), list_.end(), [](const Diagnostic& a, const Diagnostic& b) {
-    return before(a.where, b.where);
-  });
+  sort_by_position(list_);
   dropped_ += list_.size() - kMaxConfigDiagnostics;
   list_.resize(kMaxConfigDiagnostics);
   full_ = true;
@@ -43,9 +47,7 @@ void Problems::add(Diagnostic diagnostic) {
 
 void Problems::throw_if_any() {
   if (list_.empty()) return;
-  std::stable_sort(list_.begin(), list_.end(), [](const Diagnostic& a, const Diagnostic& b) {
-    return before(a.where, b.where);
-  });
+  sort_by_position(list_);
   throw ConfigError(std::move(list_), dropped_);
 }
 

@@ -177,7 +177,7 @@ PluginInfo check_plugin_descriptor(const ductile_plugin_descriptor* d, const fs:
   }
   PluginKind file_kind;
   std::string file_name;
-  if (split_plugin_file_name(file, file_kind, file_name) &&
+  if (parse_plugin_file_name(file.filename().native(), file_kind, file_name) &&
       (file_kind != info.kind || file_name != info.name)) {
     throw Error(ErrorKind::plugin,
                 fmt::format("'{}' declares plugin {}/{} but its file name says {}/{}; name the "

@@ -42,10 +42,6 @@ bool parse_plugin_file_name(std::string_view base, PluginKind& kind, std::string
   return true;
 }
 
-bool split_plugin_file_name(const fs::path& file, PluginKind& kind, std::string& name) {
-  return parse_plugin_file_name(file.filename().native(), kind, name);
-}
-
 std::string plugin_kind_list() {
   return join(plugin_kind_names());
 }

@@ -13,9 +13,8 @@
 
 namespace ductile::core {
 
-// Reads libductile_<kind>_<name>.so; false for any other file name.
-bool split_plugin_file_name(const std::filesystem::path& file, PluginKind& kind, std::string& name);
-// The same for a file name alone (no directory).
+// Reads a file name (no directory) libductile_<kind>_<name>.so; false for
+// any other file name.
 bool parse_plugin_file_name(std::string_view file_name, PluginKind& kind, std::string& name);
 
 // load_plugin_file() for a file of a plugin directory whose resolved path,

@@ -59,6 +59,9 @@ py::dict dict_from_params(const Params& params);
 // UTF-8 (no lone surrogates). Errors are ductile::Error(invalid_argument):
 // "<name> = <repr> is not an integer (float); give an int" or "<name> = <repr>
 // is out of range; must be between <low> and <high>". Caller holds the GIL.
+// The name of a Python value's type, for messages ("int", "list").
+std::string python_type_name(const py::handle& value);
+
 std::int64_t int_argument(const py::handle& value, const std::string& name,
                           std::int64_t low = std::numeric_limits<std::int64_t>::min(),
                           std::int64_t high = std::numeric_limits<std::int64_t>::max());

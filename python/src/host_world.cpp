@@ -19,40 +19,20 @@ namespace py = pybind11;
 
 namespace {
 
+template <std::size_t N>
+const char* name_of(auto value, const char* const (&names)[N], const char* what) {
+  const auto index = static_cast<std::size_t>(value);
+  if (index >= N)
+    throw Error(ErrorKind::invalid_argument, fmt::format("host world: unknown {} {}", what, index));
+  return names[index];
+}
+
 const char* type_name(DataType type) {
-  switch (type) {
-    case DataType::f32:
-      return "float32";
-    case DataType::f64:
-      return "float64";
-    case DataType::f16:
-      return "float16";
-    case DataType::bf16:
-      return "bfloat16";
-    case DataType::i32:
-      return "int32";
-    case DataType::i64:
-      return "int64";
-    case DataType::u8:
-      return "uint8";
-  }
-  throw Error(ErrorKind::invalid_argument,
-              fmt::format("host world: unknown element type {}", static_cast<unsigned>(type)));
+  return name_of(type, kDataTypeNames, "element type");
 }
 
 const char* op_name(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::sum:
-      return "sum";
-    case ReduceOp::prod:
-      return "prod";
-    case ReduceOp::min:
-      return "min";
-    case ReduceOp::max:
-      return "max";
-  }
-  throw Error(ErrorKind::invalid_argument,
-              fmt::format("host world: unknown reduce op {}", static_cast<unsigned>(op)));
+  return name_of(op, kReduceOpNames, "reduce op");
 }
 
 std::uintptr_t address(const void* p) {
@@ -81,6 +61,18 @@ void drop(py::object& object) {
   throw Error(ErrorKind::communication, message);
 }
 
+// Runs `f` with the GIL held; a Python exception becomes the ductile::Error
+// of rethrow().
+template <class F>
+auto with_gil(const std::string& what, F&& f) {
+  py::gil_scoped_acquire gil;
+  try {
+    return f();
+  } catch (py::error_already_set& e) {
+    rethrow(what, e);
+  }
+}
+
 // The HostWork a call returned, as a handle: `work` must be one (a bug of
 // the Python world otherwise). The GIL held.
 HostWork& host_work(const py::object& work, const std::string& what) {
@@ -100,24 +92,13 @@ class HostHandle final : public CollectiveHandle {
   HostHandle& operator=(const HostHandle&) = delete;
 
   bool query() override {
-    if (done_) return true;
-    py::gil_scoped_acquire gil;
-    try {
-      done_ = host_->query();
-    } catch (py::error_already_set& e) {
-      rethrow(what_, e);
-    }
+    if (!done_) done_ = with_gil(what_, [&] { return host_->query(); });
     return done_;
   }
 
   void wait() override {
     if (done_) return;
-    py::gil_scoped_acquire gil;
-    try {
-      host_->wait();
-    } catch (py::error_already_set& e) {
-      rethrow(what_, e);
-    }
+    with_gil(what_, [&] { host_->wait(); });
     done_ = true;
   }
 
@@ -177,8 +158,7 @@ class PlannedGather final : public CollectiveHandle {
 
   bool query() override {
     if (done_ == parts_.size()) return true;
-    py::gil_scoped_acquire gil;
-    try {
+    return with_gil(what_, [&] {
       while (done_ < parts_.size()) {
         for (py::handle work : parts_[done_].works) {
           if (waits_ != nullptr) ++waits_->polls;
@@ -186,20 +166,15 @@ class PlannedGather final : public CollectiveHandle {
         }
         finish(parts_[done_++]);
       }
-    } catch (py::error_already_set& e) {
-      rethrow(what_, e);
-    }
-    return true;
+      return true;
+    });
   }
 
   void wait() override {
     if (done_ == parts_.size()) return;
-    py::gil_scoped_acquire gil;
-    try {
+    with_gil(what_, [&] {
       while (done_ < parts_.size()) finish(parts_[done_++]);
-    } catch (py::error_already_set& e) {
-      rethrow(what_, e);
-    }
+    });
   }
 
  private:

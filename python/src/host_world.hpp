@@ -56,6 +56,12 @@
 
 namespace ductile::python {
 
+// The names Python gives element types and reduce ops ("float32", "sum"),
+// indexed by the enums' values.
+inline constexpr const char* kDataTypeNames[] = {"float32", "float64", "float16", "bfloat16",
+                                                 "int32",   "int64",   "uint8"};
+inline constexpr const char* kReduceOpNames[] = {"sum", "prod", "min", "max"};
+
 // A collective in flight that a HostCommunicator issued: Python's handles
 // (zero3's Work, its exchanges, Done) subclass it as
 // _ductile.zero.HostWork and override both calls.

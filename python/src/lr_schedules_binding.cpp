@@ -39,8 +39,7 @@ json json_of(const py::handle& value, const std::string& key) {
     return out;
   }
   throw Error(ErrorKind::invalid_argument,
-              key + " = " + py::repr(value).cast<std::string>() + " (" +
-                  py::str(py::type::handle_of(value).attr("__name__")).cast<std::string>() +
+              key + " = " + py::repr(value).cast<std::string>() + " (" + python_type_name(value) +
                   "); valid: a number, a list of numbers, a bool or a str");
 }
 

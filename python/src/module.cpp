@@ -51,6 +51,10 @@ void register_errors(py::module_&) {
   });
 }
 
+std::string python_type_name(const py::handle& value) {
+  return py::str(py::type::of(value).attr("__name__")).cast<std::string>();
+}
+
 namespace {
 
 std::string shown(const py::handle& value) {
@@ -59,13 +63,9 @@ std::string shown(const py::handle& value) {
   return text;
 }
 
-std::string type_name(const py::handle& value) {
-  return py::str(py::type::of(value).attr("__name__")).cast<std::string>();
-}
-
 Error not_a(const py::handle& value, const std::string& name, const char* what, const char* hint) {
   return Error(ErrorKind::invalid_argument, name + " = " + shown(value) + " is not " + what + " (" +
-                                                type_name(value) + "); " + hint);
+                                                python_type_name(value) + "); " + hint);
 }
 
 }  // namespace
@@ -168,9 +168,8 @@ Params params_from_dict(const py::dict& dict, const std::string& where) {
     py::handle v = item.second;
     auto bad = [&]() {
       return Error(ErrorKind::invalid_argument,
-                   where + ": parameter '" + key + "' has a value of type " +
-                       py::str(py::type::of(v).attr("__name__")).cast<std::string>() + " (" +
-                       py::repr(v).cast<std::string>() +
+                   where + ": parameter '" + key + "' has a value of type " + python_type_name(v) +
+                       " (" + py::repr(v).cast<std::string>() +
                        "); valid: bool, int, float, str, or a list of int, float or str");
     };
     if (py::isinstance<py::bool_>(v)) {
@@ -217,12 +216,9 @@ namespace {
 
 PluginKind kind_from(const std::string& text) {
   PluginKind kind;
-  if (!core::parse_plugin_kind(text, kind)) {
-    std::string valid;
-    for (const auto& n : core::plugin_kind_names()) valid += (valid.empty() ? "" : ", ") + n;
-    throw Error(ErrorKind::invalid_argument,
-                "plugin kind '" + text + "' is unknown; valid: " + valid);
-  }
+  if (!core::parse_plugin_kind(text, kind))
+    throw Error(ErrorKind::invalid_argument, "plugin kind '" + text + "' is unknown; valid: " +
+                                                 core::join(core::plugin_kind_names()));
   return kind;
 }
 
@@ -287,10 +283,6 @@ py::dict training_dict(const pipeline::DeepSpeedTraining& t) {
   d["scheduler"] = t.scheduler ? deepspeed_scheduler_dict(*t.scheduler) : py::none();
   return d;
 }
-
-}  // namespace
-
-namespace {
 
 // A configuration loaded from Python runs no code from the directories its
 // own [plugins] path names unless the caller consents, as `ductile config

@@ -7,6 +7,7 @@
 #include <memory>
 #include <string>
 
+#include <fmt/format.h>
 #include <pybind11/stl.h>
 
 #include "bindings.hpp"
@@ -21,33 +22,22 @@ namespace ductile::python {
 
 namespace {
 
-struct DataTypeName {
-  const char* name;
-  DataType type;
-};
-constexpr DataTypeName kDataTypes[] = {
-    {"float32", DataType::f32},   {"float64", DataType::f64}, {"float16", DataType::f16},
-    {"bfloat16", DataType::bf16}, {"int32", DataType::i32},   {"int64", DataType::i64},
-    {"uint8", DataType::u8},
-};
+// The enum value Python's `name` stands for (its index in `names`).
+template <class Enum, std::size_t N>
+Enum named(const std::string& name, const char* const (&names)[N], const char* what,
+           const char* refusal) {
+  for (std::size_t i = 0; i < N; ++i)
+    if (name == names[i]) return static_cast<Enum>(i);
+  throw Error(ErrorKind::invalid_argument, fmt::format("zero: {} '{}' {}; valid: {}", what, name,
+                                                       refusal, fmt::join(names, ", ")));
+}
 
 DataType data_type(const std::string& name) {
-  std::string valid;
-  for (const auto& d : kDataTypes) {
-    if (name == d.name) return d.type;
-    valid += (valid.empty() ? "" : ", ") + std::string(d.name);
-  }
-  throw Error(ErrorKind::invalid_argument,
-              "zero: element type '" + name + "' is not supported; valid: " + valid);
+  return named<DataType>(name, kDataTypeNames, "element type", "is not supported");
 }
 
 ReduceOp reduce_op(const std::string& name) {
-  if (name == "sum") return ReduceOp::sum;
-  if (name == "prod") return ReduceOp::prod;
-  if (name == "min") return ReduceOp::min;
-  if (name == "max") return ReduceOp::max;
-  throw Error(ErrorKind::invalid_argument,
-              "zero: reduce op '" + name + "' is unknown; valid: sum, prod, min, max");
+  return named<ReduceOp>(name, kReduceOpNames, "reduce op", "is unknown");
 }
 
 void* address(std::uintptr_t value) {

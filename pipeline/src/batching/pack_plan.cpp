@@ -224,11 +224,6 @@ std::span<const std::int64_t> PackPlan::microbatches_of_rank(std::size_t rank) c
 }
 
 PackPlan pack_plan(core::Runtime& runtime, std::span<const std::int64_t> lengths,
-                   const PackPlanOptions& options) {
-  return pack_plan(runtime, lengths, options, nullptr);
-}
-
-PackPlan pack_plan(core::Runtime& runtime, std::span<const std::int64_t> lengths,
                    const PackPlanOptions& options, ProgressSink* progress) {
   check_pack_plan_options(runtime, options);
   // Creating the rule before packing reports its parameter errors first.

@@ -5,10 +5,6 @@
 
 namespace ductile::pipeline {
 
-std::string to_json(const PackPlan& plan, bool with_stats) {
-  return to_json(plan, with_stats, nullptr);
-}
-
 std::string to_json(const PackPlan& plan, bool with_stats, ProgressSink* progress) {
   nlohmann::json out;
   nlohmann::json microbatches = nlohmann::json::array();

@@ -16,10 +16,6 @@
 namespace ductile::zero {
 namespace {
 
-std::string errno_text(int err) {
-  return std::strerror(err);
-}
-
 // Closes a descriptor on scope exit.
 struct Fd {
   int fd = -1;
@@ -54,7 +50,7 @@ int open_private_folder(const std::filesystem::path& dir) {
   if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST)
     throw Error(ErrorKind::io, fmt::format("[zero] nvme_path: cannot create the shard folder "
                                            "'{}': {}; give an nvme_path this user can write",
-                                           shown, errno_text(errno)));
+                                           shown, std::strerror(errno)));
   const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
   if (fd < 0) {
     const int err = errno;
@@ -66,14 +62,14 @@ int open_private_folder(const std::filesystem::path& dir) {
                               shown, file_type(st.st_mode)));
     throw Error(ErrorKind::io, fmt::format("[zero] nvme_path: cannot open the shard folder "
                                            "'{}': {}; give an nvme_path this user can write",
-                                           shown, errno_text(err)));
+                                           shown, std::strerror(err)));
   }
   Fd owned{fd};
   struct stat st {};
   if (::fstat(fd, &st) != 0)
     throw Error(ErrorKind::io, fmt::format("[zero] nvme_path: cannot stat the shard folder "
                                            "'{}': {}",
-                                           shown, errno_text(errno)));
+                                           shown, std::strerror(errno)));
   if (st.st_uid != ::geteuid())
     throw Error(ErrorKind::io,
                 fmt::format("[zero] nvme_path: the shard folder '{}' is owned by user {}, not by "
@@ -114,13 +110,13 @@ std::string NvmeStore::open_shard(std::uint64_t parameter, int flags, const char
           "regular file; remove it (the folder holds ductile's shard files only)",
           verb, file.string(), parameter, file_type(st.st_mode));
     return fmt::format("cannot {} NVMe shard file '{}' of parameter {}: {}", verb, file.string(),
-                       parameter, errno_text(err));
+                       parameter, std::strerror(err));
   }
   Fd owned{opened};
   struct stat st {};
   if (::fstat(opened, &st) != 0)
     return fmt::format("cannot stat NVMe shard file '{}' of parameter {}: {}", file.string(),
-                       parameter, errno_text(errno));
+                       parameter, std::strerror(errno));
   if (!S_ISREG(st.st_mode))
     return fmt::format(
         "cannot {} NVMe shard file '{}' of parameter {}: it is {}, not a regular "
@@ -146,7 +142,7 @@ std::string NvmeStore::read_file(std::uint64_t parameter, void* data, std::size_
   struct stat st {};
   if (::fstat(f.fd, &st) != 0)
     return fmt::format("cannot stat NVMe shard file '{}' of parameter {}: {}", file.string(),
-                       parameter, errno_text(errno));
+                       parameter, std::strerror(errno));
   const auto size = static_cast<std::uintmax_t>(st.st_size);
   if (size != bytes)
     return fmt::format("NVMe shard file '{}' of parameter {} has {} bytes, expected {} ({})",
@@ -159,7 +155,7 @@ std::string NvmeStore::read_file(std::uint64_t parameter, void* data, std::size_
     if (n < 0) {
       if (errno == EINTR) continue;
       return fmt::format("cannot read NVMe shard file '{}' of parameter {}: {}", file.string(),
-                         parameter, errno_text(errno));
+                         parameter, std::strerror(errno));
     }
     if (n == 0)
       return fmt::format("NVMe shard file '{}' of parameter {} ended after {} bytes, expected {}",
@@ -203,7 +199,7 @@ void NvmeStore::create(std::uint64_t parameter, std::size_t bytes) {
   // Emptied first, then sized: a sparse file of zeros, whatever it held.
   if (::ftruncate(f.fd, 0) != 0 || ::ftruncate(f.fd, static_cast<off_t>(bytes)) != 0)
     throw Error(ErrorKind::io, fmt::format("cannot size NVMe shard file '{}' to {} bytes: {}",
-                                           file.string(), bytes, errno_text(errno)));
+                                           file.string(), bytes, std::strerror(errno)));
 }
 
 void NvmeStore::write(std::uint64_t parameter, const void* data, std::size_t bytes) {
@@ -220,7 +216,7 @@ void NvmeStore::write(std::uint64_t parameter, const void* data, std::size_t byt
       if (errno == EINTR) continue;
       throw Error(ErrorKind::io,
                   fmt::format("cannot write NVMe shard file '{}' of parameter {}: {}",
-                              file.string(), parameter, errno_text(errno)));
+                              file.string(), parameter, std::strerror(errno)));
     }
     done += static_cast<std::size_t>(n);
   }
@@ -228,7 +224,7 @@ void NvmeStore::write(std::uint64_t parameter, const void* data, std::size_t byt
   // content left behind.
   if (::ftruncate(f.fd, static_cast<off_t>(bytes)) != 0)
     throw Error(ErrorKind::io, fmt::format("cannot size NVMe shard file '{}' to {} bytes: {}",
-                                           file.string(), bytes, errno_text(errno)));
+                                           file.string(), bytes, std::strerror(errno)));
 }
 
 void NvmeStore::read(std::uint64_t parameter, void* data, std::size_t bytes) const {

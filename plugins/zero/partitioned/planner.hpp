@@ -199,7 +199,6 @@ class Planner {
     return {queue_.data() + queue_pos_, queue_.size() - queue_pos_};
   }
   std::size_t outstanding_gathers() const { return gathers_.size(); }
-  std::size_t fetched_modules() const { return active_modules_; }
   const PlannerCounters& counters() const { return counters_; }
 
   // Recomputes the accounting from scratch and checks every invariant of

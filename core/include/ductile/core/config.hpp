@@ -215,8 +215,7 @@ class Config {
   const std::filesystem::path& base_dir() const { return base_dir_; }
   const std::vector<PluginSection>& plugin_sections() const { return sections_; }
   const PluginSection* section(PluginKind kind) const;
-  // Validated host-only sections ([log], [plugins], ...) by name.
-  const std::map<std::string, Params, std::less<>>& host_sections() const { return host_; }
+  // A validated host-only section ([log], [plugins], ...) by name.
   const Params* host_section(std::string_view name) const;
 
  private:

@@ -174,16 +174,13 @@ struct PackPlan {
 // plugins exist), assigns ranks, and, when options.lr_rule is set, computes
 // every step's learning rate with a VariableBatchLrSchedule (rate of step s = the base schedule at
 // s, scaled by the rule for batch_sizes[s] / base_batch_size).
+// The stages are reported to `progress` (nullptr: none) from the calling
+// thread: "packing" (the sampler's call, of unknown length), then "counting
+// tokens" (micro-batches), "assigning ranks" (with options.ranks) and
+// "learning rates" (steps, with options.lr_rule). The sink is borrowed for
+// the call.
 PackPlan pack_plan(core::Runtime& runtime, std::span<const std::int64_t> lengths,
-                   const PackPlanOptions& options);
-
-// The same, reporting its stages to `progress` (nullptr: none) from the
-// calling thread: "packing" (the sampler's call, of unknown length), then
-// "counting tokens" (micro-batches), "assigning ranks" (with options.ranks)
-// and "learning rates" (steps, with options.lr_rule). The sink is borrowed
-// for the call; the result and the errors are those of the call above.
-PackPlan pack_plan(core::Runtime& runtime, std::span<const std::int64_t> lengths,
-                   const PackPlanOptions& options, ProgressSink* progress);
+                   const PackPlanOptions& options, ProgressSink* progress = nullptr);
 
 // The same with the runtime's configured instances: the sampler and rule of
 // its [batching] and [lr] sections (as a training job uses them), their
@@ -196,10 +193,9 @@ PackPlan pack_plan_configured(core::Runtime& runtime, std::span<const std::int64
 // ids]] per micro-batch), batch_sizes, batch_max_seqlens, dropped_ids,
 // leftover_ids, lrs (with a rule), ranks (micro-batches per rank, when
 // assigned) and, `with_stats`, stats. One line of JSON, no newline.
-std::string to_json(const PackPlan& plan, bool with_stats = true);
-// The same, reporting "writing JSON" (micro-batches, then ranks) and
-// "formatting JSON" (of unknown length) to `progress` (nullptr: none).
-std::string to_json(const PackPlan& plan, bool with_stats, ProgressSink* progress);
+// Reports "writing JSON" (micro-batches, then ranks) and "formatting JSON"
+// (of unknown length) to `progress` (nullptr: none).
+std::string to_json(const PackPlan& plan, bool with_stats = true, ProgressSink* progress = nullptr);
 
 // Where a configuration says the lengths are, with the options it gives.
 struct PackSetup {
