@@ -507,7 +507,7 @@ SnapshotTls::SnapshotTls(const EtcdTls& files, const std::vector<std::string>& o
   SSL_CTX_set_verify(context_, SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT, nullptr);
   SSL_CTX_set_purpose(context_, X509_PURPOSE_SSL_CLIENT);
   SSL_CTX_set_mode(context_, SSL_MODE_ENABLE_PARTIAL_WRITE);
-  // One file a connection: no session is resumed, so none is kept.
+  // One file a connection: a TLS handshake is never resumed, so no cache is kept.
   SSL_CTX_set_session_cache_mode(context_, SSL_SESS_CACHE_OFF);
   SSL_CTX_set_num_tickets(context_, 0);
 }

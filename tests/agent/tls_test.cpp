@@ -176,43 +176,45 @@ until [ -f "$OUT/release" ]; do
   i=$((i+1)); [ $i -lt 1800 ] || { echo "not released after 180 s"; exit 4; }; sleep 0.1
 done
 )sh";
-  auto agent_argv = [&](const std::string& name) {
-    return std::vector<std::string>{DUCTILE_CLI,
-                                    "agent",
-                                    "--config",
-                                    config.string(),
-                                    "--rdzv",
-                                    etcd.url(),
-                                    "--rdzv-cacert",
-                                    tls.ca.string(),
-                                    "--rdzv-cert",
-                                    tls.client_cert.string(),
-                                    "--rdzv-key",
-                                    tls.client_key.string(),
-                                    "--job-id",
-                                    "tls-snapshots",
-                                    "--node-id",
-                                    name,
-                                    "--node-addr",
-                                    "127.0.0.1",
-                                    "--nproc-per-node",
-                                    "1",
-                                    "--min-nodes",
-                                    "2",
-                                    "--settle",
-                                    "0",
-                                    "--lease-ttl",
-                                    "2",
-                                    "--snapshot-dir",
-                                    shm.string(),
-                                    "--",
-                                    "/bin/sh",
-                                    "-c",
-                                    worker};
+  // An agent of the job `job` with `key` as its --rdzv-key, running `command`.
+  auto agent_argv = [&](const std::string& name, const std::filesystem::path& key,
+                        const std::string& job, std::vector<std::string> command) {
+    std::vector<std::string> argv{DUCTILE_CLI,
+                                  "agent",
+                                  "--config",
+                                  config.string(),
+                                  "--rdzv",
+                                  etcd.url(),
+                                  "--rdzv-cacert",
+                                  tls.ca.string(),
+                                  "--rdzv-cert",
+                                  tls.client_cert.string(),
+                                  "--rdzv-key",
+                                  key.string(),
+                                  "--job-id",
+                                  job,
+                                  "--node-id",
+                                  name,
+                                  "--node-addr",
+                                  "127.0.0.1",
+                                  "--nproc-per-node",
+                                  "1",
+                                  "--min-nodes",
+                                  "2",
+                                  "--settle",
+                                  "0",
+                                  "--lease-ttl",
+                                  "2",
+                                  "--snapshot-dir",
+                                  shm.string(),
+                                  "--"};
+    argv.insert(argv.end(), command.begin(), command.end());
+    return argv;
   };
+  const std::vector<std::string> sh_worker = {"/bin/sh", "-c", worker};
   const std::vector<std::string> env = {marker, "OUT=" + out.string()};
-  Child a(agent_argv("a"), env, dir / "a.log");
-  Child b(agent_argv("b"), env, dir / "b.log");
+  Child a(agent_argv("a", tls.client_key, "tls-snapshots", sh_worker), env, dir / "a.log");
+  Child b(agent_argv("b", tls.client_key, "tls-snapshots", sh_worker), env, dir / "b.log");
   const bool replicated = wait_until(
       [&] {
         return std::filesystem::exists(out / "a" / "replica") &&
@@ -288,26 +290,7 @@ done
   CHECK(read_text(dir / "manifest.json").find("\"node\":\"a\"") != std::string::npos);
 
   // A key that is not the certificate's: the agent stops at its start.
-  auto r = run_process({DUCTILE_CLI,
-                        "agent",
-                        "--config",
-                        config.string(),
-                        "--rdzv",
-                        etcd.url(),
-                        "--rdzv-cacert",
-                        tls.ca.string(),
-                        "--rdzv-cert",
-                        tls.client_cert.string(),
-                        "--rdzv-key",
-                        other.client_key.string(),
-                        "--job-id",
-                        "tls-snapshots-bad",
-                        "--node-addr",
-                        "127.0.0.1",
-                        "--snapshot-dir",
-                        shm.string(),
-                        "--",
-                        "/bin/true"},
+  auto r = run_process(agent_argv("bad", other.client_key, "tls-snapshots-bad", {"/bin/true"}),
                        {marker});
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("--rdzv-key '" + other.client_key.string() +

@@ -81,7 +81,8 @@ class DeviceMemory:
 
 
 # The engine's collectives, the same calls over either world (``SessionCollectives``: the
-# accelerator's own, through the C++ session; ``TorchWorld``: torch.distributed's process group):
+# accelerator's own, through the C++ coordinator, ``_ductile.zero.Session``; ``TorchWorld``:
+# torch.distributed's process group):
 # ``all_gather(out, inp)``, ``reduce_scatter(out, inp, op)``, ``all_reduce(tensor, op)`` (in
 # place), ``broadcast(tensor, root)``, each returning a handle with ``query()`` (never blocks) and
 # ``wait()``; and ``barrier()``. Every rank issues the same collectives in the same order (the
