@@ -26,12 +26,22 @@ constexpr std::uint64_t kMinMappedBytes = 16ull << 20;
 // restore's and a replica's without thrashing.
 constexpr std::size_t kMaxFiles = 4;
 
+// Address space mapped past a file's end: a file that grows a little (a
+// shard file's header gains a byte when the step gains a digit) is written
+// through the same mapping at the same addresses. Only [0, end) is ever
+// touched, and it is inside the file.
+constexpr std::uint64_t kSlackBytes = 2ull << 20;
+
+std::size_t mapped_length(std::uint64_t end) {
+  return static_cast<std::size_t>((end / kSlackBytes + 2) * kSlackBytes);
+}
+
 struct Entry {
   dev_t device;
   ino_t inode;
   int fd;  // the cache's own, read-write
   unsigned char* base;
-  std::size_t length;
+  std::size_t length;  // mapped, past the file's end
   std::uint64_t last_used;
 };
 
@@ -101,9 +111,17 @@ FileMappings::Lease FileMappings::lease(int fd, std::uint64_t end) {
     return entry.device == st.st_dev && entry.inode == st.st_ino;
   });
   if (found != kept.end() && found->length < end) {
-    drop(*found);
-    kept.erase(found);
-    found = kept.end();
+    // Grown past the slack: moving the mapping keeps its pages mapped,
+    // where a new one would fault every page in again.
+    void* grown = mremap(found->base, found->length, mapped_length(end), MREMAP_MAYMOVE);
+    if (grown != MAP_FAILED) {
+      found->base = static_cast<unsigned char*>(grown);
+      found->length = mapped_length(end);
+    } else {
+      drop(*found);
+      kept.erase(found);
+      found = kept.end();
+    }
   }
   if (found == kept.end()) {
     // The caller's descriptor may be write-only, and a shared writable
@@ -111,14 +129,16 @@ FileMappings::Lease FileMappings::lease(int fd, std::uint64_t end) {
     const std::string self = "/proc/self/fd/" + std::to_string(fd);
     const int own = open(self.c_str(), O_RDWR | O_CLOEXEC);
     if (own < 0) return lease;
-    void* base = mmap(nullptr, end, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, own, 0);
+    // MAP_POPULATE maps the file's pages and stops at its end.
+    void* base = mmap(nullptr, mapped_length(end), PROT_READ | PROT_WRITE,
+                      MAP_SHARED | MAP_POPULATE, own, 0);
     if (base == MAP_FAILED) {
       close(own);
       return lease;
     }
     trim(kMaxFiles - 1);
-    kept.push_back({st.st_dev, st.st_ino, own, static_cast<unsigned char*>(base),
-                    static_cast<std::size_t>(end), 0});
+    kept.push_back(
+        {st.st_dev, st.st_ino, own, static_cast<unsigned char*>(base), mapped_length(end), 0});
     found = kept.end() - 1;
   }
   found->last_used = ++clock;

@@ -40,7 +40,10 @@ class FileMappings {
 
   // The mapping of fd's file with room for [0, end): the file is grown to
   // `end` and its blocks allocated first (so a write through the mapping
-  // cannot fault for lack of space), or an empty Lease.
+  // cannot fault for lack of space), or an empty Lease. A mapping reaches
+  // a few MiB past `end`, so that a file grown a little is written at the
+  // same addresses; one grown further is moved (mremap), its pages still
+  // mapped.
   Lease lease(int fd, std::uint64_t end);
 
   // The process' cache.

@@ -5,6 +5,7 @@ which writes buffers into a real file and checksums them in the same pass."""
 import errno
 import os
 import random
+import resource
 import shutil
 import tempfile
 
@@ -237,5 +238,48 @@ def test_a_large_file_in_shared_memory_is_written_through_a_kept_mapping():
         assert other in kept
         assert not any(name.startswith(second) for name in kept), kept
         os.unlink(other)
+    finally:
+        shutil.rmtree(folder)
+
+
+def test_a_grown_file_keeps_its_pages_mapped():
+    """A snapshot's shard file grows by a byte when the step in its header
+    gains a digit: it is written through the kept mapping, at the same
+    addresses, with far fewer page faults than through a new mapping of a
+    file of the same size, whose every page is faulted in first. A file
+    grown further is written through the mapping moved."""
+    folder = shared_memory_dir()
+    try:
+        data = random.Random(5).randbytes(64 << 20)
+        chunks = [memoryview(data)[i:i + (8 << 20)] for i in range(0, len(data), 8 << 20)]
+        grown = [b"x"] + chunks
+        kept, fresh = os.path.join(folder, "step9.bin"), os.path.join(folder, "other.bin")
+        with open(fresh, "wb") as f:
+            f.write(data)  # its pages exist, and no mapping of it is kept yet
+
+        def faults_writing(path, buffers):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                written = shard_io.write_buffers(fd, buffers, 0)[0]
+                return written, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+            finally:
+                os.close(fd)
+
+        assert faults_writing(kept, chunks)[0] == len(data)
+        written, new_mapping = faults_writing(fresh, chunks)
+        assert written == len(data)
+        written, extended = faults_writing(kept, grown)
+        assert written == len(data) + 1
+        assert extended < new_mapping // 2, \
+            f"{extended} page faults rewriting a file grown by one byte, {new_mapping} through " \
+            "a new mapping"
+        with open(kept, "rb") as f:
+            assert f.read(1) == b"x" and f.read() == data
+        # Grown past the room mapped beyond its end: the mapping is moved.
+        longer = [b"y" * (16 << 20)] + chunks
+        assert faults_writing(kept, longer)[0] == len(data) + (16 << 20)
+        with open(kept, "rb") as f:
+            assert f.read(16 << 20) == b"y" * (16 << 20) and f.read() == data
     finally:
         shutil.rmtree(folder)
