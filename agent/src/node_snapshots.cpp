@@ -271,6 +271,12 @@ std::filesystem::path NodeSnapshots::restore(const RoundRecord& round,
         round.round, chosen->step, e.what())};
   }
   restored_step_ = chosen->step;
+  // The job goes on from this step, which every member now holds whole:
+  // an older snapshot's files lie on the same nodes as this one's, so no
+  // further loss leaves one of them complete where this one is not, and a
+  // newer one lacks a lost node's part for good. Their memory goes before
+  // the new round's snapshots are written.
+  drop_all_but(chosen->step);
   const auto own = area_->own_copies();
   own_at_restore_ = own.empty() ? std::string() : own.front().sha256;
   return dest;
@@ -281,6 +287,28 @@ void NodeSnapshots::release_restore() {
   for (std::filesystem::directory_iterator it(area_->restore(), ec), end; !ec && it != end;
        it.increment(ec))
     std::filesystem::remove_all(it->path(), ec);
+}
+
+void NodeSnapshots::drop_all_but(std::int64_t step) {
+  std::vector<std::filesystem::path> folders{area_->own()};
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(area_->replicas(), ec), end; !ec && it != end;
+       it.increment(ec))
+    folders.push_back(it->path());
+  std::vector<std::filesystem::path> others;
+  for (const auto& folder : folders)
+    for (std::filesystem::directory_iterator it(folder, ec), end; !ec && it != end;
+         it.increment(ec)) {
+      std::string name = it->path().filename().string();
+      // A staging folder in own/ is an interrupted snapshot's: the workers
+      // are stopped. (The replication's own staging folders are its to
+      // remove.)
+      const bool staging = folder == area_->own() && name.ends_with(".tmp");
+      if (staging) name.resize(name.size() - 4);
+      const auto tag_step = snapshot_tag_step(name);
+      if (tag_step && (staging || *tag_step != step)) others.push_back(it->path());
+    }
+  for (const auto& path : others) std::filesystem::remove_all(path, ec);
 }
 
 void NodeSnapshots::fail_round(const RoundRecord& round, const std::string& message) {

@@ -80,6 +80,8 @@ class NodeSnapshots {
   std::filesystem::path restore(const RoundRecord& round, const std::vector<Holdings>& members);
   // Removes what restore/ holds.
   void release_restore();
+  // Removes the own and replica snapshots of every step but `step`.
+  void drop_all_but(std::int64_t step);
 
   const AgentOptions& o_;
   const NodeIdentity& self_;

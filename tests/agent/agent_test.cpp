@@ -10,6 +10,7 @@
 #include <iostream>
 #include <iterator>
 #include <random>
+#include <set>
 #include <sstream>
 
 #include "agent_job.hpp"
@@ -625,6 +626,48 @@ TEST_CASE("agent: a scale-up from 2 to 3 zero3 nodes checkpoints first and loses
   CHECK(marked_processes(job.marker).empty());
 }
 
+// The snapshot folders the agents' areas in `shm` hold that a restore of
+// `step` made useless: in own/ and replicas/<node>/, those of an older
+// step; in own/, those of a newer step with the last round's rank files
+// (of `last_world` ranks; the new round's workers write other names). The
+// area whose name contains `skip` (a killed agent's, left behind) is not
+// looked at.
+static std::vector<std::string> useless_snapshots(const std::string& shm, const std::string& skip,
+                                                  int step, int last_world) {
+  namespace fs = std::filesystem;
+  std::vector<std::string> found;
+  std::error_code ec;
+  const std::string last_round_file = "-of-" + std::to_string(last_world) + ".bin";
+  auto look_in = [&](const fs::path& folder, bool own) {
+    for (fs::directory_iterator it(folder, ec), end; !ec && it != end; it.increment(ec)) {
+      const std::string name = it->path().filename().string();
+      const std::size_t digits = name.find_first_not_of("0123456789", 4);
+      // A replica's staging folder is the replication's, removed when its
+      // copy ends or is abandoned.
+      if (name.rfind("step", 0) != 0 || digits == 4 || (!own && name.ends_with(".tmp"))) continue;
+      const int tag_step = std::stoi(name.substr(4, digits - 4));
+      bool useless = tag_step < step;
+      std::error_code listing;
+      for (fs::directory_iterator file(it->path(), listing), none;
+           own && tag_step > step && !listing && file != none; file.increment(listing))
+        useless = useless || file->path().filename().string().ends_with(last_round_file);
+      if (useless) found.push_back(it->path().string());
+    }
+    ec.clear();  // a folder removed meanwhile
+  };
+  for (fs::directory_iterator area(shm, ec), end; !ec && area != end; area.increment(ec)) {
+    if (area->path().filename().string().find(skip) != std::string::npos) continue;
+    look_in(area->path() / "own", true);
+    std::vector<fs::path> nodes;
+    for (fs::directory_iterator node(area->path() / "replicas", ec), none; !ec && node != none;
+         node.increment(ec))
+      nodes.push_back(node->path());
+    ec.clear();
+    for (const auto& node : nodes) look_in(node, false);
+  }
+  return found;
+}
+
 // An unplanned loss restores from memory: three agents train zero3 workers
 // that save nothing to disk; each step's state is snapshotted into the
 // agents' shared memory and copied to one other node. A node (agent and
@@ -670,6 +713,35 @@ TEST_CASE("agent: a lost node's zero3 state is restored from the survivors' memo
   REQUIRE(trained);
   agents[static_cast<std::size_t>(victim)]->signal(SIGKILL);
   agents[static_cast<std::size_t>(victim)]->wait(10s);
+  // From the moment both survivors' workers start again until the agents
+  // exit, no area holds a snapshot older than the one restored, nor a
+  // newer one of the last round: that memory goes at the restore, before
+  // the new round writes its own.
+  const std::string killed_area =
+      "-" + std::to_string(agents[static_cast<std::size_t>(victim)]->pid()) + "-";
+  int restored_step = -1;
+  std::set<std::string> useless;
+  wait_until(
+      [&] {
+        if (restored_step < 0) {
+          const std::string now = job.all_output();
+          const std::size_t said = now.find("round 2: restored step ");
+          if (said != std::string::npos && count_of(now, "round 2 started: world size 2") == 2)
+            restored_step = std::stoi(now.substr(said + 23));
+        }
+        if (restored_step >= 0)
+          for (const auto& path : useless_snapshots(shm, killed_area, restored_step, 3))
+            useless.insert(path);
+        for (int i = 0; i < 3; ++i)
+          if (i != victim && !agents[static_cast<std::size_t>(i)]->poll()) return false;
+        return true;
+      },
+      240s);
+  CHECK(restored_step >= 0);
+  std::string held;
+  for (const auto& path : useless) held += "\n  " + path;
+  INFO("held after the restore:" << held);
+  CHECK(useless.empty());
   for (int i = 0; i < 3; ++i) {
     if (i == victim) continue;
     auto status = agents[static_cast<std::size_t>(i)]->wait(240s);
