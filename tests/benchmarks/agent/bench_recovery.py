@@ -44,7 +44,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_agent import ROOT, Etcd, descendants, free_port, kill_node, spread, stop_all  # noqa: E402
+from bench_agent import ROOT, Etcd, descendants, free_port, kill_node, spread, stop_all
 
 NODES = 3
 BATCH = 24
@@ -224,6 +224,10 @@ class MemorySampler:
         self.stop.set()
         self.thread.join()
 
+    def states(self, start):
+        """{area: its node's state in the last sample taken from `start` on}."""
+        return {area: state for at, area, _, _, state in self.samples if at >= start}
+
     def peak(self, start, end):
         """{area: (its highest rank files / state ratio, the most bytes its
         other files took)} among the samples taken from `start` to `end`."""
@@ -340,20 +344,30 @@ def race_one(kind, args, directory):
             windows = [("before the kill", 0, killed)]
             if all(len(t) >= 4 for t in steps):
                 steady = max(t[3] for t in steps)
-                # Not bound: the last round's snapshots, the restored copy
-                # and the lost node's replicas are still held (elastic-agent.md).
+                # Not bound: the restored copy, the last round's snapshots
+                # from the restored step on and the lost node's replicas
+                # are still held (elastic-agent.md).
                 windows += [("in the restore's transition", killed, steady),
                             ("after the restore", steady, float("inf"))]
             # After the kill, the survivors' areas only (the killed node's is
             # sampled as it dies).
             survivors_areas = sampler.peak(windows[-1][1], float("inf"))
+            # The transition is measured against the last round's state (what
+            # own/latest names until the new round commits); the new round's
+            # (after the restore) is 3/2 of it here, and is what the bound
+            # holds to from then on.
+            new_states = sampler.states(windows[-1][1])
             for when, start, end in windows:
                 for area, (ratio, small) in sorted(sampler.peak(start, end).items()):
                     if start >= killed and area not in survivors_areas:
                         continue
+                    held = max(x[2] for x in sampler.samples
+                               if x[1] == area and start <= x[0] < end)
+                    new = f" ({held / new_states[area]:.2f}x the new round's)" \
+                        if when == "in the restore's transition" else ""
                     print(f"{kind}: {area} {when}: rank files at most {ratio:.2f}x its node's "
-                          f"state (bound {BOUND}x: (1 + {REPLICAS} replica) x 2), other files "
-                          f"at most {small / 2**10:.0f} KiB", flush=True)
+                          f"state{new} (bound {BOUND}x: (1 + {REPLICAS} replica) x 2), other "
+                          f"files at most {small / 2**10:.0f} KiB", flush=True)
         return (times[0], times[1] - times[0], times[2] - times[1], first_step - times[2],
                 first_step, done - resumed_at)
     except Exception:
