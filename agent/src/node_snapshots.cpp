@@ -87,6 +87,7 @@ void NodeSnapshots::publish(const Holdings& holdings) {
 void NodeSnapshots::follow(const std::vector<KeyValue>& records,
                            const std::optional<RoundRecord>& round) {
   if (!area_) return;
+  take_release();
   const std::string prefix = self_.key("snapshots/");
   std::map<std::string, Holdings> live;
   for (const auto& kv : records) {
@@ -276,7 +277,8 @@ std::filesystem::path NodeSnapshots::restore(const RoundRecord& round,
   // further loss leaves one of them complete where this one is not, and a
   // newer one lacks a lost node's part for good. Their memory goes before
   // the new round's snapshots are written.
-  drop_all_but(chosen->step);
+  drop_snapshots([&](std::int64_t step) { return step != chosen->step; }, true);
+  if (replication_) replication_->pull_after(chosen->step);
   const auto own = area_->own_copies();
   own_at_restore_ = own.empty() ? std::string() : own.front().sha256;
   return dest;
@@ -289,26 +291,45 @@ void NodeSnapshots::release_restore() {
     std::filesystem::remove_all(it->path(), ec);
 }
 
-void NodeSnapshots::drop_all_but(std::int64_t step) {
+void NodeSnapshots::drop_snapshots(const std::function<bool(std::int64_t)>& unwanted,
+                                   bool interrupted) {
   std::vector<std::filesystem::path> folders{area_->own()};
   std::error_code ec;
   for (std::filesystem::directory_iterator it(area_->replicas(), ec), end; !ec && it != end;
        it.increment(ec))
     folders.push_back(it->path());
-  std::vector<std::filesystem::path> others;
+  std::vector<std::filesystem::path> dropped;
   for (const auto& folder : folders)
     for (std::filesystem::directory_iterator it(folder, ec), end; !ec && it != end;
          it.increment(ec)) {
       std::string name = it->path().filename().string();
-      // A staging folder in own/ is an interrupted snapshot's: the workers
-      // are stopped. (The replication's own staging folders are its to
-      // remove.)
+      // The replication's own staging folders are its to remove.
       const bool staging = folder == area_->own() && name.ends_with(".tmp");
       if (staging) name.resize(name.size() - 4);
       const auto tag_step = snapshot_tag_step(name);
-      if (tag_step && (staging || *tag_step != step)) others.push_back(it->path());
+      if (tag_step && (staging ? interrupted : unwanted(*tag_step))) dropped.push_back(it->path());
     }
-  for (const auto& path : others) std::filesystem::remove_all(path, ec);
+  for (const auto& path : dropped) std::filesystem::remove_all(path, ec);
+}
+
+void NodeSnapshots::take_release() {
+  const auto file = area_->own() / kSnapshotReleaseFile;
+  std::error_code ec;
+  if (std::filesystem::symlink_status(file, ec).type() == std::filesystem::file_type::not_found)
+    return;
+  const auto text = read_small_file(file, kMaxSidecarBytes);
+  const auto step =
+      text ? snapshot_tag_step("step" + text->substr(0, text->find('\n'))) : std::nullopt;
+  if (step) {
+    // Every node's snapshot after the restored one is replicated (the
+    // workers agreed on it): nothing before it can be restored any more.
+    release_restore();
+    drop_snapshots([&](std::int64_t held) { return held <= *step; }, false);
+  } else {
+    self_.log(fmt::format("'{}' is not a release request (a step and a newline); removed",
+                          file.string()));
+  }
+  std::filesystem::remove(file, ec);
 }
 
 void NodeSnapshots::fail_round(const RoundRecord& round, const std::string& message) {

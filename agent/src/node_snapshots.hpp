@@ -15,6 +15,7 @@
 #pragma once
 
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -80,8 +81,12 @@ class NodeSnapshots {
   std::filesystem::path restore(const RoundRecord& round, const std::vector<Holdings>& members);
   // Removes what restore/ holds.
   void release_restore();
-  // Removes the own and replica snapshots of every step but `step`.
-  void drop_all_but(std::int64_t step);
+  // Removes the own and replica snapshot folders of the steps `unwanted`
+  // names, and with `interrupted` the workers' staging folders in own/.
+  void drop_snapshots(const std::function<bool(std::int64_t)>& unwanted, bool interrupted);
+  // The workers' own/release, when there is one: what it names freed, the
+  // file removed.
+  void take_release();
 
   const AgentOptions& o_;
   const NodeIdentity& self_;

@@ -43,6 +43,11 @@ inline constexpr const char* kSnapshotReplicasFile = "replicas";
 // Written by the agent for its workers: the newest step the round's
 // successors hold a replica of ("<step>\n"), or "off\n" (snapshot_replication.hpp).
 inline constexpr const char* kSnapshotReplicatedFile = "replicated";
+// Written by the workers' leader after a restore ("<step>\n"), once a newer
+// snapshot is held by its replicas everywhere: the restored copy and the
+// snapshots up to that step are freed, and the file removed (the workers
+// wait for that before they write their next snapshot).
+inline constexpr const char* kSnapshotReleaseFile = "release";
 // Held (flock, exclusive) by the agent that owns the area, all its life.
 inline constexpr const char* kSnapshotLockFile = "lock";
 // The largest manifest (or sidecar, or pointer) the agent reads.

@@ -211,6 +211,7 @@ void SnapshotReplication::start_round(std::vector<std::string> members) {
     std::unique_lock lock(mutex_);
     acknowledged_.clear();
   }
+  pull_floor_ = -1;
   std::unique_lock lock(ack_mutex_);
   in_round_ = true;
   round_members_ = std::move(members);
@@ -436,7 +437,7 @@ bool SnapshotReplication::pull(const Holdings& from, const SnapshotCopy& copy) {
   const std::string& node = from.node;
   const std::string key = node + "/" + copy.sha256;
   if (node == self_.id || !valid_node_id(node) || failed_.count(key) ||
-      !snapshot_tag_step(copy.tag))
+      !snapshot_tag_step(copy.tag) || copy.step <= pull_floor_)
     return false;
   const fs::path node_dir = area_.replicas() / node;
   const fs::path dest = node_dir / copy.tag;

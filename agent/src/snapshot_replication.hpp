@@ -90,14 +90,20 @@ class SnapshotReplication {
   // finds there where the members' servers listen.
   void update(std::vector<std::string> members, std::map<std::string, Holdings> holdings);
   // A new round this node is a member of, before its workers start: the
-  // acknowledgements of the last round are dropped, and own/replicated is
-  // written "off" (one member: no successor) or "0". Only snapshots the
-  // workers commit from now on are announced to the successors.
+  // acknowledgements of the last round are dropped (and pull_after's
+  // step), and own/replicated is written "off" (one member: no successor)
+  // or "0". Only snapshots the workers commit from now on are announced to
+  // the successors.
   void start_round(std::vector<std::string> members);
   // The snapshot server's handler (snapshot_server.hpp): a notify is queued
   // for the pulling thread (ignored when its origin is no member of the
   // round), a have is counted. Returns at once; any thread.
   std::string on_message(const SnapshotMessage& message);
+  // After a restore of `step` (before the round's workers start): no
+  // snapshot of that step or an older one is pulled this round. Every
+  // member holds the restored one whole, and a copy would only add to the
+  // memory held until the round's own snapshots are replicated.
+  void pull_after(std::int64_t step) { pull_floor_ = step; }
   // Pulls nothing more and waits (up to `wait`) for the copy in flight to
   // end or be abandoned; true when none is in flight any longer.
   bool freeze(std::chrono::milliseconds wait);
@@ -142,8 +148,9 @@ class SnapshotReplication {
   bool stopping_ = false;
   std::atomic<bool> abandon_{false};
   std::atomic<std::size_t> copies_made_{0};
-  std::set<std::string> failed_;        // "<node>/<sha256>" whose copy failed (logged once)
-  std::set<std::string> acknowledged_;  // "<node>/<sha256>" told its origin this round
+  std::atomic<std::int64_t> pull_floor_{-1};  // pull_after's step this round
+  std::set<std::string> failed_;              // "<node>/<sha256>" whose copy failed (logged once)
+  std::set<std::string> acknowledged_;        // "<node>/<sha256>" told its origin this round
 
   // The origin's side: what the successors acknowledged this round.
   mutable std::mutex ack_mutex_;

@@ -13,6 +13,8 @@
 #include <set>
 #include <sstream>
 
+#include <sys/stat.h>
+
 #include "agent_job.hpp"
 #ifdef DUCTILE_ZERO3_WORKER_ENV
 #include <nlohmann/json.hpp>
@@ -668,6 +670,37 @@ static std::vector<std::string> useless_snapshots(const std::string& shm, const 
   return found;
 }
 
+// The bytes the rank files of an agent's area take (st_blocks, each file
+// once however many names it has: a restored copy links the files its node
+// held), and the size of the largest committed own rank file of `world`
+// ranks (a node's state in a round of that world size, one rank a node).
+struct AreaBytes {
+  std::uintmax_t held = 0;
+  std::uintmax_t state = 0;
+};
+
+static AreaBytes area_bytes(const std::filesystem::path& area, int world) {
+  namespace fs = std::filesystem;
+  AreaBytes out;
+  std::set<std::pair<dev_t, ino_t>> seen;
+  const std::string of_world = "-of-" + std::to_string(world) + ".bin";
+  std::error_code ec;
+  // A folder removed meanwhile ends the walk early: fewer bytes, never more.
+  for (fs::recursive_directory_iterator it(area, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    struct stat st {};
+    if (!name.starts_with("rank") || ::lstat(it->path().c_str(), &st) != 0 || !S_ISREG(st.st_mode))
+      continue;
+    if (seen.insert({st.st_dev, st.st_ino}).second)
+      out.held += static_cast<std::uintmax_t>(st.st_blocks) * 512;
+    const fs::path folder = it->path().parent_path();
+    if (name.ends_with(of_world) && folder.parent_path().filename() == "own" &&
+        !folder.filename().string().ends_with(".tmp"))
+      out.state = std::max(out.state, static_cast<std::uintmax_t>(st.st_size));
+  }
+  return out;
+}
+
 // An unplanned loss restores from memory: three agents train zero3 workers
 // that save nothing to disk; each step's state is snapshotted into the
 // agents' shared memory and copied to one other node. A node (agent and
@@ -716,11 +749,14 @@ TEST_CASE("agent: a lost node's zero3 state is restored from the survivors' memo
   // From the moment both survivors' workers start again until the agents
   // exit, no area holds a snapshot older than the one restored, nor a
   // newer one of the last round: that memory goes at the restore, before
-  // the new round writes its own.
+  // the new round writes its own. And no area holds more than (1 + 1
+  // replica) x 2 x a node's new state: the restored copy is freed before
+  // the new round's second snapshot is written.
   const std::string killed_area =
       "-" + std::to_string(agents[static_cast<std::size_t>(victim)]->pid()) + "-";
   int restored_step = -1;
   std::set<std::string> useless;
+  std::uintmax_t most_held = 0, state = 0;
   wait_until(
       [&] {
         if (restored_step < 0) {
@@ -729,9 +765,18 @@ TEST_CASE("agent: a lost node's zero3 state is restored from the survivors' memo
           if (said != std::string::npos && count_of(now, "round 2 started: world size 2") == 2)
             restored_step = std::stoi(now.substr(said + 23));
         }
-        if (restored_step >= 0)
+        if (restored_step >= 0) {
           for (const auto& path : useless_snapshots(shm, killed_area, restored_step, 3))
             useless.insert(path);
+          std::error_code ec;
+          for (std::filesystem::directory_iterator area(shm, ec), end; !ec && area != end;
+               area.increment(ec))
+            if (area->path().filename().string().find(killed_area) == std::string::npos) {
+              const AreaBytes bytes = area_bytes(area->path(), 2);
+              most_held = std::max(most_held, bytes.held);
+              state = std::max(state, bytes.state);
+            }
+        }
         for (int i = 0; i < 3; ++i)
           if (i != victim && !agents[static_cast<std::size_t>(i)]->poll()) return false;
         return true;
@@ -742,6 +787,10 @@ TEST_CASE("agent: a lost node's zero3 state is restored from the survivors' memo
   for (const auto& path : useless) held += "\n  " + path;
   INFO("held after the restore:" << held);
   CHECK(useless.empty());
+  // The files' headers and their last pages: a few KiB over the bound.
+  INFO("at most " << most_held << " bytes of rank files held, a node's state " << state);
+  REQUIRE(state > 0);
+  CHECK(most_held <= 4 * state + (64u << 10));
   for (int i = 0; i < 3; ++i) {
     if (i == victim) continue;
     auto status = agents[static_cast<std::size_t>(i)]->wait(240s);

@@ -265,6 +265,50 @@ def test_restore_at_initialize_from_the_restore_folder(snapshots, monkeypatch):
         engine_of(seed=1)
 
 
+def test_after_a_restore_the_agent_is_asked_to_free_it_before_the_next_snapshot(
+        snapshots, monkeypatch, caplog):
+    """Once a snapshot newer than the restored one is committed (and held
+    by its replicas), the node's leader writes own/release, the restored
+    step, and waits until the agent took it before the next snapshot is
+    written; with no agent to take it, a warning after RELEASE_WAIT."""
+    engine = engine_of()
+    train(engine, 3)
+    folder = snapshots.parent / "restore" / "step3"
+    shutil.copytree(snapshots / "step3", folder)
+    monkeypatch.setenv("DUCTILE_SNAPSHOT_RESTORE", str(folder))
+    own = snapshots.parent / "own2"
+    monkeypatch.setenv("DUCTILE_SNAPSHOT_DIR", str(own))
+    restored = engine_of(seed=1)
+    request = own / "release"
+    taken = []
+
+    def agent():  # takes the request as the agent's pass does
+        deadline = time.monotonic() + 60
+        while not request.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if request.exists():
+            time.sleep(0.2)  # the step waits meanwhile
+            taken.append((request.read_text(), tags(own)))
+            request.unlink()
+
+    thread = threading.Thread(target=agent)
+    thread.start()
+    train(restored, 1)  # step 4: its snapshot is the first newer one
+    assert not taken and not request.exists()
+    train(restored, 1)  # step 5 asks first, and waits
+    thread.join()
+    assert taken == [("3\n", ["step4"])]
+    assert tags(own) == ["step4", "step5"] and not request.exists()
+    train(restored, 1)  # asked once
+    assert not request.exists()
+
+    monkeypatch.setattr(_snapshots, "RELEASE_WAIT", 0.3)
+    unattended = engine_of(seed=2)
+    train(unattended, 2)
+    assert f"the agent did not take {request} within 0 s" in caplog.text
+    assert not request.exists()
+
+
 def test_deepspeed_snapshot_object_and_its_scheduler_restored(snapshots, monkeypatch):
     config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
               "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},

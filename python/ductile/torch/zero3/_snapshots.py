@@ -39,7 +39,13 @@ and given up for that snapshot.
 Restore: when the agent starts a round from memory it sets
 ``DUCTILE_SNAPSHOT_RESTORE`` to a complete snapshot folder; the engine
 loads it when it is built (collective), at any world size, and
-``engine.restored_from_memory`` is its step. The scheduler's state is
+``engine.restored_from_memory`` is its step. Once a newer snapshot is
+committed and, by before_update's agreement, held by its replicas on every
+node, the restored copy and the last round's snapshots are memory nothing
+needs: each node's leader asks its agent to free them (it writes
+``own/release``, the restored step, and waits until the agent removed it,
+RELEASE_WAIT seconds at most) and every rank waits for the leaders before it
+goes on, so that no rank writes its next snapshot beside them. The scheduler's state is
 applied to the scheduler the engine gets afterwards (``engine.lr_scheduler
 = ...``), which a DeepSpeed config's ``scheduler`` and the drop-ins set.
 
@@ -79,6 +85,7 @@ SNAPSHOT_DIR_ENV = "DUCTILE_SNAPSHOT_DIR"
 RESTORE_ENV = "DUCTILE_SNAPSHOT_RESTORE"
 REPLICAS_FILE = "replicas"
 REPLICATED_FILE = "replicated"
+RELEASE_FILE = "release"
 # Seconds rank 0's thread of a background save waits for every rank's
 # shard file: a rank that died never writes its record.
 SAVE_WAIT = 600.0
@@ -87,6 +94,9 @@ _COPY_BLOCK = 16 << 20
 # goes on without (logged): far above a copy's time, short enough that a
 # stuck agent does not stall training.
 REPLICATION_WAIT = 60.0
+# Seconds a node's leader waits for its agent to take a release request
+# (one pass of the agent's loop, --poll-interval, usually takes it).
+RELEASE_WAIT = 10.0
 
 _log = logging.getLogger("ductile.zero3")
 
@@ -128,6 +138,7 @@ class Snapshots:
         # later, and the restored optimizer groups' hyperparameters.
         self.scheduler_state = None
         self.group_values = []
+        self._restored = None  # the step restored from memory, until the agent freed it
 
     def due(self, step):
         return self.enabled and step % self.interval == 0 and step != self._last
@@ -180,6 +191,7 @@ class Snapshots:
             self.finish_save()
         want = self._committed
         if want is None:
+            self._release_restored()
             return
         engine = self.engine
         deadline = time.monotonic() + REPLICATION_WAIT
@@ -197,9 +209,50 @@ class Snapshots:
             _log.warning("zero3 snapshot of step %d: its copies to %d other node(s) did not "
                          "complete in %.0f s (%s/%s says %s); training goes on without waiting",
                          want, self.replicas, REPLICATION_WAIT, self.root, REPLICATED_FILE, got)
-        elif waited:
-            _log.debug("zero3 snapshot of step %d: waited for its replicas", want)
+        else:
+            if waited:
+                _log.debug("zero3 snapshot of step %d: waited for its replicas", want)
+            self._release_restored()
         self._committed = None
+
+    def _release_restored(self):
+        """After a restore, once a newer snapshot is committed and replicated
+        (collective: every rank calls it at the same point): the node's
+        leader asks its agent to free the restored copy and the snapshots up
+        to the restored step, and waits for it; then every rank waits for
+        every leader."""
+        step = self._restored
+        if step is None or self._written is None or self._written <= step:
+            return
+        self._restored = None
+        if self.leader:
+            self._ask_release(step)
+        self.engine.all_reduce(torch.tensor([1.0]), "min")
+
+    def _ask_release(self, step):
+        path = os.path.join(self.root, RELEASE_FILE)
+        staged = path + ".tmp"
+        try:
+            if os.path.lexists(staged):
+                os.unlink(staged)
+            write_file(staged, [f"{step}\n".encode()], durable=False)
+            os.replace(staged, path)
+        except OSError as e:
+            _log.warning("zero3 snapshots: cannot ask the agent to free the restored snapshot of "
+                         "step %d (%s): %s; it is freed later", step, path, e)
+            return
+        deadline = time.monotonic() + RELEASE_WAIT
+        while os.path.lexists(path):
+            if time.monotonic() > deadline:
+                _log.warning("zero3 snapshots: the agent did not take %s within %.0f s "
+                             "(RELEASE_WAIT); training goes on, the restored snapshot of step %d "
+                             "is freed later", path, RELEASE_WAIT, step)
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass  # taken meanwhile
+                return
+            time.sleep(0.005)
 
     def save(self, root, client_state, tag):
         """engine.save(background=True): from this step's snapshot on a
@@ -265,6 +318,7 @@ class Snapshots:
             raise type(e)(f"{RESTORE_ENV}={folder}: the snapshot to resume from does not load: "
                           f"{e}", kind=e.kind, type=e.type) from e
         self.scheduler_state = manifest.get("lr_scheduler")
+        self._restored = engine.global_step
         optimizer = engine.optimizer
         if optimizer is not None:
             self.group_values = [{k: v for k, v in g.items() if k != "params"}
