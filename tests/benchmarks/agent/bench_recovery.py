@@ -344,9 +344,9 @@ def race_one(kind, args, directory):
             windows = [("before the kill", 0, killed)]
             if all(len(t) >= 4 for t in steps):
                 steady = max(t[3] for t in steps)
-                # Not bound: the restored copy, the last round's snapshots
-                # from the restored step on and the lost node's replicas
-                # are still held (elastic-agent.md).
+                # The restored copy is held until every node's first new
+                # snapshot is replicated: bound against the new round's
+                # state with 2 survivors and one replica (elastic-agent.md).
                 windows += [("in the restore's transition", killed, steady),
                             ("after the restore", steady, float("inf"))]
             # After the kill, the survivors' areas only (the killed node's is
