@@ -41,31 +41,56 @@ def run(script, config, save_dir, steps, resume=False):
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
+# DeepSpeed's runs of the same script on the CPU accelerator are not
+# always alike: now and then one reports another gradient norm for a step,
+# or its losses turn to NaN after the resume, while its other runs agree to
+# the last digit. Its side is run until two runs agree (three at most), and
+# ours is held to what they agree on.
+DEEPSPEED_RUNS = 3
+
+
+def matches(a, b):
+    """Whether step records `b` equal `a`: a problem, or None."""
+    if [r["step"] for r in b] != [r["step"] for r in a]:
+        return f"steps {[r['step'] for r in b]} against {[r['step'] for r in a]}"
+    for x, y in zip(a, b):
+        same = (y["loss"] == pytest.approx(x["loss"], rel=1e-5, abs=1e-6)
+                and y["lr"] == pytest.approx(x["lr"], rel=1e-12, abs=1e-15)
+                and y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
+                and (y["global_steps"], y["global_samples"]) == (x["global_steps"],
+                                                                  x["global_samples"]))
+        if not same:
+            return f"{y} against {x}"
+    return None
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("deepspeed_script")
     config = tmp / "ds_config.json"
     config.write_text(json.dumps(CONFIG))
-    scripts = {"deepspeed": SCRIPT,
-               "ductile": one_line_changed(SCRIPT, RIVAL_IMPORT, DUCTILE_IMPORT, tmp)}
-    out = {}
-    for name, script in scripts.items():
+
+    def trained_and_resumed(name, script):
         save_dir = str(tmp / f"checkpoints_{name}")
-        out[name] = (run(script, str(config), save_dir, TRAINED)
-                     + run(script, str(config), save_dir, RESUMED, resume=True))
-    return out
+        return (run(script, str(config), save_dir, TRAINED)
+                + run(script, str(config), save_dir, RESUMED, resume=True))
+
+    ours = trained_and_resumed(
+        "ductile", one_line_changed(SCRIPT, RIVAL_IMPORT, DUCTILE_IMPORT, tmp))
+    theirs: list = []
+    while len(theirs) < DEEPSPEED_RUNS:
+        theirs.append(trained_and_resumed(f"deepspeed{len(theirs)}", SCRIPT))
+        agreed = [a for i, a in enumerate(theirs) for b in theirs[i + 1:] if matches(a, b) is None]
+        if agreed:
+            return {"deepspeed": agreed[0], "ductile": ours}
+    pytest.fail(f"DeepSpeed's {DEEPSPEED_RUNS} runs of the script all differ: "
+                + "; ".join(matches(theirs[0], b) or "" for b in theirs[1:]))
 
 
 def test_steps_match_deepspeed(runs):
     theirs, ours = runs["deepspeed"], runs["ductile"]
     assert [r["step"] for r in theirs] == list(range(1, TRAINED + RESUMED + 1))
-    assert [r["step"] for r in ours] == [r["step"] for r in theirs]
-    for a, b in zip(theirs, ours):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6), (a, b)
-        assert b["lr"] == pytest.approx(a["lr"], rel=1e-12, abs=1e-15), (a, b)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), (a, b)
-        assert (b["global_steps"], b["global_samples"]) == (a["global_steps"],
-                                                            a["global_samples"])
+    assert matches(theirs, ours) is None, matches(theirs, ours)
     # The scheduler really moved the rate: warm-up, then decay.
     rates = [r["lr"] for r in theirs]
     assert rates[0] < rates[4] and rates[-1] < rates[4]
