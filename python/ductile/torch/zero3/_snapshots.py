@@ -116,6 +116,17 @@ def _local_rank():
     return None
 
 
+def _write_small(path, text):
+    """`text` in `path`, written whole or not at all (a staged file renamed
+    over it): a reader never sees half of it. OSError."""
+    staged = path + ".tmp"
+    if os.path.lexists(staged):
+        os.unlink(staged)
+    write_file(staged, [text.encode()], durable=False)
+    fs("rename", staged)
+    os.replace(staged, path)
+
+
 class Snapshots:
     """The snapshot policy of one engine: when to write one, where, and
     the restore at start (see the module's docstring)."""
@@ -231,12 +242,8 @@ class Snapshots:
 
     def _ask_release(self, step):
         path = os.path.join(self.root, RELEASE_FILE)
-        staged = path + ".tmp"
         try:
-            if os.path.lexists(staged):
-                os.unlink(staged)
-            write_file(staged, [f"{step}\n".encode()], durable=False)
-            os.replace(staged, path)
+            _write_small(path, f"{step}\n")
         except OSError as e:
             _log.warning("zero3 snapshots: cannot ask the agent to free the restored snapshot of "
                          "step %d (%s): %s; it is freed later", step, path, e)
@@ -294,13 +301,8 @@ class Snapshots:
         if self._replicas_written:
             return
         path = os.path.join(self.root, REPLICAS_FILE)
-        staged = path + ".tmp"
         try:
-            if os.path.lexists(staged):
-                os.unlink(staged)
-            write_file(staged, [f"{self.replicas}\n".encode()], durable=False)
-            fs("rename", staged)
-            os.replace(staged, path)
+            _write_small(path, f"{self.replicas}\n")
         except OSError as e:
             raise io_error(path, "cannot write the snapshot's replica count", e) from e
         self._replicas_written = True
