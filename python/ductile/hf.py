@@ -89,10 +89,15 @@ import transformers
 
 from ._errors import IncompatibleError, InvalidArgumentError
 from ._hf_logging import StepReport, is_training_log
+from ._hf_zero3 import use_ductile_zero3
 from .torch import DynamicBatchSampler, FlattenCollate, VariableBatchLRScheduler
 from .torch._sampler import Lengths
 
 _logger = transformers.utils.logging.get_logger(__name__)
+
+# A script imports this module before it makes its model: from here on,
+# transformers' ZeRO-3 builds and loads models into ductile's partitions.
+use_ductile_zero3()
 
 # In every checkpoint of a run with packs: where the data stands (the
 # sampler's state at the checkpoint's step) and the settings it depends on.

@@ -13,6 +13,7 @@ from .._errors import InvalidArgumentError
 from ..torch.zero3 import GatheredParameters as _Gathered
 from ..torch.zero3 import init as _init
 from ..torch.zero3 import register_external_parameter
+from ..torch.zero3._param import is_partitioned
 
 __all__ = ["Init", "GatheredParameters", "register_external_parameter"]
 
@@ -61,14 +62,22 @@ class Init(_init):
 
 class GatheredParameters(_Gathered):
     """``with deepspeed.zero.GatheredParameters(params, modifier_rank=0): ...``
-    (``zero3.GatheredParameters``). ``fwd_module`` registers `params` as
-    external parameters of that module, as DeepSpeed does."""
+    (``zero3.GatheredParameters``), on parameters of an engine or built under
+    ``Init``. As in DeepSpeed, a parameter that is not partitioned (whole
+    already) is left as it is. ``fwd_module`` registers `params` as external
+    parameters of that module, as DeepSpeed does."""
 
     def __init__(self,
-                 params: torch.nn.Module | torch.nn.Parameter | Iterable[torch.nn.Parameter],
+                 params: torch.nn.Module | torch.nn.Parameter | Iterable[torch.nn.Parameter]
+                 | None,
                  modifier_rank: int | None = None, fwd_module: torch.nn.Module | None = None,
                  enabled: bool = True) -> None:
-        super().__init__(params, modifier_rank=modifier_rank, enabled=enabled)
+        if isinstance(params, torch.nn.Module):
+            params = list(params.parameters())
+        elif isinstance(params, torch.nn.Parameter):
+            params = [params]
+        params = [p for p in params or () if is_partitioned(p)]
+        super().__init__(params, modifier_rank=modifier_rank, enabled=enabled and bool(params))
         if fwd_module is not None:
             for p in self.params:
                 register_external_parameter(fwd_module, p)

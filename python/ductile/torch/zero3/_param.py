@@ -48,8 +48,8 @@ class ZeroParam(_ductile.zero.MemberState):
         self.id = pid
         self.name = name
         self.param = param
-        self.shape = tuple(param.shape)
-        self.numel = param.numel()
+        self.shape = full_shape(param)
+        self.numel = math.prod(self.shape)
         self.dtype = dtype  # the compute dtype: of the store and the gathered copy
         self.orig_dtype = param.dtype  # the model's own
         self.type = type_name(dtype, f"parameter '{name}'")
@@ -165,10 +165,19 @@ class Sharding:
         params: list[ZeroParam] = []
         seen: set[int] = set()
         for name, p in model.named_parameters():
-            if id(p) in seen or p.numel() == 0:
+            if hasattr(p, "ds_id"):
+                raise InvalidArgumentError(
+                    f"zero3.initialize: parameter '{name}' was partitioned by DeepSpeed's "
+                    "deepspeed.zero.Init (it has ds_id), whose partitions ductile cannot adopt; "
+                    "create the model under ductile's zero.Init instead: import ductile.hf, "
+                    "ductile.trl or ductile.accelerate before the model is made (transformers' "
+                    "from_config and from_pretrained then partition it with ductile's), or "
+                    "build it under ductile.deepspeed.zero.Init()")
+            partitioned = shard_of(p) is not None
+            if id(p) in seen or (p.numel() == 0 and not partitioned):
                 continue  # shared (tied), or nothing to partition
             seen.add(id(p))
-            if not p.is_meta and p.device != self.memory.device:
+            if not p.is_meta and not partitioned and p.device != self.memory.device:
                 raise InvalidArgumentError(
                     f"zero3.initialize: parameter '{name}' is on {p.device}, the "
                     f"{self.session.backend} accelerator needs {self.memory.device}; move the "
@@ -220,6 +229,8 @@ class Sharding:
                         if zp.shard.data_ptr() != zp.store.data_ptr():
                             zp.shard.data.copy_(values)
                     del values
+                    if shard_of(zp.param) is not None:
+                        delattr(zp.param, _INIT)  # the shard is the engine's from now on
                     if zp.param.is_meta:
                         real = torch.nn.Parameter(torch.empty(0, dtype=zp.param.dtype,
                                                               device=self.memory.device),
@@ -357,10 +368,12 @@ _INIT = "_ductile_zero3_init"
 class InitShard:
     """This rank's slice of a parameter built under zero3.init."""
 
-    __slots__ = ("values", "numel", "world", "rank", "lo", "hi", "dtype", "__weakref__")
+    __slots__ = ("values", "shape", "numel", "world", "rank", "lo", "hi", "dtype", "__weakref__")
 
-    def __init__(self, numel, dtype, world, rank):
-        self.numel = numel
+    def __init__(self, shape, dtype, world, rank):
+        self.shape = tuple(shape)
+        self.numel = math.prod(self.shape)
+        numel = self.numel
         self.world = world
         self.rank = rank
         self.dtype = dtype
@@ -380,7 +393,14 @@ class InitShard:
 
 
 def shard_of(param):
+    """The InitShard of a parameter partitioned by zero3.init, or None."""
     return getattr(param, _INIT, None)
+
+
+def full_shape(param):
+    """A parameter's whole shape, also while zero3.init keeps only its slice."""
+    shard = shard_of(param)
+    return shard.shape if shard is not None and not param.is_meta else tuple(param.shape)
 
 
 def launch_world():
@@ -443,14 +463,17 @@ class init:  # noqa: N801 - used as a context manager, like torch.no_grad
             raise InvalidArgumentError(
                 f"zero3.init: rank {self.rank!r} of world size {self.world_size!r} is not valid")
         self._owners: dict[int, InitShard] = {}  # meta storage id -> this rank's slice
+        # every module that registered a parameter while it lasted, by id
+        self._modules: dict[int, torch.nn.Module] = {}
         # torch's hook handle and dispatch mode, set by __enter__
         self._handle: Any = None
         self._mode: Any = None
 
     def _register(self, module, name, param):
+        self._modules[id(module)] = module
         if param is None or shard_of(param) is not None or param.is_meta:
             return None
-        shard = InitShard(param.numel(), param.dtype, self.world_size, self.rank)
+        shard = InitShard(param.shape, param.dtype, self.world_size, self.rank)
         with torch.no_grad():
             shard.take(param.detach())
         meta = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
@@ -473,7 +496,35 @@ class init:  # noqa: N801 - used as a context manager, like torch.no_grad
         self._mode.__exit__(*exc)
         self._handle.remove()
         self._owners.clear()
+        try:
+            if exc[0] is None:
+                _rest(self._modules.values())
+        finally:
+            self._modules.clear()
         return False
+
+
+def _rest(modules):
+    """After construction, each meta parameter of `modules` becomes an empty
+    real one holding the same slice: the form a partitioned parameter has
+    outside a gather (DeepSpeed's too), whose ``.data`` GatheredParameters
+    can point at the whole value (a meta tensor's cannot be)."""
+    modules = list(modules)
+    rested: dict[int, torch.nn.Parameter] = {}
+    for module in modules:
+        for p in module._parameters.values():
+            if p is None or not p.is_meta or shard_of(p) is None or id(p) in rested:
+                continue
+            real = torch.nn.Parameter(torch.empty(0, dtype=p.dtype), requires_grad=p.requires_grad)
+            real.__dict__.update(p.__dict__)  # the slice, and what the model's code set
+            rested[id(p)] = real
+    for module in modules:
+        for key, p in list(module._parameters.items()):
+            if p is not None and id(p) in rested:
+                module._parameters[key] = rested[id(p)]
+        listed = module.__dict__.get(_passes.EXTERNAL)
+        if listed:
+            module.__dict__[_passes.EXTERNAL] = [rested.get(id(p), p) for p in listed]
 
 
 # --- safetensors --------------------------------------------------------------------
@@ -693,15 +744,70 @@ def _owner(param):
     return (None, None) if owner is None else (owner[0](), owner[1])
 
 
+def is_partitioned(param):
+    """Whether `param` is partitioned by ductile: managed by a live zero3
+    engine, or built under zero3.init and not yet adopted by one."""
+    return _owner(param)[0] is not None or shard_of(param) is not None
+
+
+def _init_world(shard, modifier_rank):
+    """The process group of a parameter zero3.init partitioned, checked."""
+    dist = torch.distributed
+    if shard.world > 1 and not (dist.is_available() and dist.is_initialized()):
+        raise IncompatibleError(
+            f"zero3.GatheredParameters: a parameter partitioned by zero3.init over "
+            f"{shard.world} ranks needs torch.distributed's process group to gather it; "
+            "initialise it first (torch.distributed.init_process_group)")
+    if shard.world > 1 and dist.get_world_size() != shard.world:
+        raise IncompatibleError(
+            f"zero3.GatheredParameters: a parameter partitioned by zero3.init over "
+            f"{shard.world} ranks, torch.distributed's world has {dist.get_world_size()}")
+    if modifier_rank is not None and not 0 <= modifier_rank < shard.world:
+        raise InvalidArgumentError(
+            f"zero3.GatheredParameters: modifier_rank {modifier_rank} is not a rank of the "
+            f"{shard.world}-rank world")
+
+
+def _collective_device():
+    """Where torch.distributed's default group takes its tensors."""
+    backend = torch.distributed.get_backend()
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend \
+        else torch.device("cpu")
+
+
+def _gather_init(shard):
+    """The whole value of a parameter zero3.init partitioned (new memory, on
+    the CPU): every rank's slice, gathered."""
+    if shard.world == 1:
+        return shard.values[:shard.numel].clone().view(shard.shape)
+    device = _collective_device()
+    local = shard.values.to(device)
+    pieces = [torch.empty_like(local) for _ in range(shard.world)]
+    torch.distributed.all_gather(pieces, local)
+    return torch.cat(pieces)[:shard.numel].cpu().view(shard.shape)
+
+
+def _scatter_init(shard, full, modifier_rank):
+    """Rank `modifier_rank`'s `full` value becomes every rank's slice."""
+    flat = full.detach().reshape(-1).contiguous()
+    if shard.world > 1:
+        device = _collective_device()
+        on_device = flat.to(device)
+        torch.distributed.broadcast(on_device, modifier_rank)
+        flat = on_device.cpu()
+    shard.take(flat)
+
+
 class GatheredParameters:
     """``with GatheredParameters(params, modifier_rank=0): ...``: inside,
-    each of `params` (parameters of a zero3 model, or a module: its
-    parameters) holds its whole value (in the model's dtype, the fp32
-    masters' values with mixed precision). On exit, with modifier_rank set,
-    that rank's values (changes included) are broadcast and become the
-    shards (and the optimizer's masters) everywhere; with modifier_rank None
-    changes are dropped. Collective; use it between passes, not inside a
-    forward."""
+    each of `params` (parameters of a zero3 model or built under
+    zero3.init, or a module: its parameters) holds its whole value (in the
+    model's dtype, the fp32 masters' values with mixed precision). On exit,
+    with modifier_rank set, that rank's values (changes included) are
+    broadcast and become the shards (and the optimizer's masters)
+    everywhere; with modifier_rank None changes are dropped. Collective (a
+    zero3.init parameter, before any engine has it, over torch.distributed's
+    default group); use it between passes, not inside a forward."""
 
     def __init__(self,
                  params: torch.nn.Module | torch.nn.Parameter | Iterable[torch.nn.Parameter],
@@ -714,19 +820,26 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         self._held: list[tuple[Zero3Engine, Any]] = []  # (engine, its ZeroParam)
+        self._built: list[tuple[torch.nn.Parameter, InitShard]] = []  # zero3.init's
 
     def __enter__(self) -> Self:
         if not self.enabled:
             return self
         seen = set()
         for p in self.params:
-            engine, zp = _owner(p)
-            if engine is None:
-                raise InvalidArgumentError(
-                    "zero3.GatheredParameters: a parameter that no live zero3 engine manages")
             if id(p) in seen:
                 continue
             seen.add(id(p))
+            engine, zp = _owner(p)
+            if engine is None:
+                shard = shard_of(p)
+                if shard is None:
+                    raise InvalidArgumentError(
+                        "zero3.GatheredParameters: a parameter that neither a live zero3 engine "
+                        "manages nor zero3.init partitioned")
+                _init_world(shard, self.modifier_rank)
+                self._built.append((p, shard))
+                continue
             if engine._passes.pass_open:
                 raise IncompatibleError(
                     "zero3.GatheredParameters: inside a pass (between a forward and the end of "
@@ -736,10 +849,11 @@ class GatheredParameters:
                     f"zero3.GatheredParameters: modifier_rank {self.modifier_rank} is not a rank "
                     f"of the {engine.world_size}-rank world")
             self._held.append((engine, zp))
-        for engine, zp in self._held:
-            full = _gather(engine, zp, zp.orig_dtype)
-            with torch.no_grad():
-                zp.param.data = full
+        with torch.no_grad():
+            for engine, zp in self._held:
+                zp.param.data = _gather(engine, zp, zp.orig_dtype)
+            for p, shard in self._built:
+                p.data = _gather_init(shard)
         return self
 
     def __exit__(self, *exc: object) -> Literal[False]:
@@ -757,9 +871,15 @@ class GatheredParameters:
                         zp.shard.zero_()
                         zp.shard[:hi - lo].copy_(flat[lo:hi])
                     engine.shards_changed()
-        finally:
-            for engine, zp in self._held:
                 with torch.no_grad():
+                    for p, shard in self._built:
+                        _scatter_init(shard, p.data, self.modifier_rank)
+        finally:
+            with torch.no_grad():
+                for engine, zp in self._held:
                     zp.param.data = engine._passes.placeholders.get(zp.dtype)
+                for p, shard in self._built:
+                    p.data = torch.empty(0, dtype=shard.dtype, device=p.device)
             self._held = []
+            self._built = []
         return False
