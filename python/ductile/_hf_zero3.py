@@ -14,8 +14,10 @@ reads every tensor whole on rank 0 and broadcasts it). docs/deepspeed.md,
 "Models made by transformers".
 """
 
+import contextlib
 import os
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -96,6 +98,24 @@ def use_ductile_zero3() -> None:
         staticmethod(_load_pretrained_model))
     modeling_utils._load_state_dict_into_zero3_model = _load_state_dict_into_zero3_model
     _installed.append(True)
+
+
+@contextlib.contextmanager
+def ductile_engine(enabled: bool = True) -> Iterator[None]:
+    """While it lasts, ``deepspeed.initialize`` (which the Trainer's and
+    Accelerate's DeepSpeed integrations call) is ductile's."""
+    if not enabled:
+        yield
+        return
+    import deepspeed
+
+    from . import deepspeed as ductile_deepspeed
+    original = deepspeed.initialize
+    deepspeed.initialize = ductile_deepspeed.initialize
+    try:
+        yield
+    finally:
+        deepspeed.initialize = original
 
 
 def _loads_slices(state_dict, checkpoint_files, load_config):

@@ -75,7 +75,6 @@ without ``ductile_sampler.json``. ``args.ignore_data_skip`` does not apply to
 packs.
 """
 
-import contextlib
 import json
 import math
 import os
@@ -89,7 +88,7 @@ import transformers
 
 from ._errors import IncompatibleError, InvalidArgumentError
 from ._hf_logging import StepReport, is_training_log
-from ._hf_zero3 import use_ductile_zero3
+from ._hf_zero3 import ductile_engine, use_ductile_zero3
 from .torch import DynamicBatchSampler, FlattenCollate, VariableBatchLRScheduler
 from .torch._sampler import Lengths
 
@@ -104,23 +103,6 @@ use_ductile_zero3()
 RESUME_FILE = "ductile_sampler.json"
 _RESUME_FORMAT = "ductile.hf.DuctileTrainer"
 
-
-@contextlib.contextmanager
-def _ductile_engine(enabled):
-    """While it lasts, ``deepspeed.initialize`` (which Accelerate's
-    DeepSpeed integration calls) is ductile's."""
-    if not enabled:
-        yield
-        return
-    import deepspeed
-
-    from . import deepspeed as ductile_deepspeed
-    original = deepspeed.initialize
-    deepspeed.initialize = ductile_deepspeed.initialize
-    try:
-        yield
-    finally:
-        deepspeed.initialize = original
 
 __all__ = ["DuctileTrainer"]
 
@@ -264,15 +246,15 @@ class DuctileTrainer(transformers.Trainer):
         self._resumed_step = 0
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        with _ductile_engine(self.is_deepspeed_enabled):
+        with ductile_engine(self.is_deepspeed_enabled):
             return super().train(*args, **kwargs)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        with _ductile_engine(self.is_deepspeed_enabled):
+        with ductile_engine(self.is_deepspeed_enabled):
             return super().evaluate(*args, **kwargs)
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:
-        with _ductile_engine(self.is_deepspeed_enabled):
+        with ductile_engine(self.is_deepspeed_enabled):
             return super().predict(*args, **kwargs)
 
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
