@@ -9,7 +9,7 @@ resizes embeddings the same way. ``use_ductile_zero3()``, which importing
 two ductile's in this process (``ductile.deepspeed.zero``), so the model is
 partitioned by ductile from its first parameter and ``initialize`` adopts it
 as it is. A safetensors checkpoint is then loaded slice by slice: each rank
-reads only the rows that hold its own slices (transformers' own ZeRO-3 load
+reads only the bytes of its own slices (transformers' own ZeRO-3 load
 reads every tensor whole on rank 0 and broadcasts it). docs/deepspeed.md,
 "Models made by transformers".
 """
@@ -30,6 +30,30 @@ _loading = threading.local()  # .slices: a from_pretrained that loads slice by s
 _SOURCE = "_ductile_safetensors_source"
 
 
+# The transformers releases whose private functions this module and
+# ductile.hf replace or override, as tested.
+TESTED_TRANSFORMERS = "5.23"
+
+
+def warn_if_untested(package: str, tested: str, what: str) -> None:
+    """Warns, naming the supported releases, when the installed `package`
+    is not a `tested` release (a "major.minor" prefix): `what` (ductile's
+    part) overrides its private methods, which may have changed. It keeps
+    working wherever they have not."""
+    import importlib.metadata
+    import warnings
+
+    try:
+        installed = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return
+    if installed != tested and not installed.startswith(tested + "."):
+        warnings.warn(
+            f"{what} is tested with {package} {tested}.x, and {installed} is installed: it "
+            f"overrides private parts of {package} that may differ in this release; "
+            f"supported: {package} {tested}.x", UserWarning, stacklevel=3)
+
+
 def use_ductile_zero3() -> None:
     """Makes transformers' ZeRO-3 model creation, initialisation and
     loading ductile's, in this process (idempotent). Without DeepSpeed
@@ -41,6 +65,8 @@ def use_ductile_zero3() -> None:
     except ImportError:
         return
     import transformers.modeling_utils as modeling_utils
+
+    warn_if_untested("transformers", TESTED_TRANSFORMERS, "ductile's ZeRO-3 for transformers")
 
     from .deepspeed import zero
 
@@ -135,7 +161,7 @@ def _loads_slices(state_dict, checkpoint_files, load_config):
 def _load_slices(model, state_dict, load_config):
     """transformers' ``_load_state_dict_into_zero3_model`` for a state dict of
     checkpoint keys: every rank reads, for each parameter, only its slice's
-    rows into its shard, and each buffer whole. Returns (error messages,
+    bytes into its shard, and each buffer whole. Returns (error messages,
     missing keys) as transformers' does."""
     from transformers.integrations.deepspeed import _apply_weight_conversions_to_state_dict
 
