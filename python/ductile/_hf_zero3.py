@@ -5,7 +5,8 @@ Accelerate's DeepSpeed plugin, ``HfDeepSpeedConfig``), transformers builds a
 model (``from_config``, ``from_pretrained``) inside ``deepspeed.zero.Init``,
 initialises and loads it through ``deepspeed.zero.GatheredParameters``, and
 resizes embeddings the same way. ``use_ductile_zero3()``, which importing
-``ductile.hf``, ``ductile.trl`` or ``ductile.accelerate`` calls, makes those
+``ductile.hf``, ``ductile.trl``, ``ductile.accelerate`` or (once transformers
+is imported) ``ductile.deepspeed`` calls, makes those
 two ductile's in this process (``ductile.deepspeed.zero``), so the model is
 partitioned by ductile from its first parameter and ``initialize`` adopts it
 as it is. A safetensors checkpoint is then loaded slice by slice: each rank
@@ -15,7 +16,10 @@ reads every tensor whole on rank 0 and broadcasts it). docs/deepspeed.md,
 """
 
 import contextlib
+import importlib.abc
+import importlib.util
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -67,6 +71,8 @@ def use_ductile_zero3() -> None:
     import transformers.modeling_utils as modeling_utils
 
     warn_if_untested("transformers", TESTED_TRANSFORMERS, "ductile's ZeRO-3 for transformers")
+    # Marked first: importing ductile.deepspeed below comes back here.
+    _installed.append(True)
 
     from .deepspeed import zero
 
@@ -123,7 +129,43 @@ def use_ductile_zero3() -> None:
     modeling_utils.PreTrainedModel._load_pretrained_model = (  # type: ignore[method-assign]
         staticmethod(_load_pretrained_model))
     modeling_utils._load_state_dict_into_zero3_model = _load_state_dict_into_zero3_model
-    _installed.append(True)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Runs `then` right after the module `name` is first imported (a
+    finder ahead of the others for that one name; it steps aside once)."""
+
+    def __init__(self, name, then):
+        self.name = name
+        self.then = then
+        self.loader: Any = None
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        self.loader, spec.loader = spec.loader, self
+        return spec
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        self.then()
+
+
+def use_ductile_zero3_with_transformers() -> None:
+    """``use_ductile_zero3()`` as soon as transformers' modeling code is
+    loaded (now, if it is): ``import ductile.deepspeed`` does not import
+    transformers, which a script without it would pay for at start."""
+    if "transformers.modeling_utils" in sys.modules:
+        use_ductile_zero3()
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport("transformers.modeling_utils", use_ductile_zero3))
 
 
 @contextlib.contextmanager
