@@ -1,5 +1,5 @@
 """from_pretrained under ZeRO-3 with ductile's one line never holds the model
-whole on a rank: a saved GPT-2 of 135 MB in fp32 is loaded on 2 ranks, each
+whole on a rank: a saved GPT-2 of 128 MiB in fp32 is loaded on 2 ranks, each
 building its parameters straight into its slices and reading from the
 safetensors file only the bytes of its own slices. Each rank's peak
 resident memory grows by less than 80 % of the model over the load (so
@@ -18,7 +18,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from zero3_launch import environment, torchrun_script  # noqa: E402
+from zero3_launch import MEMORY_ENV, command, environment  # noqa: E402
 
 WORKER = os.path.join(HERE, "hf_load_memory_worker.py")
 CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
@@ -44,11 +44,20 @@ def results(folder, mode, ranks):
     return [json.loads((folder / f"{mode}-rank{r}.json").read_text()) for r in range(ranks)]
 
 
+def run_worker(tmp, mode, ranks):
+    args = [str(tmp / "model"), str(tmp), str(tmp / "ds.json"), mode]
+    env = dict(environment(), **MEMORY_ENV, DS_ACCELERATOR="cpu")
+    done = subprocess.run(command(ranks, "torchrun", WORKER, *args), env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return results(tmp, mode, ranks or 1)
+
+
 def test_each_rank_holds_and_reads_its_slices_only(saved):
     tmp, whole = saved
-    torchrun_script(WORKER, [str(tmp / "model"), str(tmp), str(tmp / "ds.json"), "ductile"])
-    ranks = results(tmp, "ductile", 2)
-    for rank in ranks:
+    for r, rank in enumerate(run_worker(tmp, "ductile", 2)):
+        print(f"rank {r}: peak {rank['grown'] / 2**20:.1f} MiB above its start over the load, "
+              f"keeps {rank['kept'] / 2**20:.1f} MiB; the model is {whole / 2**20:.1f} MiB")
         # Each rank keeps half the model (rounded up a parameter at a time).
         assert rank["kept"] == pytest.approx(whole / 2, rel=0.01), rank
         assert rank["grown"] < 0.8 * whole, (rank, whole)
@@ -57,9 +66,7 @@ def test_each_rank_holds_and_reads_its_slices_only(saved):
 def test_whole_model_is_seen_whole(saved):
     """The control: the same measurement sees a whole model when there is one."""
     tmp, whole = saved
-    done = subprocess.run([sys.executable, WORKER, str(tmp / "model"), str(tmp), "", "plain"],
-                          env=environment(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    (plain,) = results(tmp, "plain", 1)
+    (plain,) = run_worker(tmp, "plain", None)
+    print(f"made whole: peak {plain['grown'] / 2**20:.1f} MiB above its start")
     assert plain["kept"] == whole
     assert plain["grown"] > whole, (plain, whole)

@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from zero3_hf import FAMILIES  # noqa: E402
 from zero3_init_worker import build  # noqa: E402
-from zero3_launch import CONFIG, launch  # noqa: E402
+from zero3_launch import CONFIG, MEMORY_ENV, launch  # noqa: E402
 
 WORKER = os.path.join(HERE, "zero3_init_worker.py")
 # 201 M parameters, 806 MB in fp32, in 64 layers; its largest modules (up,
@@ -35,15 +35,6 @@ BIG_CONFIG = CONFIG.replace("prefetch_bucket_size = 20000", "prefetch_bucket_siz
     .replace("max_reuse_distance = 10000", "max_reuse_distance = 0") \
     .replace("param_persistence_threshold = 300", "param_persistence_threshold = 100000")
 CAP = 0.8  # of the full model's bytes
-# Memory given back when freed, so that the resident set measures what is
-# alive: glibc maps every block from 128 KiB (its threshold would otherwise
-# grow with the first large free, and freed heap stays resident), and the
-# sanitizer's allocator keeps no quarantine (its shadow memory, an eighth of
-# what the program touches, still counts).
-MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072",
-              "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0:quarantine_size_mb=0:"
-                              "thread_local_quarantine_size_kb=0:"
-                              "allocator_release_to_os_interval_ms=0:malloc_context_size=0"}
 
 
 @pytest.fixture(scope="module", params=["torchrun", "mpirun"])

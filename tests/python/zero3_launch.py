@@ -45,6 +45,17 @@ assert CUDA_CONFIG != BLOCKS_CONFIG, "CONFIG no longer names backend = \"cpu\""
 CUDA_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 
+# Memory given back when freed, so that the resident set measures what is
+# alive: glibc maps every block from 128 KiB (its threshold would otherwise
+# grow with the first large free, and freed heap stays resident), and the
+# sanitizer's allocator keeps no quarantine (its shadow memory, an eighth of
+# what the program touches, still counts).
+MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072",
+              "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0:quarantine_size_mb=0:"
+                              "thread_local_quarantine_size_kb=0:"
+                              "allocator_release_to_os_interval_ms=0:malloc_context_size=0"}
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
