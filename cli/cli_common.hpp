@@ -59,6 +59,7 @@ void register_demo_command(CLI::App& app, CliContext& context);
 void register_elastic_command(CLI::App& app, CliContext& context);
 void register_pack_command(CLI::App& app, CliContext& context);
 void register_zero_command(CLI::App& app, CliContext& context);
+void register_zero_to_fp32_command(CLI::App& app, CliContext& context);
 
 // Parts of `ductile demo`, one per capability; each prints what it did to
 // `out`. A part for a kind the config does not select prints nothing.

@@ -55,6 +55,7 @@ constexpr Command kCommands[] = {
     {"elastic", register_elastic_command},
     {"pack", register_pack_command},
     {"zero", register_zero_command},
+    {"zero-to-fp32", register_zero_to_fp32_command},
     {"agent", add_agent_entry},
 };
 

@@ -36,6 +36,7 @@ import torch
 from .._config import StrPath
 from .._errors import InvalidArgumentError, IoError
 from ..torch.zero3 import Zero3Engine
+from ..zero_to_fp32 import write_script
 
 _logger = logging.getLogger("ductile.deepspeed")
 
@@ -396,6 +397,9 @@ class DeepSpeedEngine(torch.nn.Module):
             "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps,
         }
         self._zero3.save(save_dir, client_state={"deepspeed_engine": state}, tag=str(tag))
+        if self._zero3.rank == 0:
+            # DeepSpeed's folder holds the converter to whole weights: so does ours.
+            write_script(os.fspath(save_dir))
         return True
 
     def load_checkpoint(self, load_dir: StrPath, tag: str | int | None = None,
