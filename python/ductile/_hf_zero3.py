@@ -93,7 +93,22 @@ def use_ductile_zero3() -> None:
             super().__init__(*args, **kwargs)
 
     deepspeed.zero.Init = Init
-    deepspeed.zero.GatheredParameters = zero.GatheredParameters
+    deepspeed_gathered = deepspeed.zero.GatheredParameters
+
+    def gathered_parameters(params: Any, *args: Any, **kwargs: Any) -> Any:
+        """ductile's GatheredParameters; DeepSpeed's own for parameters its
+        zero.Init partitioned (a DeepSpeed engine in the same process)."""
+        if isinstance(params, torch.nn.Module):
+            listed = list(params.parameters())
+        elif isinstance(params, torch.nn.Parameter):
+            listed = [params]
+        else:
+            listed = list(params or ())
+        if any(hasattr(p, "ds_id") for p in listed):
+            return deepspeed_gathered(listed, *args, **kwargs)
+        return zero.GatheredParameters(listed, *args, **kwargs)
+
+    deepspeed.zero.GatheredParameters = gathered_parameters
 
     read_state_dict = modeling_utils.load_state_dict
     load_pretrained = modeling_utils.PreTrainedModel._load_pretrained_model

@@ -19,6 +19,9 @@ import sys
 import torch
 
 
+from hf_clm_script import end_rank  # the ranks' end (hf_clm_script.py says why)
+
+
 def status_bytes(field):
     with open("/proc/self/status") as f:
         for line in f:
@@ -62,11 +65,7 @@ def main():
         kept = sum(p.numel() * p.element_size() for p in model.parameters())
     with open(os.path.join(out, f"{mode}-rank{rank}.json"), "w") as f:
         json.dump({"grown": grown, "kept": kept}, f)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    end_rank()
 
 
 if __name__ == "__main__":

@@ -15,13 +15,14 @@ changed to ductile's.
 
 import json
 import os
-import sys
 from dataclasses import dataclass, field
 
 import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, HfArgumentParser,
                           TrainingArguments, default_data_collator, set_seed)
 from transformers import Trainer
+
+from hf_clm_script import end_rank  # the ranks' end (hf_clm_script.py says why)
 
 
 @dataclass
@@ -95,17 +96,6 @@ def main():
         print(json.dumps({"log": trainer.state.log_history, "train_loss": result.training_loss,
                           "eval_loss": metrics["eval_loss"],
                           "files": sorted(os.listdir(training_args.output_dir))}), flush=True)
-
-
-def end_rank():
-    """The ranks meet, the process group goes, and the interpreter's
-    finalisation is skipped (hf_clm_script.py says why)."""
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,8 @@ resumed from there trains the same steps 4-6, and the saved model is
 DeepSpeed's and loads with from_pretrained.
 
 RewardTrainer is checked to train on ductile; DeepSpeed's own run of it
-breaks on the CPU (test_reward_trainer_trains says how).
-
-DeepSpeed's side is not repeatable on the CPU under load (the models its
-zero.Init builds differ from run to run: test_hf_run_clm.py): it is run
-until one of its runs equals ours in every step (four at most), and the
-test fails, saying whether two of DeepSpeed's runs agreed, when none does.
+breaks on the CPU (test_reward_trainer_trains says how). DeepSpeed's side
+is run until one of its runs equals ours (dropin_support.py says why).
 """
 
 import json
@@ -24,47 +20,19 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from conftest import DATA  # noqa: E402
 from hf_clm_script import build_tokenizer  # noqa: E402
+from dropin_support import (AUTO_CONFIG, assert_same_models, differs, rival_run_like,  # noqa: E402
+                            steps_of)
 from zero3_launch import one_line_changed, torchrun_script  # noqa: E402
 
 TEXT = os.path.join(DATA, "text", "gpl-3.0.txt")
-DEEPSPEED_RUNS = 4
 SCRIPTS = {"sft": ("trl_sft_script.py", "SFTTrainer"), "dpo": ("trl_dpo_script.py", "DPOTrainer"),
            "reward": ("trl_reward_script.py", "RewardTrainer")}
-CONFIG = {
-    "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-    "gradient_clipping": "auto",
-    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": [0.9, 0.999], "eps": 1e-8,
-                                              "weight_decay": "auto"}},
-    "scheduler": {"type": "WarmupDecayLR",
-                  "params": {"warmup_min_lr": 0, "warmup_max_lr": "auto",
-                             "warmup_num_steps": "auto", "total_num_steps": "auto"}},
-    "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
-}
-
-
-def steps_of(result, after=0):
-    return [h for h in result["log"] if "loss" in h and "step" in h and h["step"] > after]
-
-
-def differs(a, b):
-    """Where run `b`'s steps differ from `a`'s, or None."""
-    if [h["step"] for h in steps_of(a)] != [h["step"] for h in steps_of(b)]:
-        return f"steps {[h['step'] for h in steps_of(b)]}"
-    for x, y in zip(steps_of(a), steps_of(b)):
-        if not (y["loss"] == pytest.approx(x["loss"], rel=1e-5)
-                and y["learning_rate"] == pytest.approx(x["learning_rate"], rel=1e-9)
-                and y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)):
-            return f"step {y['step']}: {y} against {x}"
-    return None
-
-
 class Runs:
     def __init__(self, tmp):
         self.tmp = tmp
@@ -80,7 +48,7 @@ class Runs:
         tokenizer.pad_token = tokenizer.eos_token
         tokenizer.save_pretrained(self.model)
         self.config = tmp / "ds.json"
-        self.config.write_text(json.dumps(CONFIG))
+        self.config.write_text(json.dumps(AUTO_CONFIG))
 
     def run(self, script, out, resume=None):
         args = [str(self.model), TEXT, str(out), str(self.config)] + ([str(resume)] if resume
@@ -97,30 +65,14 @@ class Runs:
         changed = one_line_changed(script, f"from trl import {trainer}\n",
                                    f"from ductile.trl import {trainer}\n", self.tmp)
         ours = self.run(changed, self.tmp / f"ductile-{kind}")
-        done = []
-        for i in range(DEEPSPEED_RUNS):
-            theirs = self.run(script, self.tmp / f"deepspeed-{kind}-{i}")
-            if differs(theirs, ours) is None:
-                return changed, ours, theirs
-            done.append(theirs)
-        agreeing = [(i, j) for i in range(len(done)) for j in range(i + 1, len(done))
-                    if differs(done[i], done[j]) is None]
-        pytest.fail(f"{kind}: none of DeepSpeed's {DEEPSPEED_RUNS} runs equals ductile's ("
-                    + "; ".join(differs(r, ours) or "" for r in done)
-                    + f"); DeepSpeed's runs that agree with each other: {agreeing or 'none'}")
+        theirs = rival_run_like(
+            ours, lambda i: self.run(script, self.tmp / f"deepspeed-{kind}-{i}"), kind)
+        return changed, ours, theirs
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return Runs(tmp_path_factory.mktemp("trl"))
-
-
-def assert_same_models(theirs_dir, ours_dir):
-    theirs = load_file(os.path.join(theirs_dir, "model.safetensors"))
-    ours = load_file(os.path.join(ours_dir, "model.safetensors"))
-    assert sorted(ours) == sorted(theirs)
-    for key in theirs:
-        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["sft", "dpo"])

@@ -12,11 +12,13 @@ import json
 import os
 import sys
 
-import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import DPOConfig
 from trl import DPOTrainer
+
+
+from hf_clm_script import end_rank  # the ranks' end (hf_clm_script.py says why)
 
 
 def main():
@@ -47,8 +49,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    end_rank()

@@ -11,10 +11,12 @@ import json
 import os
 import sys
 
-import torch
 from datasets import Dataset
 from trl import RewardConfig
 from trl import RewardTrainer
+
+
+from hf_clm_script import end_rank  # the ranks' end (hf_clm_script.py says why)
 
 
 def main():
@@ -37,8 +39,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    end_rank()

@@ -14,10 +14,12 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import ductile.deepspeed as deepspeed
+from hf_clm_script import end_rank  # the ranks' end (hf_clm_script.py says why)
 
 CONFIG = {"train_micro_batch_size_per_gpu": 2,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
           "zero_optimization": {"stage": 3}}
+
 
 
 def main():
@@ -45,10 +47,7 @@ def main():
         model.config.save_pretrained(os.path.join(out, "checkpoint"))
         with open(os.path.join(out, "done.json"), "w") as f:
             json.dump({"world": torch.distributed.get_world_size()}, f)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    end_rank()
 
 
 if __name__ == "__main__":
