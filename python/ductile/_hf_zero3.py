@@ -222,7 +222,8 @@ def _load_slices(model, state_dict, load_config):
     missing keys) as transformers' does."""
     from transformers.integrations.deepspeed import _apply_weight_conversions_to_state_dict
 
-    from .torch.zero3._param import SafetensorsSource, full_shape, shard_of
+    from .torch.zero3._param import full_shape, shard_of
+    from .torch.zero3._safetensors import SafetensorsSource
 
     state_dicts: Any = [state_dict]
     weight_mapping = getattr(load_config, "weight_mapping", None)
