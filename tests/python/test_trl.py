@@ -4,13 +4,16 @@ from_pretrained; TRL loads and prepares the reference model itself) and a
 reward-model script run on TRL's DeepSpeed integration as they are, and
 with their trainer's import line alone changed to ``from ductile.trl
 import ...``, 2 ranks under torchrun, in the same test. Every step's loss,
-rate and gradient norm are DeepSpeed's; SFT and DPO save at step 3, a run
-resumed from there trains the same steps 4-6, and the saved model is
-DeepSpeed's and loads with from_pretrained.
+rate and gradient norm are DeepSpeed's; SFT and DPO save checkpoints at
+steps 3 and 6 whose models are DeepSpeed's, a run resumed from step 3
+trains the same steps 4-6, and the model save_model writes at the end holds
+the weights of DeepSpeed's step-6 checkpoint and loads with from_pretrained.
 
 RewardTrainer is checked to train on ductile; DeepSpeed's own run of it
 breaks on the CPU (test_reward_trainer_trains says how). DeepSpeed's side
-is run until one of its runs equals ours (dropin_support.py says why).
+is run until one of its runs equals ours, in every step and in the model of
+its step-6 checkpoint; its own save_model after that checkpoint is not
+compared (dropin_support.py says why of both).
 """
 
 import json
@@ -33,6 +36,9 @@ from zero3_launch import one_line_changed, torchrun_script  # noqa: E402
 TEXT = os.path.join(DATA, "text", "gpl-3.0.txt")
 SCRIPTS = {"sft": ("trl_sft_script.py", "SFTTrainer"), "dpo": ("trl_dpo_script.py", "DPOTrainer"),
            "reward": ("trl_reward_script.py", "RewardTrainer")}
+LAST = "checkpoint-6"  # the SFT and DPO scripts' last step and checkpoint
+
+
 class Runs:
     def __init__(self, tmp):
         self.tmp = tmp
@@ -59,14 +65,16 @@ class Runs:
         return dict(json.loads(lines[0]), dir=out)
 
     def compared(self, kind):
-        """ductile's run of `kind` and DeepSpeed's that equals it."""
+        """ductile's run of `kind` and DeepSpeed's that equals it, in every
+        step and in the model of the last checkpoint."""
         name, trainer = SCRIPTS[kind]
         script = os.path.join(HERE, name)
         changed = one_line_changed(script, f"from trl import {trainer}\n",
                                    f"from ductile.trl import {trainer}\n", self.tmp)
         ours = self.run(changed, self.tmp / f"ductile-{kind}")
         theirs = rival_run_like(
-            ours, lambda i: self.run(script, self.tmp / f"deepspeed-{kind}-{i}"), kind)
+            ours, lambda i: self.run(script, self.tmp / f"deepspeed-{kind}-{i}"), kind,
+            model_in=LAST)
         return changed, ours, theirs
 
 
@@ -80,8 +88,10 @@ def test_trains_saves_and_resumes_as_deepspeed(runs, kind):
     changed, ours, theirs = runs.compared(kind)
     assert len(steps_of(ours)) == 6
     assert ours["files"] == theirs["files"]
-    assert_same_models(theirs["dir"], ours["dir"])
-    model, info = AutoModelForCausalLM.from_pretrained(ours["dir"], output_loading_info=True)
+    for checkpoint in ("checkpoint-3", LAST):
+        assert_same_models(theirs["dir"] / checkpoint, ours["dir"] / checkpoint)
+    assert_same_models(theirs["dir"] / LAST, ours["dir"])
+    _, info = AutoModelForCausalLM.from_pretrained(ours["dir"], output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     # Resumed from step 3 in a new process: the same steps 4-6.
     resumed_dir = runs.tmp / f"ductile-{kind}-resumed"
