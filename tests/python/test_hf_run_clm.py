@@ -107,7 +107,7 @@ def runs(tmp_path_factory):
         out["deepspeed", shape] = rival_run_like(
             out["ductile", shape], lambda i, m=model_args, s=shape: dict(
                 run(SCRIPT, configs["rival"], tmp / f"deepspeed-{s}-{i}", m),
-                dir=tmp / f"deepspeed-{s}-{i}"), shape)
+                dir=tmp / f"deepspeed-{s}-{i}"), shape, model_in=f"checkpoint-{STEPS}")
     # ductile's from_config run resumed from its checkpoint in a new process.
     checkpoint = f"checkpoint-{SAVE_STEPS}"
     resumed = tmp / "ductile-config-resumed"
@@ -130,7 +130,10 @@ def test_steps_match_deepspeed(runs, shape):
 @pytest.mark.parametrize("shape", ["config", "pretrained"])
 def test_saved_model_matches_and_loads(runs, shape):
     theirs, ours = runs["deepspeed", shape]["dir"], runs["ductile", shape]["dir"]
-    assert_same_models(theirs, ours)
+    # DeepSpeed's own final save_model is not always whole on the CPU
+    # (dropin_support.py): ours is held to its last checkpoint's model, saved
+    # after the same step.
+    assert_same_models(theirs / f"checkpoint-{STEPS}", ours)
     assert_same_models(theirs / f"checkpoint-{STEPS}", ours / f"checkpoint-{STEPS}")
     model, info = AutoModelForCausalLM.from_pretrained(ours, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
