@@ -75,6 +75,7 @@ def use_ductile_zero3() -> None:
     _installed.append(True)
 
     from .deepspeed import zero
+    from .torch.zero3._param import parameters_of
 
     class Init(zero.Init):
         """ductile's zero.Init as transformers calls it. transformers also asks
@@ -98,12 +99,7 @@ def use_ductile_zero3() -> None:
     def gathered_parameters(params: Any, *args: Any, **kwargs: Any) -> Any:
         """ductile's GatheredParameters; DeepSpeed's own for parameters its
         zero.Init partitioned (a DeepSpeed engine in the same process)."""
-        if isinstance(params, torch.nn.Module):
-            listed = list(params.parameters())
-        elif isinstance(params, torch.nn.Parameter):
-            listed = [params]
-        else:
-            listed = list(params or ())
+        listed = parameters_of(params)
         if any(hasattr(p, "ds_id") for p in listed):
             return deepspeed_gathered(listed, *args, **kwargs)
         return zero.GatheredParameters(listed, *args, **kwargs)
@@ -235,6 +231,7 @@ def _load_slices(model, state_dict, load_config):
     prefix = getattr(model, "base_model_prefix", None)
     readers: dict[str, SafetensorsSource] = {}
     errors: list[str] = []
+    loaded: set[int] = set()  # tied parameters appear under each name: read once
     try:
         for converted in state_dicts:
             by_key = {(f"{prefix}.{k}" if f"{prefix}.{k}" in expected else k): v
@@ -244,6 +241,8 @@ def _load_slices(model, state_dict, load_config):
                 if value is None:
                     continue
                 missing.discard(key)
+                if id(target) in loaded:
+                    continue
                 shape = full_shape(target)
                 if tuple(value.shape) != tuple(shape):
                     errors.append(
@@ -263,6 +262,7 @@ def _load_slices(model, state_dict, load_config):
                     else:
                         target.copy_(reader.read(name, shape, 0, target.numel()).view(shape))
                 target._is_hf_initialized = True
+                loaded.add(id(target))
     finally:
         for reader in readers.values():
             reader.close()

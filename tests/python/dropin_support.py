@@ -18,11 +18,14 @@ So a run's saved model is compared where DeepSpeed wrote it first, and a
 DeepSpeed run may be held to ours in such a model too.
 """
 
+import json
 import os
 
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from zero3_launch import torchrun_script
 
 DEEPSPEED_RUNS = 4
 
@@ -36,6 +39,15 @@ AUTO_CONFIG = {
                              "warmup_num_steps": "auto", "total_num_steps": "auto"}},
     "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
 }
+
+
+def script_result(script, args):
+    """`script args` on 2 ranks under torchrun: the one JSON line it prints
+    that starts with '{"log"' (its log history and results), parsed."""
+    out = torchrun_script(script, [str(a) for a in args])
+    lines = [line for line in out.splitlines() if line.startswith('{"log"')]
+    assert len(lines) == 1, out[-3000:]
+    return json.loads(lines[0])
 
 
 def steps_of(result, after=0):
@@ -57,6 +69,13 @@ def differs(a, b):
             b["eval_loss"] != pytest.approx(a["eval_loss"], rel=1e-5):
         return f"evaluation {b['eval_loss']} against {a['eval_loss']}"
     return None
+
+
+def assert_same_steps(theirs, ours):
+    """Two runs' step records are equal: loss to 1e-5, rate to 1e-9,
+    gradient norm to 1e-4."""
+    problem = differs({"log": theirs}, {"log": ours})
+    assert problem is None, problem
 
 
 def rival_run_like(ours, run_rival, what, model_in=None):

@@ -35,41 +35,27 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from conftest import DATA  # noqa: E402
 import hf_clm_script  # noqa: E402
-from zero3_launch import one_line_changed, torchrun_script  # noqa: E402
+from dropin_support import (AUTO_CONFIG, assert_same_steps, script_result,  # noqa: E402
+                            steps_of)
+from zero3_launch import one_line_changed  # noqa: E402
 
 SCRIPT = os.path.join(HERE, "hf_clm_script.py")
 RIVAL_IMPORT = "from transformers import Trainer\n"
 DUCTILE_IMPORT = "from ductile.hf import DuctileTrainer as Trainer\n"
 TEXT = os.path.join(DATA, "text", "gpl-3.0.txt")
 
-CONFIG = {
-    "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-    "train_batch_size": "auto", "gradient_clipping": "auto",
-    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": [0.9, 0.999], "eps": 1e-8,
-                                              "weight_decay": "auto"}},
-    "scheduler": {"type": "WarmupDecayLR",
-                  "params": {"warmup_min_lr": 0, "warmup_max_lr": "auto",
-                             "warmup_num_steps": "auto", "total_num_steps": "auto"}},
-    # No optimizer offload here (test_deepspeed_script.py has it), and the
-    # script evaluates after training only: on a loaded CPU DeepSpeed's
-    # offloaded step is not repeatable (3 of 9 runs, 3 at a time, ended with
-    # NaN weights or another evaluation loss), nor is its first step after an
-    # evaluation in the middle of training (5.107 instead of 4.496 in 2 of
-    # about 10 runs).
-    "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
-}
+# No optimizer offload here (test_deepspeed_script.py has it), and the
+# script evaluates after training only: on a loaded CPU DeepSpeed's
+# offloaded step is not repeatable (3 of 9 runs, 3 at a time, ended with NaN
+# weights or another evaluation loss), nor is its first step after an
+# evaluation in the middle of training (5.107 instead of 4.496 in 2 of about
+# 10 runs).
+CONFIG = dict(AUTO_CONFIG, train_batch_size="auto")
 
 
 def run(script, config, output_dir, resume=None):
     args = ["--train_file", TEXT, "--output_dir", output_dir, "--deepspeed", config]
-    out = torchrun_script(script, args + (["--resume_from_checkpoint", resume] if resume else []))
-    lines = [line for line in out.splitlines() if line.startswith('{"log"')]
-    assert len(lines) == 1, out[-3000:]
-    return json.loads(lines[0])
-
-
-def steps_of(result):
-    return [h for h in result["log"] if "loss" in h and "step" in h]
+    return script_result(script, args + (["--resume_from_checkpoint", resume] if resume else []))
 
 
 @pytest.fixture(scope="module")
@@ -110,14 +96,6 @@ def evaluation_loss(folder, scratch):
     trainer = Trainer(model=GPT2LMHeadModel.from_pretrained(folder), args=args,
                       eval_dataset=blocks, data_collator=default_data_collator)
     return trainer.evaluate()["eval_loss"]
-
-
-def assert_same_steps(theirs, ours):
-    assert [h["step"] for h in ours] == [h["step"] for h in theirs]
-    for a, b in zip(theirs, ours):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a, b)
-        assert b["learning_rate"] == pytest.approx(a["learning_rate"], rel=1e-9), (a, b)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), (a, b)
 
 
 def up_to_checkpoint(result):

@@ -38,8 +38,8 @@ sys.path.insert(0, HERE)
 from conftest import DATA  # noqa: E402
 from hf_clm_script import build_tokenizer  # noqa: E402
 import dropin_support  # noqa: E402
-from dropin_support import (DEEPSPEED_RUNS, assert_same_models, rival_run_like,  # noqa: E402
-                            steps_of)
+from dropin_support import (DEEPSPEED_RUNS, assert_same_models,  # noqa: E402
+                            assert_same_steps, rival_run_like, script_result, steps_of)
 from zero3_launch import environment, free_port, one_line_changed, torchrun_script  # noqa: E402
 
 SCRIPT = os.path.join(HERE, "hf_run_clm_script.py")
@@ -65,18 +65,7 @@ FROM_CONFIG = ["--model_type", "gpt2", "--extra_tokens", "3", "--config_override
 
 def run(script, config, output_dir, model_args, resume=None):
     args = TRAINING + model_args + ["--deepspeed", config, "--output_dir", str(output_dir)]
-    out = torchrun_script(script, args + (["--resume_from_checkpoint", resume] if resume else []))
-    lines = [line for line in out.splitlines() if line.startswith('{"log"')]
-    assert len(lines) == 1, out[-3000:]
-    return json.loads(lines[0])
-
-
-def assert_same_steps(theirs, ours):
-    assert [h["step"] for h in ours] == [h["step"] for h in theirs]
-    for a, b in zip(theirs, ours):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a, b)
-        assert b["learning_rate"] == pytest.approx(a["learning_rate"], rel=1e-9), (a, b)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), (a, b)
+    return script_result(script, args + (["--resume_from_checkpoint", resume] if resume else []))
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from .._errors import InvalidArgumentError
 from ..torch.zero3 import GatheredParameters as _Gathered
 from ..torch.zero3 import init as _init
 from ..torch.zero3 import register_external_parameter
-from ..torch.zero3._param import is_partitioned
+from ..torch.zero3._param import is_partitioned, parameters_of
 
 __all__ = ["Init", "GatheredParameters", "register_external_parameter"]
 
@@ -72,11 +72,7 @@ class GatheredParameters(_Gathered):
                  | None,
                  modifier_rank: int | None = None, fwd_module: torch.nn.Module | None = None,
                  enabled: bool = True) -> None:
-        if isinstance(params, torch.nn.Module):
-            params = list(params.parameters())
-        elif isinstance(params, torch.nn.Parameter):
-            params = [params]
-        params = [p for p in params or () if is_partitioned(p)]
+        params = [p for p in parameters_of(params) if is_partitioned(p)]
         super().__init__(params, modifier_rank=modifier_rank, enabled=enabled and bool(params))
         if fwd_module is not None:
             for p in self.params:

@@ -74,13 +74,17 @@ class Consolidated:
         self.parameters = self.manifest["parameters"]
         self.offsets, self.layout = shard_layout(self.parameters, self.path)
         self.world = int(self.manifest["world_size"])
+        # A save before the first step has no optimizer state for any
+        # parameter, and none is frozen then.
+        self.stepped = any(p["state"] for p in self.parameters)
 
     def frozen(self, meta: dict) -> bool:
-        """A parameter the optimizer keeps no state for: not trained (a
-        save before the first step has no state for any, and none is
-        frozen then)."""
-        trained = any(p["state"] for p in self.parameters)
-        return trained and not meta["state"]
+        """A parameter the optimizer keeps no state for: not trained."""
+        return self.stepped and not meta["state"]
+
+    def nbytes(self, index: int) -> int:
+        """Bytes of parameter `index`'s whole value."""
+        return int(self.parameters[index]["numel"]) * self.offsets[index][1][0][1].itemsize
 
     def read(self, files: RankFiles, index: int) -> torch.Tensor:
         """Parameter `index`'s whole value (new memory, its saved shape)."""
@@ -117,8 +121,7 @@ def convert(checkpoint_dir: str, output_dir: str, tag: str | None = None,
     saved = Consolidated(checkpoint_dir, tag)
     chosen = [i for i, meta in enumerate(saved.parameters)
               if not (exclude_frozen_parameters and saved.frozen(meta))]
-    nbytes = {i: int(saved.parameters[i]["numel"]) * saved.offsets[i][1][0][1].itemsize
-              for i in chosen}
+    nbytes = {i: saved.nbytes(i) for i in chosen}
     plan = _plan_files([(i, nbytes[i]) for i in chosen], limit)
     stem, ext = ("model", ".safetensors") if safe_serialization else ("pytorch_model", ".bin")
     names = [stem + ext] if len(plan) == 1 else [

@@ -401,7 +401,7 @@ def shard_of(param):
 def full_shape(param):
     """A parameter's whole shape, also while zero3.init keeps only its slice."""
     shard = shard_of(param)
-    return shard.shape if shard is not None and not param.is_meta else tuple(param.shape)
+    return shard.shape if shard is not None else tuple(param.shape)
 
 
 def launch_world():
@@ -679,6 +679,16 @@ def _owner(param):
     return (None, None) if owner is None else (owner[0](), owner[1])
 
 
+def parameters_of(params):
+    """The parameters GatheredParameters is given, as a list: a module's, one
+    parameter, or an iterable of them (None: none)."""
+    if isinstance(params, torch.nn.Module):
+        return list(params.parameters())
+    if isinstance(params, torch.nn.Parameter):
+        return [params]
+    return list(params or ())
+
+
 def is_partitioned(param):
     """Whether `param` is partitioned by ductile: managed by a live zero3
     engine, or built under zero3.init and not yet adopted by one."""
@@ -747,11 +757,7 @@ class GatheredParameters:
     def __init__(self,
                  params: torch.nn.Module | torch.nn.Parameter | Iterable[torch.nn.Parameter],
                  modifier_rank: int | None = None, enabled: bool = True) -> None:
-        if isinstance(params, torch.nn.Module):
-            params = list(params.parameters())
-        elif isinstance(params, torch.nn.Parameter):
-            params = [params]
-        self.params = list(params)
+        self.params = parameters_of(params)
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         self._held: list[tuple[Zero3Engine, Any]] = []  # (engine, its ZeroParam)

@@ -11,9 +11,9 @@ import torch
 from ..._errors import IncompatibleError, IoError
 
 
-def _safetensors_files(path):
-    """{tensor name: file} of a safetensors file or folder."""
-    path = os.fspath(path)
+def _safetensors_files(path, opened):
+    """{tensor name: file} of a safetensors file or folder; a single file's
+    header, read for its names, is kept in `opened` for its reads."""
     if os.path.isdir(path):
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.isfile(index):
@@ -27,12 +27,8 @@ def _safetensors_files(path):
         if not os.path.isfile(single):
             raise IoError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
         path = single
-    from safetensors import safe_open
-    try:
-        with safe_open(path, framework="pt") as f:
-            return {k: path for k in f.keys()}
-    except (OSError, ValueError, RuntimeError) as e:
-        raise IoError(f"{path}: not a safetensors file: {e}") from e
+    opened[path] = _SafetensorsFile(path)
+    return {k: path for k in opened[path].entries}
 
 
 # A safetensors file: an 8-byte little-endian header length, a JSON header
@@ -123,8 +119,8 @@ class SafetensorsSource:
 
     def __init__(self, path):
         self.path = os.fspath(path)
-        self.files = _safetensors_files(path)
-        self._open = {}
+        self._open: dict[str, _SafetensorsFile] = {}
+        self.files = _safetensors_files(self.path, self._open)
 
     def _handle(self, file):
         f = self._open.get(file)
