@@ -80,7 +80,7 @@ std::string secret_from_file(const std::string& path) {
         fmt::format("{}: cannot open it: {}; give a readable file that holds the "
                     "job's secret",
                     variable, std::strerror(errno)));
-  struct stat st {};
+  struct stat st{};
   std::string secret;
   std::string problem;
   if (::fstat(fd, &st) != 0) {
@@ -157,10 +157,28 @@ void RendezvousConnection::open() {
       std::string endpoint = etcd_endpoint_from_url(o_.rdzv, "--rdzv");
       check_etcd_tls(o_.rdzv, o_.tls, {"--rdzv", "--rdzv-cacert", "--rdzv-cert", "--rdzv-key"});
       // A job over TLS copies its snapshots over TLS too, with the same
-      // files (loaded now: a bad one stops the agent at its start).
-      if (endpoint.starts_with("https://") && !o_.tls.ca_file.empty() && !o_.tls.cert_file.empty())
+      // files (loaded now: a bad one stops the agent at its start); the
+      // system's CAs verify the peers when no --rdzv-cacert is given, as
+      // they verify the etcd then.
+      if (endpoint.starts_with("https://") && !o_.tls.cert_file.empty()) {
         snapshot_auth_.tls = std::make_shared<const SnapshotTls>(
             o_.tls, std::vector<std::string>{"--rdzv-cacert", "--rdzv-cert", "--rdzv-key"});
+        if (o_.tls.ca_file.empty())
+          self_.log(
+              "warning: the snapshot copies between agents run over TLS verified against the "
+              "system's CAs (no --rdzv-cacert): give --rdzv-cacert with the CA that signed the "
+              "agents' certificates if it is not one of them");
+      } else if (endpoint.starts_with("https://")) {
+        // Mutual TLS needs a certificate on each side: without one the
+        // copies cannot be encrypted, and the user is told so.
+        self_.log(fmt::format(
+            "warning: the etcd is reached over TLS, but the snapshot copies between agents run "
+            "over plain TCP ({}): give --rdzv-cert and --rdzv-key (with --rdzv-cacert) to copy "
+            "them over TLS",
+            secret_.empty() ? "readable by anyone who can reach the agents' snapshot ports: no "
+                              "DUCTILE_RDZV_SECRET either"
+                            : "authenticated by DUCTILE_RDZV_SECRET, not encrypted"));
+      }
       store_ = std::make_unique<EtcdStore>(endpoint, o_.request_timeout, o_.tls);
       make_store_ = [endpoint, tls = o_.tls](std::chrono::milliseconds timeout) {
         return std::make_unique<EtcdStore>(endpoint, timeout, tls);

@@ -44,7 +44,9 @@ void NodeSnapshots::make_area() {
 }
 
 void NodeSnapshots::serve() {
-  if (!area_) return;
+  // A job of one node has nobody to copy its snapshots to or from: nothing
+  // is served, so no other user of the host can read them over loopback.
+  if (!area_ || o_.rendezvous == RendezvousKind::embedded || o_.max_nodes == 1) return;
   replication_ = std::make_unique<SnapshotReplication>(*area_, self_, conn_.snapshot_auth());
   server_ = std::make_unique<SnapshotServer>(
       area_->root(), self_.addr, conn_.snapshot_auth(),

@@ -2,6 +2,7 @@
 // client that copies one file. See snapshot_server.hpp.
 #include "snapshot_server.hpp"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -51,6 +52,18 @@ constexpr std::size_t kProofBytes = 32;  // an HMAC-SHA256
 constexpr std::size_t kChunk = 1 << 20;
 // How often a wait looks at `abandon`.
 constexpr milliseconds kSlice{200};
+
+// The IP address of a peer, as text ("" when it is of no IP family).
+std::string peer_address(const sockaddr_storage& peer) {
+  char text[INET6_ADDRSTRLEN] = {};
+  const void* raw = nullptr;
+  if (peer.ss_family == AF_INET)
+    raw = &reinterpret_cast<const sockaddr_in&>(peer).sin_addr;
+  else if (peer.ss_family == AF_INET6)
+    raw = &reinterpret_cast<const sockaddr_in6&>(peer).sin6_addr;
+  if (!raw || !::inet_ntop(peer.ss_family, raw, text, sizeof text)) return {};
+  return text;
+}
 
 // Why a connection ended before its end.
 struct Broken {
@@ -466,9 +479,10 @@ bool servable_snapshot_path(const std::string& relative) {
 
 SnapshotTls::SnapshotTls(const EtcdTls& files, const std::vector<std::string>& options) {
   described_ = fmt::format(
-      "this agent verifies the peer's certificate against {} '{}' and presents {} '{}' (key {} "
-      "'{}')",
-      options.at(0), files.ca_file, options.at(1), files.cert_file, options.at(2), files.key_file);
+      "this agent verifies the peer's certificate against {} and presents {} '{}' (key {} '{}')",
+      files.ca_file.empty() ? "the system's CAs (no " + options.at(0) + ")"
+                            : fmt::format("{} '{}'", options.at(0), files.ca_file),
+      options.at(1), files.cert_file, options.at(2), files.key_file);
   ERR_clear_error();
   context_ = SSL_CTX_new(TLS_method());
   if (!context_)
@@ -486,9 +500,19 @@ SnapshotTls::SnapshotTls(const EtcdTls& files, const std::vector<std::string>& o
   // An encrypted key fails to load instead of asking for its passphrase on
   // the terminal.
   SSL_CTX_set_default_passwd_cb(context_, [](char*, int, int, void*) { return 0; });
-  if (SSL_CTX_load_verify_locations(context_, files.ca_file.c_str(), nullptr) != 1)
+  if (files.ca_file.empty()) {
+    if (SSL_CTX_set_default_verify_paths(context_) != 1) {
+      const std::string reasons = tls_reasons(nullptr);
+      SSL_CTX_free(context_);
+      throw Error(ErrorKind::invalid_argument,
+                  fmt::format("{} is not given and the system's CAs cannot be loaded: {}; give {} "
+                              "with the PEM file of the CA that signed the agents' certificates",
+                              options.at(0), reasons, options.at(0)));
+    }
+  } else if (SSL_CTX_load_verify_locations(context_, files.ca_file.c_str(), nullptr) != 1) {
     throw refuse(0, files.ca_file, "cannot be loaded as the job's CA",
                  "the PEM file of the CA that signed the agents' certificates");
+  }
   if (SSL_CTX_use_certificate_chain_file(context_, files.cert_file.c_str()) != 1)
     throw refuse(1, files.cert_file, "cannot be loaded as this agent's certificate",
                  "a PEM certificate signed by the job's CA");
@@ -543,9 +567,9 @@ SnapshotServer::~SnapshotServer() {
   {
     std::unique_lock lock(mutex_);
     stopping_ = true;
-    for (int fd : connections_) ::shutdown(fd, SHUT_RDWR);
+    for (const auto& entry : connections_) ::shutdown(entry.first, SHUT_RDWR);
   }
-  idle_.notify_all();  // an accept loop waiting for a free slot
+  idle_.notify_all();  // connections waiting for a slot
   const char byte = 0;
   [[maybe_unused]] const auto written = ::write(wake_[1], &byte, 1);
   thread_.join();
@@ -563,13 +587,6 @@ SnapshotServer::~SnapshotServer() {
 void SnapshotServer::accept_loop() {
   std::vector<pollfd> polled;
   for (;;) {
-    {
-      // At most kMaxSnapshotConnections: the others wait in the backlog.
-      std::unique_lock lock(mutex_);
-      idle_.wait(lock,
-                 [this] { return stopping_ || connections_.size() < kMaxSnapshotConnections; });
-      if (stopping_) return;
-    }
     polled.clear();
     polled.push_back({wake_[0], POLLIN, 0});
     for (int fd : listeners_) polled.push_back({fd, POLLIN, 0});
@@ -577,23 +594,37 @@ void SnapshotServer::accept_loop() {
     if (polled[0].revents) return;
     for (std::size_t i = 1; i < polled.size(); ++i) {
       if (!polled[i].revents) continue;
-      const int fd = ::accept4(polled[i].fd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-      if (fd < 0) continue;
+      sockaddr_storage peer{};
+      socklen_t peer_size = sizeof peer;
+      const int fd = ::accept4(polled[i].fd, reinterpret_cast<sockaddr*>(&peer), &peer_size,
+                               SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd < 0) {
+        // Out of descriptors: rest a moment rather than spin on the
+        // pending connection.
+        if (errno == EMFILE || errno == ENFILE) ::poll(nullptr, 0, 100);
+        continue;
+      }
       std::unique_lock lock(mutex_);
-      if (stopping_ || connections_.size() >= kMaxSnapshotConnections) {
+      if (stopping_) {
         ::close(fd);
         continue;
       }
-      connections_.insert(fd);
+      const std::string address = peer_address(peer);
+      cut_oldest_unproven(address);
+      connections_[fd] = Connection{address, ++accepted_};
       std::thread([this, fd] {
+        bool was_served = false;
         {
           Link link(fd, false);
-          serve(link);
+          serve(link, fd);
           // Still listed meanwhile: a stopping server cuts the drain short.
           link.drain_before_close();
         }
         std::unique_lock lock(mutex_);
-        connections_.erase(fd);
+        const auto at = connections_.find(fd);
+        was_served = at->second.proven;
+        connections_.erase(at);
+        if (was_served) --served_;
         ::close(fd);
         idle_.notify_all();
       }).detach();
@@ -601,7 +632,46 @@ void SnapshotServer::accept_loop() {
   }
 }
 
-void SnapshotServer::serve(Link& link) {
+void SnapshotServer::cut_oldest_unproven(const std::string& address) {
+  std::size_t unproven = 0, from_address = 0;
+  auto oldest = connections_.end(), oldest_of_address = connections_.end();
+  for (auto it = connections_.begin(); it != connections_.end(); ++it) {
+    if (it->second.proven || it->second.cut) continue;
+    ++unproven;
+    if (oldest == connections_.end() || it->second.order < oldest->second.order) oldest = it;
+    if (it->second.address != address) continue;
+    ++from_address;
+    if (oldest_of_address == connections_.end() ||
+        it->second.order < oldest_of_address->second.order)
+      oldest_of_address = it;
+  }
+  auto cut = connections_.end();
+  if (from_address >= kMaxSnapshotUnprovenPerAddress)
+    cut = oldest_of_address;
+  else if (unproven >= kMaxSnapshotUnproven)
+    cut = oldest;
+  if (cut == connections_.end()) return;
+  // Its thread ends at once, its socket shut down; listed until then, it
+  // counts no more.
+  ::shutdown(cut->first, SHUT_RDWR);
+  cut->second.cut = true;
+}
+
+bool SnapshotServer::admit(int fd) {
+  std::unique_lock lock(mutex_);
+  if (waiting_ >= kMaxSnapshotWaiting) return false;
+  ++waiting_;
+  const bool slot = idle_.wait_for(lock, kSnapshotIdleTimeout, [this] {
+    return stopping_ || served_ < kMaxSnapshotConnections;
+  });
+  --waiting_;
+  if (!slot || stopping_) return false;
+  ++served_;
+  connections_.at(fd).proven = true;
+  return true;
+}
+
+void SnapshotServer::serve(Link& link, int fd) {
   const milliseconds idle = kSnapshotIdleTimeout;
   // The handshake and the request come within the proof's time.
   const auto handshake_deadline = Clock::now() + wire::kProofTimeout;
@@ -658,6 +728,14 @@ void SnapshotServer::serve(Link& link) {
       return;
     }
     const std::string relative = receive_string(link, size, idle, handshake_deadline, nullptr);
+    if (!admit(fd)) {
+      send_all(link,
+               refusal(kRefused, fmt::format("the snapshot server is busy: {} copies served at "
+                                             "once and more waiting; try again",
+                                             kMaxSnapshotConnections)),
+               idle, no_deadline, nullptr);
+      return;
+    }
     if (relative.starts_with("notify/") || relative.starts_with("have/")) {
       const std::string why = take_message(link, relative);
       if (why.empty()) {
@@ -679,7 +757,7 @@ void SnapshotServer::serve(Link& link) {
           idle, no_deadline, nullptr);
       return;
     }
-    struct stat info {};
+    struct stat info{};
     std::string why;
     const int file = open_below(area_fd_, relative, info, why);
     if (file < 0) {

@@ -31,16 +31,29 @@
 // connection's thread: two agents copying from each other would wait on
 // each other).
 //
-// A job whose rendezvous uses TLS (an https etcd with --rdzv-cacert,
-// --rdzv-cert and --rdzv-key) runs the same protocol inside TLS: the server
-// presents the agent's certificate and requires one of the client, each
-// side verifying the other's chain against the job's CA (SnapshotTls).
+// A job whose rendezvous uses TLS with client certificates (an https etcd
+// with --rdzv-cert and --rdzv-key) runs the same protocol inside TLS: the
+// server presents the agent's certificate and requires one of the client,
+// each side verifying the other's chain against the job's CA
+// (--rdzv-cacert; the system's CAs without it) (SnapshotTls).
 //
 // Served: regular files only, reached without following a link (each
 // component opened with O_NOFOLLOW below the area), names as a save
 // writes them. Bounded: a request of at most kMaxSnapshotRequest bytes,
-// the handshake within wire::kProofTimeout, kSnapshotIdleTimeout without
-// progress, kMaxSnapshotConnections at once (more wait to be accepted).
+// the handshake and the request within wire::kProofTimeout,
+// kSnapshotIdleTimeout without progress.
+//
+// No stranger starves the job's agents of the server: every connection is
+// accepted at once, and one that has not yet sent its request (with the
+// job's proof, when the job has a secret) is "unproven". At most
+// kMaxSnapshotUnproven of those are kept, kMaxSnapshotUnprovenPerAddress
+// from one address; a connection past either bound takes the place of the
+// oldest unproven one (of its address, for the second), which is cut. So
+// idle connections, however many, hold a member's request up by no more
+// than its own handshake: the member's connection cuts the oldest of them.
+// Proven connections are never cut for a newcomer; kMaxSnapshotConnections
+// of them are served at once, and up to kMaxSnapshotWaiting more wait
+// (within kSnapshotIdleTimeout) for one of them to end.
 #pragma once
 
 #include <atomic>
@@ -49,6 +62,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -71,6 +85,9 @@ class Link;  // one connection, plain or TLS
 inline constexpr std::size_t kMaxSnapshotRequest = 4096;
 inline constexpr std::chrono::seconds kSnapshotIdleTimeout{30};
 inline constexpr std::size_t kMaxSnapshotConnections = 16;
+inline constexpr std::size_t kMaxSnapshotWaiting = 256;
+inline constexpr std::size_t kMaxSnapshotUnproven = 32;
+inline constexpr std::size_t kMaxSnapshotUnprovenPerAddress = 8;
 
 // True for a path the server serves: "own/<tag>/<file>" or
 // "replicas/<node>/<tag>/<file>" with a snapshot tag, a node id and a
@@ -108,8 +125,9 @@ using SnapshotMessageHandler = std::function<std::string(const SnapshotMessage&)
 // the key is not the certificate's.
 class SnapshotTls {
  public:
-  // `files`: all three set. `options`: their options' names for messages,
-  // as {"--rdzv-cacert", "--rdzv-cert", "--rdzv-key"}.
+  // `files`: the certificate and its key set; the CA empty: the system's
+  // CAs verify the peers. `options`: their options' names for messages, as
+  // {"--rdzv-cacert", "--rdzv-cert", "--rdzv-key"}.
   SnapshotTls(const EtcdTls& files, const std::vector<std::string>& options);
   ~SnapshotTls();
   SnapshotTls(const SnapshotTls&) = delete;
@@ -154,8 +172,24 @@ class SnapshotServer {
   int port() const { return port_; }
 
  private:
+  // A connection served by its own thread.
+  struct Connection {
+    std::string address;      // the peer's IP address
+    std::uint64_t order = 0;  // accepted as the order-th: the oldest has the lowest
+    bool proven = false;      // its request came (with the proof the job asks)
+    bool cut = false;         // shut down to make room for a newcomer
+  };
+
   void accept_loop();
-  void serve(snapshot_server_detail::Link& link);
+  // Makes room for an unproven connection from `address`: cuts the oldest
+  // unproven one of that address, or of all, when a bound is reached.
+  // Called with mutex_ held.
+  void cut_oldest_unproven(const std::string& address);
+  // The connection `fd` sent its request: no longer unproven; waits for one
+  // of the kMaxSnapshotConnections served at once. False when it should end
+  // (no slot within kSnapshotIdleTimeout, too many waiting, or stopping).
+  bool admit(int fd);
+  void serve(snapshot_server_detail::Link& link, int fd);
   // The answer to a message whose request line is `request`: its body (a
   // notify's) read from `link`.
   std::string take_message(snapshot_server_detail::Link& link, const std::string& request);
@@ -167,8 +201,11 @@ class SnapshotServer {
   int wake_[2] = {-1, -1};  // a pipe: written to stop the accept loop
   int port_ = 0;
   std::mutex mutex_;
-  std::condition_variable idle_;  // a connection ended
-  std::set<int> connections_;     // open, served by their own threads
+  std::condition_variable idle_;           // a connection ended or left the served ones
+  std::map<int, Connection> connections_;  // open, by socket
+  std::uint64_t accepted_ = 0;
+  std::size_t served_ = 0;   // proven connections being served
+  std::size_t waiting_ = 0;  // proven connections waiting to be served
   bool stopping_ = false;
   std::thread thread_;
 };

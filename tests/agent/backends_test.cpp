@@ -6,9 +6,12 @@
 #include <doctest/doctest.h>
 
 #include <dirent.h>
+#include <unistd.h>
 
 #include <iostream>
 #include <set>
+#include <sstream>
+#include <string>
 
 #include "launchers.hpp"
 #include "process.hpp"
@@ -42,6 +45,38 @@ std::string command_of(int pid) {
   std::string cmdline = read_text("/proc/" + std::to_string(pid) + "/cmdline");
   std::replace(cmdline.begin(), cmdline.end(), '\0', ' ');
   return cmdline;
+}
+
+// The TCP ports process `pid` listens on (its sockets matched against
+// /proc/<pid>/net/tcp and tcp6 by inode).
+std::set<int> listening_ports_of(int pid) {
+  const std::string base = "/proc/" + std::to_string(pid);
+  std::set<std::string> inodes;
+  DIR* fds = opendir((base + "/fd").c_str());
+  REQUIRE(fds != nullptr);
+  while (dirent* entry = readdir(fds)) {
+    char target[256] = {};
+    const std::string link = base + "/fd/" + entry->d_name;
+    const ssize_t n = ::readlink(link.c_str(), target, sizeof target - 1);
+    const std::string text(target, n > 0 ? static_cast<std::size_t>(n) : 0);
+    if (text.starts_with("socket:[")) inodes.insert(text.substr(8, text.size() - 9));
+  }
+  closedir(fds);
+  std::set<int> ports;
+  for (const char* table : {"/net/tcp", "/net/tcp6"}) {
+    std::istringstream lines(read_text(base + table));
+    std::string line;
+    std::getline(lines, line);  // the header
+    while (std::getline(lines, line)) {
+      std::istringstream fields(line);
+      std::string slot, local, remote, state, queues, timer, retransmits, uid, timeout, inode;
+      fields >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >>
+          timeout >> inode;
+      if (state == "0A" && inodes.count(inode))  // LISTEN
+        ports.insert(std::stoi(local.substr(local.rfind(':') + 1), nullptr, 16));
+    }
+  }
+  return ports;
 }
 
 // `ductile agent` with torchrun's arguments.
@@ -89,6 +124,13 @@ TEST_CASE("agent: --standalone runs one node on its own rendezvous - nothing els
   REQUIRE(run != std::string::npos);
   CHECK(is_uuid4(out.substr(run + 5, 36)));
   CHECK(out.find("of 2 round 1 master ") != std::string::npos);
+  // The agent listens on the workers' store's port alone: no snapshot
+  // server, which another user of the host could read its snapshots from.
+  const auto master = out.find(" master ", out.find("\nup group 0 rank 0"));
+  const auto colon = out.find(':', master);
+  REQUIRE(colon != std::string::npos);
+  const int master_port = std::stoi(out.substr(colon + 1));
+  CHECK(listening_ports_of(agent.pid()) == std::set<int>{master_port});
   CHECK(out.find("store True") != std::string::npos);
   CHECK(out.find("on this agent's own rendezvous (one node)") != std::string::npos);
   std::ofstream(stop) << "stop";

@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
 
@@ -89,6 +90,12 @@ TEST_CASE("agent: TLS to etcd with client certificates - plaintext and wrong CAs
   r = run_process(agent_argv("c", etcd.url(), {"--rdzv-cacert", tls.ca.string()}), {marker});
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("cannot reach etcd for --rdzv " + etcd.url()) != std::string::npos);
+  // Nor could its snapshots be copied over TLS: it says so at its start.
+  CHECK((r.out + r.err)
+            .find("warning: the etcd is reached over TLS, but the snapshot copies between agents "
+                  "run over plain TCP (readable by anyone who can reach the agents' snapshot "
+                  "ports: no DUCTILE_RDZV_SECRET either): give --rdzv-cert and --rdzv-key") !=
+        std::string::npos);
   // A certificate of a CA etcd does not trust, and a CA that did not sign
   // etcd's certificate: refused both ways.
   r = run_process(agent_argv("c", etcd.url(),
@@ -288,6 +295,22 @@ done
   CHECK(ductile::agent::fetch_file("127.0.0.1", port, "own/step1/manifest.json",
                                    dir / "manifest.json", {"", own}, 120s) > 0);
   CHECK(read_text(dir / "manifest.json").find("\"node\":\"a\"") != std::string::npos);
+
+  // No --rdzv-cacert: the system's CAs verify the peers (OpenSSL's
+  // SSL_CERT_FILE names them here). With the job's CA among them: served;
+  // with another CA only: refused, the message saying which CAs.
+  ::setenv("SSL_CERT_FILE", tls.ca.c_str(), 1);
+  auto system_cas = std::make_shared<const ductile::agent::SnapshotTls>(
+      ductile::agent::EtcdTls{"", tls.client_cert.string(), tls.client_key.string()}, options);
+  CHECK(ductile::agent::fetch_file("127.0.0.1", port, "own/step1/manifest.json",
+                                   dir / "manifest-system-cas.json", {"", system_cas}, 120s) > 0);
+  ::setenv("SSL_CERT_FILE", other.ca.c_str(), 1);
+  auto other_system_cas = std::make_shared<const ductile::agent::SnapshotTls>(
+      ductile::agent::EtcdTls{"", tls.client_cert.string(), tls.client_key.string()}, options);
+  ::unsetenv("SSL_CERT_FILE");
+  error = copy_error({"", other_system_cas}, "other-system-cas.bin");
+  CHECK(error.find("certificate verify failed") != std::string::npos);
+  CHECK(error.find("against the system's CAs (no --rdzv-cacert)") != std::string::npos);
 
   // A key that is not the certificate's: the agent stops at its start.
   auto r = run_process(agent_argv("bad", other.client_key, "tls-snapshots-bad", {"/bin/true"}),
