@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <random>
+#include <thread>
 
 #include <fmt/ranges.h>
 
@@ -227,6 +228,38 @@ int Agent::leave(int code) {
   return code;
 }
 
+std::optional<int> Agent::while_store_answers(const std::string& what,
+                                              const std::function<void()>& step) {
+  const auto started = now_ms();
+  auto retry = milliseconds(100);
+  for (bool said = false;;) {
+    try {
+      step();
+      if (said) self_.log(fmt::format("{} answers again", conn_.store().describe()));
+      return std::nullopt;
+    } catch (const StoreGone& e) {
+      self_.log(fmt::format("error: {} while {}; the job ends with its rendezvous' host", e.what(),
+                            what));
+      return kAgentStoreLost;
+    } catch (const StoreUnavailable& e) {
+      // A slow or briefly unreachable store is waited for within the
+      // outage's budget, as in the loop; only its end gives up.
+      const auto waited = now_ms() - started;
+      if (waited >= o_.store_timeout) {
+        self_.log(fmt::format("error: {} unreachable for {} ms while {} (last error: {})",
+                              conn_.store().describe(), waited.count(), what, e.what()));
+        return kAgentStoreLost;
+      }
+      if (!said)
+        self_.log(fmt::format("{} while {}; trying again for up to {} ms", e.what(), what,
+                              o_.store_timeout.count()));
+      said = true;
+      std::this_thread::sleep_for(retry);
+      retry = std::min(retry * 2, milliseconds(2000));
+    }
+  }
+}
+
 int Agent::run() {
   // What a worker's children leave behind and outlives its guard comes to
   // the agent, which ends it with the worker group (workers.hpp).
@@ -235,8 +268,11 @@ int Agent::run() {
   // The lease is kept alive from now on: registering may wait for a
   // previous run's registration to expire.
   conn_.start_keep_alive();
-  membership_.register_node();
-  membership_.join(*policy_);
+  if (auto code = while_store_answers("registering this node", [this] {
+        membership_.register_node();
+        membership_.join(*policy_);
+      }))
+    return leave(*code);
   stop_watch_.disarm();
   self_.log(fmt::format(
       "joined job '{}' on {} (address {}, {} worker(s), nodes {}..{}, valid GPU "

@@ -16,7 +16,9 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <optional>
+#include <string>
 
 #include "agent_common.hpp"
 #include "checkpoints.hpp"
@@ -56,6 +58,11 @@ class Agent {
   // After the fence killed the workers: a new lease and a new registration.
   void rejoin_after_fence();
   int leave(int code);
+  // Runs `step` (`what` names it in messages) until the store answers it:
+  // a slow or unreachable store is tried again with back-off for up to
+  // --store-timeout. nullopt when done, else the agent's exit status.
+  std::optional<int> while_store_answers(const std::string& what,
+                                         const std::function<void()>& step);
   // Waits up to the poll interval for the workers' output or exit, or a
   // stop signal.
   void wait_for_workers();

@@ -18,6 +18,7 @@
 
 #include "ductile/agent/etcd_store.hpp"
 #include "ductile/error.hpp"
+#include "store_mirror.hpp"
 
 namespace ductile::agent {
 
@@ -179,7 +180,14 @@ void RendezvousConnection::open() {
                               "DUCTILE_RDZV_SECRET either"
                             : "authenticated by DUCTILE_RDZV_SECRET, not encrypted"));
       }
-      store_ = std::make_unique<EtcdStore>(endpoint, o_.request_timeout, o_.tls);
+      // The job's keys are followed by a watch, not read at every pass
+      // (store_mirror.hpp).
+      store_ = std::make_unique<MirroredStore>(
+          std::make_unique<EtcdStore>(endpoint, o_.request_timeout, o_.tls),
+          [endpoint, timeout = o_.request_timeout, tls = o_.tls] {
+            return std::make_unique<EtcdStore>(endpoint, timeout, tls);
+          },
+          self_.prefix, [this](const std::string& line) { self_.log(line); });
       make_store_ = [endpoint, tls = o_.tls](std::chrono::milliseconds timeout) {
         return std::make_unique<EtcdStore>(endpoint, timeout, tls);
       };
@@ -242,14 +250,21 @@ void RendezvousConnection::grant_first_lease() {
                                                        "DUCTILE_RDZV_SECRET_FILE is set"
                                                      : "from " + secret_source_));
     } catch (const StoreUnavailable& e) {
-      if (std::chrono::steady_clock::now() - started < patience) {
+      // An etcd that answers too slowly (overloaded by a job's agents
+      // starting together, or stopped for a moment) is waited for as an
+      // outage is, not taken for an address where none runs.
+      const bool slow =
+          dynamic_cast<const StoreTimeout*>(&e) != nullptr && o_.rendezvous == RendezvousKind::etcd;
+      const auto budget = slow ? std::chrono::duration_cast<milliseconds>(o_.store_timeout)
+                               : std::chrono::duration_cast<milliseconds>(patience);
+      if (std::chrono::steady_clock::now() - started < budget) {
         if (!waiting) {
           std::string why = e.what();
           if (why.starts_with(store_->describe() + ": "))
             why = why.substr(store_->describe().size() + 2);
-          self_.log(
-              fmt::format("waiting for {} ({}); giving up after {} s", store_->describe(), why,
-                          std::chrono::duration_cast<std::chrono::seconds>(patience).count()));
+          self_.log(fmt::format("waiting for {} ({}); giving up after {} s", store_->describe(),
+                                why,
+                                std::chrono::duration_cast<std::chrono::seconds>(budget).count()));
         }
         waiting = true;
         std::this_thread::sleep_for(o_.poll_interval);

@@ -4,10 +4,14 @@
 #include "ductile/agent/etcd_store.hpp"
 
 #include <curl/curl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <openssl/evp.h>
+#include <sys/socket.h>
 
 #include <array>
 #include <charconv>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
@@ -105,6 +109,90 @@ std::size_t append_body(char* data, std::size_t size, std::size_t count, void* u
   return size * count;
 }
 
+// The revision in an answer's header (0 when it has none).
+std::int64_t header_revision(const json& reply) {
+  auto it = reply.find("header");
+  return it != reply.end() && it->is_object() ? as_int(*it, "revision") : 0;
+}
+
+// A watch's socket sends keep-alive probes after 2 s of silence, one a
+// second, and gives up after 3 unanswered: a peer that is gone (a host
+// down, a cable cut) ends the stream within about 5 s, where a quiet watch
+// could otherwise wait forever.
+int keep_probing(void*, curl_socket_t fd, curlsocktype purpose) {
+  if (purpose != CURLSOCKTYPE_IPCXN) return CURL_SOCKOPT_OK;
+  const int on = 1, idle = 2, interval = 1, count = 3;
+  ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &on, sizeof on);
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof interval);
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof count);
+  return CURL_SOCKOPT_OK;
+}
+
+// A watch's answer as it streams in: one JSON message a line.
+struct WatchStream {
+  static constexpr std::size_t kMaxMessage = std::size_t{64} << 20;
+  const std::function<bool(const WatchMessage&)>* on_message = nullptr;
+  std::string pending;
+  bool done = false;  // on_message said to stop
+  std::exception_ptr error;
+
+  static std::size_t take(char* data, std::size_t size, std::size_t count, void* user) {
+    auto& self = *static_cast<WatchStream*>(user);
+    self.pending.append(data, size * count);
+    try {
+      for (auto end = self.pending.find('\n'); end != std::string::npos;
+           end = self.pending.find('\n')) {
+        const std::string line = self.pending.substr(0, end);
+        self.pending.erase(0, end + 1);
+        if (!line.empty() && !(*self.on_message)(parse(line))) {
+          self.done = true;
+          return 0;
+        }
+      }
+      if (self.pending.size() > kMaxMessage)
+        throw StoreError(fmt::format("etcd sent a watch message of over {} bytes", kMaxMessage));
+    } catch (...) {
+      self.error = std::current_exception();
+      return 0;
+    }
+    return size * count;
+  }
+
+  static WatchMessage parse(const std::string& line) {
+    const json message = json::parse(line, nullptr, false);
+    if (message.is_discarded() || !message.is_object())
+      throw StoreError("etcd sent a watch message that is not a JSON object");
+    if (message.contains("error"))
+      throw StoreError(
+          fmt::format("etcd ended the watch: {}",
+                      message["error"].dump(-1, ' ', false, json::error_handler_t::replace)));
+    auto result = message.find("result");
+    if (result == message.end() || !result->is_object())
+      throw StoreError("etcd sent a watch message without its result");
+    WatchMessage out;
+    auto flag = [&](const char* field) {
+      auto it = result->find(field);
+      return it != result->end() && it->is_boolean() && it->get<bool>();
+    };
+    out.created = flag("created");
+    out.canceled = flag("canceled");
+    out.compact_revision = as_int(*result, "compact_revision");
+    if (auto events = result->find("events"); events != result->end()) {
+      if (!events->is_array()) throw StoreError("etcd sent watch events that are not a list");
+      for (const auto& event : *events) {
+        if (!event.is_object() || !event.contains("kv"))
+          throw StoreError("etcd sent a watch event without its key");
+        auto type = event.find("type");
+        out.events.push_back(
+            {type != event.end() && type->is_string() && type->get<std::string>() == "DELETE",
+             to_key_value(event["kv"])});
+      }
+    }
+    return out;
+  }
+};
+
 }  // namespace
 
 std::string etcd_endpoint_from_url(const std::string& url, const std::string& what) {
@@ -182,6 +270,21 @@ struct EtcdStore::Impl {
   std::chrono::milliseconds timeout;
   EtcdTls tls;
   CURL* curl = nullptr;
+  std::int64_t changed = 0;  // see changed_at()
+  std::mutex watch_mutex;
+  CURLM* watching = nullptr;  // the watch's, while one runs
+
+  // TLS to an https:// endpoint, with the files given.
+  void set_tls(const std::string& endpoint) {
+    if (!endpoint.starts_with("https://")) return;
+    curl_easy_setopt(curl, CURLOPT_SSL_VERIFYPEER, 1L);
+    curl_easy_setopt(curl, CURLOPT_SSL_VERIFYHOST, 2L);
+    if (!tls.ca_file.empty()) curl_easy_setopt(curl, CURLOPT_CAINFO, tls.ca_file.c_str());
+    if (!tls.cert_file.empty()) {
+      curl_easy_setopt(curl, CURLOPT_SSLCERT, tls.cert_file.c_str());
+      curl_easy_setopt(curl, CURLOPT_SSLKEY, tls.key_file.c_str());
+    }
+  }
 
   // The request to the member that answered last, else to the others in
   // turn: a member that is down, or cannot serve without a quorum, is
@@ -210,15 +313,7 @@ struct EtcdStore::Impl {
     curl_easy_setopt(curl, CURLOPT_CONNECTTIMEOUT_MS, long(timeout.count()));
     curl_easy_setopt(curl, CURLOPT_NOSIGNAL, 1L);
     curl_easy_setopt(curl, CURLOPT_NOPROXY, "*");
-    if (endpoint.starts_with("https://")) {
-      curl_easy_setopt(curl, CURLOPT_SSL_VERIFYPEER, 1L);
-      curl_easy_setopt(curl, CURLOPT_SSL_VERIFYHOST, 2L);
-      if (!tls.ca_file.empty()) curl_easy_setopt(curl, CURLOPT_CAINFO, tls.ca_file.c_str());
-      if (!tls.cert_file.empty()) {
-        curl_easy_setopt(curl, CURLOPT_SSLCERT, tls.cert_file.c_str());
-        curl_easy_setopt(curl, CURLOPT_SSLKEY, tls.key_file.c_str());
-      }
-    }
+    set_tls(endpoint);
     curl_easy_setopt(curl, CURLOPT_WRITEFUNCTION, append_body);
     curl_easy_setopt(curl, CURLOPT_WRITEDATA, &answer);
     struct curl_slist* headers = curl_slist_append(nullptr, "Content-Type: application/json");
@@ -227,6 +322,9 @@ struct EtcdStore::Impl {
     long status = 0;
     curl_easy_getinfo(curl, CURLINFO_RESPONSE_CODE, &status);
     curl_slist_free_all(headers);
+    if (rc == CURLE_OPERATION_TIMEDOUT)
+      throw StoreTimeout(
+          fmt::format("etcd at {}: {} failed: {}", endpoint, path, curl_easy_strerror(rc)));
     if (rc != CURLE_OK)
       throw StoreUnavailable(
           fmt::format("etcd at {}: {} failed: {}", endpoint, path, curl_easy_strerror(rc)));
@@ -310,7 +408,8 @@ std::int64_t EtcdStore::lease_remaining(std::int64_t lease) {
 void EtcdStore::put(const std::string& key, const std::string& value, std::int64_t lease) {
   json request = {{"key", base64_encode(key)}, {"value", base64_encode(value)}};
   if (lease != 0) request["lease"] = std::to_string(lease);
-  impl_->call("/v3/kv/put", request);
+  impl_->changed = 0;
+  impl_->changed = header_revision(impl_->call("/v3/kv/put", request));
 }
 
 std::vector<std::vector<KeyValue>> EtcdStore::read(const std::vector<RangeRead>& reads) {
@@ -328,6 +427,7 @@ std::vector<std::vector<KeyValue>> EtcdStore::read(const std::vector<RangeRead>&
     }
     ops.push_back({{"request_range", range}});
   }
+  impl_->changed = 0;
   auto reply = impl_->call("/v3/kv/txn", {{"success", ops}});
   auto it = reply.find("responses");
   if (it == reply.end() || !it->is_array() || it->size() != reads.size())
@@ -343,12 +443,17 @@ std::vector<std::vector<KeyValue>> EtcdStore::read(const std::vector<RangeRead>&
 }
 
 void EtcdStore::erase(const std::string& key) {
-  impl_->call("/v3/kv/deleterange", {{"key", base64_encode(key)}});
+  impl_->changed = 0;
+  const auto reply = impl_->call("/v3/kv/deleterange", {{"key", base64_encode(key)}});
+  if (as_int(reply, "deleted") > 0) impl_->changed = header_revision(reply);
 }
 
 void EtcdStore::erase_prefix(const std::string& prefix) {
-  impl_->call("/v3/kv/deleterange",
-              {{"key", base64_encode(prefix)}, {"range_end", base64_encode(prefix_end(prefix))}});
+  impl_->changed = 0;
+  const auto reply = impl_->call(
+      "/v3/kv/deleterange",
+      {{"key", base64_encode(prefix)}, {"range_end", base64_encode(prefix_end(prefix))}});
+  if (as_int(reply, "deleted") > 0) impl_->changed = header_revision(reply);
 }
 
 bool EtcdStore::compare_and_swap(const std::string& key, std::int64_t expected_mod_revision,
@@ -361,13 +466,91 @@ bool EtcdStore::compare_and_swap(const std::string& key, std::int64_t expected_m
                      {"result", "EQUAL"},
                      {"mod_revision", std::to_string(expected_mod_revision)}}}},
                   {"success", {{{"request_put", put}}}}};
+  impl_->changed = 0;
   auto reply = impl_->call("/v3/kv/txn", request);
   auto it = reply.find("succeeded");
-  return it != reply.end() && it->is_boolean() && it->get<bool>();
+  const bool written = it != reply.end() && it->is_boolean() && it->get<bool>();
+  if (written) impl_->changed = header_revision(reply);
+  return written;
 }
 
 std::string EtcdStore::describe() const {
   return "etcd at " + impl_->endpoints;
+}
+
+void EtcdStore::interrupt_watch() {
+  std::lock_guard lock(impl_->watch_mutex);
+  if (impl_->watching) curl_multi_wakeup(impl_->watching);
+}
+
+std::int64_t EtcdStore::changed_at() const {
+  return impl_->changed;
+}
+
+std::pair<std::vector<KeyValue>, std::int64_t> EtcdStore::read_prefix_at(
+    const std::string& prefix) {
+  impl_->changed = 0;
+  const auto reply = impl_->call(
+      "/v3/kv/range",
+      {{"key", base64_encode(prefix)}, {"range_end", base64_encode(prefix_end(prefix))}});
+  return {key_values(reply), header_revision(reply)};
+}
+
+void EtcdStore::watch(const std::string& prefix, std::int64_t start_revision,
+                      const std::function<bool(const WatchMessage&)>& on_message,
+                      const std::atomic<bool>& stop) {
+  Impl& m = *impl_;
+  m.changed = 0;
+  const std::string endpoint = m.members[m.current];
+  json create = {{"key", base64_encode(prefix)}, {"range_end", base64_encode(prefix_end(prefix))}};
+  if (start_revision > 0) create["start_revision"] = std::to_string(start_revision);
+  const std::string body = json{{"create_request", create}}.dump();
+  WatchStream stream;
+  stream.on_message = &on_message;
+  curl_easy_reset(m.curl);
+  const std::string url = endpoint + "/v3/watch";
+  curl_easy_setopt(m.curl, CURLOPT_URL, url.c_str());
+  curl_easy_setopt(m.curl, CURLOPT_POST, 1L);
+  curl_easy_setopt(m.curl, CURLOPT_POSTFIELDS, body.c_str());
+  curl_easy_setopt(m.curl, CURLOPT_POSTFIELDSIZE, long(body.size()));
+  curl_easy_setopt(m.curl, CURLOPT_CONNECTTIMEOUT_MS, long(m.timeout.count()));
+  curl_easy_setopt(m.curl, CURLOPT_NOSIGNAL, 1L);
+  curl_easy_setopt(m.curl, CURLOPT_NOPROXY, "*");
+  m.set_tls(endpoint);
+  curl_easy_setopt(m.curl, CURLOPT_SOCKOPTFUNCTION, keep_probing);
+  curl_easy_setopt(m.curl, CURLOPT_WRITEFUNCTION, WatchStream::take);
+  curl_easy_setopt(m.curl, CURLOPT_WRITEDATA, &stream);
+  struct curl_slist* headers = curl_slist_append(nullptr, "Content-Type: application/json");
+  curl_easy_setopt(m.curl, CURLOPT_HTTPHEADER, headers);
+  // On a multi handle, so that interrupt_watch() can wake the wait at once.
+  CURLM* multi = curl_multi_init();
+  curl_multi_add_handle(multi, m.curl);
+  {
+    std::lock_guard lock(m.watch_mutex);
+    m.watching = multi;
+  }
+  CURLcode rc = CURLE_OK;
+  for (int running = 1; running && !stop.load();) {
+    if (curl_multi_perform(multi, &running) != CURLM_OK) break;
+    if (running) curl_multi_poll(multi, nullptr, 0, 1000, nullptr);
+  }
+  int left = 0;
+  while (CURLMsg* done = curl_multi_info_read(multi, &left))
+    if (done->msg == CURLMSG_DONE) rc = done->data.result;
+  {
+    std::lock_guard lock(m.watch_mutex);
+    m.watching = nullptr;
+  }
+  curl_multi_remove_handle(multi, m.curl);
+  curl_multi_cleanup(multi);
+  curl_slist_free_all(headers);
+  if (stream.done || stop.load()) return;
+  if (stream.error) std::rethrow_exception(stream.error);
+  // The next attempt goes to the next member of a cluster.
+  m.current = (m.current + 1) % m.members.size();
+  throw StoreUnavailable(
+      fmt::format("etcd at {}: the watch of {} ended: {}", endpoint, prefix,
+                  rc == CURLE_OK ? "the server closed it" : curl_easy_strerror(rc)));
 }
 
 }  // namespace ductile::agent

@@ -71,6 +71,8 @@ void Membership::register_node() {
     Claim claim = Claim::retry;
     try {
       claim = claim_node_key(&holder);
+    } catch (const StoreUnavailable&) {
+      throw;  // a slow or absent store: the caller waits for it (agent.cpp)
     } catch (const StoreError& e) {
       // A store that refuses the write (a hosted one full of keys) or does
       // not answer: this agent cannot join; the job's agents go on.

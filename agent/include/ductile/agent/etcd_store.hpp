@@ -6,9 +6,13 @@
 // handle). Errors: see kv_store.hpp; every call gives up after `timeout`.
 #pragma once
 
+#include <atomic>
 #include <chrono>
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ductile/agent/kv_store.hpp"
@@ -38,6 +42,21 @@ struct EtcdTls {
 void check_etcd_tls(const std::string& url, const EtcdTls& tls,
                     const std::vector<std::string>& options);
 
+// One change a watch reports: a key written (kv whole) or deleted (kv.key
+// and kv.mod_revision, the revision of the delete).
+struct WatchEvent {
+  bool deleted = false;
+  KeyValue kv;
+};
+
+// One message of a watch stream.
+struct WatchMessage {
+  bool created = false;               // the watch is in place (no events yet)
+  bool canceled = false;              // the server ended the watch
+  std::int64_t compact_revision = 0;  // set: the start revision was compacted away
+  std::vector<WatchEvent> events;     // in revision order
+};
+
 class EtcdStore final : public KeyValueStore {
  public:
   // `endpoint`: "http://HOST:PORT" or "https://HOST:PORT" (see
@@ -60,6 +79,31 @@ class EtcdStore final : public KeyValueStore {
   bool compare_and_swap(const std::string& key, std::int64_t expected_mod_revision,
                         const std::string& value, std::int64_t lease = 0) override;
   std::string describe() const override;
+
+  // The revision at which the last call changed the store: a put, a
+  // compare_and_swap that succeeded, an erase that deleted keys; 0 when the
+  // last call changed nothing (or was a read, or a lease call).
+  std::int64_t changed_at() const;
+
+  // Streams etcd's watch of every key under `prefix` from `start_revision`
+  // (0: from now), calling `on_message` for each message on this thread,
+  // until the server or the connection ends the stream (StoreUnavailable),
+  // it answers with an error (StoreError), `on_message` returns false, or
+  // `stop` is set (seen within a second, at once after interrupt_watch()):
+  // those two return normally. Only
+  // connecting is bounded by the store's timeout; a peer gone silent is
+  // found by TCP keep-alive probes within about 5 s. A message of over
+  // 64 MiB is an error.
+  void watch(const std::string& prefix, std::int64_t start_revision,
+             const std::function<bool(const WatchMessage&)>& on_message,
+             const std::atomic<bool>& stop);
+
+  // Wakes a watch() in progress on another thread, so that it sees its
+  // `stop` at once. Thread-safe.
+  void interrupt_watch();
+
+  // Every key under `prefix` and the store's revision they are read at.
+  std::pair<std::vector<KeyValue>, std::int64_t> read_prefix_at(const std::string& prefix);
 
  private:
   struct Impl;

@@ -29,6 +29,13 @@ class StoreUnavailable : public StoreError {
   using StoreError::StoreError;
 };
 
+// The server did not answer within the request's timeout: it is there but
+// slow (overloaded, or stopped for a moment); trying again may succeed.
+class StoreTimeout : public StoreUnavailable {
+ public:
+  using StoreUnavailable::StoreUnavailable;
+};
+
 // A server that answered before refuses connections: its process is gone,
 // and with it a store held in its memory (a c10d or static rendezvous).
 class StoreGone : public StoreUnavailable {

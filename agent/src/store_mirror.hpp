@@ -1,0 +1,103 @@
+// The agent's etcd, read from a mirror of its job's keys. Internal to
+// libductile_agent; made by RendezvousConnection (connection.hpp).
+//
+// Each pass of every agent reads the job's round, registrations and
+// snapshot holdings. Read from etcd, that costs etcd a request per agent
+// per pass and, with every node's records in each answer, bytes that grow
+// as the square of the node count. Here the job's keys are kept in this
+// process instead: one read of them all, then etcd's watch of the job's
+// prefix from the revision read, each change applied as it comes. A
+// steady job costs etcd nothing but the leases' keep-alives, and a change
+// costs one message to each agent.
+//
+// Reads of keys under the prefix are answered from the mirror while its
+// watch runs, once the mirror holds every change this object made or
+// read (so an agent always reads its own writes, and never reads an older
+// state than it read before); else, and for every other key, from etcd.
+// Writes and lease calls go to etcd. When the watch cannot resume from
+// the last revision it holds (compacted away), the mirror is read afresh;
+// while the watch is down it is retried, and reads go to etcd, so an etcd
+// outage shows to the agent as before (StoreUnavailable).
+//
+// Bounded: a mirror of more than kMaxMirroredKeys keys or
+// kMaxMirroredBytes bytes stops (logged once) and every read goes to etcd.
+//
+// Threading: the KeyValueStore calls from one thread at a time (as any
+// store); the watch runs a thread of its own. Errors: as EtcdStore's.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ductile/agent/etcd_store.hpp"
+
+namespace ductile::agent {
+
+inline constexpr std::size_t kMaxMirroredKeys = 100000;
+inline constexpr std::size_t kMaxMirroredBytes = std::size_t{64} << 20;
+
+class MirroredStore final : public KeyValueStore {
+ public:
+  using StoreFactory = std::function<std::unique_ptr<EtcdStore>()>;
+  // `store`: the requests' (this object's thread); `make_watch_store`: a
+  // store for the watch's thread. `prefix`: the keys mirrored.
+  // `log`: a line about the mirror (the watch's thread may call it).
+  MirroredStore(std::unique_ptr<EtcdStore> store, StoreFactory make_watch_store, std::string prefix,
+                std::function<void(const std::string&)> log);
+  ~MirroredStore() override;
+  MirroredStore(const MirroredStore&) = delete;
+  MirroredStore& operator=(const MirroredStore&) = delete;
+
+  std::int64_t grant_lease(std::int64_t ttl_seconds) override;
+  bool keep_alive(std::int64_t lease) override;
+  void revoke_lease(std::int64_t lease) override;
+  std::int64_t lease_remaining(std::int64_t lease) override;
+  void put(const std::string& key, const std::string& value, std::int64_t lease = 0) override;
+  std::vector<std::vector<KeyValue>> read(const std::vector<RangeRead>& reads) override;
+  void erase(const std::string& key) override;
+  void erase_prefix(const std::string& prefix) override;
+  bool compare_and_swap(const std::string& key, std::int64_t expected_mod_revision,
+                        const std::string& value, std::int64_t lease = 0) override;
+  std::string describe() const override;
+
+  // Reads answered from the mirror and from etcd so far (for tests and
+  // benchmarks).
+  std::uint64_t mirrored_reads() const { return mirrored_reads_; }
+  std::uint64_t direct_reads() const { return direct_reads_; }
+
+ private:
+  void follow();  // the watch's thread
+  // True when the mirror runs and holds `revision`, waited for a moment.
+  bool caught_up(std::int64_t revision);
+  std::vector<KeyValue> answer(const RangeRead& read) const;  // mutex_ held
+  // After a write: the mirror must hold it before the next read.
+  void wrote();
+
+  std::unique_ptr<EtcdStore> store_;
+  std::unique_ptr<EtcdStore> watch_store_;  // the watch's thread's (interrupt_watch() aside)
+  const std::string prefix_;
+  std::function<void(const std::string&)> log_;
+
+  mutable std::mutex mutex_;
+  std::condition_variable changed_;
+  std::map<std::string, KeyValue> keys_;
+  std::size_t bytes_ = 0;
+  std::int64_t revision_ = 0;  // every change up to it applied
+  bool live_ = false;          // the watch runs from revision_
+  bool over_bound_ = false;    // stopped for good: every read goes to etcd
+  std::int64_t needed_ = 0;    // what the next read must see (this thread's)
+  std::atomic<bool> stop_{false};
+  std::atomic<std::uint64_t> mirrored_reads_{0}, direct_reads_{0};
+  std::thread thread_;
+};
+
+}  // namespace ductile::agent

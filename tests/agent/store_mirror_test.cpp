@@ -1,0 +1,177 @@
+// The agent's mirror of its job's keys (agent/src/store_mirror.hpp)
+// against a real etcd: reads under the prefix answered from the watch's
+// mirror (its own writes seen at once, other clients' writes, deletes and
+// lease expiries as they come), the same answers etcd gives, other keys
+// read from etcd; an etcd stopped for a moment, and one restarted.
+#include <doctest/doctest.h>
+
+#include <signal.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../../agent/src/store_mirror.hpp"
+#include "agent_support.hpp"
+#include "temp_dir.hpp"
+
+using namespace ductile::agent;
+using namespace ductile::test;
+using namespace std::chrono_literals;
+
+// Not an anonymous namespace: a unity build puts this file beside other
+// tests, whose helpers' names would clash.
+namespace store_mirror_test {
+
+std::vector<std::string> keys_of(const std::vector<KeyValue>& kvs) {
+  std::vector<std::string> out;
+  for (const auto& kv : kvs) out.push_back(kv.key + "=" + kv.value);
+  return out;
+}
+
+struct Mirrored {
+  TempDir dir;
+  EtcdServer etcd{dir.path()};
+  std::unique_ptr<EtcdStore> make(std::chrono::milliseconds timeout = 2000ms) const {
+    return std::make_unique<EtcdStore>(etcd.endpoint(), timeout);
+  }
+};
+
+}  // namespace store_mirror_test
+
+using namespace store_mirror_test;
+
+TEST_CASE(
+    "etcd mirror: the job's keys read from a watch - own writes at once, others' as they come") {
+  Mirrored m;
+  auto other = m.make();
+  other->put("/job/a", "1");
+  other->put("/elsewhere", "x");
+  MirroredStore mirror(m.make(), [&] { return m.make(); }, "/job/", [](const std::string&) {});
+  // Once the watch runs, reads of the job's keys stop reaching etcd.
+  REQUIRE(wait_until(
+      [&] {
+        const auto before = mirror.mirrored_reads();
+        return mirror.get("/job/a") && mirror.mirrored_reads() > before;
+      },
+      30s));
+  const auto direct = mirror.direct_reads();
+  CHECK(mirror.get("/job/a")->value == "1");
+
+  // Its own writes: the very next read shows them.
+  for (int i = 0; i < 20; ++i) {
+    mirror.put("/job/own", std::to_string(i));
+    CHECK(mirror.get("/job/own")->value == std::to_string(i));
+  }
+  auto own = mirror.get("/job/own");
+  REQUIRE(own);
+  CHECK(mirror.compare_and_swap("/job/own", own->mod_revision, "swapped"));
+  CHECK(mirror.get("/job/own")->value == "swapped");
+  CHECK_FALSE(mirror.compare_and_swap("/job/own", own->mod_revision, "stale"));
+  CHECK(mirror.get("/job/own")->value == "swapped");
+  mirror.erase("/job/own");
+  CHECK_FALSE(mirror.get("/job/own"));
+
+  // Another client's writes, deletes and a lease's expiry arrive.
+  other->put("/job/b", "2");
+  CHECK(wait_until([&] { return mirror.get("/job/b").has_value(); }, 10s));
+  other->erase("/job/a");
+  CHECK(wait_until([&] { return !mirror.get("/job/a"); }, 10s));
+  const auto lease = other->grant_lease(1);
+  other->put("/job/leased", "l", lease);
+  CHECK(wait_until([&] { return mirror.get("/job/leased").has_value(); }, 10s));
+  CHECK(wait_until([&] { return !mirror.get("/job/leased"); }, 30s));
+  CHECK(mirror.direct_reads() == direct);
+
+  // The same answers as etcd's, range by range: prefixes, limits, the
+  // oldest first.
+  for (const char* name : {"c", "e", "d"}) other->put(std::string("/job/n/") + name, name);
+  other->put("/job/n/c", "c2");  // rewritten: its create revision stays
+  // The last of those writes arrived: every one before it did.
+  CHECK(wait_until(
+      [&] {
+        const auto c = mirror.get("/job/n/c");
+        return c && c->value == "c2";
+      },
+      10s));
+  const std::vector<RangeRead> reads = {
+      RangeRead{"/job/n/", true}, RangeRead{"/job/n/", true, 2, true},
+      RangeRead{"/job/n/", true, 0, true}, RangeRead{"/job/n/d"}, RangeRead{"/job/missing"}};
+  const auto mine = mirror.read(reads), theirs = other->read(reads);
+  REQUIRE(mine.size() == theirs.size());
+  for (std::size_t i = 0; i < mine.size(); ++i) {
+    INFO("read " << i);
+    CHECK(keys_of(mine[i]) == keys_of(theirs[i]));
+    for (std::size_t k = 0; k < mine[i].size() && k < theirs[i].size(); ++k) {
+      CHECK(mine[i][k].create_revision == theirs[i][k].create_revision);
+      CHECK(mine[i][k].mod_revision == theirs[i][k].mod_revision);
+    }
+  }
+  CHECK(mirror.direct_reads() == direct);
+  // Keys outside the prefix are etcd's to answer.
+  CHECK(mirror.get("/elsewhere")->value == "x");
+  CHECK(mirror.direct_reads() == direct + 1);
+}
+
+TEST_CASE("etcd mirror: an etcd stopped for a moment, then restarted") {
+  Mirrored m;
+  MirroredStore mirror(
+      m.make(500ms), [&] { return m.make(500ms); }, "/job/", [](const std::string&) {});
+  mirror.put("/job/a", "1");
+  REQUIRE(wait_until(
+      [&] {
+        const auto before = mirror.mirrored_reads();
+        return mirror.get("/job/a") && mirror.mirrored_reads() > before;
+      },
+      30s));
+  // Stopped (SIGSTOP): nothing can change meanwhile, so the mirror answers;
+  // a write times out, as a slow store's does.
+  REQUIRE(::kill(m.etcd.pid(), SIGSTOP) == 0);
+  CHECK(mirror.get("/job/a")->value == "1");
+  CHECK_THROWS_AS(mirror.put("/job/b", "2"), StoreTimeout);
+  REQUIRE(::kill(m.etcd.pid(), SIGCONT) == 0);
+  // The write may have been taken before it timed out; the next one is.
+  CHECK(wait_until(
+      [&] {
+        try {
+          mirror.put("/job/b", "3");
+          return true;
+        } catch (const StoreUnavailable&) {
+          return false;
+        }
+      },
+      30s));
+  CHECK(mirror.get("/job/b")->value == "3");
+
+  // Restarted: the watch ends, reads go to etcd (and fail while it is down),
+  // and the mirror follows again from the revision it held.
+  m.etcd.stop();
+  CHECK(wait_until(
+      [&] {
+        try {
+          mirror.get("/job/a");
+          return false;
+        } catch (const StoreUnavailable&) {
+          return true;
+        }
+      },
+      30s));
+  m.etcd.start();
+  auto other = m.make();
+  other->put("/job/c", "after the restart");
+  CHECK(wait_until(
+      [&] {
+        try {
+          const auto before = mirror.mirrored_reads();
+          const auto c = mirror.get("/job/c");
+          return c && mirror.mirrored_reads() > before;
+        } catch (const StoreUnavailable&) {
+          return false;
+        }
+      },
+      30s));
+  CHECK(mirror.get("/job/a")->value == "1");
+  CHECK(mirror.get("/job/c")->value == "after the restart");
+}
