@@ -84,6 +84,8 @@ void Agent::setup() {
   stop_watch_.arm();
   conn_.open();
   snapshots_.serve();
+  // Registered with the node: the others copy its snapshots from there.
+  self_.snapshot_port = snapshots_.port();
   // One static node: its workers' store at the port asked.
   if (o_.rendezvous == RendezvousKind::embedded && o_.agent_store && o_.master_port != 0)
     leadership_.serve_fixed_worker_store();

@@ -26,7 +26,8 @@ namespace ductile::agent {
 struct NodeIdentity {
   std::string prefix;  // /ductile/agent/<job id>/
   std::string id;
-  std::string addr;  // published as MASTER_ADDR when this node leads
+  std::string addr;       // published as MASTER_ADDR when this node leads
+  int snapshot_port = 0;  // its snapshot server's, registered with the node (0: none)
   std::string key(const std::string& name) const { return prefix + name; }
   void log(const std::string& message) const {
     write_line(true, fmt::format("ductile agent {}: {}", id, message));

@@ -42,7 +42,7 @@ class Agent {
         membership_(o_, settings_, self_, conn_),
         leadership_(o_, settings_, self_, conn_, membership_),
         workers_(o_, self_, conn_),
-        snapshots_(o_, self_, conn_, workers_),
+        snapshots_(o_, settings_, self_, conn_, workers_),
         checkpoints_(settings_, self_, conn_, workers_),
         signals_(o_, settings_, self_, conn_, workers_),
         stop_watch_(o_.stop_signal, [this](int sig) { leave_outside_loop(sig); }) {}

@@ -34,6 +34,9 @@ bool holds_any(const Holdings& h) {
 using namespace node_snapshots_detail;
 
 void NodeSnapshots::make_area() {
+  key_ = core::checkpoint_key_from_environment();
+  bounds_.worlds = job_world_sizes(settings_.valid_gpus, settings_.nproc_per_node,
+                                   settings_.min_nodes, settings_.max_nodes);
   area_ = std::make_unique<SnapshotArea>(o_.snapshot_dir, o_.job_id, self_.id);
   std::vector<std::string> removed;
   for (const auto& path : area_->removed_stale()) removed.push_back(path.string());
@@ -47,7 +50,9 @@ void NodeSnapshots::serve() {
   // A job of one node has nobody to copy its snapshots to or from: nothing
   // is served, so no other user of the host can read them over loopback.
   if (!area_ || o_.rendezvous == RendezvousKind::embedded || o_.max_nodes == 1) return;
-  replication_ = std::make_unique<SnapshotReplication>(*area_, self_, conn_.snapshot_auth());
+  replication_ = std::make_unique<SnapshotReplication>(*area_, self_, conn_.snapshot_auth(),
+                                                       std::chrono::seconds(30),
+                                                       std::chrono::milliseconds(15), key_);
   server_ = std::make_unique<SnapshotServer>(
       area_->root(), self_.addr, conn_.snapshot_auth(),
       [replication = replication_.get()](const SnapshotMessage& message) {
@@ -76,6 +81,50 @@ Holdings NodeSnapshots::current_holdings() const {
   return h;
 }
 
+std::optional<NodeInfo> NodeSnapshots::registration(const std::string& node, std::int64_t lease) {
+  if (lease == 0) return std::nullopt;
+  if (auto known = registered_.find(node);
+      known != registered_.end() && known->second.lease == lease)
+    return known->second;
+  const auto kv = conn_.store().get(self_.key("nodes/" + node));
+  if (!kv || kv->lease == 0) return std::nullopt;
+  NodeInfo info;
+  try {
+    info = node_from_json(kv->value, node, kv->create_revision);
+  } catch (const MalformedRecord&) {
+    return std::nullopt;  // the membership logs it
+  }
+  info.lease = kv->lease;
+  if (registered_.size() >= kMaxNodesRemembered) registered_.clear();
+  registered_[node] = info;
+  if (info.lease != lease) return std::nullopt;
+  return info;
+}
+
+std::optional<Holdings> NodeSnapshots::accepted(const KeyValue& kv, const std::string& node,
+                                                const char* if_ignored) {
+  try {
+    Holdings holdings = holdings_from_json(kv.value, node);
+    // A node's record is on its registration's lease (a key that etcdctl
+    // or another client wrote is not; see "Untrusted contents").
+    const auto registered = registration(node, kv.lease);
+    if (!registered)
+      throw MalformedRecord(fmt::format(
+          "snapshots record: it is not on the lease of node {}'s registration", excerpt(node)));
+    if (auto problem = holdings_problem(holdings, bounds_); !problem.empty())
+      throw MalformedRecord(problem);
+    if (registered->snapshot_port <= 0 && holds_any(holdings))
+      throw MalformedRecord(fmt::format(
+          "snapshots record: node {}'s registration names no snapshot server", excerpt(node)));
+    holdings.addr = registered->addr;
+    holdings.port = registered->snapshot_port;
+    return holdings;
+  } catch (const MalformedRecord& e) {
+    conn_.ignore_record(kv, e.what(), if_ignored);
+    return std::nullopt;
+  }
+}
+
 void NodeSnapshots::publish(const Holdings& holdings) {
   const std::string record = to_json(holdings);
   // A new lease (the old one expired or was revoked) took the record with
@@ -91,15 +140,13 @@ void NodeSnapshots::follow(const std::vector<KeyValue>& records,
   if (!area_) return;
   take_release();
   const std::string prefix = self_.key("snapshots/");
+  note_reached(bounds_, area_->own_copies(), restored_step_);
   std::map<std::string, Holdings> live;
   for (const auto& kv : records) {
     if (conn_.ignored(kv) || !kv.key.starts_with(prefix)) continue;
     const std::string node = kv.key.substr(prefix.size());
-    try {
-      live[node] = holdings_from_json(kv.value, node);
-    } catch (const MalformedRecord& e) {
-      conn_.ignore_record(kv, e.what(), "its snapshots are neither replicated nor restored");
-    }
+    if (auto holdings = accepted(kv, node, "its snapshots are neither replicated nor restored"))
+      live[node] = std::move(*holdings);
   }
   if (last_seen_.size() + live.size() > kMaxNodesRemembered) last_seen_.clear();
   for (const auto& [node, holdings] : live) last_seen_[node] = holdings;
@@ -146,6 +193,7 @@ std::optional<std::filesystem::path> NodeSnapshots::prepare_round(const RoundRec
     }
   } thaw{replication_.get()};
   if (replication_) replication_->start_round(round.members);
+  note_reached(bounds_, area_->own_copies(), restored_step_);
   const Holdings mine = current_holdings();
   publish(mine);
   KeyValueStore& store = conn_.store();
@@ -172,11 +220,8 @@ std::optional<std::vector<Holdings>> NodeSnapshots::await_members(const RoundRec
       if (std::find(round.members.begin(), round.members.end(), node) == round.members.end() ||
           conn_.ignored(kv))
         continue;
-      try {
-        found[node] = holdings_from_json(kv.value, node);
-      } catch (const MalformedRecord& e) {
-        conn_.ignore_record(kv, e.what(), "that member's snapshots are not restored from");
-      }
+      if (auto holdings = accepted(kv, node, "that member's snapshots are not restored from"))
+        found[node] = std::move(*holdings);
     }
     if (found.size() == round.members.size()) {
       std::vector<Holdings> ordered;
@@ -263,7 +308,8 @@ std::filesystem::path NodeSnapshots::restore(const RoundRecord& round,
   }
   const auto dest = area_->restore() / chosen->tag;
   try {
-    copy_snapshot(sources, dest, chosen->sha256, conn_.snapshot_auth(), kRestoreCopyTimeout, true);
+    copy_snapshot(sources, dest, chosen->sha256, conn_.snapshot_auth(), kRestoreCopyTimeout, true,
+                  nullptr, key_ ? &*key_ : nullptr);
   } catch (const Error& e) {
     // The other members restore it: workers started here from another
     // state would train a different model. The round fails instead, as it
@@ -273,6 +319,18 @@ std::filesystem::path NodeSnapshots::restore(const RoundRecord& round,
         "this node's workers are not started and the round fails",
         round.round, chosen->step, e.what())};
   }
+  if (key_)
+    self_.log(
+        fmt::format("round {}: the snapshot of step {} is verified: its manifest's "
+                    "HMAC-SHA256 under the key of {}, and each shard file's SHA-256 the "
+                    "manifest records",
+                    round.round, chosen->step, key_->variable));
+  else
+    self_.log(fmt::format(
+        "round {}: the snapshot of step {} is unauthenticated: its files were checked against "
+        "the SHA-256 its holders' records give, which anyone who can write to the rendezvous "
+        "store can forge; set {} or {} (as for disk checkpoints) to verify it",
+        round.round, chosen->step, core::kCheckpointKeyVariable, core::kCheckpointKeyFileVariable));
   restored_step_ = chosen->step;
   // The job goes on from this step, which every member now holds whole:
   // an older snapshot's files lie on the same nodes as this one's, so no

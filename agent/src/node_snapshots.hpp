@@ -8,10 +8,21 @@
 // (DUCTILE_SNAPSHOT_RESTORE). Internal to libductile_agent; owned by Agent
 // (agent_impl.hpp).
 //
+// Trust: a snapshots/<node> or holdings/<round>/<node> record is taken
+// only on the lease of that node's registration (nodes/<node>), as the
+// done and saved marks are, and with steps and world sizes that fit the
+// job (snapshot_trust.hpp); any other is ignored, and logged. A node's
+// snapshots are copied from the address and snapshot port of its
+// registration, never from one its records name. With a checkpoint key
+// (DUCTILE_CHECKPOINT_KEY or DUCTILE_CHECKPOINT_KEY_FILE) every copy is
+// checked against the manifest's HMAC and the shards' SHA-256 it records;
+// without one a restore says that it is unauthenticated.
+//
 // Threading: the agent's thread only, but discard() (a stop signal's
 // thread, as the process ends); the server and the replication run
 // threads of their own. Errors: StoreError from the store;
-// ductile::Error when the area cannot be made or served.
+// ductile::Error when the area cannot be made or served, or the checkpoint
+// key's variables are not valid (invalid_argument, naming the variable).
 #pragma once
 
 #include <filesystem>
@@ -29,6 +40,7 @@
 #include "snapshot_plan.hpp"
 #include "snapshot_replication.hpp"
 #include "snapshot_server.hpp"
+#include "snapshot_trust.hpp"
 
 namespace ductile::agent {
 
@@ -40,16 +52,19 @@ struct RestoreFailed {
 
 class NodeSnapshots {
  public:
-  NodeSnapshots(const AgentOptions& options, const NodeIdentity& self, RendezvousConnection& conn,
-                NodeWorkers& workers)
-      : o_(options), self_(self), conn_(conn), workers_(workers) {}
+  NodeSnapshots(const AgentOptions& options, const RendezvousSettings& settings,
+                const NodeIdentity& self, RendezvousConnection& conn, NodeWorkers& workers)
+      : o_(options), settings_(settings), self_(self), conn_(conn), workers_(workers) {}
   ~NodeSnapshots() { close(); }
 
-  // Makes the area; every round's workers get its own/ folder.
+  // Reads the checkpoint key and makes the area; every round's workers
+  // get its own/ folder.
   void make_area();
   // Serves the area and starts the replication (after the rendezvous is
   // open: the job's secret is known).
   void serve();
+  // Where the area is served (registered with the node); 0: nowhere.
+  int port() const { return server_ ? server_->port() : 0; }
   // The read of every node's holdings, for the pass's request.
   RangeRead holdings_read() const { return RangeRead{self_.key("snapshots/"), true}; }
   // Each pass, with that read's records: publishes this node's holdings
@@ -74,6 +89,14 @@ class NodeSnapshots {
 
  private:
   Holdings current_holdings() const;
+  // The holdings `kv` (a record of `node`) holds when they are to be
+  // trusted (see above), its address and port the registration's; none
+  // otherwise, the record ignored saying `if_ignored`.
+  std::optional<Holdings> accepted(const KeyValue& kv, const std::string& node,
+                                   const char* if_ignored);
+  // The registration of `node` when it is on `lease`: read again when the
+  // lease is not the one last read.
+  std::optional<NodeInfo> registration(const std::string& node, std::int64_t lease);
   void publish(const Holdings& holdings);
   // Every member's holdings/<round>/ record, waited for (bounded); none
   // when a stop signal came.
@@ -89,13 +112,17 @@ class NodeSnapshots {
   void take_release();
 
   const AgentOptions& o_;
+  const RendezvousSettings& settings_;
   const NodeIdentity& self_;
   RendezvousConnection& conn_;
   NodeWorkers& workers_;
   std::unique_ptr<SnapshotArea> area_;
   std::unique_ptr<SnapshotServer> server_;
   std::unique_ptr<SnapshotReplication> replication_;
-  std::string published_;  // the record last written to snapshots/<node>
+  std::optional<core::CheckpointKey> key_;
+  SnapshotBounds bounds_;
+  std::map<std::string, NodeInfo> registered_;  // by node: its registration last read
+  std::string published_;                       // the record last written to snapshots/<node>
   std::int64_t published_lease_ = 0;
   std::int64_t holdings_round_ = 0;  // the round of the holdings/ record written last
   // The last record of each node seen (a lost node's stays).

@@ -34,6 +34,8 @@ constexpr std::size_t kMaxFailuresRemembered = 1024;
 // The longest wait for a notify's or a have's answer (the server answers
 // at once).
 constexpr std::chrono::milliseconds kMessageTimeout{5000};
+// A replica's folder while it is copied beside a held one of the same tag.
+constexpr const char* kNextSuffix = ".next";
 
 // One file into the staging folder: hard-linked from this node's area (the
 // same file system), else fetched from its holder. Its size is checked
@@ -76,7 +78,7 @@ using namespace snapshot_replication_detail;
 void copy_snapshot(const std::vector<SnapshotFileSource>& sources, const fs::path& dest,
                    const std::string& sha256, const SnapshotAuth& auth,
                    std::chrono::milliseconds timeout, bool complete,
-                   const std::atomic<bool>* abandon) {
+                   const std::atomic<bool>* abandon, const core::CheckpointKey* key) {
   fs::path staging = dest;
   staging += ".tmp";
   std::error_code ec;
@@ -155,6 +157,7 @@ void copy_snapshot(const std::vector<SnapshotFileSource>& sources, const fs::pat
       throw Error(ErrorKind::io,
                   fmt::format("the copy of snapshot {} has no sidecar {} naming its SHA-256",
                               sha256, kSnapshotChecksum));
+    if (key) verify_signed_snapshot(staging, *key);
     if (::rename(staging.c_str(), dest.c_str()) != 0)
       throw Error(ErrorKind::io, fmt::format("cannot rename '{}' to '{}': {}", staging.string(),
                                              dest.string(), std::strerror(errno)));
@@ -166,10 +169,13 @@ void copy_snapshot(const std::vector<SnapshotFileSource>& sources, const fs::pat
 
 SnapshotReplication::SnapshotReplication(const SnapshotArea& area, const NodeIdentity& self,
                                          SnapshotAuth auth, std::chrono::milliseconds timeout,
-                                         std::chrono::milliseconds watch_interval)
+                                         std::chrono::milliseconds watch_interval,
+                                         std::optional<core::CheckpointKey> key)
     : area_(area),
       self_(self),
       auth_(std::move(auth)),
+      key_(std::move(key)),
+      log_(self),
       timeout_(timeout),
       watch_interval_(watch_interval) {
   thread_ = std::thread([this] { run(); });
@@ -199,6 +205,7 @@ void SnapshotReplication::update(std::vector<std::string> members,
     std::unique_lock lock(mutex_);
     members_ = std::move(members);
     holdings_ = std::move(holdings);
+    unpublished_failed_.clear();
     pending_ = true;
   }
   changed_.notify_all();
@@ -280,9 +287,34 @@ std::string SnapshotReplication::on_message(const SnapshotMessage& message) {
                             round_members_.end())
         return "";
     }
+    std::string refused;
     {
       std::unique_lock lock(mutex_);
-      notices_[message.origin] = message;
+      const auto held = holdings_.find(message.origin);
+      const std::vector<SnapshotCopy> none;
+      const auto& own = held == holdings_.end() ? none : held->second.own;
+      const bool published = std::any_of(own.begin(), own.end(), [&](const SnapshotCopy& c) {
+        return c.tag == message.tag && c.sha256 == message.sha256;
+      });
+      // The origin's record follows its notify: a step newer than it
+      // published is tried, its manifest checked first, until one fails.
+      const auto step = snapshot_tag_step(message.tag);
+      const bool newer = held != holdings_.end() && step && (own.empty() || *step > own[0].step);
+      if (published || (newer && !unpublished_failed_.count(message.origin))) {
+        notices_[message.origin] = message;
+      } else {
+        refused = fmt::format(
+            "snapshot {} ({}) is not one node {} published (its snapshots/{} record){}",
+            excerpt(message.tag, 80), excerpt(message.sha256, 80), message.origin, message.origin,
+            newer ? ", and a copy of another snapshot it had not published failed since its "
+                    "record was last read"
+                  : "");
+      }
+    }
+    if (!refused.empty()) {
+      log_.log(fmt::format("the notifies refused of node {}", message.origin),
+               fmt::format("refusing a notify: {}; nothing is copied", refused));
+      return refused;
     }
     changed_.notify_all();
     return "";
@@ -362,7 +394,8 @@ void SnapshotReplication::watch() {
         send_snapshot_message(held->second.addr, held->second.port, message, auth_, kMessageTimeout,
                               &abandon_watch_);
       } catch (const Error& e) {
-        self_.log(
+        log_.log(
+            fmt::format("the announcements to node {}", node),
             fmt::format("cannot announce snapshot {} to node {}: {}", copy->tag, node, e.what()));
       }
     }
@@ -389,12 +422,25 @@ void SnapshotReplication::run() {
       for (const auto& [origin, notice] : notices) {
         const auto from = holdings.find(origin);
         if (abandon_ || from == holdings.end() || from->second.port <= 0) continue;
+        // A published snapshot's files are the record's.
+        const auto& own = from->second.own;
+        const auto published = std::find_if(own.begin(), own.end(), [&](const SnapshotCopy& c) {
+          return c.tag == notice.tag && c.sha256 == notice.sha256;
+        });
         SnapshotCopy copy;
-        copy.tag = notice.tag;
-        copy.step = snapshot_tag_step(notice.tag).value_or(0);
-        copy.sha256 = notice.sha256;
-        copy.files = notice.files;
-        pull(from->second, copy);
+        if (published != own.end()) {
+          copy = *published;
+        } else {
+          copy.tag = notice.tag;
+          copy.step = snapshot_tag_step(notice.tag).value_or(0);
+          copy.sha256 = notice.sha256;
+          copy.files = notice.files;
+        }
+        if (!pull(from->second, copy) && published == own.end() &&
+            failed_.count(origin + "/" + copy.sha256)) {
+          std::unique_lock failed(mutex_);
+          unpublished_failed_.insert(origin);
+        }
       }
       while (periodic && !abandon_ && pull_once(members, holdings)) {
       }
@@ -442,16 +488,20 @@ bool SnapshotReplication::pull(const Holdings& from, const SnapshotCopy& copy) {
   const fs::path node_dir = area_.replicas() / node;
   const fs::path dest = node_dir / copy.tag;
   std::error_code ec;
+  // Another snapshot of the same name (the steps after a restore count
+  // again): the holder's newer one replaces it once it is verified, copied
+  // beside it meanwhile.
+  bool replaces = false;
   if (fs::exists(dest, ec)) {
     auto existing = read_snapshot_copy(dest);
     if (existing && existing->sha256 == copy.sha256) {
       acknowledge(from, copy);
       return false;
     }
-    // Another snapshot of the same name (the steps after a restore
-    // count again): the holder's newer one replaces it.
-    fs::remove_all(dest, ec);
+    replaces = true;
   }
+  fs::path into = dest;
+  if (replaces) into += kNextSuffix;
   if (::mkdir(node_dir.c_str(), 0700) != 0 && errno != EEXIST)
     throw Error(ErrorKind::io,
                 fmt::format("cannot make '{}': {}", node_dir.string(), std::strerror(errno)));
@@ -464,13 +514,25 @@ bool SnapshotReplication::pull(const Holdings& from, const SnapshotCopy& copy) {
   for (const auto& file : copy.files)
     sources.push_back({file, from.addr, from.port, "own/" + copy.tag + "/" + file, {}});
   try {
-    copy_snapshot(sources, dest, copy.sha256, auth_, timeout_, false, &abandon_);
+    fs::remove_all(into, ec);  // a copy beside a held one, cut short
+    copy_snapshot(sources, into, copy.sha256, auth_, timeout_, false, &abandon_,
+                  key_ ? &*key_ : nullptr);
   } catch (const Error& e) {
     if (abandon_) return false;
     if (failed_.size() >= kMaxFailuresRemembered) failed_.clear();
     failed_.insert(key);
-    self_.log(fmt::format("cannot replicate snapshot {} of node {}: {}", copy.tag, node, e.what()));
+    log_.log(fmt::format("the copies of node {}'s snapshots", node),
+             fmt::format("cannot replicate snapshot {} of node {}: {}", copy.tag, node, e.what()));
     return false;
+  }
+  if (replaces) {
+    fs::remove_all(dest, ec);
+    if (::rename(into.c_str(), dest.c_str()) != 0) {
+      const int error = errno;
+      fs::remove_all(into, ec);
+      throw Error(ErrorKind::io, fmt::format("cannot rename '{}' to '{}': {}", into.string(),
+                                             dest.string(), std::strerror(error)));
+    }
   }
   ++copies_made_;
   acknowledge(from, copy);
@@ -496,8 +558,9 @@ void SnapshotReplication::acknowledge(const Holdings& origin, const SnapshotCopy
     if (abandon_) return;  // told at the next pass
     // Not tried again for this snapshot (the origin is gone, or refuses):
     // its next snapshot's copy is acknowledged anew.
-    self_.log(fmt::format("cannot tell node {} that its snapshot {} is replicated: {}", origin.node,
-                          copy.tag, e.what()));
+    log_.log(fmt::format("the acknowledgements to node {}", origin.node),
+             fmt::format("cannot tell node {} that its snapshot {} is replicated: {}", origin.node,
+                         copy.tag, e.what()));
   }
   std::unique_lock lock(mutex_);
   acknowledged_.insert(key);
@@ -512,7 +575,7 @@ void SnapshotReplication::prune(const fs::path& node_dir, std::size_t keep) {
     const std::string name = it->path().filename().string();
     if (auto step = snapshot_tag_step(name))
       folders.emplace_back(*step, name);
-    else if (name.ends_with(".tmp"))
+    else if (name.ends_with(".tmp") || name.ends_with(kNextSuffix))
       stale.push_back(name);
   }
   std::sort(folders.begin(), folders.end(), std::greater<>());

@@ -6,15 +6,26 @@
 // the member at group index i of n pulls, for k = 1..R (k < n), the newest
 // committed own snapshot of member (i - k) mod n into
 // replicas/<node>/<tag>/ (staged in <tag>.tmp, then renamed; checked
-// against the manifest's SHA-256 and the sizes the manifest gives), and
+// against the manifest's SHA-256 and the sizes the manifest gives, and with
+// a checkpoint key against the manifest's HMAC and the shards' SHA-256), and
 // keeps the 2 newest of each node: the older is removed before a new one
-// is copied, so that 2 are held at any moment.
+// is copied, so that 2 are held at any moment. A replica is removed only
+// once its successor is verified: a snapshot of a tag already held (the
+// steps after a restore count again) is copied beside it first.
+// Copies come from the origin's registered address only: the holdings
+// update() gives name it (node_snapshots.hpp).
 //
 // A new snapshot is pulled at once: the origin looks at own/latest every
 // few milliseconds and, when its workers commit a snapshot, sends a notify
 // (snapshot_server.hpp) to each of its successors (members (i + k) mod n,
 // k = 1..min(R, n - 1)); a holder whose copy is complete sends a have
-// back. The origin writes own/replicated (a temporary file renamed): the
+// back. A notify is pulled when its snapshot is one the origin published
+// (its snapshots/<node> record), or when it names a step newer than all
+// the origin published (the record follows the notify): its manifest is
+// then checked against its SHA-256 before anything else is copied, and
+// once one such copy of the origin failed no other is tried until the
+// next update(). Any other notify is refused and logged (a line per origin
+// every 10 s). The origin writes own/replicated (a temporary file renamed): the
 // newest step every successor of the round holds, as a decimal line, or
 // "off" when it has none; the workers read it.
 //
@@ -22,8 +33,8 @@
 // the watch of own/latest that sends the notifies); on_message() is for
 // the server's threads, the other public functions for the agent's
 // thread. Errors: a copy that fails is
-// logged and not tried again (the holder's next snapshot is);
-// copy_snapshot throws ductile::Error (io).
+// logged (a line per origin every 10 s) and not tried again (the holder's
+// next snapshot is); copy_snapshot throws ductile::Error (io).
 #pragma once
 
 #include <atomic>
@@ -41,6 +52,7 @@
 #include "snapshot_area.hpp"
 #include "snapshot_plan.hpp"
 #include "snapshot_server.hpp"
+#include "snapshot_trust.hpp"
 
 namespace ductile::agent {
 
@@ -64,7 +76,8 @@ struct SnapshotFileSource {
 // copied (or hard-linked, when local) into `dest`.tmp, the manifest first
 // and checked against `sha256` and its sidecar, each rank file's size
 // against the manifest's (with `complete`, every shard file the manifest
-// lists must be among them); then renamed to `dest`. `timeout`: the longest
+// lists must be among them); with `key`, verify_signed_snapshot's checks
+// (snapshot_trust.hpp); then renamed to `dest`. `timeout`: the longest
 // wait without progress; `abandon`, when set, stops the copy; `auth`: how
 // the holders' servers are asked (snapshot_server.hpp). Throws
 // ductile::Error (io) naming the file and the problem (the staging folder
@@ -72,22 +85,26 @@ struct SnapshotFileSource {
 void copy_snapshot(const std::vector<SnapshotFileSource>& sources,
                    const std::filesystem::path& dest, const std::string& sha256,
                    const SnapshotAuth& auth, std::chrono::milliseconds timeout, bool complete,
-                   const std::atomic<bool>* abandon = nullptr);
+                   const std::atomic<bool>* abandon = nullptr,
+                   const core::CheckpointKey* key = nullptr);
 
 class SnapshotReplication {
  public:
-  // `watch_interval`: how often own/latest is looked at.
+  // `watch_interval`: how often own/latest is looked at; `key`: the job's
+  // checkpoint key, none when it has none.
   SnapshotReplication(const SnapshotArea& area, const NodeIdentity& self, SnapshotAuth auth,
                       std::chrono::milliseconds timeout = std::chrono::seconds(30),
-                      std::chrono::milliseconds watch_interval = std::chrono::milliseconds(15));
+                      std::chrono::milliseconds watch_interval = std::chrono::milliseconds(15),
+                      std::optional<core::CheckpointKey> key = std::nullopt);
   // Stops the threads (an in-flight copy is abandoned).
   ~SnapshotReplication();
   SnapshotReplication(const SnapshotReplication&) = delete;
   SnapshotReplication& operator=(const SnapshotReplication&) = delete;
 
   // The round's members in group order and the live holdings read from
-  // the rendezvous (by node); the thread pulls what they call for, and
-  // finds there where the members' servers listen.
+  // the rendezvous (by node, each on its node's registration's lease, its
+  // address and port the registered ones); the thread pulls what they call
+  // for, and finds there where the members' servers listen.
   void update(std::vector<std::string> members, std::map<std::string, Holdings> holdings);
   // A new round this node is a member of, before its workers start: the
   // acknowledgements of the last round are dropped (and pull_after's
@@ -97,7 +114,8 @@ class SnapshotReplication {
   void start_round(std::vector<std::string> members);
   // The snapshot server's handler (snapshot_server.hpp): a notify is queued
   // for the pulling thread (ignored when its origin is no member of the
-  // round), a have is counted. Returns at once; any thread.
+  // round, refused when it is no snapshot the origin published: see
+  // above), a have is counted. Returns at once; any thread.
   std::string on_message(const SnapshotMessage& message);
   // After a restore of `step` (before the round's workers start): no
   // snapshot of that step or an older one is pulled this round. Every
@@ -135,6 +153,8 @@ class SnapshotReplication {
   const SnapshotArea& area_;
   const NodeIdentity& self_;
   const SnapshotAuth auth_;
+  const std::optional<core::CheckpointKey> key_;
+  LogLimiter log_;
   const std::chrono::milliseconds timeout_;
   const std::chrono::milliseconds watch_interval_;
   std::mutex mutex_;
@@ -150,7 +170,10 @@ class SnapshotReplication {
   std::atomic<std::size_t> copies_made_{0};
   std::atomic<std::int64_t> pull_floor_{-1};  // pull_after's step this round
   std::set<std::string> failed_;              // "<node>/<sha256>" whose copy failed (logged once)
-  std::set<std::string> acknowledged_;        // "<node>/<sha256>" told its origin this round
+  // The origins whose notify of a snapshot they had not published failed
+  // to copy since the last update().
+  std::set<std::string> unpublished_failed_;
+  std::set<std::string> acknowledged_;  // "<node>/<sha256>" told its origin this round
 
   // The origin's side: what the successors acknowledged this round.
   mutable std::mutex ack_mutex_;

@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 
 #include "ductile/error.hpp"
@@ -78,6 +79,48 @@ std::string read_user_file(const fs::path& file, std::string_view role, std::uin
   }
   text.resize(done);
   return text;
+}
+
+std::optional<CheckpointKey> checkpoint_key_from_environment() {
+  const char* path = std::getenv(kCheckpointKeyFileVariable);
+  const char* text = std::getenv(kCheckpointKeyVariable);
+  if (path && text)
+    throw Error(ErrorKind::invalid_argument,
+                fmt::format("zero3 checkpoint: both {} and {} are set; set one of them",
+                            kCheckpointKeyFileVariable, kCheckpointKeyVariable));
+  CheckpointKey key;
+  std::string where;
+  if (path) {
+    if (*path == '\0')
+      throw Error(ErrorKind::invalid_argument,
+                  fmt::format("zero3 checkpoint: {} is set but empty; give the path of a key "
+                              "file, or unset it",
+                              kCheckpointKeyFileVariable));
+    try {
+      key.bytes = read_user_file(path, "checkpoint key file", kMaxCheckpointKeyFileBytes);
+    } catch (const Error& e) {
+      throw Error(e.kind(), fmt::format("{} (named by {})", e.what(), kCheckpointKeyFileVariable));
+    }
+    // Python's bytes.strip(): ASCII blanks at both ends.
+    constexpr const char* kBlanks = " \t\n\r\v\f";
+    key.bytes.erase(0, key.bytes.find_first_not_of(kBlanks));
+    key.bytes.erase(key.bytes.find_last_not_of(kBlanks) + 1);
+    key.variable = kCheckpointKeyFileVariable;
+    where = fmt::format("{} (named by {})", path, kCheckpointKeyFileVariable);
+  } else if (text) {
+    key.bytes = text;
+    key.variable = kCheckpointKeyVariable;
+    where = kCheckpointKeyVariable;
+  } else {
+    return std::nullopt;
+  }
+  if (key.bytes.size() < kMinCheckpointKeyBytes)
+    throw Error(ErrorKind::invalid_argument,
+                fmt::format("zero3 checkpoint: the key of {} has {} bytes; valid: at least {} "
+                            "(e.g. the 64 hex digits of `openssl rand -hex 32`), or unset {} to "
+                            "save without a key",
+                            where, key.bytes.size(), kMinCheckpointKeyBytes, key.variable));
+  return key;
 }
 
 }  // namespace ductile::core

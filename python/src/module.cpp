@@ -434,6 +434,22 @@ void register_runtime(py::module_& m) {
       "file of at most max_bytes, opened without waiting on a FIFO. NotFoundError or IoError "
       "naming the file and what is wrong.");
   m.def(
+      "checkpoint_key",
+      []() -> py::tuple {
+        std::optional<core::CheckpointKey> key;
+        {
+          py::gil_scoped_release released;
+          key = core::checkpoint_key_from_environment();
+        }
+        if (!key) return py::make_tuple(py::none(), py::none());
+        return py::make_tuple(py::bytes(key->bytes), key->variable);
+      },
+      "The key that signs and checks checkpoints (core::checkpoint_key_from_environment, as "
+      "the agent reads it): (the bytes of the file DUCTILE_CHECKPOINT_KEY_FILE names, blanks "
+      "at its ends dropped, or of DUCTILE_CHECKPOINT_KEY; the variable that gave them), or "
+      "(None, None) when neither is set. InvalidArgumentError naming the variable (both set, "
+      "empty, too short), or NotFoundError/IoError naming the file.");
+  m.def(
       "init_logging",
       [](const py::object& level) {
         if (level.is_none())

@@ -299,3 +299,18 @@ TEST_CASE("records: a static node's rank") {
   CHECK_THROWS_WITH_AS(node_from_json(R"({"id":"n-1","addr":"h","role":"x"})", "n-1", 7),
                        "node record: \"role\" is not a field of this record", MalformedRecord);
 }
+
+TEST_CASE("records: a node's snapshot port, the only one its snapshots are copied from") {
+  NodeInfo n{"n-1", "10.0.0.2", 0};
+  n.snapshot_port = 41000;
+  CHECK(to_json(n) == R"({"addr":"10.0.0.2","id":"n-1","snapshot_port":41000})");
+  CHECK(node_from_json(to_json(n), "n-1", 7).snapshot_port == 41000);
+  CHECK(node_from_json(R"({"id":"n-1","addr":"h"})", "n-1", 7).snapshot_port == 0);
+  for (const std::string bad : {"0", "65536", "\"41000\""}) {
+    const std::string expected =
+        "\"snapshot_port\" is " + bad + "; expected an integer from 1 to 65535";
+    CHECK_THROWS_WITH_AS(
+        node_from_json(R"({"id":"n-1","addr":"h","snapshot_port":)" + bad + "}", "n-1", 7),
+        doctest::Contains(expected.c_str()), MalformedRecord);
+  }
+}

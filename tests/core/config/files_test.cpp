@@ -6,9 +6,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <utility>
 
 #include "ductile/core/files.hpp"
 #include "ductile/error.hpp"
@@ -70,4 +72,57 @@ TEST_CASE("read_user_file: FIFO, device, directory, oversized and missing files 
   CHECK(missing.kind() == ErrorKind::not_found);
   CHECK(std::string(missing.what()) ==
         (dir.path() / "none.toml").string() + ": configuration file does not exist");
+}
+
+// The checkpoint key of the environment: what signs and checks checkpoints
+// (Python's saves and loads) and in-memory snapshots (the agent's copies).
+TEST_CASE("checkpoint_key_from_environment: the variable or file, each error naming it") {
+  using ductile::core::checkpoint_key_from_environment;
+  auto kind_and_message = [] {
+    try {
+      checkpoint_key_from_environment();
+    } catch (const Error& e) {
+      return std::pair{e.kind(), std::string(e.what())};
+    }
+    return std::pair{ErrorKind::internal, std::string("no error")};
+  };
+  ::unsetenv("DUCTILE_CHECKPOINT_KEY");
+  ::unsetenv("DUCTILE_CHECKPOINT_KEY_FILE");
+  CHECK_FALSE(checkpoint_key_from_environment().has_value());
+
+  ::setenv("DUCTILE_CHECKPOINT_KEY", "0123456789abcdef", 1);
+  auto key = checkpoint_key_from_environment();
+  REQUIRE(key.has_value());
+  CHECK(key->bytes == "0123456789abcdef");
+  CHECK(key->variable == "DUCTILE_CHECKPOINT_KEY");
+  ::setenv("DUCTILE_CHECKPOINT_KEY", "short", 1);
+  CHECK(kind_and_message() ==
+        std::pair{ErrorKind::invalid_argument,
+                  std::string("zero3 checkpoint: the key of DUCTILE_CHECKPOINT_KEY has 5 bytes; "
+                              "valid: at least 16 (e.g. the 64 hex digits of `openssl rand -hex "
+                              "32`), or unset DUCTILE_CHECKPOINT_KEY to save without a key")});
+
+  ductile::test::TempDir dir;
+  const auto file = dir.write("key", "  0123456789abcdef0123\n");
+  ::setenv("DUCTILE_CHECKPOINT_KEY_FILE", file.c_str(), 1);
+  CHECK(kind_and_message().second ==
+        "zero3 checkpoint: both DUCTILE_CHECKPOINT_KEY_FILE and DUCTILE_CHECKPOINT_KEY are set; "
+        "set one of them");
+  ::unsetenv("DUCTILE_CHECKPOINT_KEY");
+  key = checkpoint_key_from_environment();
+  REQUIRE(key.has_value());
+  CHECK(key->bytes == "0123456789abcdef0123");  // the blanks at its ends dropped
+  CHECK(key->variable == "DUCTILE_CHECKPOINT_KEY_FILE");
+  ::setenv("DUCTILE_CHECKPOINT_KEY_FILE", "", 1);
+  CHECK(kind_and_message().second ==
+        "zero3 checkpoint: DUCTILE_CHECKPOINT_KEY_FILE is set but empty; give the path of a key "
+        "file, or unset it");
+  const auto missing = dir.path() / "none";
+  ::setenv("DUCTILE_CHECKPOINT_KEY_FILE", missing.c_str(), 1);
+  CHECK(
+      kind_and_message() ==
+      std::pair{ErrorKind::not_found,
+                missing.string() +
+                    ": checkpoint key file does not exist (named by DUCTILE_CHECKPOINT_KEY_FILE)"});
+  ::unsetenv("DUCTILE_CHECKPOINT_KEY_FILE");
 }

@@ -49,6 +49,9 @@ struct NodeInfo {
   // nodes are ranked by age.
   std::int64_t rank = -1;
   std::int64_t lease = 0;  // the lease of its key (not in the record)
+  // Where its snapshot server listens (on `addr`); 0: it serves none. The
+  // other nodes copy its snapshots from there only.
+  int snapshot_port = 0;
 };
 
 enum class RoundState { running, succeeded, failed };

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -34,5 +35,27 @@ std::string regular_file_problem(const struct stat& st, std::uintmax_t max_bytes
 // file), io (a directory, FIFO, device or socket; over the cap; unreadable).
 std::string read_user_file(const std::filesystem::path& file, std::string_view role,
                            std::uintmax_t max_bytes = kMaxConfigFileBytes);
+
+// The key that signs zero3 checkpoints and in-memory snapshots, and that
+// checks them when they are loaded or restored.
+struct CheckpointKey {
+  std::string bytes;     // a secret: messages give its length, never its bytes
+  std::string variable;  // the environment variable that gave it
+};
+
+// The environment variables that give the key: a file's path, or the key.
+inline constexpr const char* kCheckpointKeyFileVariable = "DUCTILE_CHECKPOINT_KEY_FILE";
+inline constexpr const char* kCheckpointKeyVariable = "DUCTILE_CHECKPOINT_KEY";
+inline constexpr std::uintmax_t kMaxCheckpointKeyFileBytes = 4096;
+// Fewer bytes than this are guessable; `openssl rand -hex 32` gives 64.
+inline constexpr std::size_t kMinCheckpointKeyBytes = 16;
+
+// The key of this process's environment: the bytes of the file
+// DUCTILE_CHECKPOINT_KEY_FILE names (read by read_user_file, blanks at its
+// ends dropped), or of DUCTILE_CHECKPOINT_KEY; none when neither is set.
+// Throws ductile::Error naming the variable: invalid_argument (both set,
+// an empty path, a key shorter than kMinCheckpointKeyBytes), or
+// read_user_file's not_found/io for the file.
+std::optional<CheckpointKey> checkpoint_key_from_environment();
 
 }  // namespace ductile::core

@@ -21,7 +21,7 @@ from typing import NamedTuple, TypeGuard
 import torch
 
 from ... import _ductile
-from ..._errors import Error, IncompatibleError, InvalidArgumentError, IoError
+from ..._errors import IncompatibleError, InvalidArgumentError, IoError
 
 FORMAT = "ductile-zero3-checkpoint"
 # 4: shard files checked by CRC-32C ("crc32c" in the manifest's shard
@@ -39,11 +39,6 @@ MAGIC = b"DZ3SHARD"
 # records every shard file's SHA-256, so that the HMAC vouches for the shard
 # files too (their CRC-32C is no defence against a forger).
 HMAC_FILE = MANIFEST + ".hmac"
-KEY_FILE_ENV = "DUCTILE_CHECKPOINT_KEY_FILE"
-KEY_ENV = "DUCTILE_CHECKPOINT_KEY"
-_KEY_FILE_BYTES = 4096
-# Fewer bytes than this are guessable; `openssl rand -hex 32` gives 64.
-MIN_KEY_BYTES = 16
 
 # Test hook: called as _fault_hook(operation, path) before every mkdir,
 # create, write, fsync, rename and removal of a save, so that a test can
@@ -165,40 +160,13 @@ def _reused(old, path):
 
 
 def checkpoint_key():
-    """The key that signs and checks checkpoints: the bytes of the file
-    DUCTILE_CHECKPOINT_KEY_FILE names (read by the bounded reader, blanks
-    at its ends dropped), or of DUCTILE_CHECKPOINT_KEY; None when neither
-    is set. Returns (key, the variable that gave it). Raises
-    InvalidArgumentError naming the variable (both set, empty, too short),
-    or the reader's NotFoundError/IoError naming the file."""
-    path = os.environ.get(KEY_FILE_ENV)
-    text = os.environb.get(KEY_ENV.encode())
-    if path is not None and text is not None:
-        raise InvalidArgumentError(f"zero3 checkpoint: both {KEY_FILE_ENV} and {KEY_ENV} are "
-                                   "set; set one of them")
-    if path is not None:
-        if not path:
-            raise InvalidArgumentError(f"zero3 checkpoint: {KEY_FILE_ENV} is set but empty; "
-                                       "give the path of a key file, or unset it")
-        try:
-            key = _ductile.read_user_file(path, "checkpoint key file", _KEY_FILE_BYTES).strip()
-        except Error as e:
-            raise type(e)(f"{e} (named by {KEY_FILE_ENV})", kind=e.kind, type=e.type) from e
-        where = f"{path} (named by {KEY_FILE_ENV})"
-        variable = KEY_FILE_ENV
-    elif text is not None:
-        key = text
-        where = KEY_ENV
-        variable = KEY_ENV
-    else:
-        return None, None
-    # The key itself is a secret: a message gives its length, never its bytes.
-    if len(key) < MIN_KEY_BYTES:
-        raise InvalidArgumentError(
-            f"zero3 checkpoint: the key of {where} has {len(key)} bytes; valid: at least "
-            f"{MIN_KEY_BYTES} (e.g. the 64 hex digits of `openssl rand -hex 32`), or unset "
-            f"{variable} to save without a key")
-    return key, variable
+    """The key that signs and checks checkpoints, and the variable that gave
+    it (DUCTILE_CHECKPOINT_KEY_FILE or DUCTILE_CHECKPOINT_KEY): the C++
+    reader's, the one the agent checks in-memory snapshots with. (None,
+    None) when neither is set. Raises InvalidArgumentError naming the
+    variable (both set, empty, too short), or NotFoundError/IoError naming
+    the file."""
+    return _ductile.checkpoint_key()
 
 
 def hmac_text(mac):
