@@ -96,6 +96,11 @@ void KeepAlive::fence_workers(const std::vector<int>& guard_pids) {
 
 void KeepAlive::renew() {
   auto store = make_store_(std::min(period_, milliseconds(2000)));
+  // After a renewal that failed, the next is tried soon (then less and less
+  // often, up to the period): an etcd stalled for a moment answers it as
+  // soon as it resumes, well inside the fence's budget, where waiting a
+  // whole period could let the fence act on a stall shorter than it.
+  milliseconds retry{100};
   std::unique_lock lock(mutex_);
   while (!stopping_) {
     std::int64_t lease = lease_;
@@ -114,7 +119,8 @@ void KeepAlive::renew() {
       else
         lost_ = true;
     }
-    wake_.wait_for(lock, period_, [this] { return stopping_; });
+    wake_.wait_for(lock, alive ? period_ : retry, [this] { return stopping_; });
+    retry = alive ? milliseconds(100) : std::min(retry * 2, period_);
   }
 }
 

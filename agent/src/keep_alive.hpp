@@ -2,7 +2,10 @@
 //
 // The keep-alive renews the lease every TTL/4 from a helper thread on its own
 // connection to the store, so that a slow step of the main loop (stopping workers, a
-// request to an unreachable etcd) never lets the lease expire.
+// request to an unreachable etcd) never lets the lease expire. A renewal
+// that failed is tried again after 100 ms, then twice as long each time up
+// to TTL/4: an etcd that stalls for less than the fence's budget is ridden
+// out.
 //
 // The fence: a second helper thread kills this node's workers (SIGUSR1 to
 // their guards, which SIGKILL each worker's process group) once no renewal

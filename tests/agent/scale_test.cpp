@@ -1,0 +1,176 @@
+// `ductile agent` against one etcd with many agents, and with an etcd that
+// stalls: 64 agents (trivial workers) form one round, and at rest etcd
+// serves their leases' keep-alives and nothing else (the agents follow the
+// job's keys with a watch); an etcd stopped for 2 s (SIGSTOP) under a
+// running job ends no agent, and the job goes on to its end. Its own test
+// program, given both of ctest's slots: 64 agents at once are the
+// machine's whole load.
+#include <doctest/doctest.h>
+
+#include <signal.h>
+
+#include <chrono>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "agent_job.hpp"
+#include "process.hpp"
+
+using namespace ductile::test;
+using namespace std::chrono_literals;
+
+namespace {
+
+// etcd's count of the unary requests it started, by method (from its
+// /metrics: the HTTP gateway's requests become gRPC calls).
+std::map<std::string, double> unary_requests(const EtcdServer& etcd) {
+  auto r = run_process({"curl", "-s", "--max-time", "10", etcd.endpoint() + "/metrics"});
+  REQUIRE(r.exit_code == 0);
+  std::map<std::string, double> out;
+  std::istringstream lines(r.out);
+  for (std::string line; std::getline(lines, line);) {
+    if (!line.starts_with("grpc_server_started_total{") ||
+        line.find("grpc_type=\"unary\"") == std::string::npos)
+      continue;
+    const auto method = line.find("grpc_method=\"");
+    const auto end = line.find('"', method + 13);
+    out[line.substr(method + 13, end - method - 13)] += std::stod(line.substr(line.rfind(' ')));
+  }
+  return out;
+}
+
+// `ductile agent` of job `job` on `etcd` with a worker that says its round
+// and world size, then waits for `stop` to exist and exits 0.
+std::vector<std::string> agent_argv(const EtcdServer& etcd, const std::string& job,
+                                    const std::string& node, const std::string& nodes,
+                                    const std::string& stop, const std::string& ttl) {
+  return {DUCTILE_CLI,
+          "agent",
+          "--rdzv",
+          etcd.url(),
+          "--job-id",
+          job,
+          "--nnodes",
+          nodes,
+          "--nproc-per-node",
+          "1",
+          "--node-addr",
+          "127.0.0.1",
+          "--node-id",
+          node,
+          "--lease-ttl",
+          ttl,
+          "--stop-grace",
+          "2",
+          "--",
+          "/bin/sh",
+          "-c",
+          "echo \"up round $DUCTILE_ROUND world $WORLD_SIZE\"; while [ ! -e " + stop +
+              " ]; do sleep 0.2; done"};
+}
+
+}  // namespace
+
+TEST_CASE("agent: 64 agents form one round, and at rest etcd serves their keep-alives only") {
+  TempDir dir;
+  const std::string marker = new_marker(), stop = (dir / "stop").string();
+  EtcdServer etcd(dir.path());
+  constexpr int kAgents = 64;
+  std::vector<std::unique_ptr<Child>> agents;
+  for (int i = 0; i < kAgents; ++i) {
+    const std::string node = "n" + std::to_string(100 + i);
+    agents.push_back(std::make_unique<Child>(agent_argv(etcd, "scale", node, "64:64", stop, "10"),
+                                             std::vector<std::string>{marker},
+                                             dir / (node + ".log")));
+  }
+  auto up = [&] {
+    int n = 0;
+    for (auto& a : agents) n += a->output().find("up round") != std::string::npos;
+    return n;
+  };
+  const bool formed = wait_until([&] { return up() == kAgents; }, 300s);
+  if (!formed)
+    for (auto& a : agents) std::cout << a->output();
+  REQUIRE(formed);
+  // One round, of all of them.
+  for (auto& a : agents) {
+    const std::string out = a->output();
+    CHECK(out.find("up round 1 world 64") != std::string::npos);
+    CHECK(out.find("up round 2") == std::string::npos);
+  }
+
+  // At rest: keep-alives (a stream each, not counted here) and no reads.
+  std::this_thread::sleep_for(2s);  // the last round's writes settle
+  const auto before = unary_requests(etcd);
+  double formed_with = 0;
+  for (const auto& [method, count] : before) formed_with += count;
+  // The count is etcd's: forming the round took requests of every agent.
+  CHECK(formed_with >= kAgents);
+  const auto window = 5s;
+  std::this_thread::sleep_for(window);
+  const auto after = unary_requests(etcd);
+  double requests = 0;
+  std::string by_method;
+  for (const auto& [method, count] : after) {
+    const double made = count - (before.count(method) ? before.at(method) : 0.0);
+    if (made > 0) by_method += " " + method + "=" + std::to_string(static_cast<int>(made));
+    requests += made;
+  }
+  std::cout << kAgents << " agents at rest for 5 s: " << requests
+            << " unary requests to etcd:" << by_method << "\n";
+  // At most one request per agent in the window: a pass reading the job's
+  // keys from etcd would make 4 a second each (1,280 here).
+  CHECK(requests <= kAgents);
+
+  dir.write("stop", "stop\n");
+  for (auto& a : agents) {
+    auto status = a->wait(120s);
+    if (status != std::optional<int>(0)) std::cout << a->output();
+    CHECK(status == std::optional<int>(0));
+  }
+  CHECK(no_marked_processes(marker));
+}
+
+TEST_CASE("agent: etcd stopped for 2 s under a running job ends no agent - the job goes on") {
+  TempDir dir;
+  const std::string marker = new_marker(), stop = (dir / "stop").string();
+  EtcdServer etcd(dir.path());
+  std::vector<std::unique_ptr<Child>> agents;
+  for (const char* node : {"a", "b", "c"})
+    agents.push_back(std::make_unique<Child>(agent_argv(etcd, "stall", node, "3:3", stop, "5"),
+                                             std::vector<std::string>{marker},
+                                             dir / (std::string(node) + ".log")));
+  auto all_up = [&] {
+    for (auto& a : agents)
+      if (a->output().find("up round 1 world 3") == std::string::npos) return false;
+    return true;
+  };
+  const bool formed = wait_until(all_up, 120s);
+  if (!formed)
+    for (auto& a : agents) std::cout << a->output();
+  REQUIRE(formed);
+  REQUIRE(::kill(etcd.pid(), SIGSTOP) == 0);
+  std::this_thread::sleep_for(2s);  // the stall under test
+  REQUIRE(::kill(etcd.pid(), SIGCONT) == 0);
+  // No agent ended during or after it, nor re-formed: the round runs on.
+  std::this_thread::sleep_for(3s);
+  for (auto& a : agents) {
+    const std::string out = a->output();
+    INFO(out);
+    CHECK_FALSE(a->poll().has_value());
+    CHECK(out.find("round 2") == std::string::npos);
+    CHECK(out.find("internal error") == std::string::npos);
+  }
+  dir.write("stop", "stop\n");
+  for (auto& a : agents) {
+    auto status = a->wait(120s);
+    if (status != std::optional<int>(0)) std::cout << a->output();
+    CHECK(status == std::optional<int>(0));
+  }
+  CHECK(no_marked_processes(marker));
+}
