@@ -35,6 +35,7 @@
 
 #include "agent_common.hpp"
 #include "connection.hpp"
+#include "ductile/agent/rendezvous.hpp"
 #include "node_workers.hpp"
 #include "snapshot_area.hpp"
 #include "snapshot_plan.hpp"
