@@ -290,7 +290,7 @@ std::vector<std::string> last_lines_of(const std::filesystem::path& file, std::s
   if (file.empty()) return lines;
   int fd = ::open(file.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) return lines;
-  struct stat info {};
+  struct stat info{};
   std::string text;
   constexpr off_t kTail = 65536;
   if (fstat(fd, &info) == 0 && S_ISREG(info.st_mode)) {
@@ -435,6 +435,22 @@ void WorkerGroup::end_spare(Spare& spare) {
   close_fds({&spare.exit_fd, &spare.launch_fd});
 }
 
+// True when the worker's Python runs with a safe path (-P, -I, or
+// PYTHONSAFEPATH): nothing is put first on its sys.path.
+static bool job_python_has_safe_path(const std::vector<std::string>& interpreter,
+                                     const std::vector<std::string>& env) {
+  for (std::size_t i = 1; i < interpreter.size(); ++i) {
+    const std::string& word = interpreter[i];
+    if (!word.starts_with("-") || word.starts_with("--")) continue;
+    // A cluster of one-letter options ("-uP"); -W and -X take the rest.
+    for (std::size_t c = 1; c < word.size() && word[c] != 'W' && word[c] != 'X'; ++c)
+      if (word[c] == 'P' || word[c] == 'I') return true;
+  }
+  return std::any_of(env.begin(), env.end(), [](const std::string& entry) {
+    return entry.starts_with("PYTHONSAFEPATH=") && entry.size() > 15;
+  });
+}
+
 void WorkerGroup::start_spares(const std::vector<WorkerSpec>& specs, const SpareSetup& setup,
                                std::chrono::milliseconds grace) {
   const pid_t agent = getpid();
@@ -445,10 +461,17 @@ void WorkerGroup::start_spares(const std::vector<WorkerSpec>& specs, const Spare
     spare.interpreter.assign(spec.argv.begin(),
                              spec.argv.begin() + static_cast<long>(setup.interpreter_words));
     spare.static_env = static_env_of(spec.env, setup);
+    // -P: `python -m` would put the agent's working directory first on
+    // sys.path, where a planted torch/ would be imported ahead of the real
+    // one; the spare puts the entry the job's own Python would have (the
+    // script's folder) first when it becomes the worker, unless that
+    // Python runs with a safe path itself.
     std::vector<std::string> argv = spare.interpreter;
-    for (const char* word : {"-m", "ductile._warm_start"}) argv.emplace_back(word);
+    for (const char* word : {"-P", "-m", "ductile._warm_start"}) argv.emplace_back(word);
     argv.push_back(std::to_string(kSpareLaunchFd));
     argv.push_back(core::join(setup.imports, ","));
+    argv.push_back(job_python_has_safe_path(spare.interpreter, spec.env) ? "safe-path"
+                                                                         : "script-path");
     int ends[2];
     if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, ends) != 0)
       throw std::system_error(errno, std::generic_category(), "socketpair");

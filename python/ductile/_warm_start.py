@@ -1,5 +1,5 @@
 """A spare worker of ``ductile agent --warm-workers``:
-``python [OPTIONS] -m ductile._warm_start FD MODULES``.
+``python [OPTIONS] -P -m ductile._warm_start FD MODULES PATH0``.
 
 The agent starts one per local rank ahead of the next round, with the
 worker's environment less the round's variables. It imports MODULES (torch
@@ -12,6 +12,13 @@ becomes that worker as ``python [OPTIONS] PROGRAM`` would have started:
 the same argv, environment, working directory, sys.path[0], ``__main__``,
 output descriptors and exit status. A record that does not parse ends it
 with status 2 and a message.
+
+It runs with -P, so that the agent's working directory is not on sys.path
+while it imports ahead (a torch/ planted there is not the job's). PATH0 is
+"script-path" when the job's own Python puts the script's folder (or, for
+-m, the working directory) first on sys.path, as the worker gets it here;
+"safe-path" when that Python runs with a safe path too (-P, -I,
+PYTHONSAFEPATH).
 """
 
 import builtins
@@ -94,24 +101,26 @@ def _take_streams(fds):
                                and (target == 2 or os.isatty(target)))
 
 
-def _run(program):
-    """Runs the program as ``python PROGRAM`` does, in a fresh ``__main__``."""
+def _run(program, path0):
+    """Runs the program as ``python PROGRAM`` does, in a fresh ``__main__``;
+    `path0`: put the script's folder (or the working directory) first on
+    sys.path, as the job's Python would."""
     main = types.ModuleType("__main__")
     main.__dict__.update(__builtins__=builtins, __annotations__={})
     sys.modules["__main__"] = main
     if program[0].startswith("-m"):
         module = program[0][2:] or program[1]
         sys.argv = ["-m"] + program[1 if program[0] != "-m" else 2:]
-        if not sys.flags.safe_path:
-            sys.path[0] = os.getcwd()
+        if path0:
+            sys.path.insert(0, os.getcwd())
         # What `python -m` calls (runpy has no public equivalent: run_module
         # runs in a temporary module, not in __main__).
         runpy._run_module_as_main(module, True)  # type: ignore[attr-defined]
         return
     script = program[0]
     sys.argv = list(program)
-    if not sys.flags.safe_path:
-        sys.path[0] = os.path.dirname(os.path.realpath(script))
+    if path0:
+        sys.path.insert(0, os.path.dirname(os.path.realpath(script)))
     path = os.path.abspath(script)
     try:
         with open(path, "rb") as source:
@@ -129,6 +138,7 @@ def _run(program):
 
 def main():
     fd = int(sys.argv[1])
+    path0 = sys.argv[3] != "safe-path"
     for name in sys.argv[2].split(","):
         importlib.import_module(name)
     try:
@@ -143,7 +153,7 @@ def main():
     os.environ.clear()
     os.environ.update(env)
     try:
-        _run(program)
+        _run(program, path0)
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as error:  # noqa: BLE001 - the interpreter's own handling, below

@@ -217,3 +217,55 @@ TEST_CASE(
   CHECK(group.spares() == 0);
   CHECK(no_marked_processes(marker));
 }
+
+// A spare imports what the job's own Python would: a module planted in the
+// agent's working directory (where `python -m` would look first) is never
+// imported, the module of the job's path is; and the worker it becomes has
+// its script's folder first on sys.path, as the same worker started cold.
+TEST_CASE("workers: a spare imports nothing from the agent's working directory") {
+  TempDir dir;
+  const std::string marker = new_marker();
+  const auto planted = dir / "planted-imported";
+  std::filesystem::create_directories(dir / "agent");
+  dir.write("agent/jobmodule.py", "open(" + std::string("'") + planted.string() +
+                                      "', 'w').write('planted')\nWHERE = 'agent'\n");
+  dir.write("lib/jobmodule.py", "WHERE = 'lib'\n");
+  const auto script = dir.write(
+      "job/worker.py",
+      "import os, sys, jobmodule\n"
+      "print(os.environ['RANK'], jobmodule.WHERE, sys.path[0] == os.path.dirname(__file__), "
+      "'jobmodule' in sys.modules)\n"
+      "sys.exit(4)\n");
+  const SpareSetup setup{1, {"jobmodule"}, [](const std::string& name) { return name == "RANK"; }};
+  auto spec = [&](const std::string& rank) {
+    WorkerSpec s{
+        0,
+        0,
+        {DUCTILE_PYTHON, script.string()},
+        {marker, "PATH=/usr/bin:/bin",
+         "PYTHONPATH=" DUCTILE_PYTHON_SOURCES ":" + (dir / "lib").string(), "RANK=" + rank}};
+    s.stdout_file = dir / ("out" + rank + ".log");
+    s.stdout_console = s.stderr_console = false;
+    return s;
+  };
+  // The agent's working directory holds the planted module.
+  const auto previous = std::filesystem::current_path();
+  std::filesystem::current_path(dir / "agent");
+  WorkerGroup group;
+  auto round = [&](const WorkerSpec& worker) {
+    group.start({worker});
+    run_to_the_end(group);
+    REQUIRE(group.first_failure());
+    CHECK(group.first_failure()->status == 4);
+    group.start_spares({worker}, setup, std::chrono::milliseconds(0));
+    return read_text(worker.stdout_file);
+  };
+  CHECK(round(spec("0")) == "0 lib True True\n");  // cold
+  CHECK(round(spec("1")) == "1 lib True True\n");  // from its spare
+  CHECK(group.start_log() == std::vector<std::string>{"local rank 0 started from its spare"});
+  group.stop(std::chrono::milliseconds(0));
+  group.stop_spares();
+  std::filesystem::current_path(previous);
+  CHECK_FALSE(std::filesystem::exists(planted));
+  CHECK(no_marked_processes(marker));
+}
