@@ -43,6 +43,11 @@ void NodeSnapshots::make_area() {
   if (!removed.empty())
     self_.log(fmt::format("removed the snapshot area(s) of agents no longer running: {}",
                           fmt::join(removed, ", ")));
+  if (!area_->stale_search_complete())
+    self_.log(fmt::format(
+        "the search of {} for the snapshot areas of agents no longer running stopped at its bound "
+        "({} areas, {} entries): remove the ductile-snapshots-* folders no agent uses",
+        area_->root().parent_path().string(), kMaxSnapshotAreasSearched, kMaxSnapshotBaseEntries));
   workers_.set_snapshot_dir(area_->own());
 }
 

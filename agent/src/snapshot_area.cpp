@@ -77,24 +77,34 @@ int take_area_lock(const fs::path& area) {
 }
 
 bool private_directory_of_ours(const fs::path& path) {
-  struct stat info {};
+  struct stat info{};
   return ::lstat(path.c_str(), &info) == 0 && S_ISDIR(info.st_mode) && info.st_uid == ::geteuid() &&
          (info.st_mode & 07777) == 0700;
 }
 
-// The areas in `base` whose agents are dead (see the header).
-std::vector<fs::path> remove_dead_areas(const fs::path& base) {
-  // A base such as /dev/shm may hold many files: looked at up to a bound.
-  constexpr std::size_t kMaxBaseEntries = 100000;
+// The areas in `base` whose agents are dead (see the header); `complete`
+// false when a bound stopped the search.
+std::vector<fs::path> remove_dead_areas(const fs::path& base, bool& complete) {
+  // A base such as /dev/shm may hold any number of other files: their names
+  // are read and passed over (a directory's entries cost little to list),
+  // and only areas are looked at, up to a bound of each.
   std::vector<fs::path> dead;
   std::error_code ec;
   fs::directory_iterator it(base, ec), end;
-  std::size_t entries = 0;
-  for (; !ec && it != end && ++entries <= kMaxBaseEntries; it.increment(ec)) {
+  std::size_t entries = 0, areas = 0;
+  complete = true;
+  for (; !ec && it != end; it.increment(ec)) {
+    if (++entries > kMaxSnapshotBaseEntries) {
+      complete = false;
+      break;
+    }
     const fs::path path = it->path();
-    if (!path.filename().string().starts_with("ductile-snapshots-") ||
-        !private_directory_of_ours(path))
-      continue;
+    if (!path.filename().string().starts_with("ductile-snapshots-")) continue;
+    if (++areas > kMaxSnapshotAreasSearched) {
+      complete = false;
+      break;
+    }
+    if (!private_directory_of_ours(path)) continue;
     const int lock = take_area_lock(path);
     if (lock < 0) continue;
     std::error_code removed;
@@ -112,7 +122,7 @@ using namespace snapshot_area_detail;
 std::optional<std::string> read_small_file(const fs::path& file, std::uintmax_t limit) {
   const int fd = ::open(file.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) return std::nullopt;
-  struct stat info {};
+  struct stat info{};
   std::optional<std::string> text;
   if (::fstat(fd, &info) == 0 && S_ISREG(info.st_mode) &&
       static_cast<std::uintmax_t>(info.st_size) <= limit) {
@@ -165,7 +175,7 @@ bool snapshot_file_name(const std::string& name, std::int64_t* world) {
 std::optional<std::string> file_sha256(const fs::path& file, std::uintmax_t limit) {
   const int fd = ::open(file.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) return std::nullopt;
-  struct stat info {};
+  struct stat info{};
   std::optional<std::string> hex;
   EVP_MD_CTX* context = EVP_MD_CTX_new();
   if (context && ::fstat(fd, &info) == 0 && S_ISREG(info.st_mode) &&
@@ -324,7 +334,7 @@ SnapshotArea::SnapshotArea(const std::string& base, const std::string& job_id,
                             "(default /dev/shm)",
                             base));
   }
-  removed_stale_ = remove_dead_areas(dir);
+  removed_stale_ = remove_dead_areas(dir, stale_search_complete_);
   // A name of this agent's own (two agents of one job and node id, as
   // concurrent tests and a restarted agent have, never share an area),
   // cut to fit a file name. It is made under a hidden name, locked, then

@@ -13,7 +13,8 @@
 // is made under a hidden name and renamed once locked. When an area is
 // made, every ductile-snapshots-* directory in the same base that is this
 // user's, of mode 0700, with a lock no one holds (its agent was killed) is
-// removed; a live agent's is left alone.
+// removed; a live agent's is left alone. The base's other entries, however
+// many, are passed over by name.
 //
 // Ownership: SnapshotArea owns the directory and removes it (with what is
 // in it) when destroyed or remove()d. Threading: the listing functions
@@ -32,6 +33,10 @@
 #include "snapshot_plan.hpp"
 
 namespace ductile::agent {
+
+// The bounds of the search for dead agents' areas in a base.
+inline constexpr std::size_t kMaxSnapshotBaseEntries = 10'000'000;
+inline constexpr std::size_t kMaxSnapshotAreasSearched = 4096;
 
 // Names in the area: what the workers write, and the folders the agent
 // makes.
@@ -111,12 +116,17 @@ class SnapshotArea {
   void remove();
   // The areas of dead agents removed when this one was made (see above).
   const std::vector<std::filesystem::path>& removed_stale() const { return removed_stale_; }
+  // False when the search for dead agents' areas stopped at a bound (more
+  // than kMaxSnapshotAreasSearched areas, or kMaxSnapshotBaseEntries
+  // entries in the base).
+  bool stale_search_complete() const { return stale_search_complete_; }
 
  private:
   std::filesystem::path root_;
   bool removed_ = false;
   int lock_fd_ = -1;  // <root>/lock, flocked while the area lives
   std::vector<std::filesystem::path> removed_stale_;
+  bool stale_search_complete_ = true;
 };
 
 }  // namespace ductile::agent

@@ -439,14 +439,17 @@ void WorkerGroup::end_spare(Spare& spare) {
 // PYTHONSAFEPATH): nothing is put first on its sys.path.
 static bool job_python_has_safe_path(const std::vector<std::string>& interpreter,
                                      const std::vector<std::string>& env) {
+  bool ignores_environment = false;  // -E: PYTHONSAFEPATH means nothing
   for (std::size_t i = 1; i < interpreter.size(); ++i) {
     const std::string& word = interpreter[i];
     if (!word.starts_with("-") || word.starts_with("--")) continue;
     // A cluster of one-letter options ("-uP"); -W and -X take the rest.
-    for (std::size_t c = 1; c < word.size() && word[c] != 'W' && word[c] != 'X'; ++c)
+    for (std::size_t c = 1; c < word.size() && word[c] != 'W' && word[c] != 'X'; ++c) {
       if (word[c] == 'P' || word[c] == 'I') return true;
+      ignores_environment = ignores_environment || word[c] == 'E';
+    }
   }
-  return std::any_of(env.begin(), env.end(), [](const std::string& entry) {
+  return !ignores_environment && std::any_of(env.begin(), env.end(), [](const std::string& entry) {
     return entry.starts_with("PYTHONSAFEPATH=") && entry.size() > 15;
   });
 }
