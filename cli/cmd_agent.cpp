@@ -45,7 +45,7 @@ int run_agent_command(const CliContext& context, const agent::LaunchArguments& a
     agent::write_line(true, fmt::format("ductile agent: the workers run {}", a.interpreter_choice));
   a.runtime = context.runtime_options();
   a.stop_signal = &g_stop_signal;
-  struct sigaction action {};
+  struct sigaction action{};
   action.sa_handler = on_stop_signal;
   sigemptyset(&action.sa_mask);
   sigaction(SIGTERM, &action, nullptr);
@@ -159,9 +159,11 @@ void register_agent_command(CLI::App& app, CliContext& context) {
   sub->add_option(
       "--rdzv-conf,--rdzv_conf", o->rdzv_conf,
       fmt::format("torchrun: key=value,...: join_timeout (or timeout), last_call_timeout (as "
-                  "--settle), read_timeout, keep_alive_interval x keep_alive_max_attempt (as "
-                  "--lease-ttl; default {} x {}), protocol=https, cacert, cert, key (as "
-                  "--rdzv-cacert ...)",
+                  "--settle), read_timeout, keep_alive_interval and keep_alive_max_attempt "
+                  "(their product, torchrun's time to declare a node dead, is the lease TTL, "
+                  "as --lease-ttl; either alone takes torchrun's default for the other, {} s or "
+                  "{} attempts; neither: --lease-ttl's default), protocol=https, cacert, cert, "
+                  "key (as --rdzv-cacert ...)",
                   Torchrun::keep_alive_interval, Torchrun::keep_alive_max_attempt));
   sub->add_option("--monitor-interval,--monitor_interval", o->monitor_interval,
                   "torchrun: seconds between checks of the workers (as --poll-interval)");
