@@ -64,11 +64,12 @@ int check_config(const CliContext& context, const CheckOptions& options) {
   }
   // A DeepSpeed JSON config is mapped onto ductile's sections, each checked
   // as a TOML file's would be, naming the user's keys; its dynamic batching
-  // block too, when it has one (as `ductile pack` reads it).
-  auto runtime =
-      deepspeed ? pipeline::runtime_from_deepspeed_file(options.file, mapped_text, runtime_options,
-                                                        {.read_batching = true}, &warnings)
-                : core::Runtime::from_document(*document, runtime_options);
+  // block too, when it has one (as `ductile pack` reads it); and its training
+  // keys by the rules ductile.deepspeed.initialize reads them with.
+  auto runtime = deepspeed ? pipeline::runtime_from_deepspeed_file(
+                                 options.file, mapped_text, runtime_options,
+                                 {.check_training = true, .read_batching = true}, &warnings)
+                           : core::Runtime::from_document(*document, runtime_options);
   std::optional<pipeline::DeepSpeedElasticityMode> mode;
   if (root) {
     mode = pipeline::deepspeed_elasticity_mode(*root, options.file);

@@ -7,6 +7,7 @@
 
 #include "ductile/core/config.hpp"
 #include "ductile/core/text.hpp"
+#include "ductile/pipeline/deepspeed_config.hpp"
 #include "ductile/pipeline/elasticity.hpp"
 #include "ductile/pipeline/lengths.hpp"
 #include "ductile/pipeline/lr_schedule.hpp"
@@ -77,8 +78,9 @@ bool register_sections() {
         .doc = "Pinned host buffers for the offloaded state (cuda)"},
        {.key = "log_interval",
         .type = ParamType::integer,
-        .flags = param_has_min,
+        .flags = param_has_min | param_has_max,
         .default_value = "0",
+        .max_value = static_cast<double>(kMaxLogInterval),
         .doc = "Optimizer steps between the engine's progress lines (logger ductile.zero3, "
                "rank 0): step, loss scale, learning rate, step time, throughput, peak memory, "
                "gather wait, offload traffic; 0: off"},

@@ -94,7 +94,11 @@ def _json_of(config):
     """A DeepSpeed config dict as JSON text; ConfigError for one JSON cannot hold."""
     try:
         return json.dumps(config, allow_nan=False)
-    except (TypeError, ValueError, RecursionError) as e:
+    except RecursionError as e:
+        # Far deeper than the JSON reader takes: its limit, without the text.
+        raise ConfigError(f"<dict>: JSON nested deeper than {_ductile.MAX_JSON_DEPTH} levels; "
+                          f"ductile accepts at most {_ductile.MAX_JSON_DEPTH}") from e
+    except (TypeError, ValueError) as e:
         raise ConfigError(f"<dict>: the DeepSpeed config cannot be written as JSON: {e}; "
                           "valid: dicts with str keys, lists, str, int, float (finite), bool, "
                           "None") from e
@@ -208,14 +212,19 @@ def load_config(source: StrPath | dict[str, Any] | Config, *,
         f"config: expected a path, a TOML/JSON string or a dict, got {type(source).__name__}")
 
 
+def parse_json(text: str, origin: str) -> Any:
+    """A DeepSpeed config's JSON text as Python objects, read by the CLI's
+    reader: nesting of at most 64 levels, nothing after the value, each key
+    once per object, a UTF-8 byte order mark skipped. ConfigError naming
+    ``origin`` otherwise."""
+    return _ductile.parse_json(text, origin)
+
+
 def _deepspeed_config(origin, runtime, text, base_dir=""):
-    """A DeepSpeed config, checked by DeepSpeedConfig's elasticity rules when
-    it has an elasticity block (the world size aside); other errors are the
-    reader's that uses it."""
-    try:
-        parsed = json.loads(text)
-    except ValueError:
-        parsed = None
+    """A DeepSpeed config, read as JSON by the CLI's rules and checked by
+    DeepSpeedConfig's elasticity rules when it has an elasticity block (the
+    world size aside); other errors are the reader's that uses it."""
+    parsed = parse_json(text, origin)
     if isinstance(parsed, dict) and "elasticity" in parsed:
         _ductile.elasticity.deepspeed_mode(text, origin)
     return Config("deepspeed", origin, runtime, text, base_dir)

@@ -16,6 +16,7 @@ converted once.
 """
 
 import dataclasses
+import io
 import json
 import os
 from typing import Any
@@ -24,7 +25,7 @@ import numpy as np
 
 from . import _ductile
 from ._config import load_config
-from ._errors import InvalidArgumentError
+from ._errors import InvalidArgumentError, IoError
 
 __all__ = ["pack", "PackPlan", "read_lengths", "plot", "LrRule", "LrSchedule",
            "settings_from_config"]
@@ -201,6 +202,13 @@ def settings_from_config(config, *, plugin_path=None, allow_config_plugins=False
     return kwargs, lengths
 
 
+# The figure draws a bar or a point per step shown and a bar per micro-batch
+# of those steps: both bounded, so that its time and memory do not grow with
+# the plan (the histogram bins every micro-batch in numpy).
+MAX_PLOT_STEPS = 1000
+MAX_PLOT_MICROBATCHES = 4000
+
+
 def plot(plan, path, *, title=None, max_steps=60):
     """Draws the plan, as the illustrations of DeepSpeed's variable-batch PR:
     per step the batch size, tokens and padding of each micro-batch (stacked
@@ -208,18 +216,54 @@ def plot(plan, path, *, title=None, max_steps=60):
     looks at when tuning the budget: the padding share of each step when
     micro-batches are padded (PadCollate; flattened ones, FlattenCollate, have
     none), and a histogram of positions per micro-batch, padded against
-    flattened. Writes ``path`` (any format matplotlib writes: .png, .svg,
-    .pdf). Shows the first ``max_steps`` steps (the histogram: all).
-    matplotlib is imported here only."""
+    flattened. Writes ``path`` (any format matplotlib writes, by its
+    extension: .png, .svg, .pdf; none: .png). Shows the first ``max_steps``
+    steps (an int from 1 to MAX_PLOT_STEPS; the plan's length when shorter)
+    and at most MAX_PLOT_MICROBATCHES micro-batches of them (the histogram:
+    all). matplotlib is imported here only.
+    Raises InvalidArgumentError (a bad argument, named), IoError (``path``
+    could not be written, named)."""
+    if not isinstance(plan, PackPlan):
+        raise InvalidArgumentError(
+            f"plot: plan is a {type(plan).__name__}; valid: a PackPlan (ductile.batching.pack)")
+    steps = min(plan.step_count,
+                _ductile.int_argument(max_steps, "plot: max_steps", 1, MAX_PLOT_STEPS))
+    if steps == 0:
+        raise InvalidArgumentError("plot: the plan has no steps")
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidArgumentError(
+            f"plot: path is a {type(path).__name__}; valid: a str or an os.PathLike")
+    path = os.fspath(path)
     import matplotlib
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
+    from matplotlib.backend_bases import FigureCanvasBase
 
-    steps = min(plan.step_count, int(max_steps))
-    if steps == 0:
-        raise InvalidArgumentError("plot: the plan has no steps")
+    image_format = os.path.splitext(path)[1][1:].lower() or "png"
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if image_format not in formats:
+        raise InvalidArgumentError(
+            f"plot: path {path!r} names the format {image_format!r}; valid: a path ending in "
+            + ", ".join(f".{name}" for name in sorted(formats)))
+    fig = _draw(plan, steps, title, plt)
+    try:
+        # Into memory first: a failed write is then the file's own, seen
+        # below, never lost in a backend's buffered stream.
+        image = io.BytesIO()
+        fig.savefig(image, format=image_format, dpi=100)
+    finally:
+        plt.close(fig)
+    try:
+        with open(path, "wb") as out:
+            out.write(image.getbuffer())
+    except OSError as e:
+        raise IoError(f"plot: cannot write {path!r}: {e.strerror or e}") from e
+    return path
+
+
+def _draw(plan, steps, title, plt):
     tokens, padded = plan.microbatch_tokens()
-    mb = np.flatnonzero(plan.microbatch_steps < steps)
+    mb = np.flatnonzero(plan.microbatch_steps < steps)[:MAX_PLOT_MICROBATCHES]
     x = np.arange(len(mb))
     step_of = plan.microbatch_steps[mb]
     rows = 4 if plan.lrs is not None else 3
@@ -233,7 +277,9 @@ def plot(plan, path, *, title=None, max_steps=60):
     boundaries = np.flatnonzero(np.diff(step_of)) + 0.5
     for b in boundaries:
         ax.axvline(b, color="grey", lw=0.5)
-    ax.set_xlabel("micro-batch (grey lines separate steps)")
+    shown = "" if len(mb) == np.count_nonzero(plan.microbatch_steps < steps) else \
+        f"; the first {len(mb)}"
+    ax.set_xlabel(f"micro-batch (grey lines separate steps{shown})")
     ax.set_ylabel("tokens")
     ax.legend(loc="upper right", fontsize=8)
     ax = fig.add_subplot(grid[1, :])
@@ -251,9 +297,7 @@ def plot(plan, path, *, title=None, max_steps=60):
                            f"{plan.options['max_tokens']}, "
                            f"{plan.options['effective_batch_size']} micro-batches per step"))
     fig.tight_layout()
-    fig.savefig(os.fspath(path), dpi=100)
-    plt.close(fig)
-    return os.fspath(path)
+    return fig
 
 
 def _plot_padding(ax, plan, steps):

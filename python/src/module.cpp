@@ -14,6 +14,7 @@
 #include "ductile/core/registry.hpp"
 #include "ductile/core/text.hpp"
 #include "ductile/pipeline/deepspeed_config.hpp"
+#include "ductile/pipeline/json.hpp"
 #include "ductile/version.hpp"
 #include "host_world.hpp"
 
@@ -72,8 +73,14 @@ Error not_a(const py::handle& value, const std::string& name, const char* what, 
 
 std::int64_t int_argument(const py::handle& value, const std::string& name, std::int64_t low,
                           std::int64_t high) {
-  if (PyBool_Check(value.ptr()) || !PyIndex_Check(value.ptr()))
-    throw not_a(value, name, "an integer", "give an int");
+  if (PyBool_Check(value.ptr()) || !PyIndex_Check(value.ptr())) {
+    const bool bounded = low > std::numeric_limits<std::int64_t>::min() ||
+                         high < std::numeric_limits<std::int64_t>::max();
+    const std::string hint =
+        bounded ? "give an int from " + std::to_string(low) + " to " + std::to_string(high)
+                : std::string("give an int");
+    throw not_a(value, name, "an integer", hint.c_str());
+  }
   auto index = py::reinterpret_steal<py::object>(PyNumber_Index(value.ptr()));
   if (!index) throw py::error_already_set();
   int overflow = 0;
@@ -284,6 +291,36 @@ py::dict training_dict(const pipeline::DeepSpeedTraining& t) {
   return d;
 }
 
+// A JSON value as Python's json module builds it (dict, list, str, int,
+// float, bool, None). The depth is bounded by parse_bounded_json.
+py::object python_of_json(const nlohmann::json& value) {
+  switch (value.type()) {
+    case nlohmann::json::value_t::object: {
+      py::dict out;
+      for (auto it = value.begin(); it != value.end(); ++it)
+        out[py::str(it.key())] = python_of_json(it.value());
+      return out;
+    }
+    case nlohmann::json::value_t::array: {
+      py::list out;
+      for (const auto& element : value) out.append(python_of_json(element));
+      return out;
+    }
+    case nlohmann::json::value_t::string:
+      return py::str(value.get_ref<const std::string&>());
+    case nlohmann::json::value_t::boolean:
+      return py::bool_(value.get<bool>());
+    case nlohmann::json::value_t::number_integer:
+      return py::int_(value.get<std::int64_t>());
+    case nlohmann::json::value_t::number_unsigned:
+      return py::int_(value.get<std::uint64_t>());
+    case nlohmann::json::value_t::number_float:
+      return py::float_(value.get<double>());
+    default:
+      return py::none();
+  }
+}
+
 // A configuration loaded from Python runs no code from the directories its
 // own [plugins] path names unless the caller consents, as `ductile config
 // check` needs --allow-config-plugins: a file received from elsewhere is
@@ -419,6 +456,16 @@ void register_runtime(py::module_& m) {
       "The value as an int64 within [low, high]: a Python int or an object with __index__, "
       "never a bool or a float; otherwise InvalidArgumentError naming `name`.");
   m.def(
+      "parse_json",
+      [](const std::string& text, const std::string& origin) {
+        return python_of_json(
+            pipeline::parse_bounded_json(text, origin, "invalid JSON", ErrorKind::config));
+      },
+      py::arg("text"), py::arg("origin"),
+      "A JSON text as Python objects, read by the CLI's reader (pipeline::parse_bounded_json): "
+      "nesting of at most 64 levels, nothing after the value, a key once per object, a UTF-8 "
+      "byte order mark skipped. ConfigError naming `origin` otherwise.");
+  m.def(
       "read_user_file",
       [](const std::filesystem::path& file, const std::string& role, std::uintmax_t max_bytes) {
         std::string text;
@@ -468,6 +515,11 @@ PYBIND11_MODULE(_ductile, m) {
   namespace dp = ductile::python;
   m.doc() = "ductile's C++ core and plugins (use the `ductile` package, not this module)";
   m.attr("__version__") = DUCTILE_SDK_VERSION_STRING;
+  // The bound of [zero] log_interval (its schema, steps_per_print's), for
+  // the engine's attribute.
+  m.attr("MAX_LOG_INTERVAL") = ductile::pipeline::kMaxLogInterval;
+  // The deepest nesting parse_json reads.
+  m.attr("MAX_JSON_DEPTH") = ductile::pipeline::kMaxJsonDepth;
   dp::register_errors(m);
   dp::register_runtime(m);
   auto elasticity = m.def_submodule("elasticity");

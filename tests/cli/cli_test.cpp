@@ -317,6 +317,70 @@ TEST_CASE("config check reads a DeepSpeed JSON config through the one mapping, n
   CHECK(contains(p.out, "base_lr = 0.5"));
 }
 
+TEST_CASE("config check refuses the training values the engine refuses, naming file and key") {
+  TempDir dir;
+  // Each value `ductile.deepspeed.initialize` refuses, with the message both give.
+  const std::string batch = "; valid: an integer from 1 to 2147483647";
+  for (const auto& [entry, expected] : std::vector<std::pair<std::string, std::string>>{
+           {R"("train_batch_size": -8)", "train_batch_size = -8" + batch},
+           {R"("train_batch_size": 1e30)", "train_batch_size = 1e+30" + batch},
+           {R"("train_batch_size": 2147483648)", "train_batch_size = 2147483648" + batch},
+           {R"("gradient_accumulation_steps": 18446744073709551616)",
+            "gradient_accumulation_steps = 1.8446744073709552e+19" + batch},
+           {R"("train_micro_batch_size_per_gpu": true)",
+            "train_micro_batch_size_per_gpu = true" + batch},
+           {R"("train_micro_batch_size_per_gpu": 2.5)",
+            "train_micro_batch_size_per_gpu = 2.5" + batch},
+           {R"("train_micro_batch_size_per_gpu": "2")",
+            "train_micro_batch_size_per_gpu = \"2\"" + batch},
+           {R"("steps_per_print": -1)",
+            "steps_per_print = -1; valid: an integer from 1 to 1000000000"},
+           {R"("steps_per_print": 9223372036854775808)",
+            "steps_per_print = 9223372036854775808; valid: an integer from 1 to 1000000000"},
+           {R"("gradient_clipping": -1)",
+            "gradient_clipping = -1; valid: a number >= 0 (0: no clipping)"}}) {
+    auto file = dir.write("bad.json", "{\"zero_optimization\": {\"stage\": 3}, " + entry + "}");
+    auto r = cli({"config", "check", file.string()});
+    CHECK_MESSAGE(r.exit_code == 2, entry << ": " << r.out);
+    CHECK_MESSAGE(contains(r.err, file.string() + ": " + expected), entry << ": " << r.err);
+    CHECK_MESSAGE(!contains(r.out, "valid (DeepSpeed JSON)"), r.out);
+  }
+  // A key inside the training sections that ductile does not act on is named.
+  auto typos = dir.write("typos.json", R"({"train_batch_size": 8,
+      "fp16": {"enabled": true, "loss_scale_windo": 100},
+      "optimizer": {"type": "AdamW", "params": {"lr": 0.001, "betaz": [0.9, 0.99]}},
+      "scheduler": {"type": "WarmupLR", "params": {"warmup_num_stepz": 10}}})");
+  auto t = cli({"config", "check", typos.string()});
+  CHECK_MESSAGE(t.exit_code == 0, t.err);
+  for (const char* key :
+       {"fp16.loss_scale_windo", "optimizer.params.betaz", "scheduler.params.warmup_num_stepz"})
+    CHECK_MESSAGE(contains(t.out, "warning: " + typos.string() + ": " + key), t.out);
+  // What only ductile's engine cannot train is said, not refused: DeepSpeed
+  // itself may train the config.
+  auto lamb = dir.write("lamb.json", R"({"train_batch_size": 8, "optimizer": {"type": "Lamb"}})");
+  auto l = cli({"config", "check", lamb.string()});
+  CHECK_MESSAGE(l.exit_code == 0, l.err);
+  CHECK_MESSAGE(contains(l.out, lamb.string() + ": optimizer.type = \"Lamb\": ductile's ZeRO-3 "
+                                                "engine refuses it"),
+                l.out);
+}
+
+TEST_CASE("config check reads JSON by its limits: depth, trailing text, a byte order mark") {
+  TempDir dir;
+  auto bom = dir.write("bom.conf", "\xEF\xBB\xBF{\"train_batch_size\": 8}");
+  auto b = cli({"config", "check", bom.string()});
+  CHECK_MESSAGE(b.exit_code == 0, b.err);
+  CHECK(contains(b.out, "valid (DeepSpeed JSON)"));
+  auto trailing = dir.write("trailing.json", "{\"train_batch_size\": 8} x");
+  auto t = cli({"config", "check", trailing.string()});
+  CHECK(t.exit_code == 2);
+  CHECK_MESSAGE(contains(t.err, trailing.string() + ": invalid JSON: "), t.err);
+  auto deep = dir.write("deep.json", "{\"a\": " + std::string(100000, '['));
+  auto d = cli({"config", "check", deep.string()});
+  CHECK(d.exit_code == 2);
+  CHECK_MESSAGE(contains(d.err, deep.string() + ": JSON nested deeper than 64 levels"), d.err);
+}
+
 TEST_CASE("deep nesting and huge values in TOML are refused cleanly, quoted in excerpts") {
   TempDir dir;
   const int n = 100000;

@@ -238,6 +238,51 @@ def test_plot_without_learning_rates_draws_the_padding_panels_too(tmp_path):
         assert label in text
 
 
+def test_plot_of_a_long_plan_draws_a_bounded_figure(tmp_path):
+    # 10^6 samples in steps of 64 micro-batches: the first 1000 steps hold
+    # 64000 micro-batches; the figure draws at most 4000 of them.
+    lengths = np.random.default_rng(0).integers(1, 200, 1_000_000, dtype=np.int64)
+    plan = batching.pack(lengths, max_tokens=256, effective_batch_size=64)
+    assert plan.step_count > batching.MAX_PLOT_STEPS
+    out = batching.plot(plan, tmp_path / "plan.svg", max_steps=batching.MAX_PLOT_STEPS)
+    text = open(out).read()
+    bars = len(re.findall(r'<g id="patch_', text))
+    # Two bars per micro-batch drawn, one per step, the histograms' and the
+    # axes' own: far below one per micro-batch of the plan.
+    assert bars <= 2 * batching.MAX_PLOT_MICROBATCHES + batching.MAX_PLOT_STEPS + 200
+    assert f"the first {batching.MAX_PLOT_MICROBATCHES}" in text
+
+
+@pytest.mark.parametrize("max_steps, message", [
+    (10 ** 12, "plot: max_steps = 1000000000000 is out of range; must be between 1 and 1000"),
+    (0, "plot: max_steps = 0 is out of range; must be between 1 and 1000"),
+    (-5, "plot: max_steps = -5 is out of range; must be between 1 and 1000"),
+    (float("nan"), "plot: max_steps = nan is not an integer (float); give an int from 1 to 1000"),
+    (2.0, "plot: max_steps = 2.0 is not an integer (float); give an int from 1 to 1000"),
+    ("60", "plot: max_steps = '60' is not an integer (str); give an int from 1 to 1000"),
+])
+def test_plot_refuses_a_bad_max_steps_naming_it(tmp_path, max_steps, message):
+    plan = batching.pack([5, 9, 3, 7], max_tokens=16, effective_batch_size=2)
+    with pytest.raises(ductile.InvalidArgumentError) as error:
+        batching.plot(plan, tmp_path / "plan.png", max_steps=max_steps)
+    assert str(error.value) == message
+    assert not (tmp_path / "plan.png").exists()
+
+
+def test_plot_raises_when_the_file_cannot_be_written(tmp_path):
+    plan = batching.pack([5, 9, 3, 7], max_tokens=16, effective_batch_size=2)
+    with pytest.raises(ductile.IoError) as error:
+        batching.plot(plan, "/dev/full")
+    assert str(error.value) == "plot: cannot write '/dev/full': No space left on device"
+    with pytest.raises(ductile.IoError, match="plot: cannot write '.*/missing/plan.png': No such "
+                                              "file or directory"):
+        batching.plot(plan, tmp_path / "missing" / "plan.png")
+    with pytest.raises(ductile.InvalidArgumentError,
+                       match=r"plot: path '.*plan.xyz' names the format 'xyz'; valid: a path "
+                             r"ending in .*\.png"):
+        batching.plot(plan, tmp_path / "plan.xyz")
+
+
 @pytest.mark.parametrize("option, value, message", [
     ("max_tokens", 2 ** 63, "max_tokens = 9223372036854775808 is out of range; must be between "
                             "-9223372036854775808 and 9223372036854775807"),

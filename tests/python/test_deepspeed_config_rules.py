@@ -272,6 +272,10 @@ def test_messages_name_the_file_key_value_and_what_is_valid(tmp_path):
     path.write_text(json.dumps({"train_batch_size": "32", "elasticity": DISABLED}))
     run = cli(["config", "check", path], None)
     assert run.returncode == 2
+    assert (f'{path}: train_batch_size = "32"; valid: an integer from 1 to 2147483647'
+            in run.stderr)
+    run = cli(["elastic", "--config", path, "--world-size", 4], None)
+    assert run.returncode == 2
     assert (f'{path}: train_batch_size = "32" is invalid for a non-elastic job (the elasticity '
             "block is disabled): give an integer >= 1") in run.stderr
 

@@ -79,11 +79,21 @@ def test_off_by_default_and_set_on_the_engine(caplog):
     engine.log_interval = 2
     train(engine, 3)  # global steps 4, 5, 6
     assert [r.zero3_step["step"] for r in records_of(caplog)] == [4, 6]
-    for bad in (-1, 1.5, "2", True):
+    for bad in (1.5, "2", True, float("nan")):
         with pytest.raises(ductile.InvalidArgumentError) as error:
             engine.log_interval = bad
-        assert f"log_interval = {bad!r}" in str(error.value)
-        assert "integer >= 0" in str(error.value)
+        assert str(error.value) == (f"zero3: log_interval = {bad!r} is not an integer "
+                                    f"({type(bad).__name__}); give an int from 0 to 1000000000")
+    # The bound of [zero] log_interval and steps_per_print, where TOML and
+    # JSON refuse 2^63 too.
+    for bad in (-1, 2 ** 63, 1_000_000_001):
+        with pytest.raises(ductile.InvalidArgumentError) as error:
+            engine.log_interval = bad
+        assert str(error.value) == (f"zero3: log_interval = {bad} is out of range; must be "
+                                    "between 0 and 1000000000")
+    assert engine.log_interval == 2
+    engine.log_interval = 1_000_000_000
+    assert engine.log_interval == 1_000_000_000
 
 
 def test_without_counted_batches_no_rates(caplog):
@@ -148,7 +158,9 @@ def test_the_deepspeed_engine_logs_every_steps_per_print(caplog):
 
 
 @pytest.mark.parametrize("value, message", [
-    ("-1", "[zero] log_interval = -1 is out of range: must be >= 0"),
+    ("-1", "[zero] log_interval = -1 is out of range: must be between 0 and 1000000000"),
+    ("1000000001",
+     "[zero] log_interval = 1000000001 is out of range: must be between 0 and 1000000000"),
     ("2.5", "[zero] log_interval must be an integer, got float 2.5"),
     ('"often"', "[zero] log_interval must be an integer"),
 ])
@@ -156,6 +168,17 @@ def test_log_interval_is_checked_by_the_schema(value, message):
     with pytest.raises(ductile.ConfigError) as error:
         zero3.initialize(model(), adam, CONFIG + f"log_interval = {value}\n")
     assert message in str(error.value)
+
+
+def test_steps_per_print_has_the_bound_of_log_interval():
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3}}
+    engine = zero3.initialize(model(), adam, dict(config, steps_per_print=1_000_000_000))
+    assert engine.log_interval == 1_000_000_000
+    for bad in (1_000_000_001, 2 ** 63):
+        with pytest.raises(ductile.ConfigError) as error:
+            zero3.initialize(model(), adam, dict(config, steps_per_print=bad))
+        assert str(error.value) == (f"<dict>: steps_per_print = {bad}; valid: an integer from 1 "
+                                    "to 1000000000")
 
 
 def test_two_ranks_log_on_rank_0_only(tmp_path):

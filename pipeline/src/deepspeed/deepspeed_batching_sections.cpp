@@ -18,29 +18,20 @@ namespace ductile::pipeline::deepspeed_mapping {
 namespace fs = std::filesystem;
 
 std::optional<std::int64_t> Mapping::step_batch(const json& root) {
-  auto positive = [](std::int64_t v) { return v >= 1; };
-  if (const json* total = child(root, "train_batch_size"); !unset(total))
-    return integer(*total, "train_batch_size", positive, "an integer >= 1");
+  if (!unset(child(root, "train_batch_size"))) return batch_key(root, "train_batch_size");
   std::int64_t micro = 1, steps = 1;
-  if (const json* v = child(root, "train_micro_batch_size_per_gpu"); !unset(v)) {
-    auto read = integer(*v, "train_micro_batch_size_per_gpu", positive, "an integer >= 1");
+  if (!unset(child(root, "train_micro_batch_size_per_gpu"))) {
+    auto read = batch_key(root, "train_micro_batch_size_per_gpu");
     if (!read) return std::nullopt;
     micro = *read;
   }
-  if (const json* v = child(root, "gradient_accumulation_steps"); !unset(v)) {
-    auto read = integer(*v, "gradient_accumulation_steps", positive, "an integer >= 1");
+  if (!unset(child(root, "gradient_accumulation_steps"))) {
+    auto read = batch_key(root, "gradient_accumulation_steps");
     if (!read) return std::nullopt;
     steps = *read;
   }
-  std::int64_t product = 0;
-  if (__builtin_mul_overflow(micro, steps, &product)) {
-    problem("gradient_accumulation_steps",
-            fmt::format("{} x train_micro_batch_size_per_gpu = {} exceeds 2^63 - 1 micro-batches "
-                        "per step; give smaller values",
-                        steps, micro));
-    return std::nullopt;
-  }
-  return product;
+  // Each at most kMaxDeepSpeedBatchValue (2^31-1): the product fits.
+  return micro * steps;
 }
 
 void Mapping::batching(const json& root, bool required) {

@@ -276,8 +276,8 @@ DeepSpeedSections deepspeed_sections(std::string_view json_text, std::string_vie
   mapping.top_level_keys(root, options.read_training);
   mapping.elasticity(root, options);
   mapping.zero(root, options);
-  if (options.read_training) {
-    mapping.training(root);
+  if (options.read_training || options.check_training) {
+    mapping.training(root, options.read_training);
     mapping.engine_keys(root);
   }
   if (options.read_batching || options.require_batching)

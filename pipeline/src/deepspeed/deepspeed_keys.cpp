@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -202,18 +203,27 @@ void Mapping::top_level_keys(const json& root, bool trains) {
   }
 }
 
+std::optional<std::int64_t> Mapping::batch_key(const json& root, const char* key) {
+  if (auto read = batch_keys_.find(key); read != batch_keys_.end()) return read->second;
+  // steps_per_print sets the engine's log_interval, whose bound it shares.
+  const std::int64_t most =
+      std::string_view(key) == "steps_per_print" ? kMaxLogInterval : kMaxDeepSpeedBatchValue;
+  // An integer, never a boolean, a fraction or a string.
+  auto value = integer(
+      *child(root, key), key, [most](std::int64_t v) { return v >= 1 && v <= most; },
+      fmt::format("an integer from 1 to {}", most));
+  batch_keys_.emplace(key, value);
+  return value;
+}
+
 void Mapping::engine_keys(const json& root) {
   DeepSpeedTraining& t = training_;
-  auto positive = [&](const char* key, std::optional<std::int64_t>& out) {
-    const json* value = child(root, key);
-    if (unset(value)) return;
-    out = integer(
-        *value, key, [](std::int64_t v) { return v >= 1; }, "an integer >= 1");
-  };
-  positive("train_batch_size", t.train_batch_size);
-  positive("train_micro_batch_size_per_gpu", t.train_micro_batch_size_per_gpu);
-  positive("gradient_accumulation_steps", t.gradient_accumulation_steps);
-  positive("steps_per_print", t.steps_per_print);
+  for (auto [key, out] :
+       {std::pair{"train_batch_size", &t.train_batch_size},
+        std::pair{"train_micro_batch_size_per_gpu", &t.train_micro_batch_size_per_gpu},
+        std::pair{"gradient_accumulation_steps", &t.gradient_accumulation_steps},
+        std::pair{"steps_per_print", &t.steps_per_print}})
+    if (!unset(child(root, key))) *out = batch_key(root, key);
   auto flag = [&](const char* key, bool& out) {
     const json* value = child(root, key);
     if (unset(value)) return;

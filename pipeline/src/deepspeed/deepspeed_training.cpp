@@ -22,7 +22,7 @@ bool Mapping::enabled(const json& root, const char* section) {
   return false;
 }
 
-void Mapping::training(const json& root) {
+void Mapping::training(const json& root, bool trains) {
   const bool bf16 = enabled(root, "bf16") || enabled(root, "bfloat16");
   const bool fp16 = enabled(root, "fp16");
   if (bf16 && fp16) {
@@ -39,7 +39,7 @@ void Mapping::training(const json& root) {
         "a number >= 0 (0: no clipping)");
     if (norm && *norm > 0) training_.gradient_clipping = *norm;
   }
-  if (const json* section = object(root, "optimizer", "optimizer")) optimizer(*section);
+  if (const json* section = object(root, "optimizer", "optimizer")) optimizer(*section, trains);
   if (const json* section = object(root, "scheduler", "scheduler")) scheduler(*section);
 }
 
@@ -74,13 +74,21 @@ void Mapping::fp16_scaling(const json& fp16) {
   }
 }
 
-void Mapping::optimizer(const json& section) {
+void Mapping::optimizer(const json& section, bool trains) {
   const json* type = child(section, "type");
   const std::string lowered =
       type && type->is_string() ? lowercase(type->get_ref<const std::string&>()) : "";
   if (lowered != "adam" && lowered != "adamw") {
-    problem("optimizer.type", fmt::format("= {}; valid: \"Adam\", \"AdamW\"",
-                                          type ? json_excerpt(*type) : std::string("(missing)")));
+    const std::string shown = type ? json_excerpt(*type) : std::string("(missing)");
+    // DeepSpeed itself steps its other optimizers: only ductile's engine
+    // cannot, so a config it may train is not wrong for having one.
+    if (trains)
+      problem("optimizer.type", fmt::format("= {}; valid: \"Adam\", \"AdamW\"", shown));
+    else
+      warnings_.push_back(fmt::format(
+          "{}: optimizer.type = {}: ductile's ZeRO-3 engine refuses it: it steps \"Adam\" and "
+          "\"AdamW\"",
+          origin_, shown));
     return;
   }
   DeepSpeedTraining::Optimizer optimizer;

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <map>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -146,7 +147,9 @@ class Mapping {
   // [zero] snapshot_interval / snapshot_replicas; its keys are checked
   // always, set only where `sets_zero` (a stage-3 config has a [zero]).
   void snapshot(const json& root, bool sets_zero);
-  void training(const json& root);
+  // The training framework's keys into DeepSpeedTraining; where `trains`
+  // is false, what only ductile's engine refuses is a warning instead.
+  void training(const json& root, bool trains);
   // Warns about (or, where `trains`, refuses) every top-level key ductile
   // does not act on, naming it (deepspeed_keys.cpp).
   void top_level_keys(const json& root, bool trains);
@@ -157,8 +160,13 @@ class Mapping {
   // train_batch_size, else micro batch x gradient accumulation, else 1: the
   // micro-batches of one step (nullopt after reporting a problem).
   std::optional<std::int64_t> step_batch(const json& root);
+  // A key of the batch triple (train_batch_size,
+  // train_micro_batch_size_per_gpu, gradient_accumulation_steps) or
+  // steps_per_print, given: an integer from 1 to its bound, read once however
+  // many parts of the mapping ask (nullopt after reporting a problem).
+  std::optional<std::int64_t> batch_key(const json& root, const char* key);
   void fp16_scaling(const json& fp16);
-  void optimizer(const json& section);
+  void optimizer(const json& section, bool trains);
   void scheduler(const json& section);
   // An offload object's device: "none", "cpu" or "nvme" (`absent` when not
   // given); nullopt after reporting any other value.
@@ -176,7 +184,7 @@ class Mapping {
   // otherwise nullopt after a problem saying what is `valid`.
   template <typename InRange>
   std::optional<double> number(const json& value, const std::string& user_key, InRange in_range,
-                               const char* valid) {
+                               std::string_view valid) {
     if (value.is_number() && in_range(value.get<double>())) return value.get<double>();
     problem(user_key, fmt::format("= {}; valid: {}", json_excerpt(value), valid));
     return std::nullopt;
@@ -184,7 +192,7 @@ class Mapping {
   // The same for an integer.
   template <typename InRange>
   std::optional<std::int64_t> integer(const json& value, const std::string& user_key,
-                                      InRange in_range, const char* valid) {
+                                      InRange in_range, std::string_view valid) {
     if (value.is_number_integer() && in_range(value.get<std::int64_t>()))
       return value.get<std::int64_t>();
     problem(user_key, fmt::format("= {}; valid: {}", json_excerpt(value), valid));
@@ -194,6 +202,7 @@ class Mapping {
   bool enabled(const json& root, const char* section);
 
   DeepSpeedTraining training_;
+  std::map<std::string, std::optional<std::int64_t>, std::less<>> batch_keys_;
   bool batching_enabled_ = false;
   std::string origin_;
   const core::PluginRegistry& registry_;

@@ -217,6 +217,8 @@ bool is_json_config(const std::filesystem::path& file, std::string_view content)
   for (auto& c : ext) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   if (ext == ".json") return true;
   if (ext == ".toml") return false;
+  // A UTF-8 byte order mark before the text, as the JSON parser skips it.
+  if (content.starts_with("\xEF\xBB\xBF")) content.remove_prefix(3);
   for (char c : content) {
     if (std::isspace(static_cast<unsigned char>(c))) continue;
     return c == '{';

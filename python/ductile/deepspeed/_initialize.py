@@ -12,7 +12,6 @@ working) or the config's; the scheduler is the script's or the config's
 
 import argparse
 import datetime
-import json
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._config import Config, StrPath, load_config
+from .._config import Config, StrPath, load_config, parse_json
 from .._errors import ConfigError, InvalidArgumentError
 from ..torch.zero3 import _engine as _zero3_engine
 from ..torch.zero3._engine import Zero3Engine
@@ -249,7 +248,7 @@ def initialize(
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     loaded = load_config(source, format="deepspeed")
     assert loaded.deepspeed is not None  # load_config refuses any other format
-    as_dict = json.loads(loaded.deepspeed)
+    as_dict = parse_json(loaded.deepspeed, loaded.origin)
     world = _zero3_engine.torch_world(None)
     settings = _zero3_engine.resolve(loaded, None, None, world)
     training = settings.training

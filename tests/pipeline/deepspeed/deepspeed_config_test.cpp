@@ -263,3 +263,70 @@ TEST_CASE("[zero] snapshot_interval and snapshot_replicas: integers >= 0") {
   CHECK(negative.find("-1") != std::string::npos);
   CHECK(message(zero + "snapshot_replicas = 1.5\n").find("snapshot_replicas") != std::string::npos);
 }
+
+TEST_CASE("check_training reads the training keys by read_training's rules") {
+  auto message = [](const std::string& json, pipeline::DeepSpeedOptions options) {
+    try {
+      pipeline::deepspeed_sections(json, "ds.json", {}, plugins().registry(), options);
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  for (const char* json :
+       {R"({"train_batch_size": -8})", R"({"train_batch_size": 2147483648})",
+        R"({"gradient_accumulation_steps": 18446744073709551616})",
+        R"({"train_micro_batch_size_per_gpu": true})", R"({"train_micro_batch_size_per_gpu": 2.5})",
+        R"({"train_micro_batch_size_per_gpu": "2"})", R"({"steps_per_print": 1000000001})",
+        R"({"gradient_clipping": -1})", R"({"fp16": {"enabled": true, "hysteresis": 0}})",
+        R"({"optimizer": {"type": "Adam", "params": {"betas": [2, 0]}}})"}) {
+    const std::string trained = message(json, {.read_training = true});
+    CHECK_MESSAGE(!trained.empty(), json);
+    CHECK(message(json, {.check_training = true}) == trained);
+  }
+  // The batch keys are read once when the dynamic batching block reads them
+  // too: one message, not two.
+  const std::string twice = message(R"({"train_batch_size": 0, "data_efficiency": {"data_sampling":
+                 {"dynamic_batching": {"enabled": true, "max_tokens": 64}}}})",
+                                    {.check_training = true, .read_batching = true});
+  CHECK(twice == "ds.json: train_batch_size = 0; valid: an integer from 1 to 2147483647");
+  // The largest values are taken.
+  const auto t = pipeline::deepspeed_sections(
+                     R"({"train_batch_size": 2147483647, "steps_per_print": 1000000000})",
+                     "ds.json", {}, plugins().registry(), {.check_training = true})
+                     .training;
+  CHECK(t.train_batch_size == 2147483647);
+  CHECK(t.steps_per_print == 1000000000);
+  // What only ductile's engine refuses is a warning there, naming it.
+  std::vector<std::string> warnings =
+      pipeline::deepspeed_sections(R"({"optimizer": {"type": "Lamb"}, "amp": {"enabled": true}})",
+                                   "ds.json", {}, plugins().registry(), {.check_training = true})
+          .warnings;
+  CHECK(any_contains(warnings,
+                     "ds.json: optimizer.type = \"Lamb\": ductile's ZeRO-3 engine "
+                     "refuses it"));
+  CHECK(any_contains(warnings,
+                     "ds.json: amp = {\"enabled\":true}: ductile's ZeRO-3 engine "
+                     "refuses it"));
+  CHECK(message(R"({"optimizer": {"type": "Lamb"}})", {.read_training = true}) ==
+        "ds.json: optimizer.type = \"Lamb\"; valid: \"Adam\", \"AdamW\"");
+}
+
+TEST_CASE("[zero] log_interval and steps_per_print share one bound") {
+  auto message = [](const std::string& toml) -> std::string {
+    try {
+      core::Runtime::from_string(toml, "job.toml");
+    } catch (const std::exception& e) {
+      return e.what();
+    }
+    return "";
+  };
+  const std::string zero = "[zero]\ncoordinator = \"partitioned\"\n";
+  CHECK(
+      message(zero + "log_interval = " + std::to_string(pipeline::kMaxLogInterval) + "\n").empty());
+  CHECK(message(zero + "log_interval = " + std::to_string(pipeline::kMaxLogInterval + 1) + "\n")
+            .find("[zero] log_interval = 1000000001 is out of range: must be between 0 and "
+                  "1000000000") != std::string::npos);
+  CHECK(message_of(R"({"steps_per_print": 1000000001})") ==
+        "ds.json: steps_per_print = 1000000001; valid: an integer from 1 to 1000000000");
+}

@@ -41,7 +41,8 @@
 // Every top-level key and every zero_optimization key is accounted for
 // (deepspeed_keys.cpp): one ductile does not act on is warned about by
 // name; one that would change what is trained (amp, progressive layer drop,
-// ...) is refused when read_training asks, and warned about otherwise; a
+// ...) is refused when read_training asks, and warned about otherwise
+// (check_training: the same keys checked, the engine's refusals warned); a
 // key DeepSpeed does not have is warned about.
 //
 // Errors: core::ConfigError for values the schemas refuse; Error typed
@@ -66,6 +67,15 @@
 
 namespace ductile::pipeline {
 
+// The largest train_batch_size, train_micro_batch_size_per_gpu and
+// gradient_accumulation_steps (2^31-1): the engine multiplies them with the
+// world size, which stays far from 64 bits.
+inline constexpr std::int64_t kMaxDeepSpeedBatchValue = 2147483647;
+// The most optimizer steps between two progress lines: [zero] log_interval's
+// bound in its schema, DeepSpeed's steps_per_print's (which sets it) and the
+// engine's log_interval attribute's.
+inline constexpr std::int64_t kMaxLogInterval = 1000000000;
+
 // What the caller needs from the config; what it lacks is then an error
 // naming the key to add.
 struct DeepSpeedOptions {
@@ -82,6 +92,11 @@ struct DeepSpeedOptions {
   // zero3 builds torch objects from it. Off, those keys are not looked at
   // (an elastic job's config may name any optimizer DeepSpeed has).
   bool read_training = false;
+  // Read and check the same keys, by the same rules, as read_training does,
+  // but for a config DeepSpeed itself may train: what only ductile's engine
+  // refuses (a refused top-level key, an optimizer other than Adam or AdamW)
+  // is a warning naming it. `ductile config check` asks.
+  bool check_training = false;
   // Also map data_efficiency.data_sampling.dynamic_batching, when present,
   // onto [batching] (the greedy sampler, DeepSpeed's batch_by_seqlens) and
   // [lr] (lr_scaling_method's rule, optimizer.params.lr, WarmupDecayLR):

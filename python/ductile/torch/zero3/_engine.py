@@ -520,10 +520,8 @@ class Zero3Engine:
 
     @log_interval.setter
     def log_interval(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise InvalidArgumentError(
-                f"zero3: log_interval = {value!r}; valid: an integer >= 0 (optimizer steps "
-                "between progress lines; 0: none)")
+        # [zero] log_interval's bound (its schema's, steps_per_print's).
+        value = _ductile.int_argument(value, "zero3: log_interval", 0, _ductile.MAX_LOG_INTERVAL)
         self._step_log = StepLog(value, self) if value else None
 
     def count_batch(self, samples: int | torch.Tensor,
