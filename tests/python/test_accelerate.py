@@ -11,18 +11,8 @@ from step 6's save_state in a new process trains steps 7-12 as the whole
 run does; the models saved at the end load with from_pretrained and are
 equal.
 
-DeepSpeed's runs of the script on the CPU are not always alike, from the
-model it builds under its zero.Init on: of 3 whole runs in a row one began
-with a loss of 5.3615 instead of 5.3470, and under the load of other jobs
-one began with NaN and another reached 1.35e32 at micro-batch 10; of 3
-runs resumed from step 6, one gave a gradient norm of 4.98e37 at step 10
-and another 1.520688 instead of 1.520736 at step 8. ductile's runs were
-the same every time. So DeepSpeed's whole run is repeated, 4 times at
-most, until one is equal to ductile's (its other runs are the ones that
-went astray: a coincidence of 24 losses and 12 gradient norms to 1e-5 is
-not); the test fails when none is, naming the differences and whether two
-of DeepSpeed's runs agreed with each other. ductile's resumed run is held
-to its whole run and to that DeepSpeed run."""
+DeepSpeed's side runs once (dropin_support.py says why that is enough),
+and ductile's resumed run is held to its whole run and to DeepSpeed's."""
 
 import json
 import os
@@ -43,7 +33,6 @@ RIVAL_IMPORT = "from accelerate import Accelerator\n"
 DUCTILE_IMPORT = "from ductile.accelerate import Accelerator\n"
 TEXT = os.path.join(DATA, "text", "gpl-3.0.txt")
 STEPS, SAVED_AT, ACCUMULATION = 12, 6, 2
-DEEPSPEED_RUNS = 4
 
 # train_batch_size is left to Accelerate (micro-batch x accumulation x
 # world size). No optimizer or scheduler: the script's AdamW and linear
@@ -55,12 +44,13 @@ CONFIG = {
 }
 
 
-def run(script, config, output_dir, resume=None):
-    """The script on 2 ranks: rank 0's {"losses": [...], "steps": [...]}."""
+def run(script, config, output_dir, resume=None, rival=False):
+    """The script on 2 ranks (`rival`: DeepSpeed's run of it as it is):
+    rank 0's {"losses": [...], "steps": [...]}."""
     args = ["--train_file", TEXT, "--output_dir", str(output_dir), "--deepspeed_config",
             str(config), "--max_train_steps", str(STEPS), "--checkpointing_steps", str(SAVED_AT)]
     out = torchrun_script(script, args + (["--resume_from_checkpoint", str(resume)]
-                                          if resume else []))
+                                          if resume else []), rival=rival)
     lines = [line for line in out.splitlines() if line.startswith('{"losses"')]
     assert len(lines) == 1, out[-3000:]
     return json.loads(lines[0])
@@ -93,8 +83,8 @@ def after(result, step):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """ductile's whole run, its run resumed from the whole run's step-6
-    state in a folder of its own, and DeepSpeed's whole run (the first of
-    its runs equal to ductile's), with their output folders."""
+    state in a folder of its own, and DeepSpeed's whole run, with their
+    output folders."""
     tmp = tmp_path_factory.mktemp("accelerate")
     config = tmp / "ds_config.json"
     config.write_text(json.dumps(CONFIG))
@@ -104,18 +94,9 @@ def runs(tmp_path_factory):
     state = f"step_{SAVED_AT}"
     shutil.copytree(out["ductile_dir"] / state, out["resumed_dir"] / state)
     out["resumed"] = run(changed, config, out["resumed_dir"], resume=out["resumed_dir"] / state)
-    theirs: list = []
-    while len(theirs) < DEEPSPEED_RUNS:
-        folder = tmp / f"deepspeed{len(theirs)}"
-        theirs.append(run(SCRIPT, config, folder))
-        if differences(theirs[-1], out["ductile"]) is None:
-            out["deepspeed"], out["deepspeed_dir"] = theirs[-1], folder
-            return out
-    agreeing = [(i, j) for i in range(len(theirs)) for j in range(i + 1, len(theirs))
-                if differences(theirs[i], theirs[j]) is None]
-    pytest.fail(f"none of DeepSpeed's {DEEPSPEED_RUNS} runs is equal to ductile's (its runs "
-                f"that agree with each other: {agreeing or 'none'}): "
-                + "; ".join(str(differences(r, out["ductile"])) for r in theirs))
+    out["deepspeed_dir"] = tmp / "deepspeed"
+    out["deepspeed"] = run(SCRIPT, config, out["deepspeed_dir"], rival=True)
+    return out
 
 
 def test_training_matches_deepspeed(runs):

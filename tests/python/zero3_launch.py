@@ -122,8 +122,9 @@ def launch(tmp, name, spec, ranks=None, launcher="mpirun", config=CONFIG, all_ra
     result.json (or every rank's, as a list, with all_ranks) and
     params.pt (None when absent)."""
     spec_path = prepare(tmp, name, spec, config)
-    proc = subprocess.run(command(ranks, launcher, worker, str(spec_path)), capture_output=True,
-                          text=True, timeout=timeout, env=dict(environment(sanitized), **(env or {})))
+    proc = subprocess.run(command(ranks, launcher, worker, str(spec_path)), check=False,
+                          capture_output=True, text=True, timeout=timeout,
+                          env=dict(environment(sanitized), **(env or {})))
     if expect_failure:
         assert proc.returncode != 0, f"{name} succeeded:\n{proc.stdout}\n{proc.stderr}"
         return None, None, proc.stderr
@@ -139,8 +140,8 @@ def launch_batch(tmp, runs, ranks, launcher="torchrun", worker=WORKER, timeout=2
     may load what an earlier one saved). Returns {name: (result, params,
     stderr)} as launch() does, with the job's stderr."""
     paths = [str(prepare(tmp, name, spec, config)) for name, spec, config in runs]
-    proc = subprocess.run(command(ranks, launcher, worker, *paths), capture_output=True, text=True,
-                          timeout=timeout, env=environment())
+    proc = subprocess.run(command(ranks, launcher, worker, *paths), check=False,
+                          capture_output=True, text=True, timeout=timeout, env=environment())
     names = ", ".join(name for name, _, _ in runs)
     assert proc.returncode == 0, \
         f"{names} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
@@ -162,16 +163,32 @@ def one_line_changed(script, old, new, folder):
     return path
 
 
-def torchrun_script(script, args, ranks=2, timeout=400):
+# First on the PYTHONPATH of DeepSpeed's own runs: its sitecustomize.py
+# gives their gloo groups one worker thread, the order DeepSpeed's ZeRO-3
+# gathers rely on (the file says why).
+ORDERED_GLOO = os.path.join(HERE, "ordered_gloo")
+
+
+def rival_environment():
+    """environment() for a run of DeepSpeed's own: its gloo groups run
+    their operations in order."""
+    env = environment()
+    env["PYTHONPATH"] = os.pathsep.join([ORDERED_GLOO, env["PYTHONPATH"]])
+    return env
+
+
+def torchrun_script(script, args, ranks=2, timeout=400, rival=False):
     """`script args` on `ranks` ranks under torchrun (DeepSpeed on its CPU
     accelerator); its stdout. Fails the test, with the output's end, when
-    the job fails."""
+    the job fails. With `rival`, a run of DeepSpeed's own (the unchanged
+    script): its gloo groups run their operations in order."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                               str(ranks), "--master-addr", "127.0.0.1", "--master-port",
                               str(free_port()), script, *args]
-    env = environment()
+    env = rival_environment() if rival else environment()
     env["DS_ACCELERATOR"] = "cpu"
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(command, check=False, env=env, capture_output=True, text=True,
+                          timeout=timeout)
     assert done.returncode == 0, f"{command}:\n" + done.stdout[-3000:] + done.stderr[-6000:]
     return done.stdout
 
