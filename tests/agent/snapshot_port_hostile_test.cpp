@@ -26,6 +26,7 @@
 #include "agent_job.hpp"
 #include "ductile/agent/etcd_store.hpp"
 #include "process.hpp"
+#include "snapshot_worker.hpp"
 
 using namespace ductile::test;
 using namespace std::chrono_literals;
@@ -120,36 +121,12 @@ TEST_CASE("agent: replicas copied while a stranger holds 200 idle connections to
   const auto out = dir / "out";
   std::filesystem::create_directories(shm);
   std::filesystem::create_directories(out);
-  const std::string worker = R"sh(set -e
-own="$DUCTILE_SNAPSHOT_DIR"; root="${own%/own}"; mine="$OUT/$DUCTILE_AGENT_NODE_ID"
-mkdir -p "$mine"
-i=0
+  const std::string worker = replicating_worker(R"sh(i=0
 until [ -f "$OUT/go" ]; do
   i=$((i+1)); [ $i -lt 1800 ] || { echo "no go after 180 s"; exit 5; }; sleep 0.1
 done
-printf '1\n' > "$own/replicas"
-mkdir "$own/step1.tmp"
-head -c 300000 /dev/urandom > "$own/step1.tmp/rank$RANK-of-2.bin"
-printf '{"node":"%s","shards":[{"file":"rank0-of-2.bin","bytes":300000},{"file":"rank1-of-2.bin","bytes":300000}]}' \
-  "$DUCTILE_AGENT_NODE_ID" > "$own/step1.tmp/manifest.json"
-(cd "$own/step1.tmp" && sha256sum manifest.json > manifest.json.sha256)
-mv "$own/step1.tmp" "$own/step1"
-printf 'step1\nsha256 %s\n' "$(cut -c1-64 "$own/step1/manifest.json.sha256")" > "$own/latest.tmp"
-mv "$own/latest.tmp" "$own/latest"
-cp "$own/step1/rank$RANK-of-2.bin" "$mine/own.bin"
-i=0
-until [ "$(cat "$own/replicated" 2>/dev/null)" = 1 ] && \
-      [ -n "$(ls "$root/replicas" 2>/dev/null)" ] && \
-      [ -f "$root/replicas/$(ls "$root/replicas")/step1/manifest.json" ]; do
-  i=$((i+1)); [ $i -lt 300 ] || { echo "no replica after 30 s"; exit 3; }; sleep 0.1
-done
-cp -r "$root/replicas/$(ls "$root/replicas")/step1" "$mine/replica.tmp"
-mv "$mine/replica.tmp" "$mine/replica"
-i=0
-until [ -f "$OUT/release" ]; do
-  i=$((i+1)); [ $i -lt 1800 ] || { echo "not released after 180 s"; exit 4; }; sleep 0.1
-done
-)sh";
+)sh",
+                                                30);
   auto agent_argv = [&](const std::string& name) {
     return std::vector<std::string>{DUCTILE_CLI,
                                     "agent",

@@ -15,6 +15,7 @@
 #include "agent_job.hpp"
 #include "ductile/error.hpp"
 #include "process.hpp"
+#include "snapshot_worker.hpp"
 
 using namespace ductile::test;
 
@@ -156,33 +157,7 @@ TEST_CASE("agent: snapshots copied between agents over TLS, other certificates r
   const auto out = dir / "out";
   std::filesystem::create_directories(shm);
   std::filesystem::create_directories(out);
-  const std::string worker = R"sh(set -e
-own="$DUCTILE_SNAPSHOT_DIR"; root="${own%/own}"; mine="$OUT/$DUCTILE_AGENT_NODE_ID"
-mkdir -p "$mine"
-printf '1\n' > "$own/replicas"
-mkdir "$own/step1.tmp"
-head -c 300000 /dev/urandom > "$own/step1.tmp/rank$RANK-of-2.bin"
-printf '{"node":"%s","shards":[{"file":"rank0-of-2.bin","bytes":300000},{"file":"rank1-of-2.bin","bytes":300000}]}' \
-  "$DUCTILE_AGENT_NODE_ID" > "$own/step1.tmp/manifest.json"
-(cd "$own/step1.tmp" && sha256sum manifest.json > manifest.json.sha256)
-mv "$own/step1.tmp" "$own/step1"
-printf 'step1\nsha256 %s\n' "$(cut -c1-64 "$own/step1/manifest.json.sha256")" > "$own/latest.tmp"
-mv "$own/latest.tmp" "$own/latest"
-cp "$own/step1/rank$RANK-of-2.bin" "$mine/own.bin"
-i=0
-until [ "$(cat "$own/replicated" 2>/dev/null)" = 1 ] && \
-      [ -n "$(ls "$root/replicas" 2>/dev/null)" ] && \
-      [ -f "$root/replicas/$(ls "$root/replicas")/step1/manifest.json" ]; do
-  i=$((i+1)); [ $i -lt 1200 ] || { echo "no replica after 120 s"; exit 3; }; sleep 0.1
-done
-cp -r "$root/replicas/$(ls "$root/replicas")/step1" "$mine/replica.tmp"
-mv "$mine/replica.tmp" "$mine/replica"
-echo "worker $DUCTILE_AGENT_NODE_ID holds the replica of node $(ls "$root/replicas")"
-i=0
-until [ -f "$OUT/release" ]; do
-  i=$((i+1)); [ $i -lt 1800 ] || { echo "not released after 180 s"; exit 4; }; sleep 0.1
-done
-)sh";
+  const std::string worker = replicating_worker("", 120);
   // An agent of the job `job` with `key` as its --rdzv-key, running `command`.
   auto agent_argv = [&](const std::string& name, const std::filesystem::path& key,
                         const std::string& job, std::vector<std::string> command) {

@@ -32,6 +32,18 @@ void run_to_the_end(WorkerGroup& group) {
       30s));
 }
 
+// Runs `worker` (which exits 4) as a round to its end, then starts its
+// spare for the next; returns what it printed.
+std::string round_then_spare(WorkerGroup& group, const WorkerSpec& worker,
+                             const SpareSetup& setup) {
+  group.start({worker});
+  run_to_the_end(group);
+  REQUIRE(group.first_failure());
+  CHECK(group.first_failure()->status == 4);
+  group.start_spares({worker}, setup, std::chrono::milliseconds(0));
+  return read_text(worker.stdout_file);
+}
+
 std::string split(const std::vector<std::string>& pieces) {
   LineSplitter splitter;
   std::string out;
@@ -194,13 +206,9 @@ TEST_CASE(
   };
   WorkerGroup group;
   auto round = [&](const WorkerSpec& worker) {
-    group.start({worker});
-    run_to_the_end(group);
-    REQUIRE(group.first_failure());
-    CHECK(group.first_failure()->status == 4);
-    group.start_spares({worker}, setup, std::chrono::milliseconds(0));
+    const std::string out = round_then_spare(group, worker, setup);
     CHECK(group.spares() == 1);
-    return read_text(worker.stdout_file);
+    return out;
   };
   CHECK(round(spec("0", "a")) == "0 a False ['--flag']\n");
   CHECK(group.start_log().empty());  // no spare yet
@@ -252,16 +260,8 @@ TEST_CASE("workers: a spare imports nothing from the agent's working directory")
   const auto previous = std::filesystem::current_path();
   std::filesystem::current_path(dir / "agent");
   WorkerGroup group;
-  auto round = [&](const WorkerSpec& worker) {
-    group.start({worker});
-    run_to_the_end(group);
-    REQUIRE(group.first_failure());
-    CHECK(group.first_failure()->status == 4);
-    group.start_spares({worker}, setup, std::chrono::milliseconds(0));
-    return read_text(worker.stdout_file);
-  };
-  CHECK(round(spec("0")) == "0 lib True True\n");  // cold
-  CHECK(round(spec("1")) == "1 lib True True\n");  // from its spare
+  CHECK(round_then_spare(group, spec("0"), setup) == "0 lib True True\n");  // cold
+  CHECK(round_then_spare(group, spec("1"), setup) == "1 lib True True\n");  // from its spare
   CHECK(group.start_log() == std::vector<std::string>{"local rank 0 started from its spare"});
   group.stop(std::chrono::milliseconds(0));
   group.stop_spares();
