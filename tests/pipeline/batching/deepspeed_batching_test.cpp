@@ -1,6 +1,9 @@
 // DeepSpeed JSON configs: data_efficiency.data_sampling.dynamic_batching
 // mapped to the greedy sampler, the LR rule and the base schedule.
 #include <doctest/doctest.h>
+#include <fmt/format.h>
+
+#include <string>
 
 #include "ductile/pipeline/deepspeed_batching.hpp"
 
@@ -115,29 +118,31 @@ TEST_CASE("mistakes name the key path and the value") {
              "max_tokenz is an unknown key");
 }
 
-TEST_CASE("micro batch x gradient accumulation past int64 is refused, naming both keys") {
-  const char* config = R"({
-    "train_micro_batch_size_per_gpu": 4294967296,
-    "gradient_accumulation_steps": 4294967296,
-    "data_efficiency": {"data_sampling": {"dynamic_batching": {"max_tokens": 64}}}
-  })";
-  try {
-    (void)parse_deepspeed_batching(config, "ds.json");
-    FAIL("accepted");
-  } catch (const ductile::Error& e) {
-    CHECK(e.kind() == ductile::ErrorKind::config);
-    const std::string message = e.what();
-    CHECK(message.find("ds.json: gradient_accumulation_steps") != std::string::npos);
-    CHECK(message.find("4294967296 x train_micro_batch_size_per_gpu = 4294967296 exceeds "
-                       "2^63 - 1") != std::string::npos);
+TEST_CASE("micro batch and gradient accumulation are each bounded, so their product fits") {
+  for (const char* key : {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps"}) {
+    const std::string config = fmt::format(R"({{
+      "{}": 2147483648,
+      "data_efficiency": {{"data_sampling": {{"dynamic_batching": {{"max_tokens": 64}}}}}}
+    }})",
+                                           key);
+    try {
+      (void)parse_deepspeed_batching(config, "ds.json");
+      FAIL("accepted");
+    } catch (const ductile::Error& e) {
+      CHECK(e.kind() == ductile::ErrorKind::config);
+      const std::string message = e.what();
+      CHECK(message.find(fmt::format("ds.json: {} = 2147483648; valid: an integer from 1 to "
+                                     "2147483647",
+                                     key)) != std::string::npos);
+    }
   }
-  // Up to the largest product it is the step's micro-batch count.
+  // Both at the bound: the step's micro-batch count is their product.
   auto ds = parse_deepspeed_batching(R"({
-    "train_micro_batch_size_per_gpu": 3037000499,
-    "gradient_accumulation_steps": 3037000499,
+    "train_micro_batch_size_per_gpu": 2147483647,
+    "gradient_accumulation_steps": 2147483647,
     "data_efficiency": {"data_sampling": {"dynamic_batching": {"max_tokens": 64}}}
   })",
                                      "ds.json");
   CHECK(ds.setup.options.sampler_params.get_int("effective_batch_size") ==
-        3037000499LL * 3037000499LL);
+        2147483647LL * 2147483647LL);
 }
