@@ -276,11 +276,18 @@ def test_sigterm_while_waiting_for_the_rendezvous_host(tmp_path):
             [CLI, "agent", "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
              f"127.0.0.1:{port}", "--rdzv-conf", "is_host=false", "--no-python", "--", "true"],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        # The first line once it waits: "waiting for the c10d rendezvous ...".
-        ready, _, _ = select.select([proc.stderr], [], [], DEADLINE_S)
-        assert ready, "the agent said nothing"
-        line = proc.stderr.readline()
-        assert "waiting for the c10d rendezvous" in line, line
+        # Its line once it waits: "waiting for the c10d rendezvous ...". An
+        # agent may say first that it removed what dead agents left in
+        # /dev/shm (another test's, killed).
+        said = b""
+        deadline = time.monotonic() + DEADLINE_S
+        while b"waiting for the c10d rendezvous" not in said:
+            ready, _, _ = select.select([proc.stderr], [], [],
+                                        max(deadline - time.monotonic(), 0))
+            assert ready, f"the agent did not say it waits: {said!r}"
+            piece = os.read(proc.stderr.fileno(), 4096)
+            assert piece, f"the agent ended its output: {said!r}"
+            said += piece
         code, took, err = stop_with_sigterm(proc)
     assert code == 128 + signal.SIGTERM, err
     assert "signal 15" in err, err
