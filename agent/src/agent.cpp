@@ -196,15 +196,16 @@ void Agent::rejoin_after_fence() {
   signals_.renew_mark();
 }
 
-void Agent::wait_for_workers() {
+void Agent::wait_for_workers(const std::vector<std::string>& wake_on) {
   // A stop signal handled by another thread does not end the poll: it is
   // looked for in steps this short.
   constexpr milliseconds kStep(100);
   const auto until = std::chrono::steady_clock::now() + o_.poll_interval;
+  const int changes = conn_.store().changes_fd(wake_on);
   for (;;) {
     const auto left =
         std::chrono::duration_cast<milliseconds>(until - std::chrono::steady_clock::now());
-    if (workers_.pump(std::clamp(left, milliseconds(0), kStep))) return;
+    if (workers_.pump(std::clamp(left, milliseconds(0), kStep), changes)) return;
     if (left <= kStep || (o_.stop_signal && o_.stop_signal->load() != 0)) return;
   }
 }
@@ -287,10 +288,18 @@ int Agent::run() {
   const bool ranked = o_.node_rank >= 0;
   KeyValueStore& store = conn_.store();
   auto key = [this](const std::string& name) { return self_.key(name); };
+  // The keys whose change starts the next pass at once. Registrations come
+  // and go by the hundred when a large job starts: only the oldest agents
+  // (the leader and those next in line) are woken by them, the others
+  // when the round changes.
+  const std::vector<std::string> acted_on = {
+      key("round"),     key("settings"), key("checkpoint/"), key("done/"),
+      key("draining/"), key("failure/"), key("saved/"),      key("nodes/" + self_.id)};
+  std::vector<std::string> wake_on = acted_on;
   for (;;) {
     if (o_.stop_signal && o_.stop_signal->load() != 0)
       if (auto code = signals_.on_stop_signal(o_.stop_signal->load())) return leave(*code);
-    wait_for_workers();
+    wait_for_workers(wake_on);
     if (o_.join_timeout && !workers_.joined() && now_ms() - joined_job_at_ >= *o_.join_timeout) {
       self_.log(
           fmt::format("error: no round took this node within the join timeout ({} ms); giving up",
@@ -327,6 +336,11 @@ int Agent::run() {
       }
       bool ignored = false;
       std::vector<NodeInfo> oldest = membership_.live_nodes(reads[1], &ignored, ranked);
+      wake_on = acted_on;
+      if (ranked || oldest.empty() ||
+          std::any_of(oldest.begin(), oldest.end(),
+                      [this](const NodeInfo& n) { return n.id == self_.id; }))
+        wake_on.push_back(key("nodes/"));
       if (!membership_.own_registration_ok(reads[2])) {
         membership_.reclaim_node_key(
             fmt::format("{} is gone or is not this agent's", key("nodes/" + self_.id)));

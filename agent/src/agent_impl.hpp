@@ -65,7 +65,9 @@ class Agent {
                                          const std::function<void()>& step);
   // Waits up to the poll interval for the workers' output or exit, or a
   // stop signal.
-  void wait_for_workers();
+  // Waits up to --poll-interval for the workers, or until a key under
+  // `wake_on` changes (KeyValueStore::changes_fd).
+  void wait_for_workers(const std::vector<std::string>& wake_on);
   // A stop signal in a stage the loop is not in (StopWatch): no worker
   // runs; the run directory goes, the process exits with 128 + sig.
   [[noreturn]] void leave_outside_loop(int sig);

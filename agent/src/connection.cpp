@@ -187,7 +187,7 @@ void RendezvousConnection::open() {
           [endpoint, timeout = o_.request_timeout, tls = o_.tls] {
             return std::make_unique<EtcdStore>(endpoint, timeout, tls);
           },
-          self_.prefix, [this](const std::string& line) { self_.log(line); });
+          self_.prefix, o_.request_timeout, [this](const std::string& line) { self_.log(line); });
       make_store_ = [endpoint, tls = o_.tls](std::chrono::milliseconds timeout) {
         return std::make_unique<EtcdStore>(endpoint, timeout, tls);
       };

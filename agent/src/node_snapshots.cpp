@@ -1,7 +1,10 @@
 // In-memory snapshots, on this node's side. See node_snapshots.hpp.
 #include "node_snapshots.hpp"
 
+#include <poll.h>
+
 #include <algorithm>
+#include <set>
 #include <thread>
 
 #include <fmt/format.h>
@@ -109,7 +112,15 @@ std::optional<NodeInfo> NodeSnapshots::registration(const std::string& node, std
 std::optional<Holdings> NodeSnapshots::accepted(const KeyValue& kv, const std::string& node,
                                                 const char* if_ignored) {
   try {
-    Holdings holdings = holdings_from_json(kv.value, node);
+    Holdings holdings;
+    if (auto seen = parsed_.find(kv.key);
+        seen != parsed_.end() && seen->second.first == kv.mod_revision) {
+      holdings = seen->second.second;
+    } else {
+      holdings = holdings_from_json(kv.value, node);
+      if (parsed_.size() >= kMaxNodesRemembered) parsed_.clear();
+      parsed_[kv.key] = {kv.mod_revision, holdings};
+    }
     // A node's record is on its registration's lease (a key that etcdctl
     // or another client wrote is not; see "Untrusted contents").
     const auto registered = registration(node, kv.lease);
@@ -218,13 +229,17 @@ std::optional<std::vector<Holdings>> NodeSnapshots::await_members(const RoundRec
       std::max<milliseconds>(milliseconds(10000), 4 * milliseconds(o_.lease_ttl));
   const auto deadline = std::chrono::steady_clock::now() + patience;
   const std::string prefix = self_.key(fmt::format("holdings/{}/", round.round));
+  const std::set<std::string> members(round.members.begin(), round.members.end());
   for (;;) {
     std::map<std::string, Holdings> found;
-    for (const auto& kv : conn_.store().get_prefix(prefix)) {
+    const auto records = conn_.store().get_prefix(prefix);
+    const bool late = std::chrono::steady_clock::now() >= deadline;
+    // Woken by each member's record as it comes: the records are looked at
+    // once there can be enough of them.
+    for (const auto& kv :
+         records.size() < members.size() && !late ? std::vector<KeyValue>() : records) {
       const std::string node = kv.key.substr(prefix.size());
-      if (std::find(round.members.begin(), round.members.end(), node) == round.members.end() ||
-          conn_.ignored(kv))
-        continue;
+      if (!members.count(node) || conn_.ignored(kv)) continue;
       if (auto holdings = accepted(kv, node, "that member's snapshots are not restored from"))
         found[node] = std::move(*holdings);
     }
@@ -233,7 +248,7 @@ std::optional<std::vector<Holdings>> NodeSnapshots::await_members(const RoundRec
       for (const auto& node : round.members) ordered.push_back(std::move(found[node]));
       return ordered;
     }
-    if (std::chrono::steady_clock::now() >= deadline) {
+    if (late) {
       std::vector<std::string> missing;
       for (const auto& node : round.members)
         if (!found.count(node)) missing.push_back(node);
@@ -243,11 +258,22 @@ std::optional<std::vector<Holdings>> NodeSnapshots::await_members(const RoundRec
           round.round, fmt::join(missing, ", "), patience.count()));
       return std::vector<Holdings>();
     }
-    // A stop signal is looked for in steps this short.
+    // Until the next holdings record (or round) arrives, or the poll
+    // interval; a stop signal is looked for in steps this short.
+    const int changes = conn_.store().changes_fd({prefix, self_.key("round")});
     const auto next = std::chrono::steady_clock::now() + o_.poll_interval;
-    while (std::chrono::steady_clock::now() < next) {
+    for (auto now = std::chrono::steady_clock::now(); now < next;
+         now = std::chrono::steady_clock::now()) {
       if (o_.stop_signal && o_.stop_signal->load() != 0) return std::nullopt;
-      std::this_thread::sleep_for(std::min<milliseconds>(milliseconds(100), o_.poll_interval));
+      const auto step = std::min<milliseconds>(
+          milliseconds(100),
+          std::chrono::duration_cast<milliseconds>(next - now) + milliseconds(1));
+      if (changes < 0) {
+        std::this_thread::sleep_for(step);
+        continue;
+      }
+      pollfd ready{changes, POLLIN, 0};
+      if (::poll(&ready, 1, static_cast<int>(step.count())) > 0) break;
     }
   }
 }

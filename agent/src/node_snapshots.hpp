@@ -123,7 +123,10 @@ class NodeSnapshots {
   std::optional<core::CheckpointKey> key_;
   SnapshotBounds bounds_;
   std::map<std::string, NodeInfo> registered_;  // by node: its registration last read
-  std::string published_;                       // the record last written to snapshots/<node>
+  // By key: a record's revision and what it parsed to (each pass reads
+  // every node's record; only a changed one is parsed again).
+  std::map<std::string, std::pair<std::int64_t, Holdings>> parsed_;
+  std::string published_;  // the record last written to snapshots/<node>
   std::int64_t published_lease_ = 0;
   std::int64_t holdings_round_ = 0;  // the round of the holdings/ record written last
   // The last record of each node seen (a lost node's stays).

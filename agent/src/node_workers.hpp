@@ -48,7 +48,7 @@ class NodeWorkers {
              const std::filesystem::path& restore = {});
   // Stops the workers and takes them off the fence.
   void stop(std::chrono::milliseconds grace);
-  bool pump(std::chrono::milliseconds wait) { return group_.pump(wait); }
+  bool pump(std::chrono::milliseconds wait, int also = -1) { return group_.pump(wait, also); }
   // When the lease's fence killed the workers: stops what is left of them
   // (not a failure of the round); fenced() until rejoined().
   void notice_fence();

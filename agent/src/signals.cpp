@@ -57,13 +57,20 @@ StopWatch::StopWatch(const std::atomic<int>* stop_signal, std::function<void(int
 }
 
 StopWatch::~StopWatch() {
-  stopping_ = true;
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  armed_or_stopping_.notify_all();
   if (thread_.joinable()) thread_.join();
 }
 
 void StopWatch::arm() {
-  std::lock_guard lock(mutex_);
-  armed_ = true;
+  {
+    std::lock_guard lock(mutex_);
+    armed_ = true;
+  }
+  armed_or_stopping_.notify_all();
 }
 
 void StopWatch::disarm() {
@@ -72,12 +79,16 @@ void StopWatch::disarm() {
 }
 
 void StopWatch::watch() {
+  std::unique_lock lock(mutex_);
   while (!stopping_) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    if (const int sig = stop_signal_->load(); sig != 0) {
-      std::lock_guard lock(mutex_);
-      if (armed_) leave_(sig);
+    // The signal's handler can only set the flag: it is looked at in short
+    // steps, and only while armed.
+    if (!armed_) {
+      armed_or_stopping_.wait(lock, [this] { return armed_ || stopping_; });
+      continue;
     }
+    armed_or_stopping_.wait_for(lock, std::chrono::milliseconds(20), [this] { return stopping_; });
+    if (const int sig = stop_signal_->load(); sig != 0 && armed_ && !stopping_) leave_(sig);
   }
 }
 

@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <mutex>
@@ -59,7 +60,8 @@ class StopSignals {
 // the process with 128 + the signal), from this object's thread.
 //
 // Threading: a thread of its own looks at the signal every 20 ms while
-// armed; arm() and disarm() from the agent's thread. After disarm()
+// armed, and sleeps until arm() while not (an agent at rest wakes for
+// nothing); arm() and disarm() from the agent's thread. After disarm()
 // returns, `leave` is not called (or the process is gone).
 class StopWatch {
  public:
@@ -76,8 +78,9 @@ class StopWatch {
   const std::atomic<int>* stop_signal_;
   std::function<void(int)> leave_;
   std::mutex mutex_;  // held while `leave_` runs: disarm() waits for it
+  std::condition_variable armed_or_stopping_;
   bool armed_ = false;
-  std::atomic<bool> stopping_{false};
+  bool stopping_ = false;
   std::thread thread_;
 };
 

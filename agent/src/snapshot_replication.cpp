@@ -3,6 +3,9 @@
 #include "snapshot_replication.hpp"
 
 #include <fcntl.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/inotify.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -59,7 +62,7 @@ void copy_snapshot_file(const SnapshotFileSource& source, const fs::path& to,
                   fmt::format("cannot copy '{}' to '{}': {}", source.local.string(), to.string(),
                               ec ? ec.message() : "not a regular file"));
   }
-  struct stat info {};
+  struct stat info{};
   if (::lstat(to.c_str(), &info) != 0 || !S_ISREG(info.st_mode))
     throw Error(ErrorKind::io, fmt::format("'{}' is not a regular file: refused as a snapshot file",
                                            source.local.string()));
@@ -70,6 +73,21 @@ void copy_snapshot_file(const SnapshotFileSource& source, const fs::path& to,
         fmt::format("'{}' has {} bytes, not the {} its manifest gives", source.local.string(), size,
                     expected ? std::to_string(*expected) : "at most " + std::to_string(limit)));
 }
+
+// own/latest looked at this often when no inotify event came (a watch
+// that missed one: own/ replaced under it).
+constexpr std::chrono::milliseconds kWatchFallback{1000};
+
+// A descriptor closed when the scope ends.
+struct ClosedOnExit {
+  int fd = -1;
+  explicit ClosedOnExit(int opened) : fd(opened) {}
+  ClosedOnExit(const ClosedOnExit&) = delete;
+  ClosedOnExit& operator=(const ClosedOnExit&) = delete;
+  ~ClosedOnExit() {
+    if (fd >= 0) ::close(fd);
+  }
+};
 
 }  // namespace snapshot_replication_detail
 
@@ -177,7 +195,8 @@ SnapshotReplication::SnapshotReplication(const SnapshotArea& area, const NodeIde
       key_(std::move(key)),
       log_(self),
       timeout_(timeout),
-      watch_interval_(watch_interval) {
+      watch_interval_(watch_interval),
+      watch_wake_(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {
   thread_ = std::thread([this] { run(); });
   watcher_ = std::thread([this] { watch(); });
 }
@@ -195,8 +214,11 @@ SnapshotReplication::~SnapshotReplication() {
   abandon_watch_ = true;
   changed_.notify_all();
   watch_stop_.notify_all();
+  const std::uint64_t one = 1;
+  if (watch_wake_ >= 0) (void)!::write(watch_wake_, &one, sizeof(one));
   thread_.join();
   watcher_.join();
+  if (watch_wake_ >= 0) ::close(watch_wake_);
 }
 
 void SnapshotReplication::update(std::vector<std::string> members,
@@ -358,9 +380,31 @@ void SnapshotReplication::thaw() {
 }
 
 void SnapshotReplication::watch() {
+  // own/latest is looked at when the kernel says a file of own/ was
+  // written or renamed into place (the workers' commit), else every
+  // kWatchFallback: an agent whose workers commit nothing wakes for
+  // nothing. Without inotify, every watch_interval_.
+  ClosedOnExit changes(watch_wake_ >= 0 ? inotify_init1(IN_NONBLOCK | IN_CLOEXEC) : -1);
+  if (changes.fd >= 0 &&
+      inotify_add_watch(changes.fd, area_.own().c_str(), IN_MOVED_TO | IN_CLOSE_WRITE) < 0) {
+    ::close(changes.fd);
+    changes.fd = -1;
+  }
   std::unique_lock lock(ack_mutex_);
   for (;;) {
-    if (watch_stop_.wait_for(lock, watch_interval_, [this] { return watch_stopping_; })) return;
+    if (changes.fd < 0) {
+      if (watch_stop_.wait_for(lock, watch_interval_, [this] { return watch_stopping_; })) return;
+    } else {
+      if (watch_stopping_) return;
+      lock.unlock();
+      pollfd fds[] = {{changes.fd, POLLIN, 0}, {watch_wake_, POLLIN, 0}};
+      ::poll(fds, 2, static_cast<int>(kWatchFallback.count()));
+      alignas(inotify_event) char events[4096];
+      while (::read(changes.fd, events, sizeof(events)) > 0) {
+      }
+      lock.lock();
+      if (watch_stopping_) return;
+    }
     lock.unlock();
     const auto latest = read_small_file(area_.own() / kSnapshotLatest, kMaxSidecarBytes);
     lock.lock();

@@ -15,8 +15,9 @@
 // Copies come from the origin's registered address only: the holdings
 // update() gives name it (node_snapshots.hpp).
 //
-// A new snapshot is pulled at once: the origin looks at own/latest every
-// few milliseconds and, when its workers commit a snapshot, sends a notify
+// A new snapshot is pulled at once: the origin looks at own/latest when
+// the kernel reports a write or rename in own/ (inotify; every
+// watch_interval without it) and, when its workers commit a snapshot, sends a notify
 // (snapshot_server.hpp) to each of its successors (members (i + k) mod n,
 // k = 1..min(R, n - 1)); a holder whose copy is complete sends a have
 // back. A notify is pulled when its snapshot is one the origin published
@@ -186,6 +187,7 @@ class SnapshotReplication {
   std::string replicated_;                         // own/replicated's text last written
   std::condition_variable watch_stop_;
   bool watch_stopping_ = false;
+  int watch_wake_ = -1;                     // an eventfd: wakes the watch's poll to stop
   std::atomic<bool> abandon_watch_{false};  // a notify in flight cut short: stopping
   std::thread thread_;
   std::thread watcher_;

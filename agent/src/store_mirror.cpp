@@ -2,6 +2,9 @@
 // See store_mirror.hpp.
 #include "store_mirror.hpp"
 
+#include <sys/eventfd.h>
+#include <unistd.h>
+
 #include <algorithm>
 
 #include <fmt/format.h>
@@ -12,12 +15,16 @@ namespace store_mirror_detail {
 
 using std::chrono::milliseconds;
 
-// How long a read waits for the mirror to hold what it must show before it
-// asks etcd instead: the watch brings a change within milliseconds.
-constexpr milliseconds kCatchUp{500};
 // The first wait before the watch is tried again, and the longest.
 constexpr milliseconds kFirstRetry{100};
 constexpr milliseconds kLongestRetry{2000};
+// Changes remembered for changes_fd() (those between a read and the call).
+constexpr std::size_t kRecentChanges = 4096;
+
+bool under_any(const std::string& key, const std::vector<std::string>& prefixes) {
+  return std::any_of(prefixes.begin(), prefixes.end(),
+                     [&](const std::string& p) { return key.starts_with(p); });
+}
 
 std::size_t bytes_of(const KeyValue& kv) {
   return kv.key.size() + kv.value.size() + 64;
@@ -28,11 +35,14 @@ std::size_t bytes_of(const KeyValue& kv) {
 using namespace store_mirror_detail;
 
 MirroredStore::MirroredStore(std::unique_ptr<EtcdStore> store, StoreFactory make_watch_store,
-                             std::string prefix, std::function<void(const std::string&)> log)
+                             std::string prefix, milliseconds catch_up,
+                             std::function<void(const std::string&)> log)
     : store_(std::move(store)),
       watch_store_(make_watch_store()),
       prefix_(std::move(prefix)),
-      log_(std::move(log)) {
+      catch_up_(catch_up),
+      log_(std::move(log)),
+      wake_fd_(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {
   thread_ = std::thread([this] { follow(); });
 }
 
@@ -44,6 +54,7 @@ MirroredStore::~MirroredStore() {
   changed_.notify_all();
   watch_store_->interrupt_watch();
   thread_.join();
+  if (wake_fd_ >= 0) ::close(wake_fd_);
 }
 
 void MirroredStore::follow() {
@@ -68,6 +79,10 @@ void MirroredStore::follow() {
         bytes_ = bytes;
         revision_ = revision;
         resync = false;
+        // What changed in between is not known key by key.
+        recent_.clear();
+        recent_floor_ = revision;
+        if (wake_armed_) wake();
       }
       std::int64_t from = 0;
       {
@@ -95,6 +110,14 @@ void MirroredStore::follow() {
                 keys_.emplace(event.kv.key, event.kv);
               }
               revision_ = std::max(revision_, event.kv.mod_revision);
+              recent_.emplace_back(event.kv.mod_revision, event.kv.key);
+              if (recent_.size() > kRecentChanges) {
+                recent_floor_ = recent_.front().first;
+                recent_.pop_front();
+              }
+              if (wake_armed_ && event.kv.mod_revision > wake_after_ &&
+                  under_any(event.kv.key, wake_prefixes_))
+                wake();
             }
             if (keys_.size() > kMaxMirroredKeys || bytes_ > kMaxMirroredBytes) {
               over_bound_ = true;
@@ -131,7 +154,7 @@ void MirroredStore::follow() {
 bool MirroredStore::caught_up(std::int64_t revision) {
   std::unique_lock lock(mutex_);
   if (!live_) return false;
-  return changed_.wait_for(lock, kCatchUp, [&] { return !live_ || revision_ >= revision; }) &&
+  return changed_.wait_for(lock, catch_up_, [&] { return !live_ || revision_ >= revision; }) &&
          live_;
 }
 
@@ -139,17 +162,25 @@ std::vector<KeyValue> MirroredStore::answer(const RangeRead& read) const {
   std::vector<KeyValue> out;
   if (!read.prefix) {
     if (auto at = keys_.find(read.key); at != keys_.end()) out.push_back(at->second);
-  } else {
-    for (auto at = keys_.lower_bound(read.key);
-         at != keys_.end() && at->first.starts_with(read.key); ++at)
-      out.push_back(at->second);
+    return out;
   }
-  if (read.oldest_first)
-    std::stable_sort(out.begin(), out.end(), [](const KeyValue& a, const KeyValue& b) {
-      return a.create_revision < b.create_revision;
-    });
-  if (read.limit > 0 && out.size() > static_cast<std::size_t>(read.limit))
-    out.resize(static_cast<std::size_t>(read.limit));
+  // The keys are ranked by pointer, and only those answered are copied: a
+  // pass asks for the oldest few of many registrations.
+  std::vector<const KeyValue*> found;
+  for (auto at = keys_.lower_bound(read.key); at != keys_.end() && at->first.starts_with(read.key);
+       ++at)
+    found.push_back(&at->second);
+  std::size_t count = found.size();
+  if (read.limit > 0) count = std::min(count, static_cast<std::size_t>(read.limit));
+  if (read.oldest_first) {
+    // Create revisions are unique: no two keys tie.
+    std::partial_sort(found.begin(), found.begin() + static_cast<std::ptrdiff_t>(count),
+                      found.end(), [](const KeyValue* a, const KeyValue* b) {
+                        return a->create_revision < b->create_revision;
+                      });
+  }
+  out.reserve(count);
+  for (std::size_t i = 0; i < count; ++i) out.push_back(*found[i]);
   return out;
 }
 
@@ -162,6 +193,7 @@ std::vector<std::vector<KeyValue>> MirroredStore::read(const std::vector<RangeRe
     if (live_) {
       std::vector<std::vector<KeyValue>> out;
       for (const auto& r : reads) out.push_back(answer(r));
+      read_at_ = revision_;
       ++mirrored_reads_;
       return out;
     }
@@ -173,6 +205,34 @@ std::vector<std::vector<KeyValue>> MirroredStore::read(const std::vector<RangeRe
     for (const auto& kv : result)
       if (kv.key.starts_with(prefix_)) needed_ = std::max(needed_, kv.mod_revision);
   return out;
+}
+
+void MirroredStore::wake() {
+  wake_armed_ = false;
+  const std::uint64_t one = 1;
+  (void)!::write(wake_fd_, &one, sizeof(one));
+}
+
+int MirroredStore::changes_fd(const std::vector<std::string>& prefixes) {
+  if (wake_fd_ < 0) return -1;
+  std::lock_guard lock(mutex_);
+  if (!live_) return -1;  // reads go to etcd: the caller polls
+  std::uint64_t count = 0;
+  (void)!::read(wake_fd_, &count, sizeof(count));
+  wake_prefixes_ = prefixes;
+  wake_after_ = read_at_;
+  wake_armed_ = true;
+  // Changes applied between the caller's read and now.
+  if (recent_floor_ > wake_after_) {
+    wake();
+  } else {
+    for (auto at = recent_.rbegin(); at != recent_.rend() && at->first > wake_after_; ++at)
+      if (under_any(at->second, wake_prefixes_)) {
+        wake();
+        break;
+      }
+  }
+  return wake_fd_;
 }
 
 void MirroredStore::wrote() {

@@ -22,6 +22,9 @@
 // Bounded: a mirror of more than kMaxMirroredKeys keys or
 // kMaxMirroredBytes bytes stops (logged once) and every read goes to etcd.
 //
+// A caller waits for a change with changes_fd() (the pass sleeps until
+// the round or another key it acts on changes, not a poll interval).
+//
 // Threading: the KeyValueStore calls from one thread at a time (as any
 // store); the watch runs a thread of its own. Errors: as EtcdStore's.
 #pragma once
@@ -30,6 +33,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -50,9 +54,12 @@ class MirroredStore final : public KeyValueStore {
   using StoreFactory = std::function<std::unique_ptr<EtcdStore>()>;
   // `store`: the requests' (this object's thread); `make_watch_store`: a
   // store for the watch's thread. `prefix`: the keys mirrored.
+  // `catch_up`: how long a read waits for the watch to bring what it must
+  // show before it asks etcd instead (the request timeout: a loaded etcd
+  // is slow to answer too, and a read of its own only adds to its load).
   // `log`: a line about the mirror (the watch's thread may call it).
   MirroredStore(std::unique_ptr<EtcdStore> store, StoreFactory make_watch_store, std::string prefix,
-                std::function<void(const std::string&)> log);
+                std::chrono::milliseconds catch_up, std::function<void(const std::string&)> log);
   ~MirroredStore() override;
   MirroredStore(const MirroredStore&) = delete;
   MirroredStore& operator=(const MirroredStore&) = delete;
@@ -68,6 +75,7 @@ class MirroredStore final : public KeyValueStore {
   bool compare_and_swap(const std::string& key, std::int64_t expected_mod_revision,
                         const std::string& value, std::int64_t lease = 0) override;
   std::string describe() const override;
+  int changes_fd(const std::vector<std::string>& prefixes) override;
 
   // Reads answered from the mirror and from etcd so far (for tests and
   // benchmarks).
@@ -81,10 +89,13 @@ class MirroredStore final : public KeyValueStore {
   std::vector<KeyValue> answer(const RangeRead& read) const;  // mutex_ held
   // After a write: the mirror must hold it before the next read.
   void wrote();
+  // Wakes changes_fd()'s caller (mutex_ held).
+  void wake();
 
   std::unique_ptr<EtcdStore> store_;
   std::unique_ptr<EtcdStore> watch_store_;  // the watch's thread's (interrupt_watch() aside)
   const std::string prefix_;
+  const std::chrono::milliseconds catch_up_;
   std::function<void(const std::string&)> log_;
 
   mutable std::mutex mutex_;
@@ -95,6 +106,17 @@ class MirroredStore final : public KeyValueStore {
   bool live_ = false;          // the watch runs from revision_
   bool over_bound_ = false;    // stopped for good: every read goes to etcd
   std::int64_t needed_ = 0;    // what the next read must see (this thread's)
+  std::int64_t read_at_ = 0;   // the mirror's revision at this thread's last read
+  // changes_fd(): its eventfd, what it waits for, and the changes applied
+  // lately (their revision and key: those after read_at_ that came before
+  // the call), kRecentChanges at most; recent_floor_ is the newest revision
+  // dropped from them.
+  int wake_fd_ = -1;
+  bool wake_armed_ = false;
+  std::int64_t wake_after_ = 0;
+  std::vector<std::string> wake_prefixes_;
+  std::deque<std::pair<std::int64_t, std::string>> recent_;
+  std::int64_t recent_floor_ = 0;
   std::atomic<bool> stop_{false};
   std::atomic<std::uint64_t> mirrored_reads_{0}, direct_reads_{0};
   std::thread thread_;

@@ -557,8 +557,9 @@ void WorkerGroup::reap() {
   }
 }
 
-bool WorkerGroup::pump(std::chrono::milliseconds wait) {
+bool WorkerGroup::pump(std::chrono::milliseconds wait, int also) {
   std::vector<pollfd> fds;
+  if (also >= 0) fds.push_back({also, POLLIN, 0});
   bool unwatched = false;  // a running worker without a pidfd
   for (auto& w : workers_) {
     if (w.out_fd >= 0) fds.push_back({w.out_fd, POLLIN, 0});

@@ -49,7 +49,8 @@ TEST_CASE(
   auto other = m.make();
   other->put("/job/a", "1");
   other->put("/elsewhere", "x");
-  MirroredStore mirror(m.make(), [&] { return m.make(); }, "/job/", [](const std::string&) {});
+  MirroredStore mirror(
+      m.make(), [&] { return m.make(); }, "/job/", 2000ms, [](const std::string&) {});
   // Once the watch runs, reads of the job's keys stop reaching etcd.
   REQUIRE(wait_until(
       [&] {
@@ -118,7 +119,7 @@ TEST_CASE(
 TEST_CASE("etcd mirror: an etcd stopped for a moment, then restarted") {
   Mirrored m;
   MirroredStore mirror(
-      m.make(500ms), [&] { return m.make(500ms); }, "/job/", [](const std::string&) {});
+      m.make(500ms), [&] { return m.make(500ms); }, "/job/", 500ms, [](const std::string&) {});
   mirror.put("/job/a", "1");
   REQUIRE(wait_until(
       [&] {

@@ -98,6 +98,17 @@ class KeyValueStore {
 
   // Where the store is, for messages: "etcd at http://127.0.0.1:2379".
   virtual std::string describe() const = 0;
+  // A descriptor that becomes readable (POLLIN) once a key under one of
+  // `prefixes` changed after this object's last read, so that the caller
+  // reads again at once rather than after its poll interval; -1 when this
+  // store cannot tell (the caller polls on its timer). The descriptor is
+  // the store's: valid until the store is destroyed, emptied and re-armed
+  // by each call (an earlier call's prefixes are forgotten). Threading: the
+  // store's caller's thread.
+  virtual int changes_fd(const std::vector<std::string>& prefixes) {
+    (void)prefixes;
+    return -1;
+  }
 };
 
 }  // namespace ductile::agent

@@ -176,9 +176,10 @@ class WorkerGroup {
              std::chrono::milliseconds grace = std::chrono::milliseconds(0),
              const std::atomic<int>* stop = nullptr);
   // Copies teed output and reaps exited workers, waiting up to `wait` for
-  // output or a worker's exit (its guard's pidfd wakes it). Returns true
-  // when output or an exit came before `wait` ended.
-  bool pump(std::chrono::milliseconds wait);
+  // output or a worker's exit (its guard's pidfd wakes it), or for `also`
+  // to become readable (not read here; -1: none). Returns true when one of
+  // those came before `wait` ended.
+  bool pump(std::chrono::milliseconds wait, int also = -1);
   bool running() const;  // some worker has not exited yet
   // The guard processes of the workers not reaped yet (this process's
   // children: their pids stay theirs until pump() or stop() reaps them).
