@@ -184,6 +184,9 @@ void NodeSnapshots::follow(const std::vector<KeyValue>& records,
 
 std::optional<std::filesystem::path> NodeSnapshots::prepare_round(const RoundRecord& round) {
   if (!area_) return std::filesystem::path();
+  // A member of this round is gone (said once): the leader forms the next
+  // round without it, and this node waits for that one.
+  if (round.round == abandoned_round_) return std::nullopt;
   // The holdings must stay as published while the members decide: no
   // replica comes or goes meanwhile.
   if (replication_ && !replication_->freeze(kFreezeWait))
@@ -232,6 +235,30 @@ std::optional<std::vector<Holdings>> NodeSnapshots::await_members(const RoundRec
       std::vector<Holdings> ordered;
       for (const auto& node : round.members) ordered.push_back(std::move(found[node]));
       return ordered;
+    }
+    // A member that died before it wrote its holdings never writes them:
+    // once its registration is gone (its lease expired) or is another one
+    // (it registered again, without its workers), the round cannot start
+    // and the leader forms the next one without it. Waiting out the
+    // patience here would hold this node (and, on the leader, that next
+    // round) for nothing.
+    std::vector<std::string> gone;
+    for (std::size_t i = 0; i < round.members.size(); ++i) {
+      const std::string& node = round.members[i];
+      if (found.count(node) || node == self_.id) continue;
+      const auto kv = conn_.store().get(self_.key("nodes/" + node));
+      if (!kv || kv->lease == 0 ||
+          (!round.member_revisions.empty() && kv->create_revision != round.member_revisions[i]))
+        gone.push_back(node);
+    }
+    if (!gone.empty()) {
+      self_.log(
+          fmt::format("round {}: member(s) {} left before they published their snapshot "
+                      "holdings (registration gone); the round does not start, the next one "
+                      "is formed without them",
+                      round.round, fmt::join(gone, ", ")));
+      abandoned_round_ = round.round;
+      return std::nullopt;
     }
     if (std::chrono::steady_clock::now() >= deadline) {
       std::vector<std::string> missing;
@@ -343,6 +370,8 @@ std::filesystem::path NodeSnapshots::restore(const RoundRecord& round,
   // newer one lacks a lost node's part for good. Their memory goes before
   // the new round's snapshots are written.
   drop_snapshots([&](std::int64_t step) { return step != chosen->step; }, true);
+  // Published at once: the other members stop asking for what went.
+  publish(current_holdings());
   if (replication_) replication_->pull_after(chosen->step);
   const auto own = area_->own_copies();
   own_at_restore_ = own.empty() ? std::string() : own.front().sha256;
