@@ -98,7 +98,7 @@ void Agent::setup() {
 
 std::optional<int> Agent::apply(const RoundRecord& round) {
   if (round.state == RoundState::failed) {
-    workers_.stop(o_.stop_grace);
+    workers_.end_round("the job failed: " + round.reason, o_.stop_grace);
     const auto& f = round.failure;
     int status = f && f->exit_status != 0 ? f->exit_status : 1;
     if (f && f->node == self_.id) {
@@ -141,7 +141,8 @@ std::optional<int> Agent::apply(const RoundRecord& round) {
   if (!workers_.empty()) {
     self_.log(fmt::format("stopping the workers of round {} for round {}", workers_.current_round(),
                           round.round));
-    workers_.stop(o_.stop_grace);
+    workers_.end_round(fmt::format("round {} formed: {}", round.round, round.reason),
+                       o_.stop_grace);
   }
   auto it = std::find(round.members.begin(), round.members.end(), self_.id);
   const auto index = static_cast<std::size_t>(it - round.members.begin());

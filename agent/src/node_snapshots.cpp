@@ -150,6 +150,7 @@ void NodeSnapshots::follow(const std::vector<KeyValue>& records,
   for (const auto& kv : records) {
     if (conn_.ignored(kv) || !kv.key.starts_with(prefix)) continue;
     const std::string node = kv.key.substr(prefix.size());
+    if (node == self_.id) continue;  // its own holdings are the area's
     if (auto holdings = accepted(kv, node, "its snapshots are neither replicated nor restored"))
       live[node] = std::move(*holdings);
   }
@@ -210,13 +211,14 @@ std::optional<std::filesystem::path> NodeSnapshots::prepare_round(const RoundRec
   if (holdings_round_ != 0 && holdings_round_ != round.round)
     store.erase(self_.key(fmt::format("holdings/{}/{}", holdings_round_, self_.id)));
   holdings_round_ = round.round;
-  auto members = await_members(round);
+  auto members = await_members(round, mine);
   if (!members) return std::nullopt;
   if (members->empty()) return std::filesystem::path();
   return restore(round, *members);
 }
 
-std::optional<std::vector<Holdings>> NodeSnapshots::await_members(const RoundRecord& round) {
+std::optional<std::vector<Holdings>> NodeSnapshots::await_members(const RoundRecord& round,
+                                                                  const Holdings& mine) {
   const milliseconds patience =
       std::max<milliseconds>(milliseconds(10000), 4 * milliseconds(o_.lease_ttl));
   const auto deadline = std::chrono::steady_clock::now() + patience;
@@ -225,12 +227,18 @@ std::optional<std::vector<Holdings>> NodeSnapshots::await_members(const RoundRec
     std::map<std::string, Holdings> found;
     for (const auto& kv : conn_.store().get_prefix(prefix)) {
       const std::string node = kv.key.substr(prefix.size());
-      if (std::find(round.members.begin(), round.members.end(), node) == round.members.end() ||
+      if (node == self_.id ||
+          std::find(round.members.begin(), round.members.end(), node) == round.members.end() ||
           conn_.ignored(kv))
         continue;
       if (auto holdings = accepted(kv, node, "that member's snapshots are not restored from"))
         found[node] = std::move(*holdings);
     }
+    // This node's own, as it wrote them: a node that serves nothing (one
+    // node alone: port 0) has a record no other node would accept, and
+    // restores from its own area.
+    if (std::find(round.members.begin(), round.members.end(), self_.id) != round.members.end())
+      found[self_.id] = mine;
     if (found.size() == round.members.size()) {
       std::vector<Holdings> ordered;
       for (const auto& node : round.members) ordered.push_back(std::move(found[node]));

@@ -104,7 +104,9 @@ class NodeSnapshots {
   // Every member's holdings/<round>/ record, waited for (bounded); none
   // when a stop signal came, or when a member whose record is missing is no
   // longer registered (the round is then abandoned: see abandoned_round_).
-  std::optional<std::vector<Holdings>> await_members(const RoundRecord& round);
+  // `mine`: this node's own holdings, as published for the round.
+  std::optional<std::vector<Holdings>> await_members(const RoundRecord& round,
+                                                     const Holdings& mine);
   std::filesystem::path restore(const RoundRecord& round, const std::vector<Holdings>& members);
   // Removes what restore/ holds.
   void release_restore();

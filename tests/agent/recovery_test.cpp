@@ -1,17 +1,22 @@
 // How agents recover from lost nodes, as the survivors see it: a round
 // formed with a member that died before it published its snapshot holdings
-// is given up for the next one at once, and a survivor left with too few
-// nodes says what it waits for and gives up at --rdzv-conf join_timeout.
-// Real agents on a real etcd (started by the test); the workers sleep.
+// is given up for the next one at once; a survivor left with too few nodes
+// says what it waits for and gives up at --rdzv-conf join_timeout; the
+// survivors' workers, whose collectives fail as a peer dies, end with one
+// line saying why the round ended. Real agents on a real etcd (started
+// by the test).
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <csignal>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "agent_job.hpp"
 #include "process.hpp"
+#include "zero3_job.hpp"
 
 using namespace ductile::test;
 
@@ -101,3 +106,70 @@ TEST_CASE("agent: a survivor short of nodes says what it waits for and ends at j
   if (!no_marked_processes(job.marker)) job.dump();
   CHECK(marked_processes(job.marker).empty());
 }
+
+#ifdef DUCTILE_ZERO3_WORKER_ENV
+namespace recovery_test {
+
+// `root` and every process below it (by /proc's parent links) of those
+// that carry `marker`.
+std::vector<int> process_tree(int root, const std::string& marker) {
+  std::vector<int> tree = {root};
+  for (std::size_t i = 0; i < tree.size(); ++i)
+    for (const int pid : marked_processes(marker)) {
+      const std::string stat = read_text("/proc/" + std::to_string(pid) + "/stat");
+      const std::size_t paren = stat.rfind(')');
+      if (paren == std::string::npos) continue;
+      std::istringstream fields(stat.substr(paren + 2));
+      std::string state;
+      int parent = 0;
+      fields >> state >> parent;
+      if (parent == tree[i] && std::find(tree.begin(), tree.end(), pid) == tree.end())
+        tree.push_back(pid);
+    }
+  return tree;
+}
+
+}  // namespace recovery_test
+
+// Three nodes' workers all-reduce (gloo) and raise ductile.CommunicationError
+// when a peer is gone, as ductile's collectives do; one node's process tree
+// is SIGKILLed. The survivors' workers see their peer die before the agents
+// see its lease lapse: each ends with one line saying which round ended
+// and why (the agent's reason: the node that left), not a traceback; the
+// job then finishes at world size 2.
+TEST_CASE("agent: a lost peer ends the survivors' workers with one line, not a traceback") {
+  Job job;
+  const auto worker = package_python("peer_lost.py");
+  const std::vector<std::string> options = {"--nproc-per-node", "1", "--min-nodes",  "2",
+                                            "--settle",         "1", "--stop-grace", "2",
+                                            "--lease-ttl",      "2"};
+  Child& a = job.start("a", options, worker);
+  Child& b = job.start("b", options, worker);
+  Child& c = job.start("c", options, worker);
+  const bool started =
+      wait_until([&] { return count_of(job.all_output(), "peer_lost round=1 rank=") == 3; }, 240s);
+  if (!started) job.dump();
+  REQUIRE(started);
+  // The node's whole process tree at once, as a machine is lost.
+  for (const int pid : recovery_test::process_tree(c.pid(), job.marker)) kill(pid, SIGKILL);
+  c.wait(10s);
+  for (Child* survivor : {&a, &b}) {
+    const auto status = survivor->wait(120s);
+    if (status != std::optional<int>(0)) job.dump();
+    CHECK(status == std::optional<int>(0));
+  }
+  const std::string out = a.output() + b.output();
+  INFO(out);
+  CHECK(count_of(out, "peer_lost round=2 rank=") == 2);
+  CHECK(out.find("Traceback") == std::string::npos);
+  CHECK(out.find("CommunicationError") == std::string::npos);
+  // A worker still inside a collective when the agent stops it says
+  // nothing; one whose collective failed says this.
+  const std::size_t said = count_of(out, "ductile: rank ");
+  CHECK(said >= 1);
+  CHECK(count_of(out, ": round 1 ended: round 2 formed: node(s) c left; this worker stops") ==
+        said);
+  if (!no_marked_processes(job.marker)) job.dump();
+  CHECK(marked_processes(job.marker).empty());
+}
+#endif
