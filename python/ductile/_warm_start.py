@@ -107,7 +107,7 @@ def _program_imports(program, path0):
             tree = ast.parse(f.read(_MAX_SOURCE_BYTES + 1), source)
     except (OSError, SyntaxError, ValueError):
         return []
-    found = []
+    found: list[str] = []
     pending = list(tree.body)
     while pending:
         node = pending.pop(0)
