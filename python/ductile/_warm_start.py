@@ -137,11 +137,23 @@ def _program_imports(program, path0):
 
 def _import_ahead(names):
     """Imports what it can of `names`: one that fails is the worker's to
-    import (or to report), as it would have cold."""
+    import (or to report), as it would have cold. A name that is no module
+    but an attribute of its imported parent (`from transformers import
+    AutoConfig`) is looked up: a package that loads its attributes lazily
+    loads that one's module now."""
     for name in names:
         try:
             importlib.import_module(name)
+            continue
         except (Exception, SystemExit):  # noqa: BLE001 - any failure: the worker imports it
+            pass
+        parent, _, attribute = name.rpartition(".")
+        module = sys.modules.get(parent)
+        if module is None:
+            continue
+        try:
+            getattr(module, attribute)
+        except (Exception, SystemExit):  # noqa: BLE001 - as above
             continue
 
 

@@ -183,13 +183,14 @@ def test_what_a_spare_cannot_run_is_refused(tmp_path, args, parts):
 
 IMPORTING_SCRIPT = """
 import sys
-names = ("warm_probe", "warm_probe_pkg.sub", "warm_nested", "shadowed", "warm_in_function")
+names = ("warm_probe", "warm_probe_pkg.sub", "warm_probe_pkg.lazy", "warm_nested", "shadowed",
+         "warm_in_function")
 ahead = {name: name in sys.modules for name in names}
 import json
 import os
 
 import warm_probe
-from warm_probe_pkg import sub
+from warm_probe_pkg import Lazy, sub
 
 import shadowed
 
@@ -213,13 +214,21 @@ sys.exit(0 if attempt == "1" else 5)
 
 def test_a_spare_imports_ahead_what_the_script_imports_from_the_job_path(tmp_path):
     """--warm-workers: the spare imports torch and the modules the script
-    imports at its top level (found by reading it), but none that the
-    script's folder, first on the job's sys.path, gives the job: the worker
-    gets the folder's module, as it does cold."""
+    imports at its top level (found by reading it; a lazily loaded attribute
+    it imports is looked up), but none that the script's folder, first on
+    the job's sys.path, gives the job: the worker gets the folder's module,
+    as it does cold."""
     modules = tmp_path / "modules"
     (modules / "warm_probe_pkg").mkdir(parents=True)
     (modules / "warm_probe.py").write_text("")
-    (modules / "warm_probe_pkg" / "__init__.py").write_text("")
+    # Lazy: an attribute whose module loads when it is first looked up.
+    (modules / "warm_probe_pkg" / "__init__.py").write_text(
+        "def __getattr__(name):\n"
+        "    if name == 'Lazy':\n"
+        "        from .lazy import Lazy\n"
+        "        return Lazy\n"
+        "    raise AttributeError(name)\n")
+    (modules / "warm_probe_pkg" / "lazy.py").write_text("Lazy = 1\n")
     (modules / "warm_probe_pkg" / "sub.py").write_text("")
     (modules / "warm_nested.py").write_text("")
     (modules / "warm_in_function.py").write_text("")
@@ -240,7 +249,8 @@ def test_a_spare_imports_ahead_what_the_script_imports_from_the_job_path(tmp_pat
     assert [s["attempt"] for s in seen] == ["0", "1"], r.stdout
     cold, warm = seen
     assert not any(cold["ahead"].values()), cold
-    assert warm["ahead"] == {"warm_probe": True, "warm_probe_pkg.sub": True, "warm_nested": True,
+    assert warm["ahead"] == {"warm_probe": True, "warm_probe_pkg.sub": True,
+                             "warm_probe_pkg.lazy": True, "warm_nested": True,
                              "shadowed": False, "warm_in_function": False}, warm
     assert cold["shadowed"] == warm["shadowed"] == "the script folder"
     assert marked_processes("imports") == []
