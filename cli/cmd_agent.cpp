@@ -134,12 +134,15 @@ void register_agent_command(CLI::App& app, CliContext& context) {
                               "ductile.torch.elastic.should_checkpoint()",
                               in_seconds(defaults.checkpoint_timeout)));
   sub->add_flag("--warm-workers", o->warm_workers,
-                "Keep a spare Python per local rank that has imported torch ahead of the next "
-                "round, so that a restarted worker starts without those imports (the worker "
-                "command must be a Python script or -m MODULE)");
+                "Keep a spare Python per local rank that has imported torch, torch._dynamo and "
+                "the modules the script imports at its top level (read, not run; not those of "
+                "the script's own folder) ahead of the next round, so that a restarted worker "
+                "starts without those imports (the worker command must be a Python script or "
+                "-m MODULE)");
   sub->add_option("--warm-imports", o->warm_imports,
-                  fmt::format("Modules the spares import, separated by commas (default {}); "
-                              "implies --warm-workers",
+                  fmt::format("Modules the spares import, separated by commas (default {} "
+                              "and the script's top-level imports); given, only these; implies "
+                              "--warm-workers",
                               agent::kDefaultWarmImports));
   // torchrun's options (docs/elastic-agent.md, "torchrun's command line").
   sub->add_option("--nnodes", o->nnodes, "torchrun: N or MIN:MAX nodes");
@@ -158,8 +161,10 @@ void register_agent_command(CLI::App& app, CliContext& context) {
       fmt::format("torchrun: the job id (as --job-id; default '{}')", Torchrun::rdzv_id));
   sub->add_option(
       "--rdzv-conf,--rdzv_conf", o->rdzv_conf,
-      fmt::format("torchrun: key=value,...: join_timeout (or timeout), last_call_timeout (as "
-                  "--settle), read_timeout, keep_alive_interval and keep_alive_max_attempt "
+      fmt::format("torchrun: key=value,...: join_timeout=S (or timeout; exit 1 when no round "
+                  "took this node within S seconds, or when it waited S seconds with too few "
+                  "nodes; default: wait without end), last_call_timeout (as --settle), "
+                  "read_timeout, keep_alive_interval and keep_alive_max_attempt "
                   "(their product, torchrun's time to declare a node dead, is the lease TTL, "
                   "as --lease-ttl; either alone takes torchrun's default for the other, {} s or "
                   "{} attempts; neither: --lease-ttl's default), protocol=https, cacert, cert, "

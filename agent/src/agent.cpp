@@ -17,6 +17,9 @@ namespace ductile::agent {
 
 using std::chrono::milliseconds;
 
+// How often a node that waits for enough nodes says so again.
+constexpr milliseconds kShortOfNodesReminder{15000};
+
 void Agent::setup() {
   check_options(o_);
   // The most GPUs this job may use: a v0.2 policy plans for that one size.
@@ -95,7 +98,7 @@ void Agent::setup() {
 
 std::optional<int> Agent::apply(const RoundRecord& round) {
   if (round.state == RoundState::failed) {
-    workers_.stop(o_.stop_grace);
+    workers_.end_round("the job failed: " + round.reason, o_.stop_grace);
     const auto& f = round.failure;
     int status = f && f->exit_status != 0 ? f->exit_status : 1;
     if (f && f->node == self_.id) {
@@ -138,7 +141,8 @@ std::optional<int> Agent::apply(const RoundRecord& round) {
   if (!workers_.empty()) {
     self_.log(fmt::format("stopping the workers of round {} for round {}", workers_.current_round(),
                           round.round));
-    workers_.stop(o_.stop_grace);
+    workers_.end_round(fmt::format("round {} formed: {}", round.round, round.reason),
+                       o_.stop_grace);
   }
   auto it = std::find(round.members.begin(), round.members.end(), self_.id);
   const auto index = static_cast<std::size_t>(it - round.members.begin());
@@ -149,7 +153,8 @@ std::optional<int> Agent::apply(const RoundRecord& round) {
                            round.member_revisions[index] != membership_.own_revision();
   const bool member = it != round.members.end() && !earlier_run;
   // Before the round is entered: a store error, or a stop signal, while the
-  // members agree on a snapshot leaves the round to apply again.
+  // members agree on a snapshot leaves the round to apply again; a member
+  // gone meanwhile leaves it unentered until the leader forms the next.
   std::filesystem::path restore;
   if (member) {
     std::optional<std::filesystem::path> prepared;
@@ -167,6 +172,7 @@ std::optional<int> Agent::apply(const RoundRecord& round) {
   }
   workers_.enter_round(round.round, round.restarts, member);
   checkpoints_.enter_round();
+  short_since_.reset();
   if (member) {
     workers_.start(round, index, *policy_, restore);
   } else if (earlier_run) {
@@ -175,7 +181,10 @@ std::optional<int> Agent::apply(const RoundRecord& round) {
                     "the next round",
                     round.round));
   } else if (round.members.empty()) {
-    self_.log(fmt::format("round {}: waiting for nodes ({})", round.round, round.reason));
+    short_since_ = workers_.joined() ? now_ms() : joined_job_at_;
+    short_said_ = now_ms();
+    self_.log(fmt::format("round {}: waiting for nodes ({}); {}", round.round, round.reason,
+                          short_of_nodes(true)));
   } else {
     self_.log(
         fmt::format("round {}: standby; world size {} uses {} node(s), a larger valid size is "
@@ -183,6 +192,31 @@ std::optional<int> Agent::apply(const RoundRecord& round) {
                     round.round, round.world_size, round.members.size()));
   }
   return std::nullopt;
+}
+
+std::string Agent::short_of_nodes(bool now) const {
+  // The fewest nodes of a valid world size.
+  std::int64_t needed = 0;
+  for (std::int64_t k = std::max<std::int64_t>(settings_.min_nodes, 1);
+       k <= settings_.max_nodes && needed == 0; ++k)
+    if (admitted_nodes(settings_.valid_gpus, settings_.nproc_per_node, k, k, k) == k) needed = k;
+  const std::string present = fmt::format(
+      "{}{} node(s) present of the {} needed (--nnodes {}:{}, {} worker(s) each, valid GPU "
+      "counts [{}])",
+      nodes_seen_ >= static_cast<std::size_t>(kLeaderWindow) ? "at least " : "", nodes_seen_,
+      needed, settings_.min_nodes, settings_.max_nodes, settings_.nproc_per_node,
+      fmt::join(settings_.valid_gpus, ", "));
+  if (!o_.join_timeout)
+    return fmt::format(
+        "{}{}; waiting without end (--rdzv-conf join_timeout=SECONDS gives up after that "
+        "long, exit status {})",
+        now ? "" : "still waiting: ", present, kAgentJoinTimeout);
+  const auto left =
+      std::max(milliseconds(0), short_since_.value_or(now_ms()) + *o_.join_timeout - now_ms());
+  return fmt::format(
+      "{}{}; giving up in {:.1f} s (--rdzv-conf join_timeout={:g}) with exit status {}",
+      now ? "" : "still waiting: ", present, left.count() / 1000.0,
+      o_.join_timeout->count() / 1000.0, kAgentJoinTimeout);
 }
 
 void Agent::rejoin_after_fence() {
@@ -306,6 +340,19 @@ int Agent::run() {
                       o_.join_timeout->count()));
       return leave(kAgentJoinTimeout);
     }
+    if (short_since_ && o_.join_timeout && now_ms() - *short_since_ >= *o_.join_timeout) {
+      // As torchrun's agents: a rendezvous that does not complete within
+      // join_timeout ends the agent.
+      self_.log(fmt::format(
+          "error: too few nodes for {} ms (--rdzv-conf join_timeout): {} node(s) present; "
+          "giving up with exit status {}",
+          (now_ms() - *short_since_).count(), nodes_seen_, kAgentJoinTimeout));
+      return leave(kAgentJoinTimeout);
+    }
+    if (short_since_ && now_ms() - short_said_ >= kShortOfNodesReminder) {
+      short_said_ = now_ms();
+      self_.log(short_of_nodes(false));
+    }
     workers_.notice_fence();
     try {
       if (workers_.fenced()) rejoin_after_fence();
@@ -347,12 +394,14 @@ int Agent::run() {
         continue;
       }
       std::vector<NodeInfo> alive;
+      nodes_seen_ = oldest.size();
       if (oldest.empty() || oldest.front().id == self_.id) {
         // Leading (or no live registration among the oldest keys): all of
         // them; the leader tracks when the membership last changed.
         alive = ranked ? oldest
                        : membership_.live_nodes(store.get_prefix(key("nodes/")), &ignored, true);
         leadership_.track_membership(alive);
+        nodes_seen_ = alive.size();
       } else {
         leadership_.not_leading();
       }

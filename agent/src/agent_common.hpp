@@ -70,6 +70,10 @@ std::filesystem::path checkpoint_request_of(const std::filesystem::path& run_dir
                                             std::int64_t round);
 std::filesystem::path checkpoint_saved_of(const std::filesystem::path& run_dir, std::int64_t round,
                                           std::int64_t local_rank);
+// DUCTILE_ROUND_END of every worker: before the agent stops a round's
+// workers it writes there the round and why it ends (ductile's workers say
+// it in one line when a collective failed because a peer was gone).
+std::filesystem::path round_end_of(const std::filesystem::path& run_dir);
 
 // How many of the oldest registrations an agent reads each pass to find the
 // leader (the oldest live one); the leader reads them all.

@@ -86,8 +86,20 @@ class Agent {
   Checkpoints checkpoints_;
   StopSignals signals_;
   StopWatch stop_watch_;  // last: its thread ends before the parts go
+  // Too few nodes (a round without members): what this node waits for
+  // and until when, as a line ("now": said at the start of the wait, else
+  // a reminder).
+  std::string short_of_nodes(bool now) const;
   std::chrono::milliseconds joined_job_at_{0};
   std::optional<std::chrono::milliseconds> outage_since_;
+  // Since when this node waits in a round without members (too few nodes
+  // for a valid size; from the agent's start when it never ran workers);
+  // none in a round with members. --rdzv-conf join_timeout bounds it.
+  std::optional<std::chrono::milliseconds> short_since_;
+  std::chrono::milliseconds short_said_{0};  // when the wait was last reported
+  // The live registrations the last pass saw (every one when leading, else
+  // the kLeaderWindow oldest).
+  std::size_t nodes_seen_ = 0;
 };
 
 }  // namespace ductile::agent

@@ -161,6 +161,7 @@ void NodeSnapshots::follow(const std::vector<KeyValue>& records,
   for (const auto& kv : records) {
     if (conn_.ignored(kv) || !kv.key.starts_with(prefix)) continue;
     const std::string node = kv.key.substr(prefix.size());
+    if (node == self_.id) continue;  // its own holdings are the area's
     if (auto holdings = accepted(kv, node, "its snapshots are neither replicated nor restored"))
       live[node] = std::move(*holdings);
   }
@@ -195,6 +196,9 @@ void NodeSnapshots::follow(const std::vector<KeyValue>& records,
 
 std::optional<std::filesystem::path> NodeSnapshots::prepare_round(const RoundRecord& round) {
   if (!area_) return std::filesystem::path();
+  // A member of this round is gone (said once): the leader forms the next
+  // round without it, and this node waits for that one.
+  if (round.round == abandoned_round_) return std::nullopt;
   // The holdings must stay as published while the members decide: no
   // replica comes or goes meanwhile.
   if (replication_ && !replication_->freeze(kFreezeWait))
@@ -218,35 +222,70 @@ std::optional<std::filesystem::path> NodeSnapshots::prepare_round(const RoundRec
   if (holdings_round_ != 0 && holdings_round_ != round.round)
     store.erase(self_.key(fmt::format("holdings/{}/{}", holdings_round_, self_.id)));
   holdings_round_ = round.round;
-  auto members = await_members(round);
+  auto members = await_members(round, mine);
   if (!members) return std::nullopt;
   if (members->empty()) return std::filesystem::path();
   return restore(round, *members);
 }
 
-std::optional<std::vector<Holdings>> NodeSnapshots::await_members(const RoundRecord& round) {
+std::optional<std::vector<Holdings>> NodeSnapshots::await_members(const RoundRecord& round,
+                                                                  const Holdings& mine) {
   const milliseconds patience =
       std::max<milliseconds>(milliseconds(10000), 4 * milliseconds(o_.lease_ttl));
   const auto deadline = std::chrono::steady_clock::now() + patience;
   const std::string prefix = self_.key(fmt::format("holdings/{}/", round.round));
   const std::set<std::string> members(round.members.begin(), round.members.end());
+  auto next_departure_check = std::chrono::steady_clock::now();
   for (;;) {
     std::map<std::string, Holdings> found;
     const auto records = conn_.store().get_prefix(prefix);
-    const bool late = std::chrono::steady_clock::now() >= deadline;
+    const auto now = std::chrono::steady_clock::now();
+    const bool late = now >= deadline;
     // Woken by each member's record as it comes: the records are looked at
     // once there can be enough of them.
     for (const auto& kv :
          records.size() < members.size() && !late ? std::vector<KeyValue>() : records) {
       const std::string node = kv.key.substr(prefix.size());
-      if (!members.count(node) || conn_.ignored(kv)) continue;
+      if (node == self_.id || !members.count(node) || conn_.ignored(kv)) continue;
       if (auto holdings = accepted(kv, node, "that member's snapshots are not restored from"))
         found[node] = std::move(*holdings);
     }
+    // This node's own, as it wrote them: a node that serves nothing (one
+    // node alone: port 0) has a record no other node would accept, and
+    // restores from its own area.
+    if (members.count(self_.id)) found[self_.id] = mine;
     if (found.size() == round.members.size()) {
       std::vector<Holdings> ordered;
       for (const auto& node : round.members) ordered.push_back(std::move(found[node]));
       return ordered;
+    }
+    // A member that died before it wrote its holdings never writes them:
+    // once its registration is gone (its lease expired) or is another one
+    // (it registered again, without its workers), the round cannot start
+    // and the leader forms the next one without it. Waiting out the
+    // patience here would hold this node (and, on the leader, that next
+    // round) for nothing. Looked for once a poll interval, not at each
+    // record that wakes the wait.
+    if (now >= next_departure_check) {
+      next_departure_check = now + o_.poll_interval;
+      std::vector<std::string> gone;
+      for (std::size_t i = 0; i < round.members.size(); ++i) {
+        const std::string& node = round.members[i];
+        if (found.count(node) || node == self_.id) continue;
+        const auto kv = conn_.store().get(self_.key("nodes/" + node));
+        if (!kv || kv->lease == 0 ||
+            (!round.member_revisions.empty() && kv->create_revision != round.member_revisions[i]))
+          gone.push_back(node);
+      }
+      if (!gone.empty()) {
+        self_.log(
+            fmt::format("round {}: member(s) {} left before they published their snapshot "
+                        "holdings (registration gone); the round does not start, the next one "
+                        "is formed without them",
+                        round.round, fmt::join(gone, ", ")));
+        abandoned_round_ = round.round;
+        return std::nullopt;
+      }
     }
     if (late) {
       std::vector<std::string> missing;
@@ -262,12 +301,11 @@ std::optional<std::vector<Holdings>> NodeSnapshots::await_members(const RoundRec
     // interval; a stop signal is looked for in steps this short.
     const int changes = conn_.store().changes_fd({prefix, self_.key("round")});
     const auto next = std::chrono::steady_clock::now() + o_.poll_interval;
-    for (auto now = std::chrono::steady_clock::now(); now < next;
-         now = std::chrono::steady_clock::now()) {
+    for (auto at = std::chrono::steady_clock::now(); at < next;
+         at = std::chrono::steady_clock::now()) {
       if (o_.stop_signal && o_.stop_signal->load() != 0) return std::nullopt;
       const auto step = std::min<milliseconds>(
-          milliseconds(100),
-          std::chrono::duration_cast<milliseconds>(next - now) + milliseconds(1));
+          milliseconds(100), std::chrono::duration_cast<milliseconds>(next - at) + milliseconds(1));
       if (changes < 0) {
         std::this_thread::sleep_for(step);
         continue;
@@ -369,6 +407,8 @@ std::filesystem::path NodeSnapshots::restore(const RoundRecord& round,
   // newer one lacks a lost node's part for good. Their memory goes before
   // the new round's snapshots are written.
   drop_snapshots([&](std::int64_t step) { return step != chosen->step; }, true);
+  // Published at once: the other members stop asking for what went.
+  publish(current_holdings());
   if (replication_) replication_->pull_after(chosen->step);
   const auto own = area_->own_copies();
   own_at_restore_ = own.empty() ? std::string() : own.front().sha256;

@@ -74,7 +74,9 @@ class NodeSnapshots {
   void follow(const std::vector<KeyValue>& records, const std::optional<RoundRecord>& round);
   // A new round this node is a member of, its old workers stopped: the
   // restore (see above). Returns the snapshot folder the workers resume
-  // from, empty for none; nullopt when a stop signal came meanwhile.
+  // from, empty for none; nullopt when a stop signal came meanwhile, or
+  // when a member left before it published its holdings (the round is not
+  // entered: the leader forms the next one without that member).
   // Throws RestoreFailed when no holder of one of the snapshot's files
   // gives it (each tried in turn).
   std::optional<std::filesystem::path> prepare_round(const RoundRecord& round);
@@ -100,8 +102,11 @@ class NodeSnapshots {
   std::optional<NodeInfo> registration(const std::string& node, std::int64_t lease);
   void publish(const Holdings& holdings);
   // Every member's holdings/<round>/ record, waited for (bounded); none
-  // when a stop signal came.
-  std::optional<std::vector<Holdings>> await_members(const RoundRecord& round);
+  // when a stop signal came, or when a member whose record is missing is no
+  // longer registered (the round is then abandoned: see abandoned_round_).
+  // `mine`: this node's own holdings, as published for the round.
+  std::optional<std::vector<Holdings>> await_members(const RoundRecord& round,
+                                                     const Holdings& mine);
   std::filesystem::path restore(const RoundRecord& round, const std::vector<Holdings>& members);
   // Removes what restore/ holds.
   void release_restore();
@@ -129,6 +134,9 @@ class NodeSnapshots {
   std::string published_;  // the record last written to snapshots/<node>
   std::int64_t published_lease_ = 0;
   std::int64_t holdings_round_ = 0;  // the round of the holdings/ record written last
+  // A round one of whose members left before it published its holdings:
+  // never entered (prepare_round() answers nullopt for it at once).
+  std::int64_t abandoned_round_ = 0;
   // The last record of each node seen (a lost node's stays).
   std::map<std::string, Holdings> last_seen_;
   // The step of the snapshot in restore/ (-1: none): released once this

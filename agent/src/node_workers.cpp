@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -112,7 +113,7 @@ void NodeWorkers::start(const RoundRecord& round, std::size_t group_rank, const 
     // the machine's limits, not a bug; the workers started are stopped.
     const std::size_t started = group_.size();
     stop(std::chrono::milliseconds(0));
-    struct rlimit processes {};
+    struct rlimit processes{};
     getrlimit(RLIMIT_NPROC, &processes);
     throw Error(
         ErrorKind::io,
@@ -130,7 +131,7 @@ void NodeWorkers::start(const RoundRecord& round, std::size_t group_rank, const 
   if (o_.warm_imports.empty() || (o_.stop_signal && o_.stop_signal->load() != 0)) return;
   // The next round's spares import while this round's workers run.
   SpareSetup setup{interpreter_words(o_.command, !o_.interpreter_choice.empty()), o_.warm_imports,
-                   is_round_variable};
+                   is_round_variable, o_.warm_program_imports};
   try {
     group_.start_spares(specs, setup, o_.stop_grace);
   } catch (const std::system_error& e) {
@@ -148,7 +149,7 @@ std::optional<WorkerError> NodeWorkers::read_error(std::int64_t local_rank) {
   // cap, never blocked on (a FIFO).
   int fd = ::open(file.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) return std::nullopt;
-  struct stat info {};
+  struct stat info{};
   std::string text;
   if (fstat(fd, &info) == 0 && S_ISREG(info.st_mode)) {
     char buffer[65536];
@@ -184,7 +185,9 @@ void NodeWorkers::report_exit() {
       self_.log(fmt::format("worker rank {} exited with status {}{}; stopping this node's workers",
                             failure->rank, failure->status,
                             local_error_ ? ": " + local_error_->message : ""));
-      stop(o_.stop_grace);
+      end_round(fmt::format("worker rank {} on node {} exited with status {}", failure->rank,
+                            self_.id, failure->status),
+                o_.stop_grace);
     }
     FailureReport report{self_.id,
                          local_failure_->rank,
@@ -215,6 +218,24 @@ void NodeWorkers::report_exit() {
     self_.log(fmt::format("round {}: this node's workers finished", current_round_));
     reported_ = true;
   }
+}
+
+void NodeWorkers::end_round(const std::string& why, std::chrono::milliseconds grace) {
+  if (!group_.empty()) {
+    // Whole or not at all: written aside, then renamed.
+    const auto file = round_end_of(run_dir());
+    auto part = file;
+    part += ".part";
+    if (std::FILE* out = std::fopen(part.c_str(), "w")) {
+      const std::string text = fmt::format("{}\n{}\n", current_round_, why);
+      const bool written = std::fwrite(text.data(), 1, text.size(), out) == text.size();
+      if (std::fclose(out) == 0 && written) {
+        std::error_code ignored;
+        std::filesystem::rename(part, file, ignored);
+      }
+    }
+  }
+  stop(grace);
 }
 
 void NodeWorkers::stop(std::chrono::milliseconds grace) {

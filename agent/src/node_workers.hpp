@@ -48,6 +48,9 @@ class NodeWorkers {
              const std::filesystem::path& restore = {});
   // Stops the workers and takes them off the fence.
   void stop(std::chrono::milliseconds grace);
+  // Says why the current round ends (round_end_of(), for its workers),
+  // then stops them; nothing is written when none runs.
+  void end_round(const std::string& why, std::chrono::milliseconds grace);
   bool pump(std::chrono::milliseconds wait, int also = -1) { return group_.pump(wait, also); }
   // When the lease's fence killed the workers: stops what is left of them
   // (not a failure of the round); fenced() until rejoined().

@@ -480,7 +480,7 @@ void SnapshotReplication::run() {
           copy.sha256 = notice.sha256;
           copy.files = notice.files;
         }
-        if (!pull(from->second, copy) && published == own.end() &&
+        if (!pull(from->second, copy, published != own.end()) && published == own.end() &&
             failed_.count(origin + "/" + copy.sha256)) {
           std::unique_lock failed(mutex_);
           unpublished_failed_.insert(origin);
@@ -518,12 +518,12 @@ bool SnapshotReplication::pull_once(const std::vector<std::string>& members,
     const SnapshotCopy& newest = held->second.own.front();
     const auto replicas = list_snapshot_copies(area_.replicas() / node, false);
     if (!replicas.empty() && replicas.front().step > newest.step) continue;
-    if (pull(held->second, newest)) return true;
+    if (pull(held->second, newest, true)) return true;
   }
   return false;
 }
 
-bool SnapshotReplication::pull(const Holdings& from, const SnapshotCopy& copy) {
+bool SnapshotReplication::pull(const Holdings& from, const SnapshotCopy& copy, bool published) {
   const std::string& node = from.node;
   const std::string key = node + "/" + copy.sha256;
   if (node == self_.id || !valid_node_id(node) || failed_.count(key) ||
@@ -565,6 +565,12 @@ bool SnapshotReplication::pull(const Holdings& from, const SnapshotCopy& copy) {
     if (abandon_) return false;
     if (failed_.size() >= kMaxFailuresRemembered) failed_.clear();
     failed_.insert(key);
+    // The origin no longer holds a snapshot it published: it removed it as
+    // its successor committed, or as a restore left it behind (the record
+    // this copy was asked from was read before). Nothing is lost that is
+    // not superseded, and nothing is said. (A notify of a snapshot it never
+    // published and does not hold is logged.)
+    if (published && e.kind() == ErrorKind::not_found) return false;
     log_.log(fmt::format("the copies of node {}'s snapshots", node),
              fmt::format("cannot replicate snapshot {} of node {}: {}", copy.tag, node, e.what()));
     return false;

@@ -35,7 +35,10 @@
 // the server's threads, the other public functions for the agent's
 // thread. Errors: a copy that fails is
 // logged (a line per origin every 10 s) and not tried again (the holder's
-// next snapshot is); copy_snapshot throws ductile::Error (io).
+// next snapshot is); a published one the origin answers it no longer
+// holds (it was superseded while the copy was asked for) is not tried
+// again and not logged. copy_snapshot throws ductile::Error (io; not_found when the one
+// holder of a file answered that it holds no such file).
 #pragma once
 
 #include <atomic>
@@ -140,7 +143,9 @@ class SnapshotReplication {
                  const std::map<std::string, Holdings>& holdings);
   // `copy` of node `origin` (served at `from`) into replicas/; true when
   // it was copied now, false when it was held already or failed.
-  bool pull(const Holdings& from, const SnapshotCopy& copy);
+  // `published`: the copy is one of the origin's snapshots/<node> record
+  // (else a notify's, ahead of it).
+  bool pull(const Holdings& from, const SnapshotCopy& copy, bool published);
   // Tells `origin` (once a round) that this node holds `copy` of it.
   void acknowledge(const Holdings& origin, const SnapshotCopy& copy);
   // Removes the copies cut short and all but the `keep` newest replicas.

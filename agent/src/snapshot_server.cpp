@@ -68,6 +68,7 @@ std::string peer_address(const sockaddr_storage& peer) {
 // Why a connection ended before its end.
 struct Broken {
   std::string why;
+  bool missing = false;  // the server holds no such file
 };
 
 // Waits for `events` on `fd`: at most `idle`, and until `deadline`, while
@@ -453,8 +454,11 @@ std::unique_ptr<Link> open_request(const std::string& host, int port, const std:
     const auto size = receive_value<std::uint32_t>(*link, timeout, no_deadline, abandon);
     if (size > kMaxReason || (status != kRefused && status != kUnauthorized))
       throw Broken{"it does not speak the snapshot protocol"};
-    throw Broken{fmt::format("the server refused it: {}",
-                             receive_string(*link, size, timeout, no_deadline, abandon))};
+    const std::string reason = receive_string(*link, size, timeout, no_deadline, abandon);
+    // The server's answer for a file its area does not hold (serve()).
+    const bool missing =
+        status == kRefused && reason == fmt::format("'{}': {}", request, std::strerror(ENOENT));
+    throw Broken{fmt::format("the server refused it: {}", reason), missing};
   }
   return link;
 }
@@ -854,8 +858,8 @@ std::uintmax_t fetch_file(const std::string& host, int port, const std::string& 
                           std::uintmax_t max_size, const std::atomic<bool>* abandon) {
   const std::string where =
       fmt::format("'{}' from the snapshot server at {}:{}", relative, host, port);
-  auto fail = [&](const std::string& why) -> Error {
-    return Error(ErrorKind::io,
+  auto fail = [&](const std::string& why, bool missing = false) -> Error {
+    return Error(missing ? ErrorKind::not_found : ErrorKind::io,
                  fmt::format("cannot copy {} to '{}': {}", where, dest.string(), why));
   };
   if (relative.size() > kMaxSnapshotRequest) throw fail("the path is too long");
@@ -896,7 +900,7 @@ std::uintmax_t fetch_file(const std::string& host, int port, const std::string& 
   } catch (const Broken& e) {
     if (out >= 0) ::close(out);
     if (created) ::unlink(dest.c_str());
-    throw fail(e.why);
+    throw fail(e.why, e.missing);
   } catch (const wire::BadMessage& e) {
     if (out >= 0) ::close(out);
     if (created) ::unlink(dest.c_str());

@@ -217,8 +217,9 @@ class SnapshotServer {
 // most `max_size`; the bytes received must be as many. `timeout`: the
 // longest wait without progress (connecting included); `abandon`, when
 // set, stops the copy within a fraction of a second. Returns the size.
-// Throws ductile::Error (io) naming the server, the file and the problem
-// (dest is then removed).
+// Throws ductile::Error naming the server, the file and the problem (dest
+// is then removed): not_found when the server answered that its area
+// holds no such file, else io.
 std::uintmax_t fetch_file(const std::string& host, int port, const std::string& relative,
                           const std::filesystem::path& dest, const SnapshotAuth& auth,
                           std::chrono::milliseconds timeout,

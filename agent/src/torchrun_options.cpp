@@ -519,8 +519,12 @@ AgentOptions agent_options(const LaunchArguments& arguments, const std::vector<s
   if (o.failure_grace) a.failure_grace = seconds_option("--failure-grace", *o.failure_grace);
   if (o.checkpoint_timeout)
     a.checkpoint_timeout = seconds_option("--checkpoint-timeout", *o.checkpoint_timeout);
-  if (o.warm_workers || o.warm_imports)
+  if (o.warm_workers || o.warm_imports) {
     a.warm_imports = split(o.warm_imports.value_or(kDefaultWarmImports), ',');
+    // A list given is the whole list: a module that reads the round's
+    // variables as it is imported can be kept out.
+    a.warm_program_imports = !o.warm_imports;
+  }
   return a;
 }
 

@@ -2,8 +2,11 @@
 // variable torchrun 2.13's LocalElasticAgent and its process context set,
 // with the same meaning) plus ductile's batch plan. See agent_common.hpp.
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <iterator>
+
+#include <fmt/format.h>
 
 #include "agent_common.hpp"
 
@@ -41,7 +44,7 @@ constexpr const char* kSteadyVariables[] = {
     "LOCAL_RANK", "LOCAL_WORLD_SIZE", "ROLE_NAME", "TORCHELASTIC_MAX_RESTARTS",
     "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_SIGNALS_TO_HANDLE",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS", "DEEPSPEED_ELASTICITY_CONFIG",
-    "DUCTILE_AGENT_NODE_ID", "DUCTILE_SNAPSHOT_DIR",
+    "DUCTILE_AGENT_NODE_ID", "DUCTILE_SNAPSHOT_DIR", "DUCTILE_ROUND_END", "DUCTILE_ROUND_END_WAIT",
     // Set by the `ductile` console script for the agent alone (worker_command in the CLI).
     "DUCTILE_CONSOLE_PYTHON"};
 
@@ -77,6 +80,10 @@ std::filesystem::path checkpoint_saved_of(const std::filesystem::path& run_dir, 
                                           std::int64_t local_rank) {
   return run_dir / "checkpoints" / ("round_" + std::to_string(round)) /
          ("checkpoint_saved_" + std::to_string(local_rank));
+}
+
+std::filesystem::path round_end_of(const std::filesystem::path& run_dir) {
+  return run_dir / "round_end";
 }
 
 std::vector<WorkerSpec> worker_specs(const WorkerSetup& s) {
@@ -168,6 +175,14 @@ std::vector<WorkerSpec> worker_specs(const WorkerSetup& s) {
     if (!s.snapshot_restore.empty()) set("DUCTILE_SNAPSHOT_RESTORE", s.snapshot_restore.string());
     set("DUCTILE_ROUND", std::to_string(round.round));
     set("DUCTILE_AGENT_NODE_ID", s.node_id);
+    set("DUCTILE_ROUND_END", round_end_of(s.run_dir).string());
+    // How long a worker whose peer is gone waits for the agent to end its
+    // round: the lost lease noticed, a failure's grace, a pass or two.
+    set("DUCTILE_ROUND_END_WAIT",
+        fmt::format("{:g}", std::chrono::duration<double>(
+                                o.lease_ttl + o.failure_grace.value_or(o.lease_ttl) +
+                                2 * o.poll_interval + std::chrono::seconds(5))
+                                .count()));
     if (round.mpi_join_port != 0) {
       set("DUCTILE_MPI_JOIN", round.master_addr + ":" + std::to_string(round.mpi_join_port));
       set("OMPI_MCA_pmix_server_uri", round.mpi_server_uri);

@@ -475,6 +475,19 @@ void WorkerGroup::start_spares(const std::vector<WorkerSpec>& specs, const Spare
     argv.push_back(core::join(setup.imports, ","));
     argv.push_back(job_python_has_safe_path(spare.interpreter, spec.env) ? "safe-path"
                                                                          : "script-path");
+    if (setup.program_imports) {
+      // The program: its script, or -m and its module (-mMODULE split).
+      const std::string& first = spec.argv[setup.interpreter_words];
+      if (first == "-m" && spec.argv.size() > setup.interpreter_words + 1) {
+        argv.push_back(first);
+        argv.push_back(spec.argv[setup.interpreter_words + 1]);
+      } else if (first.starts_with("-m") && first.size() > 2) {
+        argv.push_back("-m");
+        argv.push_back(first.substr(2));
+      } else if (!first.starts_with("-")) {
+        argv.push_back(first);
+      }
+    }
     int ends[2];
     if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, ends) != 0)
       throw std::system_error(errno, std::generic_category(), "socketpair");

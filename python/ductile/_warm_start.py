@@ -1,9 +1,12 @@
 """A spare worker of ``ductile agent --warm-workers``:
-``python [OPTIONS] -P -m ductile._warm_start FD MODULES PATH0``.
+``python [OPTIONS] -P -m ductile._warm_start FD MODULES PATH0 [PROGRAM]``.
 
 The agent starts one per local rank ahead of the next round, with the
 worker's environment less the round's variables. It imports MODULES (torch
-and torch._dynamo by default), writes b"R" (ready) to FD, its end of a
+and torch._dynamo by default) and, when PROGRAM (the script, or -m MODULE)
+is given, the modules the program imports at its top level, read from its
+source without running it (see _program_imports); then it writes b"R"
+(ready) to FD, its end of a
 socket pair, and waits there for ONE launch record: the worker's stdout and
 stderr as descriptors, then NUL-terminated fields: a version tag, the
 working directory, the number of program words, the program words (a
@@ -21,9 +24,11 @@ while it imports ahead (a torch/ planted there is not the job's). PATH0 is
 PYTHONSAFEPATH).
 """
 
+import ast
 import builtins
 import importlib
 import importlib.machinery
+import importlib.util
 import io
 import os
 import runpy
@@ -38,8 +43,118 @@ _MAX_RECORD_BYTES = 4 << 20
 _REST_TIMEOUT_S = 30.0
 
 
+# The longest program source read for its imports (a script is far shorter).
+_MAX_SOURCE_BYTES = 4 << 20
+
+
 class _BadRecord(Exception):
     pass
+
+
+def _program_source(program, path0):
+    """The source file `program` (a script, or ["-m", MODULE]) runs, and the
+    folder the job's Python puts first on sys.path for it (None with a safe
+    path); (None, folder) when the source is not found."""
+    if program[0] != "-m":
+        script = program[0]
+        return script, (os.path.dirname(os.path.realpath(script)) if path0 else None)
+    module = program[1]
+    folder = os.getcwd() if path0 else None
+    if folder is not None:
+        base = os.path.join(folder, *module.split("."))
+        for candidate in (base + ".py", os.path.join(base, "__main__.py")):
+            if os.path.isfile(candidate):
+                return candidate, folder
+        if _shadowed(module, folder):
+            return None, folder  # the working directory's, not readable here
+    try:
+        # An installed module (its parent packages are imported, as the
+        # worker's `python -m` imports them).
+        spec = importlib.util.find_spec(module)
+        if spec is not None and spec.submodule_search_locations is not None:
+            spec = importlib.util.find_spec(module + ".__main__")
+    except (ImportError, ValueError):
+        return None, folder
+    origin = spec.origin if spec is not None else None
+    return (origin if origin and origin.endswith(".py") else None), folder
+
+
+def _shadowed(name, folder):
+    """True when `folder` (the job's sys.path[0]) holds a module or package
+    of `name`'s top-level name: the job imports that one, which the spare,
+    under -P, cannot see."""
+    top = name.partition(".")[0]
+    try:
+        entries = os.listdir(folder)
+    except OSError:
+        return True  # unknown: nothing of it is imported ahead
+    return any(entry == top or entry.startswith(top + ".") for entry in entries)
+
+
+def _program_imports(program, path0):
+    """The absolute imports of the program's top level (and of the ifs,
+    trys and withs there; not of functions or classes), in order: what the
+    worker imports first; `from a import b` gives a and a.b. Those its
+    folder on sys.path would give it are left out (the job's own modules:
+    the spare imports only what the job's interpreter finds on the path
+    both share), and so is the program's own module. Never runs the
+    program; [] when its source cannot be read or parsed."""
+    source, folder = _program_source(program, path0)
+    if source is None:
+        return []
+    try:
+        with open(source, "rb") as f:
+            tree = ast.parse(f.read(_MAX_SOURCE_BYTES + 1), source)
+    except (OSError, SyntaxError, ValueError):
+        return []
+    found: list[str] = []
+    pending = list(tree.body)
+    while pending:
+        node = pending.pop(0)
+        if isinstance(node, ast.Import):
+            found.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0 and node.module and node.module != "__future__":
+                found.append(node.module)
+                # `from torch import nn`: a submodule, when it is one (an
+                # attribute's name fails to import, and is passed over).
+                found.extend(f"{node.module}.{alias.name}" for alias in node.names
+                             if alias.name != "*")
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            inner = list(node.body) + list(getattr(node, "orelse", []))
+            for handler in getattr(node, "handlers", []):
+                inner.extend(handler.body)
+            inner.extend(getattr(node, "finalbody", []))
+            pending[:0] = inner
+    own = program[1] if program[0] == "-m" else None
+    names = []
+    for name in found:
+        if name in names or name == own or (folder is not None and _shadowed(name, folder)):
+            continue
+        names.append(name)
+    return names
+
+
+def _import_ahead(names):
+    """Imports what it can of `names`: one that fails is the worker's to
+    import (or to report), as it would have cold. A name that is no module
+    but an attribute of its imported parent (`from transformers import
+    AutoConfig`) is looked up: a package that loads its attributes lazily
+    loads that one's module now."""
+    for name in names:
+        try:
+            importlib.import_module(name)
+            continue
+        except (Exception, SystemExit):  # noqa: BLE001 - any failure: the worker imports it
+            pass
+        parent, _, attribute = name.rpartition(".")
+        module = sys.modules.get(parent)
+        if module is None:
+            continue
+        try:
+            getattr(module, attribute)
+        except (Exception, SystemExit):  # noqa: BLE001 - as above
+            continue
 
 
 def _read_record(fd):
@@ -141,6 +256,8 @@ def main():
     path0 = sys.argv[3] != "safe-path"
     for name in sys.argv[2].split(","):
         importlib.import_module(name)
+    if len(sys.argv) > 4:
+        _import_ahead(_program_imports(sys.argv[4:], path0))
     try:
         record, fds = _read_record(fd)
         _take_streams(fds)

@@ -89,9 +89,9 @@ struct SideBySide {
 // script included. Each launcher's workers write to <dir>/torchrun or
 // <dir>/ductile; `world` workers are expected. Checks that every launcher
 // exits 0, that the workers got the same variables (ductile's
-// DUCTILE_ROUND, DUCTILE_AGENT_NODE_ID and DUCTILE_SNAPSHOT_DIR besides), ranks, sizes,
-// interpreter and arguments, and the same values of the variables that
-// mean the same (but for those named in `differing`).
+// DUCTILE_ROUND, DUCTILE_AGENT_NODE_ID, DUCTILE_SNAPSHOT_DIR and DUCTILE_ROUND_END(_WAIT) besides),
+// ranks, sizes, interpreter and arguments, and the same values of the variables that mean the same
+// (but for those named in `differing`).
 inline SideBySide run_side_by_side(const std::filesystem::path& dir, const std::string& marker,
                                    int nodes, int world,
                                    const std::function<std::vector<std::string>(int, bool)>& args,
@@ -145,6 +145,8 @@ inline SideBySide run_side_by_side(const std::filesystem::path& dir, const std::
     CHECK(ours.erase("DUCTILE_ROUND") == 1);
     CHECK(ours.erase("DUCTILE_AGENT_NODE_ID") == 1);
     CHECK(ours.erase("DUCTILE_SNAPSHOT_DIR") == 1);
+    CHECK(ours.erase("DUCTILE_ROUND_END") == 1);
+    CHECK(ours.erase("DUCTILE_ROUND_END_WAIT") == 1);
     CHECK(ours == keys_of(t));
     for (const char* k :
          {"TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",

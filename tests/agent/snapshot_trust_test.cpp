@@ -311,6 +311,65 @@ TEST_CASE("snapshot trust: under a checkpoint key, altered manifests and shards 
   CHECK_FALSE(fs::exists(b.replicas() / "node-a" / "step5"));
 }
 
+// A replica asked for from a record read before its origin removed the
+// snapshot (its successor committed, or a restore left it behind): the
+// origin answers that it holds no such file; nothing is copied and nothing
+// is logged. A copy that fails otherwise is still logged.
+TEST_CASE("snapshot trust: a snapshot its origin no longer holds is neither copied nor logged") {
+  ductile::test::TempDir base;
+  SnapshotArea a(base.path().string(), "job", "node-a");
+  SnapshotArea c(base.path().string(), "job", "node-c");
+  SnapshotArea b(base.path().string(), "job", "node-b");
+  SnapshotServer a_server(a.root(), "127.0.0.1", "");
+  SnapshotServer c_server(c.root(), "127.0.0.1", "");
+  const NodeIdentity b_self{"/ductile/agent/test/", "node-b", "127.0.0.1"};
+  SnapshotReplication replication(b, b_self, "");
+  // Two replicas: node-b (group index 2) pulls node-c's (k = 1), then
+  // node-a's (k = 2), in one pass.
+  put_file(b.own() / "replicas", "2\n");
+  const std::vector<std::string> members = {"node-a", "node-c", "node-b"};
+  replication.start_round(members);
+  auto holdings_of = [](const std::string& node, const SnapshotServer& server,
+                        const SnapshotArea& area) {
+    Holdings held;
+    held.node = node;
+    held.addr = "127.0.0.1";
+    held.port = server.port();
+    held.own = area.own_copies();
+    return held;
+  };
+  snapshot_of_a(c.own(), 5);
+  const Holdings c_stale = holdings_of("node-c", c_server, c);
+  REQUIRE(c_stale.own.size() == 1);
+  fs::remove_all(c.own() / "step5");
+  snapshot_of_a(a.own(), 6);
+  StderrCapture log(base.path() / "agent.log");
+  replication.update(members,
+                     {{"node-a", holdings_of("node-a", a_server, a)}, {"node-c", c_stale}});
+  REQUIRE(within_a_minute([&] { return replication.copies_made() == 1; }));
+  CHECK(fs::exists(b.replicas() / "node-a" / "step6"));
+  CHECK_FALSE(fs::exists(b.replicas() / "node-c" / "step5"));
+
+  // node-c's next snapshot, its manifest altered after it was published:
+  // a real failure, logged.
+  snapshot_of_a(c.own(), 7);
+  const Holdings c_altered = holdings_of("node-c", c_server, c);
+  put_file(c.own() / "step7" / "manifest.json",
+           file_text(c.own() / "step7" / "manifest.json") + " ");
+  replication.update(members,
+                     {{"node-a", holdings_of("node-a", a_server, a)}, {"node-c", c_altered}});
+  REQUIRE(within_a_minute([&] {
+    return file_text(base.path() / "agent.log")
+               .find(
+                   "cannot replicate snapshot step7 of node "
+                   "node-c") != std::string::npos;
+  }));
+  const std::string out = log.stop();
+  INFO(out);
+  CHECK(out.find("step5") == std::string::npos);
+  CHECK(replication.copies_made() == 1);
+}
+
 TEST_CASE("snapshot trust: a record's step or world size that does not fit the job is refused") {
   // 2 to 3 nodes of 2 workers, valid GPU counts [2, 4, 6]: worlds 4 and 6.
   SnapshotBounds bounds;

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -178,3 +179,78 @@ def test_what_a_spare_cannot_run_is_refused(tmp_path, args, parts):
     line = r.stderr.strip().splitlines()[-1]
     for part in parts:
         assert part in line, (part, line)
+
+
+IMPORTING_SCRIPT = """
+import sys
+names = ("warm_probe", "warm_probe_pkg.sub", "warm_probe_pkg.lazy", "warm_nested", "shadowed",
+         "warm_in_function")
+ahead = {name: name in sys.modules for name in names}
+import json
+import os
+
+import warm_probe
+from warm_probe_pkg import Lazy, sub
+
+import shadowed
+
+try:
+    import warm_not_installed
+except ImportError:
+    pass
+if os.environ.get("NEVER_SET") is None:
+    import warm_nested
+
+
+def later():
+    import warm_in_function
+
+
+attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+print(json.dumps({"attempt": attempt, "ahead": ahead, "shadowed": shadowed.WHERE}), flush=True)
+sys.exit(0 if attempt == "1" else 5)
+"""
+
+
+def test_a_spare_imports_ahead_what_the_script_imports_from_the_job_path(tmp_path):
+    """--warm-workers: the spare imports torch and the modules the script
+    imports at its top level (found by reading it; a lazily loaded attribute
+    it imports is looked up), but none that the script's folder, first on
+    the job's sys.path, gives the job: the worker gets the folder's module,
+    as it does cold."""
+    modules = tmp_path / "modules"
+    (modules / "warm_probe_pkg").mkdir(parents=True)
+    (modules / "warm_probe.py").write_text("")
+    # Lazy: an attribute whose module loads when it is first looked up.
+    (modules / "warm_probe_pkg" / "__init__.py").write_text(
+        "def __getattr__(name):\n"
+        "    if name == 'Lazy':\n"
+        "        from .lazy import Lazy\n"
+        "        return Lazy\n"
+        "    raise AttributeError(name)\n")
+    (modules / "warm_probe_pkg" / "lazy.py").write_text("Lazy = 1\n")
+    (modules / "warm_probe_pkg" / "sub.py").write_text("")
+    (modules / "warm_nested.py").write_text("")
+    (modules / "warm_in_function.py").write_text("")
+    (modules / "shadowed.py").write_text("WHERE = 'the path'\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "shadowed.py").write_text("WHERE = 'the script folder'\n")
+    (work / "train.py").write_text(IMPORTING_SCRIPT)
+    env = agent_env(tmp_path, modules, "imports")
+    env["PYTHON_EXEC"] = sys.executable  # the job's Python: torch is installed there
+    r = subprocess.run([CLI, "agent", "--standalone", "--max-restarts", "1",
+                        "--monitor-interval", "0.05", "--warm-workers", "train.py"],
+                       check=False, cwd=work, env=env, capture_output=True, text=True,
+                       timeout=DEADLINE_S)
+    assert r.returncode == 0, r.stderr
+    assert "round 2: local rank 0 started from its spare" in r.stderr, r.stderr
+    seen = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [s["attempt"] for s in seen] == ["0", "1"], r.stdout
+    cold, warm = seen
+    assert not any(cold["ahead"].values()), cold
+    assert warm["ahead"] == {"warm_probe": True, "warm_probe_pkg.sub": True,
+                             "warm_probe_pkg.lazy": True, "warm_nested": True,
+                             "shadowed": False, "warm_in_function": False}, warm
+    assert cold["shadowed"] == warm["shadowed"] == "the script folder"
+    assert marked_processes("imports") == []

@@ -96,6 +96,11 @@ struct AgentOptions {
   // before its round (workers.hpp); empty: workers start cold. The worker
   // command must be Python running a script or -m MODULE.
   std::vector<std::string> warm_imports;
+  // With warm_imports: the spares also import what the worker's script (or
+  // -m module) imports at its top level, read from its source, less the
+  // modules its own folder gives it (--warm-workers without
+  // --warm-imports).
+  bool warm_program_imports = false;
 
   std::chrono::seconds lease_ttl{5};                       // a dead agent is noticed after this
   std::chrono::milliseconds poll_interval{250};            // rendezvous reads

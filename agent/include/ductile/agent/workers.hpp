@@ -119,6 +119,9 @@ struct SpareSetup {
   // True for the variables set for one round only (RANK, MASTER_PORT,
   // ...): the others must be the spare's own for it to run the worker.
   std::function<bool(const std::string& name)> is_round_variable;
+  // And those the program (the script, or -m MODULE) imports at its top
+  // level (ductile._warm_start reads its source).
+  bool program_imports = false;
 };
 
 // How long start() waits for a spare still importing; then, or when the
