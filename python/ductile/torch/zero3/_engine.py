@@ -390,6 +390,23 @@ class Zero3Engine:
         self._lr_scheduler = scheduler
 
     @property
+    def snapshot_overlap(self) -> bool:
+        """Whether an in-memory snapshot's shard file (under ``ductile
+        agent``) is copied, checksummed and written on a thread while the
+        next step's forward and backward run, and committed before the next
+        optimizer update (False: within step(), the default). The bytes
+        and the commits are the same; the snapshot of step N commits during
+        step N + 1 (_snapshots.py, "Overlap")."""
+        return self._snapshots.overlap
+
+    @snapshot_overlap.setter
+    def snapshot_overlap(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise InvalidArgumentError(
+                f"zero3: snapshot_overlap = {value!r} is not a bool; give True or False")
+        self._snapshots.overlap = value
+
+    @property
     def gradient_clipping(self) -> float | None:
         """The global norm step() clips the gradient to (DeepSpeed's
         ``gradient_clipping``); 0 or None: no clipping."""
@@ -478,7 +495,11 @@ class Zero3Engine:
 
     def shards_writable(self) -> None:
         """Before writing the optimizer's shards: an offloaded master may
-        still be read by its copy to the device (cuda); waits for it."""
+        still be read by its copy to the device (cuda), a snapshot's file
+        by its thread (``snapshot_overlap``: committed first, collective);
+        waits for them."""
+        if self._snapshots.writing is not None:
+            self._snapshots.finish_write()
         if self._offload is not None:
             self._offload.masters_changed()
 
@@ -614,6 +635,10 @@ class Zero3Engine:
         s["device_high_water_bytes"] = self._steps.device_high_water
         if self._offload is not None:
             s.update(self._offload.counters)
+        # The training thread's time blocked by in-memory snapshots, over
+        # the snapshots counted (_snapshots.py).
+        s["snapshot_blocked_ns"] = self._snapshots.blocked_ns
+        s["snapshots_timed"] = self._snapshots.timed
         s["units"] = len(self._passes.units)
         s.update({f"gather_{k}": v for k, v in self._session.gather_memory().items()})
         return s
