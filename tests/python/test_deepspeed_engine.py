@@ -269,13 +269,17 @@ def test_progress_lines_every_steps_per_print(capsys):
     engine, *_ = ds.initialize(model=model_of(), config=dict(
         CONFIG, steps_per_print=2, log_level="info", wall_clock_breakdown=True))
     train(engine, 4)
+    # A step's lines are written at the next step (its values on the host by
+    # then, without waiting), the last ones by destroy().
     out = capsys.readouterr().out
+    assert sum(line.startswith("time (ms) | fwd: ") for line in out.splitlines()) == 3
+    engine.destroy()
+    out += capsys.readouterr().out
     steps = [line for line in out.splitlines() if "step=" in line and "skipped=" in line]
     assert [s.split("step=")[1].split(",")[0] for s in steps] == ["2", "4"], out
     assert "lr=[0.01]" in steps[0]
     assert sum("RunningAvgSamplesPerSec=" in line for line in out.splitlines()) == 2
     assert sum(line.startswith("time (ms) | fwd: ") for line in out.splitlines()) == 4
-    engine.destroy()
     logging.getLogger("ductile.deepspeed").setLevel(logging.WARNING)
     # DeepSpeed's default log level is "warning": the step lines are silent.
     engine, *_ = ds.initialize(model=model_of(), config=dict(CONFIG, steps_per_print=1))

@@ -103,3 +103,54 @@ def test_shards_reach_the_host_through_two_reused_pinned_buffers(tmp_path):
         assert size == len(expected)
         assert path.read_bytes() == expected
         assert [b.data_ptr() for b in staging.buffers] == pointers
+
+
+def test_a_snapshot_thread_copies_after_the_training_threads_event(tmp_path):
+    """engine.snapshot_overlap's thread: the copies on the staging stream
+    wait for the event the training thread recorded after the step (a
+    kernel queued behind a long sleep before it is in the bytes), on the
+    thread's own device context."""
+    import threading
+
+    from ductile.torch.zero3._checkpoint_files import DeviceStaging, write_file
+    tensors = [torch.ones(1 << 20, device="cuda"), torch.arange(7, dtype=torch.int64)]
+    staging = DeviceStaging()
+    torch.cuda._sleep(200_000_000)
+    tensors[0].mul_(3)  # still queued when the thread starts
+    after = torch.cuda.Event()
+    after.record()
+    path = tmp_path / "shard.bin"
+    result = []
+
+    def write():
+        with torch.cuda.device(torch.cuda.current_device()):
+            result.append(write_file(str(path), staging.copies(tensors, after), durable=False))
+
+    thread = threading.Thread(target=write)
+    thread.start()
+    thread.join()
+    expected = b"".join(t.cpu().numpy().tobytes() for t in tensors)
+    assert result[0][0] == len(expected) and path.read_bytes() == expected
+
+
+def test_a_progress_line_waits_for_its_copies_without_synchronising():
+    """The progress line's values on cuda: copied into pinned memory behind
+    an event, a poll() before the event completes writes nothing and never
+    synchronises (sync debug mode "error"), flush() waits and writes the
+    values the tensors had at the step."""
+    from ductile.torch.zero3._progress import Lines
+    written = []
+    lines = Lines()
+    lr = torch.full((), 0.5, device="cuda")
+    counts = torch.tensor([4, 64], device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        torch.cuda._sleep(500_000_000)  # the copies queue behind this
+        lines.add({"lr": lr, "counts": counts, "step": 7}, written.append)
+        lr.fill_(0.25)  # the next step's value: not the line's
+        lines.poll()
+        assert written == []
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    lines.flush()
+    assert written == [{"lr": 0.5, "counts": [4, 64], "step": 7}]

@@ -1,7 +1,9 @@
 """The zero3 engine's progress lines: [zero] log_interval (or a DeepSpeed
 config's steps_per_print) prints one line every log_interval optimizer steps
 through the ``ductile.zero3`` logger, on rank 0 only, with the documented
-fields; the key is checked by the schema.
+fields; the key is checked by the schema. A step's line is written at a
+later step (or by flush_log, close, the process' exit) with that step's
+values, and no step reads a tensor's value on the host for it.
 
 Run as a script (under torchrun), this file is the 2-rank job's worker: it
 trains the test LM and writes every record of ``ductile.zero3`` of its rank
@@ -18,6 +20,7 @@ import torch
 
 import ductile
 from ductile.torch import zero3
+from ductile.torch.zero3 import _progress
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from zero3_launch import CONFIG, command, environment  # noqa: E402
@@ -52,7 +55,10 @@ def test_a_line_every_log_interval_steps_with_the_documented_fields(caplog):
     caplog.set_level(logging.INFO, logger="ductile.zero3")
     engine = zero3.initialize(model(), adam, CONFIG + "log_interval = 3\n")
     assert engine.log_interval == 3
-    train(engine, 7)
+    train(engine, 6)
+    # Step 6's line waits for the next step, which finds its values there.
+    assert [r.zero3_step["step"] for r in records_of(caplog)] == [3]
+    train(engine, 1)
     records = records_of(caplog)
     assert [r.zero3_step["step"] for r in records] == [3, 6]
     for record in records:
@@ -78,6 +84,8 @@ def test_off_by_default_and_set_on_the_engine(caplog):
     assert records_of(caplog) == []
     engine.log_interval = 2
     train(engine, 3)  # global steps 4, 5, 6
+    assert [r.zero3_step["step"] for r in records_of(caplog)] == [4]
+    engine.flush_log()
     assert [r.zero3_step["step"] for r in records_of(caplog)] == [4, 6]
     for bad in (1.5, "2", True, float("nan")):
         with pytest.raises(ductile.InvalidArgumentError) as error:
@@ -103,6 +111,8 @@ def test_without_counted_batches_no_rates(caplog):
     x, y = windows.step(0)
     engine.backward(loss_of(engine(x), y))
     engine.step()
+    assert records_of(caplog) == []
+    engine.close()  # writes the last step's line
     (record,) = records_of(caplog)
     assert "samples_per_second" not in record.zero3_step
     assert "tokens_per_second" not in record.zero3_step
@@ -113,6 +123,7 @@ def test_offload_traffic_is_reported(caplog):
     engine = zero3.initialize(model(), adam, CONFIG + "log_interval = 2\n",
                               offload_optimizer=True)
     train(engine, 2)
+    engine.flush_log()
     (record,) = records_of(caplog)
     fields = record.zero3_step
     stats = engine.stats()
@@ -131,6 +142,7 @@ def test_deepspeed_steps_per_print_is_the_interval(caplog):
     engine = zero3.initialize(model(), adam, config)
     assert engine.log_interval == 2
     train(engine, 4)
+    engine.flush_log()
     assert [r.zero3_step["step"] for r in records_of(caplog)] == [2, 4]
 
 
@@ -147,6 +159,8 @@ def test_the_deepspeed_engine_logs_every_steps_per_print(caplog):
         x, y = windows.step(s)
         engine.backward(loss_of(engine(x), y))
         engine.step()
+    assert [r.zero3_step["step"] for r in records_of(caplog)] == [2]
+    engine.destroy()  # writes the last step's lines
     records = records_of(caplog)
     assert [r.zero3_step["step"] for r in records] == [2, 4]
     for record in records:
@@ -155,6 +169,111 @@ def test_the_deepspeed_engine_logs_every_steps_per_print(caplog):
         # train_batch_size 4 samples a step, of 16 tokens each (the input ids).
         assert fields["samples_per_second"] == pytest.approx(4 / fields["step_time_s"])
         assert fields["tokens_per_second"] == pytest.approx(16 * fields["samples_per_second"])
+
+
+def test_each_line_has_the_values_of_its_own_step(caplog):
+    """Step N's line, written at step N + 1, holds step N's learning rate (a
+    tensor the scheduler fills in place) and counts (tensors), not those of
+    the step that writes it."""
+    caplog.set_level(logging.INFO, logger="ductile.zero3")
+    engine = zero3.initialize(model(), lambda s: torch.optim.AdamW(s, lr=torch.tensor(1e-3)),
+                              CONFIG + "log_interval = 1\n")
+    engine.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer,
+                                                            lambda step: 1.0 / (step + 1))
+    windows = Windows(batch=4, context=16)
+    lrs = []
+    for s in range(4):
+        x, y = windows.step(s)
+        engine.backward(loss_of(engine(x), y))
+        engine.count_batch(torch.tensor(s + 1), torch.tensor(10 * (s + 1)))
+        lrs.append(float(engine.optimizer.param_groups[0]["lr"]))
+        engine.step()
+        assert [r.zero3_step["step"] for r in records_of(caplog)] == list(range(1, s + 1))
+    engine.close()
+    records = [r.zero3_step for r in records_of(caplog)]
+    assert [f["step"] for f in records] == [1, 2, 3, 4]
+    assert [f["lr"] for f in records] == pytest.approx(lrs) == [1e-3, 5e-4, 1e-3 / 3, 2.5e-4]
+    for s, fields in enumerate(records):
+        assert fields["samples_per_second"] * fields["step_time_s"] == pytest.approx(s + 1)
+        assert fields["tokens_per_second"] * fields["step_time_s"] == pytest.approx(10 * (s + 1))
+
+
+def test_a_line_whose_values_are_on_their_way_waits_for_a_later_step(caplog, monkeypatch):
+    """On cuda a line's values come to the host behind an event: a step that
+    finds it incomplete leaves the line for a later step (here the event is
+    played by ready()); flush_log waits for them."""
+    caplog.set_level(logging.INFO, logger="ductile.zero3")
+    engine = zero3.initialize(model(), adam, CONFIG + "log_interval = 1\n")
+    arrived = [False]
+    monkeypatch.setattr(_progress.Deferred, "ready", lambda self: arrived[0])
+    train(engine, 3)
+    assert records_of(caplog) == []
+    arrived[0] = True
+    train(engine, 1)
+    assert [r.zero3_step["step"] for r in records_of(caplog)] == [1, 2, 3]
+    arrived[0] = False
+    engine.flush_log()
+    assert [r.zero3_step["step"] for r in records_of(caplog)] == [1, 2, 3, 4]
+
+
+def test_no_step_reads_a_tensor_on_the_host_for_the_lines(caplog, capsys, monkeypatch):
+    """Neither engine's steps (forward, backward, step) call item, cpu,
+    tolist or float on a tensor (the loss, the gradient norm, a value of a
+    line; only torch's optimizer does, on its cpu step counters), with every
+    line on (the DeepSpeed drop-in's with its clipping
+    norm, the zero3 engine's with a tensor learning rate and tensor counts):
+    on cuda each of them would wait for the device."""
+    import ductile.deepspeed as ds
+    caplog.set_level(logging.INFO, logger="ductile.zero3")
+    watched, read = [True], []
+
+    def spy(original):
+        def read_on_host(self, *args, **kwargs):
+            if watched[0]:
+                read.append(self)
+            return original(self, *args, **kwargs)
+        return read_on_host
+
+    for name in ("item", "cpu", "tolist", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, spy(getattr(torch.Tensor, name)))
+
+    deepspeed, *_ = ds.initialize(model=model(), config={
+        "train_micro_batch_size_per_gpu": 4, "steps_per_print": 1, "log_level": "info",
+        "wall_clock_breakdown": True, "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3}})
+    engine = zero3.initialize(model(), lambda s: torch.optim.AdamW(s, lr=torch.tensor(1e-3)),
+                              CONFIG + "log_interval = 1\n")
+    windows = Windows(batch=4, context=16)
+    losses, norms = [], []
+    for s in range(3):
+        watched[0] = False  # the test's batch
+        x, y = windows.step(s)
+        watched[0] = True
+        loss = loss_of(deepspeed(x), y)
+        deepspeed.backward(loss)
+        deepspeed.step()
+        losses.append(loss)
+        norms.append(deepspeed.zero3.grad_norm)
+        loss = loss_of(engine(x), y)
+        engine.backward(loss)
+        engine.count_batch(torch.tensor(4), torch.tensor(64))
+        engine.step()
+        losses.append(loss)
+    watched[0] = False
+    assert len(norms) == 3 and all(isinstance(n, torch.Tensor) for n in norms)
+    # Only torch's AdamW reads tensors: its step counters (cpu tensors).
+    counters = {state["step"].data_ptr() for optimizer in (deepspeed.optimizer, engine.optimizer)
+                for state in optimizer.state.values()}
+    assert read and {t.data_ptr() for t in read} <= counters
+    # The lines of both engines' first two steps were written meanwhile.
+    assert [r.zero3_step["step"] for r in records_of(caplog)] == [1, 1, 2, 2]
+    assert capsys.readouterr().out.count("skipped=") == 2
+    deepspeed.destroy()
+    engine.close()
+    assert [r.zero3_step["step"] for r in records_of(caplog)] == [1, 1, 2, 2, 3, 3]
+    assert capsys.readouterr().out.count("skipped=") == 1
+    logging.getLogger("ductile.deepspeed").setLevel(logging.WARNING)
 
 
 @pytest.mark.parametrize("value, message", [
@@ -210,6 +329,7 @@ def _worker(out):
     logger.addHandler(Keep())
     engine = zero3.initialize(model(), adam, CONFIG + "log_interval = 2\n")
     train(engine, 6, rank, world)
+    engine.flush_log()
     with open(os.path.join(out, f"records-rank{rank}.json"), "w") as f:
         json.dump(records, f)
     torch.distributed.barrier()

@@ -7,6 +7,7 @@ DUCTILE_SNAPSHOT_RESTORE; the config keys, TOML and DeepSpeed."""
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -28,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from zero3_checkpoint_support import same, snapshot, train  # noqa: E402
 from zero3_launch import CONFIG, command, environment, prepare  # noqa: E402
-from zero3_model import make_model  # noqa: E402
+from zero3_model import Windows, loss_of, make_model  # noqa: E402
 
 
 def adam(shards):
@@ -169,6 +170,123 @@ def test_interval_2_writes_at_even_steps_only(snapshots):
         train(engine, 1)
         seen.append(tags(snapshots) if snapshots.exists() else [])
     assert seen == [[], ["step2"], ["step2"], ["step2", "step4"], ["step2", "step4"]]
+
+
+@pytest.mark.parametrize("replicas", [1, 0])
+def test_the_training_threads_blocked_time_is_counted_per_snapshot(snapshots, caplog, replicas):
+    """engine.stats() sums the time each snapshot held the training thread:
+    its write and commit in step(), and, with replicas, the wait for them
+    before the next update (counted then); a debug line says it for each."""
+    caplog.set_level(logging.DEBUG, logger="ductile.zero3")
+    engine = engine_of(with_keys(snapshot_interval=2, snapshot_replicas=replicas))
+    stats = engine.stats()
+    assert (stats["snapshots_timed"], stats["snapshot_blocked_ns"]) == (0, 0)
+    timed = []
+    for _ in range(5):
+        train(engine, 1)
+        timed.append(engine.stats()["snapshots_timed"])
+    # With replicas, step 2's snapshot is counted once step 3 waited for them.
+    assert timed == ([0, 0, 1, 1, 2] if replicas else [0, 1, 1, 2, 2])
+    assert engine.stats()["snapshot_blocked_ns"] > 0
+    lines = [r.getMessage() for r in caplog.records if "was blocked" in r.getMessage()]
+    assert [line.split(":")[0] for line in lines] == ["zero3 snapshot of step 2",
+                                                      "zero3 snapshot of step 4"], lines
+    assert all(line.endswith(" ms") for line in lines)
+
+
+def _values_of(path):
+    """A shard file's values (after its header, whose save id is new each time)."""
+    with open(path, "rb") as f:
+        offset = _checkpoint_files.read_header(f, path)[1]
+        f.seek(offset)
+        return f.read()
+
+
+def test_overlap_writes_the_same_snapshots_on_a_thread_committed_before_the_next_update(
+        snapshots, tmp_path, monkeypatch):
+    """With snapshot_overlap, step N's shard file is written by a thread
+    while step N + 1's forward and backward run, and committed before its
+    optimizer update: the same bytes and commits as within step(), one step
+    later."""
+    engine = engine_of()
+    assert engine.snapshot_overlap is False
+    with pytest.raises(ductile.InvalidArgumentError, match="snapshot_overlap = 1 is not a bool"):
+        engine.snapshot_overlap = 1
+    engine.snapshot_overlap = True
+    windows = Windows(batch=2)
+    # gates[n] opens once step n + 1's forward and backward ran: step n's
+    # snapshot can be written only then, so the training thread does not
+    # wait for it before the update.
+    gates = [threading.Event() for _ in range(4)]
+    writers = set()
+
+    def hold(operation, path):
+        if threading.current_thread() is not threading.main_thread():
+            writers.add(threading.current_thread().name)
+            if operation == "write":
+                folder = os.path.basename(os.path.dirname(path))  # step<n>.tmp
+                assert gates[int(folder[4:].split(".")[0])].wait(60)
+
+    monkeypatch.setattr(_checkpoint_files, "_fault_hook", hold)
+    seen, states = [], []
+    for step in range(3):
+        x, y = windows.step(step)
+        engine.backward(loss_of(engine(x), y))
+        gates[step].set()
+        engine.step()
+        states.append(snapshot(engine))
+        seen.append((latest(snapshots) if (snapshots / "latest").exists() else None,
+                     tags(snapshots)))
+    # Step N's snapshot commits in step N + 1, before its update; step N + 1's
+    # is staged.
+    assert seen == [(None, ["step1.tmp"]), ("step1", ["step1", "step2.tmp"]),
+                    ("step2", ["step1", "step2", "step3.tmp"])]
+    assert writers == {"ductile-zero3-snapshot"}
+    gates[3].set()
+    engine.wait_for_save()  # commits the last one
+    assert latest(snapshots) == "step3" and tags(snapshots) == ["step2", "step3"]
+    checker = engine_of(seed=1)
+    checker.load(snapshots)
+    assert checker.global_step == 3 and same(snapshot(checker), states[2])
+
+    # The same bytes as a snapshot written within step().
+    monkeypatch.setattr(_checkpoint_files, "_fault_hook", None)
+    monkeypatch.setenv("DUCTILE_SNAPSHOT_DIR", str(tmp_path / "within"))
+    within = engine_of()
+    train(within, 3)
+    for name in ("step2", "step3"):
+        assert _values_of(snapshots / name / "rank0-of-1.bin") == \
+            _values_of(tmp_path / "within" / name / "rank0-of-1.bin")
+        ours, theirs = (json.loads((root / name / "manifest.json").read_text())
+                        for root in (snapshots, tmp_path / "within"))
+        for manifest in (ours, theirs):
+            del manifest["save_id"]
+            del manifest["shards"][0]["crc32c"]  # over the header too
+        assert ours == theirs
+
+
+def test_an_overlapped_write_that_fails_is_logged_and_the_previous_snapshot_kept(
+        snapshots, monkeypatch, caplog):
+    engine = engine_of()
+    engine.snapshot_overlap = True
+    train(engine, 2)  # step 1 committed; step 2's thread writing
+    engine._snapshots.writing.thread.join()  # done, not committed
+
+    def full(operation, path):
+        if threading.current_thread() is not threading.main_thread() and operation == "write":
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_checkpoint_files, "_fault_hook", full)
+    train(engine, 1)  # commits step 2; step 3's thread fails
+    assert latest(snapshots) == "step2"
+    train(engine, 1)  # step 3 fails on every rank: logged, training goes on
+    assert latest(snapshots) == "step2" and engine.global_step == 4
+    assert any("zero3 snapshot of step 3" in r.getMessage() and "No space left" in
+               r.getMessage() for r in caplog.records), caplog.records
+    assert "step3.tmp" not in os.listdir(snapshots)  # removed; step4.tmp is being written
+    monkeypatch.setattr(_checkpoint_files, "_fault_hook", None)
+    engine.close()  # commits step 4's
+    assert latest(snapshots) == "step4"
 
 
 def test_interval_0_or_no_snapshot_dir_writes_nothing(snapshots, tmp_path, monkeypatch):

@@ -5,9 +5,19 @@
 # tests and benchmarks, and writes each stage's log to $OUT (the folder
 # whose files come back to the development machine).
 #
-#   tools/gpu/on_device.sh [STAGE...]    (no stage: all of them, in order)
+#   tools/gpu/on_device.sh [STAGE...]    (no stage: build ds_ops tests zero3a)
 #
-# Stages: build; tests (ctest: the cuda device suite and python/test_zero3_cuda);
+# Each stage runs under its own time budget (STAGE_BUDGET below, killed past
+# it) with its log in $OUT/<stage>.log, and the whole call under
+# ON_DEVICE_BUDGET seconds (540 by default: one call of at most 9 minutes):
+# a stage that no longer fits what is left is not started (said so). The
+# default list's budgets add up to 540 s on a fresh machine.
+#
+# Stages: build; ds_ops (DeepSpeed's JIT ops, cpu_adam and fused_adam, built
+# once into $TORCH_EXTENSIONS_DIR before any timed run); costs (the progress
+# line's and a snapshot's cost against the step: bench_zero3.py --engines
+# ductile,ductile-logging,ductile-snapshots,ductile-snapshots-overlap, with
+# the training thread's blocked time per snapshot); tests (ctest: the cuda device suite and python/test_zero3_cuda);
 # copy (accelerator_cuda_copy_bench); zero3 (bench_zero3.py --device cuda:
 # GPT-2 medium's shape, fp32 and bf16, batch 8 and 32, against DDP, FSDP2
 # and DeepSpeed, with the Python calls and the GPU's idle time per step;
@@ -38,11 +48,16 @@ export CC=/usr/bin/gcc CXX=/usr/bin/g++
 out=${OUT:-/tmp/ductile-gpu}
 mkdir -p "$out"
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(build tests copy zero3 flatten cpu_adam)
+[ ${#stages[@]} -eq 0 ] && stages=(build ds_ops tests zero3a)
 build=build-gpu
 deps=/tmp/ductile-deps
 python=$(command -v python3)
 status=0
+call_budget=${ON_DEVICE_BUDGET:-540}
+# Seconds each stage may take (its timeout); a stage not listed gets 300.
+declare -A STAGE_BUDGET=([build]=60 [ds_ops]=120 [tests]=120 [zero3a]=240 [zero3b]=240
+  [costs]=290 [copy]=60 [flatten]=300 [cpu_adam]=120 [offload]=420 [offload_race]=420
+  [compile]=300 [hf_trainer]=300 [wheel]=300)
 
 note() { echo "== $(date -u +%H:%M:%S) $*"; }
 
@@ -77,8 +92,25 @@ nccl=$("$python" -c "import nvidia.nccl as n; print(list(n.__path__)[0])")
 run_stage() {
   local name=$1
   shift
-  note "$name: $*"
-  if ! "$@" >"$out/$name.log" 2>&1; then
+  local limit=${STAGE_BUDGET[$name]:-300}
+  local left=$((call_budget - SECONDS))
+  if [ "$left" -lt "$limit" ]; then
+    echo "on_device.sh: stage $name not run: its budget is ${limit} s, ${left} s of the call's" \
+      "ON_DEVICE_BUDGET=${call_budget} s are left; run it in a call of its own"
+    [ $status -eq 0 ] && status=1
+    return 1
+  fi
+  note "$name (at most ${limit} s): $*"
+  # A stage that is a function of this script runs in a child bash (the
+  # functions and the variables they read are exported), so that timeout
+  # can stop it and everything it started.
+  local command=("$@")
+  declare -F "$1" >/dev/null && command=(bash -c '"$@"' "$1" "$@")
+  timeout --kill-after=10 "$limit" "${command[@]}" >"$out/$name.log" 2>&1
+  local rc=$?
+  if [ $rc -ne 0 ]; then
+    [ $rc -eq 124 ] && echo "on_device.sh: stage $name ran past its ${limit} s budget" |
+      tee -a "$out/$name.log"
     echo "on_device.sh: stage $name failed; the end of $out/$name.log:"
     tail -40 "$out/$name.log"
     [ $status -eq 0 ] && status=1
@@ -156,6 +188,41 @@ stage_wheel() {
 }
 
 export PYTHONPATH=$PWD/$build/python${site:+:$site} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+# DeepSpeed's op builder reads TORCH_CUDA_ARCH_LIST as numbers ("9.0",
+# "9.0+PTX"): an image's "9.0a" fails every JIT build with "invalid literal
+# for int() with base 10: '0a'". This device's own capability, as DeepSpeed
+# parses it; ductile's build does not read the variable.
+TORCH_CUDA_ARCH_LIST=$("$python" -c "import torch; print('%d.%d' % \
+torch.cuda.get_device_capability(0))") || TORCH_CUDA_ARCH_LIST=9.0
+export TORCH_CUDA_ARCH_LIST TORCH_EXTENSIONS_DIR=/tmp/ductile-torch-extensions
+echo "TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST" | tee -a "$out/machine.txt"
+export build deps python out nccl site
+
+# DeepSpeed's JIT ops, built once before any timed run (offload_race's
+# DeepSpeedCPUAdam, hf_trainer's FusedAdam): the timed stages load them
+# from $TORCH_EXTENSIONS_DIR.
+stage_ds_ops() {
+  "$python" -c "
+import time
+from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder
+for builder in (CPUAdamBuilder(), FusedAdamBuilder()):
+    start = time.perf_counter()
+    builder.load(verbose=False)
+    print(f'{builder.name}: built and loaded in {time.perf_counter() - start:.1f} s')
+"
+}
+
+# What a progress line and a snapshot cost against the step at the race
+# size (GPT-2 41.7 M, one rank): a line and a snapshot on every step, the
+# snapshot's blocked time on the training thread; twice, for the spread.
+stage_costs() {
+  local run
+  for run in 1 2; do
+    note "costs: run $run"
+    timeout 140 "$python" tests/benchmarks/python/bench_zero3.py --device cuda --steps 20 \
+      --engines ductile,ductile-logging,ductile-snapshots,ductile-snapshots-overlap || return 1
+  done
+}
 
 # The ZeRO-3 race on the GPU: batch 8 (fp32, bf16) in zero3a, with the
 # Python calls and the GPU's idle time per step; batch 32 in zero3b.
@@ -211,6 +278,9 @@ stage_zero3b() {
   bench_zero3 --batch 32 --precision bf16 --engines fsdp2,deepspeed,ductile,ductile-mpi
 }
 
+# The stages run in child shells (run_stage): they see these functions.
+export -f note bench_zero3 $(declare -F | awk '$3 ~ /^stage_/ {print $3}')
+
 for stage in "${stages[@]}"; do
   case $stage in
     build) run_stage build stage_build || break ;;
@@ -227,6 +297,8 @@ for stage in "${stages[@]}"; do
     compile) run_stage compile stage_compile ;;
     offload_race) run_stage offload_race stage_offload_race ;;
     hf_trainer) run_stage hf_trainer stage_hf_trainer ;;
+    ds_ops) run_stage ds_ops stage_ds_ops ;;
+    costs) run_stage costs stage_costs ;;
     flatten)
       run_stage flatten timeout 420 "$python" tests/benchmarks/python/bench_flatten.py llama-gpu \
         400 3
@@ -238,8 +310,9 @@ for stage in "${stages[@]}"; do
       run_stage cpu_adam timeout 300 $build/bin/optimizer_cpu_adam
       ;;
     *)
-      echo "on_device.sh: stage '$stage' is not valid; use build, tests, copy, zero3 (zero3a," \
-        "zero3b), flatten, wheel, cpu_adam, offload, offload_race, hf_trainer or compile"
+      echo "on_device.sh: stage '$stage' is not valid; use build, ds_ops, tests, copy, zero3" \
+        "(zero3a, zero3b), costs, flatten, wheel, cpu_adam, offload, offload_race, hf_trainer" \
+        "or compile"
       exit 2
       ;;
   esac

@@ -17,7 +17,10 @@ DeepSpeed's engine does around them:
   throughput and timing lines, through the ``ductile.deepspeed`` logger on
   rank 0; and, as the zero3 engine's ``log_interval``, its progress line
   (``ductile.zero3`` logger), with the samples of each step and the tokens
-  of each training forward counted here.
+  of each training forward counted here. A step's lines are written at a
+  later step, once their values reached the host (the zero3 engine's
+  ``Lines``): no line makes a step wait for the device; ``destroy()`` and
+  the process' exit write the last ones.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch
 from .._config import StrPath
 from .._errors import InvalidArgumentError, IoError
 from ..torch.zero3 import Zero3Engine
+from ..torch.zero3._progress import owned_lines
 from ..zero_to_fp32 import write_script
 
 _logger = logging.getLogger("ductile.deepspeed")
@@ -110,6 +114,23 @@ def _tokens_of(args, kwargs):
     return ids.numel() if isinstance(ids, torch.Tensor) else None
 
 
+def _write_report(values):
+    """Writes one step's DeepSpeed lines from the values _report took."""
+    progress = values.get("progress")
+    if progress is not None:
+        step, skipped, micro_step, average, current, allocated, peak = progress
+        log = _progress_logger()
+        log.info(f"[Rank 0] step={step}, skipped={skipped}, lr={values['lr']}, "
+                 f"mom={values['mom']}")
+        log.info(f"[Rank 0] epoch=0/micro_step={micro_step}/global_step={step}, "
+                 f"RunningAvgSamplesPerSec={average}, CurrSamplesPerSec={current}, "
+                 f"MemAllocated={allocated}GB, MaxMemAllocated={peak}GB")
+    spent = values["spent"]
+    if spent is not None:
+        print("time (ms) | " + " | ".join(f"{name}: {seconds * 1e3:.2f}"
+                                          for name, seconds in spent.items()), flush=True)
+
+
 class DeepSpeedEngine(torch.nn.Module):
     """What ``ductile.deepspeed.initialize`` returns first: DeepSpeed's
     engine over ``zero3``, the ductile ZeRO-3 engine of ``module``."""
@@ -147,6 +168,7 @@ class DeepSpeedEngine(torch.nn.Module):
             self.micro_steps = restored * self._accumulation
         self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override
         self._timers = _Timers()
+        self._lines = owned_lines(self)  # the progress lines taken, not yet written
         # DeepSpeed's engine reports the gradient norm of every step.
         zero3.measure_grad_norm = True
 
@@ -310,6 +332,8 @@ class DeepSpeedEngine(torch.nn.Module):
         clears the gradients, counts the step and prints progress every
         steps_per_print steps. Always counts the micro-step."""
         self._require_optimizer("step")
+        if self._lines:
+            self._lines.poll()  # earlier steps' lines whose values have arrived
         if self.is_gradient_accumulation_boundary():
             # This rank's share of the step's samples, as DeepSpeed counts
             # them (train_batch_size a step).
@@ -325,26 +349,25 @@ class DeepSpeedEngine(torch.nn.Module):
         self.micro_steps += 1
 
     def _report(self, step_seconds):
+        """Takes the step's lines (rank 0): written at a later step, once
+        a learning rate given as a tensor reached the host."""
         step = self.global_steps + 1
         self._timers.trained_time += step_seconds
         self._timers.trained_steps += 1
         spent = self._timers.take()
         if self.global_rank != 0:
             return
-        log = _progress_logger()
+        values: dict[str, Any] = {"spent": spent if self._wall_clock_breakdown else None}
         if self._steps_per_print is not None and step % self._steps_per_print == 0:
-            log.info(f"[Rank 0] step={step}, skipped={self.skipped_steps}, lr={self.get_lr()}, "
-                     f"mom={self.get_mom()}")
             average = self._timers.trained_steps * self._train_batch_size / max(
                 self._timers.trained_time, 1e-9)
             current = self._train_batch_size / max(step_seconds, 1e-9)
-            allocated, peak = self._memory_gb()
-            log.info(f"[Rank 0] epoch=0/micro_step={self.micro_steps + 1}/global_step={step}, "
-                     f"RunningAvgSamplesPerSec={average}, CurrSamplesPerSec={current}, "
-                     f"MemAllocated={allocated}GB, MaxMemAllocated={peak}GB")
-        if self._wall_clock_breakdown:
-            print("time (ms) | " + " | ".join(f"{name}: {seconds * 1e3:.2f}"
-                                              for name, seconds in spent.items()), flush=True)
+            values["progress"] = (step, self.skipped_steps, self.micro_steps + 1, average,
+                                  current, *self._memory_gb())
+            values["lr"] = self.get_lr()
+            values["mom"] = self.get_mom()
+        if len(values) > 1 or values["spent"] is not None:
+            self._lines.add(values, _write_report)
 
     def _memory_gb(self):
         device = self._zero3.device
@@ -481,6 +504,8 @@ class DeepSpeedEngine(torch.nn.Module):
     _consolidated_16bit_state_dict = _zero3_consolidated_16bit_state_dict
 
     def destroy(self) -> None:
-        """Removes the hooks and gives the model its whole parameters back
-        (``Zero3Engine.close``). Collective."""
+        """Writes the progress lines not written yet, removes the hooks and
+        gives the model its whole parameters back (``Zero3Engine.close``).
+        Collective."""
+        self._lines.flush()
         self._zero3.close()

@@ -22,6 +22,13 @@ another in one run (a program that prints figures, medians; not a test):
   its steps alternate with and without a snapshot: the difference of the
   two medians within one run is a snapshot's cost, untouched by the drift
   between runs that a race of whole runs on a shared machine sees.
+- ductile-snapshots-overlap: ductile-snapshots with engine.snapshot_overlap:
+  each snapshot's shard file copied, checksummed and written on a thread
+  while the next step's forward and backward run, committed before its
+  update.
+  For the three, the median time the training thread was blocked per
+  snapshot (engine.stats()'s snapshot_blocked_ns) and its ratio to a step
+  without one.
 
 ZeRO-3 engines get the same settings (prefetch bucket, live limit, reuse
 distance, persistence threshold); every engine trains with torch.optim.Adam,
@@ -129,7 +136,7 @@ snapshot_interval = {{snapshot_interval}}
 # with `import ductile.deepspeed as deepspeed` (docs/deepspeed.md).
 ENGINES = ("ddp", "fsdp2", "deepspeed", "ductile", "ductile-deepspeed", "ductile-mpi",
            "ductile-noprefetch", "ductile-logging", "ductile-snapshots",
-           "ductile-snapshots-alternate")
+           "ductile-snapshots-alternate", "ductile-snapshots-overlap")
 
 
 def rss_bytes():
@@ -343,6 +350,7 @@ def worker(engine_name, size, steps, out, device, global_batch, precision, calls
                                       snapshot_interval=2 if engine_name.endswith("alternate")
                                       else 1),
                                   mixed_precision="bf16" if bf16 else None)
+        engine.snapshot_overlap = engine_name.endswith("overlap")
         optimizer = engine.optimizer
         rank, world = engine.rank, engine.world_size
 
@@ -371,7 +379,7 @@ def worker(engine_name, size, steps, out, device, global_batch, precision, calls
         return ids
     assert per_rank * world == global_batch
 
-    times, losses, waits = [], [], []
+    times, losses, waits, blocked = [], [], [], []
     before = stats_of() if stats_of else None
     # BENCH_ZERO3_PROFILE=<engine>:<file>: rank 0 of that engine writes the
     # host-side profile (cProfile, by cumulative time) of its steps there.
@@ -394,6 +402,13 @@ def worker(engine_name, size, steps, out, device, global_batch, precision, calls
         if stats_of:
             after = stats_of()
             waits.append((after["fetch_wait_ns"] - before["fetch_wait_ns"]) / 1e9)
+            # The training thread's time blocked per snapshot (its write and
+            # commit, then the wait for its replicas at the next step), for
+            # the snapshots whose time was complete at this step.
+            timed = after.get("snapshots_timed", 0) - before.get("snapshots_timed", 0)
+            if timed and s >= WARMUP:
+                blocked.append((after["snapshot_blocked_ns"] - before["snapshot_blocked_ns"])
+                               / timed / 1e9)
             before = after
     if profiler:
         import pstats
@@ -406,7 +421,8 @@ def worker(engine_name, size, steps, out, device, global_batch, precision, calls
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
     record = {"rank": rank, "times": times[WARMUP:], "losses": losses[:3], "numel": numel,
               "peak": peak, "setup_peak": setup_peak, "param_bytes": param_bytes(),
-              "optimizer_bytes": optimizer_bytes(optimizer), "waits": waits[WARMUP:]}
+              "optimizer_bytes": optimizer_bytes(optimizer), "waits": waits[WARMUP:],
+              "snapshot_blocked": blocked}
     if calls:
         import cProfile
         import pstats
@@ -543,9 +559,10 @@ def report(args, engines, results, failures):
             f" (before the first step {max(x['setup_peak'] for x in r) / 2**20:.0f})"
         print(f"engine {engine}: step {med[engine] * 1e3:.1f} ms, {ratio(engine, 'deepspeed')} "
               f"DeepSpeed, {ratio(engine, 'fsdp2')} FSDP2, peak {peak:.0f} MiB/rank{setup}")
-    if "ductile" in med and "ductile-snapshots" in med:
-        print(f"a snapshot every step: {(med['ductile-snapshots'] / med['ductile'] - 1) * 100:+.2f}%"
-              " of ductile's step")
+    for engine in ("ductile-snapshots", "ductile-snapshots-overlap"):
+        if "ductile" in med and engine in med:
+            print(f"{engine}, a snapshot every step: "
+                  f"{(med[engine] / med['ductile'] - 1) * 100:+.2f}% of ductile's step")
     if "ductile-snapshots-alternate" in med:
         # Steps after the warm-up: the first makes global_step WARMUP + 1.
         times = results["ductile-snapshots-alternate"][0]["times"]
@@ -555,6 +572,18 @@ def report(args, engines, results, failures):
         print(f"a snapshot, within one run (steps alternating): {(with_one - without) * 1e3:+.1f} "
               f"ms, {(with_one / without - 1) * 100:+.2f}% of a step without one "
               f"({without * 1e3:.1f} ms)")
+    for engine in ("ductile-snapshots", "ductile-snapshots-alternate",
+                   "ductile-snapshots-overlap"):
+        blocked = results[engine][0]["snapshot_blocked"] if engine in results else None
+        if blocked:
+            # Against a step without a snapshot: ductile's (the alternating
+            # run's own steps without one).
+            step = without if engine.endswith("alternate") else med.get("ductile")
+            against = f", {statistics.median(blocked) / step * 100:.2f}% of a step without " \
+                f"one ({step * 1e3:.1f} ms)" if step else ""
+            print(f"{engine}: the training thread blocked {statistics.median(blocked) * 1e3:.1f} "
+                  f"ms per snapshot (median of {len(blocked)}; write and commit, then the wait "
+                  f"for its replicas){against}")
     if "ductile" in med and "ductile-logging" in med:
         print(f"logging every step: {(med['ductile-logging'] / med['ductile'] - 1) * 100:+.2f}% "
               "of ductile's step")
@@ -564,7 +593,7 @@ def report(args, engines, results, failures):
               f"  optimizer {max(x['optimizer_bytes'] for x in r) / 2**20:8.1f} MiB/rank"
               f"  first losses {', '.join(f'{v:.5f}' for v in r[0]['losses'])}")
     for engine in ("ductile", "ductile-deepspeed", "ductile-noprefetch", "ductile-mpi",
-                   "ductile-logging", "ductile-snapshots"):
+                   "ductile-logging", "ductile-snapshots", "ductile-snapshots-overlap"):
         if engine in results and results[engine][0]["waits"]:
             print(f"  {engine}: gather wait {statistics.median(results[engine][0]['waits']) * 1e3:.1f}"
                   " ms per step (median)")

@@ -298,20 +298,32 @@ def commit(plan, target, written, shards):
 
 def _write(engine, target, client_state, written):
     plan = prepare(engine, target, client_state, written)
+    finish(engine, target, plan, written, lambda: write_shards(engine, target, plan))
 
-    def write_shards():
-        path = os.path.join(plan.staging, plan.stem)
-        reuse = _superseded_file(target.root, plan.stem) if target.reuse else None
-        try:
-            shard = write_file(path, shard_chunks(engine, plan.optimizer, plan.parameters,
-                                                  header(plan.save_id, plan.step, plan.rank,
-                                                         plan.world)),
-                               sha256=plan.signed, durable=target.durable, reuse=reuse)
-        except OSError as e:
-            raise io_error(path, "cannot write the shard file", e) from e
-        return shard + [plan.common_digest]
 
-    shards_written = agree(engine.comm, write_shards,
+def write_shards(engine, target, plan, after=None):
+    """This rank's shard file (its values, checksummed as they are
+    written); returns its record [size, CRC-32C, (SHA-256), leader's
+    digest]. `after`: on cuda, the event the copies wait for (when this
+    runs off the training thread). Touches no collective: it may run on a
+    thread of its own (_snapshots.py)."""
+    path = os.path.join(plan.staging, plan.stem)
+    reuse = _superseded_file(target.root, plan.stem) if target.reuse else None
+    try:
+        shard = write_file(path, shard_chunks(engine, plan.optimizer, plan.parameters,
+                                              header(plan.save_id, plan.step, plan.rank,
+                                                     plan.world), after),
+                           sha256=plan.signed, durable=target.durable, reuse=reuse)
+    except OSError as e:
+        raise io_error(path, "cannot write the shard file", e) from e
+    return shard + [plan.common_digest]
+
+
+def finish(engine, target, plan, written, wrote):
+    """The rest of a checkpoint once this rank's shard file is written
+    (`wrote()` gives its record, or raises the write's error): every rank's
+    records agreed, then the leaders' commit. Collective."""
+    shards_written = agree(engine.comm, wrote,
                            payload=lambda v: json.dumps(v).encode(), what=target.what)
     shards = shard_records(plan, [json.loads(p.decode()) for p in shards_written.payloads],
                            target.what)

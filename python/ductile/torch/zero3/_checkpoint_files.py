@@ -291,7 +291,11 @@ def shard_layout(parameters, where):
     return offsets, layout
 
 
-def shard_chunks(engine, optimizer, parameters, header):
+def shard_chunks(engine, optimizer, parameters, header, after=None):
+    """The shard file's chunks: the header, then every shard and its
+    optimizer state. `after`: a CUDA event the device copies wait for
+    (recorded on the training thread's stream), else they wait for this
+    thread's current stream."""
     yield header
     tensors = []
     for info, meta in zip(engine._params, parameters):
@@ -302,7 +306,7 @@ def shard_chunks(engine, optimizer, parameters, header):
         staging = _STAGING.get(engine)
         if staging is None:
             staging = _STAGING[engine] = DeviceStaging()
-        yield from staging.copies(tensors)
+        yield from staging.copies(tensors, after)
     else:
         yield from map(raw_bytes, tensors)
 
@@ -322,13 +326,17 @@ class DeviceStaging:
         self.events = [torch.cuda.Event(), torch.cuda.Event()]
         self._rest = None
 
-    def copies(self, tensors):
+    def copies(self, tensors, after=None):
         """The bytes of `tensors` (CUDA or CPU) in order, as host views of
-        _BATCH_BYTES each but the last. Buffer j is refilled only after its
-        view was handed over and the next one asked for: write_file writes a
-        chunk of _BATCH_BYTES before it asks for the next, so by then the
-        bytes are in the file."""
-        self.stream.wait_stream(torch.cuda.current_stream())
+        _BATCH_BYTES each but the last, copied once `after` (a CUDA event;
+        None: the current stream's work so far) is complete. Buffer j is
+        refilled only after its view was handed over and the next one asked
+        for: write_file writes a chunk of _BATCH_BYTES before it asks for
+        the next, so by then the bytes are in the file."""
+        if after is not None:
+            self.stream.wait_event(after)
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream())
         source = (t.detach().reshape(-1).view(torch.uint8) for t in tensors)
         self._rest = None
         which, filled = 0, self._fill(0, source)

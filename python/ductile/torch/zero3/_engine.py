@@ -6,9 +6,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import logging
-import resource
-import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal, TypeAlias
@@ -23,6 +20,7 @@ from ._gradients import GradientReducer, LossScaling, MixedPrecision
 from ._optimizer_step import OptimizerStep, place
 from ._param import Sharding
 from ._passes import ENGINE, EXTERNAL, Passes
+from ._progress import StepLog
 from ._snapshots import Snapshots
 from ._world import DeviceMemory, SessionCollectives
 
@@ -201,116 +199,6 @@ def optimizer_factory(optimizer, origin):
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{origin}: optimizer.params: {e}") from e
     return factory
-
-
-# The progress lines (docs/zero3.md, "Progress lines"). Between two lines a step costs one
-# integer test and, for the steps that count samples (``Zero3Engine.count_batch``), two
-# additions; the counters are summed over the ranks and formatted only at a logged step.
-
-logger = logging.getLogger("ductile.zero3")
-
-
-def _visible_logger():
-    """The logger at INFO unless the application set its level, with a
-    handler to stderr when nothing would print its records: a log_interval
-    asks for lines to be seen."""
-    if logger.level == logging.NOTSET:
-        logger.setLevel(logging.INFO)
-    if not logger.hasHandlers():
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("[%(asctime)s] [%(name)s] %(message)s"))
-        logger.addHandler(handler)
-    return logger
-
-
-def _peak_memory(device):
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device), "device"
-    # ru_maxrss is in KiB on Linux.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "host_rss"
-
-
-class StepLog:
-    """The interval's counters of one engine and the line they make."""
-
-    def __init__(self, interval, engine):
-        self.interval = interval
-        self._engine = engine
-        _visible_logger()
-        self._restart()
-
-    def _restart(self):
-        engine = self._engine
-        self._start = time.perf_counter()
-        self._steps = 0  # counted here: a checkpoint's load moves global_step
-        self._samples = 0
-        self._tokens = 0
-        coordinator = engine._session.stats()
-        self._fetch_wait_ns = coordinator["fetch_wait_ns"]
-        self._grad_wait_ns = engine._gradients.counters["grad_wait_ns"]
-        offload = engine._offload
-        self._offload_bytes = None if offload is None else (
-            offload.counters["offload_grad_bytes"], offload.counters["offload_param_bytes"])
-
-    def count(self, samples, tokens):
-        self._samples = self._samples + samples
-        if tokens is not None:
-            self._tokens = self._tokens + tokens
-
-    def due(self, step):
-        """Whether the step that ends at global_step `step` is logged;
-        called once a step."""
-        self._steps += 1
-        return step % self.interval == 0
-
-    def log(self, lr):
-        """At a logged step, after it: the line (rank 0), and a new
-        interval. Collective with more than one rank (the counts' sum)."""
-        engine = self._engine
-        seconds = max(time.perf_counter() - self._start, 1e-9)
-        steps = max(self._steps, 1)
-        samples, tokens = self._counted()
-        if engine.rank == 0:
-            fields = {"step": engine.global_step, "loss_scale": float(engine.loss_scale),
-                      "lr": None if lr is None else float(lr), "step_time_s": seconds / steps}
-            if samples:
-                fields["samples_per_second"] = samples / seconds
-            if tokens:
-                fields["tokens_per_second"] = tokens / seconds
-            fields["peak_memory_bytes"], fields["peak_memory"] = _peak_memory(engine.device)
-            fields["gather_wait_ms"] = (engine._session.stats()["fetch_wait_ns"]
-                                        - self._fetch_wait_ns) / 1e6 / steps
-            fields["grad_wait_ms"] = (engine._gradients.counters["grad_wait_ns"]
-                                      - self._grad_wait_ns) / 1e6 / steps
-            if self._offload_bytes is not None:
-                counters = engine._offload.counters
-                fields["offload_to_host_bytes"] = (counters["offload_grad_bytes"]
-                                                   - self._offload_bytes[0]) // steps
-                fields["offload_to_device_bytes"] = (counters["offload_param_bytes"]
-                                                     - self._offload_bytes[1]) // steps
-            logger.info(" ".join(f"{key}={_text(value)}" for key, value in fields.items()),
-                        extra={"zero3_step": fields})
-        self._restart()
-
-    def _counted(self):
-        """The interval's samples and tokens over every rank."""
-        engine = self._engine
-        counts = (self._samples, self._tokens)
-        tensors = any(isinstance(c, torch.Tensor) for c in counts)
-        if engine.world_size == 1 and not tensors:
-            return counts
-        if tensors:
-            counts = torch.stack([torch.as_tensor(c, dtype=torch.int64).to(engine.device)
-                                  for c in counts])
-        else:
-            counts = torch.tensor(counts, dtype=torch.int64, device=engine.device)
-        if engine.world_size > 1:
-            engine.comm.all_reduce(counts, "sum").wait()
-        return counts.tolist()
-
-
-def _text(value):
-    return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
 class ShardedModel:
@@ -502,6 +390,23 @@ class Zero3Engine:
         self._lr_scheduler = scheduler
 
     @property
+    def snapshot_overlap(self) -> bool:
+        """Whether an in-memory snapshot's shard file (under ``ductile
+        agent``) is copied, checksummed and written on a thread while the
+        next step's forward and backward run, and committed before the next
+        optimizer update (False: within step(), the default). The bytes
+        and the commits are the same; the snapshot of step N commits during
+        step N + 1 (_snapshots.py, "Overlap")."""
+        return self._snapshots.overlap
+
+    @snapshot_overlap.setter
+    def snapshot_overlap(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise InvalidArgumentError(
+                f"zero3: snapshot_overlap = {value!r} is not a bool; give True or False")
+        self._snapshots.overlap = value
+
+    @property
     def gradient_clipping(self) -> float | None:
         """The global norm step() clips the gradient to (DeepSpeed's
         ``gradient_clipping``); 0 or None: no clipping."""
@@ -522,7 +427,16 @@ class Zero3Engine:
     def log_interval(self, value: int) -> None:
         # [zero] log_interval's bound (its schema's, steps_per_print's).
         value = _ductile.int_argument(value, "zero3: log_interval", 0, _ductile.MAX_LOG_INTERVAL)
+        self.flush_log()
         self._step_log = StepLog(value, self) if value else None
+
+    def flush_log(self) -> None:
+        """Writes the progress lines not written yet, waiting for their
+        values (a step's line is written at a later step, once its values
+        reached the host without the step waiting for the device; close()
+        and the process' exit flush too)."""
+        if self._step_log is not None:
+            self._step_log.lines.flush()
 
     def count_batch(self, samples: int | torch.Tensor,
                     tokens: int | torch.Tensor | None = None) -> None:
@@ -581,7 +495,11 @@ class Zero3Engine:
 
     def shards_writable(self) -> None:
         """Before writing the optimizer's shards: an offloaded master may
-        still be read by its copy to the device (cuda); waits for it."""
+        still be read by its copy to the device (cuda), a snapshot's file
+        by its thread (``snapshot_overlap``: committed first, collective);
+        waits for them."""
+        if self._snapshots.writing is not None:
+            self._snapshots.finish_write()
         if self._offload is not None:
             self._offload.masters_changed()
 
@@ -661,10 +579,14 @@ class Zero3Engine:
         if snapshots.enabled:
             snapshots.before_update()
         log = self._step_log
+        if log is not None and log.lines:
+            log.lines.poll()  # earlier steps' lines whose values have arrived
         logged = log is not None and log.due(self._steps.global_step + 1)
         if logged:
             groups = self.optimizer.param_groups if self.optimizer is not None else ()
             lr = groups[0]["lr"] if groups else None
+            if isinstance(lr, torch.Tensor):
+                lr = lr.detach().clone()  # a scheduler fills a tensor's value in place
         self._steps.step()
         scheduler = self._lr_scheduler
         if scheduler is not None and self._steps.step_applied:
@@ -713,6 +635,10 @@ class Zero3Engine:
         s["device_high_water_bytes"] = self._steps.device_high_water
         if self._offload is not None:
             s.update(self._offload.counters)
+        # The training thread's time blocked by in-memory snapshots, over
+        # the snapshots counted (_snapshots.py).
+        s["snapshot_blocked_ns"] = self._snapshots.blocked_ns
+        s["snapshots_timed"] = self._snapshots.timed
         s["units"] = len(self._passes.units)
         s.update({f"gather_{k}": v for k, v in self._session.gather_memory().items()})
         return s
@@ -773,6 +699,7 @@ class Zero3Engine:
     def close(self) -> None:
         """Removes the hooks and gives every parameter its full values back
         (all-gathered; collective). The engine is unusable afterwards."""
+        self.flush_log()
         self._snapshots.finish_save()
         if self._passes.pass_open:
             self._passes.end_pass()

@@ -64,9 +64,21 @@ rank. A process that exits waits for the thread (it is not a daemon).
 Without a committed snapshot of the current step on every rank, the save
 is written in the foreground, with a warning.
 
-Threading: every method runs on the training thread, as step() does; a
-BackgroundSave's thread touches only its files."""
+Overlap: with ``engine.snapshot_overlap = True``, step() agrees on the
+snapshot's plan and leaves its shard file to a thread (SnapshotWrite) that
+copies and checksums the shards while the next step's forward and backward
+run (they read the shards, never write them); the next optimizer update
+(before_update), or a save, load, close or shards_writable(), waits for the
+thread and commits, as step() would have, before anything changes the
+shards. The bytes and the order of the commits are the same; the snapshot
+of step N is committed during step N + 1, so a node lost before that costs
+one step more.
 
+Threading: every method runs on the training thread, as step() does; a
+BackgroundSave's or SnapshotWrite's thread touches only its files (and, on
+cuda, its copy stream)."""
+
+import contextlib
 import json
 import logging
 import os
@@ -150,6 +162,19 @@ class Snapshots:
         self.scheduler_state = None
         self.group_values = []
         self._restored = None  # the step restored from memory, until the agent freed it
+        # The training thread's time blocked by the snapshots (engine.stats()):
+        # a snapshot's write and commit in step(), and the wait for its
+        # replicas before the next optimizer update, summed over the
+        # snapshots whose wait is over (`timed`); `_open` holds the first
+        # part of the snapshot still waiting for its replicas.
+        self.blocked_ns = 0
+        self.timed = 0
+        self._open: tuple[int, int] | None = None  # (step, ns blocked so far)
+        # engine.snapshot_overlap: the shard file written on a thread while
+        # the next step's forward and backward run (SnapshotWrite), committed
+        # before the next optimizer update.
+        self.overlap = False
+        self.writing: SnapshotWrite | None = None  # the write not yet committed
 
     def due(self, step):
         return self.enabled and step % self.interval == 0 and step != self._last
@@ -161,20 +186,67 @@ class Snapshots:
         if not self.due(step):
             return
         self._last = step
+        start = time.perf_counter_ns()
         target = _checkpoint.Target(self.root, f"step{step}", self.leader, "zero3 snapshot",
                                     durable=False, keep_previous=True, node_local=True,
                                     reuse=True,
                                     indented=False, before_commit=self._write_replicas)
         try:
-            _checkpoint.write(self.engine, target)
-            self._written = step
-            self._committed = step if self.replicas > 0 else None
+            if self.overlap:
+                self.writing = SnapshotWrite(self.engine, target, step)
+            else:
+                _checkpoint.write(self.engine, target)
+                self._committed_at(step)
         except CommunicationError:
             raise  # a rank is gone: the job cannot go on, snapshot or not
         except Error as e:
-            # Agreed: every rank raised it and goes on alike.
-            _log.warning("zero3 snapshot of step %d into %s (%s) failed, training goes on: %s",
-                         step, self.root, SNAPSHOT_DIR_ENV, e)
+            self._failed(step, e)
+        finally:
+            self._open = (step, time.perf_counter_ns() - start)
+            if self.writing is None and self._committed is None:  # nothing follows
+                self._time_blocked(0)
+
+    def _committed_at(self, step):
+        self._written = step
+        self._committed = step if self.replicas > 0 else None
+
+    def _failed(self, step, error):
+        # Agreed: every rank raised it and goes on alike.
+        _log.warning("zero3 snapshot of step %d into %s (%s) failed, training goes on: %s",
+                     step, self.root, SNAPSHOT_DIR_ENV, error)
+
+    def finish_write(self):
+        """Commits the snapshot whose shard file a thread writes (waiting
+        for the thread first), if there is one (collective)."""
+        writing, self.writing = self.writing, None
+        if writing is None:
+            return
+        start = time.perf_counter_ns()
+        try:
+            writing.finish(self.engine)
+            self._committed_at(writing.step)
+        except CommunicationError:
+            raise
+        except Error as e:
+            self._failed(writing.step, e)
+        finally:
+            if self._open is not None:
+                step, blocked = self._open
+                self._open = (step, blocked + time.perf_counter_ns() - start)
+                if self._committed is None:
+                    self._time_blocked(0)
+
+    def _time_blocked(self, waited_ns):
+        """Counts the open snapshot's blocked time, its replicas' wait
+        (`waited_ns`) added."""
+        assert self._open is not None  # called while a snapshot's time is open
+        step, blocked = self._open
+        self._open = None
+        blocked += waited_ns
+        self.blocked_ns += blocked
+        self.timed += 1
+        _log.debug("zero3 snapshot of step %d: the training thread was blocked %.2f ms",
+                   step, blocked / 1e6)
 
     def _replicated(self):
         """The newest step the agents copied to every replica, as this
@@ -198,12 +270,20 @@ class Snapshots:
         node's last snapshot is held by its replicas (collective: every rank
         calls it at the same point, and all leave together); a background
         save from the last snapshot is joined first."""
-        if self.pending_save is not None:
+        if self.pending_save is not None or self.writing is not None:
             self.finish_save()
         want = self._committed
         if want is None:
             self._release_restored()
             return
+        start = time.perf_counter_ns()
+        try:
+            self._wait_for_replicas(want)
+        finally:
+            if self._open is not None:
+                self._time_blocked(time.perf_counter_ns() - start)
+
+    def _wait_for_replicas(self, want):
         engine = self.engine
         deadline = time.monotonic() + REPLICATION_WAIT
         waited = False
@@ -279,8 +359,10 @@ class Snapshots:
         self.pending_save = BackgroundSave(engine, target, client_state, source)
 
     def finish_save(self):
-        """Joins the background save, if one is running, and raises its
-        error on every rank (collective)."""
+        """Commits the snapshot a thread writes, if any; joins the
+        background save, if one is running, and raises its error on every
+        rank (collective)."""
+        self.finish_write()
         pending, self.pending_save = self.pending_save, None
         if pending is not None:
             pending.finish(self.engine.comm)
@@ -345,6 +427,63 @@ class Snapshots:
         if optimizer is not None:
             for group, values in zip(optimizer.param_groups, self.group_values):
                 group.update(values)
+
+
+class SnapshotWrite:
+    """One snapshot whose shard file (its values and their CRC-32C) a
+    thread writes while training goes on (engine.snapshot_overlap): the
+    plan is agreed on the training thread first (_checkpoint.prepare,
+    collective), the records and the commit after the thread, on the
+    training thread again (finish(), before the next optimizer update), so
+    the bytes and the commits are those of a snapshot written in step()."""
+
+    def __init__(self, engine, target, step):
+        self.target = target
+        self.step = step
+        self.written = _checkpoint.Written()
+        try:
+            self.plan = _checkpoint.prepare(engine, target, None, self.written)
+        except BaseException:
+            self.written.undo()
+            raise
+        self.record = None
+        self.error = None
+        device = engine.device
+        after = None
+        if device.type == "cuda":
+            # The copies start after the step's work on the training
+            # thread's stream, on the training thread's device.
+            after = torch.cuda.Event()
+            after.record()
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+        self.thread = threading.Thread(target=self._run, args=(engine, device, after),
+                                       name="ductile-zero3-snapshot")
+        self.thread.start()
+
+    def _run(self, engine, device, after):
+        try:
+            # The thread's current device is its own: the rank's, for the
+            # copy stream and the pinned buffers.
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                self.record = _checkpoint.write_shards(engine, self.target, self.plan, after)
+        except Exception as e:  # noqa: BLE001 - raised on the training thread by finish()
+            self.error = e
+
+    def _result(self):
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.record
+
+    def finish(self, engine):
+        """Waits for the thread, then agrees on every rank's file and
+        commits (collective); raises the first failure on every rank."""
+        try:
+            _checkpoint.finish(engine, self.target, self.plan, self.written, self._result)
+        finally:
+            self.thread.join()
+            self.written.undo()
 
 
 class BackgroundSave:
