@@ -279,12 +279,15 @@ def test_an_overlapped_write_that_fails_is_logged_and_the_previous_snapshot_kept
     monkeypatch.setattr(_checkpoint_files, "_fault_hook", full)
     train(engine, 1)  # commits step 2; step 3's thread fails
     assert latest(snapshots) == "step2"
+    # Step 3's write has failed before step 4's starts, which the disk
+    # takes again.
+    engine._snapshots.writing.thread.join()
+    monkeypatch.setattr(_checkpoint_files, "_fault_hook", None)
     train(engine, 1)  # step 3 fails on every rank: logged, training goes on
     assert latest(snapshots) == "step2" and engine.global_step == 4
     assert any("zero3 snapshot of step 3" in r.getMessage() and "No space left" in
                r.getMessage() for r in caplog.records), caplog.records
     assert "step3.tmp" not in os.listdir(snapshots)  # removed; step4.tmp is being written
-    monkeypatch.setattr(_checkpoint_files, "_fault_hook", None)
     engine.close()  # commits step 4's
     assert latest(snapshots) == "step4"
 
