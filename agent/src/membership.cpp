@@ -87,8 +87,13 @@ bool Membership::previous_run(const RoundRecord& round, const KeyValue& kv) cons
 std::optional<RoundRecord> Membership::read_round(const std::optional<KeyValue>& kv) {
   if (!kv) return std::nullopt;
   try {
-    RoundRecord round = round_from_json(kv->value);
-    check_round_fits(round, o_.nproc_per_node, settings_.valid_gpus);
+    if (kv->mod_revision == 0 || kv->mod_revision != parsed_round_revision_) {
+      parsed_round_revision_ = 0;
+      parsed_round_ = round_from_json(kv->value);
+      check_round_fits(parsed_round_, o_.nproc_per_node, settings_.valid_gpus);
+      parsed_round_revision_ = kv->mod_revision;
+    }
+    RoundRecord round = parsed_round_;
     highest_round_ = std::max(highest_round_, round.round);
     conn_.forget_ignored(kv->key);
     if (previous_run(round, *kv)) {

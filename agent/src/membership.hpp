@@ -93,7 +93,12 @@ class Membership {
   // before it was a previous run's.
   std::int64_t first_revision_ = 0;
   std::int64_t highest_round_ = 0;
-  std::optional<RoundRecord> last_good_round_;   // the last valid round record seen
+  std::optional<RoundRecord> last_good_round_;  // the last valid round record seen
+  // The round record last parsed and found valid, and its revision: each
+  // pass reads the record, which names every member; only a new one is
+  // parsed and checked again.
+  std::int64_t parsed_round_revision_ = 0;
+  RoundRecord parsed_round_;
   std::int64_t previous_run_logged_ = 0;         // the round record's revision logged
   std::map<std::string, NodeInfo> known_nodes_;  // key -> its last valid record
 };
