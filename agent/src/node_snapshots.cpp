@@ -243,13 +243,13 @@ std::optional<std::vector<Holdings>> NodeSnapshots::await_members(const RoundRec
     const bool late = now >= deadline;
     // Woken by each member's record as it comes: the records are looked at
     // once there can be enough of them.
-    for (const auto& kv :
-         records.size() < members.size() && !late ? std::vector<KeyValue>() : records) {
-      const std::string node = kv.key.substr(prefix.size());
-      if (node == self_.id || !members.count(node) || conn_.ignored(kv)) continue;
-      if (auto holdings = accepted(kv, node, "that member's snapshots are not restored from"))
-        found[node] = std::move(*holdings);
-    }
+    if (records.size() >= members.size() || late)
+      for (const auto& kv : records) {
+        const std::string node = kv.key.substr(prefix.size());
+        if (node == self_.id || !members.count(node) || conn_.ignored(kv)) continue;
+        if (auto holdings = accepted(kv, node, "that member's snapshots are not restored from"))
+          found[node] = std::move(*holdings);
+      }
     // This node's own, as it wrote them: a node that serves nothing (one
     // node alone: port 0) has a record no other node would accept, and
     // restores from its own area.

@@ -12,6 +12,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "agent_job.hpp"
@@ -19,6 +20,28 @@
 #include "zero3_job.hpp"
 
 using namespace ductile::test;
+
+// Not an anonymous namespace: a unity build puts this file beside other
+// tests, whose helpers' names would clash.
+namespace recovery_test {
+
+// Nodes a (the leader: it joins first), b and c, once all three run round 1.
+std::tuple<Child&, Child&, Child&> start_three(Job& job, const std::vector<std::string>& options,
+                                               const std::vector<std::string>& worker) {
+  Child& a = job.start("a", options, worker);
+  REQUIRE(a.wait_for_output("joined job", 60s));
+  Child& b = job.start("b", options, worker);
+  Child& c = job.start("c", options, worker);
+  const bool formed = wait_until(
+      [&] { return count_of(job.all_output(), "round 1 started: world size 3") == 3; }, 120s);
+  if (!formed) job.dump();
+  REQUIRE(formed);
+  return {a, b, c};
+}
+
+}  // namespace recovery_test
+
+using namespace recovery_test;
 
 // Two nodes of three SIGKILLed 2.5 s apart (lease TTL 4 s, renewed every
 // second): the leader sees the first one's lease lapse and forms round 2
@@ -33,14 +56,7 @@ TEST_CASE("agent: a member that died before the round's holdings ends the wait f
   const std::vector<std::string> options = {"--nproc-per-node", "1", "--min-nodes",  "1",
                                             "--settle",         "1", "--stop-grace", "2",
                                             "--lease-ttl",      "4"};
-  Child& a = job.start("a", options, worker);
-  REQUIRE(a.wait_for_output("joined job", 60s));
-  Child& b = job.start("b", options, worker);
-  Child& c = job.start("c", options, worker);
-  const bool formed = wait_until(
-      [&] { return count_of(job.all_output(), "round 1 started: world size 3") == 3; }, 120s);
-  if (!formed) job.dump();
-  REQUIRE(formed);
+  auto [a, b, c] = start_three(job, options, worker);
   REQUIRE(a.output().find("leader: round 1 formed") != std::string::npos);
 
   b.signal(SIGKILL);
@@ -80,14 +96,7 @@ TEST_CASE("agent: a survivor short of nodes says what it waits for and ends at j
   const std::vector<std::string> options = {
       "--nproc-per-node", "1", "--nnodes",    "2:3", "--settle",    "1",
       "--stop-grace",     "2", "--lease-ttl", "2",   "--rdzv-conf", "join_timeout=17"};
-  Child& a = job.start("a", options, worker);
-  REQUIRE(a.wait_for_output("joined job", 60s));
-  Child& b = job.start("b", options, worker);
-  Child& c = job.start("c", options, worker);
-  const bool formed = wait_until(
-      [&] { return count_of(job.all_output(), "round 1 started: world size 3") == 3; }, 120s);
-  if (!formed) job.dump();
-  REQUIRE(formed);
+  auto [a, b, c] = start_three(job, options, worker);
   b.signal(SIGKILL);
   c.signal(SIGKILL);
   const auto status = a.wait(90s);

@@ -23,14 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_agent import ROOT, Etcd, kill_node, stop_all, wait_for
-
-JOB_TOML = """[elasticity]
-policy = "v0.1"
-max_train_batch_size = 24
-micro_batch_sizes = [1, 2, 3]
-min_gpus = 1
-max_gpus = 6
-"""
+from bench_recovery import JOB_TOML
 
 
 def one_run(cli, gap, directory):
