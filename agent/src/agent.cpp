@@ -367,13 +367,21 @@ int Agent::run() {
         membership_.reclaim_node_key("expired with its lease");
         signals_.renew_mark();
       }
-      // One request a pass for most agents: the round, the oldest
-      // registrations (the leader is the oldest live one), this node's
-      // own and every node's snapshot holdings. Only the leader reads every registration. A static
-      // job's leader is its lowest node rank: every registration is read.
-      auto reads = store.read({RangeRead{key("round")},
-                               RangeRead{key("nodes/"), true, ranked ? 0 : kLeaderWindow, true},
-                               RangeRead{key("nodes/" + self_.id)}, snapshots_.holdings_read()});
+      // One read a pass, from the mirror: the round and this node's own
+      // registration; an agent that follows every key (the leader, those
+      // next in line, a static job's) also the oldest registrations (the
+      // leader is the oldest live one) and every node's snapshot holdings.
+      // Only the leader reads every registration. A static job's leader is
+      // its lowest node rank: every registration is read.
+      const bool everything = conn_.follows_everything();
+      const RangeRead window{key("nodes/"), true, ranked ? 0 : kLeaderWindow, true};
+      std::vector<RangeRead> wanted = {RangeRead{key("round")},
+                                       RangeRead{key("nodes/" + self_.id)}};
+      if (everything) {
+        wanted.push_back(window);
+        wanted.push_back(snapshots_.holdings_read());
+      }
+      auto reads = store.read(wanted);
       std::optional<KeyValue> round_kv;
       if (!reads[0].empty()) round_kv = reads[0].front();
       if (outage_since_) {
@@ -382,20 +390,58 @@ int Agent::run() {
         outage_since_.reset();
       }
       bool ignored = false;
-      std::vector<NodeInfo> oldest = membership_.live_nodes(reads[1], &ignored, ranked);
+      std::vector<NodeInfo> oldest;
+      bool window_read = everything;
+      if (everything) {
+        oldest = membership_.live_nodes(reads[2], &ignored, ranked);
+      } else {
+        // An agent that follows its own part looks at the oldest
+        // registrations when the round changed, and while it is not at
+        // rest (a round without it, workers gone) every kWindowRecheck: the
+        // nodes older than it may have gone, and it may now lead.
+        const std::int64_t round_revision = round_kv ? round_kv->mod_revision : 0;
+        const bool at_rest = workers_.member() && !workers_.empty() &&
+                             workers_.current_round() == membership_.highest_round();
+        if (round_revision != window_round_revision_ ||
+            (!at_rest &&
+             now_ms() - window_read_at_ >= std::max(o_.poll_interval, kWindowRecheck))) {
+          // The keys say it (their age and lease): the records are read
+          // once this agent follows every key.
+          RangeRead keys = window;
+          keys.keys_only = true;
+          const auto answer = store.read({keys});
+          for (const auto& kv : answer.front())
+            if (kv.lease != 0) {
+              NodeInfo node;
+              node.id = kv.key.substr(key("nodes/").size());
+              oldest.push_back(std::move(node));
+            }
+          window_round_revision_ = round_revision;
+          window_read_at_ = now_ms();
+          window_read = true;
+        }
+      }
+      const bool in_window =
+          ranked ||
+          (window_read &&
+           (oldest.empty() || std::any_of(oldest.begin(), oldest.end(),
+                                          [this](const NodeInfo& n) { return n.id == self_.id; })));
+      if (window_read) {
+        nodes_seen_ = oldest.size();
+        conn_.follow_everything(in_window);
+        // From the next pass on, this agent reads every key: the mirror
+        // brings them.
+        if (in_window && !everything) continue;
+      }
       wake_on = acted_on;
-      if (ranked || oldest.empty() ||
-          std::any_of(oldest.begin(), oldest.end(),
-                      [this](const NodeInfo& n) { return n.id == self_.id; }))
-        wake_on.push_back(key("nodes/"));
-      if (!membership_.own_registration_ok(reads[2])) {
+      if (everything && in_window) wake_on.push_back(key("nodes/"));
+      if (!membership_.own_registration_ok(reads[1])) {
         membership_.reclaim_node_key(
             fmt::format("{} is gone or is not this agent's", key("nodes/" + self_.id)));
         continue;
       }
       std::vector<NodeInfo> alive;
-      nodes_seen_ = oldest.size();
-      if (oldest.empty() || oldest.front().id == self_.id) {
+      if (everything && (oldest.empty() || oldest.front().id == self_.id)) {
         // Leading (or no live registration among the oldest keys): all of
         // them; the leader tracks when the membership last changed.
         alive = ranked ? oldest
@@ -406,7 +452,7 @@ int Agent::run() {
         leadership_.not_leading();
       }
       std::optional<RoundRecord> round = membership_.read_round(round_kv);
-      snapshots_.follow(reads[3], round);
+      snapshots_.follow(everything ? &reads[3] : nullptr, round);
       if (!alive.empty() && alive.front().id == self_.id) leadership_.lead(alive, round_kv, round);
       if (round)
         if (auto code = apply(*round)) {

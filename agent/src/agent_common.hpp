@@ -78,6 +78,10 @@ std::filesystem::path round_end_of(const std::filesystem::path& run_dir);
 // How many of the oldest registrations an agent reads each pass to find the
 // leader (the oldest live one); the leader reads them all.
 inline constexpr std::int64_t kLeaderWindow = 16;
+// How often an agent that follows only its own part of the job's keys, and
+// is not at rest in a round, reads the oldest registrations (it may lead
+// once all of them are gone; a new round makes it look at once).
+inline constexpr std::chrono::milliseconds kWindowRecheck{2000};
 
 // `text`'s pieces between `separator`s, empty ones included ("a,,b": "a",
 // "", "b"; "": one empty piece).

@@ -100,6 +100,11 @@ class Agent {
   // The live registrations the last pass saw (every one when leading, else
   // the kLeaderWindow oldest).
   std::size_t nodes_seen_ = 0;
+  // An agent that follows its own part of the job's keys: the round
+  // record's revision and the time at its last read of the oldest
+  // registrations.
+  std::int64_t window_round_revision_ = -1;
+  std::chrono::milliseconds window_read_at_{0};
 };
 
 }  // namespace ductile::agent

@@ -182,12 +182,16 @@ void RendezvousConnection::open() {
       }
       // The job's keys are followed by a watch, not read at every pass
       // (store_mirror.hpp).
-      store_ = std::make_unique<MirroredStore>(
+      // A new agent follows its own part until it finds itself among the
+      // oldest (agent.cpp).
+      auto mirror = std::make_unique<MirroredStore>(
           std::make_unique<EtcdStore>(endpoint, o_.request_timeout, o_.tls),
           [endpoint, timeout = o_.request_timeout, tls = o_.tls] {
             return std::make_unique<EtcdStore>(endpoint, timeout, tls);
           },
-          self_.prefix, o_.request_timeout, [this](const std::string& line) { self_.log(line); });
+          own_part(), o_.request_timeout, [this](const std::string& line) { self_.log(line); });
+      mirror_ = mirror.get();
+      store_ = std::move(mirror);
       make_store_ = [endpoint, tls = o_.tls](std::chrono::milliseconds timeout) {
         return std::make_unique<EtcdStore>(endpoint, timeout, tls);
       };
@@ -372,6 +376,21 @@ void RendezvousConnection::close() {
   } catch (const StoreError&) {
     // etcd is gone: the lease expires on its own.
   }
+}
+
+std::vector<KeyRange> RendezvousConnection::own_part() const {
+  // The keys sort as checkpoint/, done/, draining/, failure/, holdings/,
+  // nodes/, restore/, round, saved/, settings, snapshots/: two ranges hold
+  // every key an agent that does not lead acts on.
+  return {KeyRange{self_.key("checkpoint/"), self_.key("holdings/")},
+          KeyRange{self_.key("restore/"), self_.key("snapshots/")},
+          single_key(self_.key("nodes/" + self_.id))};
+}
+
+void RendezvousConnection::follow_everything(bool everything) {
+  if (!mirror_ || everything == following_everything_) return;
+  following_everything_ = everything;
+  mirror_->follow(everything ? std::vector<KeyRange>{prefix_range(self_.prefix)} : own_part());
 }
 
 void RendezvousConnection::linger_as_host() {

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "agent_common.hpp"
+#include "ductile/agent/etcd_store.hpp"
 #include "ductile/agent/kv_store.hpp"
 #include "ductile/agent/memory_store.hpp"
 #include "ductile/agent/store_server.hpp"
@@ -32,6 +33,8 @@
 #include "snapshot_server.hpp"
 
 namespace ductile::agent {
+
+class MirroredStore;
 
 class RendezvousConnection {
  public:
@@ -52,6 +55,13 @@ class RendezvousConnection {
   void close();
 
   KeyValueStore& store() { return *store_; }
+  // The job's keys this agent follows in its mirror of an etcd (the other
+  // stores answer every read themselves: always "everything"): every key,
+  // when it leads or is next in line, else its own part (the round, the
+  // job's settings and marks, the restore/ records and its registration),
+  // so that a record each node writes reaches only the few that lead.
+  void follow_everything(bool everything);
+  bool follows_everything() const { return !mirror_ || following_everything_; }
   // How the snapshot servers know the job's agents, after open(): the
   // job's secret (empty: none), proved as the hosted rendezvous does,
   // whatever the rendezvous' kind; and TLS when the job's etcd is https
@@ -90,7 +100,11 @@ class RendezvousConnection {
  private:
   const AgentOptions& o_;
   const NodeIdentity& self_;
+  // The ranges of follow_everything(false).
+  std::vector<KeyRange> own_part() const;
   std::unique_ptr<KeyValueStore> store_;
+  MirroredStore* mirror_ = nullptr;  // store_, when it is etcd's mirror
+  bool following_everything_ = false;
   KeepAlive::StoreFactory make_store_;  // a store for the keep-alive thread
   // Hosting or embedding the rendezvous: its store, and (hosting) its
   // server, which may also serve the workers' store (static).

@@ -421,6 +421,7 @@ std::vector<std::vector<KeyValue>> EtcdStore::read(const std::vector<RangeRead>&
     json range = {{"key", base64_encode(r.key)}};
     if (r.prefix) range["range_end"] = base64_encode(prefix_end(r.key));
     if (r.limit > 0) range["limit"] = std::to_string(r.limit);
+    if (r.keys_only) range["keys_only"] = true;
     if (r.oldest_first) {
       range["sort_target"] = "CREATE";
       range["sort_order"] = "ASCEND";
@@ -487,24 +488,49 @@ std::int64_t EtcdStore::changed_at() const {
   return impl_->changed;
 }
 
-std::pair<std::vector<KeyValue>, std::int64_t> EtcdStore::read_prefix_at(
-    const std::string& prefix) {
-  impl_->changed = 0;
-  const auto reply = impl_->call(
-      "/v3/kv/range",
-      {{"key", base64_encode(prefix)}, {"range_end", base64_encode(prefix_end(prefix))}});
-  return {key_values(reply), header_revision(reply)};
+KeyRange prefix_range(const std::string& prefix) {
+  return KeyRange{prefix, prefix_end(prefix)};
 }
 
-void EtcdStore::watch(const std::string& prefix, std::int64_t start_revision,
+KeyRange single_key(const std::string& key) {
+  return KeyRange{key, key + '\0'};
+}
+
+std::pair<std::vector<std::vector<KeyValue>>, std::int64_t> EtcdStore::read_ranges_at(
+    const std::vector<KeyRange>& ranges) {
+  impl_->changed = 0;
+  json ops = json::array();
+  for (const auto& r : ranges)
+    ops.push_back(
+        {{"request_range", {{"key", base64_encode(r.key)}, {"range_end", base64_encode(r.end)}}}});
+  const auto reply = impl_->call("/v3/kv/txn", {{"success", ops}});
+  auto it = reply.find("responses");
+  if (it == reply.end() || !it->is_array() || it->size() != ranges.size())
+    throw StoreError(fmt::format("etcd at {} answered a read of {} ranges with another count",
+                                 impl_->endpoints, ranges.size()));
+  std::vector<std::vector<KeyValue>> out;
+  for (const auto& response : *it) {
+    if (!response.is_object() || !response.contains("response_range"))
+      throw StoreError("etcd answered a range of a transaction without its result");
+    out.push_back(key_values(response["response_range"]));
+  }
+  return {std::move(out), header_revision(reply)};
+}
+
+void EtcdStore::watch(const std::vector<KeyRange>& ranges, std::int64_t start_revision,
                       const std::function<bool(const WatchMessage&)>& on_message,
                       const std::atomic<bool>& stop) {
   Impl& m = *impl_;
   m.changed = 0;
   const std::string endpoint = m.members[m.current];
-  json create = {{"key", base64_encode(prefix)}, {"range_end", base64_encode(prefix_end(prefix))}};
-  if (start_revision > 0) create["start_revision"] = std::to_string(start_revision);
-  const std::string body = json{{"create_request", create}}.dump();
+  // The gateway reads the body as a stream of requests: one watch a range,
+  // all on this stream.
+  std::string body;
+  for (const auto& r : ranges) {
+    json create = {{"key", base64_encode(r.key)}, {"range_end", base64_encode(r.end)}};
+    if (start_revision > 0) create["start_revision"] = std::to_string(start_revision);
+    body += json{{"create_request", create}}.dump() + "\n";
+  }
   WatchStream stream;
   stream.on_message = &on_message;
   curl_easy_reset(m.curl);
@@ -549,7 +575,8 @@ void EtcdStore::watch(const std::string& prefix, std::int64_t start_revision,
   // The next attempt goes to the next member of a cluster.
   m.current = (m.current + 1) % m.members.size();
   throw StoreUnavailable(
-      fmt::format("etcd at {}: the watch of {} ended: {}", endpoint, prefix,
+      fmt::format("etcd at {}: the watch of {} ended: {}", endpoint,
+                  ranges.empty() ? std::string("nothing") : ranges.front().key,
                   rc == CURLE_OK ? "the server closed it" : curl_easy_strerror(rc)));
 }
 

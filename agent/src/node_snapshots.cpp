@@ -151,22 +151,28 @@ void NodeSnapshots::publish(const Holdings& holdings) {
   published_lease_ = conn_.lease();
 }
 
-void NodeSnapshots::follow(const std::vector<KeyValue>& records,
+void NodeSnapshots::follow(const std::vector<KeyValue>* records,
                            const std::optional<RoundRecord>& round) {
   if (!area_) return;
   take_release();
   const std::string prefix = self_.key("snapshots/");
   note_reached(bounds_, area_->own_copies(), restored_step_);
   std::map<std::string, Holdings> live;
-  for (const auto& kv : records) {
-    if (conn_.ignored(kv) || !kv.key.starts_with(prefix)) continue;
-    const std::string node = kv.key.substr(prefix.size());
-    if (node == self_.id) continue;  // its own holdings are the area's
-    if (auto holdings = accepted(kv, node, "its snapshots are neither replicated nor restored"))
-      live[node] = std::move(*holdings);
+  if (records) {
+    for (const auto& kv : *records) {
+      if (conn_.ignored(kv) || !kv.key.starts_with(prefix)) continue;
+      const std::string node = kv.key.substr(prefix.size());
+      if (node == self_.id) continue;  // its own holdings are the area's
+      if (auto holdings = accepted(kv, node, "its snapshots are neither replicated nor restored"))
+        live[node] = std::move(*holdings);
+    }
+    if (last_seen_.size() + live.size() > kMaxNodesRemembered) last_seen_.clear();
+    for (const auto& [node, holdings] : live) last_seen_[node] = holdings;
+  } else if (round && round->round == round_holdings_round_) {
+    // Not following every node's record: the members' holdings as the
+    // round began; newer snapshots are pulled when their origin notifies.
+    live = round_holdings_;
   }
-  if (last_seen_.size() + live.size() > kMaxNodesRemembered) last_seen_.clear();
-  for (const auto& [node, holdings] : live) last_seen_[node] = holdings;
   Holdings mine = current_holdings();
   if (restored_step_ >= 0 && !mine.own.empty() && mine.own.front().step > restored_step_ &&
       mine.own.front().sha256 != own_at_restore_) {
@@ -224,12 +230,139 @@ std::optional<std::filesystem::path> NodeSnapshots::prepare_round(const RoundRec
   holdings_round_ = round.round;
   auto members = await_members(round, mine);
   if (!members) return std::nullopt;
-  if (members->empty()) return std::filesystem::path();
-  return restore(round, *members);
+  round_holdings_.clear();
+  round_holdings_round_ = round.round;
+  for (const auto& h : members->members)
+    if (h.node != self_.id) round_holdings_[h.node] = h;
+  if (members->members.empty()) return std::filesystem::path();
+  return restore(round, members->members, members->lost);
 }
 
-std::optional<std::vector<Holdings>> NodeSnapshots::await_members(const RoundRecord& round,
-                                                                  const Holdings& mine) {
+std::string NodeSnapshots::gatherer(const RoundRecord& round) {
+  if (round.member_revisions.size() != round.members.size() || round.members.empty()) return {};
+  const auto oldest =
+      std::min_element(round.member_revisions.begin(), round.member_revisions.end());
+  return round.members[static_cast<std::size_t>(oldest - round.member_revisions.begin())];
+}
+
+std::vector<Holdings> NodeSnapshots::lost_holdings(const RoundRecord& round) const {
+  std::vector<Holdings> lost;
+  for (const auto& [node, holdings] : last_seen_)
+    if (std::find(round.members.begin(), round.members.end(), node) == round.members.end() &&
+        holds_any(holdings) && lost.size() < kMaxLostNodesListed)
+      lost.push_back(holdings);
+  return lost;
+}
+
+void NodeSnapshots::write_round_holdings(const RoundHoldings& gathered) {
+  KeyValueStore& store = conn_.store();
+  const std::string record = to_json(gathered);
+  if (record.size() > kMaxRoundHoldingsBytes) {
+    self_.log(fmt::format(
+        "round {}: the members' snapshot holdings take {} bytes, over the {} of a record: the "
+        "other members start without a restore from memory",
+        gathered.round, record.size(), kMaxRoundHoldingsBytes));
+    return;
+  }
+  store.put(self_.key(fmt::format("restore/{}", gathered.round)), record, conn_.lease());
+  if (gathered_round_ != 0 && gathered_round_ != gathered.round)
+    store.erase(self_.key(fmt::format("restore/{}", gathered_round_)));
+  gathered_round_ = gathered.round;
+}
+
+bool NodeSnapshots::wait_for_change(const std::vector<std::string>& prefixes) {
+  // Until the next change under `prefixes`, or the poll interval; a stop
+  // signal is looked for in steps this short.
+  const int changes = conn_.store().changes_fd(prefixes);
+  const auto next = std::chrono::steady_clock::now() + o_.poll_interval;
+  for (auto at = std::chrono::steady_clock::now(); at < next;
+       at = std::chrono::steady_clock::now()) {
+    if (o_.stop_signal && o_.stop_signal->load() != 0) return false;
+    const auto step = std::min<milliseconds>(
+        milliseconds(100), std::chrono::duration_cast<milliseconds>(next - at) + milliseconds(1));
+    if (changes < 0) {
+      std::this_thread::sleep_for(step);
+      continue;
+    }
+    pollfd ready{changes, POLLIN, 0};
+    if (::poll(&ready, 1, static_cast<int>(step.count())) > 0) break;
+  }
+  return true;
+}
+
+std::optional<RoundHoldings> NodeSnapshots::await_gatherer(const RoundRecord& round,
+                                                           const Holdings& mine,
+                                                           const std::string& gatherer) {
+  const milliseconds patience =
+      std::max<milliseconds>(milliseconds(10000), 4 * milliseconds(o_.lease_ttl));
+  const auto deadline = std::chrono::steady_clock::now() + patience;
+  const std::string key = self_.key(fmt::format("restore/{}", round.round));
+  auto next_departure_check = std::chrono::steady_clock::now() + o_.poll_interval;
+  for (;;) {
+    auto reads = conn_.store().read({RangeRead{key}, RangeRead{self_.key("round")}});
+    if (!reads[0].empty() && !conn_.ignored(reads[0].front())) {
+      const KeyValue& kv = reads[0].front();
+      try {
+        // The gatherer's record is on its registration's lease (a key that
+        // etcdctl or another client wrote is not; see "Untrusted contents").
+        if (!registration(gatherer, kv.lease))
+          throw MalformedRecord(fmt::format(
+              "restore record: it is not on the lease of node {}'s registration", gatherer));
+        RoundHoldings gathered = round_holdings_from_json(kv.value, round.round, round.members);
+        for (auto* list : {&gathered.members, &gathered.lost})
+          for (const auto& h : *list)
+            if (auto problem = holdings_problem(h, bounds_); !problem.empty())
+              throw MalformedRecord(problem);
+        for (auto& h : gathered.members)
+          if (h.node == self_.id) h = mine;
+        return gathered;
+      } catch (const MalformedRecord& e) {
+        conn_.ignore_record(kv, e.what(), "this node waits for a valid one");
+      }
+    }
+    // A newer round: this one does not start.
+    if (!reads[1].empty()) try {
+        if (round_from_json(reads[1].front().value).round > round.round) {
+          abandoned_round_ = round.round;
+          return std::nullopt;
+        }
+      } catch (const MalformedRecord&) {
+        // The membership logs it.
+      }
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= next_departure_check) {
+      // The gatherer died before it wrote the record: the leader forms
+      // the next round without it.
+      next_departure_check = now + o_.poll_interval;
+      const auto at = std::find(round.members.begin(), round.members.end(), gatherer);
+      const auto kv = conn_.store().get(self_.key("nodes/" + gatherer));
+      if (!kv || kv->lease == 0 ||
+          kv->create_revision !=
+              round.member_revisions[static_cast<std::size_t>(at - round.members.begin())]) {
+        self_.log(fmt::format(
+            "round {}: member {}, which gathers the members' snapshot holdings, left before it "
+            "published them (registration gone); the round does not start, the next one is "
+            "formed without it",
+            round.round, gatherer));
+        abandoned_round_ = round.round;
+        return std::nullopt;
+      }
+    }
+    if (now >= deadline) {
+      self_.log(fmt::format(
+          "round {}: no snapshot holdings from member {}, which gathers them, within {} ms "
+          "(max(10 s, 4 x --lease-ttl)); the workers start without a restore from memory",
+          round.round, gatherer, patience.count()));
+      return RoundHoldings{round.round, {}, {}};
+    }
+    if (!wait_for_change({key, self_.key("round")})) return std::nullopt;
+  }
+}
+
+std::optional<RoundHoldings> NodeSnapshots::await_members(const RoundRecord& round,
+                                                          const Holdings& mine) {
+  const std::string gathering = gatherer(round);
+  if (!gathering.empty() && gathering != self_.id) return await_gatherer(round, mine, gathering);
   const milliseconds patience =
       std::max<milliseconds>(milliseconds(10000), 4 * milliseconds(o_.lease_ttl));
   const auto deadline = std::chrono::steady_clock::now() + patience;
@@ -255,9 +388,10 @@ std::optional<std::vector<Holdings>> NodeSnapshots::await_members(const RoundRec
     // restores from its own area.
     if (members.count(self_.id)) found[self_.id] = mine;
     if (found.size() == round.members.size()) {
-      std::vector<Holdings> ordered;
-      for (const auto& node : round.members) ordered.push_back(std::move(found[node]));
-      return ordered;
+      RoundHoldings gathered{round.round, {}, lost_holdings(round)};
+      for (const auto& node : round.members) gathered.members.push_back(std::move(found[node]));
+      if (!gathering.empty()) write_round_holdings(gathered);
+      return gathered;
     }
     // A member that died before it wrote its holdings never writes them:
     // once its registration is gone (its lease expired) or is another one
@@ -295,34 +429,19 @@ std::optional<std::vector<Holdings>> NodeSnapshots::await_members(const RoundRec
           "round {}: no snapshot holdings from member(s) {} within {} ms (max(10 s, 4 x "
           "--lease-ttl)); the workers start without a restore from memory",
           round.round, fmt::join(missing, ", "), patience.count()));
-      return std::vector<Holdings>();
+      // The other members wait for the gathered record: it says the same.
+      RoundHoldings none{round.round, {}, {}};
+      if (!gathering.empty()) write_round_holdings(none);
+      return none;
     }
-    // Until the next holdings record (or round) arrives, or the poll
-    // interval; a stop signal is looked for in steps this short.
-    const int changes = conn_.store().changes_fd({prefix, self_.key("round")});
-    const auto next = std::chrono::steady_clock::now() + o_.poll_interval;
-    for (auto at = std::chrono::steady_clock::now(); at < next;
-         at = std::chrono::steady_clock::now()) {
-      if (o_.stop_signal && o_.stop_signal->load() != 0) return std::nullopt;
-      const auto step = std::min<milliseconds>(
-          milliseconds(100), std::chrono::duration_cast<milliseconds>(next - at) + milliseconds(1));
-      if (changes < 0) {
-        std::this_thread::sleep_for(step);
-        continue;
-      }
-      pollfd ready{changes, POLLIN, 0};
-      if (::poll(&ready, 1, static_cast<int>(step.count())) > 0) break;
-    }
+    // Until the next holdings record (or round) arrives.
+    if (!wait_for_change({prefix, self_.key("round")})) return std::nullopt;
   }
 }
 
 std::filesystem::path NodeSnapshots::restore(const RoundRecord& round,
-                                             const std::vector<Holdings>& members) {
-  std::vector<Holdings> lost;
-  for (const auto& [node, holdings] : last_seen_)
-    if (std::find(round.members.begin(), round.members.end(), node) == round.members.end() &&
-        holds_any(holdings))
-      lost.push_back(holdings);
+                                             const std::vector<Holdings>& members,
+                                             const std::vector<Holdings>& lost) {
   const auto plan = plan_restore(members, lost, self_.id);
   // The last round's restore is not needed any longer: its workers are
   // stopped.

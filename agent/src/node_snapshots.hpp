@@ -5,12 +5,17 @@
 // final holdings published (holdings/<round>/<node>), every member's
 // awaited, the same plan computed from them as every member does, the
 // files it lacks fetched into restore/<tag>/ and passed to its workers
-// (DUCTILE_SNAPSHOT_RESTORE). Internal to libductile_agent; owned by Agent
+// (DUCTILE_SNAPSHOT_RESTORE). The round's oldest member reads every
+// member's holdings record and writes them, with the last holdings of the
+// nodes lost, into restore/<round> (on its lease); the other members read
+// that one record, and compute the same plan from it. Internal to libductile_agent; owned by Agent
 // (agent_impl.hpp).
 //
 // Trust: a snapshots/<node> or holdings/<round>/<node> record is taken
 // only on the lease of that node's registration (nodes/<node>), as the
-// done and saved marks are, and with steps and world sizes that fit the
+// done and saved marks are (restore/<round>: on the lease of the round's
+// oldest member, whose registration addresses it gives are taken as the
+// leader's round record is), and with steps and world sizes that fit the
 // job (snapshot_trust.hpp); any other is ignored, and logged. A node's
 // snapshots are copied from the address and snapshot port of its
 // registration, never from one its records name. With a checkpoint key
@@ -68,10 +73,12 @@ class NodeSnapshots {
   int port() const { return server_ ? server_->port() : 0; }
   // The read of every node's holdings, for the pass's request.
   RangeRead holdings_read() const { return RangeRead{self_.key("snapshots/"), true}; }
-  // Each pass, with that read's records: publishes this node's holdings
-  // when they changed (or the lease did), remembers each node's last
-  // record, and tells the replication the current round's members.
-  void follow(const std::vector<KeyValue>& records, const std::optional<RoundRecord>& round);
+  // Each pass, with that read's records (null: an agent that follows only
+  // its own part of the job, which knows the members' holdings as its
+  // round began): publishes this node's holdings when they changed (or the
+  // lease did), remembers each node's last record, and tells the
+  // replication the current round's members.
+  void follow(const std::vector<KeyValue>* records, const std::optional<RoundRecord>& round);
   // A new round this node is a member of, its old workers stopped: the
   // restore (see above). Returns the snapshot folder the workers resume
   // from, empty for none; nullopt when a stop signal came meanwhile, or
@@ -105,9 +112,23 @@ class NodeSnapshots {
   // when a stop signal came, or when a member whose record is missing is no
   // longer registered (the round is then abandoned: see abandoned_round_).
   // `mine`: this node's own holdings, as published for the round.
-  std::optional<std::vector<Holdings>> await_members(const RoundRecord& round,
-                                                     const Holdings& mine);
-  std::filesystem::path restore(const RoundRecord& round, const std::vector<Holdings>& members);
+  std::optional<RoundHoldings> await_members(const RoundRecord& round, const Holdings& mine);
+  // Not the gatherer: its restore/<round> record, waited for (bounded);
+  // none when a stop signal came, a newer round was formed, or the
+  // gatherer left.
+  std::optional<RoundHoldings> await_gatherer(const RoundRecord& round, const Holdings& mine,
+                                              const std::string& gatherer);
+  // The member that gathers the round's holdings: its oldest; none for a
+  // round without the members' revisions (every member reads every record).
+  static std::string gatherer(const RoundRecord& round);
+  // The last holdings seen of the nodes that are not members of `round`.
+  std::vector<Holdings> lost_holdings(const RoundRecord& round) const;
+  void write_round_holdings(const RoundHoldings& gathered);
+  // Until a key under `prefixes` changes, or the poll interval; false when
+  // a stop signal came.
+  bool wait_for_change(const std::vector<std::string>& prefixes);
+  std::filesystem::path restore(const RoundRecord& round, const std::vector<Holdings>& members,
+                                const std::vector<Holdings>& lost);
   // Removes what restore/ holds.
   void release_restore();
   // Removes the own and replica snapshot folders of the steps `unwanted`
@@ -134,6 +155,10 @@ class NodeSnapshots {
   std::string published_;  // the record last written to snapshots/<node>
   std::int64_t published_lease_ = 0;
   std::int64_t holdings_round_ = 0;  // the round of the holdings/ record written last
+  std::int64_t gathered_round_ = 0;  // the round of the restore/ record written last
+  // The members' holdings (but this node's) as round_holdings_round_ began.
+  std::map<std::string, Holdings> round_holdings_;
+  std::int64_t round_holdings_round_ = 0;
   // A round one of whose members left before it published its holdings:
   // never entered (prepare_round() answers nullopt for it at once).
   std::int64_t abandoned_round_ = 0;

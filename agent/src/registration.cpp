@@ -134,7 +134,12 @@ void Membership::join(const JobPolicy& policy) {
   auto own = conn_.store().get(self_.key("nodes/" + self_.id));
   own_revision_ = first_revision_ = own ? own->create_revision : 0;
   bool own_ok = false;
-  auto others = live_nodes(conn_.store().get_prefix(self_.key("nodes/")), &own_ok, true);
+  // Whether other agents run: the oldest registrations tell (this one is
+  // among them otherwise). A static job checks every node rank.
+  const bool ranked = o_.node_rank >= 0;
+  auto others = live_nodes(conn_.store().read({RangeRead{self_.key("nodes/"), true,
+                                                         ranked ? 0 : kLeaderWindow + 1, true}})[0],
+                           &own_ok, ranked);
   std::erase_if(others, [&](const NodeInfo& n) { return n.id == self_.id; });
   check_settings(others, policy);
 }

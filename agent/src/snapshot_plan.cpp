@@ -464,6 +464,64 @@ Holdings holdings_from_json(const std::string& text, const std::string& key_node
   return snapshot_plan_detail::read_holdings(text, key_node);
 }
 
+std::string to_json(const RoundHoldings& holdings) {
+  std::string out = fmt::format("{{\"round\":{},\"members\":[", holdings.round);
+  auto list = [&out](const std::vector<Holdings>& entries) {
+    for (std::size_t i = 0; i < entries.size(); ++i) {
+      if (i > 0) out.push_back(',');
+      out.append(to_json(entries[i]));
+    }
+  };
+  list(holdings.members);
+  out.append("],\"lost\":[");
+  list(holdings.lost);
+  out.append("]}");
+  return out;
+}
+
+RoundHoldings round_holdings_from_json(const std::string& text, std::int64_t round,
+                                       const std::vector<std::string>& members) {
+  if (text.size() > kMaxRoundHoldingsBytes)
+    throw MalformedRecord(fmt::format("restore record: {} bytes, over the {} a record may have",
+                                      text.size(), kMaxRoundHoldingsBytes));
+  const nlohmann::json root = nlohmann::json::parse(text, nullptr, false);
+  if (root.is_discarded() || !root.is_object() || root.size() != 3 || !root.contains("round") ||
+      !root.contains("members") || !root.contains("lost"))
+    throw MalformedRecord(
+        "restore record: not a JSON object of \"round\", \"members\" and \"lost\"");
+  if (!root["round"].is_number_integer() || root["round"].get<std::int64_t>() != round)
+    throw MalformedRecord(fmt::format("restore record: \"round\" is {}, not {}",
+                                      excerpt(root["round"].dump(), 40), round));
+  const nlohmann::json& listed = root["members"];
+  const nlohmann::json& lost = root["lost"];
+  // No members' holdings: the round starts without a restore.
+  if (!listed.is_array() || (!listed.empty() && listed.size() != members.size()))
+    throw MalformedRecord(
+        fmt::format("restore record: \"members\" is not a list of the round's {} members' holdings",
+                    members.size()));
+  if (!lost.is_array() || lost.size() > kMaxLostNodesListed)
+    throw MalformedRecord(
+        fmt::format("restore record: \"lost\" is not a list of at most {} nodes' holdings",
+                    kMaxLostNodesListed));
+  auto node_of = [](const nlohmann::json& entry) {
+    auto it = entry.is_object() ? entry.find("node") : entry.end();
+    if (it == entry.end() || !it->is_string())
+      throw MalformedRecord("restore record: a holdings entry without its \"node\"");
+    return it->get<std::string>();
+  };
+  RoundHoldings out;
+  out.round = round;
+  for (std::size_t i = 0; i < listed.size(); ++i) {
+    if (node_of(listed[i]) != members[i])
+      throw MalformedRecord(fmt::format("restore record: member {} is {}, not {}", i,
+                                        excerpt(node_of(listed[i]), 80), members[i]));
+    out.members.push_back(holdings_from_json(listed[i].dump(), members[i]));
+  }
+  for (const auto& entry : lost)
+    out.lost.push_back(holdings_from_json(entry.dump(), node_of(entry)));
+  return out;
+}
+
 std::variant<RestorePlan, std::string> plan_restore(const std::vector<Holdings>& members,
                                                     const std::vector<Holdings>& lost,
                                                     const std::string& self) {

@@ -58,6 +58,25 @@ std::string to_json(const Holdings& holdings);
 // "node" must be.
 Holdings holdings_from_json(const std::string& text, const std::string& key_node);
 
+// restore/<round>: every member's holdings of a round and the last ones of
+// the nodes it lost, gathered by the round's oldest member, so that each
+// member reads one record instead of every member's.
+struct RoundHoldings {
+  std::int64_t round = 0;
+  std::vector<Holdings> members;  // in the round's group order
+  std::vector<Holdings> lost;
+};
+// Lost nodes a record lists at most (the newest losses are kept).
+inline constexpr std::size_t kMaxLostNodesListed = 1024;
+// At most kMaxRoundHoldingsBytes (etcd's limit on a value is 1.5 MiB).
+inline constexpr std::size_t kMaxRoundHoldingsBytes = 1400 * 1024;
+std::string to_json(const RoundHoldings& holdings);
+// Throws MalformedRecord unless it is a record of `round` whose members are
+// `members` in that order (or none: the round starts without a restore),
+// each a valid holdings record.
+RoundHoldings round_holdings_from_json(const std::string& text, std::int64_t round,
+                                       const std::vector<std::string>& members);
+
 // Where one file of the restored snapshot comes from.
 struct FileSource {
   std::string file;    // its name in the snapshot folder

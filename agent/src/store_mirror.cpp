@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <limits>
 
 #include <fmt/format.h>
 
@@ -35,21 +36,24 @@ std::size_t bytes_of(const KeyValue& kv) {
 using namespace store_mirror_detail;
 
 MirroredStore::MirroredStore(std::unique_ptr<EtcdStore> store, StoreFactory make_watch_store,
-                             std::string prefix, milliseconds catch_up,
+                             std::vector<KeyRange> ranges, milliseconds catch_up,
                              std::function<void(const std::string&)> log)
     : store_(std::move(store)),
       watch_store_(make_watch_store()),
-      prefix_(std::move(prefix)),
+      wanted_(ranges),
       catch_up_(catch_up),
       log_(std::move(log)),
+      pending_(std::move(ranges)),
+      repending_(true),
       wake_fd_(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {
-  thread_ = std::thread([this] { follow(); });
+  thread_ = std::thread([this] { run(); });
 }
 
 MirroredStore::~MirroredStore() {
   {
     std::lock_guard lock(mutex_);
     stop_ = true;
+    leave_watch_ = true;
   }
   changed_.notify_all();
   watch_store_->interrupt_watch();
@@ -57,27 +61,63 @@ MirroredStore::~MirroredStore() {
   if (wake_fd_ >= 0) ::close(wake_fd_);
 }
 
-void MirroredStore::follow() {
+void MirroredStore::follow(std::vector<KeyRange> ranges) {
+  if (ranges == wanted_) return;
+  wanted_ = ranges;
+  {
+    std::lock_guard lock(mutex_);
+    pending_ = std::move(ranges);
+    repending_ = true;
+    live_ = false;
+    leave_watch_ = true;
+  }
+  changed_.notify_all();
+  watch_store_->interrupt_watch();
+}
+
+void MirroredStore::run() {
   milliseconds retry = kFirstRetry;
   bool resync = true;
+  std::vector<KeyRange> ranges;
   while (!stop_) {
     try {
+      {
+        std::lock_guard lock(mutex_);
+        if (repending_) {
+          ranges = pending_;
+          repending_ = false;
+          leave_watch_ = false;
+          resync = true;
+        }
+      }
       if (resync) {
-        auto [kvs, revision] = watch_store_->read_prefix_at(prefix_);
+        auto [read, revision] = watch_store_->read_ranges_at(ranges);
         std::map<std::string, KeyValue> keys;
         std::size_t bytes = 0;
-        for (auto& kv : kvs) {
-          bytes += bytes_of(kv);
-          keys.emplace(kv.key, std::move(kv));
-        }
+        for (auto& kvs : read)
+          for (auto& kv : kvs) {
+            bytes += bytes_of(kv);
+            keys.emplace(kv.key, std::move(kv));
+          }
         std::lock_guard lock(mutex_);
         if (keys.size() > kMaxMirroredKeys || bytes > kMaxMirroredBytes) {
           over_bound_ = true;
           break;
         }
+        if (repending_) continue;  // asked for other ranges meanwhile
         keys_ = std::move(keys);
         bytes_ = bytes;
-        revision_ = revision;
+        // What a range kept still must show stays; a new range's read shows
+        // everything up to `revision`.
+        std::vector<Followed> followed;
+        for (const auto& range : ranges) {
+          Followed f{range, revision, 0, revision};
+          for (const auto& old : followed_)
+            if (old.range == range) f.needed = old.needed;
+          followed.push_back(std::move(f));
+        }
+        followed_ = std::move(followed);
+        ++generation_;
         resync = false;
         // What changed in between is not known key by key.
         recent_.clear();
@@ -87,19 +127,35 @@ void MirroredStore::follow() {
       std::int64_t from = 0;
       {
         std::lock_guard lock(mutex_);
-        from = revision_ + 1;
+        // Each range resumes after its own last change: one start for all,
+        // the oldest (a change seen again is applied again, to no effect).
+        from = std::numeric_limits<std::int64_t>::max();
+        for (const auto& f : followed_) from = std::min(from, f.revision + 1);
+      }
+      if (ranges.empty()) {
+        // Nothing to follow: the thread waits for follow() or the end.
+        std::unique_lock lock(mutex_);
+        live_ = true;
+        changed_.notify_all();
+        changed_.wait(lock, [this] { return stop_.load() || repending_; });
+        live_ = false;
+        continue;
       }
       watch_store_->watch(
-          prefix_, from,
+          ranges, from,
           [&](const WatchMessage& message) {
             if (message.compact_revision > 0 || message.canceled) {
-              resync = true;  // the changes since revision_ are gone: read them all again
+              resync = true;  // the changes since a revision held are gone: read them all again
               return false;
             }
             std::lock_guard lock(mutex_);
+            if (repending_) return false;
             live_ = true;
             retry = kFirstRetry;
             for (const auto& event : message.events) {
+              const int at_range = range_of(event.kv.key);
+              if (at_range < 0) continue;
+              Followed& f = followed_[static_cast<std::size_t>(at_range)];
               auto at = keys_.find(event.kv.key);
               if (at != keys_.end()) {
                 bytes_ -= bytes_of(at->second);
@@ -109,13 +165,13 @@ void MirroredStore::follow() {
                 bytes_ += bytes_of(event.kv);
                 keys_.emplace(event.kv.key, event.kv);
               }
-              revision_ = std::max(revision_, event.kv.mod_revision);
+              f.revision = std::max(f.revision, event.kv.mod_revision);
               recent_.emplace_back(event.kv.mod_revision, event.kv.key);
               if (recent_.size() > kRecentChanges) {
                 recent_floor_ = recent_.front().first;
                 recent_.pop_front();
               }
-              if (wake_armed_ && event.kv.mod_revision > wake_after_ &&
+              if (wake_armed_ && event.kv.mod_revision > f.read_at &&
                   under_any(event.kv.key, wake_prefixes_))
                 wake();
             }
@@ -126,16 +182,17 @@ void MirroredStore::follow() {
             changed_.notify_all();
             return !over_bound_;
           },
-          stop_);
+          leave_watch_);
     } catch (const StoreError&) {
       // etcd unreachable or restarting: reads go to etcd meanwhile (and see
       // the outage as the agent always did); the watch resumes from the
-      // revision held.
+      // revisions held.
     }
     std::unique_lock lock(mutex_);
     live_ = false;
     if (over_bound_) break;
-    changed_.wait_for(lock, retry, [this] { return stop_.load(); });
+    if (repending_) continue;
+    changed_.wait_for(lock, retry, [this] { return stop_.load() || repending_; });
     retry = std::min(retry * 2, kLongestRetry);
   }
   std::unique_lock lock(mutex_);
@@ -144,18 +201,39 @@ void MirroredStore::follow() {
     keys_.clear();
     bytes_ = 0;
     lock.unlock();
-    log_(
-        fmt::format("the job's keys under {} are over {} keys or {} MiB: the agent reads them "
-                    "from etcd at each pass instead of following them",
-                    prefix_, kMaxMirroredKeys, kMaxMirroredBytes >> 20));
+    log_(fmt::format(
+        "the job's keys the agent follows are over {} keys or {} MiB: the agent reads them "
+        "from etcd at each pass instead of following them",
+        kMaxMirroredKeys, kMaxMirroredBytes >> 20));
   }
 }
 
-bool MirroredStore::caught_up(std::int64_t revision) {
-  std::unique_lock lock(mutex_);
+int MirroredStore::range_of(const std::string& key) const {
+  for (std::size_t i = 0; i < followed_.size(); ++i)
+    if (followed_[i].range.contains(key)) return static_cast<int>(i);
+  return -1;
+}
+
+int MirroredStore::range_of(const RangeRead& read) const {
+  if (!read.prefix) return range_of(read.key);
+  const KeyRange wanted = prefix_range(read.key);
+  for (std::size_t i = 0; i < followed_.size(); ++i) {
+    const KeyRange& r = followed_[i].range;
+    if (wanted.key >= r.key && wanted.end <= r.end) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+bool MirroredStore::caught_up(std::unique_lock<std::mutex>& lock, const std::vector<int>& ranges) {
+  auto ready = [&] {
+    if (!live_) return true;  // decided: not from the mirror
+    return std::all_of(ranges.begin(), ranges.end(), [&](int i) {
+      const Followed& f = followed_[static_cast<std::size_t>(i)];
+      return f.revision >= f.needed;
+    });
+  };
   if (!live_) return false;
-  return changed_.wait_for(lock, catch_up_, [&] { return !live_ || revision_ >= revision; }) &&
-         live_;
+  return changed_.wait_for(lock, catch_up_, ready) && live_;
 }
 
 std::vector<KeyValue> MirroredStore::answer(const RangeRead& read) const {
@@ -185,15 +263,20 @@ std::vector<KeyValue> MirroredStore::answer(const RangeRead& read) const {
 }
 
 std::vector<std::vector<KeyValue>> MirroredStore::read(const std::vector<RangeRead>& reads) {
-  const bool mirrored = std::all_of(reads.begin(), reads.end(), [this](const RangeRead& r) {
-    return r.key.starts_with(prefix_);
-  });
-  if (mirrored && caught_up(needed_)) {
-    std::lock_guard lock(mutex_);
-    if (live_) {
+  {
+    std::unique_lock lock(mutex_);
+    std::vector<int> ranges;
+    bool mirrored = live_;
+    for (const auto& r : reads) {
+      const int i = range_of(r);
+      if (i < 0) mirrored = false;
+      ranges.push_back(i);
+    }
+    const std::uint64_t generation = generation_;
+    if (mirrored && caught_up(lock, ranges) && generation == generation_) {
       std::vector<std::vector<KeyValue>> out;
       for (const auto& r : reads) out.push_back(answer(r));
-      read_at_ = revision_;
+      for (auto& f : followed_) f.read_at = f.revision;
       ++mirrored_reads_;
       return out;
     }
@@ -201,9 +284,13 @@ std::vector<std::vector<KeyValue>> MirroredStore::read(const std::vector<RangeRe
   ++direct_reads_;
   auto out = store_->read(reads);
   // A later read from the mirror shows these records or newer ones.
+  std::lock_guard lock(mutex_);
   for (const auto& result : out)
     for (const auto& kv : result)
-      if (kv.key.starts_with(prefix_)) needed_ = std::max(needed_, kv.mod_revision);
+      if (const int i = range_of(kv.key); i >= 0) {
+        auto& f = followed_[static_cast<std::size_t>(i)];
+        f.needed = std::max(f.needed, kv.mod_revision);
+      }
   return out;
 }
 
@@ -217,26 +304,39 @@ int MirroredStore::changes_fd(const std::vector<std::string>& prefixes) {
   if (wake_fd_ < 0) return -1;
   std::lock_guard lock(mutex_);
   if (!live_) return -1;  // reads go to etcd: the caller polls
+  // A key no range follows never wakes the caller: it polls.
+  for (const auto& p : prefixes)
+    if (range_of(RangeRead{p, true}) < 0 && range_of(p) < 0) return -1;
   std::uint64_t count = 0;
   (void)!::read(wake_fd_, &count, sizeof(count));
   wake_prefixes_ = prefixes;
-  wake_after_ = read_at_;
   wake_armed_ = true;
   // Changes applied between the caller's read and now.
-  if (recent_floor_ > wake_after_) {
+  std::int64_t oldest_read = std::numeric_limits<std::int64_t>::max();
+  for (const auto& f : followed_) oldest_read = std::min(oldest_read, f.read_at);
+  if (recent_floor_ > oldest_read) {
     wake();
   } else {
-    for (auto at = recent_.rbegin(); at != recent_.rend() && at->first > wake_after_; ++at)
-      if (under_any(at->second, wake_prefixes_)) {
+    for (auto at = recent_.rbegin(); at != recent_.rend(); ++at) {
+      const int i = range_of(at->second);
+      if (i >= 0 && at->first > followed_[static_cast<std::size_t>(i)].read_at &&
+          under_any(at->second, wake_prefixes_)) {
         wake();
         break;
       }
+    }
   }
   return wake_fd_;
 }
 
-void MirroredStore::wrote() {
-  needed_ = std::max(needed_, store_->changed_at());
+void MirroredStore::wrote(const std::string& key, bool prefix) {
+  const std::int64_t at = store_->changed_at();
+  if (at == 0) return;
+  std::lock_guard lock(mutex_);
+  // The range of the key, or every range the prefix written meets.
+  const KeyRange written = prefix ? prefix_range(key) : single_key(key);
+  for (auto& f : followed_)
+    if (written.key < f.range.end && f.range.key < written.end) f.needed = std::max(f.needed, at);
 }
 
 std::int64_t MirroredStore::grant_lease(std::int64_t ttl_seconds) {
@@ -257,23 +357,37 @@ std::int64_t MirroredStore::lease_remaining(std::int64_t lease) {
 
 void MirroredStore::put(const std::string& key, const std::string& value, std::int64_t lease) {
   store_->put(key, value, lease);
-  wrote();
+  wrote(key);
 }
 
 void MirroredStore::erase(const std::string& key) {
   store_->erase(key);
-  wrote();
+  wrote(key);
 }
 
 void MirroredStore::erase_prefix(const std::string& prefix) {
   store_->erase_prefix(prefix);
-  wrote();
+  wrote(prefix, true);
 }
 
 bool MirroredStore::compare_and_swap(const std::string& key, std::int64_t expected_mod_revision,
                                      const std::string& value, std::int64_t lease) {
   const bool written = store_->compare_and_swap(key, expected_mod_revision, value, lease);
-  wrote();
+  if (written) {
+    wrote(key);
+  } else {
+    // Someone else changed the key: the mirror must show that change (or
+    // a newer one) before the caller reads it again, or a retry would see
+    // the state it failed against.
+    const auto now = store_->read({RangeRead{key}});
+    std::int64_t changed = 0;
+    for (const auto& kv : now.front()) changed = kv.mod_revision;
+    std::lock_guard lock(mutex_);
+    if (const int i = range_of(key); i >= 0 && changed > 0) {
+      auto& f = followed_[static_cast<std::size_t>(i)];
+      f.needed = std::max(f.needed, changed);
+    }
+  }
   return written;
 }
 

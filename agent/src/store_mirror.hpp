@@ -10,14 +10,21 @@
 // steady job costs etcd nothing but the leases' keep-alives, and a change
 // costs one message to each agent.
 //
-// Reads of keys under the prefix are answered from the mirror while its
-// watch runs, once the mirror holds every change this object made or
-// read (so an agent always reads its own writes, and never reads an older
-// state than it read before); else, and for every other key, from etcd.
-// Writes and lease calls go to etcd. When the watch cannot resume from
-// the last revision it holds (compacted away), the mirror is read afresh;
-// while the watch is down it is retried, and reads go to etcd, so an etcd
-// outage shows to the agent as before (StoreUnavailable).
+// Only the keys an agent acts on are followed (follow(): ranges of keys,
+// each a watch on the one stream): an agent that does not lead follows the
+// round, the job's settings and marks, and its own registration, so that a
+// node's record written once costs one message to the few agents that
+// lead, not one to every agent.
+//
+// Reads of keys in a followed range are answered from the mirror while its
+// watch runs, once the mirror holds every change this object made or read
+// in that range (so an agent always reads its own writes, and never reads
+// an older state than it read before); else, and for every other key, from
+// etcd. Writes and lease calls go to etcd. When the watch cannot resume
+// from the last revision it holds (compacted away), or the ranges change,
+// the mirror is read afresh; while the watch is down it is retried, and
+// reads go to etcd, so an etcd outage shows to the agent as before
+// (StoreUnavailable).
 //
 // Bounded: a mirror of more than kMaxMirroredKeys keys or
 // kMaxMirroredBytes bytes stops (logged once) and every read goes to etcd.
@@ -25,8 +32,9 @@
 // A caller waits for a change with changes_fd() (the pass sleeps until
 // the round or another key it acts on changes, not a poll interval).
 //
-// Threading: the KeyValueStore calls from one thread at a time (as any
-// store); the watch runs a thread of its own. Errors: as EtcdStore's.
+// Threading: the KeyValueStore calls and follow() from one thread at a
+// time (as any store); the watch runs a thread of its own. Errors: as
+// EtcdStore's.
 #pragma once
 
 #include <atomic>
@@ -53,13 +61,14 @@ class MirroredStore final : public KeyValueStore {
  public:
   using StoreFactory = std::function<std::unique_ptr<EtcdStore>()>;
   // `store`: the requests' (this object's thread); `make_watch_store`: a
-  // store for the watch's thread. `prefix`: the keys mirrored.
+  // store for the watch's thread. `ranges`: the keys mirrored (disjoint).
   // `catch_up`: how long a read waits for the watch to bring what it must
   // show before it asks etcd instead (the request timeout: a loaded etcd
   // is slow to answer too, and a read of its own only adds to its load).
   // `log`: a line about the mirror (the watch's thread may call it).
-  MirroredStore(std::unique_ptr<EtcdStore> store, StoreFactory make_watch_store, std::string prefix,
-                std::chrono::milliseconds catch_up, std::function<void(const std::string&)> log);
+  MirroredStore(std::unique_ptr<EtcdStore> store, StoreFactory make_watch_store,
+                std::vector<KeyRange> ranges, std::chrono::milliseconds catch_up,
+                std::function<void(const std::string&)> log);
   ~MirroredStore() override;
   MirroredStore(const MirroredStore&) = delete;
   MirroredStore& operator=(const MirroredStore&) = delete;
@@ -77,24 +86,41 @@ class MirroredStore final : public KeyValueStore {
   std::string describe() const override;
   int changes_fd(const std::vector<std::string>& prefixes) override;
 
+  // From now on the mirror holds `ranges` (disjoint) instead: the watch
+  // reads them afresh and follows them; meanwhile reads go to etcd.
+  void follow(std::vector<KeyRange> ranges);
+  const std::vector<KeyRange>& followed() const { return wanted_; }
+
   // Reads answered from the mirror and from etcd so far (for tests and
   // benchmarks).
   std::uint64_t mirrored_reads() const { return mirrored_reads_; }
   std::uint64_t direct_reads() const { return direct_reads_; }
 
  private:
-  void follow();  // the watch's thread
-  // True when the mirror runs and holds `revision`, waited for a moment.
-  bool caught_up(std::int64_t revision);
+  // One followed range and where the mirror stands in it.
+  struct Followed {
+    KeyRange range;
+    std::int64_t revision = 0;  // every change of the range up to it applied
+    std::int64_t needed = 0;    // what the next read must see (the caller's)
+    std::int64_t read_at = 0;   // `revision` at the caller's last read
+  };
+  void run();  // the watch's thread
+  // The index in followed_ of the range holding `read`, or -1 (mutex_ held).
+  int range_of(const RangeRead& read) const;
+  int range_of(const std::string& key) const;
+  // True when the mirror runs and holds what `reads` must see, waited for a
+  // moment (mutex_ held by `lock`).
+  bool caught_up(std::unique_lock<std::mutex>& lock, const std::vector<int>& ranges);
   std::vector<KeyValue> answer(const RangeRead& read) const;  // mutex_ held
-  // After a write: the mirror must hold it before the next read.
-  void wrote();
+  // After a write of `key` (with `prefix`, of the keys under it): the
+  // mirror must hold it before the next read of its range.
+  void wrote(const std::string& key, bool prefix = false);
   // Wakes changes_fd()'s caller (mutex_ held).
   void wake();
 
   std::unique_ptr<EtcdStore> store_;
   std::unique_ptr<EtcdStore> watch_store_;  // the watch's thread's (interrupt_watch() aside)
-  const std::string prefix_;
+  std::vector<KeyRange> wanted_;            // what follow() asked (the caller's)
   const std::chrono::milliseconds catch_up_;
   std::function<void(const std::string&)> log_;
 
@@ -102,22 +128,23 @@ class MirroredStore final : public KeyValueStore {
   std::condition_variable changed_;
   std::map<std::string, KeyValue> keys_;
   std::size_t bytes_ = 0;
-  std::int64_t revision_ = 0;  // every change up to it applied
-  bool live_ = false;          // the watch runs from revision_
-  bool over_bound_ = false;    // stopped for good: every read goes to etcd
-  std::int64_t needed_ = 0;    // what the next read must see (this thread's)
-  std::int64_t read_at_ = 0;   // the mirror's revision at this thread's last read
-  // changes_fd(): its eventfd, what it waits for, and the changes applied
-  // lately (their revision and key: those after read_at_ that came before
-  // the call), kRecentChanges at most; recent_floor_ is the newest revision
-  // dropped from them.
+  std::vector<Followed> followed_;  // the ranges the watch follows
+  std::uint64_t generation_ = 0;    // followed_ replaced so many times
+  std::vector<KeyRange> pending_;   // follow()'s ranges, until the watch reads them
+  bool repending_ = false;          // pending_ is set
+  bool live_ = false;               // the watch runs from followed_'s revisions
+  bool over_bound_ = false;         // stopped for good: every read goes to etcd
+  // changes_fd(): its eventfd, what it waits for (a change after the
+  // caller's last read of its range), and the changes applied lately (their
+  // revision and key), kRecentChanges at most; recent_floor_ is the newest
+  // revision dropped from them.
   int wake_fd_ = -1;
   bool wake_armed_ = false;
-  std::int64_t wake_after_ = 0;
   std::vector<std::string> wake_prefixes_;
   std::deque<std::pair<std::int64_t, std::string>> recent_;
   std::int64_t recent_floor_ = 0;
   std::atomic<bool> stop_{false};
+  std::atomic<bool> leave_watch_{false};  // stop_, or new ranges to follow
   std::atomic<std::uint64_t> mirrored_reads_{0}, direct_reads_{0};
   std::thread thread_;
 };

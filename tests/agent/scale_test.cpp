@@ -1,7 +1,8 @@
 // `ductile agent` against one etcd with many agents, and with an etcd that
-// stalls: 64 agents (trivial workers) form one round, and at rest etcd
-// serves their leases' keep-alives and nothing else (the agents follow the
-// job's keys with a watch); an etcd stopped for 2 s (SIGSTOP) under a
+// stalls: 64 agents (trivial workers) form one round with watch messages in
+// proportion to their count (only the oldest agents follow every node's
+// records), and at rest etcd serves their leases' keep-alives and nothing
+// else (the agents follow the job's keys with a watch); an etcd stopped for 2 s (SIGSTOP) under a
 // running job ends no agent, and the job goes on to its end. Its own test
 // program, given both of ctest's slots: 64 agents at once are the
 // machine's whole load.
@@ -42,6 +43,16 @@ std::map<std::string, double> unary_requests(const EtcdServer& etcd) {
     out[line.substr(method + 13, end - method - 13)] += std::stod(line.substr(line.rfind(' ')));
   }
   return out;
+}
+
+// A counter of etcd's /metrics (its value; 0 when absent).
+double metric(const EtcdServer& etcd, const std::string& name) {
+  auto r = run_process({"curl", "-s", "--max-time", "10", etcd.endpoint() + "/metrics"});
+  REQUIRE(r.exit_code == 0);
+  std::istringstream lines(r.out);
+  for (std::string line; std::getline(lines, line);)
+    if (line.starts_with(name + " ")) return std::stod(line.substr(name.size() + 1));
+  return 0;
 }
 
 // `ductile agent` of job `job` on `etcd` with a worker that says its round
@@ -97,6 +108,14 @@ TEST_CASE("agent: 64 agents form one round, and at rest etcd serves their keep-a
   if (!formed)
     for (auto& a : agents) std::cout << a->output();
   REQUIRE(formed);
+  // Forming cost etcd watch messages in proportion to the agents: a record
+  // each agent writes (registration, snapshot record, holdings) reaches the
+  // 16 oldest agents, not every agent (that would be 3 x 64 x 64 = 12,288).
+  std::this_thread::sleep_for(2s);  // the last round's writes settle
+  const double events = metric(etcd, "etcd_debugging_mvcc_events_total");
+  std::cout << kAgents << " agents formed with " << events << " watch events sent by etcd\n";
+  CHECK(events > 0);
+  CHECK(events <= 80.0 * kAgents);
   // One round, of all of them.
   for (auto& a : agents) {
     const std::string out = a->output();
@@ -105,7 +124,6 @@ TEST_CASE("agent: 64 agents form one round, and at rest etcd serves their keep-a
   }
 
   // At rest: keep-alives (a stream each, not counted here) and no reads.
-  std::this_thread::sleep_for(2s);  // the last round's writes settle
   const auto before = unary_requests(etcd);
   double formed_with = 0;
   for (const auto& [method, count] : before) formed_with += count;

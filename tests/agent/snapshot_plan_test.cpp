@@ -131,6 +131,49 @@ TEST_CASE("snapshot holdings: a record reads back as written") {
   CHECK(holdings_from_json(to_json(node("n-1")), "n-1").own.empty());
 }
 
+TEST_CASE("round holdings: the gathered record reads back, and the plan from it is the same") {
+  RoundHoldings gathered{7, ring_of_three(), {}};
+  gathered.lost.push_back(gathered.members.back());
+  gathered.members.pop_back();
+  const std::string text = to_json(gathered);
+  const RoundHoldings back = round_holdings_from_json(text, 7, {"a", "b"});
+  CHECK(back.round == 7);
+  REQUIRE(back.members.size() == 2);
+  REQUIRE(back.lost.size() == 1);
+  CHECK(to_json(back) == text);
+  // Every member computes the plan of the one who gathered the records.
+  for (const char* self : {"a", "b"}) {
+    const auto mine = plan_of(plan_restore(back.members, back.lost, self));
+    const auto theirs = plan_of(plan_restore(gathered.members, gathered.lost, self));
+    CHECK(mine.step == theirs.step);
+    CHECK(mine.sha256 == theirs.sha256);
+    CHECK(mine.sources.size() == theirs.sources.size());
+  }
+  // No members' holdings: the round starts without a restore.
+  CHECK(round_holdings_from_json(to_json(RoundHoldings{7, {}, {}}), 7, {"a", "b"}).members.empty());
+
+  auto refused = [](const std::string& record, std::int64_t round,
+                    const std::vector<std::string>& members) {
+    try {
+      round_holdings_from_json(record, round, members);
+      return std::string();
+    } catch (const MalformedRecord& e) {
+      return std::string(e.what());
+    }
+  };
+  CHECK(refused(text, 8, {"a", "b"}) == "restore record: \"round\" is 7, not 8");
+  CHECK(refused(text, 7, {"b", "a"}) == "restore record: member 0 is a, not b");
+  CHECK(refused(text, 7, {"a", "b", "c"}) ==
+        "restore record: \"members\" is not a list of the round's 3 members' holdings");
+  CHECK(refused("[]", 7, {"a"}) ==
+        "restore record: not a JSON object of \"round\", \"members\" and \"lost\"");
+  CHECK(refused(std::string(kMaxRoundHoldingsBytes + 1, ' '), 7, {"a"}).find("over the") !=
+        std::string::npos);
+  json bad = json::parse(text);
+  bad["members"][1]["port"] = 0;
+  CHECK(refused(bad.dump(), 7, {"a", "b"}).find("port") != std::string::npos);
+}
+
 TEST_CASE("snapshot holdings: a malformed record is refused, naming the field") {
   const json valid = json::parse(to_json(sample()));
   REQUIRE(problem(valid) == "");

@@ -5,6 +5,7 @@
 // read from etcd; an etcd stopped for a moment, and one restarted.
 #include <doctest/doctest.h>
 
+#include <poll.h>
 #include <signal.h>
 
 #include <chrono>
@@ -50,7 +51,8 @@ TEST_CASE(
   other->put("/job/a", "1");
   other->put("/elsewhere", "x");
   MirroredStore mirror(
-      m.make(), [&] { return m.make(); }, "/job/", 2000ms, [](const std::string&) {});
+      m.make(), [&] { return m.make(); }, std::vector<KeyRange>{prefix_range("/job/")}, 2000ms,
+      [](const std::string&) {});
   // Once the watch runs, reads of the job's keys stop reaching etcd.
   REQUIRE(wait_until(
       [&] {
@@ -116,10 +118,76 @@ TEST_CASE(
   CHECK(mirror.direct_reads() == direct + 1);
 }
 
+TEST_CASE("etcd mirror: several ranges on one watch, and other ranges followed from then on") {
+  Mirrored m;
+  auto other = m.make();
+  for (const char* key : {"/job/a/1", "/job/b/1", "/job/c/1", "/job/own"}) other->put(key, "v");
+  MirroredStore mirror(
+      m.make(), [&] { return m.make(); },
+      std::vector<KeyRange>{prefix_range("/job/a/"), single_key("/job/own")}, 2000ms,
+      [](const std::string&) {});
+  REQUIRE(wait_until(
+      [&] {
+        const auto before = mirror.mirrored_reads();
+        return mirror.get("/job/own") && mirror.mirrored_reads() > before;
+      },
+      30s));
+  auto direct = mirror.direct_reads();
+  // Both ranges from the mirror, in one read; its own writes in either seen
+  // at once, others' as they come.
+  auto both = mirror.read({RangeRead{"/job/a/", true}, RangeRead{"/job/own"}});
+  CHECK(keys_of(both[0]) == std::vector<std::string>{"/job/a/1=v"});
+  CHECK(keys_of(both[1]) == std::vector<std::string>{"/job/own=v"});
+  mirror.put("/job/own", "mine");
+  CHECK(mirror.get("/job/own")->value == "mine");
+  mirror.put("/job/a/2", "mine");
+  CHECK(mirror.get_prefix("/job/a/").size() == 2);
+  other->put("/job/a/3", "theirs");
+  CHECK(wait_until([&] { return mirror.get_prefix("/job/a/").size() == 3; }, 10s));
+  other->erase("/job/own");
+  CHECK(wait_until([&] { return !mirror.get("/job/own"); }, 10s));
+  CHECK(mirror.direct_reads() == direct);
+  // A key beside the ranges (a longer key that starts with a followed
+  // single key, a range not followed) is etcd's to answer, and a write
+  // there does not hold back the mirror's reads.
+  other->put("/job/own2", "x");
+  CHECK(mirror.get("/job/own2")->value == "x");
+  mirror.put("/job/b/2", "w");
+  CHECK(mirror.get_prefix("/job/b/").size() == 2);
+  CHECK(mirror.direct_reads() == direct + 2);
+  direct = mirror.direct_reads();
+  CHECK_FALSE(mirror.get("/job/own"));
+  CHECK(mirror.direct_reads() == direct);
+
+  // A change of ranges: the new ones are read afresh and followed; the old
+  // ones go to etcd.
+  mirror.follow({prefix_range("/job/b/"), prefix_range("/job/c/")});
+  REQUIRE(wait_until(
+      [&] {
+        const auto before = mirror.mirrored_reads();
+        return mirror.get_prefix("/job/b/").size() == 2 && mirror.mirrored_reads() > before;
+      },
+      30s));
+  direct = mirror.direct_reads();
+  other->put("/job/c/2", "theirs");
+  CHECK(wait_until([&] { return mirror.get_prefix("/job/c/").size() == 2; }, 10s));
+  CHECK(mirror.direct_reads() == direct);
+  CHECK(mirror.get_prefix("/job/a/").size() == 3);
+  CHECK(mirror.direct_reads() == direct + 1);
+  // A wait for changes wakes on a followed range's change only.
+  (void)mirror.get_prefix("/job/c/");
+  const int fd = mirror.changes_fd({"/job/c/"});
+  REQUIRE(fd >= 0);
+  other->put("/job/c/3", "theirs");
+  pollfd ready{fd, POLLIN, 0};
+  CHECK(::poll(&ready, 1, 10000) == 1);
+}
+
 TEST_CASE("etcd mirror: an etcd stopped for a moment, then restarted") {
   Mirrored m;
   MirroredStore mirror(
-      m.make(500ms), [&] { return m.make(500ms); }, "/job/", 500ms, [](const std::string&) {});
+      m.make(500ms), [&] { return m.make(500ms); }, std::vector<KeyRange>{prefix_range("/job/")},
+      500ms, [](const std::string&) {});
   mirror.put("/job/a", "1");
   REQUIRE(wait_until(
       [&] {

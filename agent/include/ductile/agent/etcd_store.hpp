@@ -42,6 +42,19 @@ struct EtcdTls {
 void check_etcd_tls(const std::string& url, const EtcdTls& tls,
                     const std::vector<std::string>& options);
 
+// The keys from `key` up to, not including, `end` (etcd's key and
+// range_end).
+struct KeyRange {
+  std::string key;
+  std::string end;
+  bool contains(const std::string& k) const { return k >= key && k < end; }
+  friend bool operator==(const KeyRange&, const KeyRange&) = default;
+};
+// Every key that starts with `prefix`.
+KeyRange prefix_range(const std::string& prefix);
+// The key `key` alone.
+KeyRange single_key(const std::string& key);
+
 // One change a watch reports: a key written (kv whole) or deleted (kv.key
 // and kv.mod_revision, the revision of the delete).
 struct WatchEvent {
@@ -85,16 +98,14 @@ class EtcdStore final : public KeyValueStore {
   // last call changed nothing (or was a read, or a lease call).
   std::int64_t changed_at() const;
 
-  // Streams etcd's watch of every key under `prefix` from `start_revision`
-  // (0: from now), calling `on_message` for each message on this thread,
-  // until the server or the connection ends the stream (StoreUnavailable),
-  // it answers with an error (StoreError), `on_message` returns false, or
-  // `stop` is set (seen within a second, at once after interrupt_watch()):
-  // those two return normally. Only
-  // connecting is bounded by the store's timeout; a peer gone silent is
-  // found by TCP keep-alive probes within about 5 s. A message of over
-  // 64 MiB is an error.
-  void watch(const std::string& prefix, std::int64_t start_revision,
+  // Streams etcd's watch of every key in `ranges` (one stream, a watch per
+  // range) from `start_revision` (0: from now), calling `on_message` for each message on this
+  // thread, until the server or the connection ends the stream (StoreUnavailable), it answers with
+  // an error (StoreError), `on_message` returns false, or `stop` is set (seen within a second, at
+  // once after interrupt_watch()): those two return normally. Only connecting is bounded by the
+  // store's timeout; a peer gone silent is found by TCP keep-alive probes within about 5 s. A
+  // message of over 64 MiB is an error.
+  void watch(const std::vector<KeyRange>& ranges, std::int64_t start_revision,
              const std::function<bool(const WatchMessage&)>& on_message,
              const std::atomic<bool>& stop);
 
@@ -102,8 +113,9 @@ class EtcdStore final : public KeyValueStore {
   // `stop` at once. Thread-safe.
   void interrupt_watch();
 
-  // Every key under `prefix` and the store's revision they are read at.
-  std::pair<std::vector<KeyValue>, std::int64_t> read_prefix_at(const std::string& prefix);
+  // Every key of each range, all at one revision, and that revision.
+  std::pair<std::vector<std::vector<KeyValue>>, std::int64_t> read_ranges_at(
+      const std::vector<KeyRange>& ranges);
 
  private:
   struct Impl;

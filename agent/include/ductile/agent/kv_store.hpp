@@ -57,6 +57,9 @@ struct RangeRead {
   bool prefix = false;        // every key starting with `key`
   std::int64_t limit = 0;     // at most this many (0: all)
   bool oldest_first = false;  // by create revision (else key order)
+  // The keys and their revisions and leases only (values may be left
+  // empty: a store that has them at hand may still give them).
+  bool keys_only = false;
 };
 
 class KeyValueStore {
