@@ -118,3 +118,33 @@ def losses(out, rank):
 def finish(procs, timeout=240):
     """Waits for the ranks; their exit statuses."""
     return [p.wait(timeout=timeout) for p in procs]
+
+
+class Releases:
+    """Takes the leaders' release requests (`<node>/release`) as the agents
+    do, on a thread, while running (a context manager)."""
+
+    def __init__(self, nodes):
+        import threading
+        self.nodes = nodes
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self.stop.is_set():
+            for node in self.nodes:
+                path = os.path.join(node, "release")
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+            time.sleep(0.005)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+        return False

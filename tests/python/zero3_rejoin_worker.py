@@ -66,7 +66,9 @@ while engine.global_step < spec["steps"]:
     engine.step()
     log.write(json.dumps({"step": engine.global_step, "loss": loss.item(),
                           "world_size": engine.world_size, "rank": engine.rank,
-                          "pid": os.getpid(), "time": time.time()}) + "\n")
+                          "pid": os.getpid(), "time": time.time(),
+                          "recoveries": engine._recovery.recoveries
+                          if engine._recovery is not None else None}) + "\n")
     log.flush()
     if pause.get("rank") == rank and pause.get("where") == "boundary" and \
             engine.global_step == pause["step"]:

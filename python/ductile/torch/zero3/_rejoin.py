@@ -282,7 +282,9 @@ class Recovery:
         self.watch = _round_notice.NoticeWatch(path, _round_notice.current_round())
         self.micro: list[MicroBatch] = []  # the current step's
         self.base = 0  # global_step when the current step's first forward ran
-        self.rejoins = 0  # rounds rejoined in place (engine.stats())
+        # Where each recovery began: "forward", "backward" or "step"; "boundary" for a
+        # notice seen at a step's first forward.
+        self.recoveries: list[str] = []
 
     # --- forward, backward, step ----------------------------------------------------------
 
@@ -292,14 +294,16 @@ class Recovery:
             self.base = engine.global_step
             notice = self.watch.newer()
             if notice is not None:
-                self._rejoin(notice)
+                self.recoveries.append("boundary")
+                self._lost(notice, rejoin(engine, notice))
+                self.base = engine.global_step
         entry = MicroBatch(args, kwargs, sync=engine._gradients.sync)
         while True:
             try:
                 entry.output = engine.module(*args, **kwargs)
                 break
             except Exception as e:
-                self._recover(e, [])
+                self._recover(e, [], "forward")
         self.micro.append(entry)
         return entry.output
 
@@ -316,7 +320,7 @@ class Recovery:
         except Exception as e:
             if entry is None:
                 raise  # its loss came from outside the forward: it cannot run again
-            self._recover(e, [entry])
+            self._recover(e, [entry], "backward")
         if entry is not None:
             entry.done = True
             entry.output = None  # the graph is gone; the arguments are what runs again
@@ -331,14 +335,14 @@ class Recovery:
                     engine._step(lr_kwargs)
                     break
                 except Exception as e:
-                    if self._recover(e, [], in_step=True):
+                    if self._recover(e, [], "step"):
                         break  # the failed step's snapshot was restored: it is done
         finally:
             self.micro = []
 
     # --- recovery --------------------------------------------------------------------------
 
-    def _recover(self, error, current, in_step=False):
+    def _recover(self, error, current, where):
         """After `error` in a forward, backward (of `current`) or step:
         waits for the next round's notice, rejoins it and runs the step's
         micro-batches done so far again (and `current`). Returns True when
@@ -351,8 +355,9 @@ class Recovery:
         if any(m.loss_path is None for m in done):
             raise error
         notice = self._wait(error)
-        restored = self._rejoin(notice)
-        latest = self.base + 1 if in_step else self.base
+        self.recoveries.append(where)
+        restored = rejoin(self.engine, notice)
+        latest = self.base + 1 if where == "step" else self.base
         if restored > latest:
             raise IncompatibleError(
                 f"zero3 rejoin: round {notice.round} restored step {restored}, but this rank "
@@ -361,10 +366,7 @@ class Recovery:
         if restored == self.base + 1:
             self.base = restored
             return True
-        if restored < self.base:
-            _log.warning("zero3: round %d resumed from the snapshot of step %d: the %d step(s) "
-                         "after it are lost; training goes on from step %d", notice.round,
-                         restored, self.base - restored, restored)
+        self._lost(notice, restored)
         self.base = restored
         engine = self.engine
         sync = engine._gradients.sync
@@ -377,10 +379,11 @@ class Recovery:
             engine._gradients.sync = sync
         return False
 
-    def _rejoin(self, notice):
-        step = rejoin(self.engine, notice)
-        self.rejoins += 1
-        return step
+    def _lost(self, notice, restored):
+        if restored < self.base:
+            _log.warning("zero3: round %d resumed from the snapshot of step %d: the %d step(s) "
+                         "after it are lost; training goes on from step %d", notice.round,
+                         restored, self.base - restored, restored)
 
     def _wait(self, error):
         """The newer round's notice, once the agent wrote it; `error` again
