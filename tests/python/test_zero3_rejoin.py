@@ -170,19 +170,19 @@ def test_a_newer_notice_at_a_step_boundary_rejoins_in_place(world_of_one, tmp_pa
 
 def test_rejoin_refuses_a_round_not_newer_and_a_world_it_cannot_rebuild(world_of_one, tmp_path,
                                                                         monkeypatch):
-    port, own = world_of_one
+    port, _ = world_of_one
     engine = zero3.initialize(make_model(seed=0), adam, CONFIG)
-    with pytest.raises(ductile.InvalidArgumentError, match="engine.rejoin: round 1 is not newer "
+    with pytest.raises(ductile.InvalidArgumentError, match=r"engine.rejoin: round 1 is not newer "
                        r"than this worker's round 1 \(DUCTILE_ROUND\)"):
         engine.rejoin(json.dumps(notice(1, 0, 1, port, tmp_path)))
-    with pytest.raises(ductile.InvalidArgumentError, match="engine.rejoin: notice is a dict"):
+    with pytest.raises(ductile.InvalidArgumentError, match=r"engine.rejoin: notice is a dict"):
         engine.rejoin(notice(2, 0, 1, port, tmp_path))
-    with pytest.raises(ductile.InvalidArgumentError, match="^engine.rejoin: rank = 1"):
+    with pytest.raises(ductile.InvalidArgumentError, match=r"^engine.rejoin: rank = 1"):
         engine.rejoin(json.dumps(notice(2, 1, 1, port, tmp_path)))
     dist.destroy_process_group()
     alone = zero3.initialize(make_model(seed=0), adam, CONFIG)  # the accelerator's own world
-    with pytest.raises(ductile.IncompatibleError, match="cannot rejoin a round in place: its "
-                       "world is accelerator; valid: torch.distributed's default group"):
+    with pytest.raises(ductile.IncompatibleError, match=r"cannot rejoin a round in place: its "
+                       r"world is accelerator; valid: torch.distributed's default group"):
         alone.rejoin(json.dumps(notice(2, 0, 1, port, tmp_path)))
 
 

@@ -50,7 +50,6 @@ import os
 import time
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from ... import _round_end
@@ -302,7 +301,7 @@ class Recovery:
             try:
                 entry.output = engine.module(*args, **kwargs)
                 break
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - _recover raises all but a lost peer's
                 self._recover(e, [], "forward")
         self.micro.append(entry)
         return entry.output
@@ -334,7 +333,7 @@ class Recovery:
                 try:
                     engine._step(lr_kwargs)
                     break
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - _recover raises all but a lost peer's
                     if self._recover(e, [], "step"):
                         break  # the failed step's snapshot was restored: it is done
         finally:
