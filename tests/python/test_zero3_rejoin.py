@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import ductile
 import ductile.torch.zero3 as zero3
-from ductile.torch.zero3 import _rejoin, _round_notice, _snapshots
+from ductile.torch.zero3 import _rejoin, _round_notice, _snapshots, _world
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -121,6 +121,7 @@ def world_of_one(tmp_path, monkeypatch):
                  "ROLE_RANK", "ROLE_WORLD_SIZE", "DUCTILE_ROUND_END"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(_snapshots, "RELEASE_WAIT", 0.05)
+    monkeypatch.setattr(_world, "superseded", None)  # the recovery's, reset afterwards
     try:
         yield port, own
     finally:
@@ -227,19 +228,34 @@ STEPS = 6
 PAUSE = 3
 
 
-def test_survivors_rejoin_in_place_with_the_losses_of_a_restart(tmp_path):
-    """Rank 2 of 3 stops after step 3 (the survivors' next forward fails)
-    or after step 4's forward (their backward fails) and is SIGKILLed; the
+@pytest.fixture
+def started():
+    """The ranks a test starts (a list to extend): killed if still running
+    when it ends."""
+    procs = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            kill(p)
+
+
+def test_survivors_rejoin_in_place_with_the_losses_of_a_restart(tmp_path, started):
+    """Rank 2 of 3 stops after step 3 (the survivors' next forward fails),
+    after step 4's forward (their backward fails) or after its backward
+    (their step's all-reduce: one survivor's fails, the other's waits on
+    it, and is left once the notice came) and is SIGKILLed; the
     test, as the agents, assembles step 3's snapshot from the three nodes'
     folders and writes the survivors' notices. They go on in the same
     processes at world size 2 to step 6, with exactly the losses of two
     fresh workers restored from the same folder (DUCTILE_SNAPSHOT_RESTORE)."""
-    store, port = serve_store()
-    runs = {}
-    for where in ("boundary", "backward"):
+    runs, stores = {}, []
+    for where in ("boundary", "backward", "step"):
+        store, port = serve_store()  # a job's: each run its own
+        stores.append(store)
         out = tmp_path / where
         procs = start(out, {"steps": STEPS, "pause": {"rank": 2, "step": PAUSE,
                                                        "where": where}}, 3, port)
+        started.extend(procs)
         pids = [p.pid for p in procs]
         with Releases([out / f"node{r}" for r in range(3)]):
             wait_for(out / "paused-rank2", procs)
@@ -259,13 +275,15 @@ def test_survivors_rejoin_in_place_with_the_losses_of_a_restart(tmp_path):
             assert [records[s]["world_size"] for s in sorted(records)] == \
                 [3] * PAUSE + [2] * (STEPS - PAUSE)
             assert records[STEPS]["recoveries"] == \
-                ["forward" if where == "boundary" else "backward"]
+                ["forward" if where == "boundary" else where]
         folder_of_boundary = tmp_path / "boundary" / "restore" / f"step{PAUSE}"
 
     restarted = tmp_path / "restart"
-    store2, port2 = serve_store()
-    procs = start(restarted, {"steps": STEPS}, 2, port2, round_=2, notices=False,
+    store, port = serve_store()
+    stores.append(store)
+    procs = start(restarted, {"steps": STEPS}, 2, port, round_=2, notices=False,
                   restore=folder_of_boundary)
+    started.extend(procs)
     with Releases([restarted / f"node{r}" for r in range(2)]):
         assert finish(procs) == [0, 0], (restarted / "stderr-rank0.txt").read_text()[-3000:]
     for r in range(2):
@@ -274,4 +292,4 @@ def test_survivors_rejoin_in_place_with_the_losses_of_a_restart(tmp_path):
         for where, seen in runs.items():
             assert [seen[r][s]["loss"] for s in sorted(reference)] == \
                 [reference[s]["loss"] for s in sorted(reference)], (where, r)
-    del store, store2
+    del stores

@@ -10,11 +10,14 @@ engine(x, y); engine.backward(loss); engine.step()`` until
 ``engine.global_step`` reaches the spec's "steps", each rank's batch chosen
 by its rank and the step (the same at any world size). After every step it
 appends {step, loss, world_size, rank, pid, time} to out/losses-rank<r>.jsonl.
-With "pause": {"rank": r, "step": k, "where": "boundary" | "backward"},
-rank r stops after step k ("boundary") or after step k + 1's forward
-("backward"), writes out/paused-rank<r> and sleeps until the test kills it."""
+With "pause": {"rank": r, "step": k, "where": "boundary" | "backward" |
+"step"}, rank r stops after step k ("boundary"), or after step k + 1's
+forward ("backward") or backward ("step"), writes out/paused-rank<r> and
+sleeps until the test kills it."""
 
+import faulthandler
 import json
+import signal
 import os
 import sys
 import time
@@ -25,6 +28,7 @@ import torch.distributed as dist
 import ductile.torch.zero3 as zero3
 from zero3_model import Windows, loss_of, make_model
 
+faulthandler.register(signal.SIGUSR1)  # a hung rank's stacks, for its diagnosis
 spec = json.load(open(sys.argv[1]))
 out = spec["out"]
 rank = int(os.environ["RANK"])
@@ -63,6 +67,9 @@ while engine.global_step < spec["steps"]:
             step == pause["step"] + 1:
         paused()
     engine.backward(loss)
+    if pause.get("rank") == rank and pause.get("where") == "step" and \
+            step == pause["step"] + 1:
+        paused()
     engine.step()
     log.write(json.dumps({"step": engine.global_step, "loss": loss.item(),
                           "world_size": engine.world_size, "rank": engine.rank,

@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from ... import _round_end
 from ..._errors import CommunicationError, Error, IncompatibleError, InvalidArgumentError
-from . import _checkpoint, _round_notice
+from . import _checkpoint, _round_notice, _world
 from ._round_notice import NOTICE_ENV, RoundNotice
 
 _log = logging.getLogger("ductile.zero3")
@@ -64,6 +64,19 @@ _log = logging.getLogger("ductile.zero3")
 # grace and polls, plus a margin).
 DEFAULT_WAIT = 60.0
 _POLL = 0.01
+
+
+# What gloo's TCP transport says when a peer's process is gone. The engine's
+# own collectives on torch's group (an all-reduce in step()) raise torch's
+# RuntimeError with it; the coordinator's raise ductile.CommunicationError.
+_TRANSPORT_LOST = ("Connection closed by peer", "Connection reset by peer")
+
+
+def _lost_peer(error):
+    """Whether `error` is a collective's that failed because a peer is gone."""
+    if _round_end._peer_lost(error):
+        return True
+    return isinstance(error, RuntimeError) and any(m in str(error) for m in _TRANSPORT_LOST)
 
 
 def _as_notice(notice):
@@ -113,14 +126,22 @@ def _leave(engine):
     if passes.pass_open:
         try:
             passes.abandon()
-        except Error:
-            pass  # the pass's collectives failed with the peer: nothing of it is kept
+        except Exception:  # noqa: BLE001 - its collectives failed with the peer: none is kept
+            pass
     passes.uninstall(engine.module)
     if engine._steps.hook is not None:
         engine._steps.hook.remove()
     for zp in engine._params:
         zp.shard.grad = None
     if dist.is_initialized():
+        # Aborted first: its connections close now, so that a peer still
+        # waiting in a collective of the old round (one that does not talk
+        # to the lost rank) fails and recovers too, rather than wait for
+        # the group's timeout.
+        try:
+            dist.distributed_c10d._get_default_group().abort()
+        except Exception:  # noqa: BLE001 - a group that cannot abort is destroyed anyway
+            pass
         dist.destroy_process_group()
 
 
@@ -280,6 +301,7 @@ class Recovery:
         self.engine = engine
         self.watch = _round_notice.NoticeWatch(path, _round_notice.current_round())
         self.micro: list[MicroBatch] = []  # the current step's
+        _world.superseded = self.superseded
         self.base = 0  # global_step when the current step's first forward ran
         # Where each recovery began: "forward", "backward" or "step"; "boundary" for a
         # notice seen at a step's first forward.
@@ -348,25 +370,36 @@ class Recovery:
         the snapshot restored is of the step in progress (step() is done).
         Raises `error` when it is not a lost peer's, or when a micro-batch
         cannot run again."""
-        if not _round_end._peer_lost(error):
+        if not _lost_peer(error):
             raise error
         done = [m for m in self.micro if m.done] + current
         if any(m.loss_path is None for m in done):
             raise error
-        notice = self._wait(error)
-        self.recoveries.append(where)
-        restored = rejoin(self.engine, notice)
-        latest = self.base + 1 if where == "step" else self.base
-        if restored > latest:
-            raise IncompatibleError(
-                f"zero3 rejoin: round {notice.round} restored step {restored}, but this rank "
-                f"had completed step {self.base} only; valid: a snapshot of step {latest} or "
-                "earlier") from error
-        if restored == self.base + 1:
+        while True:
+            notice = self._wait(error)
+            self.recoveries.append(where)
+            restored = rejoin(self.engine, notice)
+            latest = self.base + 1 if where == "step" else self.base
+            if restored > latest:
+                raise IncompatibleError(
+                    f"zero3 rejoin: round {notice.round} restored step {restored}, but this "
+                    f"rank had completed step {self.base} only; valid: a snapshot of step "
+                    f"{latest} or earlier") from error
+            if restored == self.base + 1:
+                self.base = restored
+                return True
+            self._lost(notice, restored)
             self.base = restored
-            return True
-        self._lost(notice, restored)
-        self.base = restored
+            try:
+                self._replay(done)
+                return False
+            except Exception as e:  # a peer lost again: the next round
+                if not _lost_peer(e):
+                    raise
+                error = e
+
+    def _replay(self, done):
+        """Runs the micro-batches `done` again (forward and backward)."""
         engine = self.engine
         sync = engine._gradients.sync
         try:
@@ -376,7 +409,15 @@ class Recovery:
                 engine._backward(_follow(output, entry.loss_path), entry.backward_kwargs or {})
         finally:
             engine._gradients.sync = sync
-        return False
+
+    def superseded(self):
+        """Raises CommunicationError when a newer round's notice arrived (a
+        collective of the old round waits; _world.superseded)."""
+        notice = self.watch.newer()
+        if notice is not None:
+            raise CommunicationError(
+                f"zero3: a collective of round {self.watch.round} was left: round "
+                f"{notice.round} formed ({self.watch.path}, {NOTICE_ENV})")
 
     def _lost(self, notice, restored):
         if restored < self.base:

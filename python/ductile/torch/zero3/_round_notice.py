@@ -170,6 +170,7 @@ class NoticeWatch:
         self.path = path
         self.round = round_
         self._seen = None  # (size, mtime_ns, inode) of the file last read
+        self._notice = None  # what it held
 
     def newer(self):
         """The notice when one newer than `round` is at the path, else None."""
@@ -181,10 +182,8 @@ class NoticeWatch:
             raise IoError(f"{self.path} ({NOTICE_ENV}): cannot read the round notice: "
                           f"{e.strerror or e}") from e
         key = (info.st_size, info.st_mtime_ns, info.st_ino)
-        if key == self._seen:
-            return None
-        notice = read(self.path)
-        self._seen = key
-        if notice is None or notice.round <= self.round:
-            return None
-        return notice
+        if key != self._seen:
+            self._notice = read(self.path)
+            self._seen = key
+        notice = self._notice
+        return notice if notice is not None and notice.round > self.round else None
