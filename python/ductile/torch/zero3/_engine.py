@@ -570,10 +570,7 @@ class Zero3Engine:
             return self._recovery.forward(args, kwargs)
         return self.module(*args, **kwargs)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._recovery is not None:
-            return self._recovery.forward(args, kwargs)
-        return self.module(*args, **kwargs)
+    forward = __call__
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward(**kwargs)`` (the loss scaled first with fp16 loss

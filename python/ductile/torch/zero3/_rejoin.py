@@ -34,9 +34,16 @@ forward's arguments, and once its backward ran, how the loss came from the forwa
   model given labels); when one whose loss was computed outside the forward would have to run
   again (a failure in its backward or in step(), or in a later micro-batch of the same step),
   the original error is raised and the agent restarts the workers, as without a notice.
+  gloo's "Connection closed by peer" from the engine's own collectives on torch's group (a
+  RuntimeError) counts as a lost peer too. A collective of the old round that waits only for
+  live peers (a ring's neighbour, while the lost rank's neighbours have left) would wait for
+  the group's timeout: with a notice path, the engine's waits on torch's works poll the work
+  and, every 50 polls, the notice (_world.superseded), and leave with CommunicationError once
+  a newer round's notice is there, which recovers as above.
 - A newer notice at a step boundary (the first forward of a step: one ``stat``, no device
   work): the engine rejoins before that forward (a node joined). Ranks may see it a step apart;
-  a rank still in the old round then fails its collective and recovers as above.
+  a rank still in the old round then fails its collective, or leaves it, and recovers as
+  above.
 
 The snapshot restored is the agent's choice: normally the one of the step before the failed
 one (snapshot_interval 1), whose micro-batches are run again. From an older one (a longer
