@@ -57,6 +57,7 @@ import os
 import time
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ... import _round_end
@@ -332,7 +333,8 @@ class Recovery:
                 break
             except Exception as e:  # noqa: BLE001 - _recover raises all but a lost peer's
                 self._recover(e, [], "forward")
-        self.micro.append(entry)
+        if torch.is_grad_enabled():  # else no backward follows: nothing to run again
+            self.micro.append(entry)
         return entry.output
 
     def backward(self, loss, kwargs):
@@ -343,6 +345,12 @@ class Recovery:
             entry.loss_path = _loss_path(entry.output, loss)
             entry.backward_kwargs = dict(kwargs)
             entry.sync = engine._gradients.sync
+        else:
+            # A loss computed outside the forward: the outputs waiting for
+            # their backward cannot run again; they are not kept.
+            for m in self.micro:
+                if not m.done:
+                    m.done, m.output = True, None
         try:
             engine._backward(loss, kwargs)
         except Exception as e:
