@@ -207,7 +207,8 @@ def test_a_failed_collective_waits_for_the_notice_a_bounded_time(world_of_one, m
 
 def test_a_micro_batch_whose_loss_came_from_outside_is_not_run_again(world_of_one):
     """The loss computed outside the forward: a lost peer's error in its
-    backward is raised as it is (the agent restarts the workers)."""
+    backward or in the step is raised as it is (the agent restarts the
+    workers)."""
     engine = zero3.initialize(make_model(seed=0), adam, CONFIG)
     x = torch.randint(0, 256, (2, 8))
     logits = engine(x)
@@ -219,7 +220,10 @@ def test_a_micro_batch_whose_loss_came_from_outside_is_not_run_again(world_of_on
     with pytest.raises(ductile.CommunicationError, match="reduce_scatter"):
         engine._recovery._recover(lost, [entry], "backward")
     engine.backward(loss)
+    with pytest.raises(ductile.CommunicationError, match="all_reduce"):  # step() cannot either
+        engine._recovery._recover(ductile.CommunicationError("all_reduce"), [], "step")
     engine.step()
+    assert engine._recovery.recoveries == [] and engine._recovery.micro == []
 
 
 # --- three ranks: one lost, two go on in the same processes ------------------------------

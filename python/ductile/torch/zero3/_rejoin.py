@@ -346,11 +346,14 @@ class Recovery:
             entry.backward_kwargs = dict(kwargs)
             entry.sync = engine._gradients.sync
         else:
-            # A loss computed outside the forward: the outputs waiting for
-            # their backward cannot run again; they are not kept.
+            # A loss computed outside the engine's forward (or a forward
+            # called on the module itself, as the DeepSpeed drop-in does):
+            # this step's gradients cannot be made again. The outputs
+            # waiting for their backward are not kept.
             for m in self.micro:
                 if not m.done:
                     m.done, m.output = True, None
+            self.micro.append(MicroBatch((), {}, done=True))
         try:
             engine._backward(loss, kwargs)
         except Exception as e:
