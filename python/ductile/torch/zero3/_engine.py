@@ -662,7 +662,7 @@ class Zero3Engine:
         ``optimizer`` (its param_groups' values), ``lr_scheduler`` stay the
         objects they were. Collective over the new round. Under the agent
         with DUCTILE_ROUND_NOTICE the engine calls it by itself (a failed
-        collective, or a newer notice at a step's end)."""
+        collective, or a newer notice at a step's first forward)."""
         from . import _rejoin
         return _rejoin.rejoin(self, notice)
 
