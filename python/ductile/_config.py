@@ -11,7 +11,7 @@ and defaults by the parts that use it (``elasticity``,
 import json
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal, TypeAlias
 
 from . import _ductile
@@ -44,6 +44,10 @@ class Config:
         self.runtime = runtime
         self.deepspeed = deepspeed
         self.base_dir = base_dir
+        # Makes the same runtime anew (its plugins' state is one world's: an
+        # engine that rejoins a round in place needs a fresh one); None when
+        # the configuration cannot be read again.
+        self.fresh_runtime: Callable[[], Any] | None = None
 
     def __repr__(self) -> str:
         return f"ductile.Config(format={self.format!r}, origin={self.origin!r})"
@@ -148,6 +152,8 @@ def load_config(source: StrPath | dict[str, Any] | Config, *,
         raise InvalidArgumentError(
             f"allow_config_plugins = {_shown(allow_config_plugins)} is not a bool; give True "
             "or False")
+    if plugin_path is not None and not isinstance(plugin_path, (str, bytes, os.PathLike)):
+        plugin_path = list(plugin_path)  # read again by Config.fresh_runtime
     if isinstance(source, Config):
         if format is not None and source.format != format:
             # Its readers take the DeepSpeed JSON text of a "deepspeed" one,
@@ -159,9 +165,9 @@ def load_config(source: StrPath | dict[str, Any] | Config, *,
         return source
     if isinstance(source, dict):
         if format == "toml":
-            return Config("toml", "<dict>",
-                          Runtime.from_toml(toml_from_dict(source), "<dict>", plugin_path,
-                                            allow_config_plugins))
+            text = toml_from_dict(source)
+            return _toml_config("<dict>", lambda: Runtime.from_toml(
+                text, "<dict>", plugin_path, allow_config_plugins))
         return _deepspeed_config("<dict>", Runtime.plain(plugin_path), _json_of(source))
     is_path = isinstance(source, os.PathLike)
     if isinstance(source, str) and not _utf8_text(source):
@@ -201,15 +207,24 @@ def load_config(source: StrPath | dict[str, Any] | Config, *,
                                   f"{e.start})") from e
             return _deepspeed_config(shown, Runtime.plain(plugin_path), text,
                                      os.path.dirname(os.path.abspath(path)))
-        runtime = Runtime.from_file(path, plugin_path, allow_config_plugins)
-        return Config("toml", path, runtime, None, runtime.base_dir)
+        config = _toml_config(path, lambda: Runtime.from_file(path, plugin_path,
+                                                              allow_config_plugins))
+        config.base_dir = config.runtime.base_dir
+        return config
     if isinstance(source, str):
         if format == "deepspeed" or (format is None and _looks_like_json(source)):
             return _deepspeed_config("<string>", Runtime.plain(plugin_path), source, os.getcwd())
-        return Config("toml", "<string>", Runtime.from_toml(source, "<string>", plugin_path,
-                                                            allow_config_plugins))
+        text = source
+        return _toml_config("<string>", lambda: Runtime.from_toml(text, "<string>", plugin_path,
+                                                                  allow_config_plugins))
     raise InvalidArgumentError(
         f"config: expected a path, a TOML/JSON string or a dict, got {type(source).__name__}")
+
+
+def _toml_config(origin, make):
+    config = Config("toml", origin, make())
+    config.fresh_runtime = make
+    return config
 
 
 def parse_json(text: str, origin: str) -> Any:

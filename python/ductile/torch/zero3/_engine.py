@@ -21,6 +21,8 @@ from ._optimizer_step import OptimizerStep, place
 from ._param import Sharding
 from ._passes import ENGINE, EXTERNAL, Passes
 from ._progress import StepLog
+from ._rejoin import Recovery
+from ._round_notice import RoundNotice
 from ._snapshots import Snapshots
 from ._world import DeviceMemory, SessionCollectives
 
@@ -42,6 +44,19 @@ class OffloadSettings:
     ratio: float | None = None
     pin: bool = True
     param: bool = False
+
+
+@dataclasses.dataclass
+class Build:
+    """What an engine's parts are built from, kept for rejoin(): the
+    configuration (its runtime made anew), initialize's groups, offload
+    and max_device_memory, and the optimizer factory."""
+
+    config: Config
+    groups: Any
+    offload: OffloadSettings
+    max_device_memory: int | float | None
+    optimizer_factory: Any
 
 
 @dataclasses.dataclass
@@ -124,7 +139,15 @@ def resolve(config, plugin_path, mixed_precision, world):
         clipping = training["gradient_clipping"]
         if training["optimizer"] is not None:
             optimizer = optimizer_factory(training["optimizer"], loaded.origin)
+        source = loaded
+
+        def fresh_runtime():
+            return _ductile.Runtime.from_deepspeed(
+                source.deepspeed, source.origin, plugin_path, source.base_dir,
+                require_zero_stage3=True, accelerator_backend=_backend(world),
+                read_training=True)[0]
         loaded = Config("deepspeed", loaded.origin, runtime, loaded.deepspeed, loaded.base_dir)
+        loaded.fresh_runtime = fresh_runtime
     if mixed_precision is not None:
         if not isinstance(mixed_precision, _gradients.MixedPrecision):
             mixed_precision = _gradients.MixedPrecision(mixed_precision)
@@ -206,8 +229,11 @@ class ShardedModel:
     coordinator's handle, the sharding (parameters, groups, units), their
     placement and offload, the gradient reducer and the passes."""
 
+    # previous: the parameters of the engine this one replaces at another
+    # world size (rejoin): the same model's, their shards made anew and
+    # left zero (the caller loads them).
     def __init__(self, model, runtime, world, precision, groups, offload, max_device_memory,
-                 load_from, has_optimizer, step_in_backward, move_model=False):
+                 load_from, has_optimizer, step_in_backward, move_model=False, previous=None):
         self.session = _ductile.zero.Session(runtime, world)
         self.memory = DeviceMemory(self.session.backend)
         if self.session.host_world:
@@ -227,7 +253,8 @@ class ShardedModel:
             # DeepSpeed's engine takes the model where it was built (the HF
             # Trainer leaves it on the CPU for it) and moves it, buffers too.
             model.to(self.memory.device)
-        self.params = self.sharding.collect(model)
+        self.params = (self.sharding.collect(model) if previous is None
+                       else self.sharding.adopt(previous))
         units = self.sharding.plan(model, groups)
         self.groups = self.sharding.groups
         self.placement = _optimizer_step.Placement(
@@ -238,7 +265,7 @@ class ShardedModel:
                              _optimizer_step.budget_bytes(max_device_memory, self.memory.device),
                              has_optimizer, step_in_backward, self.memory.device)
         self.sharding.offload = self.offload
-        self.sharding.partition(model, load_from)
+        self.sharding.partition(model, load_from, fill=previous is None)
         reduce_dtype = precision.reduce_dtype if precision is not None else None
         self.gradients = GradientReducer(self.comm, reduce_dtype)
         self.passes = Passes(self.session, self.memory, self.params, self.groups,
@@ -342,6 +369,25 @@ class Zero3Engine:
                                offload, max_device_memory, load_from,
                                optimizer_factory is not None, step_in_backward, move_model)
         self.module = model
+        # What rejoin() builds the engine again from, at another world size.
+        self._build = Build(settings.loaded, groups, offload, max_device_memory,
+                            optimizer_factory)
+        self._attach(sharded, optimizer_factory, settings.gradient_clipping, step_in_backward)
+        self._lr_scheduler = None
+        interval = log_interval(settings)  # checked by the schema
+        self._step_log = StepLog(interval, self) if interval else None
+        self._snapshots = Snapshots(self, *snapshot_keys(settings))
+        # The step restored from DUCTILE_SNAPSHOT_RESTORE (a round that
+        # resumes from memory under `ductile agent`), or None.
+        self.restored_from_memory = self._snapshots.restore()
+        # In-place recovery under `ductile agent` (DUCTILE_ROUND_NOTICE set;
+        # _rejoin.py), else None: the training loop's calls go straight on.
+        self._recovery = Recovery.of(self)
+
+    def _attach(self, sharded, optimizer_factory, gradient_clipping, step_in_backward):
+        """Takes `sharded` (a ShardedModel of self.module) as the engine's,
+        and makes its optimizer step."""
+        precision = self.mixed_precision
         self.comm = sharded.comm
         self.rank = sharded.rank
         self.world_size = sharded.world_size
@@ -363,16 +409,9 @@ class Zero3Engine:
             scaling = LossScaling(self._scaler, self._groups, self._offload, self.comm,
                                   self._memory.device)
         self._steps = OptimizerStep(sharded, optimizer_factory, scaling,
-                                    settings.gradient_clipping, step_in_backward)
+                                    gradient_clipping, step_in_backward)
         self.optimizer = self._steps.optimizer
         self.step_in_backward = self._steps.step_in_backward
-        self._lr_scheduler = None
-        interval = log_interval(settings)  # checked by the schema
-        self._step_log = StepLog(interval, self) if interval else None
-        self._snapshots = Snapshots(self, *snapshot_keys(settings))
-        # The step restored from DUCTILE_SNAPSHOT_RESTORE (a round that
-        # resumes from memory under `ductile agent`), or None.
-        self.restored_from_memory = self._snapshots.restore()
 
     # A scheduler: any object with step() (and state_dict()/load_state_dict()
     # for checkpoints), a torch LRScheduler or one of lr_schedules'.
@@ -523,15 +562,25 @@ class Zero3Engine:
 
     # --- the training loop -----------------------------------------------------------
 
+    # Under `ductile agent` with DUCTILE_ROUND_NOTICE, forward, backward and
+    # step go through the recovery (_rejoin.py), which keeps the step's
+    # inputs and rejoins the next round when a peer is lost.
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._recovery is not None:
+            return self._recovery.forward(args, kwargs)
         return self.module(*args, **kwargs)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+    forward = __call__
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward(**kwargs)`` (the loss scaled first with fp16 loss
         scaling); gradient shards are complete when it returns."""
+        if self._recovery is not None:
+            self._recovery.backward(loss, kwargs)
+            return
+        self._backward(loss, kwargs)
+
+    def _backward(self, loss, kwargs):
         if self._scaler is not None:
             loss = loss * self._scaler.scale
         if self.step_in_backward and self._snapshots.enabled:
@@ -573,6 +622,12 @@ class Zero3Engine:
         Every log_interval steps, a progress line; every snapshot_interval
         steps under ``ductile agent``, a snapshot in memory (_snapshots.py;
         both collective)."""
+        if self._recovery is not None:
+            self._recovery.step(lr_kwargs)
+            return
+        self._step(lr_kwargs)
+
+    def _step(self, lr_kwargs):
         # Attributes, not calls, when snapshots are off: the step's host
         # work is counted (tests/python/test_zero3_groups.py).
         snapshots = self._snapshots
@@ -596,6 +651,20 @@ class Zero3Engine:
             log.log(lr)
         if snapshots.enabled:
             snapshots.after_step()
+
+    def rejoin(self, notice: RoundNotice | str | bytes) -> int:
+        """Goes on in the next round of ``ductile agent`` in this process:
+        leaves the old process group (a lost peer does not hold it up),
+        joins the round's (``notice``: a RoundNotice, or its JSON; see
+        _round_notice.py), shards the parameters and the optimizer state
+        over the new world size and loads the notice's snapshot folder into
+        them; returns the step restored. The engine, ``module``,
+        ``optimizer`` (its param_groups' values), ``lr_scheduler`` stay the
+        objects they were. Collective over the new round. Under the agent
+        with DUCTILE_ROUND_NOTICE the engine calls it by itself (a failed
+        collective, or a newer notice at a step's first forward)."""
+        from . import _rejoin
+        return _rejoin.rejoin(self, notice)
 
     def zero_grad(self) -> None:
         """Clears the gradient shards (step() does it after stepping)."""

@@ -725,8 +725,9 @@ class OptimizerStep:
             self.gradients.on_group_ready = lambda g: self._step_group(g, by_id)
         elif optimizer_factory is not None:
             self.optimizer = optimizer_factory([zp.shard for zp in self.params])
+        self.hook = None  # the optimizer's step hook, removed when the engine rejoins
         if self.optimizer is not None and not self.step_in_backward:
-            self.optimizer.register_step_post_hook(self._optimizer_stepped)
+            self.hook = self.optimizer.register_step_post_hook(self._optimizer_stepped)
 
     def set_gradient_clipping(self, value):
         self.gradient_clipping = value

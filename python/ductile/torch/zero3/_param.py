@@ -44,12 +44,14 @@ class ZeroParam(_ductile.zero.MemberState):
     """One unique parameter of the model and what the engine knows of it;
     ``shard`` and ``requires_grad`` are C++ (MemberState)."""
 
-    def __init__(self, pid, name, param, dtype):
+    # shape: the parameter's whole shape when its data is not (an engine's
+    # placeholder, rejoin()); else its own.
+    def __init__(self, pid, name, param, dtype, shape=None):
         super().__init__()
         self.id = pid
         self.name = name
         self.param = param
-        self.shape = full_shape(param)
+        self.shape = full_shape(param) if shape is None else tuple(shape)
         self.numel = math.prod(self.shape)
         self.dtype = dtype  # the compute dtype: of the store and the gathered copy
         self.orig_dtype = param.dtype  # the model's own
@@ -196,6 +198,19 @@ class Sharding:
         self.params = params
         return params
 
+    def adopt(self, previous):
+        """The parameters of an engine this one replaces at another world
+        size (rejoin): the same model parameters, names and dtypes, their
+        shards made anew."""
+        params = []
+        for old in previous:
+            zp = ZeroParam(old.id, old.name, old.param, old.dtype, old.shape)
+            zp.orig_dtype = old.orig_dtype  # the parameter's data is a placeholder
+            zp.requires_grad = old.requires_grad
+            params.append(zp)
+        self.params = params
+        return params
+
     def plan(self, model, policy):
         """The units and groups."""
         param_of = {id(zp.param): zp for zp in self.params}
@@ -209,10 +224,11 @@ class Sharding:
 
     # --- partitioning -------------------------------------------------------------------
 
-    def partition(self, model, load_from):
+    def partition(self, model, load_from, fill=True):
         """Registers every group and fills this rank's shards: from the
         slices zero3.init kept, from safetensors (load_from), or from rank
-        0's values (broadcast, as DistributedDataParallel does)."""
+        0's values (broadcast, as DistributedDataParallel does); without
+        `fill`, leaves them zero (a load follows)."""
         source = SafetensorsSource(load_from) if load_from is not None else None
         aliases: dict[int, list[str]] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -223,7 +239,7 @@ class Sharding:
             for group in self.groups:
                 self._register(group)
                 self._make_shards(group)
-                for zp in group.members:
+                for zp in group.members if fill else ():
                     values = self._initial_values(zp, source, aliases[id(zp.param)])
                     if values is not None:
                         zp.store.copy_(values)

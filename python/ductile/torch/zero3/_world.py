@@ -1,6 +1,7 @@
 """The world zero3 runs on: the ranks, their collectives (torch.distributed's process group, or
 the accelerator's own), the direct exchange between ranks, and device memory."""
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -306,6 +307,25 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+# Under in-place recovery (_rejoin.py): a callable that raises
+# CommunicationError once a newer round's notice arrived. A collective of
+# the old round that waits only for live peers (a ring's neighbour) would
+# otherwise wait for the group's timeout after the others left for the new
+# round; with it, its wait polls the work and the notice instead.
+superseded: Any = None
+_POLL_S = 0.0002
+_CHECK_EVERY = 50  # polls between two looks at the notice (one stat each)
+
+
+def _wait_unless_superseded(work):
+    polls = 0
+    while not work.is_completed():
+        polls += 1
+        if polls % _CHECK_EVERY == 0 and superseded is not None:
+            superseded()
+        time.sleep(_POLL_S)
+
+
 class Work(_ductile.zero.HostWork):
     """A collective in flight; `finish` (optional) runs once, when it is
     seen complete, before query() returns True or wait() returns."""
@@ -329,6 +349,8 @@ class Work(_ductile.zero.HostWork):
     def wait(self):
         if self._done:
             return
+        if superseded is not None:
+            _wait_unless_superseded(self._work)
         self._work.wait()
         if self._finish is not None:
             self._finish()

@@ -1,0 +1,466 @@
+"""In-place recovery (the engine's side): a worker of ``ductile agent`` whose peer is lost goes
+on in the next round in the same process, without a restart of Python, torch or the model.
+
+``engine.rejoin(notice)`` (``rejoin`` here) leaves the old world and enters the notice's round
+(_round_notice.py): background snapshot threads are joined and their files dropped, the pass in
+progress abandoned, the hooks removed, torch's default process group destroyed (locally: a dead
+peer does not hold it up) and created again from the notice's rank, world size and TCPStore (the
+variables RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
+DUCTILE_ROUND follow, and the plan's DUCTILE_GLOBAL_BATCH, DUCTILE_MICRO_BATCH and
+DUCTILE_GRADIENT_ACCUMULATION_STEPS when the notice has one); the parameters are sharded again
+at the new world size (ShardedModel with ``previous``) and the notice's snapshot folder loaded
+into them by ``_checkpoint.load_manifest``, which re-partitions any world size's files. The
+engine, ``engine.module``, ``engine.optimizer`` and ``engine.lr_scheduler`` stay the same
+objects: the optimizer's param groups get the new shards in place of the old (their values
+stay), its state and the scheduler's are the snapshot's.
+
+What it needs: torch.distributed's default process group as the world (gloo on the cpu, NCCL
+on cuda; not ``group=``, not the accelerator's own communicator), the optimizer on the device
+(no offload) and stepped by step() (not step_in_backward); else IncompatibleError names it.
+
+The triggers, under the agent with ``DUCTILE_ROUND_NOTICE`` set (Recovery): the engine's
+``forward``, ``backward`` and ``step`` keep the current optimizer step's micro-batches (the
+forward's arguments, and once its backward ran, how the loss came from the forward's output).
+
+- A collective that fails because a peer is gone (ductile.CommunicationError, torch's
+  DistNetworkError or DistBackendError) inside them: the engine waits for a notice newer than
+  its round (at most DUCTILE_ROUND_END_WAIT seconds, else DEFAULT_WAIT; CommunicationError when
+  none comes, or the original error at once when the agent ends the round instead:
+  DUCTILE_ROUND_END), rejoins, and runs the step's micro-batches again at the new world size:
+  the forward in progress returns its output from the new round, a backward in progress and
+  step() complete there. The loop ``loss = engine(batch); engine.backward(loss);
+  engine.step()`` goes on unchanged. A micro-batch can be run again only when its loss is the
+  forward's output, or the output's ``loss`` (attribute, key) or first element (a Hugging Face
+  model given labels); when one whose loss was computed outside the forward would have to run
+  again (a failure in its backward or in step(), or in a later micro-batch of the same step),
+  the original error is raised and the agent restarts the workers, as without a notice.
+  gloo's "Connection closed by peer" from the engine's own collectives on torch's group (a
+  RuntimeError) counts as a lost peer too. A collective of the old round that waits only for
+  live peers (a ring's neighbour, while the lost rank's neighbours have left) would wait for
+  the group's timeout: with a notice path, the engine's waits on torch's works poll the work
+  and, every 50 polls, the notice (_world.superseded), and leave with CommunicationError once
+  a newer round's notice is there, which recovers as above.
+- A newer notice at a step boundary (the first forward of a step: one ``stat``, no device
+  work): the engine rejoins before that forward (a node joined). Ranks may see it a step apart;
+  a rank still in the old round then fails its collective, or leaves it, and recovers as
+  above.
+
+The snapshot restored is the agent's choice: normally the one of the step before the failed
+one (snapshot_interval 1), whose micro-batches are run again. From an older one (a longer
+interval), the steps between are lost: the engine logs how many and goes on from the restored
+step with the micro-batches it holds (``engine.global_step`` says where it is)."""
+
+import collections
+import dataclasses
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ... import _round_end
+from ..._errors import CommunicationError, Error, IncompatibleError, InvalidArgumentError
+from . import _checkpoint, _round_notice, _world
+from ._round_notice import NOTICE_ENV, RoundNotice
+
+_log = logging.getLogger("ductile.zero3")
+
+# Seconds a worker whose collective failed waits for the agent's notice
+# without DUCTILE_ROUND_END_WAIT (the agent sets it: its lease TTL, failure
+# grace and polls, plus a margin).
+DEFAULT_WAIT = 60.0
+_POLL = 0.01
+
+
+# What gloo's TCP transport says when a peer's process is gone. The engine's
+# own collectives on torch's group (an all-reduce in step()) raise torch's
+# RuntimeError with it; the coordinator's raise ductile.CommunicationError.
+_TRANSPORT_LOST = ("Connection closed by peer", "Connection reset by peer")
+
+
+def _lost_peer(error):
+    """Whether `error` is a collective's that failed because a peer is gone."""
+    if _round_end._peer_lost(error):
+        return True
+    return isinstance(error, RuntimeError) and any(m in str(error) for m in _TRANSPORT_LOST)
+
+
+def _as_notice(notice):
+    if isinstance(notice, RoundNotice):
+        return notice
+    if isinstance(notice, str):
+        notice = notice.encode()
+    if isinstance(notice, (bytes, bytearray)):
+        return _round_notice.parse(bytes(notice), "engine.rejoin")
+    raise InvalidArgumentError(f"engine.rejoin: notice is a {type(notice).__name__}; valid: a "
+                               "RoundNotice, or its JSON text (str or bytes)")
+
+
+def _check_supported(engine):
+    from ._world import TorchWorld
+    why = None
+    if not isinstance(engine.comm, TorchWorld):
+        why = f"its world is {engine.comm.kind}; valid: torch.distributed's default group"
+    elif engine.comm.group is not None:
+        why = "its world is a process group given as group=; valid: the default group"
+    elif engine._offload is not None:
+        why = "optimizer offload is on; valid: the optimizer on the device"
+    elif engine.step_in_backward:
+        why = "step_in_backward is on; valid: the optimizer stepped by step()"
+    elif engine._build.config.fresh_runtime is None:
+        why = (f"its configuration ({engine._build.config.origin}) cannot be read again; "
+               "valid: a config given as a path, text or dict")
+    if why is not None:
+        raise IncompatibleError(f"zero3: the engine cannot rejoin a round in place: {why}")
+
+
+def _leave(engine):
+    """Drops the old round's work: background threads (their files
+    removed), the pass in progress, the hooks, the old optimizer hook;
+    then the default process group. Nothing here waits for a peer."""
+    snapshots = engine._snapshots
+    writing, snapshots.writing = snapshots.writing, None
+    if writing is not None:
+        writing.thread.join()
+        writing.written.undo()
+    pending, snapshots.pending_save = snapshots.pending_save, None
+    if pending is not None:
+        pending.cancel.set()
+        pending.thread.join()
+        pending.written.undo()
+    passes = engine._passes
+    if passes.pass_open:
+        try:
+            passes.abandon()
+        except Exception:  # noqa: BLE001 - its collectives failed with the peer: none is kept
+            pass
+    passes.uninstall(engine.module)
+    if engine._steps.hook is not None:
+        engine._steps.hook.remove()
+    for zp in engine._params:
+        zp.shard.grad = None
+    if dist.is_initialized():
+        # Aborted first: its connections close now, so that a peer still
+        # waiting in a collective of the old round (one that does not talk
+        # to the lost rank) fails and recovers too, rather than wait for
+        # the group's timeout.
+        try:
+            dist.distributed_c10d._get_default_group().abort()
+        except Exception:  # noqa: BLE001 - a group that cannot abort is destroyed anyway
+            pass
+        dist.destroy_process_group()
+
+
+def _join(notice, backend, timeout):
+    """The notice's round as torch's default process group (its TCPStore,
+    under the round's key prefix); the round's variables set."""
+    os.environ.update(notice.environment())
+    from datetime import timedelta
+    try:
+        store = dist.TCPStore(notice.master_addr, notice.master_port, is_master=False,
+                              timeout=timedelta(seconds=timeout))
+    except (RuntimeError, OSError) as e:
+        raise CommunicationError(
+            f"zero3 rejoin: round {notice.round}: cannot reach the round's store at "
+            f"{notice.master_addr}:{notice.master_port} (master_addr, master_port of "
+            f"{NOTICE_ENV}) within {timeout:g} s: {e}") from e
+    dist.init_process_group(backend, store=dist.PrefixStore(notice.store_prefix, store),
+                            rank=notice.rank, world_size=notice.world_size)
+
+
+def _transplant(optimizer, params):
+    """An optimizer factory that gives `optimizer` (the user's object) the
+    new shards in place of the old ones, group by group (its values stay),
+    and an empty state (the snapshot's is loaded next)."""
+    pid_of = {id(zp.shard): zp.id for zp in params}
+    groups = [[pid_of[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+
+    def factory(shards):
+        for group, pids in zip(optimizer.param_groups, groups):
+            group["params"] = [shards[pid] for pid in pids]
+        optimizer.state = collections.defaultdict(dict)
+        return optimizer
+    return factory
+
+
+def rejoin(engine, notice):
+    """Zero3Engine.rejoin (see the module's docstring)."""
+    from ._engine import ShardedModel, torch_world
+    from ._progress import StepLog
+    from ._snapshots import Snapshots
+
+    notice = _as_notice(notice)
+    _check_supported(engine)
+    round_ = _round_notice.current_round()
+    if notice.round <= round_:
+        raise InvalidArgumentError(
+            f"engine.rejoin: round {notice.round} is not newer than this worker's round "
+            f"{round_} (DUCTILE_ROUND); valid: a notice of a later round")
+    backend = engine.comm.backend
+    build = engine._build
+    sync = engine._gradients.sync
+    callback = engine._passes.module_callback
+    clipping, measure = engine._steps.gradient_clipping, engine._steps.measure_grad_norm
+    previous = engine._params
+    optimizer = engine.optimizer
+    factory = _transplant(optimizer, previous) if optimizer is not None else None
+    old = engine._snapshots
+    log_interval = engine.log_interval
+    runtime = build.config.fresh_runtime()  # the old one's accelerator holds the old world
+    try:
+        engine.flush_log()
+    except Error:
+        pass  # a line's values needed the lost peer: the line is dropped
+    _leave(engine)
+    _join(notice, backend, _wait_seconds())
+
+    sharded = ShardedModel(engine.module, runtime, torch_world(None),
+                           engine.mixed_precision, build.groups, build.offload,
+                           build.max_device_memory, None, optimizer is not None, False,
+                           previous=previous)
+    for zp in previous:
+        zp.shard = None  # the old shards' memory goes with the old world
+    engine._attach(sharded, factory, clipping, False)
+    engine._steps.measure_grad_norm = measure
+    engine._gradients.sync = sync  # inside no_sync(), still inside
+    engine._passes.module_callback = callback
+    engine._step_log = StepLog(log_interval, engine) if log_interval else None
+    snapshots = Snapshots(engine, old.interval, old.replicas)
+    snapshots.overlap = old.overlap
+    engine._snapshots = snapshots
+    try:
+        manifest = _checkpoint.load_manifest(engine, notice.restore, lr_scheduler=True)
+    except Error as e:
+        raise type(e)(f"{NOTICE_ENV}: round {notice.round}: the snapshot to resume from "
+                      f"({notice.restore}) does not load: {e}", kind=e.kind,
+                      type=e.type) from e
+    step = manifest["step"]
+    snapshots._restored = step  # the agent frees it once a newer snapshot is replicated
+    engine.restored_from_memory = step
+    if engine._recovery is not None:
+        engine._recovery.watch.round = notice.round
+    _log.info("zero3: rank %d of %d in round %d: rejoined in place from the snapshot of step "
+              "%d (%s)", engine.rank, engine.world_size, notice.round, step, notice.restore)
+    return step
+
+
+def _wait_seconds():
+    value = os.environ.get(_round_end.ROUND_END_WAIT_ENV, "")
+    try:
+        return max(1.0, float(value)) if value else DEFAULT_WAIT
+    except ValueError:
+        raise InvalidArgumentError(f"{_round_end.ROUND_END_WAIT_ENV} = {value!r}; valid: "
+                                   "seconds, a number") from None
+
+
+# --- the triggers ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """A forward of the current optimizer step: its arguments and, once its
+    backward ran, how to find the loss in its output (None: computed
+    outside it; see _loss_path)."""
+
+    args: tuple
+    kwargs: dict
+    output: Any = None
+    loss_path: tuple | None = None
+    backward_kwargs: dict | None = None
+    sync: bool = True
+    done: bool = False
+
+
+def _loss_path(output, loss):
+    """Where `loss` is in `output`: () itself, ("attr", "loss"), ("key",
+    "loss"), ("index", 0); None when it is not there (computed outside)."""
+    if loss is output:
+        return ()
+    if getattr(output, "loss", None) is loss:
+        return ("attr", "loss")
+    if isinstance(output, collections.abc.Mapping) and output.get("loss") is loss:
+        return ("key", "loss")
+    if isinstance(output, (tuple, list)) and output and output[0] is loss:
+        return ("index", 0)
+    return None
+
+
+def _follow(output, path):
+    if not path:
+        return output
+    kind, where = path
+    if kind == "attr":
+        return getattr(output, where)
+    return output[where]
+
+
+class Recovery:
+    """The engine's forward, backward and step under the agent with a
+    round notice (see the module's docstring)."""
+
+    @classmethod
+    def of(cls, engine):
+        path = os.environ.get(NOTICE_ENV)
+        return cls(engine, path) if path else None
+
+    def __init__(self, engine, path):
+        self.engine = engine
+        self.watch = _round_notice.NoticeWatch(path, _round_notice.current_round())
+        self.micro: list[MicroBatch] = []  # the current step's
+        _world.superseded = self.superseded
+        self.base = 0  # global_step when the current step's first forward ran
+        # Where each recovery began: "forward", "backward" or "step"; "boundary" for a
+        # notice seen at a step's first forward.
+        self.recoveries: list[str] = []
+
+    # --- forward, backward, step ----------------------------------------------------------
+
+    def forward(self, args, kwargs):
+        engine = self.engine
+        if not self.micro:
+            self.base = engine.global_step
+            notice = self.watch.newer()
+            if notice is not None:
+                self.recoveries.append("boundary")
+                self._lost(notice, rejoin(engine, notice))
+                self.base = engine.global_step
+        entry = MicroBatch(args, kwargs, sync=engine._gradients.sync)
+        while True:
+            try:
+                entry.output = engine.module(*args, **kwargs)
+                break
+            except Exception as e:  # noqa: BLE001 - _recover raises all but a lost peer's
+                self._recover(e, [], "forward")
+        if torch.is_grad_enabled():  # else no backward follows: nothing to run again
+            self.micro.append(entry)
+        return entry.output
+
+    def backward(self, loss, kwargs):
+        engine = self.engine
+        entry = next((m for m in reversed(self.micro) if not m.done and
+                      _loss_path(m.output, loss) is not None), None)
+        if entry is not None:
+            entry.loss_path = _loss_path(entry.output, loss)
+            entry.backward_kwargs = dict(kwargs)
+            entry.sync = engine._gradients.sync
+        else:
+            # A loss computed outside the engine's forward (or a forward
+            # called on the module itself, as the DeepSpeed drop-in does):
+            # this step's gradients cannot be made again. The outputs
+            # waiting for their backward are not kept.
+            for m in self.micro:
+                if not m.done:
+                    m.done, m.output = True, None
+            self.micro.append(MicroBatch((), {}, done=True))
+        try:
+            engine._backward(loss, kwargs)
+        except Exception as e:
+            if entry is None:
+                raise  # its loss came from outside the forward: it cannot run again
+            self._recover(e, [entry], "backward")
+        if entry is not None:
+            entry.done = True
+            entry.output = None  # the graph is gone; the arguments are what runs again
+
+    def step(self, lr_kwargs):
+        engine = self.engine
+        if not self.micro:
+            self.base = engine.global_step
+        try:
+            while True:
+                try:
+                    engine._step(lr_kwargs)
+                    break
+                except Exception as e:  # noqa: BLE001 - _recover raises all but a lost peer's
+                    if self._recover(e, [], "step"):
+                        break  # the failed step's snapshot was restored: it is done
+        finally:
+            self.micro = []
+
+    # --- recovery --------------------------------------------------------------------------
+
+    def _recover(self, error, current, where):
+        """After `error` in a forward, backward (of `current`) or step:
+        waits for the next round's notice, rejoins it and runs the step's
+        micro-batches done so far again (and `current`). Returns True when
+        the snapshot restored is of the step in progress (step() is done).
+        Raises `error` when it is not a lost peer's, or when a micro-batch
+        cannot run again."""
+        if not _lost_peer(error):
+            raise error
+        done = [m for m in self.micro if m.done] + current
+        if any(m.loss_path is None for m in done):
+            raise error
+        while True:
+            notice = self._wait(error)
+            self.recoveries.append(where)
+            restored = rejoin(self.engine, notice)
+            latest = self.base + 1 if where == "step" else self.base
+            if restored > latest:
+                raise IncompatibleError(
+                    f"zero3 rejoin: round {notice.round} restored step {restored}, but this "
+                    f"rank had completed step {self.base} only; valid: a snapshot of step "
+                    f"{latest} or earlier") from error
+            if restored == self.base + 1:
+                self.base = restored
+                return True
+            self._lost(notice, restored)
+            self.base = restored
+            try:
+                self._replay(done)
+                return False
+            except Exception as e:  # a peer lost again: the next round
+                if not _lost_peer(e):
+                    raise
+                error = e
+
+    def _replay(self, done):
+        """Runs the micro-batches `done` again (forward and backward)."""
+        engine = self.engine
+        sync = engine._gradients.sync
+        try:
+            for entry in done:
+                engine._gradients.sync = entry.sync
+                output = engine.module(*entry.args, **entry.kwargs)
+                engine._backward(_follow(output, entry.loss_path), entry.backward_kwargs or {})
+        finally:
+            engine._gradients.sync = sync
+
+    def superseded(self):
+        """Raises CommunicationError when a newer round's notice arrived (a
+        collective of the old round waits; _world.superseded)."""
+        notice = self.watch.newer()
+        if notice is not None:
+            raise CommunicationError(
+                f"zero3: a collective of round {self.watch.round} was left: round "
+                f"{notice.round} formed ({self.watch.path}, {NOTICE_ENV})")
+
+    def _lost(self, notice, restored):
+        if restored < self.base:
+            _log.warning("zero3: round %d resumed from the snapshot of step %d: the %d step(s) "
+                         "after it are lost; training goes on from step %d", notice.round,
+                         restored, self.base - restored, restored)
+
+    def _wait(self, error):
+        """The newer round's notice, once the agent wrote it; `error` again
+        when the agent ends the round instead (DUCTILE_ROUND_END: it stops
+        this worker), CommunicationError when none comes in time."""
+        wait = _wait_seconds()
+        deadline = time.monotonic() + wait
+        end = os.environ.get(_round_end.ROUND_END_ENV)
+        round_ = str(self.watch.round)
+        while True:
+            notice = self.watch.newer()
+            if notice is not None:
+                return notice
+            if end and _round_end._why_ended(end, round_):
+                raise error
+            if time.monotonic() > deadline:
+                raise CommunicationError(
+                    f"zero3: a collective of round {round_} failed ({type(error).__name__}: "
+                    f"{error}) and no notice of a newer round came to {self.watch.path} "
+                    f"({NOTICE_ENV}) within {wait:g} s ({_round_end.ROUND_END_WAIT_ENV})"
+                ) from error
+            time.sleep(_POLL)

@@ -1,0 +1,189 @@
+"""The round notice: how ``ductile agent`` tells a running worker that a new round formed, so
+that its engine rejoins in place (``engine.rejoin``, _rejoin.py) instead of being restarted.
+
+The contract. The agent sets ``DUCTILE_ROUND_NOTICE`` to a path of its own per worker (beside
+``DUCTILE_ROUND_END``); when a round forms that the worker joins, the agent writes there,
+atomically (a staged file renamed over the path, so a reader sees the old notice or the new one,
+never half of one), at most MAX_BYTES of UTF-8 JSON, one object:
+
+    {"round": 3, "rank": 1, "world_size": 2, "local_rank": 0, "local_world_size": 1,
+     "master_addr": "node-a.example", "master_port": 29513, "store_prefix": "round3/",
+     "restore": "/dev/shm/ductile-snapshots-.../restore/step41",
+     "plan": {"global_batch": 12, "micro_batch": 2, "gradient_accumulation_steps": 3}}
+
+``round``: the new round's number (DUCTILE_ROUND), greater than the worker's; ``rank``,
+``world_size``, ``local_rank``, ``local_world_size``: the worker's place in it (RANK,
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE); ``master_addr``, ``master_port``: the round's
+TCPStore (MASTER_ADDR, MASTER_PORT), where the new process group rendezvouses under the key
+prefix ``store_prefix`` (optional, ``ductile/round<round>/`` by default: a store serving several
+rounds keeps them apart); ``restore``: a complete snapshot folder, as DUCTILE_SNAPSHOT_RESTORE
+names one, that every rank of the round loads; ``plan`` (optional): the elastic policy's plan at
+the new world size (DUCTILE_GLOBAL_BATCH, DUCTILE_MICRO_BATCH,
+DUCTILE_GRADIENT_ACCUMULATION_STEPS). No other key is valid.
+
+A worker polls the path once a step (one ``stat``: the notice is read only when its size or
+modification time changed) and after a collective failed because a peer is gone; a notice of a
+round not newer than the worker's is ignored."""
+
+import dataclasses
+import json
+import os
+
+from ..._errors import InvalidArgumentError, IoError
+
+NOTICE_ENV = "DUCTILE_ROUND_NOTICE"
+ROUND_ENV = "DUCTILE_ROUND"
+# A notice is a few hundred bytes; anything past this is not one.
+MAX_BYTES = 64 << 10
+_MAX_PORT = 65535
+_MAX_ADDR = 255
+_PLAN_KEYS = {"global_batch": "DUCTILE_GLOBAL_BATCH", "micro_batch": "DUCTILE_MICRO_BATCH",
+              "gradient_accumulation_steps": "DUCTILE_GRADIENT_ACCUMULATION_STEPS"}
+_KEYS = ("round", "rank", "world_size", "local_rank", "local_world_size", "master_addr",
+         "master_port", "store_prefix", "restore", "plan")
+_REQUIRED = ("round", "rank", "world_size", "local_rank", "local_world_size", "master_addr",
+             "master_port", "restore")
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundNotice:
+    """A validated round notice (see the module's docstring)."""
+
+    round: int
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    store_prefix: str
+    restore: str
+    plan: dict[str, int] | None = None
+
+    def environment(self):
+        """The variables a worker of this round is started with, as the
+        agent sets them (the plan's too, when there is one)."""
+        env = {"RANK": self.rank, "WORLD_SIZE": self.world_size, "LOCAL_RANK": self.local_rank,
+               "LOCAL_WORLD_SIZE": self.local_world_size, "MASTER_ADDR": self.master_addr,
+               "MASTER_PORT": self.master_port, ROUND_ENV: self.round,
+               "ROLE_RANK": self.rank, "ROLE_WORLD_SIZE": self.world_size}
+        for key, name in _PLAN_KEYS.items():
+            if self.plan is not None and key in self.plan:
+                env[name] = self.plan[key]
+        return {k: str(v) for k, v in env.items()}
+
+
+def _integer(where, key, value, low, high=None):
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or \
+            (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise InvalidArgumentError(f"{where}: {key} = {value!r}; valid: an integer {bound}")
+    return value
+
+
+def _text(where, key, value, limit=4096):
+    if not isinstance(value, str) or not value or len(value) > limit or "\0" in value:
+        raise InvalidArgumentError(f"{where}: {key} = {value!r}; valid: a non-empty string of at "
+                                   f"most {limit} characters")
+    return value
+
+
+def parse(data, where):
+    """A RoundNotice of `data` (the notice's bytes); InvalidArgumentError
+    naming `where` (the path), the key, the bad value and what is valid."""
+    if len(data) > MAX_BYTES:
+        raise InvalidArgumentError(f"{where}: a round notice of more than {MAX_BYTES} bytes; "
+                                   f"valid: a JSON object of at most {MAX_BYTES} bytes")
+    try:
+        fields = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise InvalidArgumentError(f"{where}: the round notice is not UTF-8 JSON ({e}); valid: "
+                                   "a JSON object") from None
+    if not isinstance(fields, dict):
+        raise InvalidArgumentError(f"{where}: the round notice is a {type(fields).__name__}; "
+                                   "valid: a JSON object")
+    unknown = sorted(k for k in fields if k not in _KEYS)
+    if unknown:
+        raise InvalidArgumentError(f"{where}: {unknown[0]} is not a key of a round notice; "
+                                   f"valid: {', '.join(_KEYS)}")
+    missing = [k for k in _REQUIRED if k not in fields]
+    if missing:
+        raise InvalidArgumentError(f"{where}: the round notice has no {missing[0]}; required: "
+                                   f"{', '.join(_REQUIRED)}")
+    round_ = _integer(where, "round", fields["round"], 1)
+    world = _integer(where, "world_size", fields["world_size"], 1)
+    rank = _integer(where, "rank", fields["rank"], 0, world - 1)
+    local_world = _integer(where, "local_world_size", fields["local_world_size"], 1, world)
+    local_rank = _integer(where, "local_rank", fields["local_rank"], 0, local_world - 1)
+    addr = _text(where, "master_addr", fields["master_addr"], _MAX_ADDR)
+    port = _integer(where, "master_port", fields["master_port"], 1, _MAX_PORT)
+    prefix = fields.get("store_prefix", f"ductile/round{round_}/")
+    prefix = _text(where, "store_prefix", prefix, _MAX_ADDR)
+    restore = _text(where, "restore", fields["restore"])
+    if not os.path.isabs(restore):
+        raise InvalidArgumentError(f"{where}: restore = {restore!r}; valid: an absolute path to "
+                                   "a complete snapshot folder")
+    plan = fields.get("plan")
+    if plan is not None:
+        if not isinstance(plan, dict):
+            raise InvalidArgumentError(f"{where}: plan = {plan!r}; valid: an object of "
+                                       f"{', '.join(_PLAN_KEYS)}")
+        for key, value in plan.items():
+            if key not in _PLAN_KEYS:
+                raise InvalidArgumentError(f"{where}: plan.{key} is not a key of plan; valid: "
+                                           f"{', '.join(_PLAN_KEYS)}")
+            _integer(where, f"plan.{key}", value, 1)
+    return RoundNotice(round_, rank, world, local_rank, local_world, addr, port, prefix,
+                       restore, plan)
+
+
+def read(path):
+    """The notice at `path`, or None when there is none (no file); IoError
+    for a file that cannot be read, InvalidArgumentError for a bad one."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise IoError(f"{path} ({NOTICE_ENV}): cannot read the round notice: "
+                      f"{e.strerror or e}") from e
+    return parse(data, f"{path} ({NOTICE_ENV})")
+
+
+def current_round():
+    """This worker's round, DUCTILE_ROUND (0 when the agent set none)."""
+    value = os.environ.get(ROUND_ENV, "")
+    try:
+        return int(value) if value else 0
+    except ValueError:
+        raise InvalidArgumentError(f"{ROUND_ENV} = {value!r}; valid: the round number, an "
+                                   "integer >= 0") from None
+
+
+class NoticeWatch:
+    """The notice path and what was seen of it: ``newer()`` (one stat when
+    nothing changed) says whether a notice of a round newer than `round`
+    arrived."""
+
+    def __init__(self, path, round_):
+        self.path = path
+        self.round = round_
+        self._seen = None  # (size, mtime_ns, inode) of the file last read
+        self._notice = None  # what it held
+
+    def newer(self):
+        """The notice when one newer than `round` is at the path, else None."""
+        try:
+            info = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise IoError(f"{self.path} ({NOTICE_ENV}): cannot read the round notice: "
+                          f"{e.strerror or e}") from e
+        key = (info.st_size, info.st_mtime_ns, info.st_ino)
+        if key != self._seen:
+            self._notice = read(self.path)
+            self._seen = key
+        notice = self._notice
+        return notice if notice is not None and notice.round > self.round else None
