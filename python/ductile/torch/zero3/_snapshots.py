@@ -92,6 +92,7 @@ from . import _checkpoint
 from ._checkpoint import agree
 from ._checkpoint_files import (fs, header, io_error, rank_stem, read_header, shard_layout,
                                 write_file)
+from ._snapshot_mapping import MAPPINGS, SnapshotFile, write_shards
 
 SNAPSHOT_DIR_ENV = "DUCTILE_SNAPSHOT_DIR"
 RESTORE_ENV = "DUCTILE_SNAPSHOT_RESTORE"
@@ -139,6 +140,23 @@ def _write_small(path, text):
     os.replace(staged, path)
 
 
+def _ordinal(n):
+    suffix = "th" if n % 100 in (11, 12, 13) else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def _write(engine, target):
+    """_checkpoint.write of a snapshot, its shard file written through its
+    mapping (_snapshot_mapping.py)."""
+    written = _checkpoint.Written()
+    try:
+        plan = _checkpoint.prepare(engine, target, None, written)
+        _checkpoint.finish(engine, target, plan, written,
+                           lambda: write_shards(engine, target, plan))
+    finally:
+        written.undo()
+
+
 class Snapshots:
     """The snapshot policy of one engine: when to write one, where, and
     the restore at start (see the module's docstring)."""
@@ -175,6 +193,10 @@ class Snapshots:
         # before the next optimizer update.
         self.overlap = False
         self.writing: SnapshotWrite | None = None  # the write not yet committed
+        # Snapshots due while the last one was still being written, not
+        # taken (engine.stats()), and whether the interval held is logged.
+        self.skipped = 0
+        self._hold_logged = False
 
     def due(self, step):
         return self.enabled and step % self.interval == 0 and step != self._last
@@ -186,6 +208,16 @@ class Snapshots:
         if not self.due(step):
             return
         self._last = step
+        if self.writing is not None:
+            # Still being written at the last update: one more thread would
+            # only queue behind it, so it commits first or this one is skipped.
+            if not self._all_written():
+                self.skipped += 1
+                self.writing.skipped += 1
+                return
+            self.finish_write()
+            if self._open is not None:
+                self._time_blocked(0)
         start = time.perf_counter_ns()
         target = _checkpoint.Target(self.root, f"step{step}", self.leader, "zero3 snapshot",
                                     durable=False, keep_previous=True, node_local=True,
@@ -195,7 +227,7 @@ class Snapshots:
             if self.overlap:
                 self.writing = SnapshotWrite(self.engine, target, step)
             else:
-                _checkpoint.write(self.engine, target)
+                _write(self.engine, target)
                 self._committed_at(step)
         except CommunicationError:
             raise  # a rank is gone: the job cannot go on, snapshot or not
@@ -205,6 +237,18 @@ class Snapshots:
             self._open = (step, time.perf_counter_ns() - start)
             if self.writing is None and self._committed is None:  # nothing follows
                 self._time_blocked(0)
+
+    def _all_written(self):
+        """Whether every rank's snapshot thread has ended (collective)."""
+        assert self.writing is not None  # asked only while one is written
+        done = not self.writing.thread.is_alive()
+        return self.engine.all_reduce(torch.tensor([1.0 if done else 0.0]), "min").item() == 1.0
+
+    def close(self):
+        """engine.close(): the last snapshot committed, the files' mappings
+        let go (collective)."""
+        self.finish_save()
+        MAPPINGS.close()
 
     def _committed_at(self, step):
         self._written = step
@@ -225,6 +269,12 @@ class Snapshots:
         try:
             writing.finish(self.engine)
             self._committed_at(writing.step)
+            if writing.skipped and not self._hold_logged:
+                self._hold_logged = True
+                held = self.interval * (writing.skipped + 1)
+                _log.warning("zero3 snapshots: snapshot_interval %d is faster than the writes "
+                             "(%.1f ms); holding every %s step", self.interval,
+                             writing.seconds * 1e3, _ordinal(held))
         except CommunicationError:
             raise
         except Error as e:
@@ -270,8 +320,12 @@ class Snapshots:
         node's last snapshot is held by its replicas (collective: every rank
         calls it at the same point, and all leave together); a background
         save from the last snapshot is joined first."""
-        if self.pending_save is not None or self.writing is not None:
+        if self.pending_save is not None:
             self.finish_save()
+        elif self.writing is not None:
+            self.writing.order_update()
+            if self._all_written():
+                self.finish_write()
         want = self._committed
         if want is None:
             self._release_restored()
@@ -434,8 +488,11 @@ class SnapshotWrite:
     thread writes while training goes on (engine.snapshot_overlap): the
     plan is agreed on the training thread first (_checkpoint.prepare,
     collective), the records and the commit after the thread, on the
-    training thread again (finish(), before the next optimizer update), so
-    the bytes and the commits are those of a snapshot written in step()."""
+    training thread again (finish(), at an update once the thread ended),
+    so the bytes and the commits are those of a snapshot written in
+    step(). The thread copies the values into the file's mapping (on cuda:
+    queues the copies on a copy stream), sets `copied`, then checksums the
+    file; the next optimizer update waits for `copied` only (order_update)."""
 
     def __init__(self, engine, target, step):
         self.target = target
@@ -443,11 +500,17 @@ class SnapshotWrite:
         self.written = _checkpoint.Written()
         try:
             self.plan = _checkpoint.prepare(engine, target, None, self.written)
+            self.file = SnapshotFile(engine, target, self.plan)
         except BaseException:
             self.written.undo()
             raise
         self.record = None
         self.error = None
+        self.seconds = 0.0  # the thread's time, once it ended
+        self.skipped = 0  # the snapshots skipped while this one was written
+        # Set once the copies are done (cpu) or queued behind file.copied
+        # (cuda), or failed: the shards may change after it.
+        self.copied = threading.Event()
         device = engine.device
         after = None
         if device.type == "cuda":
@@ -457,18 +520,33 @@ class SnapshotWrite:
             after.record()
             if device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
-        self.thread = threading.Thread(target=self._run, args=(engine, device, after),
+        self.thread = threading.Thread(target=self._run, args=(device, after),
                                        name="ductile-zero3-snapshot")
         self.thread.start()
 
-    def _run(self, engine, device, after):
+    def _run(self, device, after):
+        start = time.perf_counter()
         try:
             # The thread's current device is its own: the rank's, for the
-            # copy stream and the pinned buffers.
+            # copy stream.
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                self.record = _checkpoint.write_shards(engine, self.target, self.plan, after)
+                try:
+                    self.file.copy(after)
+                finally:
+                    self.copied.set()
+                self.record = self.file.finish()
         except Exception as e:  # noqa: BLE001 - raised on the training thread by finish()
             self.error = e
+        finally:
+            self.seconds = time.perf_counter() - start
+
+    def order_update(self):
+        """Before the optimizer changes the shards: on the cpu, waits until
+        the thread copied them; on cuda, until it queued the copies, and
+        makes the current stream wait for them (the host does not)."""
+        self.copied.wait()
+        if self.file.copied is not None:
+            torch.cuda.current_stream().wait_event(self.file.copied)
 
     def _result(self):
         self.thread.join()
