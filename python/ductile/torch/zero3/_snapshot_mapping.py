@@ -57,6 +57,8 @@ class _Mapping:
         # A descriptor of its own: its st_nlink says when the file is gone.
         self.fd = os.dup(fd)
         self.size = size
+        self.pin = pin  # asked for: a refused registration is not asked again
+        self.pinned = False
         try:
             self.memory = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
                                     prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -67,7 +69,11 @@ class _Mapping:
         # mapping cannot be closed under a tensor that still points into it.
         self.array: np.ndarray | None = np.frombuffer(self.memory, dtype=np.uint8)
         self.tensor: torch.Tensor | None = torch.from_numpy(self.array)
-        self.pinned = pin and _register(self.tensor.data_ptr(), size)
+        try:
+            self.pinned = pin and _register(self.tensor.data_ptr(), size)
+        except BaseException:
+            self.close()
+            raise
 
     def close(self):
         if self.pinned:
@@ -122,7 +128,7 @@ class Mappings:
             key = (st.st_dev, st.st_ino)
             kept = self._kept.get(key)
             if kept is not None and (kept.size != size or st.st_size != size or
-                                     kept.pinned != pin):
+                                     kept.pin != pin):
                 self._drop(key)  # unpinned and unmapped before the file is resized
                 kept = None
             if kept is None:

@@ -64,15 +64,23 @@ rank. A process that exits waits for the thread (it is not a daemon).
 Without a committed snapshot of the current step on every rank, the save
 is written in the foreground, with a warning.
 
+The shard file is written through a mapping of it (_snapshot_mapping.py):
+the tensors are copied straight into it (on cuda by the copy engine, the
+mapping pinned), then checksummed over the mapping.
+
 Overlap: with ``engine.snapshot_overlap = True``, step() agrees on the
 snapshot's plan and leaves its shard file to a thread (SnapshotWrite) that
-copies and checksums the shards while the next step's forward and backward
-run (they read the shards, never write them); the next optimizer update
-(before_update), or a save, load, close or shards_writable(), waits for the
-thread and commits, as step() would have, before anything changes the
-shards. The bytes and the order of the commits are the same; the snapshot
-of step N is committed during step N + 1, so a node lost before that costs
-one step more.
+copies the shards and checksums the file while the next step's forward and
+backward run (they read the shards, never write them). The next optimizer
+update (before_update) waits for the copies only (on cuda on the device,
+not the host), and commits, as step() would have, when every rank's thread
+has ended (one all-reduce says); a save, load, close or shards_writable()
+waits for the thread and commits. The bytes and the order of the commits
+are the same; the snapshot of step N is committed during step N + 1, so a
+node lost before that costs one step more. When the writes cannot keep up,
+a snapshot due while the last one's thread still runs on some rank is
+skipped (counted: engine.stats()'s snapshots_skipped), the last one commits
+once its thread ended, and a warning says once the interval held.
 
 Threading: every method runs on the training thread, as step() does; a
 BackgroundSave's or SnapshotWrite's thread touches only its files (and, on
@@ -242,6 +250,8 @@ class Snapshots:
         """Whether every rank's snapshot thread has ended (collective)."""
         assert self.writing is not None  # asked only while one is written
         done = not self.writing.thread.is_alive()
+        if self.engine.world_size == 1:
+            return done
         return self.engine.all_reduce(torch.tensor([1.0 if done else 0.0]), "min").item() == 1.0
 
     def close(self):
