@@ -277,8 +277,8 @@ class SnapshotFile:
     def _cpu_copies(self, target, offset):
         """The tensors copied into `target` (the mapping's bytes) by
         shard_io.copy_buffers, whose stores bypass the cache and which
-        checksums each block while its source is in the cache: a third
-        less time than copy_ and then a pass over the mapping. A call per
+        checksums each block while its source is in the cache, where copy_
+        and then a pass over the mapping read every byte twice more. A call per
         _BATCH_BYTES keeps the per-call cost off small tensors."""
         crc = _ductile.shard_io.crc32c(self.head)
         batch, batched = [], 0
