@@ -42,6 +42,8 @@ def main(spec):
     from ductile.torch.zero3 import _checkpoint, _checkpoint_files, _snapshot_mapping
 
     device = spec.get("device", "cuda")
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
     engine = zero3.initialize(make_model(seed=0).to(device),
                               lambda ps: torch.optim.Adam(ps, lr=3e-3), spec["zero_config"])
