@@ -247,9 +247,10 @@ class Snapshots:
                 self._time_blocked(0)
 
     def _all_written(self):
-        """Whether every rank's snapshot thread has ended (collective)."""
+        """Whether every rank's snapshot thread has its record (or its
+        error) (collective)."""
         assert self.writing is not None  # asked only while one is written
-        done = not self.writing.thread.is_alive()
+        done = self.writing.done()
         if self.engine.world_size == 1:
             return done
         return self.engine.all_reduce(torch.tensor([1.0 if done else 0.0]), "min").item() == 1.0
@@ -540,15 +541,24 @@ class SnapshotWrite:
             # The thread's current device is its own: the rank's, for the
             # copy stream.
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                try:
-                    self.file.copy(after)
-                finally:
-                    self.copied.set()
-                self.record = self.file.finish()
+                self.file.copy(after)
+                if self.file.crc is not None and not self.file.signed:
+                    # The copies computed the checksum (cpu): the record is
+                    # ready with them, and the update that waits for them
+                    # commits.
+                    self.record = self.file.finish()
+                self.copied.set()
+                if self.record is None:
+                    self.record = self.file.finish()
         except Exception as e:  # noqa: BLE001 - raised on the training thread by finish()
             self.error = e
         finally:
             self.seconds = time.perf_counter() - start
+            self.copied.set()
+
+    def done(self):
+        """Whether the thread's record or error is there."""
+        return self.record is not None or self.error is not None
 
     def order_update(self):
         """Before the optimizer changes the shards: on the cpu, waits until
