@@ -207,8 +207,8 @@ class SnapshotFile:
 
     def __init__(self, engine, target, plan):
         self.path = os.path.join(plan.staging, plan.stem)
-        self.reuse = _checkpoint._superseded_file(target.root, plan.stem) if target.reuse \
-            else None
+        self.root = target.root if target.reuse else None  # where a superseded file lies
+        self.stem = plan.stem
         self.signed = plan.signed
         self.common_digest = plan.common_digest
         self.head = header(plan.save_id, plan.step, plan.rank, plan.world)
@@ -237,7 +237,8 @@ class SnapshotFile:
             raise io_error(self.path, "cannot write the shard file", e) from e
 
     def _copy(self, after):
-        fd = reused(self.reuse, self.path, os.O_RDWR) if self.reuse is not None else None
+        old = _checkpoint._superseded_file(self.root, self.stem) if self.root else None
+        fd = reused(old, self.path, os.O_RDWR) if old is not None else None
         if fd is None:
             fs("create", self.path)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |

@@ -74,13 +74,15 @@ copies the shards and checksums the file while the next step's forward and
 backward run (they read the shards, never write them). The next optimizer
 update (before_update) waits for the copies only (on cuda on the device,
 not the host), and commits, as step() would have, when every rank's thread
-has ended (one all-reduce says); a save, load, close or shards_writable()
-waits for the thread and commits. The bytes and the order of the commits
+has its record (one all-reduce says; on the cpu the copies compute the
+checksum, so it has); a save, load, close or shards_writable() waits for
+the thread and commits. The bytes and the order of the commits
 are the same; the snapshot of step N is committed during step N + 1, so a
 node lost before that costs one step more. When the writes cannot keep up,
 a snapshot due while the last one's thread still runs on some rank is
 skipped (counted: engine.stats()'s snapshots_skipped), the last one commits
-once its thread ended, and a warning says once the interval held.
+once every rank's record is there, and a warning says once the interval
+held.
 
 Threading: every method runs on the training thread, as step() does; a
 BackgroundSave's or SnapshotWrite's thread touches only its files (and, on
@@ -499,7 +501,7 @@ class SnapshotWrite:
     thread writes while training goes on (engine.snapshot_overlap): the
     plan is agreed on the training thread first (_checkpoint.prepare,
     collective), the records and the commit after the thread, on the
-    training thread again (finish(), at an update once the thread ended),
+    training thread again (finish(), at an update once its record is there),
     so the bytes and the commits are those of a snapshot written in
     step(). The thread copies the values into the file's mapping (on cuda:
     queues the copies on a copy stream), sets `copied`, then checksums the
