@@ -1,5 +1,6 @@
 // _ductile.shard_io: CRC-32C (Castagnoli) of buffers, and a write of
-// buffers into a file that computes their CRC-32C in the same pass.
+// buffers into a file (or a copy into a mapping of one) that computes their
+// CRC-32C in the same pass.
 //
 // Why: a zero3 snapshot rewrites every rank's shard after every optimizer
 // step. Writing the shard and then checksumming it with zlib reads all of it
@@ -26,6 +27,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -350,6 +352,62 @@ py::tuple write_buffers(const py::handle& fd_argument, const py::handle& buffers
   return py::make_tuple(total, ~state);
 }
 
+// Copies the buffers one after another into the writable buffer `target`
+// from byte `offset` on, with the same stores and fused checksum as
+// write_buffers: a snapshot's file mapped by the caller (kept from one
+// snapshot to the next) is filled without a write(2) or a second pass.
+py::tuple copy_buffers(const py::handle& target, const py::handle& offset_argument,
+                       const py::handle& buffers, const py::handle& value) {
+  const std::int64_t offset = int_argument(offset_argument, "offset", 0, LLONG_MAX);
+  std::uint32_t state = ~crc_argument(value);
+  if (PyObject_CheckBuffer(buffers.ptr()) || !py::isinstance<py::iterable>(buffers))
+    throw Error(ErrorKind::invalid_argument,
+                "buffers = " + shown(buffers) +
+                    " is not a list of buffers; give a list (or any iterable) of bytes-like "
+                    "objects, e.g. [data] for one");
+  Py_buffer into{};
+  if (PyObject_GetBuffer(target.ptr(), &into, PyBUF_WRITABLE) != 0) {
+    PyErr_Clear();
+    throw Error(ErrorKind::invalid_argument,
+                "target = " + shown(target) +
+                    " is not a writable contiguous buffer; give a bytearray, a writable "
+                    "memoryview or mmap, or a C-contiguous writable array");
+  }
+  // Released when this returns, after the GIL is taken back.
+  const std::unique_ptr<Py_buffer, void (*)(Py_buffer*)> held(&into, PyBuffer_Release);
+  BufferViews views;
+  std::size_t index = 0;
+  std::uint64_t total = 0;
+  for (const auto& item : buffers) {
+    const Py_buffer& view = views.add(item, "buffers[" + std::to_string(index++) + "]");
+    total += static_cast<std::uint64_t>(view.len);
+  }
+  const auto room = static_cast<std::uint64_t>(into.len);
+  if (static_cast<std::uint64_t>(offset) > room ||
+      total > room - static_cast<std::uint64_t>(offset))
+    throw Error(ErrorKind::invalid_argument, "offset = " + std::to_string(offset) + " plus the " +
+                                                 std::to_string(total) +
+                                                 " bytes of the buffers is past the target's " +
+                                                 std::to_string(room) + " bytes");
+  {
+    py::gil_scoped_release released;
+    unsigned char* position = static_cast<unsigned char*>(into.buf) + offset;
+    for (const auto& view : views.views()) {
+      const auto* p = static_cast<const unsigned char*>(view.buf);
+      auto left = static_cast<std::size_t>(view.len);
+      while (left > 0) {
+        const std::size_t block = left < kWriteBlock ? left : kWriteBlock;
+        copy_around_cache(position, p, block);
+        state = update(state, p, block);
+        p += block;
+        left -= block;
+        position += block;
+      }
+    }
+  }
+  return py::make_tuple(total, ~state);
+}
+
 }  // namespace
 
 void register_shard_io(py::module_& m) {
@@ -392,6 +450,20 @@ void register_shard_io(py::module_& m) {
         "Errors: OSError with errno and its strerror when a write fails (ENOSPC, EIO, EBADF, "
         "...), after which the file holds a prefix of the data; InvalidArgumentError naming "
         "fd, offset, value or buffers[i] when one is not valid.");
+  m.def("copy_buffers", &copy_buffers, py::arg("target"), py::arg("offset"), py::arg("buffers"),
+        py::arg("value") = 0,
+        "copy_buffers(target, offset, buffers, value=0) -> (bytes_copied, crc32c)\n\n"
+        "Copies the bytes-like objects of `buffers` one after another into the writable "
+        "buffer `target` (a file's mapping, say), from byte `offset` on, and returns how many "
+        "bytes it copied and their CRC-32C, continuing from `value` (see crc32c). As in "
+        "write_buffers, the stores bypass the cache and each block is checksummed while it "
+        "is still in the cache.\n"
+        "Ownership: target and buffers stay the caller's; they are held until the call "
+        "returns.\n"
+        "Threading: the GIL is released while copying; do not resize the buffers "
+        "meanwhile.\n"
+        "Errors: InvalidArgumentError naming target, offset, value or buffers[i] when one is "
+        "not valid, or when the buffers do not fit in target from offset.");
 }
 
 }  // namespace ductile::python

@@ -1,6 +1,7 @@
 """_ductile.shard_io: CRC-32C (the CPU instruction and the table giving the
-same values, both checked against a bit-by-bit reference) and write_buffers,
-which writes buffers into a real file and checksums them in the same pass."""
+same values, both checked against a bit-by-bit reference), write_buffers,
+which writes buffers into a real file and checksums them in the same pass,
+and copy_buffers, the same into a mapping of a file."""
 
 import errno
 import os
@@ -283,3 +284,43 @@ def test_a_grown_file_keeps_its_pages_mapped():
             assert f.read(16 << 20) == b"y" * (16 << 20) and f.read() == data
     finally:
         shutil.rmtree(folder)
+
+
+def test_copy_buffers_into_a_mapping_from_an_offset(tmp_path):
+    """As a snapshot fills its file's mapping: the buffers copied one after
+    another from the offset, the bytes around them untouched, and the CRC-32C
+    of what was copied, continuing a given value."""
+    import mmap
+    rng = random.Random(11)
+    chunks = chunks_of(rng)
+    data = b"".join(bytes(c) for c in chunks)
+    path = tmp_path / "mapped.bin"
+    old = rng.randbytes(len(data) + 100)
+    path.write_bytes(old)
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), len(old)) as memory:
+        array = np.frombuffer(memory, dtype=np.uint8)
+        assert shard_io.copy_buffers(array, 60, chunks, shard_io.crc32c(b"head")) == \
+            (len(data), reference_crc32c(b"head" + data))
+        del array
+        memory.flush()
+    assert path.read_bytes() == old[:60] + data + old[60 + len(data):]
+
+
+def test_copy_buffers_names_bad_arguments():
+    target = bytearray(8)
+    with pytest.raises(ductile.InvalidArgumentError,
+                       match=r"target = b'readonly' is not a writable contiguous buffer"):
+        shard_io.copy_buffers(b"readonly", 0, [b"a"])
+    with pytest.raises(ductile.InvalidArgumentError,
+                       match=r"buffers = b'data' is not a list of buffers; give a list"):
+        shard_io.copy_buffers(target, 0, b"data")
+    with pytest.raises(ductile.InvalidArgumentError,
+                       match=r"buffers\[1\] = 7 is not a contiguous buffer \(int\)"):
+        shard_io.copy_buffers(target, 0, [b"a", 7])
+    with pytest.raises(ductile.InvalidArgumentError, match=r"offset = -1 is out of range"):
+        shard_io.copy_buffers(target, -1, [b"a"])
+    with pytest.raises(ductile.InvalidArgumentError,
+                       match=r"offset = 5 plus the 4 bytes of the buffers is past the target's 8 "
+                             r"bytes"):
+        shard_io.copy_buffers(target, 5, [b"data"])
+    assert target == bytearray(8)

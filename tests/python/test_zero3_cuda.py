@@ -133,6 +133,29 @@ def test_a_snapshot_thread_copies_after_the_training_threads_event(tmp_path):
     assert result[0][0] == len(expected) and path.read_bytes() == expected
 
 
+def test_snapshots_go_from_the_device_into_the_pinned_mapping_of_their_file(tmp_path):
+    """engine.snapshot_overlap on one GPU (torchrun): each step's snapshot is
+    copied by the copy engine straight into its shard file's mapping,
+    registered as pinned memory, on a stream that waits for the step; step()
+    never waits for the device on the training thread (no synchronize of
+    the device, a stream or an event; no item, cpu, tolist or float of a
+    cuda tensor); every committed file is byte for byte the one write_file
+    writes from its header and the step's values, with write_file's size and
+    CRC-32C, across the header's growth at step 10; close() lets the
+    mappings go."""
+    steps = 12
+    result, _, _ = launch(tmp_path, "snapshots", {"steps": steps}, ranks=1, launcher="torchrun",
+                          config=CUDA_CONFIG + "snapshot_replicas = 0\n",
+                          env=dict(ENV, DUCTILE_SNAPSHOT_DIR=str(tmp_path / "own")),
+                          worker=os.path.join(HERE, "zero3_snapshot_cuda_worker.py"))
+    assert result["waits"] == [], result["waits"]
+    assert result["pinned"] == [True]
+    checks = result["checks"]
+    assert checks and all(c["same_bytes"] and c["same_record"] for c in checks), checks
+    assert len(checks) + result["skipped"] == steps and checks[-1]["step"] == steps, result
+    assert result["mappings_after_close"] == 0
+
+
 def test_a_progress_line_waits_for_its_copies_without_synchronising():
     """The progress line's values on cuda: copied into pinned memory behind
     an event, a poll() before the event completes writes nothing and never

@@ -23,7 +23,7 @@ import torch
 import ductile
 import ductile.deepspeed
 import ductile.torch.zero3 as zero3
-from ductile.torch.zero3 import _checkpoint_files, _snapshots
+from ductile.torch.zero3 import _checkpoint_files, _snapshot_mapping, _snapshots
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -206,8 +206,9 @@ def test_overlap_writes_the_same_snapshots_on_a_thread_committed_before_the_next
         snapshots, tmp_path, monkeypatch):
     """With snapshot_overlap, step N's shard file is written by a thread
     while step N + 1's forward and backward run, and committed before its
-    optimizer update: the same bytes and commits as within step(), one step
-    later."""
+    optimizer update (on the cpu the copies compute the checksum, so the
+    record is ready once the update may go on): the same bytes and commits
+    as within step(), one step later."""
     engine = engine_of()
     assert engine.snapshot_overlap is False
     with pytest.raises(ductile.InvalidArgumentError, match="snapshot_overlap = 1 is not a bool"):
@@ -263,6 +264,106 @@ def test_overlap_writes_the_same_snapshots_on_a_thread_committed_before_the_next
             del manifest["save_id"]
             del manifest["shards"][0]["crc32c"]  # over the header too
         assert ours == theirs
+
+
+def _written_by_write_file(engine, folder, out):
+    """The shard file of the snapshot in `folder` as write_file writes it
+    (the path of saves): its header's fields, the engine's values, in the
+    manifest's order; returns the file's bytes and write_file's record."""
+    path = folder / "rank0-of-1.bin"
+    with open(path, "rb") as f:
+        fields = _checkpoint_files.read_header(f, path)[0]
+    parameters = json.loads((folder / "manifest.json").read_text())["parameters"]
+    chunks = _checkpoint_files.shard_chunks(
+        engine, engine.optimizer, parameters,
+        _checkpoint_files.header(fields["save_id"], fields["step"], 0, 1))
+    record = _checkpoint_files.write_file(str(out), chunks, sha256=True, durable=False)
+    return out.read_bytes(), record
+
+
+def test_the_mapped_file_holds_the_bytes_write_file_writes_and_stays_mapped(snapshots, tmp_path):
+    """A snapshot's shard file, its values copied from the tensors into its
+    mapping and checksummed over it, is byte for byte the file write_file
+    writes from the same header, with the same CRC-32C, in step() and on
+    the thread (snapshot_overlap); each of the rank's two files is mapped
+    once and kept, and mapped anew only when its size changes (the header
+    gains a digit at step 10); close() lets the mappings go."""
+    _snapshot_mapping.MAPPINGS.close()
+    engine = engine_of()
+    kept = []
+    for step in range(1, 13):
+        if step == 7:
+            engine.snapshot_overlap = True
+        train(engine, 1)
+        if engine.snapshot_overlap:
+            engine.wait_for_save()  # commits the thread's snapshot
+        folder = snapshots / f"step{step}"
+        data, record = _written_by_write_file(engine, folder, tmp_path / f"expected{step}")
+        assert (folder / "rank0-of-1.bin").read_bytes() == data, step
+        shard = json.loads((folder / "manifest.json").read_text())["shards"][0]
+        assert [shard["bytes"], shard["crc32c"]] == record[:2], step
+        kept.append(dict(_snapshot_mapping.MAPPINGS._kept))  # held: compared by identity
+    # Steps 3 to 9 write over the files of steps 1 and 2, through the same
+    # two mappings; the header grows at step 10 (each file once).
+    assert [len(k) for k in kept] == [1] + [2] * 11, kept
+    assert kept[2].keys() == kept[8].keys() == kept[11].keys()
+    assert all(kept[2][key] is kept[8][key] for key in kept[2]), kept
+    assert all(kept[8][key] is not kept[11][key] and kept[11][key].size == kept[8][key].size + 1
+               for key in kept[2]), kept
+    engine.close()
+    assert _snapshot_mapping.MAPPINGS._kept == {}
+
+
+def test_a_signed_snapshot_file_records_the_sha256_of_its_bytes(snapshots, monkeypatch):
+    monkeypatch.setenv("DUCTILE_CHECKPOINT_KEY", "k" * 32)
+    engine = engine_of()
+    train(engine, 2)
+    data = (snapshots / "step2" / "rank0-of-1.bin").read_bytes()
+    shard = json.loads((snapshots / "step2" / "manifest.json").read_text())["shards"][0]
+    assert shard["sha256"] == hashlib.sha256(data).hexdigest()
+    checker = engine_of(seed=1)
+    checker.load(snapshots)
+    assert checker.global_step == 2 and same(snapshot(checker), snapshot(engine))
+
+
+def test_a_snapshot_due_while_the_last_is_written_is_skipped_and_the_interval_logged(
+        snapshots, monkeypatch, caplog):
+    """With snapshot_overlap, a snapshot due while the thread of the last
+    one still runs is not taken (nor queued): counted in engine.stats(),
+    and once the last one commits a warning says the interval held. (Signed:
+    the thread hashes the file after its copies, and waits there for the
+    test.)"""
+    monkeypatch.setenv("DUCTILE_CHECKPOINT_KEY", "k" * 32)
+    engine = engine_of()
+    engine.snapshot_overlap = True
+    checking, release = threading.Event(), threading.Event()
+    original = _snapshot_mapping.checksum
+
+    def slow(*args):  # the thread's hash waits for the test
+        checking.set()
+        assert release.wait(60)
+        return original(*args)
+
+    monkeypatch.setattr(_snapshot_mapping, "checksum", slow)
+    train(engine, 1)  # step 1's thread copies, then waits in its hash
+    assert checking.wait(60)
+    train(engine, 2)  # steps 2 and 3: step 1 is still being written
+    assert engine.stats()["snapshots_skipped"] == 2
+    assert tags(snapshots) == ["step1.tmp"]
+    assert not any("holding" in r.getMessage() for r in caplog.records)
+    release.set()
+    engine._snapshots.writing.thread.join()
+    train(engine, 1)  # step 4's update commits step 1; step 4's is taken
+    assert latest(snapshots) == "step1" and tags(snapshots) == ["step1", "step4.tmp"]
+    lines = [r.getMessage() for r in caplog.records if "holding" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith(
+        "zero3 snapshots: snapshot_interval 1 is faster than the writes ("), lines
+    assert lines[0].endswith(" ms); holding every 3rd step"), lines
+    engine.close()
+    assert latest(snapshots) == "step4" and engine.stats()["snapshots_skipped"] == 2
+    checker = engine_of(seed=1)
+    checker.load(snapshots)
+    assert checker.global_step == 4
 
 
 def test_an_overlapped_write_that_fails_is_logged_and_the_previous_snapshot_kept(

@@ -97,7 +97,7 @@ def write_file(path, chunks, sha256=False, durable=True, reuse=None):
     it is in the cache; OSError when a write fails."""
     crc, size = 0, 0
     digest = hashlib.sha256() if sha256 else None
-    fd = _reused(reuse, path) if reuse is not None else None
+    fd = reused(reuse, path) if reuse is not None else None
     if fd is None:
         fs("create", path)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
@@ -138,17 +138,17 @@ def _write_batch(fd, batch, size, crc, digest):
     return size + written, crc
 
 
-def _reused(old, path):
-    """`old` renamed to `path` and opened for writing over, or None when
-    there is nothing to reuse (gone, or not a regular file: never
-    followed through a link)."""
+def reused(old, path, access=os.O_WRONLY):
+    """`old` renamed to `path` and opened for writing over (`access`:
+    O_WRONLY, or O_RDWR for a mapping), or None when there is nothing to
+    reuse (gone, or not a regular file: never followed through a link)."""
     try:
         fs("rename", old)
         os.rename(old, path)
     except OSError:
         return None
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, access | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         os.unlink(path)
         return None
@@ -402,6 +402,10 @@ def pointer_text(name, checksum):
 
 def remove_tree(path):
     fs("remove", path)
+    # A snapshot file's mapping (pinned on cuda) would keep the file's
+    # memory after its last name is gone: it is let go first.
+    from ._snapshot_mapping import MAPPINGS
+    MAPPINGS.forget_tree(path)
     shutil.rmtree(path, ignore_errors=True)
 
 

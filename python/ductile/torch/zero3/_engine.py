@@ -708,6 +708,7 @@ class Zero3Engine:
         # the snapshots counted (_snapshots.py).
         s["snapshot_blocked_ns"] = self._snapshots.blocked_ns
         s["snapshots_timed"] = self._snapshots.timed
+        s["snapshots_skipped"] = self._snapshots.skipped  # due while the last was written
         s["units"] = len(self._passes.units)
         s.update({f"gather_{k}": v for k, v in self._session.gather_memory().items()})
         return s
@@ -769,7 +770,7 @@ class Zero3Engine:
         """Removes the hooks and gives every parameter its full values back
         (all-gathered; collective). The engine is unusable afterwards."""
         self.flush_log()
-        self._snapshots.finish_save()
+        self._snapshots.close()
         if self._passes.pass_open:
             self._passes.end_pass()
         if self._offload is not None:

@@ -64,15 +64,25 @@ rank. A process that exits waits for the thread (it is not a daemon).
 Without a committed snapshot of the current step on every rank, the save
 is written in the foreground, with a warning.
 
+The shard file is written through a mapping of it (_snapshot_mapping.py):
+the tensors are copied straight into it (on cuda by the copy engine, the
+mapping pinned), then checksummed over the mapping.
+
 Overlap: with ``engine.snapshot_overlap = True``, step() agrees on the
 snapshot's plan and leaves its shard file to a thread (SnapshotWrite) that
-copies and checksums the shards while the next step's forward and backward
-run (they read the shards, never write them); the next optimizer update
-(before_update), or a save, load, close or shards_writable(), waits for the
-thread and commits, as step() would have, before anything changes the
-shards. The bytes and the order of the commits are the same; the snapshot
-of step N is committed during step N + 1, so a node lost before that costs
-one step more.
+copies the shards and checksums the file while the next step's forward and
+backward run (they read the shards, never write them). The next optimizer
+update (before_update) waits for the copies only (on cuda on the device,
+not the host), and commits, as step() would have, when every rank's thread
+has its record (one all-reduce says; on the cpu the copies compute the
+checksum, so it has); a save, load, close or shards_writable() waits for
+the thread and commits. The bytes and the order of the commits
+are the same; the snapshot of step N is committed during step N + 1, so a
+node lost before that costs one step more. When the writes cannot keep up,
+a snapshot due while the last one's thread still runs on some rank is
+skipped (counted: engine.stats()'s snapshots_skipped), the last one commits
+once every rank's record is there, and a warning says once the interval
+held.
 
 Threading: every method runs on the training thread, as step() does; a
 BackgroundSave's or SnapshotWrite's thread touches only its files (and, on
@@ -92,6 +102,7 @@ from . import _checkpoint
 from ._checkpoint import agree
 from ._checkpoint_files import (fs, header, io_error, rank_stem, read_header, shard_layout,
                                 write_file)
+from ._snapshot_mapping import MAPPINGS, SnapshotFile, write_shards
 
 SNAPSHOT_DIR_ENV = "DUCTILE_SNAPSHOT_DIR"
 RESTORE_ENV = "DUCTILE_SNAPSHOT_RESTORE"
@@ -139,6 +150,23 @@ def _write_small(path, text):
     os.replace(staged, path)
 
 
+def _ordinal(n):
+    suffix = "th" if n % 100 in (11, 12, 13) else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def _write(engine, target):
+    """_checkpoint.write of a snapshot, its shard file written through its
+    mapping (_snapshot_mapping.py)."""
+    written = _checkpoint.Written()
+    try:
+        plan = _checkpoint.prepare(engine, target, None, written)
+        _checkpoint.finish(engine, target, plan, written,
+                           lambda: write_shards(engine, target, plan))
+    finally:
+        written.undo()
+
+
 class Snapshots:
     """The snapshot policy of one engine: when to write one, where, and
     the restore at start (see the module's docstring)."""
@@ -175,6 +203,10 @@ class Snapshots:
         # before the next optimizer update.
         self.overlap = False
         self.writing: SnapshotWrite | None = None  # the write not yet committed
+        # Snapshots due while the last one was still being written, not
+        # taken (engine.stats()), and whether the interval held is logged.
+        self.skipped = 0
+        self._hold_logged = False
 
     def due(self, step):
         return self.enabled and step % self.interval == 0 and step != self._last
@@ -186,6 +218,16 @@ class Snapshots:
         if not self.due(step):
             return
         self._last = step
+        if self.writing is not None:
+            # Still being written at the last update: one more thread would
+            # only queue behind it, so it commits first or this one is skipped.
+            if not self._all_written():
+                self.skipped += 1
+                self.writing.skipped += 1
+                return
+            self.finish_write()
+            if self._open is not None:
+                self._time_blocked(0)
         start = time.perf_counter_ns()
         target = _checkpoint.Target(self.root, f"step{step}", self.leader, "zero3 snapshot",
                                     durable=False, keep_previous=True, node_local=True,
@@ -195,7 +237,7 @@ class Snapshots:
             if self.overlap:
                 self.writing = SnapshotWrite(self.engine, target, step)
             else:
-                _checkpoint.write(self.engine, target)
+                _write(self.engine, target)
                 self._committed_at(step)
         except CommunicationError:
             raise  # a rank is gone: the job cannot go on, snapshot or not
@@ -205,6 +247,21 @@ class Snapshots:
             self._open = (step, time.perf_counter_ns() - start)
             if self.writing is None and self._committed is None:  # nothing follows
                 self._time_blocked(0)
+
+    def _all_written(self):
+        """Whether every rank's snapshot thread has its record (or its
+        error) (collective)."""
+        assert self.writing is not None  # asked only while one is written
+        done = self.writing.done()
+        if self.engine.world_size == 1:
+            return done
+        return self.engine.all_reduce(torch.tensor([1.0 if done else 0.0]), "min").item() == 1.0
+
+    def close(self):
+        """engine.close(): the last snapshot committed, the files' mappings
+        let go (collective)."""
+        self.finish_save()
+        MAPPINGS.close()
 
     def _committed_at(self, step):
         self._written = step
@@ -225,6 +282,12 @@ class Snapshots:
         try:
             writing.finish(self.engine)
             self._committed_at(writing.step)
+            if writing.skipped and not self._hold_logged:
+                self._hold_logged = True
+                held = self.interval * (writing.skipped + 1)
+                _log.warning("zero3 snapshots: snapshot_interval %d is faster than the writes "
+                             "(%.1f ms); holding every %s step", self.interval,
+                             writing.seconds * 1e3, _ordinal(held))
         except CommunicationError:
             raise
         except Error as e:
@@ -270,8 +333,12 @@ class Snapshots:
         node's last snapshot is held by its replicas (collective: every rank
         calls it at the same point, and all leave together); a background
         save from the last snapshot is joined first."""
-        if self.pending_save is not None or self.writing is not None:
+        if self.pending_save is not None:
             self.finish_save()
+        elif self.writing is not None:
+            self.writing.order_update()
+            if self._all_written():
+                self.finish_write()
         want = self._committed
         if want is None:
             self._release_restored()
@@ -434,8 +501,11 @@ class SnapshotWrite:
     thread writes while training goes on (engine.snapshot_overlap): the
     plan is agreed on the training thread first (_checkpoint.prepare,
     collective), the records and the commit after the thread, on the
-    training thread again (finish(), before the next optimizer update), so
-    the bytes and the commits are those of a snapshot written in step()."""
+    training thread again (finish(), at an update once its record is there),
+    so the bytes and the commits are those of a snapshot written in
+    step(). The thread copies the values into the file's mapping (on cuda:
+    queues the copies on a copy stream), sets `copied`, then checksums the
+    file; the next optimizer update waits for `copied` only (order_update)."""
 
     def __init__(self, engine, target, step):
         self.target = target
@@ -443,11 +513,17 @@ class SnapshotWrite:
         self.written = _checkpoint.Written()
         try:
             self.plan = _checkpoint.prepare(engine, target, None, self.written)
+            self.file = SnapshotFile(engine, target, self.plan)
         except BaseException:
             self.written.undo()
             raise
         self.record = None
         self.error = None
+        self.seconds = 0.0  # the thread's time, once it ended
+        self.skipped = 0  # the snapshots skipped while this one was written
+        # Set once the copies are done (cpu) or queued behind file.copied
+        # (cuda), or failed: the shards may change after it.
+        self.copied = threading.Event()
         device = engine.device
         after = None
         if device.type == "cuda":
@@ -457,18 +533,42 @@ class SnapshotWrite:
             after.record()
             if device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
-        self.thread = threading.Thread(target=self._run, args=(engine, device, after),
+        self.thread = threading.Thread(target=self._run, args=(device, after),
                                        name="ductile-zero3-snapshot")
         self.thread.start()
 
-    def _run(self, engine, device, after):
+    def _run(self, device, after):
+        start = time.perf_counter()
         try:
             # The thread's current device is its own: the rank's, for the
-            # copy stream and the pinned buffers.
+            # copy stream.
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                self.record = _checkpoint.write_shards(engine, self.target, self.plan, after)
+                self.file.copy(after)
+                if self.file.crc is not None and not self.file.signed:
+                    # The copies computed the checksum (cpu): the record is
+                    # ready with them, and the update that waits for them
+                    # commits.
+                    self.record = self.file.finish()
+                self.copied.set()
+                if self.record is None:
+                    self.record = self.file.finish()
         except Exception as e:  # noqa: BLE001 - raised on the training thread by finish()
             self.error = e
+        finally:
+            self.seconds = time.perf_counter() - start
+            self.copied.set()
+
+    def done(self):
+        """Whether the thread's record or error is there."""
+        return self.record is not None or self.error is not None
+
+    def order_update(self):
+        """Before the optimizer changes the shards: on the cpu, waits until
+        the thread copied them; on cuda, until it queued the copies, and
+        makes the current stream wait for them (the host does not)."""
+        self.copied.wait()
+        if self.file.copied is not None:
+            torch.cuda.current_stream().wait_event(self.file.copied)
 
     def _result(self):
         self.thread.join()
