@@ -11,6 +11,7 @@ engine without the key):
 - an error of a host step on the worker thread is raised by step() on the
   training thread, the step's own exception and message;
 - close() leaves no worker thread behind;
+- the key is a boolean of the [zero] section;
 - what would change updates already made (a second backward with sync,
   clip_grad_norm_ after backward, a learning rate changed between backward
   and step) is an IncompatibleError naming the remedy."""
@@ -202,3 +203,13 @@ def test_what_would_change_updates_already_made_is_refused():
         train(engine, steps=2, accumulate=1, schedule=False)
     finally:
         engine.close()
+
+
+def test_the_key_is_a_boolean_of_the_zero_section():
+    from ductile.torch.zero3 import _engine
+    toml = '[accelerator]\nbackend = "cpu"\n[zero]\noffload_optimizer = "cpu"\n'
+    assert _engine.resolve(toml + "offload_pipeline = true\n", None, None, None).offload.pipeline
+    assert not _engine.resolve(toml, None, None, None).offload.pipeline
+    with pytest.raises(ductile.ConfigError,
+                       match=r"\[zero\] offload_pipeline must be a boolean, got string 'yes'"):
+        _engine.resolve(toml + 'offload_pipeline = "yes"\n', None, None, None)
