@@ -58,18 +58,21 @@ def link_bandwidth():
     host = torch.empty(LINK_BYTES, dtype=torch.uint8, pin_memory=True)
     device = torch.empty(LINK_BYTES, dtype=torch.uint8, device="cuda")
     out = []
-    for copy in (lambda: host.copy_(device, non_blocking=True),
-                 lambda: device.copy_(host, non_blocking=True)):
-        copy()
+    for target, source in ((host, device), (device, host)):
+        target.copy_(source, non_blocking=True)
         times = []
         for _ in range(REPEATS):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            copy()
+            target.copy_(source, non_blocking=True)
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
         out.append(LINK_BYTES / statistics.median(times))
+    del host, device, target, source
+    # The engine's peak is read after: the measurement's buffers are not its.
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
     return tuple(out)
 
 
