@@ -30,8 +30,9 @@ same tokens: their first losses are printed side by side.
 Floor: what the offloaded optimizer's work takes at least on this machine
 (offload_floor.py: the cpu_adam plugin's bytes, 28 B an element in fp32, at
 the host bandwidth that each engine's process measures with its threads
-before its model; no host<->device term on the cpu), the median over the
-condition's processes; step/floor: each engine's step over it.
+before its model; no host<->device term on the cpu), at the median of the
+bandwidths the condition's processes measured; step/floor: each engine's
+step over it.
 """
 
 import argparse
@@ -183,16 +184,18 @@ def main():
             medians[name] = statistics.median(t for run in runs for t in run["times"]) * 1e3
             rounds[name] = ", ".join(f"{statistics.median(run['times']) * 1e3:.0f}"
                                      for run in runs)
+        # The floor at the median of the bandwidths the condition's processes measured.
         runs = [run for name in ENGINES for run in results[(condition, name)]]
-        least = statistics.median(floor(run["measured"], run["numel"], "fp32", False)["floor"]
-                                  for run in runs) * 1e3
+        measured = {"host_bandwidth": statistics.median_low(
+            run["measured"]["host_bandwidth"] for run in runs)}
+        numel = runs[0]["numel"]
+        least = floor(measured, numel, "fp32", False)["floor"] * 1e3
         print(f"{condition:>9} {medians['ductile']:>11.1f} {medians['deepspeed']:>13.1f} "
               f"{medians['ductile'] / medians['deepspeed']:>6.2f} {least:>9.1f} "
               f"{'x%.2f' % (medians['ductile'] / least):>14} "
               f"{'x%.2f' % (medians['deepspeed'] / least):>16}  {rounds['ductile']} | "
               f"{rounds['deepspeed']}; {min(load[condition]):.1f}-{max(load[condition]):.1f}")
-        print(f"{'':>9} floor of the median run: "
-              + describe(runs[len(runs) // 2]["measured"], runs[0]["numel"], "fp32", False))
+        print(f"{'':>9} " + describe(measured, numel, "fp32", False))
     for name in ENGINES:
         losses = results[(conditions[0], name)][0]["losses"]
         print(f"  {name:10} first losses {', '.join(f'{v:.5f}' for v in losses)}")

@@ -126,11 +126,14 @@ class OptimizerOffload:
                 if not self.pipelined.stepped:
                     self.pipelined.begin(self.owner)
                 self.pipelined.claim(group)
-                self.counters["offload_pipelined_steps"] += 1
             _, params, grads, outs = self._work(group)
             # The device copy may go: the host copy is what the step reads.
             group.grad_flat = None
             group.grad_views = None
+            if not params:
+                return  # no member of the group has a gradient on this rank
+            if self.early:
+                self.counters["offload_pipelined_steps"] += 1
             worker = self.worker
             assert worker is not None  # made when eager or pipelined
             worker.submit(self._step, group, params, grads, outs, 1.0,
@@ -321,6 +324,7 @@ def place(groups, placement, offload, budget, has_optimizer, step_in_backward, d
         group.host = HostShard(group, device, offload.pin)
         group.host_grad_views = group.host.grad_views  # what the members' shard.grad are
     return OptimizerOffload(groups, device, step_in_backward, offload.pipeline)
+
 
 class HostWorker:
     """One thread that runs the host steps in the order they are handed
