@@ -76,6 +76,13 @@ bool register_sections() {
         .type = ParamType::boolean,
         .default_value = "true",
         .doc = "Pinned host buffers for the offloaded state (cuda)"},
+       {.key = "offload_pipeline",
+        .type = ParamType::boolean,
+        .default_value = "false",
+        .doc = "With offload_optimizer cpu: the backward that syncs gradients steps each "
+               "offloaded group on a worker thread as soon as its gradient is on the host "
+               "(clipping, fp16 loss scaling and a measured norm wait for every gradient: "
+               "their steps run in step())"},
        {.key = "log_interval",
         .type = ParamType::integer,
         .flags = param_has_min | param_has_max,

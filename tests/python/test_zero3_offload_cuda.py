@@ -13,7 +13,10 @@ memory, fp32 and bf16:
 - under max_device_memory below the model's needs, the engine's accounting
   stays within the budget at every step;
 - with offload_param = "cpu" (every parameter shard in pinned host memory,
-  copied to the GPU for each gather), the same losses."""
+  copied to the GPU for each gather), the same losses;
+- with offload_pipeline = true (each group's host step on a worker thread
+  during backward, its copies on the copy stream), the losses of the serial
+  offload bit for bit, under the same sync debug mode."""
 
 import os
 import sys
@@ -34,7 +37,8 @@ WORKER = os.path.join(HERE, "zero3_offload_worker.py")
 
 
 PARAM_CONFIG = CUDA_CONFIG.replace("[zero]\n", "[zero]\noffload_param = \"cpu\"\n")
-assert PARAM_CONFIG != CUDA_CONFIG
+PIPELINED_CONFIG = CUDA_CONFIG.replace("[zero]\n", "[zero]\noffload_pipeline = true\n")
+assert PARAM_CONFIG != CUDA_CONFIG != PIPELINED_CONFIG
 
 
 def run(tmp, name, spec, config=CUDA_CONFIG):
@@ -52,6 +56,8 @@ def runs(tmp_path_factory):
             spec["precision"] = "bf16"
         r[precision] = run(tmp, precision, spec)
         r[precision + "_offload"] = run(tmp, precision + "_offload", dict(spec, offload="cpu"))
+        r[precision + "_pipelined"] = run(tmp, precision + "_pipelined", dict(spec, offload="cpu"),
+                                          config=PIPELINED_CONFIG)
         spec.pop("sync_debug")  # a gather from host shards is waited for by the host
         r[precision + "_param"] = run(tmp, precision + "_param", spec, config=PARAM_CONFIG)
     budget = min(r["fp32"]["high_water"].values()) - 1
@@ -67,6 +73,15 @@ def test_offload_on_a_gpu_trains_as_on_the_gpu_without_host_waits(runs, precisio
         a, b = offload["losses"][str(s)], device["losses"][str(s)]
         assert abs(a - b) <= tolerance * abs(b), f"step {s}: loss {a} vs {b}"
     assert offload["stats"]["offload_steps"] == STEPS * offload["stats"]["groups"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_offload_pipeline_on_a_gpu_trains_bit_for_bit_as_the_serial_offload(runs, precision):
+    serial, pipelined = runs[precision + "_offload"], runs[precision + "_pipelined"]
+    assert pipelined["losses"] == serial["losses"]
+    groups = pipelined["stats"]["groups"]
+    assert pipelined["stats"]["offload_pipelined_steps"] == STEPS * groups
+    assert serial["stats"]["offload_pipelined_steps"] == 0
 
 
 def test_a_budget_on_a_gpu_holds_at_every_step(runs):

@@ -31,7 +31,9 @@
 # compile (bench_zero3.py --compile: each block under torch.compile, FSDP2
 # against ductile); offload_race (bench_offload.py: GPT-2 of 1.31 B
 # parameters under a 12 GiB cap, ductile's optimizer and parameter offload
-# against DeepSpeed ZeRO-3's offload_optimizer + offload_param).
+# against DeepSpeed ZeRO-3's offload_optimizer + offload_param);
+# offload_pipeline (the same model, ductile alone, with [zero]
+# offload_pipeline off and then on: each with its step's floor).
 # Every stage but build and wheel needs build. A stage that fails is
 # reported and the next one runs; the exit status is that of the first
 # failure. DeepSpeed and the packages it needs
@@ -57,6 +59,7 @@ call_budget=${ON_DEVICE_BUDGET:-540}
 # Seconds each stage may take (its timeout); a stage not listed gets 300.
 declare -A STAGE_BUDGET=([build]=60 [ds_ops]=120 [tests]=120 [zero3a]=240 [zero3b]=240
   [costs]=290 [copy]=60 [flatten]=300 [cpu_adam]=120 [offload]=420 [offload_race]=420
+  [offload_pipeline]=420
   [compile]=300 [hf_trainer]=300 [wheel]=300)
 
 note() { echo "== $(date -u +%H:%M:%S) $*"; }
@@ -248,6 +251,15 @@ stage_offload_race() {
   timeout 540 "$python" tests/benchmarks/python/bench_offload.py --device cuda --size 1.3b \
     --cap-gib 12 --steps 4
 }
+# The offload race's ductile engine with the host steps in step() (off) and
+# during backward (on); each run prints its floor (offload_floor.py).
+stage_offload_pipeline() {
+  local mode
+  for mode in off on; do
+    timeout 200 "$python" tests/benchmarks/python/bench_offload.py --device cuda --size 1.3b \
+      --cap-gib 12 --steps 4 --engines ductile --offload-pipeline "$mode" || return 1
+  done
+}
 # The Hugging Face Trainer on ductile's ZeRO-3 engine on one GPU (NCCL):
 # tests/python/hf_clm_script.py with its Trainer import changed to
 # DuctileTrainer, as tests/python/test_hf_deepspeed.py does on the CPU;
@@ -296,6 +308,7 @@ for stage in "${stages[@]}"; do
     offload) run_stage offload stage_offload ;;
     compile) run_stage compile stage_compile ;;
     offload_race) run_stage offload_race stage_offload_race ;;
+    offload_pipeline) run_stage offload_pipeline stage_offload_pipeline ;;
     hf_trainer) run_stage hf_trainer stage_hf_trainer ;;
     ds_ops) run_stage ds_ops stage_ds_ops ;;
     costs) run_stage costs stage_costs ;;
@@ -311,8 +324,8 @@ for stage in "${stages[@]}"; do
       ;;
     *)
       echo "on_device.sh: stage '$stage' is not valid; use build, ds_ops, tests, copy, zero3" \
-        "(zero3a, zero3b), costs, flatten, wheel, cpu_adam, offload, offload_race, hf_trainer" \
-        "or compile"
+        "(zero3a, zero3b), costs, flatten, wheel, cpu_adam, offload, offload_race," \
+        "offload_pipeline, hf_trainer or compile"
       exit 2
       ;;
   esac

@@ -11,13 +11,17 @@ another in one run (a program that prints figures, medians; not a test):
   only: it offloads what does not fit, optimizer state first, parameter
   shards last.
 
+Both ductile engines run with ``[zero] offload_pipeline = true`` (each group
+stepped on the host as its gradient lands during backward), or without it
+with ``--offload-pipeline off`` (every group stepped in step()).
+
 Every engine runs under torchrun over torch.distributed (NCCL on cuda, gloo
 on the cpu), Adam at lr 1e-4, bf16 compute with fp32 masters (or fp32:
 --precision).
 
   PYTHONPATH=build/python .venv/bin/python tests/benchmarks/python/bench_offload.py \\
       [--size 1.3b|tiny] [--device cuda|cpu] [--cap-gib G] [--steps N] [--ranks N]
-      [--batch B] [--precision bf16|fp32] [--engines a,b,...]
+      [--batch B] [--precision bf16|fp32] [--engines a,b,...] [--offload-pipeline on|off]
 
 On cuda (tools/gpu/ runs it on a lent GPU: the `offload_race` stage) each
 rank caps its process with torch.cuda.set_per_process_memory_fraction(cap /
@@ -28,11 +32,16 @@ losses) and prints the figures of this machine.
 
 Per engine, one line:
   engine <name>: step <ms> ms, <tokens/s> tokens/s, x<ratio> DeepSpeed's tokens/s,
-  peak <MiB> MiB/rank (cap <MiB>)
+  peak <MiB> MiB/rank (cap <MiB>), floor <ms> ms, step/floor x<ratio>
 Step: median over the measured steps of rank 0's forward + backward +
 optimizer step (after torch.cuda.synchronize() on cuda). Peak (cuda):
 torch.cuda.max_memory_allocated(), everything the process allocated on the
 device; (cpu) the largest resident set above the one before the model.
+Floor: what the race's offload work (every optimizer and parameter shard on
+the host) takes at least on this machine, the same work for every engine,
+with the bandwidths measured by each engine's processes before their model
+(offload_floor.py: floor = max(CPU Adam bytes / host bandwidth, host<->device
+bytes / copy bandwidth)); the ratio is rank 0's step over it.
 """
 
 import argparse
@@ -47,6 +56,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_zero3 import free_port, rss_bytes  # noqa: E402
+from offload_floor import describe, floor, measure  # noqa: E402
 
 SIZES = {
     # 1.31 B parameters: GPT-3 XL's width and depth in GPT-2's architecture.
@@ -70,6 +80,7 @@ max_live_parameters = 1000000000
 max_reuse_distance = 0
 param_persistence_threshold = 100000
 max_ongoing_fetch_events = 2
+offload_pipeline = {pipeline}
 {offload}
 """
 DUCTILE_OFFLOAD = 'offload_optimizer = "cpu"\noffload_param = "cpu"'
@@ -115,7 +126,9 @@ def make_engine(name, model, device, args, world):
         offload = ""
         budget = int(args.cap_gib * 2**30) if device == "cuda" else None
     return zero3.initialize(model, lambda ps: torch.optim.Adam(ps, lr=1e-4),
-                            DUCTILE_CONFIG.format(backend=device, offload=offload),
+                            DUCTILE_CONFIG.format(backend=device, offload=offload,
+                                                  pipeline=str(args.offload_pipeline == "on")
+                                                  .lower()),
                             mixed_precision="bf16" if bf16 else None, max_device_memory=budget)
 
 
@@ -134,6 +147,8 @@ def worker(name, args):
         torch.set_num_threads(1)
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    dist.barrier()  # every rank measures at once: each its share of the bandwidth
+    measured = measure(cuda)
     if name == "deepspeed":
         import deepspeed  # noqa: F401  (its own memory is not the model's)
     baseline = 0 if cuda else rss_bytes()
@@ -167,7 +182,8 @@ def worker(name, args):
         peak = torch.cuda.max_memory_allocated()
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
-    record = {"times": times[WARMUP:], "losses": losses[:2], "numel": numel, "peak": peak}
+    record = {"times": times[WARMUP:], "losses": losses[:2], "numel": numel, "peak": peak,
+              "measured": measured}
     if name.startswith("ductile"):
         stats = engine.stats()
         record["placement"] = stats["placement"]
@@ -188,7 +204,7 @@ def launch(name, args, folder):
                os.path.abspath(__file__), "--worker", name, "--out", out, "--size", args.size,
                "--device", args.device, "--cap-gib", str(args.cap_gib), "--steps",
                str(args.steps), "--ranks", str(args.ranks), "--batch", str(args.batch),
-               "--precision", args.precision]
+               "--precision", args.precision, "--offload-pipeline", args.offload_pipeline]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                DS_ACCELERATOR=args.device, PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
@@ -211,6 +227,7 @@ def report(args, results, failures):
               "warm-up")
     tokens = {e: args.batch * CONTEXT / statistics.median(r[0]["times"])
               for e, r in results.items()}
+    shard = -(-first[0]["numel"] // args.ranks) if first else 0
     for name in args.engines.split(","):
         if name in failures:
             print(f"engine {name}: did not run: {failures[name].strip().splitlines()[-1]}")
@@ -218,9 +235,12 @@ def report(args, results, failures):
         r = results[name]
         ratio = f"x{tokens[name] / tokens['deepspeed']:.2f}" if "deepspeed" in tokens else "x-"
         peak = max(x["peak"] for x in r) / 2**20
-        print(f"engine {name}: step {statistics.median(r[0]['times']) * 1e3:.1f} ms, "
+        step = statistics.median(r[0]["times"])
+        least = floor(r[0]["measured"], shard, args.precision, True)["floor"]
+        print(f"engine {name}: step {step * 1e3:.1f} ms, "
               f"{tokens[name]:.0f} tokens/s, {ratio} DeepSpeed's tokens/s, peak {peak:.0f} "
-              f"MiB/rank" + (f" (cap {args.cap_gib * 1024:.0f})" if args.device == "cuda" else ""))
+              f"MiB/rank" + (f" (cap {args.cap_gib * 1024:.0f})" if args.device == "cuda" else "")
+              + f", floor {least * 1e3:.1f} ms, step/floor x{step / least:.2f}")
     print()
     for name, r in results.items():
         line = f"  {name:16} first losses {', '.join(f'{v:.5f}' for v in r[0]['losses'])}"
@@ -231,6 +251,7 @@ def report(args, results, failures):
                      f"device {p['parameters']['device'] / 2**20:.0f} MiB, on the host "
                      f"{p['parameters']['host'] / 2**20:.0f} MiB")
         print(line)
+        print(f"  {'':16} {describe(r[0]['measured'], shard, args.precision, True)}")
     for name, error in failures.items():
         print(f"\n{name} failed:\n{error}")
 
@@ -245,6 +266,8 @@ def main():
     parser.add_argument("--batch", type=int, help="global batch in sequences (default: 2 a rank)")
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--offload-pipeline", default="on", choices=("on", "off"),
+                        help="[zero] offload_pipeline of the ductile engines")
     parser.add_argument("--worker")
     parser.add_argument("--out")
     args = parser.parse_args()

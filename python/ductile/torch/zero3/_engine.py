@@ -17,7 +17,8 @@ from ..._config import Config, PluginPath, StrPath, load_config
 from ..._errors import ConfigError, IncompatibleError, InvalidArgumentError
 from . import _gradients, _optimizer_step, _param
 from ._gradients import GradientReducer, LossScaling, MixedPrecision
-from ._optimizer_step import OptimizerStep, place
+from ._offload import place
+from ._optimizer_step import OptimizerStep
 from ._param import Sharding
 from ._passes import ENGINE, EXTERNAL, Passes
 from ._progress import StepLog
@@ -44,6 +45,7 @@ class OffloadSettings:
     ratio: float | None = None
     pin: bool = True
     param: bool = False
+    pipeline: bool = False  # [zero] offload_pipeline (_offload.py)
 
 
 @dataclasses.dataclass
@@ -103,11 +105,12 @@ def _backend(world):
 def _offload_of_keys(keys):
     """OffloadSettings of [zero]'s validated offload keys."""
     param = keys.get("offload_param") == "cpu"
+    pipeline = bool(keys.get("offload_pipeline", False))
     if keys["offload_optimizer"] != "cpu":
-        return OffloadSettings(pin=keys["offload_pin_memory"], param=param)
+        return OffloadSettings(pin=keys["offload_pin_memory"], param=param, pipeline=pipeline)
     ratio = keys["offload_ratio"]
     return OffloadSettings(True, None if ratio == 1.0 else ratio, keys["offload_pin_memory"],
-                           param)
+                           param, pipeline)
 
 
 def _offload_of(runtime):
@@ -361,9 +364,10 @@ class Zero3Engine:
             optimizer_factory = settings.optimizer
         offload = settings.offload
         if offload_optimizer is not None:
-            param = offload.param  # the argument is about the optimizer only
+            # The argument is about the optimizer only.
+            param, pipeline = offload.param, offload.pipeline
             offload = offload_argument(offload_optimizer, settings.loaded.runtime)
-            offload.param = param
+            offload.param, offload.pipeline = param, pipeline
 
         sharded = ShardedModel(model, settings.loaded.runtime, world, precision, groups,
                                offload, max_device_memory, load_from,
@@ -583,9 +587,10 @@ class Zero3Engine:
     def _backward(self, loss, kwargs):
         if self._scaler is not None:
             loss = loss * self._scaler.scale
-        if self.step_in_backward and self._snapshots.enabled:
-            # The optimizer steps during this backward: the last snapshot's
-            # replicas must be complete first.
+        if self._steps.updates_in_backward and self._snapshots.enabled:
+            # The optimizer steps during this backward (step_in_backward, the
+            # offload pipeline): the last snapshot's replicas must be complete
+            # first.
             self._snapshots.before_update()
         loss.backward(**kwargs)
 

@@ -233,7 +233,7 @@ def scale_by(grads, coefficient):
 
 # fp16 loss scaling (torch.amp.GradScaler's part). With optimizer offload the offloaded groups'
 # host gradients are never rewritten: their unscaling is folded into the cpu_adam plugin's
-# ``grad_scale`` (_optimizer_step.py), and only the device's shards are divided.
+# ``grad_scale`` (_offload.py), and only the device's shards are divided.
 
 
 class LossScaling:

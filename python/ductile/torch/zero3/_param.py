@@ -116,7 +116,7 @@ class ParamGroup(_ductile.zero.GroupState):
         self.full_bytes = world * self.shard_numel * self.element_size
         self.accumulated = None  # gradients summed without sync, rank-major (reduce dtype)
         self.accumulated_mask = None
-        self.host = None  # its optimizer offload (_optimizer_step.HostShard), or None
+        self.host = None  # its optimizer offload (_offload.HostShard), or None
         self.shard_on_host = False  # the coordinator keeps its shard in host memory
 
     def views_at(self, memory, address):
