@@ -216,9 +216,9 @@ def deepspeed(**zero):
 
 
 def test_deepspeeds_offload_keys_are_honoured_or_warned_about():
-    from ductile.torch.zero3 import _engine
+    from ductile.torch.zero3 import _settings
     with pytest.warns(UserWarning) as caught:
-        settings = _engine.resolve(deepspeed(
+        settings = _settings.resolve(deepspeed(
             offload_optimizer={"device": "cpu", "pin_memory": False, "ratio": 0.5,
                                "buffer_count": 4},
             offload_param={"device": "cpu", "max_in_cpu": 10}), None, None, None)
@@ -230,9 +230,9 @@ def test_deepspeeds_offload_keys_are_honoured_or_warned_about():
     assert any("offload_param.max_in_cpu is accepted but ignored" in m for m in shown)
     with pytest.raises(ductile.ConfigError,
                        match=r'offload_optimizer.device = "gpu"; valid: "cpu", "nvme"'):
-        _engine.resolve(deepspeed(offload_optimizer={"device": "gpu"}), None, None, None)
+        _settings.resolve(deepspeed(offload_optimizer={"device": "gpu"}), None, None, None)
     with pytest.raises(ductile.ConfigError, match=r"offload_optimizer.ratio = 2.0 is out of range"):
-        _engine.resolve(deepspeed(offload_optimizer={"device": "cpu", "ratio": 2}), None, None,
+        _settings.resolve(deepspeed(offload_optimizer={"device": "cpu", "ratio": 2}), None, None,
                         None)
 
 
@@ -268,23 +268,23 @@ def test_the_offload_argument_is_checked_by_the_deepspeed_mapping():
 
 
 def test_the_zero_sections_offload_keys_read_as_deepspeeds():
-    from ductile.torch.zero3 import _engine
+    from ductile.torch.zero3 import _settings
     toml = '[accelerator]\nbackend = "cpu"\n[zero]\n'
-    settings = _engine.resolve(toml + 'offload_optimizer = "cpu"\noffload_ratio = 0.25\n'
+    settings = _settings.resolve(toml + 'offload_optimizer = "cpu"\noffload_ratio = 0.25\n'
                                'offload_pin_memory = false\n', None, None, None)
     assert settings.offload.optimizer and not settings.offload.pin
     assert settings.offload.ratio == 0.25
-    assert not _engine.resolve(toml, None, None, None).offload.optimizer
-    assert not _engine.resolve(toml, None, None, None).offload.param
-    assert _engine.resolve(toml + 'offload_param = "cpu"\n', None, None, None).offload.param
+    assert not _settings.resolve(toml, None, None, None).offload.optimizer
+    assert not _settings.resolve(toml, None, None, None).offload.param
+    assert _settings.resolve(toml + 'offload_param = "cpu"\n', None, None, None).offload.param
     with pytest.raises(ductile.ConfigError,
                        match=r'\[zero\] offload_param = "nvme" is not allowed .*; valid '
                              r'values: none, cpu'):
-        _engine.resolve(toml + 'offload_param = "nvme"\n', None, None, None)
+        _settings.resolve(toml + 'offload_param = "nvme"\n', None, None, None)
     with pytest.raises(ductile.ConfigError,
                        match=r'\[zero\] offload_optimizer = "gpu" is not allowed .*; valid '
                              r'values: none, cpu'):
-        _engine.resolve(toml + 'offload_optimizer = "gpu"\n', None, None, None)
+        _settings.resolve(toml + 'offload_optimizer = "gpu"\n', None, None, None)
 
 
 def test_a_deepspeed_config_offloads_and_builds_its_optimizer():
@@ -393,12 +393,12 @@ def test_what_offload_cannot_do_is_an_error_naming_it():
 def test_deepspeeds_nvme_device_with_an_empty_path_is_refused():
     """nvme_path "" kept the shards in device memory while the config asked
     for NVMe; it is an error naming DeepSpeed's key."""
-    from ductile.torch.zero3 import _engine
+    from ductile.torch.zero3 import _settings
     with pytest.raises(ductile.ConfigError,
                        match=r'zero_optimization.offload_param.nvme_path = "": device "nvme" '
                              r"needs the directory of its files; valid: a non-empty directory "
                              r'path \(or device "cpu" or "none"'):
-        _engine.resolve(deepspeed(offload_param={"device": "nvme", "nvme_path": ""}), None,
+        _settings.resolve(deepspeed(offload_param={"device": "nvme", "nvme_path": ""}), None,
                         None, None)
 
 

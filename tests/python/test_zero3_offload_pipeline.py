@@ -206,10 +206,10 @@ def test_what_would_change_updates_already_made_is_refused():
 
 
 def test_the_key_is_a_boolean_of_the_zero_section():
-    from ductile.torch.zero3 import _engine
+    from ductile.torch.zero3 import _settings
     toml = '[accelerator]\nbackend = "cpu"\n[zero]\noffload_optimizer = "cpu"\n'
-    assert _engine.resolve(toml + "offload_pipeline = true\n", None, None, None).offload.pipeline
-    assert not _engine.resolve(toml, None, None, None).offload.pipeline
+    assert _settings.resolve(toml + "offload_pipeline = true\n", None, None, None).offload.pipeline
+    assert not _settings.resolve(toml, None, None, None).offload.pipeline
     with pytest.raises(ductile.ConfigError,
                        match=r"\[zero\] offload_pipeline must be a boolean, got string 'yes'"):
-        _engine.resolve(toml + 'offload_pipeline = "yes"\n', None, None, None)
+        _settings.resolve(toml + 'offload_pipeline = "yes"\n', None, None, None)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .._config import Config, StrPath, load_config, parse_json
 from .._errors import ConfigError, InvalidArgumentError
-from ..torch.zero3 import _engine as _zero3_engine
+from ..torch.zero3 import _settings as _zero3_settings
 from ..torch.zero3._engine import Zero3Engine
 from ._engine import DeepSpeedEngine
 
@@ -249,8 +249,8 @@ def initialize(
     loaded = load_config(source, format="deepspeed")
     assert loaded.deepspeed is not None  # load_config refuses any other format
     as_dict = parse_json(loaded.deepspeed, loaded.origin)
-    world = _zero3_engine.torch_world(None)
-    settings = _zero3_engine.resolve(loaded, None, None, world)
+    world = _zero3_settings.torch_world(None)
+    settings = _zero3_settings.resolve(loaded, None, None, world)
     training = settings.training
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0

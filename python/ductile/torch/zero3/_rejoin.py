@@ -187,8 +187,9 @@ def _transplant(optimizer, params):
 
 def rejoin(engine, notice):
     """Zero3Engine.rejoin (see the module's docstring)."""
-    from ._engine import ShardedModel, torch_world
+    from ._engine import ShardedModel
     from ._progress import StepLog
+    from ._settings import torch_world
     from ._snapshots import Snapshots
 
     notice = _as_notice(notice)
