@@ -373,17 +373,22 @@ int Agent::run() {
       // leader is the oldest live one) and every node's snapshot holdings.
       // Only the leader reads every registration. A static job's leader is
       // its lowest node rank: every registration is read.
-      const bool everything = conn_.follows_everything();
+      bool everything = conn_.follows_everything();
       const RangeRead window{key("nodes/"), true, ranked ? 0 : kLeaderWindow, true};
-      std::vector<RangeRead> wanted = {RangeRead{key("round")},
-                                       RangeRead{key("nodes/" + self_.id)}};
-      if (everything) {
-        wanted.push_back(window);
-        wanted.push_back(snapshots_.holdings_read());
-      }
-      auto reads = store.read(wanted);
+      std::vector<std::vector<KeyValue>> reads;
       std::optional<KeyValue> round_kv;
-      if (!reads[0].empty()) round_kv = reads[0].front();
+      auto read_pass = [&] {
+        std::vector<RangeRead> wanted = {RangeRead{key("round")},
+                                         RangeRead{key("nodes/" + self_.id)}};
+        if (everything) {
+          wanted.push_back(window);
+          wanted.push_back(snapshots_.holdings_read());
+        }
+        reads = store.read(wanted);
+        round_kv.reset();
+        if (!reads[0].empty()) round_kv = reads[0].front();
+      };
+      read_pass();
       if (outage_since_) {
         self_.log(fmt::format("{} reachable again after {} ms", store.describe(),
                               (now_ms() - *outage_since_).count()));
@@ -429,9 +434,15 @@ int Agent::run() {
       if (window_read) {
         nodes_seen_ = oldest.size();
         conn_.follow_everything(in_window);
-        // From the next pass on, this agent reads every key: the mirror
-        // brings them.
-        if (in_window && !everything) continue;
+        if (in_window && !everything) {
+          // It follows every key from now on (the mirror brings them); this
+          // pass reads them from etcd meanwhile, and goes on as the oldest
+          // agents' does.
+          everything = true;
+          read_pass();
+          oldest = membership_.live_nodes(reads[2], &ignored, ranked);
+          nodes_seen_ = oldest.size();
+        }
       }
       wake_on = acted_on;
       if (everything && in_window) wake_on.push_back(key("nodes/"));

@@ -37,9 +37,10 @@ forward's arguments, and once its backward ran, how the loss came from the forwa
   gloo's "Connection closed by peer" from the engine's own collectives on torch's group (a
   RuntimeError) counts as a lost peer too. A collective of the old round that waits only for
   live peers (a ring's neighbour, while the lost rank's neighbours have left) would wait for
-  the group's timeout: with a notice path, the engine's waits on torch's works poll the work
-  and, every 50 polls, the notice (_world.superseded), and leave with CommunicationError once
-  a newer round's notice is there, which recovers as above.
+  the group's timeout: with a notice path, on the cpu, the engine's waits on torch's works poll
+  the work and, every 50 polls, the notice (_world.superseded), and leave with
+  CommunicationError once a newer round's notice is there, which recovers as above (on cuda
+  they wait as without a notice: the host never waits for the device's collectives).
 - A newer notice at a step boundary (the first forward of a step: one ``stat``, no device
   work): the engine rejoins before that forward (a node joined). Ranks may see it a step apart;
   a rank still in the old round then fails its collective, or leaves it, and recovers as
@@ -310,7 +311,10 @@ class Recovery:
         self.engine = engine
         self.watch = _round_notice.NoticeWatch(path, _round_notice.current_round())
         self.micro: list[MicroBatch] = []  # the current step's
-        _world.superseded = self.superseded
+        # Only a host collective (gloo) is polled: on cuda, polling an NCCL
+        # work would make the host wait for the device at every collective.
+        if engine.device.type == "cpu":
+            _world.superseded = self.superseded
         self.base = 0  # global_step when the current step's first forward ran
         # Where each recovery began: "forward", "backward" or "step"; "boundary" for a
         # notice seen at a step's first forward.
