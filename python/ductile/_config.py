@@ -8,6 +8,7 @@ and defaults by the parts that use it (``elasticity``,
 ``data_efficiency.data_sampling.dynamic_batching``).
 """
 
+import contextlib
 import json
 import os
 import re
@@ -153,7 +154,10 @@ def load_config(source: StrPath | dict[str, Any] | Config, *,
             f"allow_config_plugins = {_shown(allow_config_plugins)} is not a bool; give True "
             "or False")
     if plugin_path is not None and not isinstance(plugin_path, (str, bytes, os.PathLike)):
-        plugin_path = list(plugin_path)  # read again by Config.fresh_runtime
+        # Read again by Config.fresh_runtime: an iterator is taken once. What
+        # is not a list of paths is refused where the path is read, named.
+        with contextlib.suppress(TypeError):
+            plugin_path = list(plugin_path)
     if isinstance(source, Config):
         if format is not None and source.format != format:
             # Its readers take the DeepSpeed JSON text of a "deepspeed" one,
