@@ -300,6 +300,25 @@ struct EtcdStore::Impl {
     }
   }
 
+  // A transaction of `ops` (range requests only: without comparisons it
+  // runs its success branch, every range at one revision, in one round
+  // trip): each range's keys, and the revision they were read at.
+  std::pair<std::vector<std::vector<KeyValue>>, std::int64_t> read_ranges(const json& ops) {
+    changed = 0;
+    const auto reply = call("/v3/kv/txn", {{"success", ops}});
+    auto it = reply.find("responses");
+    if (it == reply.end() || !it->is_array() || it->size() != ops.size())
+      throw StoreError(fmt::format("etcd at {} answered a read of {} ranges with another count",
+                                   endpoints, ops.size()));
+    std::vector<std::vector<KeyValue>> out;
+    for (const auto& response : *it) {
+      if (!response.is_object() || !response.contains("response_range"))
+        throw StoreError("etcd answered a range of a transaction without its result");
+      out.push_back(key_values(response["response_range"]));
+    }
+    return {std::move(out), header_revision(reply)};
+  }
+
   json call_one(const std::string& endpoint, const std::string& path, const json& request) {
     std::string body = request.dump();
     std::string answer;
@@ -413,8 +432,6 @@ void EtcdStore::put(const std::string& key, const std::string& value, std::int64
 }
 
 std::vector<std::vector<KeyValue>> EtcdStore::read(const std::vector<RangeRead>& reads) {
-  // A transaction without comparisons runs its success branch: every range
-  // at one revision, in one round trip.
   if (reads.empty()) return {};
   json ops = json::array();
   for (const auto& r : reads) {
@@ -428,19 +445,7 @@ std::vector<std::vector<KeyValue>> EtcdStore::read(const std::vector<RangeRead>&
     }
     ops.push_back({{"request_range", range}});
   }
-  impl_->changed = 0;
-  auto reply = impl_->call("/v3/kv/txn", {{"success", ops}});
-  auto it = reply.find("responses");
-  if (it == reply.end() || !it->is_array() || it->size() != reads.size())
-    throw StoreError(fmt::format("etcd at {} answered a read of {} ranges with another count",
-                                 impl_->endpoints, reads.size()));
-  std::vector<std::vector<KeyValue>> out;
-  for (const auto& response : *it) {
-    if (!response.is_object() || !response.contains("response_range"))
-      throw StoreError("etcd answered a range of a transaction without its result");
-    out.push_back(key_values(response["response_range"]));
-  }
-  return out;
+  return impl_->read_ranges(ops).first;
 }
 
 void EtcdStore::erase(const std::string& key) {
@@ -498,23 +503,11 @@ KeyRange single_key(const std::string& key) {
 
 std::pair<std::vector<std::vector<KeyValue>>, std::int64_t> EtcdStore::read_ranges_at(
     const std::vector<KeyRange>& ranges) {
-  impl_->changed = 0;
   json ops = json::array();
   for (const auto& r : ranges)
     ops.push_back(
         {{"request_range", {{"key", base64_encode(r.key)}, {"range_end", base64_encode(r.end)}}}});
-  const auto reply = impl_->call("/v3/kv/txn", {{"success", ops}});
-  auto it = reply.find("responses");
-  if (it == reply.end() || !it->is_array() || it->size() != ranges.size())
-    throw StoreError(fmt::format("etcd at {} answered a read of {} ranges with another count",
-                                 impl_->endpoints, ranges.size()));
-  std::vector<std::vector<KeyValue>> out;
-  for (const auto& response : *it) {
-    if (!response.is_object() || !response.contains("response_range"))
-      throw StoreError("etcd answered a range of a transaction without its result");
-    out.push_back(key_values(response["response_range"]));
-  }
-  return {std::move(out), header_revision(reply)};
+  return impl_->read_ranges(ops);
 }
 
 void EtcdStore::watch(const std::vector<KeyRange>& ranges, std::int64_t start_revision,

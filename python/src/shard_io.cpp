@@ -279,6 +279,24 @@ void copy_around_cache(unsigned char* dst, const unsigned char* src, std::size_t
 #endif
 }
 
+// Adds a view of each of `buffers` (an iterable of bytes-like objects) to
+// `views`; their total size. InvalidArgumentError naming the argument, or
+// the item, that is not one.
+std::uint64_t add_buffers(BufferViews& views, const py::handle& buffers) {
+  if (PyObject_CheckBuffer(buffers.ptr()) || !py::isinstance<py::iterable>(buffers))
+    throw Error(ErrorKind::invalid_argument,
+                "buffers = " + shown(buffers) +
+                    " is not a list of buffers; give a list (or any iterable) of bytes-like "
+                    "objects, e.g. [data] for one");
+  std::size_t index = 0;
+  std::uint64_t total = 0;
+  for (const auto& item : buffers) {
+    const Py_buffer& view = views.add(item, "buffers[" + std::to_string(index++) + "]");
+    total += static_cast<std::uint64_t>(view.len);
+  }
+  return total;
+}
+
 // Writes p[0, n) at `offset` of `fd`, resuming after partial writes and
 // EINTR; 0 or the errno of the failure.
 int write_all(int fd, const unsigned char* p, std::size_t n, off_t offset) {
@@ -303,18 +321,8 @@ py::tuple write_buffers(const py::handle& fd_argument, const py::handle& buffers
   const int fd = static_cast<int>(int_argument(fd_argument, "fd", 0, INT_MAX));
   const std::int64_t offset = int_argument(offset_argument, "offset", 0, LLONG_MAX);
   std::uint32_t state = ~crc_argument(value);
-  if (PyObject_CheckBuffer(buffers.ptr()) || !py::isinstance<py::iterable>(buffers))
-    throw Error(ErrorKind::invalid_argument,
-                "buffers = " + shown(buffers) +
-                    " is not a list of buffers; give a list (or any iterable) of bytes-like "
-                    "objects, e.g. [data] for one");
   BufferViews views;
-  std::size_t index = 0;
-  std::uint64_t total = 0;
-  for (const auto& item : buffers) {
-    const Py_buffer& view = views.add(item, "buffers[" + std::to_string(index++) + "]");
-    total += static_cast<std::uint64_t>(view.len);
-  }
+  const std::uint64_t total = add_buffers(views, buffers);
   if (total > static_cast<std::uint64_t>(LLONG_MAX - offset))
     throw Error(ErrorKind::invalid_argument,
                 "offset = " + std::to_string(offset) + " plus the " + std::to_string(total) +
@@ -360,11 +368,8 @@ py::tuple copy_buffers(const py::handle& target, const py::handle& offset_argume
                        const py::handle& buffers, const py::handle& value) {
   const std::int64_t offset = int_argument(offset_argument, "offset", 0, LLONG_MAX);
   std::uint32_t state = ~crc_argument(value);
-  if (PyObject_CheckBuffer(buffers.ptr()) || !py::isinstance<py::iterable>(buffers))
-    throw Error(ErrorKind::invalid_argument,
-                "buffers = " + shown(buffers) +
-                    " is not a list of buffers; give a list (or any iterable) of bytes-like "
-                    "objects, e.g. [data] for one");
+  BufferViews views;
+  const std::uint64_t total = add_buffers(views, buffers);
   Py_buffer into{};
   if (PyObject_GetBuffer(target.ptr(), &into, PyBUF_WRITABLE) != 0) {
     PyErr_Clear();
@@ -375,13 +380,6 @@ py::tuple copy_buffers(const py::handle& target, const py::handle& offset_argume
   }
   // Released when this returns, after the GIL is taken back.
   const std::unique_ptr<Py_buffer, void (*)(Py_buffer*)> held(&into, PyBuffer_Release);
-  BufferViews views;
-  std::size_t index = 0;
-  std::uint64_t total = 0;
-  for (const auto& item : buffers) {
-    const Py_buffer& view = views.add(item, "buffers[" + std::to_string(index++) + "]");
-    total += static_cast<std::uint64_t>(view.len);
-  }
   const auto room = static_cast<std::uint64_t>(into.len);
   if (static_cast<std::uint64_t>(offset) > room ||
       total > room - static_cast<std::uint64_t>(offset))

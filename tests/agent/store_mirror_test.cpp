@@ -9,6 +9,7 @@
 #include <signal.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -30,6 +31,16 @@ std::vector<std::string> keys_of(const std::vector<KeyValue>& kvs) {
   std::vector<std::string> out;
   for (const auto& kv : kvs) out.push_back(kv.key + "=" + kv.value);
   return out;
+}
+
+// Waits (30 s at most) until `read` holds and was answered from the mirror.
+bool answered_from_mirror(const MirroredStore& mirror, const std::function<bool()>& read) {
+  return wait_until(
+      [&] {
+        const auto before = mirror.mirrored_reads();
+        return read() && mirror.mirrored_reads() > before;
+      },
+      30s);
 }
 
 struct Mirrored {
@@ -54,12 +65,7 @@ TEST_CASE(
       m.make(), [&] { return m.make(); }, std::vector<KeyRange>{prefix_range("/job/")}, 2000ms,
       [](const std::string&) {});
   // Once the watch runs, reads of the job's keys stop reaching etcd.
-  REQUIRE(wait_until(
-      [&] {
-        const auto before = mirror.mirrored_reads();
-        return mirror.get("/job/a") && mirror.mirrored_reads() > before;
-      },
-      30s));
+  REQUIRE(answered_from_mirror(mirror, [&] { return mirror.get("/job/a").has_value(); }));
   const auto direct = mirror.direct_reads();
   CHECK(mirror.get("/job/a")->value == "1");
 
@@ -126,12 +132,7 @@ TEST_CASE("etcd mirror: several ranges on one watch, and other ranges followed f
       m.make(), [&] { return m.make(); },
       std::vector<KeyRange>{prefix_range("/job/a/"), single_key("/job/own")}, 2000ms,
       [](const std::string&) {});
-  REQUIRE(wait_until(
-      [&] {
-        const auto before = mirror.mirrored_reads();
-        return mirror.get("/job/own") && mirror.mirrored_reads() > before;
-      },
-      30s));
+  REQUIRE(answered_from_mirror(mirror, [&] { return mirror.get("/job/own").has_value(); }));
   auto direct = mirror.direct_reads();
   // Both ranges from the mirror, in one read; its own writes in either seen
   // at once, others' as they come.
@@ -162,12 +163,7 @@ TEST_CASE("etcd mirror: several ranges on one watch, and other ranges followed f
   // A change of ranges: the new ones are read afresh and followed; the old
   // ones go to etcd.
   mirror.follow({prefix_range("/job/b/"), prefix_range("/job/c/")});
-  REQUIRE(wait_until(
-      [&] {
-        const auto before = mirror.mirrored_reads();
-        return mirror.get_prefix("/job/b/").size() == 2 && mirror.mirrored_reads() > before;
-      },
-      30s));
+  REQUIRE(answered_from_mirror(mirror, [&] { return mirror.get_prefix("/job/b/").size() == 2; }));
   direct = mirror.direct_reads();
   other->put("/job/c/2", "theirs");
   CHECK(wait_until([&] { return mirror.get_prefix("/job/c/").size() == 2; }, 10s));
@@ -189,12 +185,7 @@ TEST_CASE("etcd mirror: an etcd stopped for a moment, then restarted") {
       m.make(500ms), [&] { return m.make(500ms); }, std::vector<KeyRange>{prefix_range("/job/")},
       500ms, [](const std::string&) {});
   mirror.put("/job/a", "1");
-  REQUIRE(wait_until(
-      [&] {
-        const auto before = mirror.mirrored_reads();
-        return mirror.get("/job/a") && mirror.mirrored_reads() > before;
-      },
-      30s));
+  REQUIRE(answered_from_mirror(mirror, [&] { return mirror.get("/job/a").has_value(); }));
   // Stopped (SIGSTOP): nothing can change meanwhile, so the mirror answers;
   // a write times out, as a slow store's does.
   REQUIRE(::kill(m.etcd.pid(), SIGSTOP) == 0);
