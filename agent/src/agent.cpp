@@ -138,12 +138,6 @@ std::optional<int> Agent::apply(const RoundRecord& round) {
   }
   if (round.round == workers_.current_round()) return std::nullopt;
   leadership_.drop_stale_worker_store(round);
-  if (!workers_.empty()) {
-    self_.log(fmt::format("stopping the workers of round {} for round {}", workers_.current_round(),
-                          round.round));
-    workers_.end_round(fmt::format("round {} formed: {}", round.round, round.reason),
-                       o_.stop_grace);
-  }
   auto it = std::find(round.members.begin(), round.members.end(), self_.id);
   const auto index = static_cast<std::size_t>(it - round.members.begin());
   // A round formed before this agent registered (a previous run of this
@@ -152,6 +146,16 @@ std::optional<int> Agent::apply(const RoundRecord& round) {
   const bool earlier_run = it != round.members.end() && !round.member_revisions.empty() &&
                            round.member_revisions[index] != membership_.own_revision();
   const bool member = it != round.members.end() && !earlier_run;
+  // A member whose workers run and take round notices keeps them: they
+  // rejoin the round in place once the snapshot to load is known.
+  std::string refusal = member ? workers_.in_place_refusal(round) : "not a member";
+  const bool kept = refusal.empty();
+  if (!workers_.empty() && !kept) {
+    self_.log(fmt::format("stopping the workers of round {} for round {}", workers_.current_round(),
+                          round.round));
+    workers_.end_round(fmt::format("round {} formed: {}", round.round, round.reason),
+                       o_.stop_grace);
+  }
   // Before the round is entered: a store error, or a stop signal, while the
   // members agree on a snapshot leaves the round to apply again; a member
   // gone meanwhile leaves it unentered until the leader forms the next.
@@ -162,7 +166,10 @@ std::optional<int> Agent::apply(const RoundRecord& round) {
       prepared = snapshots_.prepare_round(round);
     } catch (const RestoreFailed& failed) {
       // Entered without workers: the round is not applied again, and fails.
-      workers_.enter_round(round.round, round.restarts, member);
+      if (kept)
+        workers_.end_round(fmt::format("round {} formed: {}", round.round, round.reason),
+                           o_.stop_grace);
+      workers_.enter_round(round.round, member);
       checkpoints_.enter_round();
       snapshots_.fail_round(round, failed.message);
       return std::nullopt;
@@ -170,7 +177,28 @@ std::optional<int> Agent::apply(const RoundRecord& round) {
     if (!prepared) return std::nullopt;
     restore = std::move(*prepared);
   }
-  workers_.enter_round(round.round, round.restarts, member);
+  if (refusal.empty() && restore.empty())
+    refusal = "no snapshot in memory to load (--snapshot-dir, snapshot_interval)";
+  if (refusal.empty()) {
+    workers_.enter_round(round.round, member);
+    checkpoints_.enter_round();
+    short_since_.reset();
+    try {
+      workers_.continue_in_place(round, index, *policy_, restore);
+      return std::nullopt;
+    } catch (const Error& e) {
+      refusal = e.what();
+    }
+  }
+  if (kept) {
+    self_.log(
+        fmt::format("round {}: the workers of round {} do not go on in place: {}; "
+                    "stopping them",
+                    round.round, workers_.current_round(), refusal));
+    workers_.end_round(fmt::format("round {} formed: {}", round.round, round.reason),
+                       o_.stop_grace);
+  }
+  workers_.enter_round(round.round, member);
   checkpoints_.enter_round();
   short_since_.reset();
   if (member) {

@@ -74,6 +74,20 @@ std::filesystem::path checkpoint_saved_of(const std::filesystem::path& run_dir, 
 // workers it writes there the round and why it ends (ductile's workers say
 // it in one line when a collective failed because a peer was gone).
 std::filesystem::path round_end_of(const std::filesystem::path& run_dir);
+// DUCTILE_ROUND_NOTICE of a worker (with the agent's store): where the agent
+// writes the next round's notice for a worker that goes on in place, and
+// beside it (round_notice_ready_of) the worker's word that its engine
+// rejoins a round in place (ductile/torch/zero3/_round_notice.py).
+std::filesystem::path round_notice_of(const std::filesystem::path& run_dir,
+                                      std::int64_t local_rank);
+std::filesystem::path round_notice_ready_of(const std::filesystem::path& run_dir,
+                                            std::int64_t local_rank);
+// The notice of `round` for the worker of `local_rank` whose rank in it is
+// `rank`: one JSON object (the contract of _round_notice.py); `restore` is
+// the snapshot folder every rank of the round loads.
+std::string round_notice_json(const RoundRecord& round, std::int64_t rank, std::int64_t local_rank,
+                              std::int64_t local_world_size, const std::filesystem::path& restore,
+                              const JobPolicy& policy);
 
 // How many of the oldest registrations an agent reads each pass to find the
 // leader (the oldest live one); the leader reads them all.

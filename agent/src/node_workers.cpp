@@ -62,9 +62,8 @@ RunDir::~RunDir() {
   std::filesystem::remove_all(path_, ignored);
 }
 
-void NodeWorkers::enter_round(std::int64_t round, std::int64_t restarts, bool member) {
+void NodeWorkers::enter_round(std::int64_t round, bool member) {
   current_round_ = round;
-  current_restarts_ = restarts;
   member_ = member;
   reported_ = false;
   local_failure_.reset();
@@ -85,6 +84,13 @@ void NodeWorkers::start(const RoundRecord& round, std::size_t group_rank, const 
   // directory in it is made as that worker starts (WorkerSpec::directory).
   std::error_code ignored;
   std::filesystem::remove_all(attempt_dir_of(run_dir(), round.restarts), ignored);
+  attempt_ = round.restarts;
+  members_ = round.members;
+  // The last workers' notices and their word that they take them: a new
+  // worker says so again once its engine is built.
+  std::filesystem::remove_all(round_notice_of(run_dir(), 0).parent_path(), ignored);
+  if (o_.agent_store)
+    std::filesystem::create_directories(round_notice_of(run_dir(), 0).parent_path(), ignored);
   if (o_.checkpoint_timeout.count() > 0)
     std::filesystem::create_directories(checkpoint_request_of(run_dir(), round.round).parent_path(),
                                         ignored);
@@ -143,8 +149,69 @@ void NodeWorkers::start(const RoundRecord& round, std::size_t group_rank, const 
   }
 }
 
+std::string NodeWorkers::in_place_refusal(const RoundRecord& next) const {
+  if (std::all_of(members_.begin(), members_.end(), [&](const std::string& node) {
+        return std::find(next.members.begin(), next.members.end(), node) != next.members.end();
+      }))
+    return "no node of their round was lost";
+  if (!o_.agent_store)
+    return "rank 0's worker serves the workers' store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), "
+           "not the leading agent";
+  if (o_.checkpoint_timeout.count() > 0)
+    return "--checkpoint-timeout asks the workers to save through files of their round";
+  if (fenced_) return "the lease's fence stopped them";
+  if (!group_.all_running()) return "not all of them run";
+  for (std::int64_t local = 0; local < o_.nproc_per_node; ++local) {
+    std::error_code ec;
+    if (!std::filesystem::exists(round_notice_ready_of(run_dir(), local), ec))
+      return fmt::format(
+          "local rank {} did not say it takes round notices (its engine is not "
+          "ductile.torch.zero3's, or cannot rejoin a round in place)",
+          local);
+  }
+  return {};
+}
+
+void NodeWorkers::continue_in_place(const RoundRecord& round, std::size_t group_rank,
+                                    const JobPolicy& policy, const std::filesystem::path& restore) {
+  std::vector<std::int64_t> ranks;
+  for (std::int64_t local = 0; local < o_.nproc_per_node; ++local) {
+    const std::int64_t rank = static_cast<std::int64_t>(group_rank) * o_.nproc_per_node + local;
+    ranks.push_back(rank);
+    // Whole or not at all: the worker reads the old notice or the new one.
+    const auto file = round_notice_of(run_dir(), local);
+    auto part = file;
+    part += ".part";
+    const std::string text =
+        round_notice_json(round, rank, local, o_.nproc_per_node, restore, policy);
+    std::FILE* out = std::fopen(part.c_str(), "w");
+    bool written = out && std::fwrite(text.data(), 1, text.size(), out) == text.size();
+    if (out && std::fclose(out) != 0) written = false;
+    std::error_code ec;
+    if (written) std::filesystem::rename(part, file, ec);
+    if (!written || ec)
+      throw Error(
+          ErrorKind::io,
+          fmt::format("cannot write the round notice {} of local rank {}: {}", file.string(), local,
+                      ec ? ec.message() : std::string(std::strerror(errno))));
+  }
+  group_.renumber(ranks);
+  members_ = round.members;
+  BatchPlan plan = policy.plan(round.world_size);
+  self_.log(fmt::format(
+      "round {} continued in place: world size {} ({} nodes x {}), group rank {}, master {}:{}{}, "
+      "restore {}, restarts {}, started_ms={} ({})",
+      round.round, round.world_size, round.members.size(), o_.nproc_per_node, group_rank,
+      round.master_addr, round.master_port,
+      policy.has_config()
+          ? fmt::format(", global batch {} = micro {} x accumulation {} x {}", plan.global_batch,
+                        plan.micro_batch, plan.gradient_accumulation_steps, round.world_size)
+          : "",
+      restore.string(), round.restarts, round.started_ms, round.reason));
+}
+
 std::optional<WorkerError> NodeWorkers::read_error(std::int64_t local_rank) {
-  const auto file = error_file_of(run_dir(), current_restarts_, local_rank);
+  const auto file = error_file_of(run_dir(), attempt_, local_rank);
   // The worker's file: not followed if it is a link, never read past the
   // cap, never blocked on (a FIFO).
   int fd = ::open(file.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);

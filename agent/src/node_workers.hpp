@@ -32,9 +32,8 @@ class NodeWorkers {
   void discard_run_dir() { run_dir_.reset(); }
 
   // A new round: what this node's workers did in the last one is dropped;
-  // `member`: this node runs workers in it; `restarts`: its restart count
-  // (the attempt its files are under).
-  void enter_round(std::int64_t round, std::int64_t restarts, bool member);
+  // `member`: this node runs workers in it.
+  void enter_round(std::int64_t round, bool member);
   // Every round's workers write their snapshots there
   // (DUCTILE_SNAPSHOT_DIR).
   void set_snapshot_dir(std::filesystem::path dir) { snapshot_dir_ = std::move(dir); }
@@ -46,6 +45,22 @@ class NodeWorkers {
   // those started.
   void start(const RoundRecord& round, std::size_t group_rank, const JobPolicy& policy,
              const std::filesystem::path& restore = {});
+  // Why this node's workers cannot go on in place into `next`, "" when
+  // they can: a member of their round is not in `next` (a node was lost:
+  // the workers' collectives fail and they wait for the notice; a round
+  // that only grows restarts them, as their training goes on meanwhile),
+  // every local worker of the current round still runs and said it takes
+  // round notices (round_notice_ready_of), the leading agent serves the
+  // workers' store, and no checkpoint is asked of them (their request files
+  // are the round's).
+  std::string in_place_refusal(const RoundRecord& next) const;
+  // The workers go on in place in `round` (after enter_round): each local
+  // worker's round notice is written (its rank at `group_rank`, the
+  // snapshot folder `restore` its ranks load), and the worker rejoins the
+  // round without a restart (engine.rejoin). Throws ductile::Error (io)
+  // when a notice cannot be written (the caller then restarts them).
+  void continue_in_place(const RoundRecord& round, std::size_t group_rank, const JobPolicy& policy,
+                         const std::filesystem::path& restore);
   // Stops the workers and takes them off the fence.
   void stop(std::chrono::milliseconds grace);
   // Says why the current round ends (round_end_of(), for its workers),
@@ -82,7 +97,8 @@ class NodeWorkers {
   std::filesystem::path snapshot_dir_;
   WorkerGroup group_;
   std::int64_t current_round_ = 0;
-  std::int64_t current_restarts_ = 0;
+  std::vector<std::string> members_;  // the nodes of the running workers' round
+  std::int64_t attempt_ = 0;          // the restart count the running workers' files are under
   bool member_ = false;
   bool reported_ = false;  // this round's worker exit is in the store
   std::optional<WorkerExit> local_failure_;

@@ -7,6 +7,7 @@
 #include <iterator>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "agent_common.hpp"
 
@@ -45,6 +46,7 @@ constexpr const char* kSteadyVariables[] = {
     "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_SIGNALS_TO_HANDLE",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS", "DEEPSPEED_ELASTICITY_CONFIG",
     "DUCTILE_AGENT_NODE_ID", "DUCTILE_SNAPSHOT_DIR", "DUCTILE_ROUND_END", "DUCTILE_ROUND_END_WAIT",
+    "DUCTILE_ROUND_NOTICE",
     // Set by the `ductile` console script for the agent alone (worker_command in the CLI).
     "DUCTILE_CONSOLE_PYTHON"};
 
@@ -84,6 +86,40 @@ std::filesystem::path checkpoint_saved_of(const std::filesystem::path& run_dir, 
 
 std::filesystem::path round_end_of(const std::filesystem::path& run_dir) {
   return run_dir / "round_end";
+}
+
+std::filesystem::path round_notice_of(const std::filesystem::path& run_dir,
+                                      std::int64_t local_rank) {
+  return run_dir / "notices" / (std::to_string(local_rank) + ".json");
+}
+
+std::filesystem::path round_notice_ready_of(const std::filesystem::path& run_dir,
+                                            std::int64_t local_rank) {
+  auto ready = round_notice_of(run_dir, local_rank);
+  ready += ".ready";
+  return ready;
+}
+
+std::string round_notice_json(const RoundRecord& round, std::int64_t rank, std::int64_t local_rank,
+                              std::int64_t local_world_size, const std::filesystem::path& restore,
+                              const JobPolicy& policy) {
+  // No store_prefix: the worker joins the round's store as torch's env://
+  // does, where the workers started afresh in this round meet it.
+  nlohmann::json notice = {{"round", round.round},
+                           {"rank", rank},
+                           {"world_size", round.world_size},
+                           {"local_rank", local_rank},
+                           {"local_world_size", local_world_size},
+                           {"master_addr", round.master_addr},
+                           {"master_port", round.master_port},
+                           {"restore", restore.string()}};
+  if (policy.has_config()) {
+    const BatchPlan plan = policy.plan(round.world_size);
+    notice["plan"] = {{"global_batch", plan.global_batch},
+                      {"micro_batch", plan.micro_batch},
+                      {"gradient_accumulation_steps", plan.gradient_accumulation_steps}};
+  }
+  return notice.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
 std::vector<WorkerSpec> worker_specs(const WorkerSetup& s) {
@@ -176,6 +212,9 @@ std::vector<WorkerSpec> worker_specs(const WorkerSetup& s) {
     set("DUCTILE_ROUND", std::to_string(round.round));
     set("DUCTILE_AGENT_NODE_ID", s.node_id);
     set("DUCTILE_ROUND_END", round_end_of(s.run_dir).string());
+    // A worker started with the agent's store may go on in place at the next
+    // round (its rank 0 creates no store the survivors would have to reach).
+    if (o.agent_store) set("DUCTILE_ROUND_NOTICE", round_notice_of(s.run_dir, local).string());
     // How long a worker whose peer is gone waits for the agent to end its
     // round: the lost lease noticed, a failure's grace, a pass or two.
     set("DUCTILE_ROUND_END_WAIT",

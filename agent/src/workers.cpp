@@ -598,6 +598,17 @@ bool WorkerGroup::running() const {
   return std::any_of(workers_.begin(), workers_.end(), [](const Worker& w) { return !w.status; });
 }
 
+bool WorkerGroup::all_running() const {
+  return !workers_.empty() && std::none_of(workers_.begin(), workers_.end(),
+                                           [](const Worker& w) { return w.status.has_value(); });
+}
+
+void WorkerGroup::renumber(const std::vector<std::int64_t>& ranks) {
+  for (auto& w : workers_)
+    if (w.spec.local_rank >= 0 && static_cast<std::size_t>(w.spec.local_rank) < ranks.size())
+      w.spec.rank = ranks[static_cast<std::size_t>(w.spec.local_rank)];
+}
+
 std::vector<int> WorkerGroup::guard_pids() const {
   std::vector<int> pids;
   for (const auto& w : workers_)

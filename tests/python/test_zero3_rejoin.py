@@ -37,7 +37,7 @@ def parse(fields):
 
 def test_a_notice_is_read_with_its_defaults_and_environment():
     got = parse(dict(GOOD, plan={"micro_batch": 2, "gradient_accumulation_steps": 3}))
-    assert (got.round, got.rank, got.world_size, got.store_prefix) == (3, 1, 2, "ductile/round3/")
+    assert (got.round, got.rank, got.world_size, got.store_prefix) == (3, 1, 2, None)
     env = got.environment()
     assert env["RANK"] == "1" and env["WORLD_SIZE"] == "2" and env["DUCTILE_ROUND"] == "3"
     assert env["MASTER_ADDR"] == "node-a" and env["MASTER_PORT"] == "29500"
@@ -185,6 +185,23 @@ def test_rejoin_refuses_a_round_not_newer_and_a_world_it_cannot_rebuild(world_of
     with pytest.raises(ductile.IncompatibleError, match=r"cannot rejoin a round in place: its "
                        r"world is accelerator; valid: torch.distributed's default group"):
         alone.rejoin(json.dumps(notice(2, 0, 1, port, tmp_path)))
+
+
+def test_an_engine_that_can_rejoin_says_so_and_one_that_cannot_does_not(world_of_one, tmp_path,
+                                                                       caplog):
+    """The agent writes notices only to a worker whose engine wrote
+    `<notice>.ready`; an engine that cannot rejoin writes none and says why
+    (the agent restarts that worker instead)."""
+    ready = tmp_path / "notice.json.ready"
+    zero3.initialize(make_model(seed=0), adam, CONFIG)
+    assert ready.read_text() == f"{os.getpid()}\n"
+    ready.unlink()
+    dist.destroy_process_group()
+    with caplog.at_level("WARNING", logger="ductile.zero3"):
+        alone = zero3.initialize(make_model(seed=0), adam, CONFIG)  # the accelerator's world
+    assert alone._recovery is None and not ready.exists()
+    assert "cannot rejoin a round in place: its world is accelerator" in caplog.text
+    assert "at a lost node the agent restarts this worker" in caplog.text
 
 
 def test_a_failed_collective_waits_for_the_notice_a_bounded_time(world_of_one, monkeypatch):

@@ -97,7 +97,7 @@ def write_notice(path, fields):
 def notice(round_, rank, world, port, restore):
     return {"round": round_, "rank": rank, "world_size": world, "local_rank": 0,
             "local_world_size": 1, "master_addr": "127.0.0.1", "master_port": port,
-            "restore": str(restore)}
+            "store_prefix": f"ductile/round{round_}/", "restore": str(restore)}
 
 
 def kill(proc):

@@ -3,9 +3,14 @@ state from the survivors' memory against torchrun with torch's distributed
 checkpoint (DCP) read back from disk. It prints tables; nothing asserts on
 time.
 
-The same job on both sides: 3 nodes x 1 worker as processes on loopback, the
+The same job on every side: 3 nodes x 1 worker as processes on loopback, the
 tied transformer LM of the zero3 tests (about 2 M parameters), Adam, a
 global batch of 24 windows, every optimizer step checkpointed:
+  ductile-in-place  `ductile agent` on etcd, zero3 workers over torch's gloo
+            group, the documented loop: at a loss the survivors' agents write
+            round notices and the same worker processes rejoin the next
+            round from the snapshot in memory (engine.rejoin); only the
+            SIGKILL to first step and the steps trained again apply;
   ductile   `ductile agent` on etcd, --mpi-world, zero3 workers (cpu backend)
             with snapshot_interval 1 and snapshot_replicas 1: each step's
             state goes to the agents' memory and one other node's;
@@ -28,7 +33,8 @@ state, is printed for the steady training before the kill and after the
 restore (from the survivors' fourth step); and, not bound, in between.
 
 usage: bench_recovery.py [--cli PATH] [--python PATH] [--runs 2] [--kill-after 6]
-                         [--steps 12] [--launchers ductile,ductile-warm,torchrun]
+                         [--steps 12] [--lease-ttl S]
+                         [--launchers ductile-in-place,ductile,ductile-warm,torchrun]
 """
 
 import argparse
@@ -94,6 +100,37 @@ for s in range(start, steps):
     engine.backward(loss_of(engine(x), y))
     engine.step()
     note("stepped", ROUND, world, rank, s)
+'''
+
+# The documented loop over torch's gloo group (the loss is the forward's
+# output): when a node is lost, the survivors' agents write round notices and
+# these same processes rejoin the next round (engine.rejoin).
+IN_PLACE_WORKER = COMMON + r'''
+import ductile, ductile.torch.zero3 as zero3
+import torch.distributed as dist
+world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+dist.init_process_group("gloo")
+config = ductile.load_config(
+    {"accelerator": {"backend": "cpu", "communicator": "auto", "timeout": 120},
+     "zero": {"coordinator": "partitioned", "snapshot_interval": 1,
+              "snapshot_replicas": %d}},
+    format="toml")
+class WithLoss(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lm = make_model(seed=0, **MODEL)
+    def forward(self, x, y):
+        return loss_of(self.lm(x), y)
+note("built", ROUND, world, rank)
+engine = zero3.initialize(WithLoss(), lambda params: torch.optim.Adam(params, lr=3e-3), config)
+note("ready", ROUND, world, rank, 0)
+windows = Windows(batch=BATCH, context=MODEL["context"])
+while engine.global_step < steps:
+    s = engine.global_step
+    engine.backward(engine(*windows.step(s, engine.rank, engine.world_size)))
+    engine.step()
+    note("stepped", os.environ["DUCTILE_ROUND"], engine.world_size, engine.rank,
+         engine.global_step - 1)
 '''
 
 TORCHRUN_WORKER = COMMON + r'''
@@ -254,12 +291,14 @@ def race_one(kind, args, directory):
     script = os.path.join(directory, "worker.py")
     with open(script, "w") as f:
         f.write(TORCHRUN_WORKER % (MODEL, BATCH) if kind == "torchrun" else
+                IN_PLACE_WORKER % (MODEL, BATCH, REPLICAS) if kind == "ductile-in-place" else
                 DUCTILE_WORKER % (MODEL, BATCH, REPLICAS))
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([os.path.join(args.build, "python"),
                                            os.path.join(ROOT, "tests", "python")]),
-               DUCTILE_TEST_DATA_DIR=os.path.join(ROOT, "tests", "data"),
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+               DUCTILE_TEST_DATA_DIR=os.path.join(ROOT, "tests", "data"))
+    if kind == "torchrun":
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     etcd = None if kind == "torchrun" else Etcd(directory)
     os.makedirs(os.path.join(directory, "dcp"), exist_ok=True)
     config = os.path.join(directory, "job.toml")
@@ -285,7 +324,9 @@ def race_one(kind, args, directory):
             else:
                 argv = [args.cli, "agent", "--config", config, "--rdzv", etcd.url,
                         "--job-id", "race", "--node-addr", "127.0.0.1", "--nproc-per-node", "1",
-                        "--min-nodes", "2", "--mpi-world", "--snapshot-dir", shm]
+                        "--min-nodes", "2", "--snapshot-dir", shm]
+                argv += ["--lease-ttl", str(args.lease_ttl)] if args.lease_ttl else []
+                argv += [] if kind == "ductile-in-place" else ["--mpi-world"]
                 argv += ["--warm-workers"] if kind == "ductile-warm" else []
                 argv += ["--", args.python]
             nodes.append(subprocess.Popen(argv + [script, out, str(args.steps)], stdout=log,
@@ -310,6 +351,12 @@ def race_one(kind, args, directory):
             return rows if len(rows) >= survivors else None
         wait_for(lambda: after("stepped") is not None, 900,
                  f"{kind}: the survivors' first step", survivors_of)
+        if kind == "ductile-in-place":
+            # The same processes go on: no start, import or build to time.
+            stepped_after = after("stepped")
+            first_step = min(r[5] for r in stepped_after) - killed
+            resumed_at = min(r[4] for r in stepped_after)
+            return (None, None, None, None, first_step, done - resumed_at)
         ready = after("ready")
         for i in range(NODES - 1):  # the agents' word on what they restored
             with open(os.path.join(directory, f"node{i}.log")) as f:
@@ -392,7 +439,8 @@ def race_one(kind, args, directory):
 
 COLUMNS = ("detection and re-form (s)", "process start (s)", "join and restore (s)",
            "first step (s)", "SIGKILL to first step (s)", "steps trained again")
-NAMES = {"ductile": "ductile agent (etcd), restore from memory",
+NAMES = {"ductile-in-place": "ductile agent (etcd), survivors rejoin in place from memory",
+         "ductile": "ductile agent (etcd), restore from memory",
          "ductile-warm": "ductile agent (etcd), restore from memory, --warm-workers",
          "torchrun": "torchrun (c10d), DCP from disk"}
 
@@ -411,7 +459,10 @@ def main():
     parser.add_argument("--snapshot-dir", default=None, dest="snapshot_dir",
                         help="where each run's agents get a folder for their snapshot areas "
                              "(default: the run's temporary folder; /dev/shm: in memory)")
-    parser.add_argument("--launchers", default="ductile,torchrun", type=lambda s: s.split(","))
+    parser.add_argument("--lease-ttl", type=int, default=0, dest="lease_ttl",
+                        help="the agents' --lease-ttl (0: the agent's default)")
+    parser.add_argument("--launchers", default="ductile-in-place,ductile,torchrun",
+                        type=lambda s: s.split(","))
     args = parser.parse_args()
     bad = [k for k in args.launchers if k not in NAMES]
     if bad:
@@ -435,7 +486,7 @@ def main():
             results[kind].append(r)
             print(f"run {run + 1} {kind} (killed after step {drawn}): " + ", ".join(
                 f"{name} {value:.2f}" if isinstance(value, float) else f"{name} {value}"
-                for name, value in zip(COLUMNS, r)), flush=True)
+                for name, value in zip(COLUMNS, r) if value is not None), flush=True)
     when = "a random step" if args.kill_after == 0 else f"step {args.kill_after}"
     who = "a random node" if args.victim == "random" else "the last node started"
     print(f"\n{NODES} nodes x 1 worker on loopback, {who} SIGKILLed after {when}; medians "
@@ -443,10 +494,16 @@ def main():
     print("| launcher | " + " | ".join(COLUMNS) + " |")
     print("| --- |" + " ---: |" * len(COLUMNS))
     for kind, runs in results.items():
-        cells = [spread([r[i] for r in runs], ".2f" if i < 5 else ".1f")
+        cells = ["-" if runs[0][i] is None else spread([r[i] for r in runs],
+                                                       ".2f" if i < 5 else ".1f")
                  for i in range(len(COLUMNS))]
         print(f"| {NAMES[kind]} | " + " | ".join(cells) + " |")
-    for kind in ("ductile", "ductile-warm"):
+    if "ductile-in-place" in results and "ductile" in results:
+        restart = statistics.median(r[4] for r in results["ductile"])
+        ratios = [r[4] / restart for r in results["ductile-in-place"]]
+        print(f"ductile-in-place / ductile (SIGKILL to first step): "
+              f"{statistics.median(ratios):.2f} (worst run {max(ratios):.2f})")
+    for kind in ("ductile-in-place", "ductile", "ductile-warm"):
         if kind in results and "torchrun" in results:
             rival = statistics.median(r[4] for r in results["torchrun"])
             ratios = [r[4] / rival for r in results[kind]]

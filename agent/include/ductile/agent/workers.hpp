@@ -183,7 +183,12 @@ class WorkerGroup {
   // to become readable (not read here; -1: none). Returns true when one of
   // those came before `wait` ended.
   bool pump(std::chrono::milliseconds wait, int also = -1);
-  bool running() const;  // some worker has not exited yet
+  bool running() const;      // some worker has not exited yet
+  bool all_running() const;  // every worker started has not exited yet
+  // The workers go on in place in a new round (the agent's round notice):
+  // each takes the rank `ranks` gives its local rank (ranks[local_rank]),
+  // which its exit is reported with.
+  void renumber(const std::vector<std::int64_t>& ranks);
   // The guard processes of the workers not reaped yet (this process's
   // children: their pids stay theirs until pump() or stop() reaps them).
   std::vector<int> guard_pids() const;

@@ -154,9 +154,16 @@ def _leave(engine):
         dist.destroy_process_group()
 
 
+# The key prefix torch's init_process_group puts before the default group's
+# keys when it made the store itself (env://): a worker rejoining in place
+# meets the workers the agent started afresh in that round under it.
+_ENV_PREFIX = "default_pg"
+
+
 def _join(notice, backend, timeout):
     """The notice's round as torch's default process group (its TCPStore,
-    under the round's key prefix); the round's variables set."""
+    as env:// reaches the agent's store, or under the notice's
+    store_prefix); the round's variables set."""
     os.environ.update(notice.environment())
     from datetime import timedelta
     try:
@@ -167,8 +174,9 @@ def _join(notice, backend, timeout):
             f"zero3 rejoin: round {notice.round}: cannot reach the round's store at "
             f"{notice.master_addr}:{notice.master_port} (master_addr, master_port of "
             f"{NOTICE_ENV}) within {timeout:g} s: {e}") from e
-    dist.init_process_group(backend, store=dist.PrefixStore(notice.store_prefix, store),
-                            rank=notice.rank, world_size=notice.world_size)
+    prefix = _ENV_PREFIX if notice.store_prefix is None else notice.store_prefix
+    dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=notice.rank,
+                            world_size=notice.world_size)
 
 
 def _transplant(optimizer, params):
@@ -305,7 +313,17 @@ class Recovery:
     @classmethod
     def of(cls, engine):
         path = os.environ.get(NOTICE_ENV)
-        return cls(engine, path) if path else None
+        if not path:
+            return None
+        try:
+            _check_supported(engine)
+        except IncompatibleError as e:
+            # Not ready: the agent restarts this worker at a new round.
+            _log.warning("%s; at a lost node the agent restarts this worker", e)
+            return None
+        recovery = cls(engine, path)
+        _round_notice.announce_ready(path)
+        return recovery
 
     def __init__(self, engine, path):
         self.engine = engine

@@ -7,19 +7,26 @@ atomically (a staged file renamed over the path, so a reader sees the old notice
 never half of one), at most MAX_BYTES of UTF-8 JSON, one object:
 
     {"round": 3, "rank": 1, "world_size": 2, "local_rank": 0, "local_world_size": 1,
-     "master_addr": "node-a.example", "master_port": 29513, "store_prefix": "round3/",
+     "master_addr": "node-a.example", "master_port": 29513,
      "restore": "/dev/shm/ductile-snapshots-.../restore/step41",
      "plan": {"global_batch": 12, "micro_batch": 2, "gradient_accumulation_steps": 3}}
 
 ``round``: the new round's number (DUCTILE_ROUND), greater than the worker's; ``rank``,
 ``world_size``, ``local_rank``, ``local_world_size``: the worker's place in it (RANK,
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE); ``master_addr``, ``master_port``: the round's
-TCPStore (MASTER_ADDR, MASTER_PORT), where the new process group rendezvouses under the key
-prefix ``store_prefix`` (optional, ``ductile/round<round>/`` by default: a store serving several
-rounds keeps them apart); ``restore``: a complete snapshot folder, as DUCTILE_SNAPSHOT_RESTORE
-names one, that every rank of the round loads; ``plan`` (optional): the elastic policy's plan at
-the new world size (DUCTILE_GLOBAL_BATCH, DUCTILE_MICRO_BATCH,
-DUCTILE_GRADIENT_ACCUMULATION_STEPS). No other key is valid.
+TCPStore (MASTER_ADDR, MASTER_PORT), where the new process group rendezvouses as torch's
+``env://`` does for a worker started in that round (so that workers rejoining in place and
+workers started afresh meet in one group), or, with ``store_prefix`` (optional), under that key
+prefix (a store that serves several rounds keeps them apart); ``restore``: a complete
+snapshot folder, as DUCTILE_SNAPSHOT_RESTORE names one, that every rank of the round loads;
+``plan`` (optional): the elastic policy's plan at the new world size (DUCTILE_GLOBAL_BATCH,
+DUCTILE_MICRO_BATCH, DUCTILE_GRADIENT_ACCUMULATION_STEPS). No other key is valid.
+
+The agent writes notices only to a worker that said it can act on them: once its engine is
+built with in-place recovery (``engine.rejoin``'s requirements met), the worker writes the file
+``<notice path>.ready`` (READY_SUFFIX; its process id, a newline). A worker without one (a script
+that does not use the engine, an engine that cannot rejoin) is stopped and started again at a
+new round, as torchrun restarts its workers.
 
 A worker polls the path once a step (one ``stat``: the notice is read only when its size or
 modification time changed) and after a collective failed because a peer is gone; a notice of a
@@ -33,6 +40,8 @@ from ..._errors import InvalidArgumentError, IoError
 
 NOTICE_ENV = "DUCTILE_ROUND_NOTICE"
 ROUND_ENV = "DUCTILE_ROUND"
+# The worker's word that its engine acts on notices (see the module's docstring).
+READY_SUFFIX = ".ready"
 # A notice is a few hundred bytes; anything past this is not one.
 MAX_BYTES = 64 << 10
 _MAX_PORT = 65535
@@ -56,7 +65,7 @@ class RoundNotice:
     local_world_size: int
     master_addr: str
     master_port: int
-    store_prefix: str
+    store_prefix: str | None
     restore: str
     plan: dict[str, int] | None = None
 
@@ -117,8 +126,9 @@ def parse(data, where):
     local_rank = _integer(where, "local_rank", fields["local_rank"], 0, local_world - 1)
     addr = _text(where, "master_addr", fields["master_addr"], _MAX_ADDR)
     port = _integer(where, "master_port", fields["master_port"], 1, _MAX_PORT)
-    prefix = fields.get("store_prefix", f"ductile/round{round_}/")
-    prefix = _text(where, "store_prefix", prefix, _MAX_ADDR)
+    prefix = fields.get("store_prefix")
+    if prefix is not None:
+        prefix = _text(where, "store_prefix", prefix, _MAX_ADDR)
     restore = _text(where, "restore", fields["restore"])
     if not os.path.isabs(restore):
         raise InvalidArgumentError(f"{where}: restore = {restore!r}; valid: an absolute path to "
@@ -149,6 +159,21 @@ def read(path):
         raise IoError(f"{path} ({NOTICE_ENV}): cannot read the round notice: "
                       f"{e.strerror or e}") from e
     return parse(data, f"{path} ({NOTICE_ENV})")
+
+
+def announce_ready(path):
+    """Writes ``path`` + READY_SUFFIX (this process's id): the agent may
+    write this worker round notices instead of restarting it. Whole or not
+    at all (written aside, then renamed); IoError names the file."""
+    ready = path + READY_SUFFIX
+    staged = f"{ready}.{os.getpid()}.part"
+    try:
+        with open(staged, "w") as f:
+            f.write(f"{os.getpid()}\n")
+        os.replace(staged, ready)
+    except OSError as e:
+        raise IoError(f"{ready} ({NOTICE_ENV}{READY_SUFFIX}): cannot say that this worker takes "
+                      f"round notices: {e.strerror or e}") from e
 
 
 def current_round():
