@@ -149,6 +149,17 @@ std::optional<int> Agent::apply(const RoundRecord& round) {
   // A member whose workers run and take round notices keeps them: they
   // rejoin the round in place once the snapshot to load is known.
   std::string refusal = member ? workers_.in_place_refusal(round) : "not a member";
+  if (refusal.empty() && workers_.growing(round)) {
+    // Nodes join: the workers train on until they pause at an update, with
+    // their last snapshot committed and copied; that one is restored.
+    const auto hold = workers_.hold(round);
+    if (hold == NodeWorkers::Hold::waiting) return std::nullopt;
+    if (hold == NodeWorkers::Hold::late) {
+      refusal = workers_.hold_refusal();
+      self_.log(fmt::format("round {}: {}; the workers of round {} are restarted", round.round,
+                            refusal, workers_.current_round()));
+    }
+  }
   const bool kept = refusal.empty();
   if (!workers_.empty() && !kept) {
     self_.log(fmt::format("stopping the workers of round {} for round {}", workers_.current_round(),

@@ -149,11 +149,52 @@ void NodeWorkers::start(const RoundRecord& round, std::size_t group_rank, const 
   }
 }
 
+namespace {
+
+// `text` into `file`, whole or not at all (written aside, then renamed);
+// "" when written, else why not.
+std::string write_whole(const std::filesystem::path& file, const std::string& text) {
+  auto part = file;
+  part += ".part";
+  std::FILE* out = std::fopen(part.c_str(), "w");
+  if (!out) return std::strerror(errno);
+  bool written = std::fwrite(text.data(), 1, text.size(), out) == text.size();
+  const int error = errno;
+  if (std::fclose(out) != 0) written = false;
+  if (!written) return std::strerror(error);
+  std::error_code ec;
+  std::filesystem::rename(part, file, ec);
+  return ec ? ec.message() : "";
+}
+
+// The first bytes (at most 64) of a worker's small file; "" when there is
+// none. Never follows a link, never blocks on a FIFO.
+std::string read_small(const std::filesystem::path& file) {
+  int fd = ::open(file.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return {};
+  char buffer[64];
+  struct stat info{};
+  const ssize_t n =
+      fstat(fd, &info) == 0 && S_ISREG(info.st_mode) ? ::read(fd, buffer, sizeof buffer) : 0;
+  ::close(fd);
+  return n > 0 ? std::string(buffer, static_cast<std::size_t>(n)) : std::string();
+}
+
+std::filesystem::path beside(const std::filesystem::path& file, const char* suffix) {
+  auto path = file;
+  path += suffix;
+  return path;
+}
+
+}  // namespace
+
+bool NodeWorkers::growing(const RoundRecord& next) const {
+  return std::all_of(members_.begin(), members_.end(), [&](const std::string& node) {
+    return std::find(next.members.begin(), next.members.end(), node) != next.members.end();
+  });
+}
+
 std::string NodeWorkers::in_place_refusal(const RoundRecord& next) const {
-  if (std::all_of(members_.begin(), members_.end(), [&](const std::string& node) {
-        return std::find(next.members.begin(), next.members.end(), node) != next.members.end();
-      }))
-    return "no node of their round was lost";
   if (!o_.agent_store)
     return "rank 0's worker serves the workers' store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), "
            "not the leading agent";
@@ -161,15 +202,59 @@ std::string NodeWorkers::in_place_refusal(const RoundRecord& next) const {
     return "--checkpoint-timeout asks the workers to save through files of their round";
   if (fenced_) return "the lease's fence stopped them";
   if (!group_.all_running()) return "not all of them run";
+  const bool pause = growing(next);
   for (std::int64_t local = 0; local < o_.nproc_per_node; ++local) {
-    std::error_code ec;
-    if (!std::filesystem::exists(round_notice_ready_of(run_dir(), local), ec))
+    const std::string ready = read_small(round_notice_ready_of(run_dir(), local));
+    if (ready.empty())
       return fmt::format(
           "local rank {} did not say it takes round notices (its engine is not "
           "ductile.torch.zero3's, or cannot rejoin a round in place)",
           local);
+    if (pause && ready.find("\nhold\n") == std::string::npos)
+      return fmt::format(
+          "no node of their round was lost, and local rank {} cannot pause at an optimizer "
+          "update (its snapshots are copied to no other node: snapshot_replicas 0)",
+          local);
   }
   return {};
+}
+
+NodeWorkers::Hold NodeWorkers::hold(const RoundRecord& next) {
+  const auto wait = std::max<std::chrono::milliseconds>(std::chrono::seconds(5), 2 * o_.lease_ttl);
+  if (hold_round_ != next.round) {
+    for (std::int64_t local = 0; local < o_.nproc_per_node; ++local) {
+      const auto notice = round_notice_of(run_dir(), local);
+      // A .held file is a pause since the last notice: kept (a round that
+      // replaces the one asked for finds the workers paused already).
+      const std::string why = write_whole(beside(notice, ".hold"), fmt::format("{}\n", next.round));
+      if (!why.empty()) {
+        hold_refusal_ = fmt::format("cannot ask local rank {} to pause ({}.hold: {})", local,
+                                    notice.string(), why);
+        return Hold::late;
+      }
+    }
+    hold_round_ = next.round;
+    hold_asked_at_ = now_ms();
+    self_.log(fmt::format(
+        "round {}: asking the workers of round {} to pause at their next optimizer update (at "
+        "most {} ms): {}",
+        next.round, current_round_, wait.count(), next.reason));
+  }
+  std::string steps;
+  for (std::int64_t local = 0; local < o_.nproc_per_node; ++local) {
+    const std::string held = read_small(beside(round_notice_of(run_dir(), local), ".held"));
+    if (held.empty() || held.back() != '\n') {
+      if (now_ms() - hold_asked_at_ <= wait) return Hold::waiting;
+      hold_refusal_ = fmt::format("local rank {} did not pause at an optimizer update within {} ms",
+                                  local, wait.count());
+      return Hold::late;
+    }
+    const std::string step = held.substr(0, held.size() - 1);
+    if (steps.find(step) == std::string::npos) steps += (steps.empty() ? "" : ", ") + step;
+  }
+  self_.log(fmt::format("round {}: the workers paused after step {}, {} ms after asked", next.round,
+                        steps, (now_ms() - hold_asked_at_).count()));
+  return Hold::held;
 }
 
 void NodeWorkers::continue_in_place(const RoundRecord& round, std::size_t group_rank,
@@ -178,22 +263,17 @@ void NodeWorkers::continue_in_place(const RoundRecord& round, std::size_t group_
   for (std::int64_t local = 0; local < o_.nproc_per_node; ++local) {
     const std::int64_t rank = static_cast<std::int64_t>(group_rank) * o_.nproc_per_node + local;
     ranks.push_back(rank);
-    // Whole or not at all: the worker reads the old notice or the new one.
+    // Whole: the worker reads the old notice or the new one.
     const auto file = round_notice_of(run_dir(), local);
-    auto part = file;
-    part += ".part";
-    const std::string text =
-        round_notice_json(round, rank, local, o_.nproc_per_node, restore, policy);
-    std::FILE* out = std::fopen(part.c_str(), "w");
-    bool written = out && std::fwrite(text.data(), 1, text.size(), out) == text.size();
-    if (out && std::fclose(out) != 0) written = false;
-    std::error_code ec;
-    if (written) std::filesystem::rename(part, file, ec);
-    if (!written || ec)
-      throw Error(
-          ErrorKind::io,
-          fmt::format("cannot write the round notice {} of local rank {}: {}", file.string(), local,
-                      ec ? ec.message() : std::string(std::strerror(errno))));
+    const std::string why = write_whole(
+        file, round_notice_json(round, rank, local, o_.nproc_per_node, restore, policy));
+    if (!why.empty())
+      throw Error(ErrorKind::io,
+                  fmt::format("cannot write the round notice {} of local rank {}: {}",
+                              file.string(), local, why));
+    std::error_code ignored;
+    std::filesystem::remove(beside(file, ".hold"), ignored);
+    std::filesystem::remove(beside(file, ".held"), ignored);
   }
   group_.renumber(ranks);
   members_ = round.members;

@@ -46,14 +46,23 @@ class NodeWorkers {
   void start(const RoundRecord& round, std::size_t group_rank, const JobPolicy& policy,
              const std::filesystem::path& restore = {});
   // Why this node's workers cannot go on in place into `next`, "" when
-  // they can: a member of their round is not in `next` (a node was lost:
-  // the workers' collectives fail and they wait for the notice; a round
-  // that only grows restarts them, as their training goes on meanwhile),
-  // every local worker of the current round still runs and said it takes
-  // round notices (round_notice_ready_of), the leading agent serves the
-  // workers' store, and no checkpoint is asked of them (their request files
-  // are the round's).
+  // they can: every local worker of the current round still runs and said
+  // it takes round notices (round_notice_ready_of), and that it can pause
+  // at an optimizer update when `next` only grows; the leading agent serves
+  // the workers' store; and no checkpoint is asked of them (their request
+  // files are the round's).
   std::string in_place_refusal(const RoundRecord& next) const;
+  // No node of the workers' round is missing from `next` (nodes join):
+  // the workers train on meanwhile, so they pause first (hold()).
+  bool growing(const RoundRecord& next) const;
+  // Asks the workers to pause at their next optimizer update for `next`
+  // (<notice>.hold, once), then says whether all did (<notice>.held):
+  // waiting, held, or late (not within max(5 s, 2 x --lease-ttl), or the
+  // request could not be written: hold_refusal() says which; the caller
+  // then restarts them).
+  enum class Hold { waiting, held, late };
+  Hold hold(const RoundRecord& next);
+  const std::string& hold_refusal() const { return hold_refusal_; }
   // The workers go on in place in `round` (after enter_round): each local
   // worker's round notice is written (its rank at `group_rank`, the
   // snapshot folder `restore` its ranks load), and the worker rejoins the
@@ -97,8 +106,11 @@ class NodeWorkers {
   std::filesystem::path snapshot_dir_;
   WorkerGroup group_;
   std::int64_t current_round_ = 0;
-  std::vector<std::string> members_;  // the nodes of the running workers' round
-  std::int64_t attempt_ = 0;          // the restart count the running workers' files are under
+  std::vector<std::string> members_;            // the nodes of the running workers' round
+  std::int64_t hold_round_ = 0;                 // the round the workers were asked to pause for
+  std::chrono::milliseconds hold_asked_at_{0};  // when (now_ms())
+  std::string hold_refusal_;
+  std::int64_t attempt_ = 0;  // the restart count the running workers' files are under
   bool member_ = false;
   bool reported_ = false;  // this round's worker exit is in the store
   std::optional<WorkerExit> local_failure_;

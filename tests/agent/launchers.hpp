@@ -89,7 +89,8 @@ struct SideBySide {
 // script included. Each launcher's workers write to <dir>/torchrun or
 // <dir>/ductile; `world` workers are expected. Checks that every launcher
 // exits 0, that the workers got the same variables (ductile's
-// DUCTILE_ROUND, DUCTILE_AGENT_NODE_ID, DUCTILE_SNAPSHOT_DIR and DUCTILE_ROUND_END(_WAIT) besides),
+// DUCTILE_ROUND, DUCTILE_AGENT_NODE_ID, DUCTILE_SNAPSHOT_DIR, DUCTILE_ROUND_END(_WAIT) and, with
+// the agent's store, DUCTILE_ROUND_NOTICE besides),
 // ranks, sizes, interpreter and arguments, and the same values of the variables that mean the same
 // (but for those named in `differing`).
 inline SideBySide run_side_by_side(const std::filesystem::path& dir, const std::string& marker,
@@ -147,6 +148,12 @@ inline SideBySide run_side_by_side(const std::filesystem::path& dir, const std::
     CHECK(ours.erase("DUCTILE_SNAPSHOT_DIR") == 1);
     CHECK(ours.erase("DUCTILE_ROUND_END") == 1);
     CHECK(ours.erase("DUCTILE_ROUND_END_WAIT") == 1);
+    // The notice file of a worker that may go on in place: with the agent's
+    // store only.
+    CHECK(ours.erase("DUCTILE_ROUND_NOTICE") ==
+          (d.count("TORCHELASTIC_USE_AGENT_STORE") && d.at("TORCHELASTIC_USE_AGENT_STORE") == "True"
+               ? 1u
+               : 0u));
     CHECK(ours == keys_of(t));
     for (const char* k :
          {"TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",

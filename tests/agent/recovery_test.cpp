@@ -188,32 +188,119 @@ TEST_CASE("agent: a lost peer ends the survivors' workers with one line, not a t
 #endif
 
 #ifdef DUCTILE_ZERO3_WORKER_ENV
-// Three nodes train the documented zero3 loop over gloo, a snapshot a step
-// copied to one other node; one node's process tree is SIGKILLed at a
-// random step. The survivors' agents form round 2 and, their workers having
-// said they take round notices, write each one its notice instead of
-// stopping it: the same worker processes rejoin at world size 2 from the
-// snapshot in memory and train to the end. Every step's loss is plain
-// torch's over the nodes of its round, at most one step is trained twice
-// and none is skipped.
+namespace recovery_test {
+
+// "a,b,c" -> {"a", "b", "c"}.
+std::vector<std::string> node_list(const std::string& list) {
+  std::vector<std::string> out;
+  std::istringstream in(list);
+  for (std::string node; std::getline(in, node, ',');) out.push_back(node);
+  return out;
+}
+
+// A job of tests/agent/workers/zero3_in_place.py (the documented zero3
+// loop over gloo, a snapshot a step copied to one other node): its
+// workers' command, their losses folder and the agents' options.
+struct InPlaceRun {
+  static constexpr int kSteps = 12;
+  std::filesystem::path train;
+  std::vector<std::string> worker, options;
+
+  explicit InPlaceRun(const Job& job) : train(job.dir / "train") {
+    std::filesystem::create_directories(train);
+    worker = package_python("zero3_in_place.py");
+    worker.insert(worker.begin() + 1, "ZERO3_STEP_PAUSE=0.3");
+    worker.push_back(train.string());
+    worker.push_back(std::to_string(kSteps));
+    const auto shm = job.dir / "shm";
+    std::filesystem::create_directories(shm);
+    options = {"--nproc-per-node", "1",         "--min-nodes", "2", "--settle",   "1",
+               "--stop-grace",     "2",         "--lease-ttl", "2", "--min-time", "0",
+               "--snapshot-dir",   shm.string()};
+  }
+
+  // Checks each node's log (one process throughout, no step skipped, at
+  // most `repeats` trained twice; every step of the `kept` nodes logged)
+  // and every step's mean loss over its round's nodes against plain
+  // torch's: the nodes `before` (comma-separated) to the step `change`,
+  // `after` past it. Returns the first step each node logged at the world
+  // size of `after`.
+  std::map<std::string, int> check(const Job& job, const std::string& before, int change,
+                                   const std::string& after, const std::vector<std::string>& kept,
+                                   int repeats) const {
+    const auto nodes_of = node_list;
+    const auto world_after = static_cast<int>(nodes_of(after).size());
+    std::map<int, std::map<std::string, double>> last;  // step -> node -> loss
+    std::map<std::string, int> first_after;
+    std::set<std::string> all;
+    for (const auto& n : nodes_of(before)) all.insert(n);
+    for (const auto& n : nodes_of(after)) all.insert(n);
+    for (const std::string& node : all) {
+      std::istringstream log(read_text(train / ("losses-" + node + ".jsonl")));
+      std::set<int> pids;
+      int previous = -1, repeated = 0;
+      for (std::string line; std::getline(log, line);) {
+        const auto entry = nlohmann::json::parse(line);
+        const int step = entry["step"].get<int>(), world = entry["world"].get<int>();
+        pids.insert(entry["pid"].get<int>());
+        INFO("node " << node << ": " << line);
+        CHECK((previous < 0 || step <= previous + 1));  // none skipped
+        if (previous >= 0 && step <= previous) ++repeated;
+        previous = step;
+        if (world == world_after && !first_after.count(node)) first_after[node] = step;
+        last[step][node] = entry["loss"].get<double>();
+      }
+      INFO("node " << node);
+      CHECK(pids.size() == 1);
+      if (std::find(kept.begin(), kept.end(), node) == kept.end()) continue;
+      CHECK(previous == kSteps);
+      CHECK(repeated <= repeats);
+    }
+    auto plain = package_python("zero3_in_place.py");
+    for (std::string arg : {job.dir.path().string(), std::to_string(kSteps), std::string("--plain"),
+                            before, std::to_string(change), after})
+      plain.push_back(arg);
+    const ProcessResult ref = run_process(plain);
+    INFO(ref.out << ref.err);
+    REQUIRE(ref.exit_code == 0);
+    const auto expected = nlohmann::json::parse(read_text(job.dir / "plain.json"));
+    for (int step = 1; step <= kSteps; ++step) {
+      INFO("step " << step);
+      const auto members = nodes_of(step <= change ? before : after);
+      double mean = 0;
+      std::size_t logged = 0;
+      for (const auto& node : members)
+        if (last[step].count(node)) {
+          mean += last[step][node] / static_cast<double>(members.size());
+          ++logged;
+        }
+      if (logged < members.size()) {
+        // Only a lost node's log ends early.
+        CHECK(step > change);
+        continue;
+      }
+      const double want = expected[std::to_string(step)].get<double>();
+      CHECK(std::abs(mean - want) <= 1e-5 * std::abs(want));
+    }
+    return first_after;
+  }
+};
+
+}  // namespace recovery_test
+
+// Three nodes train; one node's process tree is SIGKILLed at a random step.
+// The survivors' agents form round 2 and, their workers having said they
+// take round notices, write each one its notice instead of stopping it: the
+// same worker processes rejoin at world size 2 from the snapshot in memory
+// and train to the end. Every step's loss is plain torch's over the nodes of
+// its round, at most one step is trained twice and none is skipped.
 TEST_CASE("agent: the survivors of a lost node go on in place, in the same processes") {
   Job job;
-  constexpr int kSteps = 12;
+  const recovery_test::InPlaceRun run(job);
   std::random_device random;
   const int kill_after = 2 + static_cast<int>(random() % 4);  // a step of 2..5
   INFO("node c killed after step " << kill_after);
-  const auto train = job.dir / "train";
-  std::filesystem::create_directories(train);
-  auto worker = package_python("zero3_in_place.py");
-  worker.insert(worker.begin() + 1, "ZERO3_STEP_PAUSE=0.3");
-  worker.push_back(train.string());
-  worker.push_back(std::to_string(kSteps));
-  const std::string shm = (job.dir / "shm").string();
-  std::filesystem::create_directories(shm);
-  const std::vector<std::string> options = {"--nproc-per-node", "1", "--min-nodes",    "2",
-                                            "--settle",         "1", "--stop-grace",   "2",
-                                            "--lease-ttl",      "2", "--snapshot-dir", shm};
-  auto [a, b, c] = start_three(job, options, worker);
+  auto [a, b, c] = start_three(job, run.options, run.worker);
   const bool trained = wait_until(
       [&] {
         return count_of(job.all_output(), "in_place round=1 world=3 node=c step=" +
@@ -235,59 +322,61 @@ TEST_CASE("agent: the survivors of a lost node go on in place, in the same proce
   CHECK(out.find("round 2 started") == std::string::npos);
   CHECK(out.find("Traceback") == std::string::npos);
   CHECK(count_of(out, "in_place done node=") == 2);
+  // The snapshot of the step c logged last, or of the one before when its
+  // commit (at the next step's update) did not come.
+  const std::string said = field_after(out, "round 2: restored step ", "restored step ");
+  REQUIRE(!said.empty());
+  const int change = std::stoi(said);
+  CHECK(change >= kill_after - 1);
+  CHECK(change <= kill_after);
+  const auto first = run.check(job, "a,b,c", change, "a,b", {"a", "b"}, 1);
+  CHECK(first.at("a") == change + 1);
+  CHECK(first.at("b") == change + 1);
+  if (!no_marked_processes(job.marker)) job.dump();
+  CHECK(marked_processes(job.marker).empty());
+}
 
-  // Each survivor's log: one process throughout; world 3, then world 2 from
-  // the step after the restored one.
-  int change = -1;
-  std::map<int, std::map<std::string, double>> last;  // step -> node -> loss
-  for (const std::string node : {"a", "b", "c"}) {
-    std::istringstream log(read_text(train / ("losses-" + node + ".jsonl")));
-    std::set<int> pids;
-    int previous = 0, repeated = 0, first_in_two = -1;
-    for (std::string line; std::getline(log, line);) {
-      const auto entry = nlohmann::json::parse(line);
-      const int step = entry["step"].get<int>(), world = entry["world"].get<int>();
-      pids.insert(entry["pid"].get<int>());
-      INFO("node " << node << ": " << line);
-      CHECK(step <= previous + 1);  // none skipped
-      if (step <= previous) ++repeated;
-      previous = step;
-      if (world == 2 && first_in_two < 0) first_in_two = step;
-      last[step][node] = entry["loss"].get<double>();
-    }
-    CHECK(pids.size() == 1);
-    if (node == "c") continue;
-    CHECK(previous == kSteps);
-    CHECK(repeated <= 1);
-    // The snapshot of the step c logged last, or of the one before when
-    // its commit (at the next step's update) did not come.
-    REQUIRE(first_in_two >= kill_after);
-    if (change < 0) change = first_in_two - 1;
-    CHECK(first_in_two - 1 == change);
+// Two nodes train; a third joins. The leader forms round 2 with three; the
+// two nodes' agents ask their workers to pause at the next optimizer update
+// (they agree on it in the all-reduce that waits for the snapshot's
+// copies), and once they paused, with that step's snapshot committed and
+// copied, write their notices: the same processes rejoin at world size 3
+// from it and complete the step they paused in, while the newcomer's worker
+// starts from the same snapshot. No step is lost or trained twice, and every
+// step's loss is plain torch's over the nodes of its round.
+TEST_CASE("agent: a node that joins is admitted at an optimizer update, the others in place") {
+  Job job;
+  const recovery_test::InPlaceRun run(job);
+  Child& a = job.start("a", run.options, run.worker);
+  REQUIRE(a.wait_for_output("joined job", 60s));
+  Child& b = job.start("b", run.options, run.worker);
+  const bool trained = wait_until(
+      [&] { return count_of(job.all_output(), "in_place round=1 world=2 node=b step=3\n") == 1; },
+      240s);
+  if (!trained) job.dump();
+  REQUIRE(trained);
+  Child& c = job.start("c", run.options, run.worker);
+  for (Child* agent : {&a, &b, &c}) {
+    const auto status = agent->wait(240s);
+    if (status != std::optional<int>(0)) job.dump();
+    CHECK(status == std::optional<int>(0));
   }
-  CHECK(count_of(out, "round 2: restored step " + std::to_string(change) + " from memory") == 2);
-  // Plain torch's losses of the same nodes' batches: a, b and c to the
-  // restored step, a and b after it.
-  auto plain = package_python("zero3_in_place.py");
-  for (std::string arg : {job.dir.path().string(), std::to_string(kSteps), std::string("--plain"),
-                          std::string("a,b,c"), std::to_string(change), std::string("a,b")})
-    plain.push_back(arg);
-  const ProcessResult ref = run_process(plain);
-  INFO(ref.out << ref.err);
-  REQUIRE(ref.exit_code == 0);
-  const auto expected = nlohmann::json::parse(read_text(job.dir / "plain.json"));
-  for (int step = 1; step <= kSteps; ++step) {
-    const auto& nodes = last[step];
-    const std::size_t want_nodes = step <= change ? 3 : 2;
-    INFO("step " << step);
-    REQUIRE(nodes.size() >= 2);
-    if (nodes.size() < want_nodes) continue;  // c's log may end before its last step
-    double mean = 0;
-    for (const auto& [node, loss] : nodes)
-      if (want_nodes == 3 || node != "c") mean += loss / static_cast<double>(want_nodes);
-    const double want = expected[std::to_string(step)].get<double>();
-    CHECK(std::abs(mean - want) <= 1e-5 * std::abs(want));
-  }
+  const std::string kept = a.output() + b.output();
+  INFO(job.all_output());
+  CHECK(count_of(kept,
+                 "round 2: asking the workers of round 1 to pause at their next optimizer "
+                 "update") == 2);
+  CHECK(count_of(kept, "round 2: the workers paused after step ") == 2);
+  CHECK(count_of(kept, "round 2 continued in place: world size 3 (3 nodes x 1)") == 2);
+  CHECK(kept.find("round 2 started") == std::string::npos);
+  CHECK(c.output().find("round 2 started: world size 3") != std::string::npos);
+  CHECK(job.all_output().find("Traceback") == std::string::npos);
+  const std::string said = field_after(kept, "round 2: the workers paused after step ", "step ");
+  REQUIRE(!said.empty());
+  const int change = std::stoi(said);
+  CHECK(change >= 3);
+  const auto first = run.check(job, "a,b", change, "a,b,c", {"a", "b", "c"}, 0);
+  for (const std::string node : {"a", "b", "c"}) CHECK(first.at(node) == change + 1);
   if (!no_marked_processes(job.marker)) job.dump();
   CHECK(marked_processes(job.marker).empty());
 }

@@ -4,9 +4,10 @@
 // backend: c10d, static, standalone, and etcd (torchrun's etcd needs the
 // python-etcd package; it is compared with torchrun's c10d). The variables
 // each launcher adds are the same, except ductile's own DUCTILE_ROUND,
-// DUCTILE_AGENT_NODE_ID, DUCTILE_SNAPSHOT_DIR and DUCTILE_ROUND_END(_WAIT); so are the ranks and
-// sizes, the interpreter, and what the workers' TCPStore answers them. A worker's uncaught
-// exception, recorded by torch's @record in TORCHELASTIC_ERROR_FILE, is what the agent reports.
+// DUCTILE_AGENT_NODE_ID, DUCTILE_SNAPSHOT_DIR, DUCTILE_ROUND_END(_WAIT) and DUCTILE_ROUND_NOTICE;
+// so are the ranks and sizes, the interpreter, and what the workers' TCPStore answers them. A
+// worker's uncaught exception, recorded by torch's @record in TORCHELASTIC_ERROR_FILE, is what the
+// agent reports.
 #include <doctest/doctest.h>
 
 #include "agent_job.hpp"

@@ -8,6 +8,8 @@ import json
 import os
 import shutil
 import sys
+import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -25,7 +27,7 @@ from zero3_checkpoint_support import same, snapshot, train  # noqa: E402
 from zero3_launch import CONFIG  # noqa: E402
 from zero3_rejoin_support import (Releases, assemble, committed, finish, kill, losses,  # noqa: E402
                                   notice, serve_store, start, wait_for, write_notice)
-from zero3_model import make_model  # noqa: E402
+from zero3_model import Windows, loss_of, make_model  # noqa: E402
 
 GOOD = {"round": 3, "rank": 1, "world_size": 2, "local_rank": 0, "local_world_size": 1,
         "master_addr": "node-a", "master_port": 29500, "restore": "/dev/shm/restore/step4"}
@@ -169,6 +171,59 @@ def test_a_newer_notice_at_a_step_boundary_rejoins_in_place(world_of_one, tmp_pa
     assert engine.global_step == 5 and committed(own) == "step5"
 
 
+class _WithLoss(torch.nn.Module):
+    """The LM whose forward returns the loss: its steps can run again."""
+
+    def __init__(self, seed):
+        super().__init__()
+        self.lm = make_model(seed=seed)
+
+    def forward(self, x, y):
+        return loss_of(self.lm(x), y)
+
+
+def _train_with_loss(engine, steps):
+    windows = Windows(batch=2)
+    for _ in range(steps):
+        engine.backward(engine(*windows.step(engine.global_step)))
+        engine.step()
+
+
+def test_a_pause_the_agent_asks_for_is_taken_at_the_next_update(world_of_one, tmp_path):
+    """A node joins: the agent asks the running worker to pause
+    (notice.json.hold). At the next optimizer update the ranks agree on it,
+    the worker says at which step's snapshot it paused (notice.json.held),
+    waits for the notice, rejoins from that snapshot and completes the
+    step: the state is that of an engine loaded from it and stepped once."""
+    port, own = world_of_one
+    path = tmp_path / "notice.json"
+    engine = zero3.initialize(_WithLoss(0), adam, CONFIG)
+    assert (tmp_path / "notice.json.ready").read_text() == f"{os.getpid()}\nhold\n"
+    _train_with_loss(engine, 3)
+    (tmp_path / "notice.json.hold").write_text("2\n")
+    restore = tmp_path / "restore" / "step3"
+
+    def agent():  # the agent's side: the notice once the worker paused
+        held = tmp_path / "notice.json.held"
+        deadline = time.monotonic() + 120
+        while not held.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        shutil.copytree(own / f"step{int(held.read_text())}", restore)
+        write_notice(str(path), notice(2, 0, 1, port, restore))
+
+    answering = threading.Thread(target=agent)
+    answering.start()
+    _train_with_loss(engine, 1)  # pauses before step 4's update; rejoins; completes it
+    answering.join()
+    assert (tmp_path / "notice.json.held").read_text() == "3\n"
+    assert engine._recovery.recoveries == ["step"] and engine.restored_from_memory == 3
+    assert engine.global_step == 4 and os.environ["DUCTILE_ROUND"] == "2"
+    reference = zero3.initialize(_WithLoss(1), adam, CONFIG)
+    reference.load(restore)
+    _train_with_loss(reference, 1)
+    assert same(snapshot(reference), snapshot(engine))
+
+
 def test_rejoin_refuses_a_round_not_newer_and_a_world_it_cannot_rebuild(world_of_one, tmp_path,
                                                                         monkeypatch):
     port, _ = world_of_one
@@ -194,7 +249,9 @@ def test_an_engine_that_can_rejoin_says_so_and_one_that_cannot_does_not(world_of
     (the agent restarts that worker instead)."""
     ready = tmp_path / "notice.json.ready"
     zero3.initialize(make_model(seed=0), adam, CONFIG)
-    assert ready.read_text() == f"{os.getpid()}\n"
+    assert ready.read_text() == f"{os.getpid()}\nhold\n"  # its snapshots are copied: it pauses
+    zero3.initialize(make_model(seed=0), adam, CONFIG + "snapshot_replicas = 0\n")
+    assert ready.read_text() == f"{os.getpid()}\n"  # no copies: no pause rides on them
     ready.unlink()
     dist.destroy_process_group()
     with caplog.at_level("WARNING", logger="ductile.zero3"):

@@ -15,8 +15,10 @@ usage: zero3_in_place.py OUT STEPS                        (a worker)
             train steps 1..CHANGE, the nodes REST the steps after; each
             step's mean loss over its nodes into OUT/plain.json)
 """
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 
@@ -25,6 +27,7 @@ import torch
 from zero3_launch import CONFIG
 from zero3_model import Windows, loss_of, make_model
 
+faulthandler.register(signal.SIGUSR1)  # a hung rank's stacks, for its diagnosis
 torch.use_deterministic_algorithms(True)
 torch.set_num_threads(1)
 

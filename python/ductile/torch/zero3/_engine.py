@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal, TypeAlias
 
@@ -21,7 +22,7 @@ from ._passes import ENGINE, EXTERNAL, Passes
 from ._progress import StepLog
 from ._rejoin import Recovery
 from ._round_notice import RoundNotice
-from ._snapshots import Snapshots
+from ._snapshots import RESTORE_ENV, Snapshots
 from ._world import DeviceMemory, SessionCollectives
 
 from ._settings import (Build, OptimizerFactory, Settings, log_interval, offload_argument,
@@ -35,9 +36,11 @@ class ShardedModel:
 
     # previous: the parameters of the engine this one replaces at another
     # world size (rejoin): the same model's, their shards made anew and
-    # left zero (the caller loads them).
+    # left zero (the caller loads them). restoring: a snapshot is loaded
+    # right after (DUCTILE_SNAPSHOT_RESTORE): the shards are left zero too.
     def __init__(self, model, runtime, world, precision, groups, offload, max_device_memory,
-                 load_from, has_optimizer, step_in_backward, move_model=False, previous=None):
+                 load_from, has_optimizer, step_in_backward, move_model=False, previous=None,
+                 restoring=False):
         self.session = _ductile.zero.Session(runtime, world)
         self.memory = DeviceMemory(self.session.backend)
         if self.session.host_world:
@@ -69,7 +72,7 @@ class ShardedModel:
                              _optimizer_step.budget_bytes(max_device_memory, self.memory.device),
                              has_optimizer, step_in_backward, self.memory.device)
         self.sharding.offload = self.offload
-        self.sharding.partition(model, load_from, fill=previous is None)
+        self.sharding.partition(model, load_from, fill=previous is None and not restoring)
         reduce_dtype = precision.reduce_dtype if precision is not None else None
         self.gradients = GradientReducer(self.comm, reduce_dtype)
         self.passes = Passes(self.session, self.memory, self.params, self.groups,
@@ -169,7 +172,8 @@ class Zero3Engine:
 
         sharded = ShardedModel(model, settings.loaded.runtime, world, precision, groups,
                                offload, max_device_memory, load_from,
-                               optimizer_factory is not None, step_in_backward, move_model)
+                               optimizer_factory is not None, step_in_backward, move_model,
+                               restoring=bool(os.environ.get(RESTORE_ENV)))
         self.module = model
         # What rejoin() builds the engine again from, at another world size.
         self._build = Build(settings.loaded, groups, offload, max_device_memory,
@@ -184,7 +188,9 @@ class Zero3Engine:
         self.restored_from_memory = self._snapshots.restore()
         # In-place recovery under `ductile agent` (DUCTILE_ROUND_NOTICE set;
         # _rejoin.py), else None: the training loop's calls go straight on.
-        self._recovery = Recovery.of(self)
+        # The DeepSpeed drop-in (move_model) calls the module itself and
+        # scales the loss: its steps cannot run again, so it takes no notice.
+        self._recovery = None if move_model else Recovery.of(self)
 
     def _attach(self, sharded, optimizer_factory, gradient_clipping, step_in_backward):
         """Takes `sharded` (a ShardedModel of self.module) as the engine's,

@@ -228,7 +228,9 @@ class Sharding:
         """Registers every group and fills this rank's shards: from the
         slices zero3.init kept, from safetensors (load_from), or from rank
         0's values (broadcast, as DistributedDataParallel does); without
-        `fill`, leaves them zero (a load follows)."""
+        `fill`, leaves them zero (a load follows: no broadcast whose values
+        it would overwrite, so that every rank of a round, started or
+        rejoined in place, runs the same collectives before it)."""
         source = SafetensorsSource(load_from) if load_from is not None else None
         aliases: dict[int, list[str]] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -239,13 +241,14 @@ class Sharding:
             for group in self.groups:
                 self._register(group)
                 self._make_shards(group)
-                for zp in group.members if fill else ():
-                    values = self._initial_values(zp, source, aliases[id(zp.param)])
-                    if values is not None:
-                        zp.store.copy_(values)
-                        if zp.shard.data_ptr() != zp.store.data_ptr():
-                            zp.shard.data.copy_(values)
-                    del values
+                for zp in group.members:
+                    if fill:
+                        values = self._initial_values(zp, source, aliases[id(zp.param)])
+                        if values is not None:
+                            zp.store.copy_(values)
+                            if zp.shard.data_ptr() != zp.store.data_ptr():
+                                zp.shard.data.copy_(values)
+                        del values
                     if shard_of(zp.param) is not None:
                         delattr(zp.param, _INIT)  # the shard is the engine's from now on
                     if zp.param.is_meta:

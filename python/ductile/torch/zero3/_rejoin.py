@@ -41,6 +41,11 @@ forward's arguments, and once its backward ran, how the loss came from the forwa
   the work and, every 50 polls, the notice (_world.superseded), and leave with
   CommunicationError once a newer round's notice is there, which recovers as above (on cuda
   they wait as without a notice: the host never waits for the device's collectives).
+- A pause the agent asks for (``<notice>.hold``: a node joins), agreed by every rank in the
+  all-reduce before an optimizer update that waits for the last snapshot's copies: every rank
+  leaves the step with RoundHold, says so (``<notice>.held``), waits for the notice and
+  rejoins from that snapshot, which is the state it holds, and completes the step (its
+  micro-batches run again) at the new world size.
 - A newer notice at a step boundary (the first forward of a step: one ``stat``, no device
   work): the engine rejoins before that forward (a node joined). Ranks may see it a step apart;
   a rank still in the old round then fails its collective, or leaves it, and recovers as
@@ -64,7 +69,7 @@ import torch.distributed as dist
 from ... import _round_end
 from ..._errors import CommunicationError, Error, IncompatibleError, InvalidArgumentError
 from . import _checkpoint, _round_notice, _world
-from ._round_notice import NOTICE_ENV, RoundNotice
+from ._round_notice import NOTICE_ENV, RoundHold, RoundNotice
 
 _log = logging.getLogger("ductile.zero3")
 
@@ -322,7 +327,13 @@ class Recovery:
             _log.warning("%s; at a lost node the agent restarts this worker", e)
             return None
         recovery = cls(engine, path)
-        _round_notice.announce_ready(path)
+        # A pause at an update is agreed in the all-reduce that waits for
+        # the snapshot's copies: without copies there is none to ride on.
+        snapshots = engine._snapshots
+        can_hold = snapshots.enabled and snapshots.replicas > 0
+        if can_hold:
+            snapshots.hold_requested = recovery.hold_requested
+        _round_notice.announce_ready(path, can_hold)
         return recovery
 
     def __init__(self, engine, path):
@@ -416,6 +427,8 @@ class Recovery:
         done = [m for m in self.micro if m.done] + current
         if any(m.loss_path is None for m in done):
             raise error
+        if isinstance(error, RoundHold):
+            _round_notice.acknowledge_hold(self.watch.path, self.engine.global_step)
         while True:
             notice = self._wait(error)
             self.recoveries.append(where)
@@ -450,6 +463,11 @@ class Recovery:
                 engine._backward(_follow(output, entry.loss_path), entry.backward_kwargs or {})
         finally:
             engine._gradients.sync = sync
+
+    def hold_requested(self):
+        """Whether the agent asks this worker to pause (a node joins; see
+        _round_notice.py)."""
+        return _round_notice.hold_requested(self.watch.path, self.watch.round)
 
     def superseded(self):
         """Raises CommunicationError when a newer round's notice arrived (a

@@ -28,6 +28,14 @@ built with in-place recovery (``engine.rejoin``'s requirements met), the worker 
 that does not use the engine, an engine that cannot rejoin) is stopped and started again at a
 new round, as torchrun restarts its workers.
 
+A round that only adds nodes finds the workers training. The agent first asks them to pause:
+it writes ``<notice path>.hold`` (HOLD_SUFFIX: the new round's number, a newline). At the next
+optimizer update every rank agrees on it in the all-reduce that already waits for the last
+snapshot's copies; they leave the step with RoundHold, each writes ``<notice path>.held``
+(HELD_SUFFIX: the step whose snapshot is committed and copied, a newline) and waits
+for the notice, which names that snapshot. Only a worker whose ``.ready`` file has a second
+line ``hold`` can pause (its snapshots are copied to other nodes: ``snapshot_replicas`` > 0).
+
 A worker polls the path once a step (one ``stat``: the notice is read only when its size or
 modification time changed) and after a collective failed because a peer is gone; a notice of a
 round not newer than the worker's is ignored."""
@@ -36,12 +44,16 @@ import dataclasses
 import json
 import os
 
-from ..._errors import InvalidArgumentError, IoError
+from ..._errors import CommunicationError, InvalidArgumentError, IoError
 
 NOTICE_ENV = "DUCTILE_ROUND_NOTICE"
 ROUND_ENV = "DUCTILE_ROUND"
-# The worker's word that its engine acts on notices (see the module's docstring).
+# The worker's word that its engine acts on notices, the agent's request to
+# pause at the next update, and the worker's word that it paused (see the
+# module's docstring).
 READY_SUFFIX = ".ready"
+HOLD_SUFFIX = ".hold"
+HELD_SUFFIX = ".held"
 # A notice is a few hundred bytes; anything past this is not one.
 MAX_BYTES = 64 << 10
 _MAX_PORT = 65535
@@ -161,19 +173,52 @@ def read(path):
     return parse(data, f"{path} ({NOTICE_ENV})")
 
 
-def announce_ready(path):
-    """Writes ``path`` + READY_SUFFIX (this process's id): the agent may
-    write this worker round notices instead of restarting it. Whole or not
-    at all (written aside, then renamed); IoError names the file."""
-    ready = path + READY_SUFFIX
-    staged = f"{ready}.{os.getpid()}.part"
+class RoundHold(CommunicationError):
+    """Every rank agreed to pause at this optimizer update for the round
+    the agent's hold request names (a node joins): the step is run again
+    once the notice came."""
+
+
+def _write_whole(path, text, what):
+    # Whole or not at all: written aside, then renamed.
+    staged = f"{path}.{os.getpid()}.part"
     try:
         with open(staged, "w") as f:
-            f.write(f"{os.getpid()}\n")
-        os.replace(staged, ready)
+            f.write(text)
+        os.replace(staged, path)
     except OSError as e:
-        raise IoError(f"{ready} ({NOTICE_ENV}{READY_SUFFIX}): cannot say that this worker takes "
-                      f"round notices: {e.strerror or e}") from e
+        raise IoError(f"{path} ({NOTICE_ENV}): cannot {what}: {e.strerror or e}") from e
+
+
+def announce_ready(path, can_hold):
+    """Writes ``path`` + READY_SUFFIX (this process's id; a line ``hold``
+    when `can_hold`): the agent may write this worker round notices instead
+    of restarting it. IoError names the file."""
+    _write_whole(path + READY_SUFFIX, f"{os.getpid()}\n" + ("hold\n" if can_hold else ""),
+                 "say that this worker takes round notices")
+
+
+def hold_requested(path, round_):
+    """Whether the agent asked (``path`` + HOLD_SUFFIX) to pause for a round
+    newer than `round_` (one failed open when there is no request)."""
+    try:
+        with open(path + HOLD_SUFFIX, "rb") as f:
+            text = f.read(64)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        raise IoError(f"{path}{HOLD_SUFFIX} ({NOTICE_ENV}): cannot read the agent's hold "
+                      f"request: {e.strerror or e}") from e
+    try:
+        return int(text.strip() or b"0") > round_
+    except ValueError:
+        return False  # being replaced: a rename makes that rare; read again next time
+
+
+def acknowledge_hold(path, step):
+    """Writes ``path`` + HELD_SUFFIX: paused, with the snapshot of `step`
+    committed and copied."""
+    _write_whole(path + HELD_SUFFIX, f"{step}\n", "say that this worker paused")
 
 
 def current_round():

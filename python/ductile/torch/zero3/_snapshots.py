@@ -102,6 +102,7 @@ from . import _checkpoint
 from ._checkpoint import agree
 from ._checkpoint_files import (fs, header, io_error, rank_stem, read_header, shard_layout,
                                 write_file)
+from ._round_notice import RoundHold
 from ._snapshot_mapping import MAPPINGS, SnapshotFile, write_shards
 
 SNAPSHOT_DIR_ENV = "DUCTILE_SNAPSHOT_DIR"
@@ -207,6 +208,9 @@ class Snapshots:
         # taken (engine.stats()), and whether the interval held is logged.
         self.skipped = 0
         self._hold_logged = False
+        # In-place recovery's question (_rejoin.Recovery): whether the agent
+        # asks this rank to pause at this update (a node joins); None: never.
+        self.hold_requested = None
 
     def due(self, step):
         return self.enabled and step % self.interval == 0 and step != self._last
@@ -354,11 +358,16 @@ class Snapshots:
         engine = self.engine
         deadline = time.monotonic() + REPLICATION_WAIT
         waited = False
+        asked = self.hold_requested
         while True:
             got = self._replicated()
             timed_out = time.monotonic() > deadline
             ready = got is None or got >= want or timed_out
-            agreed = engine.all_reduce(torch.tensor([1.0 if ready else 0.0]), "min").item()
+            # The same all-reduce agrees on a pause the agent asked of any
+            # rank: every rank leaves this update together.
+            hold = asked is not None and asked()
+            agreed, go_on = engine.all_reduce(
+                torch.tensor([1.0 if ready else 0.0, 0.0 if hold else 1.0]), "min").tolist()
             if agreed == 1.0:
                 break
             waited = True
@@ -372,6 +381,10 @@ class Snapshots:
                 _log.debug("zero3 snapshot of step %d: waited for its replicas", want)
             self._release_restored()
         self._committed = None
+        if go_on != 1.0:
+            raise RoundHold(f"zero3: paused before the update of step {engine.global_step + 1} "
+                            f"for a new round (the agent's request); the snapshot of step {want} "
+                            "is committed and copied")
 
     def _release_restored(self):
         """After a restore, once a newer snapshot is committed and replicated
