@@ -89,6 +89,8 @@ void Agent::setup() {
   snapshots_.serve();
   // Registered with the node: the others copy its snapshots from there.
   self_.snapshot_port = snapshots_.port();
+  links_.serve();
+  self_.link_port = links_.port();
   // One static node: its workers' store at the port asked.
   if (o_.rendezvous == RendezvousKind::embedded && o_.agent_store && o_.master_port != 0)
     leadership_.serve_fixed_worker_store();
@@ -258,6 +260,7 @@ void Agent::leave_outside_loop(int sig) {
 }
 
 int Agent::leave(int code) {
+  links_.close();  // a goodbye first: leaving is no loss
   workers_.stop(o_.stop_grace);
   snapshots_.close();
   leadership_.stop_mpi_server();
@@ -462,6 +465,7 @@ int Agent::run() {
       } else {
         leadership_.not_leading();
       }
+      links_.follow(window_read ? oldest : std::vector<NodeInfo>{}, alive);
       std::optional<RoundRecord> round = membership_.read_round(round_kv);
       snapshots_.follow(everything ? &reads[3] : nullptr, round);
       if (!alive.empty() && alive.front().id == self_.id) leadership_.lead(alive, round_kv, round);

@@ -69,6 +69,9 @@ class RendezvousConnection {
   const SnapshotAuth& snapshot_auth() const { return snapshot_auth_; }
   std::int64_t lease() const { return lease_; }
   KeepAlive& keep_alive() { return *keep_alive_; }
+  // Makes a store of another thread's own (requests give up after the
+  // timeout given), after open().
+  const KeepAlive::StoreFactory& store_factory() const { return make_store_; }
   // The guards of the workers the fence kills (empty: none); nothing before
   // the keep-alive started or after close().
   void fence_workers(const std::vector<int>& guard_pids);
