@@ -364,8 +364,10 @@ int Agent::run() {
       if (!checkpoints_.saved_on_request()) workers_.report_exit();
       checkpoints_.follow();
       if (conn_.keep_alive().lost()) {
-        self_.log(fmt::format("lease expired ({} was unreachable too long?); registering again",
-                              store.describe()));
+        self_.log(fmt::format(
+            "lease gone (revoked by another agent, its link to this node lost; or expired: {} "
+            "unreachable too long?); registering again",
+            store.describe()));
         conn_.renew_lease();
         membership_.reclaim_node_key("expired with its lease");
         signals_.renew_mark();
@@ -450,6 +452,12 @@ int Agent::run() {
       wake_on = acted_on;
       if (everything && in_window) wake_on.push_back(key("nodes/"));
       if (!membership_.own_registration_ok(reads[1])) {
+        // Its lease revoked (its link lost): the keep-alive fences and the
+        // lease is renewed first.
+        if (store.lease_remaining(conn_.lease()) < 0) {
+          conn_.keep_alive().renew_now();
+          continue;
+        }
         membership_.reclaim_node_key(
             fmt::format("{} is gone or is not this agent's", key("nodes/" + self_.id)));
         continue;

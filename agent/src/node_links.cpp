@@ -240,7 +240,8 @@ void NodeLinks::run() {
   const milliseconds timeout = o_.heartbeat;
   const milliseconds period = std::max(timeout / 4, milliseconds(10));
   const std::string& secret = conn_.snapshot_auth().secret;
-  const std::string heartbeat_text = seconds_text(timeout);
+  const std::string heartbeat_text =
+      fmt::format("{:g}", std::chrono::duration<double>(timeout).count());
   std::map<int, Peer> peers;  // links from the other agents, by socket
   Peer up;                    // this agent's link to the leader
   std::uint64_t up_generation = 0;
@@ -431,11 +432,10 @@ void NodeLinks::run() {
                                                                            peer.nonce, theirs))) ||
                   !valid_node_id(id) || lease <= 0;
             if (!end) {
-              // One link a node: an earlier one of the same id (the node
-              // linked again) goes without a word.
-              for (auto& [fd, other] : peers)
-                if (fd != peer.fd && other.stage == Peer::Stage::linked && other.id == id)
-                  ended.push_back(fd);
+              // A node that links again says goodbye on its earlier link;
+              // a link that names a node's id with another lease may
+              // close as it likes (lost() acts on the lease of a live
+              // registration only).
               peer.id = id;
               peer.lease = lease;
               peer.in.clear();
