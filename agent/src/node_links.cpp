@@ -79,6 +79,7 @@ struct NodeLinks::Peer {
   std::uint64_t order = 0;  // accepted as the order-th
   std::string id;           // the node at the other end, once linked (or the leader's)
   std::int64_t lease = 0;
+  bool asked = false;  // its silence made the keep-alive check the lease
   void close() {
     if (fd >= 0) ::close(fd);
     fd = -1;
@@ -333,6 +334,13 @@ void NodeLinks::run() {
                          heartbeat_text),
              true);
         retry_later();
+      } else if (up.stage == Peer::Stage::linked && !leader.next && !up.asked &&
+                 now - up.heard > timeout) {
+        // The leader's silence is the next oldest's to judge; this node
+        // may be the one cut off: its lease is checked now, not at the
+        // next renewal, and a lease gone fences at once.
+        up.asked = true;
+        conn_.keep_alive().renew_now();
       } else if (up.stage != Peer::Stage::linked && now - up.opened > wire::kProofTimeout) {
         retry_later();
       }
@@ -542,6 +550,7 @@ void NodeLinks::run() {
       for (char c : got) {
         if (c == kHeartbeat) {
           up.heard = now;
+          up.asked = false;
           continue;
         }
         if (c == kDropped) {
