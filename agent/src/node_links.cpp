@@ -116,6 +116,7 @@ void NodeLinks::follow(const std::vector<NodeInfo>& oldest, const std::vector<No
     std::lock_guard lock(mutex_);
     members_ = std::move(members);
     own_lease_ = own;
+    keep_alive_ = conn_.keep_alive_handle();
     if (leading || (!oldest.empty() && oldest.front().id == self_.id)) {
       retarget = !leader_.id.empty();
     } else if (!oldest.empty()) {
@@ -262,11 +263,18 @@ void NodeLinks::run() {
   for (;;) {
     Leader leader;
     bool stopping = false;
+    std::weak_ptr<KeepAlive> keep_alive;
     {
       std::lock_guard lock(mutex_);
       leader = leader_;
       stopping = stopping_;
+      keep_alive = keep_alive_;
     }
+    // The keep-alive as follow() last saw it: none before the agent's loop,
+    // none once the connection closed.
+    auto check_lease = [&] {
+      if (auto running = keep_alive.lock()) running->renew_now();
+    };
     auto now = Clock::now();
     if (stopping) {
       say_goodbye(up);
@@ -340,7 +348,7 @@ void NodeLinks::run() {
         // may be the one cut off: its lease is checked now, not at the
         // next renewal, and a lease gone fences at once.
         up.asked = true;
-        conn_.keep_alive().renew_now();
+        check_lease();
       } else if (up.stage != Peer::Stage::linked && now - up.opened > wire::kProofTimeout) {
         retry_later();
       }
@@ -465,7 +473,7 @@ void NodeLinks::run() {
           } else if (c == kDropped) {
             // The next oldest found this agent silent and revoked its
             // lease: the keep-alive finds out at once and fences.
-            conn_.keep_alive().renew_now();
+            check_lease();
             end = true;
             break;
           } else {
@@ -558,7 +566,7 @@ void NodeLinks::run() {
               "the leader, node {}, found this node silent for longer than --heartbeat {} s and "
               "dropped its link (its lease revoked)",
               up.id, heartbeat_text));
-          conn_.keep_alive().renew_now();
+          check_lease();
         }
         end = true;  // goodbye, dropped, or a byte that is no part of a link
         break;

@@ -51,6 +51,7 @@
 #include <cstdint>
 #include <deque>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <string>
@@ -118,7 +119,8 @@ class NodeLinks {
   std::mutex mutex_;
   std::condition_variable revocations_ready_;
   bool stopping_ = false;
-  Leader leader_;  // none: an empty id
+  std::weak_ptr<KeepAlive> keep_alive_;  // as follow() last saw it
+  Leader leader_;                        // none: an empty id
   std::int64_t own_lease_ = 0;
   std::map<std::string, std::int64_t> members_;  // leading: each live node's lease
   std::deque<Revocation> revocations_;
