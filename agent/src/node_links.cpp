@@ -250,6 +250,9 @@ void NodeLinks::run() {
   std::string refused_by;  // the leader whose refusal was said (once each)
   Clock::time_point retry_at{}, last_turn = Clock::now(), last_beat = Clock::now();
   std::uint64_t accepted = 0;
+  // Out of descriptors, accepting pauses (the listeners are not polled)
+  // rather than spinning on a connection it cannot take.
+  Clock::time_point accept_after{};
 
   auto retry_later = [&] {
     up.close();
@@ -356,7 +359,7 @@ void NodeLinks::run() {
 
     std::vector<pollfd> fds;
     fds.push_back({wake_[0], POLLIN, 0});
-    for (int fd : listeners_) fds.push_back({fd, POLLIN, 0});
+    for (int fd : listeners_) fds.push_back({now >= accept_after ? fd : -1, POLLIN, 0});
     for (auto& [fd, peer] : peers) fds.push_back({fd, POLLIN, 0});
     if (up.fd >= 0)
       fds.push_back(
@@ -377,6 +380,8 @@ void NodeLinks::run() {
       if (fds[1 + i].revents == 0) continue;
       for (int taken = 0; taken < 64; ++taken) {
         int fd = ::accept4(listeners_[i], nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0 && (errno == EMFILE || errno == ENFILE))
+          accept_after = Clock::now() + milliseconds(250);
         if (fd < 0) break;
         if (peers.size() >= kMaxLinks + kMaxUnprovenLinks) {
           ::close(fd);
