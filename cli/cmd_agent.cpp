@@ -121,6 +121,12 @@ void register_agent_command(CLI::App& app, CliContext& context) {
                   fmt::format("Seconds etcd may stay unreachable before the agent stops (default "
                               "{})",
                               in_seconds(defaults.store_timeout)));
+  sub->add_option("--heartbeat", o->heartbeat,
+                  fmt::format("Seconds a node's link to the leader may stay silent before its "
+                              "lease is revoked and the others re-form without it (default {}; "
+                              "{} to {}); a link that closes is acted on at once",
+                              in_seconds(defaults.heartbeat), in_seconds(agent::kMinHeartbeat),
+                              in_seconds(agent::kMaxHeartbeat)));
   sub->add_option("--min-time", o->min_time,
                   "Seconds before a scale-up after a (re)start; overrides the configuration's "
                   "min_time (minutes)");
@@ -164,7 +170,8 @@ void register_agent_command(CLI::App& app, CliContext& context) {
       fmt::format("torchrun: key=value,...: join_timeout=S (or timeout; exit 1 when no round "
                   "took this node within S seconds, or when it waited S seconds with too few "
                   "nodes; default: wait without end), last_call_timeout (as --settle), "
-                  "read_timeout, keep_alive_interval and keep_alive_max_attempt "
+                  "read_timeout, heartbeat (as --heartbeat), keep_alive_interval and "
+                  "keep_alive_max_attempt "
                   "(their product, torchrun's time to declare a node dead, is the lease TTL, "
                   "as --lease-ttl; either alone takes torchrun's default for the other, {} s or "
                   "{} attempts; neither: --lease-ttl's default), protocol=https, cacert, cert, "

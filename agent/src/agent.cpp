@@ -89,6 +89,8 @@ void Agent::setup() {
   snapshots_.serve();
   // Registered with the node: the others copy its snapshots from there.
   self_.snapshot_port = snapshots_.port();
+  links_.serve();
+  self_.link_port = links_.port();
   // One static node: its workers' store at the port asked.
   if (o_.rendezvous == RendezvousKind::embedded && o_.agent_store && o_.master_port != 0)
     leadership_.serve_fixed_worker_store();
@@ -297,6 +299,7 @@ void Agent::leave_outside_loop(int sig) {
 }
 
 int Agent::leave(int code) {
+  links_.close();  // a goodbye first: leaving is no loss
   workers_.stop(o_.stop_grace);
   snapshots_.close();
   leadership_.stop_mpi_server();
@@ -400,8 +403,10 @@ int Agent::run() {
       if (!checkpoints_.saved_on_request()) workers_.report_exit();
       checkpoints_.follow();
       if (conn_.keep_alive().lost()) {
-        self_.log(fmt::format("lease expired ({} was unreachable too long?); registering again",
-                              store.describe()));
+        self_.log(fmt::format(
+            "lease gone (revoked by another agent, its link to this node lost; or expired: {} "
+            "unreachable too long?); registering again",
+            store.describe()));
         conn_.renew_lease();
         membership_.reclaim_node_key("expired with its lease");
         signals_.renew_mark();
@@ -486,6 +491,12 @@ int Agent::run() {
       wake_on = acted_on;
       if (everything && in_window) wake_on.push_back(key("nodes/"));
       if (!membership_.own_registration_ok(reads[1])) {
+        // Its lease revoked (its link lost): the keep-alive fences and the
+        // lease is renewed first.
+        if (store.lease_remaining(conn_.lease()) < 0) {
+          conn_.keep_alive().renew_now();
+          continue;
+        }
         membership_.reclaim_node_key(
             fmt::format("{} is gone or is not this agent's", key("nodes/" + self_.id)));
         continue;
@@ -501,6 +512,7 @@ int Agent::run() {
       } else {
         leadership_.not_leading();
       }
+      links_.follow(window_read ? oldest : std::vector<NodeInfo>{}, alive);
       std::optional<RoundRecord> round = membership_.read_round(round_kv);
       snapshots_.follow(everything ? &reads[3] : nullptr, round);
       if (!alive.empty() && alive.front().id == self_.id) leadership_.lead(alive, round_kv, round);

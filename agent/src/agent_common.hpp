@@ -28,6 +28,7 @@ struct NodeIdentity {
   std::string id;
   std::string addr;       // published as MASTER_ADDR when this node leads
   int snapshot_port = 0;  // its snapshot server's, registered with the node (0: none)
+  int link_port = 0;      // its link listener's (node_links.hpp), registered too (0: none)
   std::string key(const std::string& name) const { return prefix + name; }
   void log(const std::string& message) const {
     write_line(true, fmt::format("ductile agent {}: {}", id, message));

@@ -2,6 +2,8 @@
 // into param groups and params): Agent runs the loop and owns the parts,
 // each with its own state:
 //   RendezvousConnection (connection.hpp): the store, the lease, its keep-alive;
+//   NodeLinks (node_links.hpp): the links to the leader, which revoke a lost
+//     node's lease;
 //   Membership (membership.hpp): this node's registration, the live nodes,
 //     the round records;
 //   Leadership (leadership.hpp): the leader's pass and the workers' store;
@@ -28,6 +30,7 @@
 #include "ductile/agent/rendezvous.hpp"
 #include "leadership.hpp"
 #include "membership.hpp"
+#include "node_links.hpp"
 #include "node_snapshots.hpp"
 #include "node_workers.hpp"
 #include "signals.hpp"
@@ -39,6 +42,7 @@ class Agent {
   explicit Agent(const AgentOptions& o)
       : o_(o),
         conn_(o_, self_),
+        links_(o_, self_, conn_),
         membership_(o_, settings_, self_, conn_),
         leadership_(o_, settings_, self_, conn_, membership_),
         workers_(o_, self_, conn_),
@@ -79,6 +83,7 @@ class Agent {
   // The parts, in the order they are made (and destroyed backwards: the
   // workers before the lease's keep-alive and the rendezvous' store).
   RendezvousConnection conn_;
+  NodeLinks links_;  // to the leader: a lost node is known at once
   Membership membership_;
   Leadership leadership_;
   NodeWorkers workers_;

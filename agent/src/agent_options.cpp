@@ -152,6 +152,13 @@ void check_options(const AgentOptions& o) {
   duration("--rdzv-conf read_timeout", o.request_timeout, true);
   duration("--checkpoint-timeout", o.checkpoint_timeout, false);
   if (o.join_timeout) duration("--rdzv-conf join_timeout", *o.join_timeout, true);
+  if (o.heartbeat < kMinHeartbeat || o.heartbeat > kMaxHeartbeat)
+    bad(fmt::format(
+        "--heartbeat {} is invalid: give seconds from {} to {} (how long a node's link may stay "
+        "silent before its lease is revoked; default 1)",
+        std::chrono::duration<double>(o.heartbeat).count(),
+        std::chrono::duration<double>(kMinHeartbeat).count(),
+        std::chrono::duration<double>(kMaxHeartbeat).count()));
   if (o.min_time) duration("--min-time", *o.min_time, false);
   if (o.failure_grace) duration("--failure-grace", *o.failure_grace, false);
   if (o.rendezvous == RendezvousKind::hosted &&

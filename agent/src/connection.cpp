@@ -355,7 +355,7 @@ std::string RendezvousConnection::workers_during_outage() {
 }
 
 void RendezvousConnection::start_keep_alive() {
-  keep_alive_ = std::make_unique<KeepAlive>(make_store_, lease_, o_.lease_ttl, granted_at_,
+  keep_alive_ = std::make_shared<KeepAlive>(make_store_, lease_, o_.lease_ttl, granted_at_,
                                             [this](const std::string& line) { self_.log(line); });
 }
 

@@ -69,6 +69,11 @@ class RendezvousConnection {
   const SnapshotAuth& snapshot_auth() const { return snapshot_auth_; }
   std::int64_t lease() const { return lease_; }
   KeepAlive& keep_alive() { return *keep_alive_; }
+  // For another thread: the keep-alive while it runs (expired after close()).
+  std::weak_ptr<KeepAlive> keep_alive_handle() const { return keep_alive_; }
+  // Makes a store of another thread's own (requests give up after the
+  // timeout given), after open().
+  const KeepAlive::StoreFactory& store_factory() const { return make_store_; }
   // The guards of the workers the fence kills (empty: none); nothing before
   // the keep-alive started or after close().
   void fence_workers(const std::vector<int>& guard_pids);
@@ -112,7 +117,8 @@ class RendezvousConnection {
   std::unique_ptr<StoreServer> rdzv_server_;
   std::int64_t lease_ = 0;
   KeepAlive::Clock::time_point granted_at_;  // when the first lease's grant was sent
-  std::unique_ptr<KeepAlive> keep_alive_;
+  // Shared with the links' thread, which holds it weakly (node_links.hpp).
+  std::shared_ptr<KeepAlive> keep_alive_;
   std::map<std::string, std::int64_t> ignored_;  // key -> mod revision logged
   struct IgnoredKind {
     std::size_t logged = 0;    // line by line

@@ -65,6 +65,12 @@ bool KeepAlive::lost() {
   return lost_;
 }
 
+void KeepAlive::renew_now() {
+  std::lock_guard lock(mutex_);
+  renew_now_ = true;
+  wake_.notify_all();
+}
+
 bool KeepAlive::fenced() {
   std::lock_guard lock(mutex_);
   return fenced_;
@@ -94,6 +100,18 @@ void KeepAlive::fence_workers(const std::vector<int>& guard_pids) {
   wake_.notify_all();
 }
 
+void KeepAlive::fence(const std::string& why) {
+  if (guards_.empty()) return;
+  int signalled = 0;  // guards that had not exited yet
+  for (int guard : guards_) {
+    int rc = guards_are_pidfds_ ? signal_pidfd(guard, SIGUSR1) : kill(guard, SIGUSR1);
+    signalled += rc == 0;
+  }
+  close_guards();
+  fenced_ = signalled > 0;
+  if (fenced_) log_(fmt::format("fenced: {}; killed this node's workers", why));
+}
+
 void KeepAlive::renew() {
   auto store = make_store_(std::min(period_, milliseconds(2000)));
   // After a renewal that failed, the next is tried soon (then less and less
@@ -114,12 +132,20 @@ void KeepAlive::renew() {
     }
     lock.lock();
     if (alive && lease == lease_) {
-      if (*alive)
+      if (*alive) {
         last_renewal_sent_ = std::max(last_renewal_sent_, sent);
-      else
+      } else if (!lost_) {
         lost_ = true;
+        // Gone: the others re-form (or have) without this node, whose
+        // workers must not train on until it joins again.
+        fence(
+            fmt::format("this node's lease {:x} is gone (revoked by another agent: this node's "
+                        "link closed or fell silent; or expired)",
+                        lease));
+      }
     }
-    wake_.wait_for(lock, alive ? period_ : retry, [this] { return stopping_; });
+    wake_.wait_for(lock, alive ? period_ : retry, [this] { return stopping_ || renew_now_; });
+    renew_now_ = false;
     retry = alive ? milliseconds(100) : std::min(retry * 2, period_);
   }
 }
@@ -129,21 +155,12 @@ void KeepAlive::watch() {
   while (!stopping_) {
     auto deadline = last_renewal_sent_ + fence_after_;
     auto now = Clock::now();
-    if (now >= deadline && !guards_.empty()) {
-      int signalled = 0;  // guards that had not exited yet
-      for (int guard : guards_) {
-        int rc = guards_are_pidfds_ ? signal_pidfd(guard, SIGUSR1) : kill(guard, SIGUSR1);
-        signalled += rc == 0;
-      }
-      close_guards();
-      fenced_ = signalled > 0;
-      if (fenced_)
-        log_(fmt::format(
-            "fenced: no lease renewal for {} ms (lease TTL {} s), so the lease may expire and "
-            "the others re-form without this node; killed this node's workers",
-            std::chrono::duration_cast<milliseconds>(now - last_renewal_sent_).count(),
-            std::chrono::duration_cast<std::chrono::seconds>(ttl_).count()));
-    }
+    if (now >= deadline && !guards_.empty())
+      fence(fmt::format(
+          "no lease renewal for {} ms (lease TTL {} s), so the lease may expire and the others "
+          "re-form without this node",
+          std::chrono::duration_cast<milliseconds>(now - last_renewal_sent_).count(),
+          std::chrono::duration_cast<std::chrono::seconds>(ttl_).count()));
     if (guards_.empty())
       wake_.wait(lock);
     else

@@ -13,6 +13,9 @@
 // renewal was sent. By then the lease may expire within TTL/4 and the other
 // agents re-form without this node, so its workers must not train on: a
 // node cut off from etcd stops its workers before a new group can start.
+// A lease the store says is gone (revoked by the leader, or by the next
+// oldest agent, because this node's link closed or fell silent; or
+// expired) fences at once: the others re-form without this node.
 // Guards are held as pidfds: a guard the main thread has reaped is never
 // confused with a process that reuses its pid.
 //
@@ -53,6 +56,9 @@ class KeepAlive {
   void set_lease(std::int64_t lease, Clock::time_point granted_at);
   // etcd said the lease no longer exists (the caller registers again).
   bool lost();
+  // Renews now rather than at the next period (another part has reason
+  // to think the lease is gone: it is then found lost at once).
+  void renew_now();
   // The guards of the workers to kill at the fence (empty: none running).
   void fence_workers(const std::vector<int>& guard_pids);
   // True when the fence killed workers since the last fence_workers().
@@ -62,6 +68,9 @@ class KeepAlive {
   void renew();
   void watch();
   void close_guards();  // with mutex_ held
+  // Kills the workers (SIGUSR1 to their guards), saying `why`; with
+  // mutex_ held.
+  void fence(const std::string& why);
 
   StoreFactory make_store_;
   std::chrono::milliseconds ttl_, period_, fence_after_;
@@ -73,6 +82,7 @@ class KeepAlive {
   bool stopping_ = false;
   bool lost_ = false;
   bool fenced_ = false;
+  bool renew_now_ = false;
   std::vector<int> guards_;  // pidfds (or pids where pidfds are not available)
   bool guards_are_pidfds_ = true;
   std::thread renewer_, watcher_;

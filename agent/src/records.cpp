@@ -276,16 +276,18 @@ std::string to_json(const NodeInfo& node) {
   json j = {{"id", node.id}, {"addr", node.addr}};
   if (node.rank >= 0) j["rank"] = node.rank;
   if (node.snapshot_port > 0) j["snapshot_port"] = node.snapshot_port;
+  if (node.link_port > 0) j["link_port"] = node.link_port;
   return dump(j);
 }
 
 NodeInfo node_from_json(const std::string& text, const std::string& key_id,
                         std::int64_t create_revision) {
   Reader r("node", text);
-  r.only({"id", "addr", "rank", "snapshot_port"});
+  r.only({"id", "addr", "rank", "snapshot_port", "link_port"});
   NodeInfo node{r.node_id(r.require("id"), "id"), r.address("addr", true), create_revision,
                 r.integer("rank", 0, kMaxCount, -1)};
   node.snapshot_port = static_cast<int>(r.integer("snapshot_port", 1, 65535, 0));
+  node.link_port = static_cast<int>(r.integer("link_port", 1, 65535, 0));
   if (node.id != key_id)
     r.bad("id", r.require("id"), fmt::format("the id of its key, \"{}\"", excerpt(key_id)));
   return node;

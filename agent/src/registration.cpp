@@ -19,6 +19,7 @@ using json = nlohmann::json;
 Membership::Claim Membership::claim_node_key(std::optional<KeyValue>* holder) {
   NodeInfo record{self_.id, self_.addr, 0, o_.node_rank};
   record.snapshot_port = self_.snapshot_port;
+  record.link_port = self_.link_port;
   const std::string k = self_.key("nodes/" + self_.id), value = to_json(record);
   if (conn_.store().compare_and_swap(k, 0, value, conn_.lease())) return Claim::held;
   auto existing = conn_.store().get(k);

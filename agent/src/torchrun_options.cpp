@@ -132,6 +132,12 @@ void apply_rdzv_conf(const std::string& text, LaunchArguments& o, RdzvConf& rdzv
       o.agent.request_timeout = seconds_option(what, seconds_text(what, value));
       if (o.agent.request_timeout.count() == 0)
         bad(fmt::format("{}={} is invalid: give seconds > 0", what, value));
+    } else if (key == "heartbeat") {
+      const double given = seconds_text(what, value);
+      if (o.heartbeat && *o.heartbeat != given)
+        bad(fmt::format("{}={} and --heartbeat {} differ: give one of them", what, value,
+                        *o.heartbeat));
+      o.heartbeat = given;
     } else if (key == "keep_alive_interval") {
       keep_alive_interval = seconds_text(what, value);
     } else if (key == "keep_alive_max_attempt") {
@@ -160,11 +166,11 @@ void apply_rdzv_conf(const std::string& text, LaunchArguments& o, RdzvConf& rdzv
         bad(fmt::format("{} and --rdzv-{} differ: give one of them", what, key));
       file = value;
     } else {
-      bad(
-          fmt::format("--rdzv-conf key '{}' is not one ductile agent takes: give join_timeout "
-                      "(or timeout), last_call_timeout, read_timeout, keep_alive_interval, "
-                      "keep_alive_max_attempt, is_host, protocol, cacert, cert, key",
-                      key));
+      bad(fmt::format(
+          "--rdzv-conf key '{}' is not one ductile agent takes: give join_timeout "
+          "(or timeout), last_call_timeout, read_timeout, heartbeat, "
+          "keep_alive_interval, keep_alive_max_attempt, is_host, protocol, cacert, cert, key",
+          key));
     }
   }
   if (keep_alive_interval || keep_alive_attempts) {
@@ -516,6 +522,7 @@ AgentOptions agent_options(const LaunchArguments& arguments, const std::vector<s
     a.stop_grace = seconds_option("--stop-grace", *o.stop_grace);
   if (o.store_timeout) a.store_timeout = seconds_option("--store-timeout", *o.store_timeout);
   if (o.min_time) a.min_time = seconds_option("--min-time", *o.min_time);
+  if (o.heartbeat) a.heartbeat = seconds_option("--heartbeat", *o.heartbeat);
   if (o.failure_grace) a.failure_grace = seconds_option("--failure-grace", *o.failure_grace);
   if (o.checkpoint_timeout)
     a.checkpoint_timeout = seconds_option("--checkpoint-timeout", *o.checkpoint_timeout);

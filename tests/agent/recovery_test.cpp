@@ -15,7 +15,6 @@
 #include <set>
 #include <sstream>
 #include <string>
-#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -47,13 +46,13 @@ std::tuple<Child&, Child&, Child&> start_three(Job& job, const std::vector<std::
 
 using namespace recovery_test;
 
-// Two nodes of three SIGKILLed 2.5 s apart (lease TTL 4 s, renewed every
-// second): the leader sees the first one's lease lapse and forms round 2
-// with itself and the second, which is dead and never publishes its
-// snapshot holdings. Its lease lapses before the holdings' patience
-// (max(10 s, 4 x --lease-ttl) = 16 s) would: the survivor gives round 2 up
-// at once and the leader forms round 3 without it. No worker starts in a
-// round with a dead member.
+// Two nodes of three lost at once: b SIGKILLed, c's agent stopped
+// (SIGSTOP). The leader knows b from its closed link and forms round 2
+// with itself and c, which never publishes its snapshot holdings; c's
+// silent link has its lease revoked after --heartbeat (1 s), before the
+// holdings' patience (max(10 s, 4 x --lease-ttl) = 16 s) would end: the
+// survivor gives round 2 up at once and the leader forms round 3 without
+// it. No worker starts in a round with a dead member.
 TEST_CASE("agent: a member that died before the round's holdings ends the wait for them") {
   Job job;
   const std::vector<std::string> worker = sh("sleep 600");
@@ -64,14 +63,13 @@ TEST_CASE("agent: a member that died before the round's holdings ends the wait f
   REQUIRE(a.output().find("leader: round 1 formed") != std::string::npos);
 
   b.signal(SIGKILL);
-  std::this_thread::sleep_for(2500ms);
-  c.signal(SIGKILL);
+  c.signal(SIGSTOP);
   const auto killed = Clock::now();
   const bool recovered = a.wait_for_output("started: world size 1 (1 nodes x 1)", 60s);
   const double seconds = seconds_since(killed);
   if (!recovered) job.dump();
   REQUIRE(recovered);
-  MESSAGE("the survivor's workers started " << seconds << " s after the second kill");
+  MESSAGE("the survivor's workers started " << seconds << " s after the nodes were lost");
   const std::string out = a.output();
   INFO(out);
   // Round 2 was formed with c (else this test tests nothing).
@@ -86,6 +84,7 @@ TEST_CASE("agent: a member that died before the round's holdings ends the wait f
   a.signal(SIGTERM);
   CHECK(a.wait(30s).has_value());
   b.wait(10s);
+  c.signal(SIGKILL);
   c.wait(10s);
   if (!no_marked_processes(job.marker)) job.dump();
   CHECK(marked_processes(job.marker).empty());
@@ -146,10 +145,11 @@ std::vector<int> process_tree(int root, const std::string& marker) {
 
 // Three nodes' workers all-reduce (gloo) and raise ductile.CommunicationError
 // when a peer is gone, as ductile's collectives do; one node's process tree
-// is SIGKILLed. The survivors' workers see their peer die before the agents
-// see its lease lapse: each ends with one line saying which round ended
-// and why (the agent's reason: the node that left), not a traceback; the
-// job then finishes at world size 2.
+// is lost: its agent stopped (SIGSTOP), the rest SIGKILLed. The survivors'
+// workers see their peer die before the agents know (the stopped agent's
+// link is revoked after --heartbeat): each ends with one line saying which
+// round ended and why (the agent's reason: the node that left), not a
+// traceback; the job then finishes at world size 2.
 TEST_CASE("agent: a lost peer ends the survivors' workers with one line, not a traceback") {
   Job job;
   const auto worker = package_python("peer_lost.py");
@@ -164,13 +164,16 @@ TEST_CASE("agent: a lost peer ends the survivors' workers with one line, not a t
   if (!started) job.dump();
   REQUIRE(started);
   // The node's whole process tree at once, as a machine is lost.
-  for (const int pid : recovery_test::process_tree(c.pid(), job.marker)) kill(pid, SIGKILL);
-  c.wait(10s);
+  c.signal(SIGSTOP);
+  for (const int pid : recovery_test::process_tree(c.pid(), job.marker))
+    if (pid != c.pid()) kill(pid, SIGKILL);
   for (Child* survivor : {&a, &b}) {
     const auto status = survivor->wait(120s);
     if (status != std::optional<int>(0)) job.dump();
     CHECK(status == std::optional<int>(0));
   }
+  c.signal(SIGKILL);
+  c.wait(10s);
   const std::string out = a.output() + b.output();
   INFO(out);
   CHECK(count_of(out, "peer_lost round=2 rank=") == 2);

@@ -113,6 +113,10 @@ struct AgentOptions {
   // this long after the agent started (torchrun's join_timeout); none: wait.
   std::optional<std::chrono::milliseconds> join_timeout;
   std::chrono::milliseconds request_timeout{2000};  // one etcd request
+  // How long a node's link to the leader (or the leader's to it) may stay
+  // silent before the other side revokes the node's lease (node_links.hpp);
+  // heartbeats go every quarter of it.
+  std::chrono::milliseconds heartbeat{1000};
   // > 0: before a planned re-form (a scale-up, a node drained with SIGTERM)
   // the round's workers are asked to checkpoint (DUCTILE_CHECKPOINT_REQUEST,
   // ductile.torch.elastic) and waited for this long at most.
@@ -137,6 +141,11 @@ inline constexpr std::chrono::seconds kMinLeaseTtl{2};
 // about 11.6 days. Longer is a mistake, and a lease in nanoseconds would
 // overflow long before a duration in milliseconds does.
 inline constexpr std::chrono::seconds kMaxDuration{1000000};
+// The shortest and longest --heartbeat: below 0.1 s a busy machine's
+// scheduling alone could look like silence; above a minute the lease TTL
+// notices a silent node about as soon.
+inline constexpr std::chrono::milliseconds kMinHeartbeat{100};
+inline constexpr std::chrono::milliseconds kMaxHeartbeat{60000};
 // Workers one node may run, for each of its online cores: a worker is two
 // processes (its guard and itself), and a node asked for more than this is
 // asked for more than it can run.

@@ -52,6 +52,9 @@ struct NodeInfo {
   // Where its snapshot server listens (on `addr`); 0: it serves none. The
   // other nodes copy its snapshots from there only.
   int snapshot_port = 0;
+  // Where its link listener is (on `addr`): the agents of a job keep one
+  // link to the leader's (node_links.hpp); 0: none.
+  int link_port = 0;
 };
 
 enum class RoundState { running, succeeded, failed };

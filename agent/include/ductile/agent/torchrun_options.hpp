@@ -50,6 +50,7 @@ struct LaunchArguments {
   std::optional<std::int64_t> lease_ttl;
   std::optional<double> poll_interval, settle, stop_grace, store_timeout;
   std::optional<double> min_time, failure_grace, checkpoint_timeout;
+  std::optional<double> heartbeat;  // --heartbeat, or --rdzv-conf heartbeat
   // --warm-workers, and the modules of --warm-imports (which implies it).
   bool warm_workers = false;
   std::optional<std::string> warm_imports;
