@@ -250,6 +250,13 @@ NodeWorkers::Hold NodeWorkers::hold(const RoundRecord& next) {
       return Hold::late;
     }
     const std::string step = held.substr(0, held.size() - 1);
+    if (step == "-1") {
+      hold_refusal_ = fmt::format(
+          "local rank {} cannot pause: a step of theirs cannot run again (its loss is not the "
+          "forward's output, nor the output's loss or first element)",
+          local);
+      return Hold::late;
+    }
     if (steps.find(step) == std::string::npos) steps += (steps.empty() ? "" : ", ") + step;
   }
   self_.log(fmt::format("round {}: the workers paused after step {}, {} ms after asked", next.round,

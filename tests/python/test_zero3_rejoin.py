@@ -224,6 +224,18 @@ def test_a_pause_the_agent_asks_for_is_taken_at_the_next_update(world_of_one, tm
     assert same(snapshot(reference), snapshot(engine))
 
 
+def test_a_step_that_cannot_run_again_does_not_pause(world_of_one, tmp_path):
+    """A loss computed outside the forward: the step could not run again
+    after a rejoin, so the worker does not pause; it says so (-1 in
+    notice.json.held: the agent restarts it) and trains on."""
+    engine = zero3.initialize(make_model(seed=0), adam, CONFIG)
+    train(engine, 2)
+    (tmp_path / "notice.json.hold").write_text("2\n")
+    train(engine, 2)
+    assert (tmp_path / "notice.json.held").read_text() == "-1\n"
+    assert engine.global_step == 4 and engine._recovery.recoveries == []
+
+
 def test_rejoin_refuses_a_round_not_newer_and_a_world_it_cannot_rebuild(world_of_one, tmp_path,
                                                                         monkeypatch):
     port, _ = world_of_one

@@ -465,9 +465,11 @@ class Recovery:
             engine._gradients.sync = sync
 
     def hold_requested(self):
-        """Whether the agent asks this worker to pause (a node joins; see
-        _round_notice.py)."""
-        return _round_notice.hold_requested(self.watch.path, self.watch.round)
+        """(Whether the agent asks this worker to pause (a node joins; see
+        _round_notice.py), whether the current step's micro-batches can run
+        again)."""
+        asked = _round_notice.hold_requested(self.watch.path, self.watch.round)
+        return asked, all(m.loss_path is not None for m in self.micro)
 
     def superseded(self):
         """Raises CommunicationError when a newer round's notice arrived (a

@@ -34,7 +34,9 @@ optimizer update every rank agrees on it in the all-reduce that already waits fo
 snapshot's copies; they leave the step with RoundHold, each writes ``<notice path>.held``
 (HELD_SUFFIX: the step whose snapshot is committed and copied, a newline) and waits
 for the notice, which names that snapshot. Only a worker whose ``.ready`` file has a second
-line ``hold`` can pause (its snapshots are copied to other nodes: ``snapshot_replicas`` > 0).
+line ``hold`` can pause (its snapshots are copied to other nodes: ``snapshot_replicas`` > 0),
+and only at a step every rank can run again (each micro-batch's loss the forward's output);
+otherwise a rank that was asked writes ``-1`` there and the agent restarts the workers.
 
 A worker polls the path once a step (one ``stat``: the notice is read only when its size or
 modification time changed) and after a collective failed because a peer is gone; a notice of a
@@ -213,6 +215,12 @@ def hold_requested(path, round_):
         return int(text.strip() or b"0") > round_
     except ValueError:
         return False  # being replaced: a rename makes that rare; read again next time
+
+
+def refuse_hold(path):
+    """Writes ``path`` + HELD_SUFFIX as ``-1``: this worker cannot pause
+    (a rank's step cannot run again); the agent restarts it."""
+    _write_whole(path + HELD_SUFFIX, "-1\n", "say that this worker cannot pause")
 
 
 def acknowledge_hold(path, step):

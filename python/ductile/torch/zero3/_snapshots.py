@@ -102,6 +102,7 @@ from . import _checkpoint
 from ._checkpoint import agree
 from ._checkpoint_files import (fs, header, io_error, rank_stem, read_header, shard_layout,
                                 write_file)
+from . import _round_notice
 from ._round_notice import RoundHold
 from ._snapshot_mapping import MAPPINGS, SnapshotFile, write_shards
 
@@ -208,8 +209,9 @@ class Snapshots:
         # taken (engine.stats()), and whether the interval held is logged.
         self.skipped = 0
         self._hold_logged = False
-        # In-place recovery's question (_rejoin.Recovery): whether the agent
-        # asks this rank to pause at this update (a node joins); None: never.
+        # In-place recovery's question (_rejoin.Recovery): (whether the agent
+        # asks this rank to pause at this update (a node joins), whether
+        # this step could run again); None: never asked.
         self.hold_requested = None
 
     def due(self, step):
@@ -364,10 +366,12 @@ class Snapshots:
             timed_out = time.monotonic() > deadline
             ready = got is None or got >= want or timed_out
             # The same all-reduce agrees on a pause the agent asked of any
-            # rank: every rank leaves this update together.
-            hold = asked is not None and asked()
-            agreed, go_on = engine.all_reduce(
-                torch.tensor([1.0 if ready else 0.0, 0.0 if hold else 1.0]), "min").tolist()
+            # rank: every rank leaves this update together, when every rank
+            # can run its step again.
+            hold, replayable = asked() if asked is not None else (False, True)
+            agreed, go_on, can = engine.all_reduce(torch.tensor(
+                [1.0 if ready else 0.0, 0.0 if hold else 1.0, 1.0 if replayable else 0.0]),
+                "min").tolist()
             if agreed == 1.0:
                 break
             waited = True
@@ -381,7 +385,11 @@ class Snapshots:
                 _log.debug("zero3 snapshot of step %d: waited for its replicas", want)
             self._release_restored()
         self._committed = None
-        if go_on != 1.0:
+        if go_on != 1.0 and can != 1.0 and hold:
+            # Some rank's step cannot run again (a loss computed outside the
+            # forward): no pause; the agent restarts the workers.
+            _round_notice.refuse_hold(self.engine._recovery.watch.path)
+        elif go_on != 1.0:
             raise RoundHold(f"zero3: paused before the update of step {engine.global_step + 1} "
                             f"for a new round (the agent's request); the snapshot of step {want} "
                             "is committed and copied")
