@@ -401,6 +401,10 @@ int Agent::run() {
       // Workers that saved when asked may exit: neither a failure nor the
       // end of the job.
       if (!checkpoints_.saved_on_request()) workers_.report_exit();
+      if (const auto overdue = workers_.join_overdue()) {
+        self_.log(*overdue);
+        workers_.restart_in_round(*policy_);
+      }
       checkpoints_.follow();
       if (conn_.keep_alive().lost()) {
         self_.log(fmt::format(

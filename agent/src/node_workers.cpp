@@ -86,6 +86,9 @@ void NodeWorkers::start(const RoundRecord& round, std::size_t group_rank, const 
   std::filesystem::remove_all(attempt_dir_of(run_dir(), round.restarts), ignored);
   attempt_ = round.restarts;
   members_ = round.members;
+  restarts_ = round.restarts;
+  joining_round_ = 0;
+  joining_.reset();
   // The last workers' notices and their word that they take them: a new
   // worker says so again once its engine is built.
   std::filesystem::remove_all(round_notice_of(run_dir(), 0).parent_path(), ignored);
@@ -201,6 +204,9 @@ std::string NodeWorkers::in_place_refusal(const RoundRecord& next) const {
   if (o_.checkpoint_timeout.count() > 0)
     return "--checkpoint-timeout asks the workers to save through files of their round";
   if (fenced_) return "the lease's fence stopped them";
+  if (next.restarts != restarts_)
+    return fmt::format("round {} ended in a failure (restarts {})", current_round_, next.restarts);
+  if (joining_round_ != 0) return fmt::format("they have not joined round {} yet", joining_round_);
   if (!group_.all_running()) return "not all of them run";
   const bool pause = growing(next);
   for (std::int64_t local = 0; local < o_.nproc_per_node; ++local) {
@@ -217,6 +223,57 @@ std::string NodeWorkers::in_place_refusal(const RoundRecord& next) const {
           local);
   }
   return {};
+}
+
+std::optional<std::string> NodeWorkers::join_overdue() {
+  if (joining_round_ == 0) return std::nullopt;
+  bool joined = true;
+  for (std::int64_t local = 0; local < o_.nproc_per_node && joined; ++local)
+    joined = read_small(beside(round_notice_of(run_dir(), local), ".joined")) ==
+             fmt::format("{}\n", joining_round_);
+  if (joined) {
+    // Their word that they waited is of this round's change: gone with it.
+    for (std::int64_t local = 0; local < o_.nproc_per_node; ++local) {
+      std::error_code ignored;
+      std::filesystem::remove(beside(round_notice_of(run_dir(), local), ".waiting"), ignored);
+    }
+    joining_round_ = 0;
+    joining_.reset();
+    return std::nullopt;
+  }
+  if (!group_.running()) return std::nullopt;
+  // A worker that waits for the notice joins once every rank of the round
+  // does (newcomers start meanwhile); one that does not wait soon after the
+  // notice is held in a collective of the last round (a silent peer).
+  bool waiting = true;
+  for (std::int64_t local = 0; local < o_.nproc_per_node && waiting; ++local) {
+    const auto notice = round_notice_of(run_dir(), local);
+    const std::string said = read_small(beside(notice, ".waiting"));
+    waiting = !said.empty() || !read_small(beside(notice, ".joined")).empty();
+  }
+  const auto held = std::max<std::chrono::milliseconds>(std::chrono::seconds(3), 3 * o_.heartbeat);
+  const auto wait = std::max<std::chrono::milliseconds>(std::chrono::seconds(30), 4 * o_.lease_ttl);
+  const auto since = now_ms() - joining_since_;
+  if (since <= (waiting ? wait : held)) return std::nullopt;
+  joining_round_ = 0;
+  return waiting ? fmt::format(
+                       "round {}: this node's workers did not join it in place within {} ms; "
+                       "they are started again in it",
+                       current_round_, wait.count())
+                 : fmt::format(
+                       "round {}: this node's workers are still in a collective of the last "
+                       "round {} ms after the notice (a silent peer holds it); they are "
+                       "started again in it",
+                       current_round_, held.count());
+}
+
+void NodeWorkers::restart_in_round(const JobPolicy& policy) {
+  if (!joining_) return;
+  const Joining joining = *joining_;
+  joining_.reset();
+  end_round(fmt::format("round {}: not joined in place in time", joining.round.round),
+            o_.stop_grace);
+  start(joining.round, joining.group_rank, policy, joining.restore);
 }
 
 NodeWorkers::Hold NodeWorkers::hold(const RoundRecord& next) {
@@ -284,6 +341,10 @@ void NodeWorkers::continue_in_place(const RoundRecord& round, std::size_t group_
   }
   group_.renumber(ranks);
   members_ = round.members;
+  restarts_ = round.restarts;
+  joining_round_ = round.round;
+  joining_since_ = now_ms();
+  joining_.emplace(Joining{round, group_rank, restore});
   BatchPlan plan = policy.plan(round.world_size);
   self_.log(fmt::format(
       "round {} continued in place: world size {} ({} nodes x {}), group rank {}, master {}:{}{}, "

@@ -63,6 +63,16 @@ class NodeWorkers {
   enum class Hold { waiting, held, late };
   Hold hold(const RoundRecord& next);
   const std::string& hold_refusal() const { return hold_refusal_; }
+  // After continue_in_place(): why the workers must start again, once they
+  // did not say they joined the round (<notice>.joined) within max(30 s,
+  // 4 x --lease-ttl) (a collective of the old round waiting on a silent
+  // peer: gloo cannot abort it); nullopt while they may still, or once
+  // they did.
+  std::optional<std::string> join_overdue();
+  // Then: stops the workers and starts them again in the round they did
+  // not join, from the same snapshot (they meet the others, joined in
+  // place or waiting for them, as a newcomer does).
+  void restart_in_round(const JobPolicy& policy);
   // The workers go on in place in `round` (after enter_round): each local
   // worker's round notice is written (its rank at `group_rank`, the
   // snapshot folder `restore` its ranks load), and the worker rejoins the
@@ -106,7 +116,17 @@ class NodeWorkers {
   std::filesystem::path snapshot_dir_;
   WorkerGroup group_;
   std::int64_t current_round_ = 0;
-  std::vector<std::string> members_;            // the nodes of the running workers' round
+  std::vector<std::string> members_;  // the nodes of the running workers' round
+  std::int64_t restarts_ = 0;         // the restart count of the workers' round
+  // The round the workers were told to join, until they did, and since when.
+  std::int64_t joining_round_ = 0;
+  std::chrono::milliseconds joining_since_{0};
+  struct Joining {
+    RoundRecord round;
+    std::size_t group_rank;
+    std::filesystem::path restore;
+  };
+  std::optional<Joining> joining_;              // what to start them in when they did not join
   std::int64_t hold_round_ = 0;                 // the round the workers were asked to pause for
   std::chrono::milliseconds hold_asked_at_{0};  // when (now_ms())
   std::string hold_refusal_;

@@ -42,6 +42,7 @@ import fcntl
 import os
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -276,6 +277,19 @@ class MemorySampler:
         return peaks
 
 
+def stop_node(process):
+    """SIGSTOP a launcher and everything under it: the node goes silent (a
+    cut cable, a hung host), its connections stay open. Returns when."""
+    pids = descendants(process.pid)
+    stopped = time.time()
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            pass
+    return stopped
+
+
 def wait_for(predicate, limit, what, alive):
     deadline = time.monotonic() + limit
     while not predicate():
@@ -326,6 +340,7 @@ def race_one(kind, args, directory):
                         "--job-id", "race", "--node-addr", "127.0.0.1", "--nproc-per-node", "1",
                         "--min-nodes", "2", "--snapshot-dir", shm]
                 argv += ["--lease-ttl", str(args.lease_ttl)] if args.lease_ttl else []
+                argv += ["--heartbeat", str(args.heartbeat)] if args.heartbeat else []
                 argv += [] if kind == "ductile-in-place" else ["--mpi-world"]
                 argv += ["--warm-workers"] if kind == "ductile-warm" else []
                 argv += ["--", args.python]
@@ -342,7 +357,7 @@ def race_one(kind, args, directory):
         done = max(r[4] for r in notes(out) if r[0] == "stepped") + 1
         victim = nodes[-1] if args.victim == "last" else random.choice(nodes)
         survivors_of = [p for p in nodes if p is not victim]
-        killed = kill_node(victim)
+        killed = kill_node(victim) if args.signal == "KILL" else stop_node(victim)
         survivors = NODES - 1
 
         def after(event):
@@ -351,6 +366,8 @@ def race_one(kind, args, directory):
             return rows if len(rows) >= survivors else None
         wait_for(lambda: after("stepped") is not None, 900,
                  f"{kind}: the survivors' first step", survivors_of)
+        if args.signal == "STOP":
+            kill_node(victim)  # it never comes back
         if kind == "ductile-in-place":
             # The same processes go on: no start, import or build to time.
             stepped_after = after("stepped")
@@ -461,6 +478,11 @@ def main():
                              "(default: the run's temporary folder; /dev/shm: in memory)")
     parser.add_argument("--lease-ttl", type=int, default=0, dest="lease_ttl",
                         help="the agents' --lease-ttl (0: the agent's default)")
+    parser.add_argument("--heartbeat", type=float, default=0,
+                        help="the agents' --heartbeat (0: the agent's default)")
+    parser.add_argument("--signal", default="KILL", choices=("KILL", "STOP"),
+                        help="how the node is lost: SIGKILL of its processes, or SIGSTOP "
+                             "(silent; killed once the survivors stepped)")
     parser.add_argument("--launchers", default="ductile-in-place,ductile,torchrun",
                         type=lambda s: s.split(","))
     args = parser.parse_args()
@@ -489,7 +511,8 @@ def main():
                 for name, value in zip(COLUMNS, r) if value is not None), flush=True)
     when = "a random step" if args.kill_after == 0 else f"step {args.kill_after}"
     who = "a random node" if args.victim == "random" else "the last node started"
-    print(f"\n{NODES} nodes x 1 worker on loopback, {who} SIGKILLed after {when}; medians "
+    lost = f"SIG{args.signal}ed"
+    print(f"\n{NODES} nodes x 1 worker on loopback, {who} {lost} after {when}; medians "
           f"(min-max) of {args.runs} run(s); {os.cpu_count()} CPU(s)")
     print("| launcher | " + " | ".join(COLUMNS) + " |")
     print("| --- |" + " ---: |" * len(COLUMNS))
@@ -502,7 +525,7 @@ def main():
         restart = statistics.median(r[4] for r in results["ductile"])
         ratios = [r[4] / restart for r in results["ductile-in-place"]]
         print(f"ductile-in-place / ductile (SIGKILL to first step): "
-              f"{statistics.median(ratios):.2f} (worst run {max(ratios):.2f})")
+              f"{statistics.median(ratios):.3f} (worst run {max(ratios):.3f})")
     for kind in ("ductile-in-place", "ductile", "ductile-warm"):
         if kind in results and "torchrun" in results:
             rival = statistics.median(r[4] for r in results["torchrun"])

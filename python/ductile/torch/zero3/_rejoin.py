@@ -256,6 +256,7 @@ def rejoin(engine, notice):
     engine.restored_from_memory = step
     if engine._recovery is not None:
         engine._recovery.watch.round = notice.round
+        _round_notice.acknowledge_join(engine._recovery.watch.path, notice.round)
     _log.info("zero3: rank %d of %d in round %d: rejoined in place from the snapshot of step "
               "%d (%s)", engine.rank, engine.world_size, notice.round, step, notice.restore)
     return step
@@ -422,7 +423,10 @@ class Recovery:
         the snapshot restored is of the step in progress (step() is done).
         Raises `error` when it is not a lost peer's, or when a micro-batch
         cannot run again."""
-        if not _lost_peer(error):
+        if not _lost_peer(error) and self.watch.newer() is None:
+            # A collective of a round the agent already replaced (a newer
+            # notice is there) fails however gloo says it: it is the end of
+            # that round too, e.g. a timeout waiting on a silent peer.
             raise error
         done = [m for m in self.micro if m.done] + current
         if any(m.loss_path is None for m in done):
@@ -494,6 +498,9 @@ class Recovery:
         deadline = time.monotonic() + wait
         end = os.environ.get(_round_end.ROUND_END_ENV)
         round_ = str(self.watch.round)
+        # The agent tells a worker that waits here from one still inside a
+        # collective of the old round (which a silent peer can hold).
+        _round_notice.announce_waiting(self.watch.path, self.watch.round)
         while True:
             notice = self.watch.newer()
             if notice is not None:

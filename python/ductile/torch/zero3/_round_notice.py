@@ -38,6 +38,13 @@ line ``hold`` can pause (its snapshots are copied to other nodes: ``snapshot_rep
 and only at a step every rank can run again (each micro-batch's loss the forward's output);
 otherwise a rank that was asked writes ``-1`` there and the agent restarts the workers.
 
+A worker that left its step to wait for a notice writes ``<notice path>.waiting`` (WAITING_SUFFIX:
+its round, a newline); once it joined the notice's round (the snapshot loaded), it writes
+``<notice path>.joined`` (JOINED_SUFFIX: the round, a newline). An agent whose workers neither
+wait nor joined soon after the notice (a collective of the old round held by a silent peer, which
+gloo cannot abort), or did not join in time, stops them and starts them again in that round,
+from the same snapshot.
+
 A worker polls the path once a step (one ``stat``: the notice is read only when its size or
 modification time changed) and after a collective failed because a peer is gone; a notice of a
 round not newer than the worker's is ignored."""
@@ -56,6 +63,8 @@ ROUND_ENV = "DUCTILE_ROUND"
 READY_SUFFIX = ".ready"
 HOLD_SUFFIX = ".hold"
 HELD_SUFFIX = ".held"
+JOINED_SUFFIX = ".joined"
+WAITING_SUFFIX = ".waiting"
 # A notice is a few hundred bytes; anything past this is not one.
 MAX_BYTES = 64 << 10
 _MAX_PORT = 65535
@@ -221,6 +230,18 @@ def refuse_hold(path):
     """Writes ``path`` + HELD_SUFFIX as ``-1``: this worker cannot pause
     (a rank's step cannot run again); the agent restarts it."""
     _write_whole(path + HELD_SUFFIX, "-1\n", "say that this worker cannot pause")
+
+
+def announce_waiting(path, round_):
+    """Writes ``path`` + WAITING_SUFFIX: this worker of round `round_` left
+    its step and waits for the next round's notice."""
+    _write_whole(path + WAITING_SUFFIX, f"{round_}\n", "say that this worker waits for a notice")
+
+
+def acknowledge_join(path, round_):
+    """Writes ``path`` + JOINED_SUFFIX: this worker joined round `round_`
+    in place (the agent restarts workers that do not join in time)."""
+    _write_whole(path + JOINED_SUFFIX, f"{round_}\n", "say that this worker joined the round")
 
 
 def acknowledge_hold(path, step):
