@@ -193,11 +193,11 @@ std::optional<int> Agent::apply(const RoundRecord& round) {
   if (refusal.empty() && restore.empty())
     refusal = "no snapshot in memory to load (--snapshot-dir, snapshot_interval)";
   if (refusal.empty()) {
-    workers_.enter_round(round.round, member);
-    checkpoints_.enter_round();
-    short_since_.reset();
     try {
       workers_.continue_in_place(round, index, *policy_, restore);
+      workers_.enter_round(round.round, member);
+      checkpoints_.enter_round();
+      short_since_.reset();
       return std::nullopt;
     } catch (const Error& e) {
       refusal = e.what();

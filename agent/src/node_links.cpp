@@ -79,7 +79,8 @@ struct NodeLinks::Peer {
   std::uint64_t order = 0;  // accepted as the order-th
   std::string id;           // the node at the other end, once linked (or the leader's)
   std::int64_t lease = 0;
-  bool asked = false;  // its silence made the keep-alive check the lease
+  bool asked = false;        // its silence made the keep-alive check the lease
+  bool said_silent = false;  // its silence is logged
   void close() {
     if (fd >= 0) ::close(fd);
     fd = -1;
@@ -241,6 +242,14 @@ void NodeLinks::revoke() {
 void NodeLinks::run() {
   const milliseconds timeout = o_.heartbeat;
   const milliseconds period = std::max(timeout / 4, milliseconds(10));
+  // A silent node may be alive on the other side of a cut: its lease is
+  // revoked only once its own fence has surely stopped its workers (3/4 of
+  // the TTL after its last renewal, which came at most a heartbeat period
+  // after the last byte heard, plus a margin), so that two rounds never
+  // train at once.
+  const milliseconds fenced_by =
+      std::max(timeout, period + std::chrono::duration_cast<milliseconds>(o_.lease_ttl) * 3 / 4 +
+                            milliseconds(100));
   const std::string& secret = conn_.snapshot_auth().secret;
   const std::string heartbeat_text =
       fmt::format("{:g}", std::chrono::duration<double>(timeout).count());
@@ -324,7 +333,15 @@ void NodeLinks::run() {
     for (auto it = peers.begin(); it != peers.end();) {
       Peer& peer = it->second;
       const bool linked = peer.stage == Peer::Stage::linked;
-      if (linked && now - peer.heard > timeout) {
+      if (linked && now - peer.heard > timeout && !peer.said_silent) {
+        peer.said_silent = true;
+        self_.log(fmt::format(
+            "node {} silent for {} s (--heartbeat {} s): its lease is revoked once its fence has "
+            "stopped its workers ({:g} s after the last byte heard)",
+            peer.id, seconds_text(now - peer.heard), heartbeat_text,
+            std::chrono::duration<double>(fenced_by).count()));
+      }
+      if (linked && now - peer.heard > fenced_by) {
         send_now(peer.fd, std::string(1, kDropped));
         lost(peer.id, peer.lease,
              fmt::format("silent for {} s (--heartbeat {} s): ", seconds_text(now - peer.heard),
@@ -338,7 +355,7 @@ void NodeLinks::run() {
       it = peers.erase(it);
     }
     if (up.fd >= 0) {
-      if (up.stage == Peer::Stage::linked && leader.next && now - up.heard > timeout) {
+      if (up.stage == Peer::Stage::linked && leader.next && now - up.heard > fenced_by) {
         send_now(up.fd, std::string(1, kDropped));
         lost(up.id, up.lease,
              fmt::format("silent for {} s (--heartbeat {} s): ", seconds_text(now - up.heard),

@@ -251,7 +251,7 @@ std::optional<std::string> NodeWorkers::join_overdue() {
     const std::string said = read_small(beside(notice, ".waiting"));
     waiting = !said.empty() || !read_small(beside(notice, ".joined")).empty();
   }
-  const auto held = std::max<std::chrono::milliseconds>(std::chrono::seconds(3), 3 * o_.heartbeat);
+  const auto held = std::max<std::chrono::milliseconds>(std::chrono::seconds(1), o_.heartbeat);
   const auto wait = std::max<std::chrono::milliseconds>(std::chrono::seconds(30), 4 * o_.lease_ttl);
   const auto since = now_ms() - joining_since_;
   if (since <= (waiting ? wait : held)) return std::nullopt;
