@@ -11,7 +11,7 @@ the first step at world size 3, and the steps trained again; and the first
 step at world size 3 from the newcomer ready.
 
 usage: bench_join.py [--cli PATH] [--python PATH] [--runs 3] [--join-after 4]
-                     [--steps 12] [--launchers ductile-in-place,ductile]
+                     [--steps 40] [--launchers ductile-in-place,ductile]
 """
 
 import argparse
@@ -55,7 +55,7 @@ def race_one(kind, args, directory):
         logs.append(log)
         argv = [args.cli, "agent", "--config", config, "--rdzv", etcd.url, "--job-id", "join",
                 "--node-addr", "127.0.0.1", "--nproc-per-node", "1", "--min-nodes", "2",
-                "--min-time", "0", "--snapshot-dir", shm]
+                "--min-time", "0", "--settle", "0.5", "--snapshot-dir", shm]
         argv += [] if kind == "ductile-in-place" else ["--mpi-world"]
         nodes.append(subprocess.Popen(argv + ["--", args.python, script, out, str(args.steps)],
                                       stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -109,7 +109,7 @@ def main():
     parser.add_argument("--build", default=os.path.join(ROOT, "build"))
     parser.add_argument("--python", default=os.path.join(ROOT, ".venv", "bin", "python"))
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--join-after", type=int, default=4, dest="join_after")
     parser.add_argument("--launchers", default="ductile-in-place,ductile",
                         type=lambda s: s.split(","))
