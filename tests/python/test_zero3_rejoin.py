@@ -216,6 +216,9 @@ def test_a_pause_the_agent_asks_for_is_taken_at_the_next_update(world_of_one, tm
     _train_with_loss(engine, 1)  # pauses before step 4's update; rejoins; completes it
     answering.join()
     assert (tmp_path / "notice.json.held").read_text() == "3\n"
+    # It waited in round 1, then joined round 2: the agent's signs of life.
+    assert (tmp_path / "notice.json.waiting").read_text() == "1\n"
+    assert (tmp_path / "notice.json.joined").read_text() == "2\n"
     assert engine._recovery.recoveries == ["step"] and engine.restored_from_memory == 3
     assert engine.global_step == 4 and os.environ["DUCTILE_ROUND"] == "2"
     reference = zero3.initialize(_WithLoss(1), adam, CONFIG)
