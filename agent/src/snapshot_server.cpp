@@ -36,7 +36,6 @@
 
 namespace ductile::agent {
 
-
 using namespace snapshot_server_detail;
 
 bool servable_snapshot_path(const std::string& relative) {
