@@ -20,8 +20,49 @@
 
 #include "ductile/core/text.hpp"
 #include "ductile/error.hpp"
+#include "snapshot_area.hpp"
 
 namespace ductile::agent {
+
+namespace {
+
+// `text` into `file`, whole or not at all (written aside, then renamed);
+// "" when written, else why not.
+std::string write_whole(const std::filesystem::path& file, const std::string& text) {
+  auto part = file;
+  part += ".part";
+  std::FILE* out = std::fopen(part.c_str(), "w");
+  if (!out) return std::strerror(errno);
+  bool written = std::fwrite(text.data(), 1, text.size(), out) == text.size();
+  const int error = errno;
+  if (std::fclose(out) != 0) written = false;
+  if (!written) return std::strerror(error);
+  std::error_code ec;
+  std::filesystem::rename(part, file, ec);
+  return ec ? ec.message() : "";
+}
+
+// A worker's small file (its word on a notice); "" when there is none.
+std::string read_small(const std::filesystem::path& file) {
+  return read_small_file(file, kMaxSidecarBytes).value_or("");
+}
+
+std::filesystem::path beside(const std::filesystem::path& file, const char* suffix) {
+  auto path = file;
+  path += suffix;
+  return path;
+}
+
+// ", global batch G = micro M x accumulation A x W" when the policy plans
+// batches, else "".
+std::string plan_text(const JobPolicy& policy, std::int64_t world_size) {
+  if (!policy.has_config()) return {};
+  const BatchPlan plan = policy.plan(world_size);
+  return fmt::format(", global batch {} = micro {} x accumulation {} x {}", plan.global_batch,
+                     plan.micro_batch, plan.gradient_accumulation_steps, world_size);
+}
+
+}  // namespace
 
 RunDir::RunDir(const std::string& job_id, const WorkerOutput& output) : kept_(output.any_file()) {
   std::filesystem::path base = output.log_dir;
@@ -99,18 +140,13 @@ void NodeWorkers::start(const RoundRecord& round, std::size_t group_rank, const 
                                         ignored);
   auto specs =
       worker_specs({o_, policy, round, group_rank, self_.id, run_dir(), snapshot_dir_, restore});
-  BatchPlan plan = policy.plan(round.world_size);
   self_.log(fmt::format(
       "round {} started: world size {} ({} nodes x {}), group rank {}, master {}:{}{}{}, "
       "restarts {}, started_ms={} ({})",
       round.round, round.world_size, round.members.size(), o_.nproc_per_node, group_rank,
       round.master_addr, round.master_port,
       round.mpi_join_port ? fmt::format(", MPI world joined at port {}", round.mpi_join_port) : "",
-      policy.has_config()
-          ? fmt::format(", global batch {} = micro {} x accumulation {} x {}", plan.global_batch,
-                        plan.micro_batch, plan.gradient_accumulation_steps, round.world_size)
-          : "",
-      round.restarts, round.started_ms, round.reason));
+      plan_text(policy, round.world_size), round.restarts, round.started_ms, round.reason));
   try {
     if (!group_.start(specs, o_.stop_grace, o_.stop_signal))
       self_.log(
@@ -151,45 +187,6 @@ void NodeWorkers::start(const RoundRecord& round, std::size_t group_rank, const 
                     e.what()));
   }
 }
-
-namespace {
-
-// `text` into `file`, whole or not at all (written aside, then renamed);
-// "" when written, else why not.
-std::string write_whole(const std::filesystem::path& file, const std::string& text) {
-  auto part = file;
-  part += ".part";
-  std::FILE* out = std::fopen(part.c_str(), "w");
-  if (!out) return std::strerror(errno);
-  bool written = std::fwrite(text.data(), 1, text.size(), out) == text.size();
-  const int error = errno;
-  if (std::fclose(out) != 0) written = false;
-  if (!written) return std::strerror(error);
-  std::error_code ec;
-  std::filesystem::rename(part, file, ec);
-  return ec ? ec.message() : "";
-}
-
-// The first bytes (at most 64) of a worker's small file; "" when there is
-// none. Never follows a link, never blocks on a FIFO.
-std::string read_small(const std::filesystem::path& file) {
-  int fd = ::open(file.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
-  if (fd < 0) return {};
-  char buffer[64];
-  struct stat info{};
-  const ssize_t n =
-      fstat(fd, &info) == 0 && S_ISREG(info.st_mode) ? ::read(fd, buffer, sizeof buffer) : 0;
-  ::close(fd);
-  return n > 0 ? std::string(buffer, static_cast<std::size_t>(n)) : std::string();
-}
-
-std::filesystem::path beside(const std::filesystem::path& file, const char* suffix) {
-  auto path = file;
-  path += suffix;
-  return path;
-}
-
-}  // namespace
 
 bool NodeWorkers::growing(const RoundRecord& next) const {
   return std::all_of(members_.begin(), members_.end(), [&](const std::string& node) {
@@ -345,17 +342,12 @@ void NodeWorkers::continue_in_place(const RoundRecord& round, std::size_t group_
   joining_round_ = round.round;
   joining_since_ = now_ms();
   joining_.emplace(Joining{round, group_rank, restore});
-  BatchPlan plan = policy.plan(round.world_size);
   self_.log(fmt::format(
       "round {} continued in place: world size {} ({} nodes x {}), group rank {}, master {}:{}{}, "
       "restore {}, restarts {}, started_ms={} ({})",
       round.round, round.world_size, round.members.size(), o_.nproc_per_node, group_rank,
-      round.master_addr, round.master_port,
-      policy.has_config()
-          ? fmt::format(", global batch {} = micro {} x accumulation {} x {}", plan.global_batch,
-                        plan.micro_batch, plan.gradient_accumulation_steps, round.world_size)
-          : "",
-      restore.string(), round.restarts, round.started_ms, round.reason));
+      round.master_addr, round.master_port, plan_text(policy, round.world_size), restore.string(),
+      round.restarts, round.started_ms, round.reason));
 }
 
 std::optional<WorkerError> NodeWorkers::read_error(std::int64_t local_rank) {
@@ -437,18 +429,8 @@ void NodeWorkers::report_exit() {
 
 void NodeWorkers::end_round(const std::string& why, std::chrono::milliseconds grace) {
   if (!group_.empty()) {
-    // Whole or not at all: written aside, then renamed.
-    const auto file = round_end_of(run_dir());
-    auto part = file;
-    part += ".part";
-    if (std::FILE* out = std::fopen(part.c_str(), "w")) {
-      const std::string text = fmt::format("{}\n{}\n", current_round_, why);
-      const bool written = std::fwrite(text.data(), 1, text.size(), out) == text.size();
-      if (std::fclose(out) == 0 && written) {
-        std::error_code ignored;
-        std::filesystem::rename(part, file, ignored);
-      }
-    }
+    // Best effort: a worker that cannot read why says less.
+    write_whole(round_end_of(run_dir()), fmt::format("{}\n{}\n", current_round_, why));
   }
   stop(grace);
 }

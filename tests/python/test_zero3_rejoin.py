@@ -27,7 +27,7 @@ from zero3_checkpoint_support import same, snapshot, train  # noqa: E402
 from zero3_launch import CONFIG  # noqa: E402
 from zero3_rejoin_support import (Releases, assemble, committed, finish, kill, losses,  # noqa: E402
                                   notice, serve_store, start, wait_for, write_notice)
-from zero3_model import Windows, loss_of, make_model  # noqa: E402
+from zero3_model import Windows, WithLoss, make_model  # noqa: E402
 
 GOOD = {"round": 3, "rank": 1, "world_size": 2, "local_rank": 0, "local_world_size": 1,
         "master_addr": "node-a", "master_port": 29500, "restore": "/dev/shm/restore/step4"}
@@ -171,17 +171,6 @@ def test_a_newer_notice_at_a_step_boundary_rejoins_in_place(world_of_one, tmp_pa
     assert engine.global_step == 5 and committed(own) == "step5"
 
 
-class _WithLoss(torch.nn.Module):
-    """The LM whose forward returns the loss: its steps can run again."""
-
-    def __init__(self, seed):
-        super().__init__()
-        self.lm = make_model(seed=seed)
-
-    def forward(self, x, y):
-        return loss_of(self.lm(x), y)
-
-
 def _train_with_loss(engine, steps):
     windows = Windows(batch=2)
     for _ in range(steps):
@@ -197,7 +186,7 @@ def test_a_pause_the_agent_asks_for_is_taken_at_the_next_update(world_of_one, tm
     step: the state is that of an engine loaded from it and stepped once."""
     port, own = world_of_one
     path = tmp_path / "notice.json"
-    engine = zero3.initialize(_WithLoss(0), adam, CONFIG)
+    engine = zero3.initialize(WithLoss(seed=0), adam, CONFIG)
     assert (tmp_path / "notice.json.ready").read_text() == f"{os.getpid()}\nhold\n"
     _train_with_loss(engine, 3)
     (tmp_path / "notice.json.hold").write_text("2\n")
@@ -221,7 +210,7 @@ def test_a_pause_the_agent_asks_for_is_taken_at_the_next_update(world_of_one, tm
     assert (tmp_path / "notice.json.joined").read_text() == "2\n"
     assert engine._recovery.recoveries == ["step"] and engine.restored_from_memory == 3
     assert engine.global_step == 4 and os.environ["DUCTILE_ROUND"] == "2"
-    reference = zero3.initialize(_WithLoss(1), adam, CONFIG)
+    reference = zero3.initialize(WithLoss(seed=1), adam, CONFIG)
     reference.load(restore)
     _train_with_loss(reference, 1)
     assert same(snapshot(reference), snapshot(engine))

@@ -88,6 +88,19 @@ def loss_of(logits, targets):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+class WithLoss(nn.Module):
+    """The LM whose forward returns the loss (as a Hugging Face model given
+    labels does): the loop's loss is the engine's output, so the engine can
+    run a step again after a rejoin. `kwargs`: TiedLM's."""
+
+    def __init__(self, seed=0, **kwargs):
+        super().__init__()
+        self.lm = make_model(seed=seed, **kwargs)
+
+    def forward(self, x, y):
+        return loss_of(self.lm(x), y)
+
+
 class Windows:
     """Step s's global batch: `batch` windows of `context` + 1 bytes at
     offsets drawn from a generator seeded with s."""

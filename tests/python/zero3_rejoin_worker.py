@@ -26,25 +26,13 @@ import torch
 import torch.distributed as dist
 
 import ductile.torch.zero3 as zero3
-from zero3_model import Windows, loss_of, make_model
+from zero3_model import Windows, WithLoss
 
 faulthandler.register(signal.SIGUSR1)  # a hung rank's stacks, for its diagnosis
 spec = json.load(open(sys.argv[1]))
 out = spec["out"]
 rank = int(os.environ["RANK"])
 pause = spec.get("pause") or {}
-
-
-class WithLoss(torch.nn.Module):
-    """The LM whose forward returns the loss (as a Hugging Face model given
-    labels does): the loop's loss is the engine's output."""
-
-    def __init__(self):
-        super().__init__()
-        self.lm = make_model(seed=0)
-
-    def forward(self, x, y):
-        return loss_of(self.lm(x), y)
 
 
 def paused():

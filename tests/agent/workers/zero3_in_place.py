@@ -25,25 +25,13 @@ import time
 import torch
 
 from zero3_launch import CONFIG
-from zero3_model import Windows, loss_of, make_model
+from zero3_model import Windows, WithLoss
 
 faulthandler.register(signal.SIGUSR1)  # a hung rank's stacks, for its diagnosis
 torch.use_deterministic_algorithms(True)
 torch.set_num_threads(1)
 
 LR = 1e-2
-
-
-class WithLoss(torch.nn.Module):
-    """The LM whose forward returns the loss (as a Hugging Face model given
-    labels does): the loop's loss is the engine's output."""
-
-    def __init__(self):
-        super().__init__()
-        self.lm = make_model(seed=0)
-
-    def forward(self, x, y):
-        return loss_of(self.lm(x), y)
 
 
 def batch_of(windows, node, step):

@@ -131,16 +131,23 @@ def descendants(pid):
     return out
 
 
-def kill_node(process):
-    """SIGKILL a launcher and everything under it (its workers are in process
-    groups of their own): the node is gone. Returns when it was killed."""
+def signal_node(process, sig):
+    """`sig` to a launcher and everything under it (its workers are in
+    process groups of their own). Returns when it was sent."""
     pids = descendants(process.pid)
-    killed = time.time()
+    sent = time.time()
     for pid in pids:
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, sig)
         except ProcessLookupError:
             pass
+    return sent
+
+
+def kill_node(process):
+    """SIGKILL a launcher and everything under it: the node is gone.
+    Returns when it was killed."""
+    killed = signal_node(process, signal.SIGKILL)
     process.wait()
     return killed
 
@@ -197,6 +204,18 @@ def stop_all(processes, logs):
             kill_node(p)
     for log in logs:
         log.close()
+
+
+def stop_nodes(processes, logs):
+    """stop_all, then SIGKILL for the processes they left behind (workers
+    of a launcher that did not stop them, a node left stopped)."""
+    stop_all(processes, logs)
+    for p in processes:
+        for pid in descendants(p.pid)[1:]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def may_start(args):
@@ -469,10 +488,7 @@ def race_one(kind, args, directory):
         print(f"{kind}: failed; its logs are in {kept}", file=sys.stderr)
         raise
     finally:
-        stop_all(nodes, logs)
-        for p in nodes:  # workers left behind (torchrun's, after a SIGTERM)
-            for pid in descendants(p.pid)[1:]:
-                os.kill(pid, signal.SIGKILL)
+        stop_nodes(nodes, logs)  # workers left behind: torchrun's, after a SIGTERM
         if etcd:
             etcd.stop()
 

@@ -24,7 +24,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_agent import ROOT, Etcd, descendants, spread, stop_all
+from bench_agent import ROOT, Etcd, spread, stop_nodes
 from bench_recovery import (BATCH, DUCTILE_WORKER, IN_PLACE_WORKER, JOB_TOML, MODEL, REPLICAS,
                             notes, wait_for)
 
@@ -89,13 +89,7 @@ def race_one(kind, args, directory):
         print(f"{kind}: failed; its logs are in {kept}", file=sys.stderr)
         raise
     finally:
-        stop_all(nodes, logs)
-        for p in nodes:
-            for pid in descendants(p.pid)[1:]:
-                try:
-                    os.kill(pid, 9)
-                except ProcessLookupError:
-                    pass
+        stop_nodes(nodes, logs)
         etcd.stop()
 
 

@@ -51,7 +51,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_agent import ROOT, Etcd, descendants, free_port, kill_node, spread, stop_all
+from bench_agent import ROOT, Etcd, free_port, kill_node, signal_node, spread, stop_nodes
 
 NODES = 3
 BATCH = 24
@@ -76,7 +76,7 @@ ROUND = os.environ.get("DUCTILE_ROUND") or os.environ.get("TORCHELASTIC_RESTART_
 note("started", ROUND, os.environ["WORLD_SIZE"], os.environ["RANK"])
 import torch
 torch.set_num_threads(1)
-from zero3_model import Windows, loss_of, make_model
+from zero3_model import Windows, WithLoss, loss_of, make_model
 note("imported", ROUND, os.environ["WORLD_SIZE"], os.environ["RANK"])
 MODEL = %r
 BATCH = %d
@@ -116,14 +116,9 @@ config = ductile.load_config(
      "zero": {"coordinator": "partitioned", "snapshot_interval": 1,
               "snapshot_replicas": %d}},
     format="toml")
-class WithLoss(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lm = make_model(seed=0, **MODEL)
-    def forward(self, x, y):
-        return loss_of(self.lm(x), y)
 note("built", ROUND, world, rank)
-engine = zero3.initialize(WithLoss(), lambda params: torch.optim.Adam(params, lr=3e-3), config)
+engine = zero3.initialize(WithLoss(seed=0, **MODEL),
+                          lambda params: torch.optim.Adam(params, lr=3e-3), config)
 note("ready", ROUND, world, rank, 0)
 windows = Windows(batch=BATCH, context=MODEL["context"])
 while engine.global_step < steps:
@@ -277,19 +272,6 @@ class MemorySampler:
         return peaks
 
 
-def stop_node(process):
-    """SIGSTOP a launcher and everything under it: the node goes silent (a
-    cut cable, a hung host), its connections stay open. Returns when."""
-    pids = descendants(process.pid)
-    stopped = time.time()
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGSTOP)
-        except ProcessLookupError:
-            pass
-    return stopped
-
-
 def wait_for(predicate, limit, what, alive):
     deadline = time.monotonic() + limit
     while not predicate():
@@ -357,7 +339,10 @@ def race_one(kind, args, directory):
         done = max(r[4] for r in notes(out) if r[0] == "stepped") + 1
         victim = nodes[-1] if args.victim == "last" else random.choice(nodes)
         survivors_of = [p for p in nodes if p is not victim]
-        killed = kill_node(victim) if args.signal == "KILL" else stop_node(victim)
+        # SIGSTOP: the node goes silent (a cut cable, a hung host), its
+        # connections stay open.
+        killed = (kill_node(victim) if args.signal == "KILL"
+                  else signal_node(victim, signal.SIGSTOP))
         survivors = NODES - 1
 
         def after(event):
@@ -442,13 +427,7 @@ def race_one(kind, args, directory):
     finally:
         if sampler:
             sampler.close()
-        stop_all(nodes, logs)
-        for p in nodes:
-            for pid in descendants(p.pid)[1:]:
-                try:
-                    os.kill(pid, 9)
-                except ProcessLookupError:
-                    pass
+        stop_nodes(nodes, logs)
         if etcd:
             etcd.stop()
         shutil.rmtree(shm, ignore_errors=True)

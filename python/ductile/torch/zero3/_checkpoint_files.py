@@ -83,6 +83,17 @@ def fsync_dir(path):
         os.close(fd)
 
 
+def write_small(path, text):
+    """`text` in `path`, written whole or not at all (a staged file renamed
+    over it): a reader never sees half of it. OSError."""
+    staged = path + ".tmp"
+    if os.path.lexists(staged):
+        os.unlink(staged)
+    write_file(staged, [text.encode()], durable=False)
+    fs("rename", staged)
+    os.replace(staged, path)
+
+
 def write_file(path, chunks, sha256=False, durable=True, reuse=None):
     """Writes `chunks` (bytes-like) to a new file and fsyncs it (unless not
     `durable`: a snapshot in memory); returns [size, CRC-32C], and the

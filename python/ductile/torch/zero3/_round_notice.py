@@ -54,6 +54,7 @@ import json
 import os
 
 from ..._errors import CommunicationError, InvalidArgumentError, IoError
+from ._checkpoint_files import write_small
 
 NOTICE_ENV = "DUCTILE_ROUND_NOTICE"
 ROUND_ENV = "DUCTILE_ROUND"
@@ -191,12 +192,8 @@ class RoundHold(CommunicationError):
 
 
 def _write_whole(path, text, what):
-    # Whole or not at all: written aside, then renamed.
-    staged = f"{path}.{os.getpid()}.part"
     try:
-        with open(staged, "w") as f:
-            f.write(text)
-        os.replace(staged, path)
+        write_small(path, text)
     except OSError as e:
         raise IoError(f"{path} ({NOTICE_ENV}): cannot {what}: {e.strerror or e}") from e
 

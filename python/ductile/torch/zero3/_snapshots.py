@@ -100,8 +100,8 @@ import torch
 from ..._errors import CommunicationError, Error, InvalidArgumentError, IoError
 from . import _checkpoint
 from ._checkpoint import agree
-from ._checkpoint_files import (fs, header, io_error, rank_stem, read_header, shard_layout,
-                                write_file)
+from ._checkpoint_files import (header, io_error, rank_stem, read_header, shard_layout,
+                                write_file, write_small)
 from . import _round_notice
 from ._round_notice import RoundHold
 from ._snapshot_mapping import MAPPINGS, SnapshotFile, write_shards
@@ -139,17 +139,6 @@ def _local_rank():
                     f"zero3 snapshots: {name} = {value!r}; valid: this process' rank on its "
                     "node, an integer >= 0") from None
     return None
-
-
-def _write_small(path, text):
-    """`text` in `path`, written whole or not at all (a staged file renamed
-    over it): a reader never sees half of it. OSError."""
-    staged = path + ".tmp"
-    if os.path.lexists(staged):
-        os.unlink(staged)
-    write_file(staged, [text.encode()], durable=False)
-    fs("rename", staged)
-    os.replace(staged, path)
 
 
 def _ordinal(n):
@@ -411,7 +400,7 @@ class Snapshots:
     def _ask_release(self, step):
         path = os.path.join(self.root, RELEASE_FILE)
         try:
-            _write_small(path, f"{step}\n")
+            write_small(path, f"{step}\n")
         except OSError as e:
             _log.warning("zero3 snapshots: cannot ask the agent to free the restored snapshot of "
                          "step %d (%s): %s; it is freed later", step, path, e)
@@ -472,7 +461,7 @@ class Snapshots:
             return
         path = os.path.join(self.root, REPLICAS_FILE)
         try:
-            _write_small(path, f"{self.replicas}\n")
+            write_small(path, f"{self.replicas}\n")
         except OSError as e:
             raise io_error(path, "cannot write the snapshot's replica count", e) from e
         self._replicas_written = True
