@@ -90,7 +90,10 @@ struct ThreeNodes {
                                         "--min-time",       "0",   "--stop-grace",    "1"};
     options.insert(options.end(), more.begin(), more.end());
     for (const char* name : {"a", "b", "c"}) {
-      agents.push_back(&job.start(name, options, sh("sleep 300")));
+      // `exec`: the worker is the sleep itself, so a tree of three holds
+      // every process (dash forks a plain command; that sleep, forked
+      // after the tree was read, would outlive a SIGKILL of the tree).
+      agents.push_back(&job.start(name, options, sh("exec sleep 300")));
       // Registered in this order: a leads, b is next in line.
       REQUIRE(agents.back()->wait_for_output("joined job", 60s));
     }
