@@ -202,19 +202,22 @@ std::vector<std::string> node_list(const std::string& list) {
 }
 
 // A job of tests/agent/workers/zero3_in_place.py (the documented zero3
-// loop over gloo, a snapshot a step copied to one other node): its
-// workers' command, their losses folder and the agents' options.
+// loop over gloo, a snapshot a step copied to one other node; with `loop`
+// {"--deepspeed", "ACC"} a DeepSpeed script's loop on ductile.deepspeed):
+// its workers' command, their losses folder and the agents' options.
 struct InPlaceRun {
   static constexpr int kSteps = 12;
   std::filesystem::path train;
-  std::vector<std::string> worker, options;
+  std::vector<std::string> loop, worker, options;
 
-  explicit InPlaceRun(const Job& job) : train(job.dir / "train") {
+  explicit InPlaceRun(const Job& job, std::vector<std::string> loop_options = {})
+      : train(job.dir / "train"), loop(std::move(loop_options)) {
     std::filesystem::create_directories(train);
     worker = package_python("zero3_in_place.py");
     worker.insert(worker.begin() + 1, "ZERO3_STEP_PAUSE=0.3");
     worker.push_back(train.string());
     worker.push_back(std::to_string(kSteps));
+    worker.insert(worker.end(), loop.begin(), loop.end());
     const auto shm = job.dir / "shm";
     std::filesystem::create_directories(shm);
     options = {"--nproc-per-node", "1",         "--min-nodes", "2", "--settle",   "1",
@@ -260,8 +263,10 @@ struct InPlaceRun {
       CHECK(repeated <= repeats);
     }
     auto plain = package_python("zero3_in_place.py");
-    for (std::string arg : {job.dir.path().string(), std::to_string(kSteps), std::string("--plain"),
-                            before, std::to_string(change), after})
+    plain.push_back(job.dir.path().string());
+    plain.push_back(std::to_string(kSteps));
+    plain.insert(plain.end(), loop.begin(), loop.end());
+    for (std::string arg : {std::string("--plain"), before, std::to_string(change), after})
       plain.push_back(arg);
     const ProcessResult ref = run_process(plain);
     INFO(ref.out << ref.err);
@@ -297,9 +302,11 @@ struct InPlaceRun {
 // same worker processes rejoin at world size 2 from the snapshot in memory
 // and train to the end. Every step's loss is plain torch's over the nodes of
 // its round, at most one step is trained twice and none is skipped.
-TEST_CASE("agent: the survivors of a lost node go on in place, in the same processes") {
-  Job job;
-  const recovery_test::InPlaceRun run(job);
+namespace recovery_test {
+
+// Three nodes train `run`'s loop; one node's process tree is SIGKILLed after
+// a random step. The survivors' workers go on in place (see below).
+void lose_a_node_in_place(Job& job, const InPlaceRun& run) {
   std::random_device random;
   const int kill_after = 2 + static_cast<int>(random() % 4);  // a step of 2..5
   INFO("node c killed after step " << kill_after);
@@ -337,6 +344,21 @@ TEST_CASE("agent: the survivors of a lost node go on in place, in the same proce
   CHECK(first.at("b") == change + 1);
   if (!no_marked_processes(job.marker)) job.dump();
   CHECK(marked_processes(job.marker).empty());
+}
+
+}  // namespace recovery_test
+
+TEST_CASE("agent: the survivors of a lost node go on in place, in the same processes") {
+  Job job;
+  recovery_test::lose_a_node_in_place(job, recovery_test::InPlaceRun(job));
+}
+
+// The same with a DeepSpeed script's loop on ductile.deepspeed (two
+// micro-batches a step, each loss divided by engine.backward): the
+// micro-batches of the step in progress run again in the new round.
+TEST_CASE("agent: a DeepSpeed loop's survivors of a lost node go on in place") {
+  Job job;
+  recovery_test::lose_a_node_in_place(job, recovery_test::InPlaceRun(job, {"--deepspeed", "2"}));
 }
 
 // Two nodes train; a third joins. The leader forms round 2 with three; the

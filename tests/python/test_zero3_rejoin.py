@@ -226,6 +226,75 @@ def test_a_step_that_cannot_run_again_does_not_pause(world_of_one, tmp_path):
     train(engine, 2)
     assert (tmp_path / "notice.json.held").read_text() == "-1\n"
     assert engine.global_step == 4 and engine._recovery.recoveries == []
+    # Nor does it go on in place at a lost node: its first backward took
+    # back what the engine said when it was built.
+    assert not (tmp_path / "notice.json.ready").exists()
+
+
+class _WithLossKey(torch.nn.Module):
+    """A Hugging Face model's output, as the Trainer reads it: the loss under "loss"."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = WithLoss(seed=0)
+
+    def forward(self, x, y):
+        return {"loss": self.inner(x, y)}
+
+
+def test_a_loss_changed_in_place_after_the_forward_cannot_run_again(world_of_one, tmp_path,
+                                                                     caplog):
+    """The HF Trainer multiplies the output's loss in place (by the world
+    size) before backward: running the forward again would not give it, so
+    the engine takes back its `.ready` and says why; the output's loss as
+    it came keeps it."""
+    ready = tmp_path / "notice.json.ready"
+    windows = Windows(batch=2)
+    engine = zero3.initialize(_WithLossKey(), adam, CONFIG)
+    loss = engine(*windows.step(0))["loss"]
+    engine.backward(loss)
+    engine.step()
+    assert ready.exists() and engine._recovery.micro == []
+    with caplog.at_level("WARNING", logger="ductile.zero3"):
+        loss = engine(*windows.step(1))["loss"]
+        loss *= 1.0
+        engine.backward(loss)
+    assert not ready.exists()
+    assert "its step cannot run again, and at a lost node the agent restarts" in caplog.text
+
+
+def test_the_deepspeed_drop_in_takes_notices_when_its_micro_batch_is_fixed(world_of_one,
+                                                                          tmp_path, caplog):
+    """ductile.deepspeed's engine keeps its micro-batches as zero3's does
+    (its forward goes through the engine, its backward's division by the
+    accumulation steps is kept), so it says it can rejoin; a config
+    without train_micro_batch_size_per_gpu, whose micro-batch follows the
+    world size, cannot."""
+    import ductile.deepspeed as deepspeed
+    ready = tmp_path / "notice.json.ready"
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 3}, "snapshot": {"interval": 1, "replicas": 1}}
+    model = WithLoss(seed=0)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=config)
+    assert ready.read_text() == f"{os.getpid()}\nhold\n"
+    windows = Windows(batch=2)
+    loss = engine(*windows.step(0))
+    scaled = engine.backward(loss)
+    assert torch.equal(scaled, loss / 2)
+    micro = engine.zero3._recovery.micro
+    assert len(micro) == 1 and micro[0].done and micro[0].divisor == 2
+    assert micro[0].loss_path == ()
+    ready.unlink()
+    del config["train_micro_batch_size_per_gpu"]
+    config["train_batch_size"] = 4
+    with caplog.at_level("WARNING", logger="ductile.zero3"):
+        model = WithLoss(seed=0)
+        deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    assert not ready.exists()
+    assert "gives no train_micro_batch_size_per_gpu, so the micro-batch would change with " \
+        "the world size" in caplog.text
 
 
 def test_rejoin_refuses_a_round_not_newer_and_a_world_it_cannot_rebuild(world_of_one, tmp_path,

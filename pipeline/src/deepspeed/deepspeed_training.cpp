@@ -93,7 +93,7 @@ void Mapping::optimizer(const json& section, bool trains) {
   }
   DeepSpeedTraining::Optimizer optimizer;
   optimizer.type = type->get<std::string>();
-  bool adam_w_mode = true;
+  bool adam_w_mode = true, torch_adam = false;
   if (const json* params = object(section, "params", "optimizer.params"))
     for (auto it = params->begin(); it != params->end(); ++it) {
       const std::string& key = it.key();
@@ -118,10 +118,15 @@ void Mapping::optimizer(const json& section, bool trains) {
           adam_w_mode = value.get<bool>();
         else
           problem(user_key, fmt::format("= {}; valid: true or false", json_excerpt(value)));
-      } else if (key != "torch_adam") {  // which implementation: the framework's own
+      } else if (key == "torch_adam") {  // which implementation: the framework's own
+        torch_adam = value.is_boolean() && value.get<bool>();
+      } else {
         warn(user_key, "ductile's Adam and AdamW have no such setting");
       }
     }
+  // DeepSpeed's own Adam (FusedAdam, DeepSpeedCPUAdam) decays no weight
+  // unless told; with torch_adam it is torch's, whose AdamW decays 0.01.
+  if (!optimizer.weight_decay && !torch_adam) optimizer.weight_decay = 0.0;
   optimizer.decoupled_weight_decay = lowered == "adamw" || adam_w_mode;
   training_.optimizer = std::move(optimizer);
 }

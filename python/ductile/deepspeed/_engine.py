@@ -31,7 +31,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -131,6 +131,14 @@ def _write_report(values):
                                           for name, seconds in spent.items()), flush=True)
 
 
+def _follow_world(sampler, world_size, rank):
+    """`sampler` (initialize's DistributedSampler) at another world size,
+    from its next epoch (an epoch begun keeps its indices)."""
+    sampler.num_replicas, sampler.rank = world_size, rank
+    sampler.num_samples = -(-len(sampler.dataset) // world_size)  # drop_last False
+    sampler.total_size = sampler.num_samples * world_size
+
+
 class DeepSpeedEngine(torch.nn.Module):
     """What ``ductile.deepspeed.initialize`` returns first: DeepSpeed's
     engine over ``zero3``, the ductile ZeRO-3 engine of ``module``."""
@@ -138,15 +146,22 @@ class DeepSpeedEngine(torch.nn.Module):
     # batch: (train_batch_size, micro-batch per rank, gradient accumulation
     # steps); training: the DeepSpeed config's training keys as the mapping
     # read them; config: the DeepSpeed config as given.
+    # replan: the batch sizes at another world size (after an in-place rejoin).
     def __init__(self, module: torch.nn.Module, zero3: Zero3Engine, batch: tuple[int, int, int],
                  training: Mapping[str, Any], lr_scheduler: Any = None,
                  training_dataloader: torch.utils.data.DataLoader | None = None,
-                 config: dict[str, Any] | None = None) -> None:
+                 config: dict[str, Any] | None = None,
+                 replan: Callable[[int], tuple[int, int, int]] | None = None) -> None:
         super().__init__()
         self.module = module
         self._zero3 = zero3
         self._config = config
         self._train_batch_size, self._micro_batch, self._accumulation = batch
+        self._replan = replan
+        # The batch sizes of the world joined in place, from the step after
+        # the one in progress (which ends with the micro-batches it began with).
+        self._next_batch: tuple[int, int, int] | None = None
+        zero3._after_rejoin = self._rejoined
         self._steps_per_print = training["steps_per_print"]
         self._wall_clock_breakdown = training["wall_clock_breakdown"]
         _progress_logger(training["log_level"])
@@ -302,7 +317,7 @@ class DeepSpeedEngine(torch.nn.Module):
             if tokens is not None:
                 self._zero3.count_batch(0, tokens)
         with self._timing("fwd"):
-            return self.module(*args, **kwargs)
+            return self._zero3(*args, **kwargs)  # kept, to run again after a rejoin
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:
@@ -310,11 +325,9 @@ class DeepSpeedEngine(torch.nn.Module):
         (with ``scale_wrt_gas``, as DeepSpeed does); returns that loss.
         The gradient shards are complete when it returns."""
         self._require_optimizer("backward")
-        if scale_wrt_gas and self._accumulation > 1:
-            loss = loss / self._accumulation
+        divisor = self._accumulation if scale_wrt_gas else 1
         with self._timing("bwd"):
-            self._zero3.backward(loss, retain_graph=retain_graph)
-        return loss
+            return self._zero3._divided_backward(loss, divisor, {"retain_graph": retain_graph})
 
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary is not None:
@@ -346,7 +359,32 @@ class DeepSpeedEngine(torch.nn.Module):
                 self._report(self._timers.end_step())
             self.global_steps += 1
             self.global_samples += self._train_batch_size
+            if self._next_batch is not None:
+                self._take_next_batch()
+                return
         self.micro_steps += 1
+
+    def _rejoined(self, restored: int) -> None:
+        """After the zero3 engine rejoined a round in place at the snapshot
+        of step `restored`: the steps after it are taken back from the
+        counters, and the new world's batch sizes apply from the next step:
+        the one in progress ends with the micro-batches it began with."""
+        lost = self.global_steps - restored
+        if lost > 0:
+            self.global_steps = restored
+            self.global_samples -= lost * self._train_batch_size
+            self.micro_steps -= lost * self._accumulation
+        if self._replan is not None:
+            self._next_batch = self._replan(self.world_size)
+        sampler = getattr(self.training_dataloader, "sampler", None)
+        if isinstance(sampler, torch.utils.data.distributed.DistributedSampler):
+            _follow_world(sampler, self.world_size, self.global_rank)
+
+    def _take_next_batch(self) -> None:
+        assert self._next_batch is not None
+        self._train_batch_size, self._micro_batch, self._accumulation = self._next_batch
+        self._next_batch = None
+        self.micro_steps = self.global_steps * self._accumulation
 
     def _report(self, step_seconds):
         """Takes the step's lines (rank 0): written at a later step, once

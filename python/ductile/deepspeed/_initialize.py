@@ -261,5 +261,6 @@ def initialize(
     scheduler = _scheduler(lr_scheduler, zero3.optimizer, training)
     loader = _dataloader(training_data, batch[1], collate_fn, training["dataloader_drop_last"],
                          world_size, rank)
-    engine = DeepSpeedEngine(model, zero3, batch, training, scheduler, loader, as_dict)
+    engine = DeepSpeedEngine(model, zero3, batch, training, scheduler, loader, as_dict,
+                             replan=lambda world: batch_sizes(training, world, loaded.origin))
     return engine, engine.optimizer, loader, scheduler

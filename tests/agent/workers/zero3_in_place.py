@@ -5,12 +5,16 @@ place when a node is lost (round notices, engine.rejoin). Each node trains on
 its own batches (chosen by its node id and the step, the same at any world
 size), so that a run's losses do not depend on how ranks were numbered.
 
-After every step it appends {round, world, rank, step, loss, pid} to
-OUT/losses-<node id>.jsonl and prints one line. Exits 0 once
-engine.global_step reaches STEPS.
+With ``--deepspeed ACC`` the same through ``ductile.deepspeed.initialize``
+(a DeepSpeed JSON config, ACC gradient accumulation steps: the loop of a
+DeepSpeed script, ``engine.backward`` dividing each micro-batch's loss).
 
-usage: zero3_in_place.py OUT STEPS                        (a worker)
-       zero3_in_place.py OUT STEPS --plain NODES CHANGE REST
+After every step it appends {round, world, rank, step, loss, pid} to
+OUT/losses-<node id>.jsonl (the loss: the mean of the step's micro-batches')
+and prints one line. Exits 0 once the engine's step reaches STEPS.
+
+usage: zero3_in_place.py OUT STEPS [--deepspeed ACC]          (a worker)
+       zero3_in_place.py OUT STEPS [--deepspeed ACC] --plain NODES CHANGE REST
            (one process, torch alone: the nodes NODES (ids, comma-separated)
             train steps 1..CHANGE, the nodes REST the steps after; each
             step's mean loss over its nodes into OUT/plain.json)
@@ -34,11 +38,11 @@ torch.set_num_threads(1)
 LR = 1e-2
 
 
-def batch_of(windows, node, step):
-    return windows.step(1000 * (1 + sum(ord(c) for c in node)) + step)
+def batch_of(windows, node, step, micro=0, accumulation=1):
+    return windows.step(1000 * (1 + sum(ord(c) for c in node)) + step * accumulation + micro)
 
 
-def plain(out, steps, nodes, change, rest):
+def plain(out, steps, nodes, change, rest, accumulation):
     model = WithLoss()
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     windows = Windows(batch=2)
@@ -48,13 +52,24 @@ def plain(out, steps, nodes, change, rest):
         total = 0.0
         optimizer.zero_grad()
         for node in members:
-            loss = model(*batch_of(windows, node, step)) / len(members)
-            loss.backward()
-            total += loss.item()
+            for micro in range(accumulation):
+                loss = model(*batch_of(windows, node, step, micro, accumulation)) / (
+                    len(members) * accumulation)
+                loss.backward()
+                total += loss.item()
         optimizer.step()
         losses[step] = total
     with open(os.path.join(out, "plain.json"), "w") as f:
         json.dump(losses, f)
+
+
+def log_step(log, node, world, rank, step, loss):
+    entry = {"round": int(os.environ["DUCTILE_ROUND"]), "world": world, "rank": rank,
+             "step": step, "loss": loss, "pid": os.getpid()}
+    log.write(json.dumps(entry) + "\n")
+    log.flush()
+    print(f"in_place round={entry['round']} world={entry['world']} node={node} "
+          f"step={entry['step']}", flush=True)
 
 
 def worker(out, steps):
@@ -74,22 +89,48 @@ def worker(out, steps):
             loss = engine(*batch_of(windows, node, step))
             engine.backward(loss)
             engine.step()
-            entry = {"round": int(os.environ["DUCTILE_ROUND"]), "world": engine.world_size,
-                     "rank": engine.rank, "step": engine.global_step, "loss": loss.item(),
-                     "pid": os.getpid()}
-            log.write(json.dumps(entry) + "\n")
-            log.flush()
-            print(f"in_place round={entry['round']} world={entry['world']} node={node} "
-                  f"step={entry['step']}", flush=True)
+            log_step(log, node, engine.world_size, engine.rank, engine.global_step, loss.item())
+            time.sleep(pause)
+    print(f"in_place done node={node} pid={os.getpid()}", flush=True)
+
+
+def deepspeed_worker(out, steps, accumulation):
+    """A DeepSpeed script's loop, with ductile.deepspeed in place of deepspeed."""
+    import ductile.deepspeed as deepspeed
+
+    node = os.environ["DUCTILE_AGENT_NODE_ID"]
+    pause = float(os.environ.get("ZERO3_STEP_PAUSE", "0"))
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accumulation,
+              "optimizer": {"type": "Adam", "params": {"lr": LR}},
+              "zero_optimization": {"stage": 3}, "snapshot": {"interval": 1, "replicas": 1}}
+    model = WithLoss()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=config)
+    windows = Windows(batch=2)
+    with open(os.path.join(out, f"losses-{node}.jsonl"), "a") as log:
+        while engine.global_steps < steps:
+            total = 0.0
+            for micro in range(accumulation):
+                step = engine.global_steps + 1
+                loss = engine(*batch_of(windows, node, step, micro, accumulation))
+                engine.backward(loss)
+                engine.step()
+                total += loss.item() / accumulation
+            log_step(log, node, engine.world_size, engine.global_rank, engine.global_steps, total)
             time.sleep(pause)
     print(f"in_place done node={node} pid={os.getpid()}", flush=True)
 
 
 if __name__ == "__main__":
     out, steps = sys.argv[1], int(sys.argv[2])
-    if "--plain" in sys.argv[3:]:
-        at = sys.argv.index("--plain")
-        plain(out, steps, sys.argv[at + 1].split(","), int(sys.argv[at + 2]),
-              sys.argv[at + 3].split(","))
+    options = sys.argv[3:]
+    accumulation = None
+    if options[:1] == ["--deepspeed"]:
+        accumulation, options = int(options[1]), options[2:]
+    if options[:1] == ["--plain"]:
+        plain(out, steps, options[1].split(","), int(options[2]), options[3].split(","),
+              accumulation or 1)
+    elif accumulation is not None:
+        deepspeed_worker(out, steps, accumulation)
     else:
         worker(out, steps)

@@ -117,6 +117,11 @@ TEST_CASE("optimizer: Adam or AdamW, its parameters typed, DeepSpeed's adam_w_mo
           .training.optimizer;
   CHECK_FALSE(adam->decoupled_weight_decay);
   CHECK_FALSE(adam->lr);
+  // No weight decay unless given, as DeepSpeed's FusedAdam and CPU Adam;
+  // with torch_adam torch's default (AdamW's 0.01) is kept.
+  CHECK(*adam->weight_decay == 0.0);
+  CHECK_FALSE(mapped(R"({"optimizer": {"type": "AdamW", "params": {"torch_adam": true}}})")
+                  .training.optimizer->weight_decay);
 
   CHECK(message_of(R"({"optimizer": {"type": "SGD"}})") ==
         "ds.json: optimizer.type = \"SGD\"; valid: \"Adam\", \"AdamW\"");

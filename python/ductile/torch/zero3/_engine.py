@@ -186,11 +186,14 @@ class Zero3Engine:
         # The step restored from DUCTILE_SNAPSHOT_RESTORE (a round that
         # resumes from memory under `ductile agent`), or None.
         self.restored_from_memory = self._snapshots.restore()
+        # The DeepSpeed drop-in's engine (move_model) over this one: its
+        # batch sizes follow the world size (_rejoin._check_supported), and
+        # its counters a rejoin (_after_rejoin, called with the step restored).
+        self._drop_in = move_model
+        self._after_rejoin: Callable[[int], None] | None = None
         # In-place recovery under `ductile agent` (DUCTILE_ROUND_NOTICE set;
         # _rejoin.py), else None: the training loop's calls go straight on.
-        # The DeepSpeed drop-in (move_model) calls the module itself and
-        # scales the loss: its steps cannot run again, so it takes no notice.
-        self._recovery = None if move_model else Recovery.of(self)
+        self._recovery = Recovery.of(self)
 
     def _attach(self, sharded, optimizer_factory, gradient_clipping, step_in_backward):
         """Takes `sharded` (a ShardedModel of self.module) as the engine's,
@@ -383,10 +386,17 @@ class Zero3Engine:
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward(**kwargs)`` (the loss scaled first with fp16 loss
         scaling); gradient shards are complete when it returns."""
+        self._divided_backward(loss, 1, kwargs)
+
+    def _divided_backward(self, loss, divisor, kwargs):
+        """backward() of ``loss / divisor`` (the DeepSpeed drop-in divides by
+        its gradient accumulation steps); returns that loss."""
         if self._recovery is not None:
-            self._recovery.backward(loss, kwargs)
-            return
+            return self._recovery.backward(loss, kwargs, divisor)
+        if divisor != 1:
+            loss = loss / divisor
         self._backward(loss, kwargs)
+        return loss
 
     def _backward(self, loss, kwargs):
         if self._scaler is not None:

@@ -31,9 +31,13 @@ forward's arguments, and once its backward ran, how the loss came from the forwa
   step() complete there. The loop ``loss = engine(batch); engine.backward(loss);
   engine.step()`` goes on unchanged. A micro-batch can be run again only when its loss is the
   forward's output, or the output's ``loss`` (attribute, key) or first element (a Hugging Face
-  model given labels); when one whose loss was computed outside the forward would have to run
-  again (a failure in its backward or in step(), or in a later micro-batch of the same step),
-  the original error is raised and the agent restarts the workers, as without a notice.
+  model given labels), unchanged since the forward returned it (its version counter). The first
+  backward of another loss takes back ``<notice>.ready`` (the agent restarts the workers at a
+  lost node, as without a notice); when such a micro-batch would have to run again before the
+  agent read that (a failure in its backward or in step(), or in a later micro-batch of the
+  same step), the original error is raised: the same restart, later. The DeepSpeed drop-in's
+  engine goes through these calls too, its loss divided by its accumulation steps (kept with
+  the micro-batch: the same division when it runs again).
   gloo's "Connection closed by peer" from the engine's own collectives on torch's group (a
   RuntimeError) counts as a lost peer too. A collective of the old round that waits only for
   live peers (a ring's neighbour, while the lost rank's neighbours have left) would wait for
@@ -115,6 +119,9 @@ def _check_supported(engine):
         why = "optimizer offload is on; valid: the optimizer on the device"
     elif engine.step_in_backward:
         why = "step_in_backward is on; valid: the optimizer stepped by step()"
+    elif engine._drop_in and engine.training["train_micro_batch_size_per_gpu"] is None:
+        why = ("its DeepSpeed config gives no train_micro_batch_size_per_gpu, so the "
+               "micro-batch would change with the world size; valid: a config that gives it")
     elif engine._build.config.fresh_runtime is None:
         why = (f"its configuration ({engine._build.config.origin}) cannot be read again; "
                "valid: a config given as a path, text or dict")
@@ -259,6 +266,8 @@ def rejoin(engine, notice):
         _round_notice.acknowledge_join(engine._recovery.watch.path, notice.round)
     _log.info("zero3: rank %d of %d in round %d: rejoined in place from the snapshot of step "
               "%d (%s)", engine.rank, engine.world_size, notice.round, step, notice.restore)
+    if engine._after_rejoin is not None:
+        engine._after_rejoin(step)
     return step
 
 
@@ -285,8 +294,40 @@ class MicroBatch:
     output: Any = None
     loss_path: tuple | None = None
     backward_kwargs: dict | None = None
+    # What the loss was divided by before its backward (the DeepSpeed
+    # drop-in's gradient accumulation steps), the same when it runs again.
+    divisor: int = 1
     sync: bool = True
     done: bool = False
+    # The version counters of the output's tensors a loss may be, when the
+    # forward returned: a loss changed in place since (the HF Trainer's
+    # `loss *= world size`) is not what running the forward again gives.
+    versions: dict = dataclasses.field(default_factory=dict)
+
+
+def _candidates(output):
+    """The output's tensors a loss may be, by their path in it (as
+    _loss_path finds them)."""
+    found: dict[tuple, Any] = {(): output, ("attr", "loss"): getattr(output, "loss", None)}
+    if isinstance(output, collections.abc.Mapping):
+        found[("key", "loss")] = output.get("loss")
+    if isinstance(output, (tuple, list)) and output:
+        found[("index", 0)] = output[0]
+    return {path: t for path, t in found.items() if isinstance(t, torch.Tensor)}
+
+
+def _versions(output):
+    return {path: t._version for path, t in _candidates(output).items()}
+
+
+def _path_of(entry, loss):
+    """Where `loss` is in `entry`'s output, unchanged since the forward
+    returned it; None when it is not there (computed outside, or changed
+    in place)."""
+    path = _loss_path(entry.output, loss)
+    if path is None or entry.versions.get(path) != loss._version:
+        return None
+    return path
 
 
 def _loss_path(output, loss):
@@ -349,6 +390,8 @@ class Recovery:
         # Where each recovery began: "forward", "backward" or "step"; "boundary" for a
         # notice seen at a step's first forward.
         self.recoveries: list[str] = []
+        # Whether `.ready` was withdrawn (a loss that cannot run again).
+        self.withdrawn = False
 
     # --- forward, backward, step ----------------------------------------------------------
 
@@ -369,28 +412,39 @@ class Recovery:
             except Exception as e:  # noqa: BLE001 - _recover raises all but a lost peer's
                 self._recover(e, [], "forward")
         if torch.is_grad_enabled():  # else no backward follows: nothing to run again
+            entry.versions = _versions(entry.output)
             self.micro.append(entry)
         return entry.output
 
-    def backward(self, loss, kwargs):
+    def backward(self, loss, kwargs, divisor=1):
+        """Back-propagates `loss` / `divisor`; returns that loss."""
         engine = self.engine
         entry = next((m for m in reversed(self.micro) if not m.done and
-                      _loss_path(m.output, loss) is not None), None)
+                      _path_of(m, loss) is not None), None)
         if entry is not None:
-            entry.loss_path = _loss_path(entry.output, loss)
+            entry.loss_path = _path_of(entry, loss)
             entry.backward_kwargs = dict(kwargs)
+            entry.divisor = divisor
             entry.sync = engine._gradients.sync
         else:
-            # A loss computed outside the engine's forward (or a forward
-            # called on the module itself, as the DeepSpeed drop-in does):
-            # this step's gradients cannot be made again. The outputs
-            # waiting for their backward are not kept.
+            # A loss computed outside the engine's forward, or changed in
+            # place since: this step's gradients cannot be made again. The
+            # outputs waiting for their backward are not kept.
             for m in self.micro:
                 if not m.done:
                     m.done, m.output = True, None
             self.micro.append(MicroBatch((), {}, done=True))
+            if not self.withdrawn:
+                # Once is enough: a loop computes its losses one way.
+                self.withdrawn = True
+                _round_notice.withdraw_ready(self.watch.path)
+                _log.warning("zero3: the loss given to backward() is not the forward's output "
+                             "(nor its loss or first element) as the forward returned it; its "
+                             "step cannot run again, and at a lost node the agent restarts "
+                             "this worker")
+        divided = loss / divisor if divisor != 1 else loss
         try:
-            engine._backward(loss, kwargs)
+            engine._backward(divided, kwargs)
         except Exception as e:
             if entry is None:
                 raise  # its loss came from outside the forward: it cannot run again
@@ -398,6 +452,7 @@ class Recovery:
         if entry is not None:
             entry.done = True
             entry.output = None  # the graph is gone; the arguments are what runs again
+        return divided
 
     def step(self, lr_kwargs):
         engine = self.engine
@@ -464,7 +519,10 @@ class Recovery:
             for entry in done:
                 engine._gradients.sync = entry.sync
                 output = engine.module(*entry.args, **entry.kwargs)
-                engine._backward(_follow(output, entry.loss_path), entry.backward_kwargs or {})
+                loss = _follow(output, entry.loss_path)
+                if entry.divisor != 1:
+                    loss = loss / entry.divisor
+                engine._backward(loss, entry.backward_kwargs or {})
         finally:
             engine._gradients.sync = sync
 

@@ -206,6 +206,19 @@ def announce_ready(path, can_hold):
                  "say that this worker takes round notices")
 
 
+def withdraw_ready(path):
+    """Removes ``path`` + READY_SUFFIX: this worker's steps cannot run again
+    (a loss computed outside the forward); at a lost node the agent restarts
+    it. IoError names the file."""
+    try:
+        os.unlink(path + READY_SUFFIX)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise IoError(f"{path}{READY_SUFFIX} ({NOTICE_ENV}): cannot withdraw that this worker "
+                      f"takes round notices: {e.strerror or e}") from e
+
+
 def hold_requested(path, round_):
     """Whether the agent asked (``path`` + HOLD_SUFFIX) to pause for a round
     newer than `round_` (one failed open when there is no request)."""
