@@ -138,7 +138,11 @@ std::optional<int> Agent::apply(const RoundRecord& round) {
     self_.log("job finished");
     return kAgentOk;
   }
-  if (round.round == workers_.current_round()) return std::nullopt;
+  if (round.round == workers_.current_round()) {
+    if (restore_pending_round_ == round.round) finish_pending_restore(round);
+    return std::nullopt;
+  }
+  restore_pending_round_ = 0;  // a round started ahead of its restore is over
   leadership_.drop_stale_worker_store(round);
   auto it = std::find(round.members.begin(), round.members.end(), self_.id);
   const auto index = static_cast<std::size_t>(it - round.members.begin());
@@ -173,6 +177,10 @@ std::optional<int> Agent::apply(const RoundRecord& round) {
   // members agree on a snapshot leaves the round to apply again; a member
   // gone meanwhile leaves it unentered until the leader forms the next.
   std::filesystem::path restore;
+  if (member && !kept && round.snapshots_held && start_ahead_of_restore(round, index)) {
+    finish_pending_restore(round);
+    return std::nullopt;
+  }
   if (member) {
     std::optional<std::filesystem::path> prepared;
     try {
@@ -344,6 +352,7 @@ int Agent::run() {
   // the agent, which ends it with the worker group (workers.hpp).
   make_subreaper();
   setup();
+  workers_.start_first_spares(*policy_);
   // The lease is kept alive from now on: registering may wait for a
   // previous run's registration to expire.
   conn_.start_keep_alive();
@@ -519,7 +528,8 @@ int Agent::run() {
       links_.follow(window_read ? oldest : std::vector<NodeInfo>{}, alive);
       std::optional<RoundRecord> round = membership_.read_round(round_kv);
       snapshots_.follow(everything ? &reads[3] : nullptr, round);
-      if (!alive.empty() && alive.front().id == self_.id) leadership_.lead(alive, round_kv, round);
+      if (!alive.empty() && alive.front().id == self_.id)
+        leadership_.lead(alive, round_kv, round, snapshots_.held_anywhere());
       if (round)
         if (auto code = apply(*round)) {
           stop_watch_.arm();
@@ -557,6 +567,58 @@ int Agent::run() {
       return leave(2);
     }
   }
+}
+
+bool Agent::start_ahead_of_restore(const RoundRecord& round, std::size_t index) {
+  // Their imports and model build overlap the wait (running workers
+  // pausing, the members' holdings, the copy): they then wait for the
+  // folder itself, which finish_pending_restore() links in place.
+  if (!workers_.empty() || !policy_ || (o_.stop_signal && o_.stop_signal->load() != 0))
+    return false;
+  const auto pending = snapshots_.pending_restore(round.round);
+  if (pending.empty()) return false;
+  workers_.enter_round(round.round, true);
+  checkpoints_.enter_round();
+  short_since_.reset();
+  restore_pending_round_ = round.round;
+  restore_pending_index_ = index;
+  workers_.start(round, index, *policy_, pending, snapshots_.prepare_bound());
+  return true;
+}
+
+void Agent::finish_pending_restore(const RoundRecord& round) {
+  // A store error leaves it pending: the next pass tries again.
+  std::optional<std::filesystem::path> prepared;
+  try {
+    prepared = snapshots_.prepare_round(round);
+  } catch (const RestoreFailed& failed) {
+    restore_pending_round_ = 0;
+    workers_.end_round(fmt::format("round {}: its snapshot could not be copied here", round.round),
+                       o_.stop_grace);
+    snapshots_.fail_round(round, failed.message);
+    return;
+  }
+  restore_pending_round_ = 0;
+  if (!prepared) {
+    // A member left before the restore was agreed (the leader forms the
+    // next round without it), or a stop signal came.
+    workers_.end_round(fmt::format("round {}: not started: a member left", round.round),
+                       o_.stop_grace);
+    return;
+  }
+  if (!prepared->empty()) {
+    snapshots_.link_restore(round.round, *prepared);
+    self_.log(fmt::format("round {}: the workers started ahead of the restore load it: {}",
+                          round.round, prepared->string()));
+    return;
+  }
+  self_.log(fmt::format(
+      "round {}: no snapshot in memory to restore; the workers started ahead of it start again "
+      "without one",
+      round.round));
+  workers_.end_round(fmt::format("round {}: started again without a restore", round.round),
+                     o_.stop_grace);
+  workers_.start(round, restore_pending_index_, *policy_);
 }
 
 int run_agent(const AgentOptions& options) {

@@ -47,6 +47,9 @@ struct WorkerSetup {
   // (empty: not set; the snapshot this round's workers resume from).
   const std::filesystem::path& snapshot_dir;
   const std::filesystem::path& snapshot_restore;
+  // > 0: snapshot_restore does not exist yet (the agent still gathers it);
+  // the workers wait that long for it (DUCTILE_SNAPSHOT_RESTORE_WAIT).
+  std::chrono::milliseconds restore_wait{0};
 };
 std::vector<WorkerSpec> worker_specs(const WorkerSetup& setup);
 // True for the variables worker_specs() sets differently from round to

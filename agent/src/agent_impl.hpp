@@ -59,6 +59,13 @@ class Agent {
   void setup();
   // Applies the round record; returns an exit code when the agent is done.
   std::optional<int> apply(const RoundRecord& round);
+  // A member without workers, in a round whose members hold snapshots,
+  // starts them before the restore is prepared, on the folder to come
+  // (true when it did); finish_pending_restore() then prepares it (again
+  // at the next pass after a store error) and links it, or starts the
+  // workers again without one, or fails the round.
+  bool start_ahead_of_restore(const RoundRecord& round, std::size_t index);
+  void finish_pending_restore(const RoundRecord& round);
   // After the fence killed the workers: a new lease and a new registration.
   void rejoin_after_fence();
   int leave(int code);
@@ -105,6 +112,10 @@ class Agent {
   // The live registrations the last pass saw (every one when leading, else
   // the kLeaderWindow oldest).
   std::size_t nodes_seen_ = 0;
+  // The round whose workers started ahead of its restore, while it is
+  // prepared (0: none), and this node's index in it.
+  std::int64_t restore_pending_round_ = 0;
+  std::size_t restore_pending_index_ = 0;
   // An agent that follows its own part of the job's keys: the round
   // record's revision and the time at its last read of the oldest
   // registrations.

@@ -51,8 +51,9 @@ class Leadership {
   void set_membership_change(std::chrono::milliseconds at) { last_membership_change_ = at; }
   // The leader's pass over the round record (round_kv as read, round as
   // read_round() took it): both updated when it writes the next.
+  // `snapshots_held`: a node holds a snapshot (the next round says so).
   void lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& round_kv,
-            std::optional<RoundRecord>& round);
+            std::optional<RoundRecord>& round, bool snapshots_held);
 
  private:
   // The round's members whose mark (done/ or saved/<round>/<id>) is theirs,

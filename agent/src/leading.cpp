@@ -172,7 +172,7 @@ void Leadership::place_worker_store(RoundRecord& next, const NodeInfo& rank0,
 }
 
 void Leadership::lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue>& round_kv,
-                      std::optional<RoundRecord>& round) {
+                      std::optional<RoundRecord>& round, bool snapshots_held) {
   // The record holds a previous run's last round: this run's first round
   // replaces it.
   const bool previous =
@@ -255,6 +255,7 @@ void Leadership::lead(const std::vector<NodeInfo>& alive, std::optional<KeyValue
     next.mpi_join_port = mpi ? free_port(next.master_port) : 0;
     if (d.counts_as_restart) next.restarts += 1;
     next.started_ms = seen.now.count();
+    next.snapshots_held = snapshots_held;
     next.state = RoundState::running;
     next.failure.reset();
   } else if (d.action == Action::succeed) {

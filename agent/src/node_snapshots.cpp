@@ -194,6 +194,7 @@ void NodeSnapshots::follow(const std::vector<KeyValue>* records,
     lost_replicas_after_ = -1;
     mine = current_holdings();
   }
+  own_held_ = !mine.own.empty();
   publish(mine);
   if (replication_ && round && round->state == RoundState::running &&
       round->round == workers_.current_round() && workers_.member() && !workers_.empty())
@@ -532,6 +533,37 @@ std::filesystem::path NodeSnapshots::restore(const RoundRecord& round,
   const auto own = area_->own_copies();
   own_at_restore_ = own.empty() ? std::string() : own.front().sha256;
   return dest;
+}
+
+bool NodeSnapshots::held_anywhere() const {
+  if (!area_) return false;
+  if (own_held_) return true;
+  return std::any_of(last_seen_.begin(), last_seen_.end(),
+                     [](const auto& seen) { return holds_any(seen.second); });
+}
+
+std::filesystem::path NodeSnapshots::pending_restore(std::int64_t round) const {
+  if (!area_) return {};
+  return area_->restore() / fmt::format("round{}", round);
+}
+
+void NodeSnapshots::link_restore(std::int64_t round, const std::filesystem::path& prepared) {
+  const auto link = pending_restore(round);
+  auto staged = link;
+  staged += ".tmp";
+  std::error_code ec;
+  std::filesystem::remove(staged, ec);
+  std::filesystem::create_directory_symlink(prepared.filename(), staged, ec);
+  if (!ec) std::filesystem::rename(staged, link, ec);
+  if (ec)
+    throw Error(ErrorKind::io, fmt::format("cannot link the restore {} at {}: {}",
+                                           prepared.string(), link.string(), ec.message()));
+}
+
+milliseconds NodeSnapshots::prepare_bound() const {
+  const auto wait = std::max<milliseconds>(milliseconds(10000), 4 * milliseconds(o_.lease_ttl));
+  const auto hold = std::max<milliseconds>(milliseconds(5000), 2 * milliseconds(o_.lease_ttl));
+  return 2 * wait + hold + kRestoreCopyTimeout;
 }
 
 void NodeSnapshots::release_restore() {

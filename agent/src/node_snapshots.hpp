@@ -91,6 +91,20 @@ class NodeSnapshots {
   // reports the round failed (failure/<round>), as a worker's failure is,
   // so that the round is formed again.
   void fail_round(const RoundRecord& round, const std::string& message);
+  // Whether a node this one follows (every node, on the leader) or this
+  // one holds a snapshot: the next round may restore one.
+  bool held_anywhere() const;
+  // Where `round`'s restore will be, for workers started while
+  // prepare_round() still waits (DUCTILE_SNAPSHOT_RESTORE, with
+  // DUCTILE_SNAPSHOT_RESTORE_WAIT: they wait for it); empty without an
+  // area. link_restore() makes it name the folder prepare_round() gave
+  // (a symbolic link, renamed into place: it appears whole).
+  std::filesystem::path pending_restore(std::int64_t round) const;
+  void link_restore(std::int64_t round, const std::filesystem::path& prepared);
+  // The longest prepare_round() may wait and copy for a round: the
+  // members' holdings, the gatherer's record, a pause of running workers
+  // and the copy.
+  std::chrono::milliseconds prepare_bound() const;
   // Stops serving and copying, and removes the area.
   void close();
   // The process ends at once (a stop signal outside the loop): only the
@@ -152,6 +166,7 @@ class NodeSnapshots {
   // By key: a record's revision and what it parsed to (each pass reads
   // every node's record; only a changed one is parsed again).
   std::map<std::string, std::pair<std::int64_t, Holdings>> parsed_;
+  bool own_held_ = false;  // this node held its own snapshot at the last follow()
   std::string published_;  // the record last written to snapshots/<node>
   std::int64_t published_lease_ = 0;
   std::int64_t holdings_round_ = 0;  // the round of the holdings/ record written last

@@ -120,7 +120,8 @@ void NodeWorkers::notice_fence() {
 }
 
 void NodeWorkers::start(const RoundRecord& round, std::size_t group_rank, const JobPolicy& policy,
-                        const std::filesystem::path& restore) {
+                        const std::filesystem::path& restore,
+                        std::chrono::milliseconds restore_wait) {
   // As torchrun: the attempt's directory afresh; each worker's own
   // directory in it is made as that worker starts (WorkerSpec::directory).
   std::error_code ignored;
@@ -138,8 +139,8 @@ void NodeWorkers::start(const RoundRecord& round, std::size_t group_rank, const 
   if (o_.checkpoint_timeout.count() > 0)
     std::filesystem::create_directories(checkpoint_request_of(run_dir(), round.round).parent_path(),
                                         ignored);
-  auto specs =
-      worker_specs({o_, policy, round, group_rank, self_.id, run_dir(), snapshot_dir_, restore});
+  auto specs = worker_specs(
+      {o_, policy, round, group_rank, self_.id, run_dir(), snapshot_dir_, restore, restore_wait});
   self_.log(fmt::format(
       "round {} started: world size {} ({} nodes x {}), group rank {}, master {}:{}{}{}, "
       "restarts {}, started_ms={} ({})",
@@ -173,8 +174,12 @@ void NodeWorkers::start(const RoundRecord& round, std::size_t group_rank, const 
   joined_ = true;
   if (!group_.start_log().empty())
     self_.log(fmt::format("round {}: {}", round.round, core::join(group_.start_log(), "; ")));
-  if (o_.warm_imports.empty() || (o_.stop_signal && o_.stop_signal->load() != 0)) return;
   // The next round's spares import while this round's workers run.
+  start_spares(specs);
+}
+
+void NodeWorkers::start_spares(const std::vector<WorkerSpec>& specs) {
+  if (o_.warm_imports.empty() || (o_.stop_signal && o_.stop_signal->load() != 0)) return;
   SpareSetup setup{interpreter_words(o_.command, !o_.interpreter_choice.empty()), o_.warm_imports,
                    is_round_variable, o_.warm_program_imports};
   try {
@@ -186,6 +191,36 @@ void NodeWorkers::start(const RoundRecord& round, std::size_t group_rank, const 
                     "cold",
                     e.what()));
   }
+}
+
+void NodeWorkers::start_first_spares(const JobPolicy& policy) {
+  if (o_.warm_imports.empty()) return;
+  // A spare holds only what every round's workers share: a round of this
+  // node alone at a valid size stands in for the first one it will join.
+  RoundRecord any;
+  any.members = {self_.id};
+  const auto& sizes = policy.valid_gpus();
+  any.world_size = sizes.empty() ? o_.nproc_per_node : sizes.front();
+  std::vector<WorkerSpec> specs;
+  try {
+    specs = worker_specs({o_, policy, any, 0, self_.id, run_dir(), snapshot_dir_, {}});
+  } catch (const std::exception& e) {
+    self_.log(
+        fmt::format("cannot prepare the spare workers ({}): the first round's workers "
+                    "start cold",
+                    e.what()));
+    return;
+  }
+  start_spares(specs);
+  if (group_.spares() == 0) return;
+  const auto started = now_ms();
+  const auto ended = group_.await_spares(o_.stop_signal);
+  if (!ended.empty())
+    self_.log(fmt::format("a spare worker was not ready ({}): that worker starts cold",
+                          core::join(ended, "; ")));
+  else if (group_.spares() > 0)
+    self_.log(fmt::format("the spare workers are ready ({} ms): this node joins",
+                          (now_ms() - started).count()));
 }
 
 bool NodeWorkers::growing(const RoundRecord& next) const {

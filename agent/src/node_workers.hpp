@@ -38,13 +38,21 @@ class NodeWorkers {
   // (DUCTILE_SNAPSHOT_DIR).
   void set_snapshot_dir(std::filesystem::path dir) { snapshot_dir_ = std::move(dir); }
   // Starts this node's workers for `round`, resuming from the snapshot
-  // folder `restore` when not empty (DUCTILE_SNAPSHOT_RESTORE); a stop
+  // folder `restore` when not empty (DUCTILE_SNAPSHOT_RESTORE; with
+  // `restore_wait` > 0 a folder still to come, which they wait for); a stop
   // signal meanwhile leaves the rest unstarted (the agent's loop then
   // stops those started). Throws ductile::Error (io) when the machine
   // cannot start one (fork's EAGAIN: its process limit), having stopped
   // those started.
   void start(const RoundRecord& round, std::size_t group_rank, const JobPolicy& policy,
-             const std::filesystem::path& restore = {});
+             const std::filesystem::path& restore = {},
+             std::chrono::milliseconds restore_wait = std::chrono::milliseconds(0));
+  // --warm-workers: the spares of the first round this node joins, started
+  // before it registers, and waited for: a node joins once its workers can
+  // start warm, so that a running job, which pauses for it, does not wait
+  // for their imports. The later rounds' are started with each round's
+  // workers.
+  void start_first_spares(const JobPolicy& policy);
   // Why this node's workers cannot go on in place into `next`, "" when
   // they can: every local worker of the current round still runs and said
   // it takes round notices (round_notice_ready_of), and that it can pause
@@ -105,6 +113,8 @@ class NodeWorkers {
   const std::optional<WorkerExit>& local_failure() const { return local_failure_; }
 
  private:
+  // --warm-workers: the spares of `specs`' local ranks (those missing).
+  void start_spares(const std::vector<WorkerSpec>& specs);
   // What the worker of `local_rank` wrote to its TORCHELASTIC_ERROR_FILE in
   // the current round, if it wrote torch's format.
   std::optional<WorkerError> read_error(std::int64_t local_rank);

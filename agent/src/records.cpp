@@ -212,6 +212,7 @@ std::string to_json(const RoundRecord& r) {
             {"started_ms", r.started_ms},
             {"reason", r.reason},
             {"state", to_string(r.state)}};
+  if (r.snapshots_held) j["snapshots_held"] = true;
   if (r.failure) j["failure"] = failure_json(*r.failure);
   return dump(j);
 }
@@ -248,6 +249,10 @@ RoundRecord round_from_json(const std::string& text) {
   out.restarts = r.integer("restarts", 0, kMaxCount);
   out.started_ms = r.integer("started_ms", 0, kMaxRound);
   out.reason = r.text("reason", kMaxTextChars, "");
+  if (const json* held = r.find("snapshots_held")) {
+    if (!held->is_boolean()) r.bad("snapshots_held", *held, "true or false");
+    out.snapshots_held = held->get<bool>();
+  }
   const json& state = r.require("state");
   auto known = std::find_if(std::begin(kRoundStates), std::end(kRoundStates),
                             [&](const auto& s) { return state == s.second; });

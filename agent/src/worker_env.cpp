@@ -38,6 +38,7 @@ constexpr const char* kRoundVariables[] = {"RANK",
                                            "DUCTILE_CHECKPOINT_REQUEST",
                                            "DUCTILE_CHECKPOINT_SAVED",
                                            "DUCTILE_SNAPSHOT_RESTORE",
+                                           "DUCTILE_SNAPSHOT_RESTORE_WAIT",
                                            "OMPI_MCA_pmix_server_uri"};
 // Set for each worker the same in every round (LOCAL_RANK, OMP_NUM_THREADS,
 // which a library reads as it is imported, ...).
@@ -209,6 +210,9 @@ std::vector<WorkerSpec> worker_specs(const WorkerSetup& s) {
     }
     if (!s.snapshot_dir.empty()) set("DUCTILE_SNAPSHOT_DIR", s.snapshot_dir.string());
     if (!s.snapshot_restore.empty()) set("DUCTILE_SNAPSHOT_RESTORE", s.snapshot_restore.string());
+    if (s.restore_wait.count() > 0)
+      set("DUCTILE_SNAPSHOT_RESTORE_WAIT",
+          fmt::format("{:g}", std::chrono::duration<double>(s.restore_wait).count()));
     set("DUCTILE_ROUND", std::to_string(round.round));
     set("DUCTILE_AGENT_NODE_ID", s.node_id);
     set("DUCTILE_ROUND_END", round_end_of(s.run_dir).string());

@@ -409,7 +409,24 @@ std::optional<WorkerGroup::Spare> WorkerGroup::take_spare(const WorkerSpec& spec
   return std::nullopt;
 }
 
+std::vector<std::string> WorkerGroup::await_spares(const std::atomic<int>* stop_signal) {
+  std::vector<std::string> ended;
+  for (auto it = spares_.begin(); it != spares_.end();) {
+    const std::string why = wait_until_ready(it->second, stop_signal);
+    if (why.empty()) {
+      ++it;
+      continue;
+    }
+    if (stop_signal && stop_signal->load() != 0) break;
+    ended.push_back(fmt::format("local rank {}: {}", it->first, why));
+    end_spare(it->second);
+    it = spares_.erase(it);
+  }
+  return ended;
+}
+
 std::string WorkerGroup::wait_until_ready(Spare& spare, const std::atomic<int>* stop_signal) {
+  if (spare.ready) return "";
   const auto deadline = std::chrono::steady_clock::now() + kSpareReadyTimeout;
   pollfd ready{spare.launch_fd, POLLIN, 0};
   // In steps: a stop signal does not wait for a spare's imports.
@@ -419,7 +436,10 @@ std::string WorkerGroup::wait_until_ready(Spare& spare, const std::atomic<int>* 
       return fmt::format("its spare was not ready within {} s", kSpareReadyTimeout.count());
   }
   char byte = 0;
-  if (recv(spare.launch_fd, &byte, 1, MSG_DONTWAIT) == 1 && byte == 'R') return "";
+  if (recv(spare.launch_fd, &byte, 1, MSG_DONTWAIT) == 1 && byte == 'R') {
+    spare.ready = true;
+    return "";
+  }
   // Its end closed: the spare is gone, and its guard about to be.
   const int status = wait_for_exit(spare.guard_pid);
   spare.guard_pid = -1;

@@ -669,8 +669,9 @@ TEST_CASE("agent: a lost node's zero3 state is restored from the survivors' memo
   REQUIRE(trained);
   agents[static_cast<std::size_t>(victim)]->signal(SIGKILL);
   agents[static_cast<std::size_t>(victim)]->wait(10s);
-  // From the moment both survivors' workers start again until the agents
-  // exit, no area holds a snapshot older than the one restored, nor a
+  // From the moment both survivors' workers load the restore (they
+  // started ahead of it) until the agents exit, no area holds a snapshot
+  // older than the one restored, nor a
   // newer one of the last round: that memory goes at the restore, before
   // the new round writes its own. And no area holds more than (1 + 1
   // replica) x 2 x a node's new state: the restored copy is freed before
@@ -685,7 +686,8 @@ TEST_CASE("agent: a lost node's zero3 state is restored from the survivors' memo
         if (restored_step < 0) {
           const std::string now = job.all_output();
           const std::size_t said = now.find("round 2: restored step ");
-          if (said != std::string::npos && count_of(now, "round 2 started: world size 2") == 2)
+          if (said != std::string::npos &&
+              count_of(now, "round 2: the workers started ahead of the restore load it") == 2)
             restored_step = std::stoi(now.substr(said + 23));
         }
         if (restored_step >= 0) {

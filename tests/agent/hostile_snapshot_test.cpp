@@ -32,6 +32,8 @@ std::vector<std::string> snapshot_worker(const std::string& stop) {
   return sh(R"SH(d="$DUCTILE_SNAPSHOT_DIR"
 echo "up rank $RANK world $WORLD_SIZE round $DUCTILE_ROUND"
 if [ -n "$DUCTILE_SNAPSHOT_RESTORE" ]; then
+  # Started ahead of the restore: the agent links the folder once whole.
+  while [ ! -e "$DUCTILE_SNAPSHOT_RESTORE" ]; do sleep 0.05; done
   echo "restored $(cat "$DUCTILE_SNAPSHOT_RESTORE/rank0-of-2.bin" "$DUCTILE_SNAPSHOT_RESTORE/rank1-of-2.bin")"
 elif [ "$WORLD_SIZE" = 2 ]; then
   printf '1\n' > "$d/replicas"

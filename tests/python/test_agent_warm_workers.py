@@ -1,10 +1,10 @@
-"""`ductile agent --warm-workers`: a restarted worker starts in a spare
-interpreter that imported its modules ahead of the round, and sees what a
-cold-started one sees.
+"""`ductile agent --warm-workers`: a worker starts in a spare interpreter
+that imported its modules ahead of the round (the first round's before the
+agent registers), and sees what a cold-started one sees.
 
 The same job runs cold and warm with the real `ductile agent --standalone`:
 local rank 1 fails in each attempt (an exception, then a SystemExit code),
-so attempts 1 and 2 start from spares. Each worker writes what it sees
+and every attempt starts from spares. Each worker writes what it sees
 (argv, environment, working directory, __name__, sys.path, __file__, its
 globals) to its log file; the files, the teed console lines, the statuses
 the agent reports and its exit code must be the same both ways, except that
@@ -113,7 +113,8 @@ def test_a_warm_worker_sees_what_a_cold_one_sees(tmp_path, form):
     cold, cold_files = run_job(tmp_path, "cold", False, form)
     warm, warm_files = run_job(tmp_path, "warm", True, form)
     assert "spare" not in cold.stderr, cold.stderr
-    for attempt in (2, 3):
+    assert "the spare workers are ready (" in warm.stderr, warm.stderr
+    for attempt in (1, 2, 3):
         assert (f"round {attempt}: local rank 0 started from its spare; local rank 1 started "
                 f"from its spare") in warm.stderr, warm.stderr
     # The job fails as it did cold: local rank 1's SystemExit(3) in the last
@@ -133,9 +134,9 @@ def test_a_warm_worker_sees_what_a_cold_one_sees(tmp_path, form):
         warm_out, warm_err = warm_files[key]
         assert warm_err == cold_err, key
         seen_cold, seen_warm = json.loads(cold_out), json.loads(warm_out)
-        # Only the spares had imported the probe: attempts 1 and 2.
+        # Only the spares had imported the probe: every attempt's.
         assert seen_cold.pop("warm_probe") is False
-        assert seen_warm.pop("warm_probe") is (key[0] != "attempt_0"), key
+        assert seen_warm.pop("warm_probe") is True, key
         assert seen_warm == seen_cold, key
         assert seen_cold["name"] == "__main__"
         assert seen_cold["env"]["STATIC_SETTING"] == "kept"
@@ -157,6 +158,8 @@ def test_a_spare_that_died_leaves_its_worker_to_a_cold_start(tmp_path):
                         str(script)], check=False, env=agent_env(tmp_path, modules, "broken"),
                        capture_output=True, text=True, timeout=DEADLINE_S)
     assert r.returncode == 0, r.stderr
+    assert ("a spare worker was not ready (local rank 0: its spare exited with status 1 before "
+            "it was ready): that worker starts cold") in r.stderr, r.stderr
     assert "round 2: local rank 0 started cold: its spare exited with status 1" in r.stderr
     assert r.stdout.splitlines() == ["attempt 0", "attempt 1"]
     assert marked_processes("broken") == []
@@ -244,13 +247,13 @@ def test_a_spare_imports_ahead_what_the_script_imports_from_the_job_path(tmp_pat
                        check=False, cwd=work, env=env, capture_output=True, text=True,
                        timeout=DEADLINE_S)
     assert r.returncode == 0, r.stderr
-    assert "round 2: local rank 0 started from its spare" in r.stderr, r.stderr
+    for round_ in (1, 2):
+        assert f"round {round_}: local rank 0 started from its spare" in r.stderr, r.stderr
     seen = [json.loads(line) for line in r.stdout.splitlines()]
     assert [s["attempt"] for s in seen] == ["0", "1"], r.stdout
-    cold, warm = seen
-    assert not any(cold["ahead"].values()), cold
-    assert warm["ahead"] == {"warm_probe": True, "warm_probe_pkg.sub": True,
-                             "warm_probe_pkg.lazy": True, "warm_nested": True,
-                             "shadowed": False, "warm_in_function": False}, warm
-    assert cold["shadowed"] == warm["shadowed"] == "the script folder"
+    for warm in seen:  # the first round's spare too, started before the agent registered
+        assert warm["ahead"] == {"warm_probe": True, "warm_probe_pkg.sub": True,
+                                 "warm_probe_pkg.lazy": True, "warm_nested": True,
+                                 "shadowed": False, "warm_in_function": False}, warm
+        assert warm["shadowed"] == "the script folder"
     assert marked_processes("imports") == []

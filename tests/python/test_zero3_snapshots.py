@@ -487,6 +487,39 @@ def test_restore_at_initialize_from_the_restore_folder(snapshots, monkeypatch):
         engine_of(seed=1)
 
 
+def test_a_restore_folder_still_to_come_is_waited_for(snapshots, monkeypatch):
+    """Workers the agent started before the restore was whole
+    (DUCTILE_SNAPSHOT_RESTORE_WAIT): initialize waits for the folder, which
+    the agent links in place; one that does not come in time is an IoError
+    naming both variables."""
+    engine = engine_of()
+    train(engine, 3)
+    restore = snapshots.parent / "restore"
+    restore.mkdir()
+    pending = restore / "round2"
+    monkeypatch.setenv("DUCTILE_SNAPSHOT_RESTORE", str(pending))
+    monkeypatch.setenv("DUCTILE_SNAPSHOT_DIR", str(snapshots.parent / "own2"))
+    monkeypatch.setenv("DUCTILE_SNAPSHOT_RESTORE_WAIT", "0.2")
+    with pytest.raises(ductile.IoError, match=rf"DUCTILE_SNAPSHOT_RESTORE={pending}: the "
+                       r"snapshot to resume from did not come within 0.2 s "
+                       r"\(DUCTILE_SNAPSHOT_RESTORE_WAIT\)"):
+        engine_of(seed=1)
+
+    def agent():  # the copy done, the folder linked in place
+        time.sleep(0.3)
+        shutil.copytree(snapshots / "step3", restore / "step3")
+        os.symlink("step3", restore / "round2.tmp")
+        os.rename(restore / "round2.tmp", pending)
+
+    monkeypatch.setenv("DUCTILE_SNAPSHOT_RESTORE_WAIT", "60")
+    linking = threading.Thread(target=agent)
+    linking.start()
+    restored = engine_of(seed=1)
+    linking.join()
+    assert restored.global_step == 3 and restored.restored_from_memory == 3
+    assert same(snapshot(restored), snapshot(engine))
+
+
 def test_after_a_restore_the_agent_is_asked_to_free_it_before_the_next_snapshot(
         snapshots, monkeypatch, caplog):
     """Once a snapshot newer than the restored one is committed (and held

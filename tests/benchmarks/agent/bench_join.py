@@ -7,11 +7,17 @@ The job of bench_recovery.py (the tied LM of the zero3 tests, Adam, global
 batch 24, a snapshot every step copied to one other node): two nodes x 1
 worker train; after --join-after steps a third agent starts. From the third
 agent's start, per run: its worker's torch imported (the newcomer ready),
-the first step at world size 3, and the steps trained again; and the first
-step at world size 3 from the newcomer ready.
+the first step at world size 3, and the steps trained again; the first
+step at world size 3 from the newcomer ready; and the running workers'
+stall, from their last step at size 2 to the first at size 3.
+
+Launchers: ductile-in-place (the running workers go on in place),
+ductile-in-place-warm (the same with --warm-workers: the newcomer's worker
+starts in an interpreter that imported torch while its agent joined),
+ductile (the running workers are restarted from the snapshot in memory).
 
 usage: bench_join.py [--cli PATH] [--python PATH] [--runs 3] [--join-after 4]
-                     [--steps 40] [--launchers ductile-in-place,ductile]
+                     [--steps 40] [--launchers ductile-in-place,ductile-in-place-warm,ductile]
 """
 
 import argparse
@@ -29,6 +35,7 @@ from bench_recovery import (BATCH, DUCTILE_WORKER, IN_PLACE_WORKER, JOB_TOML, MO
                             notes, wait_for)
 
 NAMES = {"ductile-in-place": "ductile agent, running workers in place",
+         "ductile-in-place-warm": "the same, --warm-workers",
          "ductile": "ductile agent, running workers restarted from memory"}
 
 
@@ -36,7 +43,7 @@ def race_one(kind, args, directory):
     out = os.path.join(directory, "notes")
     script = os.path.join(directory, "worker.py")
     with open(script, "w") as f:
-        f.write((IN_PLACE_WORKER if kind == "ductile-in-place" else DUCTILE_WORKER)
+        f.write((IN_PLACE_WORKER if kind.startswith("ductile-in-place") else DUCTILE_WORKER)
                 % (MODEL, BATCH, REPLICAS))
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([os.path.join(args.build, "python"),
@@ -56,7 +63,8 @@ def race_one(kind, args, directory):
         argv = [args.cli, "agent", "--config", config, "--rdzv", etcd.url, "--job-id", "join",
                 "--node-addr", "127.0.0.1", "--nproc-per-node", "1", "--min-nodes", "2",
                 "--min-time", "0", "--settle", "0.5", "--snapshot-dir", shm]
-        argv += [] if kind == "ductile-in-place" else ["--mpi-world"]
+        argv += {"ductile-in-place": [], "ductile-in-place-warm": ["--warm-workers"],
+                 "ductile": ["--mpi-world"]}[kind]
         nodes.append(subprocess.Popen(argv + ["--", args.python, script, out, str(args.steps)],
                                       stdout=log, stderr=subprocess.STDOUT, env=env,
                                       start_new_session=True))
@@ -82,7 +90,9 @@ def race_one(kind, args, directory):
         # place; restarted, the last of the round's workers to import torch.
         ready = max(r[5] for r in after("imported", 3))
         resumed = min(r[4] for r in first)
-        return (ready - joined, first_step - joined, first_step - ready, done - resumed)
+        last_before = max(r[5] for r in notes(out) if r[0] == "stepped" and r[2] == 2)
+        return (ready - joined, first_step - joined, first_step - ready,
+                first_step - last_before, done - resumed)
     except Exception:
         kept = tempfile.mkdtemp(prefix=f"ductile-bench-join-failed-{kind}-")
         shutil.copytree(directory, kept, dirs_exist_ok=True, ignore_dangling_symlinks=True)
@@ -94,7 +104,7 @@ def race_one(kind, args, directory):
 
 
 COLUMNS = ("newcomer ready (s)", "first step at size 3 (s)", "from the newcomer ready (s)",
-           "steps trained again")
+           "running workers stalled (s)", "steps trained again")
 
 
 def main():
@@ -105,7 +115,7 @@ def main():
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--join-after", type=int, default=4, dest="join_after")
-    parser.add_argument("--launchers", default="ductile-in-place,ductile",
+    parser.add_argument("--launchers", default="ductile-in-place,ductile-in-place-warm,ductile",
                         type=lambda s: s.split(","))
     args = parser.parse_args()
     bad = [k for k in args.launchers if k not in NAMES]
@@ -130,7 +140,7 @@ def main():
     print("| launcher | " + " | ".join(COLUMNS) + " |")
     print("| --- |" + " ---: |" * len(COLUMNS))
     for kind, runs in results.items():
-        cells = [spread([r[i] for r in runs], ".2f" if i < 3 else ".1f")
+        cells = [spread([r[i] for r in runs], ".2f" if i < 4 else ".1f")
                  for i in range(len(COLUMNS))]
         print(f"| {NAMES[kind]} | " + " | ".join(cells) + " |")
     if "ductile-in-place" in results and "ductile" in results:

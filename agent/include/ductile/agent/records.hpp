@@ -89,6 +89,9 @@ struct RoundRecord {
   std::int64_t restarts = 0;    // restarts caused by worker failures so far
   std::int64_t started_ms = 0;  // leader's clock (ms since the epoch) when written
   std::string reason;           // why this round was formed
+  // Some node held a snapshot in memory when it was formed: its members
+  // may start their workers before the restore is prepared.
+  bool snapshots_held = false;
   RoundState state = RoundState::running;
   std::optional<FailureReport> failure;  // set when state is failed
 };

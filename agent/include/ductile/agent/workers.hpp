@@ -208,6 +208,11 @@ class WorkerGroup {
   // top of this file); throws std::system_error as start() does.
   void start_spares(const std::vector<WorkerSpec>& specs, const SpareSetup& setup,
                     std::chrono::milliseconds grace);
+  // Waits until every spare said it is ready (its imports done); a spare
+  // that exits first, or is not ready within its time, is ended (its
+  // worker will start cold). Returns one line for each ended spare; a stop
+  // signal ends the wait (the spares stay).
+  std::vector<std::string> await_spares(const std::atomic<int>* stop_signal);
   // Ends the spares (their guards kill them at once) and reaps them.
   void stop_spares();
   std::size_t spares() const { return spares_.size(); }
@@ -233,6 +238,7 @@ class WorkerGroup {
     std::vector<std::string> interpreter;  // the argv words before the program
     std::vector<std::string> static_env;   // sorted
     SpareSetup setup;
+    bool ready = false;  // its ready byte was read
   };
   void read_output(Worker& w, bool is_err);
   void reap();

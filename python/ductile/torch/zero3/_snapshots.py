@@ -108,6 +108,10 @@ from ._snapshot_mapping import MAPPINGS, SnapshotFile, write_shards
 
 SNAPSHOT_DIR_ENV = "DUCTILE_SNAPSHOT_DIR"
 RESTORE_ENV = "DUCTILE_SNAPSHOT_RESTORE"
+# Seconds to wait for DUCTILE_SNAPSHOT_RESTORE to appear: the agent started
+# the workers while it still gathers the snapshot (they import and build
+# meanwhile), and links the folder there once it is whole.
+RESTORE_WAIT_ENV = "DUCTILE_SNAPSHOT_RESTORE_WAIT"
 REPLICAS_FILE = "replicas"
 REPLICATED_FILE = "replicated"
 RELEASE_FILE = "release"
@@ -472,6 +476,7 @@ class Snapshots:
         folder = os.environ.get(RESTORE_ENV)
         if not folder:
             return None
+        _await_folder(folder)
         engine = self.engine
         try:
             manifest = _checkpoint.load_manifest(engine, folder, lr_scheduler=False)
@@ -504,6 +509,25 @@ class Snapshots:
         if optimizer is not None:
             for group, values in zip(optimizer.param_groups, self.group_values):
                 group.update(values)
+
+
+def _await_folder(folder):
+    """Returns once `folder` exists, when DUCTILE_SNAPSHOT_RESTORE_WAIT
+    allows waiting for it; IoError naming both when it does not come."""
+    value = os.environ.get(RESTORE_WAIT_ENV, "")
+    try:
+        wait = float(value) if value else 0.0
+    except ValueError:
+        raise InvalidArgumentError(f"{RESTORE_WAIT_ENV} = {value!r}; valid: seconds, a number "
+                                   ">= 0") from None
+    deadline = time.monotonic() + wait
+    while not os.path.exists(folder):
+        if time.monotonic() >= deadline:
+            if wait > 0:
+                raise IoError(f"{RESTORE_ENV}={folder}: the snapshot to resume from did not "
+                              f"come within {wait:g} s ({RESTORE_WAIT_ENV})")
+            return  # loaded as it is: the load names what is missing
+        time.sleep(0.01)
 
 
 class SnapshotWrite:
