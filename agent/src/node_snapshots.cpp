@@ -221,13 +221,23 @@ std::optional<std::filesystem::path> NodeSnapshots::prepare_round(const RoundRec
   } thaw{replication_.get()};
   if (replication_) replication_->start_round(round.members);
   note_reached(bounds_, area_->own_copies(), restored_step_);
+  KeyValueStore& store = conn_.store();
+  if (holdings_round_ != 0 && holdings_round_ != round.round) {
+    store.erase(self_.key(fmt::format("holdings/{}/{}", holdings_round_, self_.id)));
+    holdings_round_ = 0;
+  }
+  if (!round.snapshots_held) {
+    // No node held a snapshot when the round formed (the leader follows
+    // every node's record), which every member reads alike: nothing to
+    // agree on, and no member's holdings to exchange.
+    release_restore();
+    restored_step_ = -1;
+    return std::filesystem::path();
+  }
   const Holdings mine = current_holdings();
   publish(mine);
-  KeyValueStore& store = conn_.store();
   store.put(self_.key(fmt::format("holdings/{}/{}", round.round, self_.id)), to_json(mine),
             conn_.lease());
-  if (holdings_round_ != 0 && holdings_round_ != round.round)
-    store.erase(self_.key(fmt::format("holdings/{}/{}", holdings_round_, self_.id)));
   holdings_round_ = round.round;
   auto members = await_members(round, mine);
   if (!members) return std::nullopt;

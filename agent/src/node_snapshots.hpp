@@ -80,7 +80,8 @@ class NodeSnapshots {
   // replication the current round's members.
   void follow(const std::vector<KeyValue>* records, const std::optional<RoundRecord>& round);
   // A new round this node is a member of, its old workers stopped: the
-  // restore (see above). Returns the snapshot folder the workers resume
+  // restore (see above; none, at once, when the round says that no node
+  // held a snapshot). Returns the snapshot folder the workers resume
   // from, empty for none; nullopt when a stop signal came meanwhile, or
   // when a member left before it published its holdings (the round is not
   // entered: the leader forms the next one without that member).

@@ -215,6 +215,7 @@ void NodeWorkers::start_first_spares(const JobPolicy& policy) {
   if (group_.spares() == 0) return;
   const auto started = now_ms();
   const auto ended = group_.await_spares(o_.stop_signal);
+  if (o_.stop_signal && o_.stop_signal->load() != 0) return;  // the agent leaves
   if (!ended.empty())
     self_.log(fmt::format("a spare worker was not ready ({}): that worker starts cold",
                           core::join(ended, "; ")));

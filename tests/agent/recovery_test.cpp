@@ -369,9 +369,10 @@ TEST_CASE("agent: a DeepSpeed loop's survivors of a lost node go on in place") {
 // from it and complete the step they paused in, while the newcomer's worker
 // starts from the same snapshot. No step is lost or trained twice, and every
 // step's loss is plain torch's over the nodes of its round.
-TEST_CASE("agent: a node that joins is admitted at an optimizer update, the others in place") {
-  Job job;
-  const recovery_test::InPlaceRun run(job);
+namespace recovery_test {
+
+// Two nodes train `run`'s loop; a third joins (see below).
+void join_in_place(Job& job, const InPlaceRun& run) {
   Child& a = job.start("a", run.options, run.worker);
   REQUIRE(a.wait_for_output("joined job", 60s));
   Child& b = job.start("b", run.options, run.worker);
@@ -404,5 +405,19 @@ TEST_CASE("agent: a node that joins is admitted at an optimizer update, the othe
   for (const std::string node : {"a", "b", "c"}) CHECK(first.at(node) == change + 1);
   if (!no_marked_processes(job.marker)) job.dump();
   CHECK(marked_processes(job.marker).empty());
+}
+
+}  // namespace recovery_test
+
+TEST_CASE("agent: a node that joins is admitted at an optimizer update, the others in place") {
+  Job job;
+  recovery_test::join_in_place(job, recovery_test::InPlaceRun(job));
+}
+
+// The same with a DeepSpeed script's loop on ductile.deepspeed: the paused
+// step's two micro-batches run again at the new size.
+TEST_CASE("agent: a node that joins a DeepSpeed loop is admitted in place") {
+  Job job;
+  recovery_test::join_in_place(job, recovery_test::InPlaceRun(job, {"--deepspeed", "2"}));
 }
 #endif
