@@ -386,7 +386,12 @@ class Zero3Engine:
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward(**kwargs)`` (the loss scaled first with fp16 loss
         scaling); gradient shards are complete when it returns."""
-        self._divided_backward(loss, 1, kwargs)
+        # Not through _divided_backward: the plain step's calls are counted
+        # (tests/python/test_zero3_groups.py).
+        if self._recovery is not None:
+            self._recovery.backward(loss, kwargs)
+            return
+        self._backward(loss, kwargs)
 
     def _divided_backward(self, loss, divisor, kwargs):
         """backward() of ``loss / divisor`` (the DeepSpeed drop-in divides by
