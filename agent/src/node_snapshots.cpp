@@ -156,7 +156,9 @@ void NodeSnapshots::follow(const std::vector<KeyValue>* records,
   if (!area_) return;
   take_release();
   const std::string prefix = self_.key("snapshots/");
-  note_reached(bounds_, area_->own_copies(), restored_step_);
+  // The area is listed once a pass: its own copies' manifests are read there.
+  Holdings mine = current_holdings();
+  note_reached(bounds_, mine.own, restored_step_);
   std::map<std::string, Holdings> live;
   if (records) {
     for (const auto& kv : *records) {
@@ -173,7 +175,6 @@ void NodeSnapshots::follow(const std::vector<KeyValue>* records,
     // round began; newer snapshots are pulled when their origin notifies.
     live = round_holdings_;
   }
-  Holdings mine = current_holdings();
   if (restored_step_ >= 0 && !mine.own.empty() && mine.own.front().step > restored_step_ &&
       mine.own.front().sha256 != own_at_restore_) {
     // The workers loaded the restored snapshot (this round's committed a
