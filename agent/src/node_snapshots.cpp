@@ -24,6 +24,13 @@ using std::chrono::milliseconds;
 // and for no progress of a restore's copy.
 constexpr milliseconds kFreezeWait{10000};
 constexpr milliseconds kRestoreCopyTimeout{30000};
+
+// How long the members wait for each other's holdings, and for the
+// gatherer's record: max(10 s, 4 x --lease-ttl).
+milliseconds holdings_patience(const AgentOptions& o) {
+  return std::max<milliseconds>(milliseconds(10000), 4 * milliseconds(o.lease_ttl));
+}
+
 // The last records of nodes gone kept at most (a job's nodes).
 constexpr std::size_t kMaxNodesRemembered = 4096;
 
@@ -305,8 +312,7 @@ bool NodeSnapshots::wait_for_change(const std::vector<std::string>& prefixes) {
 std::optional<RoundHoldings> NodeSnapshots::await_gatherer(const RoundRecord& round,
                                                            const Holdings& mine,
                                                            const std::string& gatherer) {
-  const milliseconds patience =
-      std::max<milliseconds>(milliseconds(10000), 4 * milliseconds(o_.lease_ttl));
+  const milliseconds patience = holdings_patience(o_);
   const auto deadline = std::chrono::steady_clock::now() + patience;
   const std::string key = self_.key(fmt::format("restore/{}", round.round));
   auto next_departure_check = std::chrono::steady_clock::now() + o_.poll_interval;
@@ -375,8 +381,7 @@ std::optional<RoundHoldings> NodeSnapshots::await_members(const RoundRecord& rou
                                                           const Holdings& mine) {
   const std::string gathering = gatherer(round);
   if (!gathering.empty() && gathering != self_.id) return await_gatherer(round, mine, gathering);
-  const milliseconds patience =
-      std::max<milliseconds>(milliseconds(10000), 4 * milliseconds(o_.lease_ttl));
+  const milliseconds patience = holdings_patience(o_);
   const auto deadline = std::chrono::steady_clock::now() + patience;
   const std::string prefix = self_.key(fmt::format("holdings/{}/", round.round));
   const std::set<std::string> members(round.members.begin(), round.members.end());
@@ -572,7 +577,7 @@ void NodeSnapshots::link_restore(std::int64_t round, const std::filesystem::path
 }
 
 milliseconds NodeSnapshots::prepare_bound() const {
-  const auto wait = std::max<milliseconds>(milliseconds(10000), 4 * milliseconds(o_.lease_ttl));
+  const auto wait = holdings_patience(o_);
   const auto hold = std::max<milliseconds>(milliseconds(5000), 2 * milliseconds(o_.lease_ttl));
   return 2 * wait + hold + kRestoreCopyTimeout;
 }

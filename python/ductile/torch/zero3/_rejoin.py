@@ -306,8 +306,8 @@ class MicroBatch:
 
 
 def _candidates(output):
-    """The output's tensors a loss may be, by their path in it (as
-    _loss_path finds them)."""
+    """The output's tensors a loss may be, by their path in it, in the
+    order _loss_path tries them."""
     found: dict[tuple, Any] = {(): output, ("attr", "loss"): getattr(output, "loss", None)}
     if isinstance(output, collections.abc.Mapping):
         found[("key", "loss")] = output.get("loss")
@@ -333,15 +333,7 @@ def _path_of(entry, loss):
 def _loss_path(output, loss):
     """Where `loss` is in `output`: () itself, ("attr", "loss"), ("key",
     "loss"), ("index", 0); None when it is not there (computed outside)."""
-    if loss is output:
-        return ()
-    if getattr(output, "loss", None) is loss:
-        return ("attr", "loss")
-    if isinstance(output, collections.abc.Mapping) and output.get("loss") is loss:
-        return ("key", "loss")
-    if isinstance(output, (tuple, list)) and output and output[0] is loss:
-        return ("index", 0)
-    return None
+    return next((path for path, t in _candidates(output).items() if t is loss), None)
 
 
 def _follow(output, path):
