@@ -71,9 +71,11 @@ def command(ranks, launcher, script, *args):
         return [MPIEXEC, "--allow-run-as-root", "--oversubscribe", "--mca", "btl", "self,vader",
                 "--bind-to", "none", "-np", str(ranks)] + base
     if launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-                "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                "--monitor-interval", "0.1"] + base[1:]
+        # --standalone: torchrun's rendezvous store listens on a port it
+        # binds itself, and the workers meet there (a port picked here could
+        # be taken by a test running beside this one before torchrun binds it).
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", str(ranks), "--monitor-interval", "0.1"] + base[1:]
     raise ValueError(f"unknown launcher {launcher!r}")
 
 
@@ -182,9 +184,8 @@ def torchrun_script(script, args, ranks=2, timeout=400, rival=False):
     accelerator); its stdout. Fails the test, with the output's end, when
     the job fails. With `rival`, a run of DeepSpeed's own (the unchanged
     script): its gloo groups run their operations in order."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                              str(ranks), "--master-addr", "127.0.0.1", "--master-port",
-                              str(free_port()), script, *args]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(ranks), script, *args]
     env = rival_environment() if rival else environment()
     env["DS_ACCELERATOR"] = "cpu"
     done = subprocess.run(command, check=False, env=env, capture_output=True, text=True,
