@@ -86,6 +86,7 @@ import numpy as np
 import torch
 import transformers
 
+from . import _hf_in_place
 from ._errors import IncompatibleError, InvalidArgumentError
 from ._hf_logging import StepReport, is_training_log
 from ._hf_zero3 import ductile_engine, use_ductile_zero3
@@ -198,6 +199,8 @@ class DuctileTrainer(transformers.Trainer):
         self._flatten = False
         self._ductile_epoch: int | None = None  # the epoch the training loop is in
         self._step_report: StepReport | None = None
+        # Where the training loop enters again under the agent (_hf_in_place.py).
+        self._ductile_resume: _hf_in_place.Resume | None = None
         if packs:
             self._set_up_packs(max_tokens, lengths, lr_rule, base_batch_size, order,
                                sampler_options)
@@ -245,9 +248,12 @@ class DuctileTrainer(transformers.Trainer):
         self._fresh_sampler_state = self.ductile_sampler.state_dict()
         self._resumed_step = 0
 
-    def train(self, *args: Any, **kwargs: Any) -> Any:
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
+              ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> Any:
+        self._ductile_resume = None
         with ductile_engine(self.is_deepspeed_enabled):
-            return super().train(*args, **kwargs)
+            return _hf_in_place.train(self, super().train, resume_from_checkpoint, trial,
+                                      ignore_keys_for_eval, kwargs)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         with ductile_engine(self.is_deepspeed_enabled):
@@ -298,6 +304,13 @@ class DuctileTrainer(transformers.Trainer):
 
     def _inner_training_loop(self, batch_size=None, args=None, resume_from_checkpoint=None,
                              trial=None, ignore_keys_for_eval=None):
+        if self._ductile_resume is not None:
+            resume_from_checkpoint = _hf_in_place.IN_PLACE
+        elif self.is_deepspeed_enabled and os.environ.get("DUCTILE_SNAPSHOT_RESTORE"):
+            # The round resumes from a snapshot in memory (ductile agent),
+            # newer than any checkpoint on disk: the loop enters again at
+            # its step once the engine loaded it.
+            resume_from_checkpoint = None
         if self.ductile_sampler is not None:
             self._ductile_epoch = None
             self._resumed_step = 0
@@ -419,6 +432,11 @@ class DuctileTrainer(transformers.Trainer):
 
     def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs,
                              resume_from_checkpoint, trial):
+        if self._ductile_resume is not None:
+            epochs_trained, skipped = super()._init_training_state(
+                max_steps, num_update_steps_per_epoch, num_train_epochs, None, trial)
+            return _hf_in_place.training_state(self, epochs_trained, skipped,
+                                               num_update_steps_per_epoch)
         epochs_trained, skipped = super()._init_training_state(
             max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint,
             trial)
@@ -445,6 +463,17 @@ class DuctileTrainer(transformers.Trainer):
             trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, start_time=start_time,
             resume_from_checkpoint=resume_from_checkpoint, epochs_trained=epochs_trained,
             steps_trained_in_current_epoch=steps_trained_in_current_epoch)
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        if self._ductile_resume is not None:  # the engine goes on: nothing to make or load
+            return _hf_in_place.prepared(self, None, train_dataloader, fresh=False)
+        model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader,
+                                                                resume_from_checkpoint)
+        return _hf_in_place.prepared(self, model, train_dataloader, fresh=True)
+
+    def _load_rng_state(self, checkpoint):
+        if checkpoint != _hf_in_place.IN_PLACE:  # in place, the generators go on
+            super()._load_rng_state(checkpoint)
 
     def _save_rng_state(self, output_dir):
         super()._save_rng_state(output_dir)

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <csignal>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <random>
 #include <set>
@@ -448,5 +449,172 @@ TEST_CASE("agent: a node that joins is admitted at an optimizer update, the othe
 TEST_CASE("agent: a node that joins a DeepSpeed loop is admitted in place") {
   Job job;
   recovery_test::join_in_place(job, recovery_test::InPlaceRun(job, {"--deepspeed", "2"}));
+}
+
+namespace recovery_test {
+
+// A job of tests/agent/workers/hf_in_place.py (a Hugging Face Trainer
+// script: DuctileTrainer on ZeRO-3 through ductile.deepspeed, its model made
+// by from_config under zero.Init, a snapshot a step copied to one other
+// node, a checkpoint on disk every step).
+struct HfRun {
+  static constexpr int kSteps = 6;
+  std::filesystem::path train, reference;
+  std::vector<std::string> worker, options;
+
+  HfRun(const Job& job, const std::vector<std::string>& worker_options)
+      : train(job.dir / "train"), reference(job.dir / "reference") {
+    std::filesystem::create_directories(train);
+    std::filesystem::create_directories(reference);
+    worker = package_python("hf_in_place.py");
+    worker.insert(worker.begin() + 1, "DS_ACCELERATOR=cpu");
+    worker.push_back(train.string());
+    worker.push_back(std::to_string(kSteps));
+    worker.insert(worker.end(), worker_options.begin(), worker_options.end());
+    options = InPlaceRun(job).options;
+  }
+
+  // Checks the logs of the nodes `logged` (one process each, their steps
+  // from `first` to the end, at world size `before` to the step `change`
+  // and `after` past it) and that every step past `change` logged the loss,
+  // gradient norm and learning rate of the same script at world size
+  // `after` resumed (under torchrun) from the checkpoint of step `change`.
+  void check(const std::map<std::string, int>& logged, int change, int before, int after) const {
+    auto torchrun = package_python("hf_in_place.py");
+    const std::string script = torchrun.back();
+    torchrun.pop_back();
+    torchrun.insert(torchrun.begin() + 1, "DS_ACCELERATOR=cpu");
+    for (std::string arg :
+         {std::string("-m"), std::string("torch.distributed.run"), std::string("--standalone"),
+          std::string("--nproc-per-node"), std::to_string(after), script, reference.string(),
+          std::to_string(kSteps), std::string("--resume"),
+          (train / "trainer" / ("checkpoint-" + std::to_string(change))).string()})
+      torchrun.push_back(arg);
+    const ProcessResult resumed = run_process(torchrun);
+    INFO(resumed.out << resumed.err);
+    REQUIRE(resumed.exit_code == 0);
+    std::map<int, nlohmann::json> expected;
+    std::istringstream reference_log(read_text(reference / "losses-rank0.jsonl"));
+    for (std::string line; std::getline(reference_log, line);) {
+      const auto entry = nlohmann::json::parse(line);
+      expected[entry["step"].get<int>()] = entry;
+    }
+    REQUIRE(expected.size() == static_cast<std::size_t>(kSteps - change));
+    for (const auto& [node, first] : logged) {
+      std::istringstream log(read_text(train / ("losses-" + node + ".jsonl")));
+      std::set<int> pids;
+      std::vector<int> steps;
+      for (std::string line; std::getline(log, line);) {
+        const auto entry = nlohmann::json::parse(line);
+        INFO("node " << node << ": " << line);
+        pids.insert(entry["pid"].get<int>());
+        const int step = entry["step"].get<int>();
+        steps.push_back(step);
+        CHECK(entry["world"].get<int>() == (step <= change ? before : after));
+        if (step <= change) continue;
+        const auto& want = expected.at(step);
+        for (const char* key : {"loss", "grad_norm", "learning_rate"}) {
+          INFO(key);
+          const double got = entry[key].get<double>(), wanted = want[key].get<double>();
+          CHECK(std::abs(got - wanted) <= 1e-6 * std::max(1.0, std::abs(wanted)));
+        }
+      }
+      INFO("node " << node);
+      CHECK(pids.size() == 1);
+      std::vector<int> all;
+      for (int step = first; step <= kSteps; ++step) all.push_back(step);
+      CHECK(steps == all);
+    }
+  }
+};
+
+}  // namespace recovery_test
+
+// A Hugging Face Trainer script on three nodes. Node c stops after its
+// checkpoint of step 3, so that no later step completes, and is killed. The
+// survivors go on in place: their engines rejoin round 2 from the snapshot
+// of step 3, and their Trainers leave the training loop and enter it again
+// at step 3 over the new world, in the same processes. Every step they log
+// after it equals the same script at world size 2 resumed from the
+// checkpoint of step 3 on disk.
+TEST_CASE("agent: a Hugging Face Trainer's survivors of a lost node go on in place") {
+  Job job;
+  const recovery_test::HfRun run(job, {"--stall", "c", "3"});
+  auto [a, b, c] = recovery_test::start_three(job, run.options, run.worker);
+  const bool stalled = wait_until(
+      [&] {
+        return job.all_output().find("hf_in_place stalled node=c step=3") != std::string::npos;
+      },
+      240s);
+  if (!stalled) job.dump();
+  REQUIRE(stalled);
+  for (const int pid : recovery_test::process_tree(c.pid(), job.marker)) kill(pid, SIGKILL);
+  c.wait(10s);
+  for (Child* survivor : {&a, &b}) {
+    const auto status = survivor->wait(240s);
+    if (status != std::optional<int>(0)) job.dump();
+    CHECK(status == std::optional<int>(0));
+  }
+  const std::string out = a.output() + b.output();
+  INFO(out);
+  CHECK(count_of(out, "round 2 continued in place: world size 2 (2 nodes x 1)") == 2);
+  CHECK(out.find("round 2 started") == std::string::npos);
+  CHECK(out.find("Traceback") == std::string::npos);
+  CHECK(count_of(out, "round 2: restored step 3 from memory") == 2);
+  CHECK(count_of(out, "enters its training loop again at step 3, the snapshot restored") == 2);
+  CHECK(count_of(out, "hf_in_place done node=") == 2);
+  run.check({{"a", 1}, {"b", 1}}, 3, 3, 2);
+  if (!no_marked_processes(job.marker)) job.dump();
+  CHECK(marked_processes(job.marker).empty());
+}
+
+// The same script on two nodes; c joins after step 3 (the workers wait
+// there until the survivors' agents ask them to pause). a's and b's
+// workers pause at the next optimizer update, rejoin round 3's world from
+// the snapshot of step 3 and enter their training loops again at step 3;
+// c's worker starts from the same snapshot and enters its loop at step 3.
+// Every step after it equals the script at world size 3 resumed from the
+// checkpoint of step 3.
+TEST_CASE("agent: a node that joins a Hugging Face Trainer is admitted in place") {
+  Job job;
+  const auto go = (job.dir / "go").string();
+  const recovery_test::HfRun run(job, {"--wait", "3", go});
+  Child& a = job.start("a", run.options, run.worker);
+  REQUIRE(a.wait_for_output("joined job", 60s));
+  Child& b = job.start("b", run.options, run.worker);
+  const bool trained = wait_until(
+      [&] {
+        return count_of(job.all_output(), "hf_in_place round=1 world=2 node=b step=3\n") == 1;
+      },
+      240s);
+  if (!trained) job.dump();
+  REQUIRE(trained);
+  Child& c = job.start("c", run.options, run.worker);
+  const bool asked = wait_until(
+      [&] {
+        return count_of(a.output() + b.output(),
+                        "round 2: asking the workers of round 1 to pause") == 2;
+      },
+      120s);
+  if (!asked) job.dump();
+  REQUIRE(asked);
+  std::ofstream(go).put('\n');
+  for (Child* agent : {&a, &b, &c}) {
+    const auto status = agent->wait(240s);
+    if (status != std::optional<int>(0)) job.dump();
+    CHECK(status == std::optional<int>(0));
+  }
+  const std::string kept = a.output() + b.output();
+  INFO(job.all_output());
+  CHECK(count_of(kept, "round 2: the workers paused after step 3") == 2);
+  CHECK(count_of(kept, "round 2 continued in place: world size 3 (3 nodes x 1)") == 2);
+  CHECK(kept.find("round 2 started") == std::string::npos);
+  CHECK(c.output().find("round 2 started: world size 3") != std::string::npos);
+  CHECK(job.all_output().find("Traceback") == std::string::npos);
+  CHECK(count_of(job.all_output(),
+                 "enters its training loop again at step 3, the snapshot restored") == 3);
+  run.check({{"a", 1}, {"b", 1}, {"c", 4}}, 3, 2, 3);
+  if (!no_marked_processes(job.marker)) job.dump();
+  CHECK(marked_processes(job.marker).empty());
 }
 #endif

@@ -739,11 +739,25 @@ def _collective_device():
         else torch.device("cpu")
 
 
+def _values_restored():
+    """Whether this process starts in a round that resumes from a snapshot in
+    memory (``ductile agent`` sets DUCTILE_SNAPSHOT_RESTORE): the engine gives
+    every parameter the snapshot's value once it exists, so what zero3.init's
+    parameters hold before (a model's initialisation under
+    GatheredParameters) is overwritten, and is kept local: workers that
+    rejoin the round in place, which build no model, run no such collective."""
+    from ._snapshots import RESTORE_ENV
+    return bool(os.environ.get(RESTORE_ENV))
+
+
 def _gather_init(shard):
     """The whole value of a parameter zero3.init partitioned (new memory, on
-    the CPU): every rank's slice, gathered."""
+    the CPU): every rank's slice, gathered (in a round restored from memory,
+    this rank's slice in its place and zeros elsewhere)."""
     if shard.world == 1:
         return shard.values[:shard.numel].clone().view(shard.shape)
+    if _values_restored():
+        return shard.whole().view(shard.shape)
     device = _collective_device()
     local = shard.values.to(device)
     pieces = [torch.empty_like(local) for _ in range(shard.world)]
@@ -754,7 +768,7 @@ def _gather_init(shard):
 def _scatter_init(shard, full, modifier_rank):
     """Rank `modifier_rank`'s `full` value becomes every rank's slice."""
     flat = full.detach().reshape(-1).contiguous()
-    if shard.world > 1:
+    if shard.world > 1 and not _values_restored():
         device = _collective_device()
         on_device = flat.to(device)
         torch.distributed.broadcast(on_device, modifier_rank)

@@ -271,6 +271,18 @@ def rejoin(engine, notice):
     return step
 
 
+class RoundRejoined(Exception):
+    """Raised out of the engine's forward, backward or step once it has
+    rejoined a new round in place, for a loop that starts its step again
+    itself (Recovery.unwinds): `step` is the step of the snapshot restored
+    (the engine's global_step), `round` the round joined."""
+
+    def __init__(self, step, round_):
+        super().__init__(f"rejoined round {round_} in place from the snapshot of step {step}")
+        self.step = step
+        self.round = round_
+
+
 def _wait_seconds():
     value = os.environ.get(_round_end.ROUND_END_WAIT_ENV, "")
     try:
@@ -384,18 +396,34 @@ class Recovery:
         self.recoveries: list[str] = []
         # Whether `.ready` was withdrawn (a loss that cannot run again).
         self.withdrawn = False
+        # With `unwinds` (a training loop that starts its step again itself
+        # from the restored state: DuctileTrainer), a recovery raises
+        # RoundRejoined once rejoined instead of running the step's
+        # micro-batches again, and nothing of them is kept.
+        self.unwinds = False
+        self.step_open = False  # a forward of the current step ran (unwinds)
 
     # --- forward, backward, step ----------------------------------------------------------
 
     def forward(self, args, kwargs):
         engine = self.engine
-        if not self.micro:
+        if not self.micro and not self.step_open:
             self.base = engine.global_step
             notice = self.watch.newer()
             if notice is not None:
                 self.recoveries.append("boundary")
-                self._lost(notice, rejoin(engine, notice))
+                restored = rejoin(engine, notice)
+                self._lost(notice, restored)
+                if self.unwinds:
+                    raise RoundRejoined(restored, notice.round)
                 self.base = engine.global_step
+        if self.unwinds:
+            self.step_open = True
+            while True:
+                try:
+                    return engine.module(*args, **kwargs)
+                except Exception as e:  # noqa: BLE001 - _recover raises all but a lost peer's
+                    self._recover(e, [], "forward")
         entry = MicroBatch(args, kwargs, sync=engine._gradients.sync)
         while True:
             try:
@@ -411,6 +439,13 @@ class Recovery:
     def backward(self, loss, kwargs, divisor=1):
         """Back-propagates `loss` / `divisor`; returns that loss."""
         engine = self.engine
+        if self.unwinds:
+            divided = loss / divisor if divisor != 1 else loss
+            try:
+                engine._backward(divided, kwargs)
+            except Exception as e:  # noqa: BLE001 - _recover raises all but a lost peer's
+                self._recover(e, [], "backward")
+            return divided
         entry = next((m for m in reversed(self.micro) if not m.done and
                       _path_of(m, loss) is not None), None)
         if entry is not None:
@@ -460,6 +495,7 @@ class Recovery:
                         break  # the failed step's snapshot was restored: it is done
         finally:
             self.micro = []
+            self.step_open = False
 
     # --- recovery --------------------------------------------------------------------------
 
@@ -469,7 +505,10 @@ class Recovery:
         micro-batches done so far again (and `current`). Returns True when
         the snapshot restored is of the step in progress (step() is done).
         Raises `error` when it is not a lost peer's, or when a micro-batch
-        cannot run again."""
+        cannot run again. With `unwinds`, raises RoundRejoined once
+        rejoined."""
+        if self.unwinds:
+            raise RoundRejoined(self.recover(error, where), self.watch.round) from error
         if not _lost_peer(error) and self.watch.newer() is None:
             # A collective of a round the agent already replaced (a newer
             # notice is there) fails however gloo says it: it is the end of
@@ -503,6 +542,26 @@ class Recovery:
                     raise
                 error = e
 
+    def recover(self, error, where):
+        """After `error`, raised by a collective inside the engine or beside
+        it (the training loop's own, on torch's default group): waits for
+        the next round's notice, rejoins it, and returns the step of the
+        snapshot restored. Raises `error` when it is not a lost peer's (nor
+        any collective's error once a newer notice is there); the steps
+        after the snapshot are the caller's to run again."""
+        if not _lost_peer(error) and self.watch.newer() is None:
+            raise error
+        if isinstance(error, RoundHold):
+            _round_notice.acknowledge_hold(self.watch.path, self.engine.global_step)
+        notice = self._wait(error)
+        self.recoveries.append(where)
+        self.micro, self.step_open = [], False
+        restored = rejoin(self.engine, notice)
+        if restored < self.base:
+            self._lost(notice, restored)
+        self.base = restored
+        return restored
+
     def _replay(self, done):
         """Runs the micro-batches `done` again (forward and backward)."""
         engine = self.engine
@@ -523,7 +582,7 @@ class Recovery:
         _round_notice.py), whether the current step's micro-batches can run
         again)."""
         asked = _round_notice.hold_requested(self.watch.path, self.watch.round)
-        return asked, all(m.loss_path is not None for m in self.micro)
+        return asked, self.unwinds or all(m.loss_path is not None for m in self.micro)
 
     def superseded(self):
         """Raises CommunicationError when a newer round's notice arrived (a
