@@ -1,6 +1,7 @@
-"""DuctileTrainer under ``ductile agent``: training goes on from the step a
-round resumed from memory, in the same process when the worker goes on in
-place.
+"""Hugging Face Trainers on ductile's engine under ``ductile agent``
+(DuctileTrainer, ductile.trl's trainers: InPlaceTrainer ahead of theirs):
+training goes on from the step a round resumed from memory, in the same
+process when the worker goes on in place.
 
 The Trainer's loop holds the world size in many places (its DataLoader,
 sharded by Accelerate; ``num_items_in_batch``, gathered over the ranks; its
@@ -20,8 +21,10 @@ restored:
   count and index) to the new round's and enters the loop again at the
   restored step: a new DataLoader over the new world, the Trainer's
   ``global_step`` the restored one, the micro-batches of the steps done in
-  the epoch skipped as a resume from a checkpoint skips them, and the
-  ``TrainerState`` kept (its log history up to the restored step).
+  the epoch skipped as a resume from a checkpoint skips them, the random
+  generators as they were at the end of the restored step (where such a
+  resume loads its rng_state files), and the ``TrainerState`` kept (its log
+  history up to the restored step).
 - **Restarted** (a worker the agent started in a round that resumed from
   memory): the engine loads the snapshot when the Trainer makes it; the
   Trainer then enters its loop again at that step, as above (its
@@ -30,26 +33,36 @@ restored:
 
 Without the agent nothing here runs. What it needs: the Trainer on
 ductile's ZeRO-3 engine (``args.deepspeed`` with stage 3, as
-``ductile.deepspeed`` takes it), no ``model_init`` and no ``max_tokens`` (a
-worker with either takes back its readiness, and the agent restarts it:
-with ``max_tokens`` the sampler's position at the restored step is not in
-the snapshot).
+``ductile.deepspeed`` takes it), no ``model_init`` and no engine beside it
+(TRL's DPO reference model: ``_in_place_refused``); a worker without them
+takes back its readiness, and the agent restarts it (it then enters its
+loop at the restored step as a restarted one). With ``max_tokens``,
+each snapshot keeps where the data stands after its step (the sampler's
+record, as a checkpoint's RESUME_FILE: ``engine.snapshot_client_state``):
+the loop enters again there, the rest of the epoch packed again at the new
+world size, and the learning-rate schedule planned again over the new
+step count.
 """
 
 import dataclasses
 import logging
 import os
+import random
 from typing import Any
 
+import numpy as np
 import torch
+import transformers
 
+from ._errors import IncompatibleError
 from .torch.zero3._rejoin import RoundRejoined
+from .torch.zero3._snapshots import RESTORE_ENV
 
 _logger = logging.getLogger("ductile.hf")
 
 # The checkpoint argument the Trainer's loop is given when it enters again
 # in place: it skips the epoch's done micro-batches as for a checkpoint,
-# and reads no file (DuctileTrainer._load_rng_state).
+# and reads no file (InPlaceTrainer._load_rng_state).
 IN_PLACE = "<ductile: the snapshot restored in memory>"
 
 
@@ -100,13 +113,11 @@ def train(trainer, train_once, resume_from_checkpoint, trial, ignore_keys_for_ev
             restored = recovery.recover(error, "trainer")  # `error` again when not a lost peer
         accelerator = trainer.accelerator
         wrapped, accelerator.deepspeed_engine_wrapped = accelerator.deepspeed_engine_wrapped, None
-        state = trainer._ductile_resume.state if trainer._ductile_resume is not None else None
-        trainer._ductile_resume = Resume(restored, state if state is not None else trainer.state,
-                                         wrapped)
+        trainer._ductile_resume = Resume(restored, trainer.state, wrapped)
         _follow_world(accelerator)
         resume_from_checkpoint = None
         _logger.warning(
-            f"DuctileTrainer: rank {torch.distributed.get_rank()} of "
+            f"{type(trainer).__name__}: rank {torch.distributed.get_rank()} of "
             f"{torch.distributed.get_world_size()} enters its training loop again at step "
             f"{restored}, the snapshot restored in memory")
 
@@ -132,14 +143,21 @@ def prepared(trainer, model, train_dataloader, fresh):
     """After `_prepare_for_training` made the engine (`fresh`) or, entering
     again, instead of it: the engine's recovery set to unwind, and the
     loop's objects those of the engine that goes on."""
+    from .deepspeed._engine import DeepSpeedEngine
+
     resume = trainer._ductile_resume
-    recovery = recovery_of(trainer)
     if fresh:
         engine = trainer.model_wrapped
+        if not isinstance(engine, DeepSpeedEngine):
+            return model, train_dataloader
+        if trainer._snapshot_record is not None:
+            # Each snapshot keeps where the data stands after its step.
+            engine.zero3.snapshot_client_state = trainer._snapshot_record
+        recovery = recovery_of(trainer)
         if recovery is not None:
             _unwind(trainer, engine, recovery)
-        restored = getattr(getattr(engine, "zero3", None), "restored_from_memory", None)
-        if restored is not None and resume is None and trainer.ductile_sampler is None:
+        restored = engine.zero3.restored_from_memory
+        if restored is not None and resume is None:
             raise _Restored(restored)
         return model, train_dataloader
     assert resume is not None  # entering again
@@ -164,24 +182,68 @@ def _unwind(trainer, engine, recovery):
     its loop again from memory."""
     from .torch.zero3 import _round_notice
 
-    why = None
+    why = trainer._in_place_refused
     if trainer.model_init is not None:
-        why = "model_init is set (train() would make a new model)"
-    elif trainer.ductile_sampler is not None:
-        why = ("max_tokens is set (the sampler's position at the restored step is not in the "
-               "snapshot)")
+        why = "model_init is set (train() makes a new model)"
     if why is not None:
         if not recovery.withdrawn:
             recovery.withdrawn = True
             _round_notice.withdraw_ready(recovery.watch.path)
-            _logger.warning(f"DuctileTrainer: {why}: at a lost node the agent restarts this "
-                            "worker")
+            _logger.warning(f"{type(trainer).__name__}: {why}: at a lost node the agent "
+                            "restarts this worker")
         return
     recovery.unwinds = True
+    if trainer._step_rng is None:
+        # The random generators at each step's end, for the loop that
+        # enters again at a restored step: as a checkpoint's rng_state files.
+        trainer._step_rng = _StepRng(2 * max(engine.zero3._snapshots.interval, 1) + 2)
+        trainer.add_callback(trainer._step_rng)
     # The Trainer's arguments fix the micro-batch and the accumulation
     # steps; the global batch follows the world size.
     _, micro, accumulation = engine._train_batch_size, engine._micro_batch, engine._accumulation
     engine._replan = lambda world: (micro * accumulation * world, micro, accumulation)
+
+
+class _StepRng(transformers.TrainerCallback):
+    """The random generators' states (Python's, NumPy's, torch's and, once
+    used, CUDA's) at the end of each of the last `keep` steps."""
+
+    def __init__(self, keep):
+        self.keep = keep
+        self.states: dict[int, dict[str, Any]] = {}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        step = state.global_step
+        taken = {"python": random.getstate(), "numpy": np.random.get_state(),
+                 "cpu": torch.random.get_rng_state()}
+        if torch.cuda.is_initialized():
+            taken["cuda"] = torch.cuda.random.get_rng_state_all()
+        self.states[step] = taken
+        for old in [s for s in self.states if s <= step - self.keep]:
+            del self.states[old]
+
+    def restore(self, step):
+        """Sets the generators as they were at the end of `step`, when kept."""
+        taken = self.states.get(step)
+        if taken is None:
+            return
+        random.setstate(taken["python"])
+        np.random.set_state(taken["numpy"])
+        torch.random.set_rng_state(taken["cpu"])
+        if "cuda" in taken:
+            torch.cuda.random.set_rng_state_all(taken["cuda"])
+
+
+def sampler_record_of(trainer):
+    """The sampler's record (DuctileTrainer._sampler_record) in the snapshot
+    restored."""
+    record = trainer.model_wrapped.zero3.restored_client_state
+    if not isinstance(record, dict) or "sampler" not in record:
+        raise IncompatibleError(
+            "DuctileTrainer: the snapshot restored in memory does not say where the data stood "
+            "(its client state is not a DuctileTrainer's sampler record): it was written by a "
+            "run without max_tokens; restore it with the same script and arguments")
+    return record
 
 
 def training_state(trainer, epochs_trained, skipped, num_update_steps_per_epoch):
@@ -206,3 +268,62 @@ def training_state(trainer, epochs_trained, skipped, num_update_steps_per_epoch)
     fresh.epoch = float(epochs_trained)
     return epochs_trained, skipped
 
+
+class InPlaceTrainer:
+    """The Trainer's methods that enter its training loop again at a
+    restored step (a mixin ahead of ``transformers.Trainer``; see the
+    module's docstring)."""
+
+    # Where the loop enters again (None: from the start, or the checkpoint
+    # given), and a callable of the step whose value each snapshot keeps
+    # (DuctileTrainer's sampler record), or None.
+    _ductile_resume: Resume | None = None
+    _snapshot_record: Any = None
+    # Why this Trainer cannot go on in place (its workers are restarted,
+    # and enter their loop at the restored step), or None.
+    _in_place_refused: str | None = None
+    _step_rng: _StepRng | None = None
+
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None,
+              **kwargs):
+        self._ductile_resume = None
+        return train(self, super().train, resume_from_checkpoint, trial,  # type: ignore[misc]
+                     ignore_keys_for_eval, kwargs)
+
+    def _inner_training_loop(self, batch_size=None, args=None, resume_from_checkpoint=None,
+                             trial=None, ignore_keys_for_eval=None):
+        if self._ductile_resume is not None:
+            resume_from_checkpoint = IN_PLACE
+        elif self.is_deepspeed_enabled and os.environ.get(RESTORE_ENV):  # type: ignore[attr-defined]
+            # The round resumes from a snapshot in memory (ductile agent),
+            # newer than any checkpoint on disk: the loop enters again at
+            # its step once the engine loaded it.
+            resume_from_checkpoint = None
+        return super()._inner_training_loop(  # type: ignore[misc]
+            batch_size=batch_size, args=args, resume_from_checkpoint=resume_from_checkpoint,
+            trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
+
+    def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs,
+                             resume_from_checkpoint, trial):
+        if self._ductile_resume is None:
+            return super()._init_training_state(  # type: ignore[misc]
+                max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint,
+                trial)
+        epochs_trained, skipped = super()._init_training_state(  # type: ignore[misc]
+            max_steps, num_update_steps_per_epoch, num_train_epochs, None, trial)
+        return training_state(self, epochs_trained, skipped, num_update_steps_per_epoch)
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        if self._ductile_resume is not None:  # the engine goes on: nothing to make or load
+            return prepared(self, None, train_dataloader, fresh=False)
+        model, train_dataloader = super()._prepare_for_training(  # type: ignore[misc]
+            max_steps, train_dataloader, resume_from_checkpoint)
+        return prepared(self, model, train_dataloader, fresh=True)
+
+    def _load_rng_state(self, checkpoint):
+        if checkpoint != IN_PLACE:
+            super()._load_rng_state(checkpoint)  # type: ignore[misc]
+        elif self._step_rng is not None and self._ductile_resume is not None:
+            # Where a resume from a checkpoint of the step loads its files;
+            # a worker that did not train that step goes on with its own.
+            self._step_rng.restore(self._ductile_resume.step)

@@ -153,7 +153,7 @@ class _EpochDataLoader(torch.utils.data.DataLoader):
         self.batch_sampler.set_epoch(epoch)
 
 
-class DuctileTrainer(transformers.Trainer):
+class DuctileTrainer(_hf_in_place.InPlaceTrainer, transformers.Trainer):
     """A ``transformers.Trainer`` on ductile's ZeRO-3 engine (with
     ``args.deepspeed``) and, with ``max_tokens``, on ductile's variable
     batches. Keyword arguments beyond the Trainer's, all optional:
@@ -199,8 +199,6 @@ class DuctileTrainer(transformers.Trainer):
         self._flatten = False
         self._ductile_epoch: int | None = None  # the epoch the training loop is in
         self._step_report: StepReport | None = None
-        # Where the training loop enters again under the agent (_hf_in_place.py).
-        self._ductile_resume: _hf_in_place.Resume | None = None
         if packs:
             self._set_up_packs(max_tokens, lengths, lr_rule, base_batch_size, order,
                                sampler_options)
@@ -224,11 +222,12 @@ class DuctileTrainer(transformers.Trainer):
             raise InvalidArgumentError(
                 f"DuctileTrainer: lengths has {len(lengths)} entries but train_dataset has "
                 f"{len(self.train_dataset)} samples: give one length per sample")
-        self.ductile_sampler = DynamicBatchSampler(
-            np.asarray(lengths, dtype=np.int64), max_tokens=max_tokens,
-            gradient_accumulation_steps=self.args.gradient_accumulation_steps,
-            rank=self.args.process_index, world_size=self.args.world_size, order=order,
+        # What makes the sampler again at another world size (in place).
+        self._sampler_args = dict(
+            lengths=np.asarray(lengths, dtype=np.int64), max_tokens=max_tokens,
+            gradient_accumulation_steps=self.args.gradient_accumulation_steps, order=order,
             seed=self.args.seed, **(sampler_options or {}))
+        self.ductile_sampler = self._new_sampler()
         self._lr_rule = lr_rule
         self._base_batch_size = 1.0 if base_batch_size is None else base_batch_size
         self._flatten = isinstance(self.data_collator, FlattenCollate)
@@ -245,15 +244,18 @@ class DuctileTrainer(transformers.Trainer):
         self.callback_handler.callbacks.insert(0, _EpochProgress(self))
         self._step_report = StepReport(self)
         self.callback_handler.callbacks.insert(1, self._step_report)
+        self._snapshot_record = self._sampler_record
         self._fresh_sampler_state = self.ductile_sampler.state_dict()
         self._resumed_step = 0
 
+    def _new_sampler(self):
+        return DynamicBatchSampler(**self._sampler_args, rank=self.args.process_index,
+                                   world_size=self.args.world_size)
+
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
               ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> Any:
-        self._ductile_resume = None
         with ductile_engine(self.is_deepspeed_enabled):
-            return _hf_in_place.train(self, super().train, resume_from_checkpoint, trial,
-                                      ignore_keys_for_eval, kwargs)
+            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         with ductile_engine(self.is_deepspeed_enabled):
@@ -278,15 +280,19 @@ class DuctileTrainer(transformers.Trainer):
         if self.ductile_sampler is None:
             return super().create_scheduler(num_training_steps, optimizer)
         if self.lr_scheduler is None:
-            schedule, warms_up = self._schedule
-            warmup = self.args.get_warmup_steps(num_training_steps) if warms_up else 0
+            warmup, total = self._planned_steps(num_training_steps)
             self.lr_scheduler = _StepScheduler(
                 optimizer or self.optimizer, self.ductile_sampler, lr_rule=self._lr_rule,
                 base_batch_size=self._base_batch_size, base_lr=self.args.learning_rate,
-                schedule=schedule, warmup_steps=warmup,
-                total_steps=max(num_training_steps, warmup + 1))
+                schedule=self._schedule[0], warmup_steps=warmup, total_steps=total)
             self._created_lr_scheduler = True
         return self.lr_scheduler
+
+    def _planned_steps(self, num_training_steps):
+        """The variable-batch schedule's (warm-up steps, total steps) for a
+        run of `num_training_steps`."""
+        warmup = self.args.get_warmup_steps(num_training_steps) if self._schedule[1] else 0
+        return warmup, max(num_training_steps, warmup + 1)
 
     @property
     def _ductile_scheduler(self):
@@ -304,17 +310,16 @@ class DuctileTrainer(transformers.Trainer):
 
     def _inner_training_loop(self, batch_size=None, args=None, resume_from_checkpoint=None,
                              trial=None, ignore_keys_for_eval=None):
-        if self._ductile_resume is not None:
-            resume_from_checkpoint = _hf_in_place.IN_PLACE
-        elif self.is_deepspeed_enabled and os.environ.get("DUCTILE_SNAPSHOT_RESTORE"):
-            # The round resumes from a snapshot in memory (ductile agent),
-            # newer than any checkpoint on disk: the loop enters again at
-            # its step once the engine loaded it.
-            resume_from_checkpoint = None
         if self.ductile_sampler is not None:
             self._ductile_epoch = None
             self._resumed_step = 0
-            if resume_from_checkpoint is None:
+            if self._ductile_resume is not None:
+                # The sampler of this world, where the restored snapshot's
+                # step left the data.
+                self.ductile_sampler = self._new_sampler()
+                self._apply_sampler_record(_hf_in_place.sampler_record_of(self),
+                                           _hf_in_place.IN_PLACE)
+            elif resume_from_checkpoint is None:
                 self.ductile_sampler.load_state_dict(self._fresh_sampler_state)
             else:
                 self._resume_sampler(resume_from_checkpoint)
@@ -349,6 +354,23 @@ class DuctileTrainer(transformers.Trainer):
             raise InvalidArgumentError(
                 f"DuctileTrainer: {path} is not a version 1 {_RESUME_FORMAT} record (with "
                 f"{', '.join(sorted(keys))}): the checkpoint is damaged")
+        self._apply_sampler_record(saved, checkpoint, path)
+        trainer_state = os.path.join(checkpoint, "trainer_state.json")
+        if os.path.isfile(trainer_state):
+            with open(trainer_state, encoding="utf-8") as f:
+                recorded = json.load(f).get("global_step")
+            if recorded != saved["global_step"]:
+                raise InvalidArgumentError(
+                    f"DuctileTrainer: {trainer_state} has global_step {recorded!r} and {path} "
+                    f"{saved['global_step']}: they are of different checkpoints")
+
+    def _apply_sampler_record(self, saved, checkpoint, path=None):
+        """Puts the sampler where a record of _sampler_record (from
+        `checkpoint`: its file `path`, or the snapshot in memory) says, and
+        the step it was taken after into _resumed_step; re-packs the rest
+        of its epoch when the world size or the micro-batches per step
+        changed."""
+        path = checkpoint if path is None else path
         for key, value in self._resume_settings.items():
             was = saved["settings"].get(key)
             if was != value:
@@ -378,21 +400,14 @@ class DuctileTrainer(transformers.Trainer):
                 f"DuctileTrainer: {path} has global_step {step!r}, but its sampler state "
                 f"ends epoch {epoch} {left} steps after step {sampler.first_step(epoch)}: "
                 "the checkpoint is damaged")
-        trainer_state = os.path.join(checkpoint, "trainer_state.json")
-        if os.path.isfile(trainer_state):
-            with open(trainer_state, encoding="utf-8") as f:
-                recorded = json.load(f).get("global_step")
-            if recorded != step:
-                raise InvalidArgumentError(
-                    f"DuctileTrainer: {trainer_state} has global_step {recorded!r} and {path} "
-                    f"{step}: they are of different checkpoints")
         self._resumed_step = step
         if (saved["world_size"], saved["gradient_accumulation_steps"]) != (
                 sampler.world_size, sampler.gradient_accumulation_steps):
             _logger.warning(
                 f"DuctileTrainer: resuming at world size {sampler.world_size} with "
-                f"{sampler.gradient_accumulation_steps} micro-batches per rank and step (the "
-                f"checkpoint: {saved['world_size']} and {saved['gradient_accumulation_steps']}): "
+                f"{sampler.gradient_accumulation_steps} micro-batches per rank and step ("
+                + ("the snapshot" if checkpoint == _hf_in_place.IN_PLACE else "the checkpoint")
+                + f": {saved['world_size']} and {saved['gradient_accumulation_steps']}): "
                 f"the samples epoch {epoch} has left after step {step} are packed again, and "
                 "the learning-rate schedule is planned again over the new step count")
 
@@ -432,11 +447,6 @@ class DuctileTrainer(transformers.Trainer):
 
     def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs,
                              resume_from_checkpoint, trial):
-        if self._ductile_resume is not None:
-            epochs_trained, skipped = super()._init_training_state(
-                max_steps, num_update_steps_per_epoch, num_train_epochs, None, trial)
-            return _hf_in_place.training_state(self, epochs_trained, skipped,
-                                               num_update_steps_per_epoch)
         epochs_trained, skipped = super()._init_training_state(
             max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint,
             trial)
@@ -465,39 +475,45 @@ class DuctileTrainer(transformers.Trainer):
             steps_trained_in_current_epoch=steps_trained_in_current_epoch)
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
-        if self._ductile_resume is not None:  # the engine goes on: nothing to make or load
-            return _hf_in_place.prepared(self, None, train_dataloader, fresh=False)
-        model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader,
-                                                                resume_from_checkpoint)
-        return _hf_in_place.prepared(self, model, train_dataloader, fresh=True)
-
-    def _load_rng_state(self, checkpoint):
-        if checkpoint != _hf_in_place.IN_PLACE:  # in place, the generators go on
-            super()._load_rng_state(checkpoint)
+        scheduler = self._ductile_scheduler
+        if self._ductile_resume is not None and scheduler is not None:
+            # Entering the loop again in place: the steps planned again
+            # over the new sampler, from the restored step on.
+            scheduler.sampler = self.ductile_sampler
+            warmup, total = self._planned_steps(max_steps)
+            scheduler._schedule_args.update(warmup_steps=warmup, total_steps=total)
+            scheduler.load_state_dict(scheduler.state_dict(), replan=True)
+        return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
 
     def _save_rng_state(self, output_dir):
         super()._save_rng_state(output_dir)
         if self.ductile_sampler is not None and self.args.should_save:
             self._save_sampler_state(output_dir)
 
-    def _save_sampler_state(self, output_dir):
-        """Writes RESUME_FILE: the sampler's state after the checkpoint's
-        step, counted from the Trainer's steps (DataLoader workers may have
-        fetched ahead of them)."""
+    def _sampler_record(self, step):
+        """Where the data stands after `step` (the sampler's state, counted
+        from the Trainer's steps: DataLoader workers may have fetched ahead
+        of them) and the settings it depends on; the same on every rank."""
         sampler = self.ductile_sampler
-        assert sampler is not None  # only saved with max_tokens
+        assert sampler is not None  # only recorded with max_tokens
         epoch = sampler.epoch if self._ductile_epoch is None else self._ductile_epoch
-        done = self.state.global_step - sampler.first_step(epoch)
+        done = step - sampler.first_step(epoch)
         if done >= len(sampler.batch_sizes(epoch)):
             epoch, done = epoch + 1, 0
-        record = {"format": _RESUME_FORMAT, "version": 1, "global_step": self.state.global_step,
-                  "world_size": sampler.world_size,
-                  "gradient_accumulation_steps": sampler.gradient_accumulation_steps,
-                  "max_steps": self.state.max_steps,
-                  "num_train_epochs": self.state.num_train_epochs,
-                  "settings": self._resume_settings,
-                  "sampler": sampler.state_dict(
-                      consumed=done * sampler.gradient_accumulation_steps, epoch=epoch)}
+        state = sampler.state_dict(consumed=done * sampler.gradient_accumulation_steps,
+                                   epoch=epoch)
+        # Any rank's position is every rank's at a step's end.
+        state["rank"] = 0
+        return {"format": _RESUME_FORMAT, "version": 1, "global_step": step,
+                "world_size": sampler.world_size,
+                "gradient_accumulation_steps": sampler.gradient_accumulation_steps,
+                "max_steps": self.state.max_steps,
+                "num_train_epochs": self.state.num_train_epochs,
+                "settings": self._resume_settings, "sampler": state}
+
+    def _save_sampler_state(self, output_dir):
+        """Writes RESUME_FILE: _sampler_record of the checkpoint's step."""
+        record = self._sampler_record(self.state.global_step)
         os.makedirs(output_dir, exist_ok=True)
         path = os.path.join(output_dir, RESUME_FILE)
         with open(path + ".tmp", "w", encoding="utf-8") as f:

@@ -26,6 +26,8 @@ import trl
 import trl.trainer.utils
 
 from ._errors import IncompatibleError
+from ._hf_in_place import InPlaceTrainer
+from .torch.zero3._snapshots import not_the_training
 from ._hf_zero3 import ductile_engine, use_ductile_zero3, warn_if_untested
 
 __all__ = ["SFTTrainer", "DPOTrainer", "RewardTrainer"]
@@ -73,7 +75,9 @@ class _OnDuctileEngine:
     Trainer's DeepSpeed integration cannot run then either)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        with ductile_engine(_DEEPSPEED):
+        # An engine made here is a reference model's (DPO): the policy's is
+        # made by train(), and it alone is the training's under the agent.
+        with ductile_engine(_DEEPSPEED), not_the_training():
             super().__init__(*args, **kwargs)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
@@ -89,13 +93,20 @@ class _OnDuctileEngine:
             return super().predict(*args, **kwargs)  # type: ignore[misc]
 
 
-class SFTTrainer(_OnDuctileEngine, trl.SFTTrainer):
-    """``trl.SFTTrainer`` on ductile's ZeRO-3 engine (its arguments as they are)."""
+class SFTTrainer(_OnDuctileEngine, InPlaceTrainer, trl.SFTTrainer):
+    """``trl.SFTTrainer`` on ductile's ZeRO-3 engine (its arguments as they are);
+    under ``ductile agent`` it goes on in place as DuctileTrainer does."""
 
 
-class DPOTrainer(_OnDuctileEngine, trl.DPOTrainer):
-    """``trl.DPOTrainer`` on ductile's ZeRO-3 engine, the reference model's too."""
+class DPOTrainer(_OnDuctileEngine, InPlaceTrainer, trl.DPOTrainer):
+    """``trl.DPOTrainer`` on ductile's ZeRO-3 engine, the reference model's too
+    (under ``ductile agent`` its workers are restarted at a lost node, and
+    enter their loop at the restored step: the reference model's engine does
+    not rejoin a round)."""
+
+    _in_place_refused = "its reference model's engine does not rejoin a round"
 
 
-class RewardTrainer(_OnDuctileEngine, trl.RewardTrainer):
-    """``trl.RewardTrainer`` on ductile's ZeRO-3 engine (its arguments as they are)."""
+class RewardTrainer(_OnDuctileEngine, InPlaceTrainer, trl.RewardTrainer):
+    """``trl.RewardTrainer`` on ductile's ZeRO-3 engine (its arguments as they
+    are); under ``ductile agent`` it goes on in place as DuctileTrainer does."""

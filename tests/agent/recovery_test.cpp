@@ -460,17 +460,23 @@ namespace recovery_test {
 struct HfRun {
   static constexpr int kSteps = 6;
   std::filesystem::path train, reference;
-  std::vector<std::string> worker, options;
+  std::vector<std::string> script, worker, options;
 
-  HfRun(const Job& job, const std::vector<std::string>& worker_options)
-      : train(job.dir / "train"), reference(job.dir / "reference") {
+  // `script_options`: the script's own (the reference runs with them too);
+  // `control`: where the test stops the job (--stall, --wait).
+  HfRun(const Job& job, std::vector<std::string> script_options,
+        const std::vector<std::string>& control)
+      : train(job.dir / "train"),
+        reference(job.dir / "reference"),
+        script(std::move(script_options)) {
     std::filesystem::create_directories(train);
     std::filesystem::create_directories(reference);
     worker = package_python("hf_in_place.py");
     worker.insert(worker.begin() + 1, "DS_ACCELERATOR=cpu");
     worker.push_back(train.string());
     worker.push_back(std::to_string(kSteps));
-    worker.insert(worker.end(), worker_options.begin(), worker_options.end());
+    worker.insert(worker.end(), script.begin(), script.end());
+    worker.insert(worker.end(), control.begin(), control.end());
     options = InPlaceRun(job).options;
   }
 
@@ -481,15 +487,16 @@ struct HfRun {
   // `after` resumed (under torchrun) from the checkpoint of step `change`.
   void check(const std::map<std::string, int>& logged, int change, int before, int after) const {
     auto torchrun = package_python("hf_in_place.py");
-    const std::string script = torchrun.back();
+    const std::string file = torchrun.back();
     torchrun.pop_back();
     torchrun.insert(torchrun.begin() + 1, "DS_ACCELERATOR=cpu");
     for (std::string arg :
          {std::string("-m"), std::string("torch.distributed.run"), std::string("--standalone"),
-          std::string("--nproc-per-node"), std::to_string(after), script, reference.string(),
+          std::string("--nproc-per-node"), std::to_string(after), file, reference.string(),
           std::to_string(kSteps), std::string("--resume"),
           (train / "trainer" / ("checkpoint-" + std::to_string(change))).string()})
       torchrun.push_back(arg);
+    torchrun.insert(torchrun.end(), script.begin(), script.end());
     const ProcessResult resumed = run_process(torchrun);
     INFO(resumed.out << resumed.err);
     REQUIRE(resumed.exit_code == 0);
@@ -530,17 +537,17 @@ struct HfRun {
 
 }  // namespace recovery_test
 
-// A Hugging Face Trainer script on three nodes. Node c stops after its
-// checkpoint of step 3, so that no later step completes, and is killed. The
-// survivors go on in place: their engines rejoin round 2 from the snapshot
-// of step 3, and their Trainers leave the training loop and enter it again
-// at step 3 over the new world, in the same processes. Every step they log
-// after it equals the same script at world size 2 resumed from the
+namespace recovery_test {
+
+// A Hugging Face Trainer script (`run`) on three nodes. Node c stops after
+// its checkpoint of step 3, so that no later step completes, and is killed.
+// The survivors go on in place: their engines rejoin round 2 from the
+// snapshot of step 3, and their Trainers leave the training loop and enter
+// it again at step 3 over the new world, in the same processes. Every step
+// they log after it equals the same script at world size 2 resumed from the
 // checkpoint of step 3 on disk.
-TEST_CASE("agent: a Hugging Face Trainer's survivors of a lost node go on in place") {
-  Job job;
-  const recovery_test::HfRun run(job, {"--stall", "c", "3"});
-  auto [a, b, c] = recovery_test::start_three(job, run.options, run.worker);
+void lose_a_node_hf(Job& job, const HfRun& run) {
+  auto [a, b, c] = start_three(job, run.options, run.worker);
   const bool stalled = wait_until(
       [&] {
         return job.all_output().find("hf_in_place stalled node=c step=3") != std::string::npos;
@@ -548,7 +555,7 @@ TEST_CASE("agent: a Hugging Face Trainer's survivors of a lost node go on in pla
       240s);
   if (!stalled) job.dump();
   REQUIRE(stalled);
-  for (const int pid : recovery_test::process_tree(c.pid(), job.marker)) kill(pid, SIGKILL);
+  for (const int pid : process_tree(c.pid(), job.marker)) kill(pid, SIGKILL);
   c.wait(10s);
   for (Child* survivor : {&a, &b}) {
     const auto status = survivor->wait(240s);
@@ -568,6 +575,28 @@ TEST_CASE("agent: a Hugging Face Trainer's survivors of a lost node go on in pla
   CHECK(marked_processes(job.marker).empty());
 }
 
+}  // namespace recovery_test
+
+TEST_CASE("agent: a Hugging Face Trainer's survivors of a lost node go on in place") {
+  Job job;
+  lose_a_node_hf(job, recovery_test::HfRun(job, {}, {"--stall", "c", "3"}));
+}
+
+// The same with DuctileTrainer's token-budget packs: each snapshot keeps
+// where the data stood after its step, and the survivors' sampler packs
+// the rest of the epoch again at world size 2, as a resume from disk does.
+TEST_CASE("agent: a Hugging Face Trainer on token-budget packs goes on in place") {
+  Job job;
+  lose_a_node_hf(job, recovery_test::HfRun(job, {"--max-tokens", "48"}, {"--stall", "c", "3"}));
+}
+
+// The same with a TRL supervised fine-tuning script (ductile.trl's
+// SFTTrainer, which multiplies its loss in place as the Trainer does).
+TEST_CASE("agent: a TRL SFTTrainer's survivors of a lost node go on in place") {
+  Job job;
+  lose_a_node_hf(job, recovery_test::HfRun(job, {"--trl"}, {"--stall", "c", "3"}));
+}
+
 // The same script on two nodes; c joins after step 3 (the workers wait
 // there until the survivors' agents ask them to pause). a's and b's
 // workers pause at the next optimizer update, rejoin round 3's world from
@@ -578,7 +607,7 @@ TEST_CASE("agent: a Hugging Face Trainer's survivors of a lost node go on in pla
 TEST_CASE("agent: a node that joins a Hugging Face Trainer is admitted in place") {
   Job job;
   const auto go = (job.dir / "go").string();
-  const recovery_test::HfRun run(job, {"--wait", "3", go});
+  const recovery_test::HfRun run(job, {}, {"--wait", "3", go});
   Child& a = job.start("a", run.options, run.worker);
   REQUIRE(a.wait_for_output("joined job", 60s));
   Child& b = job.start("b", run.options, run.worker);

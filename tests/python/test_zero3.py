@@ -360,6 +360,28 @@ def test_one_rank_trains_and_close_gives_the_parameters_back():
     loss_of(model(x), y).backward()  # a plain model again
 
 
+def test_close_gives_back_a_forward_the_model_had_of_its_own():
+    """A forward a library set on the model instance before the engine (as
+    TRL's fused LM head does) runs under the engine and is the model's again
+    after close()."""
+    model = make_model(seed=0)
+    plain = model.forward
+    calls = []
+
+    def patched(*args, **kwargs):
+        calls.append(len(args))
+        return plain(*args, **kwargs)
+    model.forward = patched
+    engine = zero3.initialize(model, lambda ps: torch.optim.Adam(ps, lr=1e-3), CONFIG)
+    x, y = Windows(batch=2).step(0)
+    loss_of(engine(x), y)
+    assert calls == [1]
+    engine.close()
+    assert model.__dict__["forward"] is patched
+    model(x)
+    assert calls == [1, 1]
+
+
 def test_the_step_path_says_where_the_pass_is_and_keeps_the_group_state():
     """Where the pass is (TrainingState) and a group's materialisation, as
     the C++ step path keeps them, read from Python inside a block's forward,

@@ -487,6 +487,43 @@ def test_restore_at_initialize_from_the_restore_folder(snapshots, monkeypatch):
         engine_of(seed=1)
 
 
+def test_the_client_state_travels_with_the_snapshot(snapshots, monkeypatch, caplog):
+    """engine.snapshot_client_state(step) is written into each snapshot's
+    manifest and is engine.restored_client_state after the restore; an
+    engine without an optimizer, or made under not_the_training() (a
+    reference model's), neither restores nor writes snapshots; a client
+    state that is not JSON fails its snapshot alone."""
+    engine = engine_of()
+    engine.snapshot_client_state = lambda step: {"position": 10 * step}
+    train(engine, 2)
+    manifest = json.loads((snapshots / "step2" / "manifest.json").read_text())
+    assert manifest["client_state"] == {"position": 20}
+    folder = snapshots.parent / "restore" / "step2"
+    shutil.copytree(snapshots / "step2", folder)
+    monkeypatch.setenv("DUCTILE_SNAPSHOT_RESTORE", str(folder))
+    monkeypatch.setenv("DUCTILE_SNAPSHOT_DIR", str(snapshots.parent / "own2"))
+    restored = engine_of(seed=1)
+    assert restored.restored_from_memory == 2
+    assert restored.restored_client_state == {"position": 20}
+
+    reference = zero3.initialize(make_model(seed=1), None, CONFIG)
+    assert reference.restored_from_memory is None and reference.global_step == 0
+    with _snapshots.not_the_training():
+        beside = engine_of(seed=1)
+    assert beside.restored_from_memory is None and beside.global_step == 0
+    assert not same(snapshot(beside), snapshot(engine))
+    train(beside, 1)
+    assert not os.path.exists(snapshots.parent / "own2" / "step1")
+
+    # A value that is not JSON fails the snapshot, which is logged; the
+    # training goes on with the last one.
+    engine.snapshot_client_state = lambda step: {"not JSON": object()}
+    with caplog.at_level(logging.WARNING, logger="ductile.zero3"):
+        train(engine, 1)
+    assert engine.global_step == 3 and latest(snapshots) == "step2"
+    assert "client_state cannot be written as JSON" in caplog.text
+
+
 def test_a_restore_folder_still_to_come_is_waited_for(snapshots, monkeypatch):
     """Workers the agent started before the restore was whole
     (DUCTILE_SNAPSHOT_RESTORE_WAIT): initialize waits for the folder, which

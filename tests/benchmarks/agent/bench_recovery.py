@@ -16,6 +16,14 @@ global batch of 24 windows, every optimizer step checkpointed:
             state goes to the agents' memory and one other node's;
   ductile-warm  the same with --warm-workers: the survivors' new workers
             start in spare interpreters that imported torch ahead;
+  trainer-in-place  a Hugging Face Trainer script on ductile.hf.DuctileTrainer
+            (a Llama of the same size made by from_config under zero.Init,
+            ZeRO-3 through ductile.deepspeed, 8 windows a rank and step):
+            the survivors' Trainers rejoin in place and enter their loop
+            again at the restored step;
+  trainer   the same script with its workers started again in the next
+            round (--checkpoint-timeout 60 turns notices off), each new
+            Trainer entering its loop at the restored step;
   torchrun  torchrun (c10d, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: without it
             the survivors' workers never meet, pytorch/pytorch#135712),
             DistributedDataParallel over gloo, and
@@ -34,7 +42,8 @@ restore (from the survivors' fourth step); and, not bound, in between.
 
 usage: bench_recovery.py [--cli PATH] [--python PATH] [--runs 2] [--kill-after 6]
                          [--steps 12] [--lease-ttl S]
-                         [--launchers ductile-in-place,ductile,ductile-warm,torchrun]
+                         [--launchers ductile-in-place,ductile,ductile-warm,trainer-in-place,
+                                      trainer,torchrun]
 """
 
 import argparse
@@ -127,6 +136,45 @@ while engine.global_step < steps:
     engine.step()
     note("stepped", os.environ["DUCTILE_ROUND"], engine.world_size, engine.rank,
          engine.global_step - 1)
+'''
+
+# A Hugging Face Trainer script on DuctileTrainer: the arguments first (ZeRO-3
+# through ductile.deepspeed), then the model from its config, as in
+# transformers' examples; "ready" once the engine exists, "stepped" at each
+# step's end.
+TRAINER_WORKER = COMMON + r'''
+import transformers
+from ductile.hf import DuctileTrainer
+world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self):
+        self.ids = torch.randint(0, 256, (BATCH * 64, MODEL["context"]),
+                                 generator=torch.Generator().manual_seed(1))
+    def __len__(self):
+        return len(self.ids)
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+class Notes(transformers.TrainerCallback):
+    def on_train_begin(self, args, state, control, **kwargs):
+        note("ready", os.environ["DUCTILE_ROUND"], torch.distributed.get_world_size(),
+             torch.distributed.get_rank(), state.global_step)
+    def on_step_end(self, args, state, control, **kwargs):
+        note("stepped", os.environ["DUCTILE_ROUND"], torch.distributed.get_world_size(),
+             torch.distributed.get_rank(), state.global_step - 1)
+args = transformers.TrainingArguments(
+    output_dir=os.path.join(os.path.dirname(out), "trainer"), use_cpu=True,
+    ddp_backend="gloo", max_steps=steps, per_device_train_batch_size=BATCH // 3,
+    learning_rate=3e-3, logging_steps=1000, save_strategy="no", report_to=[],
+    disable_tqdm=True, seed=0, dataloader_num_workers=0,
+    deepspeed={"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+               "train_batch_size": "auto", "zero_optimization": {"stage": 3},
+               "snapshot": {"interval": 1, "replicas": %d}})
+model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+    vocab_size=256, hidden_size=MODEL["d"], intermediate_size=4 * MODEL["d"],
+    num_hidden_layers=MODEL["layers"], num_attention_heads=MODEL["heads"],
+    max_position_embeddings=MODEL["context"]))
+note("built", ROUND, world, rank)
+DuctileTrainer(model=model, args=args, train_dataset=Tokens(), callbacks=[Notes()]).train()
 '''
 
 TORCHRUN_WORKER = COMMON + r'''
@@ -288,6 +336,7 @@ def race_one(kind, args, directory):
     with open(script, "w") as f:
         f.write(TORCHRUN_WORKER % (MODEL, BATCH) if kind == "torchrun" else
                 IN_PLACE_WORKER % (MODEL, BATCH, REPLICAS) if kind == "ductile-in-place" else
+                TRAINER_WORKER % (MODEL, BATCH, REPLICAS) if kind.startswith("trainer") else
                 DUCTILE_WORKER % (MODEL, BATCH, REPLICAS))
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([os.path.join(args.build, "python"),
@@ -295,6 +344,8 @@ def race_one(kind, args, directory):
                DUCTILE_TEST_DATA_DIR=os.path.join(ROOT, "tests", "data"))
     if kind == "torchrun":
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    if kind.startswith("trainer"):
+        env["DS_ACCELERATOR"] = "cpu"
     etcd = None if kind == "torchrun" else Etcd(directory)
     os.makedirs(os.path.join(directory, "dcp"), exist_ok=True)
     config = os.path.join(directory, "job.toml")
@@ -323,7 +374,8 @@ def race_one(kind, args, directory):
                         "--min-nodes", "2", "--snapshot-dir", shm]
                 argv += ["--lease-ttl", str(args.lease_ttl)] if args.lease_ttl else []
                 argv += ["--heartbeat", str(args.heartbeat)] if args.heartbeat else []
-                argv += [] if kind == "ductile-in-place" else ["--mpi-world"]
+                argv += ["--mpi-world"] if kind in ("ductile", "ductile-warm") else []
+                argv += ["--checkpoint-timeout", "60"] if kind == "trainer" else []
                 argv += ["--warm-workers"] if kind == "ductile-warm" else []
                 argv += ["--", args.python]
             nodes.append(subprocess.Popen(argv + [script, out, str(args.steps)], stdout=log,
@@ -353,7 +405,7 @@ def race_one(kind, args, directory):
                  f"{kind}: the survivors' first step", survivors_of)
         if args.signal == "STOP":
             kill_node(victim)  # it never comes back
-        if kind == "ductile-in-place":
+        if kind in ("ductile-in-place", "trainer-in-place"):
             # The same processes go on: no start, import or build to time.
             stepped_after = after("stepped")
             first_step = min(r[5] for r in stepped_after) - killed
@@ -438,6 +490,8 @@ COLUMNS = ("detection and re-form (s)", "process start (s)", "join and restore (
 NAMES = {"ductile-in-place": "ductile agent (etcd), survivors rejoin in place from memory",
          "ductile": "ductile agent (etcd), restore from memory",
          "ductile-warm": "ductile agent (etcd), restore from memory, --warm-workers",
+         "trainer-in-place": "DuctileTrainer, ductile agent (etcd), survivors in place",
+         "trainer": "DuctileTrainer, ductile agent (etcd), restarted, restore from memory",
          "torchrun": "torchrun (c10d), DCP from disk"}
 
 

@@ -183,6 +183,13 @@ class Zero3Engine:
         interval = log_interval(settings)  # checked by the schema
         self._step_log = StepLog(interval, self) if interval else None
         self._snapshots = Snapshots(self, *snapshot_keys(settings))
+        # A callable given the step, whose JSON value each snapshot's
+        # manifest keeps as its client state (the training loop's own
+        # position: DuctileTrainer's sampler), or None; the same on every
+        # node, whose manifests must be alike. The restored snapshot's
+        # value, or None.
+        self.snapshot_client_state: Callable[[int], Any] | None = None
+        self.restored_client_state: Any = None
         # The step restored from DUCTILE_SNAPSHOT_RESTORE (a round that
         # resumes from memory under `ductile agent`), or None.
         self.restored_from_memory = self._snapshots.restore()

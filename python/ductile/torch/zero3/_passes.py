@@ -222,6 +222,7 @@ class Passes(_ductile.zero.PassEvents):
         self._guarded = False
         self.in_forward = False   # the root's forward is running (GuardedParameters)
         self._handles = []
+        self._own_forward = None  # the instance's own forward before install()
 
     # The state of the passes the C++ step path keeps and acts on.
     module_callback = property(lambda self: self.core.module_callback,
@@ -256,6 +257,9 @@ class Passes(_ductile.zero.PassEvents):
 
     def install(self, model):
         original = model.forward
+        # A forward the instance had of its own (a library's patch, as TRL's
+        # fused LM head), given back by uninstall.
+        self._own_forward = model.__dict__.get("forward")
         passes = self
 
         def forward(*args, **kwargs):
@@ -301,6 +305,9 @@ class Passes(_ductile.zero.PassEvents):
         self._set_guards(False)
         self._guarded_modules = []
         model.__dict__.pop("forward", None)
+        own, self._own_forward = self._own_forward, None
+        if own is not None:
+            model.__dict__["forward"] = own
         for module in model.modules():
             module.__dict__.pop(ENGINE, None)
         self.core.close()

@@ -259,6 +259,7 @@ def rejoin(engine, notice):
                       f"({notice.restore}) does not load: {e}", kind=e.kind,
                       type=e.type) from e
     step = manifest["step"]
+    engine.restored_client_state = manifest.get("client_state")
     snapshots._restored = step  # the agent frees it once a newer snapshot is replicated
     engine.restored_from_memory = step
     if engine._recovery is not None:
@@ -364,7 +365,9 @@ class Recovery:
     @classmethod
     def of(cls, engine):
         path = os.environ.get(NOTICE_ENV)
-        if not path:
+        if not path or engine.optimizer is None or not engine._snapshots.training:
+            # An engine that does not train (an evaluation's, a DPO
+            # reference model's) leaves the notices to the one that does.
             return None
         try:
             _check_supported(engine)

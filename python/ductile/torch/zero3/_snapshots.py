@@ -16,7 +16,8 @@ and the node's leader (the rank whose LOCAL_RANK is 0) does what rank 0
 does in a save; the manifest lists every rank's shard and its bytes are
 the same on every node (so its SHA-256, manifest.json.sha256, names the
 snapshot across nodes); nothing is fsynced; the manifest is compact JSON;
-there is no client state; and only the new and the previously committed
+the client state is ``engine.snapshot_client_state(step)`` when it is set
+(``engine.restored_client_state`` once restored); and only the new and the previously committed
 tag folders are kept. The leader also writes ``replicas`` (``[zero] snapshot_replicas`` and a
 newline) before its first snapshot commits: how many other nodes the
 agents copy each snapshot to.
@@ -89,6 +90,7 @@ BackgroundSave's or SnapshotWrite's thread touches only its files (and, on
 cuda, its copy stream)."""
 
 import contextlib
+import contextvars
 import json
 import logging
 import os
@@ -150,16 +152,40 @@ def _ordinal(n):
     return f"{n}{suffix}"
 
 
+def _client_state(engine):
+    """The snapshot's client state: engine.snapshot_client_state's value for
+    the step, or None."""
+    provide = engine.snapshot_client_state
+    return None if provide is None else provide(engine.global_step)
+
+
 def _write(engine, target):
     """_checkpoint.write of a snapshot, its shard file written through its
     mapping (_snapshot_mapping.py)."""
     written = _checkpoint.Written()
     try:
-        plan = _checkpoint.prepare(engine, target, None, written)
+        plan = _checkpoint.prepare(engine, target, _client_state(engine), written)
         _checkpoint.finish(engine, target, plan, written,
                            lambda: write_shards(engine, target, plan))
     finally:
         written.undo()
+
+
+# False while engines that are not the training's are made (a DPO reference
+# model's: not_the_training).
+_TRAINING = contextvars.ContextVar("ductile_zero3_training", default=True)
+
+
+@contextlib.contextmanager
+def not_the_training():
+    """While it lasts, the engines made are not the training's (a reference
+    model's beside the policy): they write no snapshots, restore none and
+    take no round notices; the training's engine, made outside, does."""
+    token = _TRAINING.set(False)
+    try:
+        yield
+    finally:
+        _TRAINING.reset(token)
 
 
 class Snapshots:
@@ -171,7 +197,9 @@ class Snapshots:
         self.interval = interval
         self.replicas = replicas
         self.root = os.environ.get(SNAPSHOT_DIR_ENV) or ""
-        self.enabled = bool(self.root) and interval > 0
+        # Whether this engine is the training's (not_the_training).
+        self.training = _TRAINING.get()
+        self.enabled = bool(self.root) and interval > 0 and self.training
         local = _local_rank() if self.enabled else None
         # Without a launcher's word, one node: rank 0 leads.
         self.leader = local == 0 if local is not None else engine.rank == 0
@@ -474,16 +502,19 @@ class Snapshots:
         """Loads DUCTILE_SNAPSHOT_RESTORE when it is set (collective);
         returns the restored step, or None."""
         folder = os.environ.get(RESTORE_ENV)
-        if not folder:
+        engine = self.engine
+        if not folder or engine.optimizer is None or not self.training:
+            # The snapshot is the training's state: an engine that does not
+            # train (an evaluation's, a DPO reference model's) keeps its own.
             return None
         _await_folder(folder)
-        engine = self.engine
         try:
             manifest = _checkpoint.load_manifest(engine, folder, lr_scheduler=False)
         except Error as e:
             raise type(e)(f"{RESTORE_ENV}={folder}: the snapshot to resume from does not load: "
                           f"{e}", kind=e.kind, type=e.type) from e
         self.scheduler_state = manifest.get("lr_scheduler")
+        engine.restored_client_state = manifest.get("client_state")
         self._restored = engine.global_step
         optimizer = engine.optimizer
         if optimizer is not None:
@@ -546,7 +577,7 @@ class SnapshotWrite:
         self.step = step
         self.written = _checkpoint.Written()
         try:
-            self.plan = _checkpoint.prepare(engine, target, None, self.written)
+            self.plan = _checkpoint.prepare(engine, target, _client_state(engine), self.written)
             self.file = SnapshotFile(engine, target, self.plan)
         except BaseException:
             self.written.undo()
