@@ -69,9 +69,9 @@ IN_PLACE = "<ductile: the snapshot restored in memory>"
 @dataclasses.dataclass
 class Resume:
     """Where the Trainer's loop enters again: `step`, the snapshot's; the
-    TrainerState of the loop it left (None: a fresh worker's); the
-    Accelerate wrapper of the engine, which the loop's free_memory() would
-    destroy."""
+    TrainerState of the loop it left (training_state keeps what it says of
+    the steps up to `step`); the Accelerate wrapper of the engine, which the
+    loop's free_memory() would destroy."""
 
     step: int
     state: Any
