@@ -150,9 +150,7 @@ def prepared(trainer, model, train_dataloader, fresh):
         engine = trainer.model_wrapped
         if not isinstance(engine, DeepSpeedEngine):
             return model, train_dataloader
-        if trainer._snapshot_record is not None:
-            # Each snapshot keeps where the data stands after its step.
-            engine.zero3.snapshot_client_state = trainer._snapshot_record
+        engine.zero3.snapshot_client_state = lambda step: _client_state(trainer, step)
         recovery = recovery_of(trainer)
         if recovery is not None:
             _unwind(trainer, engine, recovery)
@@ -170,10 +168,63 @@ def prepared(trainer, model, train_dataloader, fresh):
     trainer.deepspeed = engine
     if engine._next_batch is not None:
         engine._take_next_batch()  # the loop starts a step: the new world's sizes now
+    _restore_scheduler(trainer, engine)
     for attr in ("model", "optimizer", "lr_scheduler"):
         setattr(trainer.callback_handler, attr, getattr(trainer, attr))
     trainer.callback_handler.train_dataloader = train_dataloader
     return engine, train_dataloader
+
+
+_CLIENT_FORMAT = "ductile.hf.InPlaceTrainer"
+
+
+def _own_scheduler(trainer, engine):
+    """The Trainer's scheduler when the Trainer steps it itself (a scheduler
+    made for the Trainer's own optimizer: Accelerate does not give it to the
+    engine), else None (the engine steps it and its snapshots keep it)."""
+    scheduler = trainer.lr_scheduler
+    if engine.zero3.lr_scheduler is not None or scheduler is None:
+        return None
+    return getattr(scheduler, "scheduler", scheduler)  # Accelerate's wrapper, if any
+
+
+def _client_state(trainer, step):
+    """What each snapshot keeps of the Trainer: the state of a scheduler the
+    Trainer steps itself (as the engine writes the snapshot inside its step,
+    before the Trainer's scheduler.step() of that step) and
+    `_snapshot_record(step)` (DuctileTrainer's sampler record), else None."""
+    scheduler = _own_scheduler(trainer, trainer.model_wrapped)
+    record = trainer._snapshot_record
+    return {"format": _CLIENT_FORMAT, "version": 1,
+            "lr_scheduler": None if scheduler is None else scheduler.state_dict(),
+            "data": None if record is None else record(step)}
+
+
+def _restored_client_state(trainer):
+    state = trainer.model_wrapped.zero3.restored_client_state
+    if not isinstance(state, dict) or state.get("format") != _CLIENT_FORMAT or \
+            state.get("version") != 1:
+        raise IncompatibleError(
+            f"{type(trainer).__name__}: the snapshot restored in memory does not say where the "
+            f"Trainer stood (its client state is not a version 1 {_CLIENT_FORMAT} record): it "
+            "was written by another script; restore it with the same script and arguments")
+    return state
+
+
+def _restore_scheduler(trainer, engine):
+    """A scheduler the Trainer steps itself at the restored step: the
+    snapshot's state (taken before that step's scheduler step), stepped."""
+    scheduler = _own_scheduler(trainer, engine)
+    if scheduler is None:
+        return
+    state = _restored_client_state(trainer)["lr_scheduler"]
+    if state is None:
+        raise IncompatibleError(
+            f"{type(trainer).__name__}: the snapshot restored in memory holds no state of the "
+            "learning-rate scheduler the Trainer steps: it was written by another script; "
+            "restore it with the same script and arguments")
+    scheduler.load_state_dict(state)
+    scheduler.step()
 
 
 def _unwind(trainer, engine, recovery):
@@ -237,12 +288,12 @@ class _StepRng(transformers.TrainerCallback):
 def sampler_record_of(trainer):
     """The sampler's record (DuctileTrainer._sampler_record) in the snapshot
     restored."""
-    record = trainer.model_wrapped.zero3.restored_client_state
+    record = _restored_client_state(trainer)["data"]
     if not isinstance(record, dict) or "sampler" not in record:
         raise IncompatibleError(
             "DuctileTrainer: the snapshot restored in memory does not say where the data stood "
-            "(its client state is not a DuctileTrainer's sampler record): it was written by a "
-            "run without max_tokens; restore it with the same script and arguments")
+            "(its client state holds no sampler record): it was written by a run without "
+            "max_tokens; restore it with the same script and arguments")
     return record
 
 

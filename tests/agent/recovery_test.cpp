@@ -597,17 +597,53 @@ TEST_CASE("agent: a TRL SFTTrainer's survivors of a lost node go on in place") {
   lose_a_node_hf(job, recovery_test::HfRun(job, {"--trl"}, {"--stall", "c", "3"}));
 }
 
-// The same script on two nodes; c joins after step 3 (the workers wait
-// there until the survivors' agents ask them to pause). a's and b's
-// workers pause at the next optimizer update, rejoin round 3's world from
-// the snapshot of step 3 and enter their training loops again at step 3;
-// c's worker starts from the same snapshot and enters its loop at step 3.
-// Every step after it equals the script at world size 3 resumed from the
-// checkpoint of step 3.
+// The Trainer script (its own optimizer and scheduler, which it steps
+// itself: each snapshot keeps the scheduler's state) on three nodes; c is
+// lost after step 3 while b's worker sleeps (it answers no notice): b's agent starts its worker
+// again in round 2, whose Trainer enters its loop at step 3 beside a's, which goes on in place. The
+// two train as one: the same losses as the script resumed at world size 2 from the checkpoint of
+// step 3, and every snapshot after the restore commits (a new worker's manifest is the same as one
+// in place).
+TEST_CASE("agent: a Trainer restarted beside one in place trains as one") {
+  Job job;
+  const recovery_test::HfRun run(job, {"--trainer-optimizer"},
+                                 {"--stall", "c", "3", "--sleep", "b", "3", "5"});
+  auto [a, b, c] = recovery_test::start_three(job, run.options, run.worker);
+  const bool stalled = wait_until(
+      [&] {
+        return job.all_output().find("hf_in_place stalled node=c step=3") != std::string::npos;
+      },
+      240s);
+  if (!stalled) job.dump();
+  REQUIRE(stalled);
+  for (const int pid : recovery_test::process_tree(c.pid(), job.marker)) kill(pid, SIGKILL);
+  c.wait(10s);
+  for (Child* survivor : {&a, &b}) {
+    const auto status = survivor->wait(240s);
+    if (status != std::optional<int>(0)) job.dump();
+    CHECK(status == std::optional<int>(0));
+  }
+  const std::string out = a.output() + b.output();
+  INFO(out);
+  CHECK(b.output().find("round 2 started") != std::string::npos);
+  CHECK(count_of(out, "enters its training loop again at step 3, the snapshot restored") == 2);
+  CHECK(out.find("failed, training goes on") == std::string::npos);
+  CHECK(out.find("Traceback") == std::string::npos);
+  run.check({{"a", 1}}, 3, 3, 2);
+  if (!no_marked_processes(job.marker)) job.dump();
+  CHECK(marked_processes(job.marker).empty());
+}
+
+// The same script (its own optimizer and scheduler) on two nodes; c joins
+// after step 3 (the workers wait there until the survivors' agents ask
+// them to pause). a's and b's workers pause at the next optimizer update, rejoin round 3's world
+// from the snapshot of step 3 and enter their training loops again at step 3; c's worker starts
+// from the same snapshot and enters its loop at step 3. Every step after it equals the script at
+// world size 3 resumed from the checkpoint of step 3.
 TEST_CASE("agent: a node that joins a Hugging Face Trainer is admitted in place") {
   Job job;
   const auto go = (job.dir / "go").string();
-  const recovery_test::HfRun run(job, {}, {"--wait", "3", go});
+  const recovery_test::HfRun run(job, {"--trainer-optimizer"}, {"--wait", "3", go});
   Child& a = job.start("a", run.options, run.worker);
   REQUIRE(a.wait_for_output("joined job", 60s));
   Child& b = job.start("b", run.options, run.worker);

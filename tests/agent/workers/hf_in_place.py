@@ -8,18 +8,22 @@ Every log of the Trainer (one a step) is appended to
 OUT/losses-<node>.jsonl as {round, world, rank, step, loss, grad_norm,
 learning_rate, pid}, and a line is printed.
 
-usage: hf_in_place.py OUT STEPS [--stall NODE K] [--wait K FILE] [--max-tokens N]
-                      [--trl] [--resume CHECKPOINT]
+usage: hf_in_place.py OUT STEPS [--stall NODE K] [--sleep NODE K S] [--wait K FILE]
+                      [--max-tokens N] [--trl] [--trainer-optimizer] [--resume CHECKPOINT]
 
 --stall NODE K: the worker of node NODE stops after its checkpoint of step
 K (it prints "hf_in_place stalled node=NODE step=K" and sleeps; the test
 kills it), so the others cannot complete step K + 1.
+--sleep NODE K S: the worker of node NODE sleeps S seconds after its
+checkpoint of step K (it answers no round notice meanwhile).
 --wait K FILE: every worker waits after its checkpoint of step K until FILE
 exists (the test makes it once a node joins).
 --max-tokens N: samples of 4 to 16 tokens in DuctileTrainer's packs of at
 most N tokens (its variable batches and learning rates).
 --trl: a TRL supervised fine-tuning script instead (ductile.trl.SFTTrainer,
 SFTConfig, lines of a text with a tokenizer trained on it).
+--trainer-optimizer: no optimizer in the DeepSpeed config: the Trainer makes
+its own AdamW and learning-rate scheduler, and steps the scheduler itself.
 --resume CHECKPOINT: train from a checkpoint on disk (the reference, under
 torchrun: the node is named by the rank).
 """
@@ -63,9 +67,9 @@ class Record(transformers.TrainerCallback):
     after the checkpoint of step K on node NODE (--stall), or waits there
     for a file (--wait)."""
 
-    def __init__(self, out, node, stall, wait):
+    def __init__(self, out, node, stall, wait, sleep=None):
         self.path = os.path.join(out, f"losses-{node}.jsonl")
-        self.node, self.stall, self.wait = node, stall, wait
+        self.node, self.stall, self.wait, self.sleep = node, stall, wait, sleep
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs or "loss" not in logs:
@@ -84,6 +88,8 @@ class Record(transformers.TrainerCallback):
         if self.stall == (self.node, state.global_step):
             print(f"hf_in_place stalled node={self.node} step={state.global_step}", flush=True)
             time.sleep(3600)
+        if self.sleep is not None and self.sleep[:2] == (self.node, state.global_step):
+            time.sleep(self.sleep[2])
         if self.wait is not None and self.wait[0] == state.global_step:
             while not os.path.exists(self.wait[1]):
                 time.sleep(0.05)
@@ -116,7 +122,7 @@ def sft_trainer(out, steps, config, callbacks):
                       train_dataset=Dataset.from_dict({"text": lines}), callbacks=callbacks)
 
 
-def main(out, steps, stall, wait, max_tokens, trl, resume):
+def main(out, steps, stall, wait, max_tokens, trl, resume, sleep, trainer_optimizer):
     node = os.environ.get("DUCTILE_AGENT_NODE_ID") or f"rank{os.environ['RANK']}"
     config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
               "train_batch_size": "auto", "gradient_clipping": "auto",
@@ -125,7 +131,9 @@ def main(out, steps, stall, wait, max_tokens, trl, resume):
                                                         "eps": "auto",
                                                         "weight_decay": "auto"}},
               "snapshot": {"interval": 1, "replicas": 1}}
-    callbacks = [Record(out, node, stall, wait)]
+    if trainer_optimizer:
+        del config["optimizer"]
+    callbacks = [Record(out, node, stall, wait, sleep)]
     if trl:
         sft_trainer(out, steps, config, callbacks).train(resume_from_checkpoint=resume)
         print(f"hf_in_place done node={node} pid={os.getpid()}", flush=True)
@@ -152,18 +160,24 @@ def main(out, steps, stall, wait, max_tokens, trl, resume):
 
 if __name__ == "__main__":
     out, steps = sys.argv[1], int(sys.argv[2])
-    options, stall, wait, max_tokens, trl, resume = sys.argv[3:], None, None, None, False, None
+    options, stall, wait, max_tokens, trl, resume, sleep = (sys.argv[3:], None, None, None,
+                                                             False, None, None)
+    trainer_optimizer = False
     while options:
         if options[0] == "--stall":
             stall, options = (options[1], int(options[2])), options[3:]
+        elif options[0] == "--sleep":
+            sleep, options = (options[1], int(options[2]), float(options[3])), options[4:]
         elif options[0] == "--wait":
             wait, options = (int(options[1]), options[2]), options[3:]
         elif options[0] == "--max-tokens":
             max_tokens, options = int(options[1]), options[2:]
+        elif options[0] == "--trainer-optimizer":
+            trainer_optimizer, options = True, options[1:]
         elif options[0] == "--trl":
             trl, options = True, options[1:]
         elif options[0] == "--resume":
             resume, options = options[1], options[2:]
         else:
             sys.exit(f"hf_in_place.py: unknown option {options[0]!r}")
-    main(out, steps, stall, wait, max_tokens, trl, resume)
+    main(out, steps, stall, wait, max_tokens, trl, resume, sleep, trainer_optimizer)
