@@ -251,7 +251,7 @@ def _unwind(trainer, engine, recovery):
         trainer.add_callback(trainer._step_rng)
     # The Trainer's arguments fix the micro-batch and the accumulation
     # steps; the global batch follows the world size.
-    _, micro, accumulation = engine._train_batch_size, engine._micro_batch, engine._accumulation
+    micro, accumulation = engine._micro_batch, engine._accumulation
     engine._replan = lambda world: (micro * accumulation * world, micro, accumulation)
 
 

@@ -18,6 +18,7 @@
 #include <sstream>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "agent_job.hpp"
@@ -539,14 +540,10 @@ struct HfRun {
 
 namespace recovery_test {
 
-// A Hugging Face Trainer script (`run`) on three nodes. Node c stops after
-// its checkpoint of step 3, so that no later step completes, and is killed.
-// The survivors go on in place: their engines rejoin round 2 from the
-// snapshot of step 3, and their Trainers leave the training loop and enter
-// it again at step 3 over the new world, in the same processes. Every step
-// they log after it equals the same script at world size 2 resumed from the
-// checkpoint of step 3 on disk.
-void lose_a_node_hf(Job& job, const HfRun& run) {
+// Starts `run` on three nodes, kills node c's whole tree once its worker
+// stopped after its checkpoint of step 3 (--stall c 3), and waits for the
+// agents of a and b to finish (each with status 0); returns them.
+std::pair<Child&, Child&> lose_c_after_step_3(Job& job, const HfRun& run) {
   auto [a, b, c] = start_three(job, run.options, run.worker);
   const bool stalled = wait_until(
       [&] {
@@ -562,6 +559,18 @@ void lose_a_node_hf(Job& job, const HfRun& run) {
     if (status != std::optional<int>(0)) job.dump();
     CHECK(status == std::optional<int>(0));
   }
+  return {a, b};
+}
+
+// A Hugging Face Trainer script (`run`) on three nodes. Node c stops after
+// its checkpoint of step 3, so that no later step completes, and is killed.
+// The survivors go on in place: their engines rejoin round 2 from the
+// snapshot of step 3, and their Trainers leave the training loop and enter
+// it again at step 3 over the new world, in the same processes. Every step
+// they log after it equals the same script at world size 2 resumed from the
+// checkpoint of step 3 on disk.
+void lose_a_node_hf(Job& job, const HfRun& run) {
+  const auto [a, b] = lose_c_after_step_3(job, run);
   const std::string out = a.output() + b.output();
   INFO(out);
   CHECK(count_of(out, "round 2 continued in place: world size 2 (2 nodes x 1)") == 2);
@@ -599,30 +608,17 @@ TEST_CASE("agent: a TRL SFTTrainer's survivors of a lost node go on in place") {
 
 // The Trainer script (its own optimizer and scheduler, which it steps
 // itself: each snapshot keeps the scheduler's state) on three nodes; c is
-// lost after step 3 while b's worker sleeps (it answers no notice): b's agent starts its worker
-// again in round 2, whose Trainer enters its loop at step 3 beside a's, which goes on in place. The
-// two train as one: the same losses as the script resumed at world size 2 from the checkpoint of
-// step 3, and every snapshot after the restore commits (a new worker's manifest is the same as one
-// in place).
+// lost after step 3 while b's worker sleeps (it answers no notice): b's
+// agent starts its worker again in round 2, whose Trainer enters its loop
+// at step 3 beside a's, which goes on in place. The two train as one: the
+// same losses as the script resumed at world size 2 from the checkpoint of
+// step 3, and every snapshot after the restore commits (a new worker's
+// manifest is the same as one in place).
 TEST_CASE("agent: a Trainer restarted beside one in place trains as one") {
   Job job;
   const recovery_test::HfRun run(job, {"--trainer-optimizer"},
                                  {"--stall", "c", "3", "--sleep", "b", "3", "5"});
-  auto [a, b, c] = recovery_test::start_three(job, run.options, run.worker);
-  const bool stalled = wait_until(
-      [&] {
-        return job.all_output().find("hf_in_place stalled node=c step=3") != std::string::npos;
-      },
-      240s);
-  if (!stalled) job.dump();
-  REQUIRE(stalled);
-  for (const int pid : recovery_test::process_tree(c.pid(), job.marker)) kill(pid, SIGKILL);
-  c.wait(10s);
-  for (Child* survivor : {&a, &b}) {
-    const auto status = survivor->wait(240s);
-    if (status != std::optional<int>(0)) job.dump();
-    CHECK(status == std::optional<int>(0));
-  }
+  const auto [a, b] = recovery_test::lose_c_after_step_3(job, run);
   const std::string out = a.output() + b.output();
   INFO(out);
   CHECK(b.output().find("round 2 started") != std::string::npos);
@@ -636,9 +632,10 @@ TEST_CASE("agent: a Trainer restarted beside one in place trains as one") {
 
 // The same script (its own optimizer and scheduler) on two nodes; c joins
 // after step 3 (the workers wait there until the survivors' agents ask
-// them to pause). a's and b's workers pause at the next optimizer update, rejoin round 3's world
-// from the snapshot of step 3 and enter their training loops again at step 3; c's worker starts
-// from the same snapshot and enters its loop at step 3. Every step after it equals the script at
+// them to pause). a's and b's workers pause at the next optimizer update,
+// rejoin round 2's world from the snapshot of step 3 and enter their
+// training loops again at step 3; c's worker starts from the same snapshot
+// and enters its loop at step 3. Every step after it equals the script at
 // world size 3 resumed from the checkpoint of step 3.
 TEST_CASE("agent: a node that joins a Hugging Face Trainer is admitted in place") {
   Job job;

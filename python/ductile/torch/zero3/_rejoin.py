@@ -520,23 +520,17 @@ class Recovery:
         done = [m for m in self.micro if m.done] + current
         if any(m.loss_path is None for m in done):
             raise error
-        if isinstance(error, RoundHold):
-            _round_notice.acknowledge_hold(self.watch.path, self.engine.global_step)
         while True:
-            notice = self._wait(error)
-            self.recoveries.append(where)
-            restored = rejoin(self.engine, notice)
-            latest = self.base + 1 if where == "step" else self.base
+            base = self.base
+            latest = base + 1 if where == "step" else base
+            restored = self.recover(error, where)
             if restored > latest:
                 raise IncompatibleError(
-                    f"zero3 rejoin: round {notice.round} restored step {restored}, but this "
-                    f"rank had completed step {self.base} only; valid: a snapshot of step "
+                    f"zero3 rejoin: round {self.watch.round} restored step {restored}, but this "
+                    f"rank had completed step {base} only; valid: a snapshot of step "
                     f"{latest} or earlier") from error
-            if restored == self.base + 1:
-                self.base = restored
+            if restored == base + 1:
                 return True
-            self._lost(notice, restored)
-            self.base = restored
             try:
                 self._replay(done)
                 return False
@@ -558,10 +552,9 @@ class Recovery:
             _round_notice.acknowledge_hold(self.watch.path, self.engine.global_step)
         notice = self._wait(error)
         self.recoveries.append(where)
-        self.micro, self.step_open = [], False
+        self.step_open = False
         restored = rejoin(self.engine, notice)
-        if restored < self.base:
-            self._lost(notice, restored)
+        self._lost(notice, restored)
         self.base = restored
         return restored
 
