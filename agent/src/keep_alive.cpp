@@ -71,6 +71,23 @@ void KeepAlive::renew_now() {
   wake_.notify_all();
 }
 
+void KeepAlive::confirm_within(milliseconds within, const std::string& why) {
+  std::lock_guard lock(mutex_);
+  if (!confirming_) {
+    confirming_ = true;
+    confirm_by_ = Clock::now() + within;
+    confirm_within_ = within;
+    confirm_why_ = why;
+  }
+  renew_now_ = true;
+  wake_.notify_all();
+}
+
+void KeepAlive::judge_heard() {
+  std::lock_guard lock(mutex_);
+  confirming_ = false;
+}
+
 bool KeepAlive::fenced() {
   std::lock_guard lock(mutex_);
   return fenced_;
@@ -134,6 +151,7 @@ void KeepAlive::renew() {
     if (alive && lease == lease_) {
       if (*alive) {
         last_renewal_sent_ = std::max(last_renewal_sent_, sent);
+        confirming_ = false;  // etcd answers: this node is not the one cut off
       } else if (!lost_) {
         lost_ = true;
         // Gone: the others re-form (or have) without this node, whose
@@ -161,6 +179,15 @@ void KeepAlive::watch() {
           "re-form without this node",
           std::chrono::duration_cast<milliseconds>(now - last_renewal_sent_).count(),
           std::chrono::duration_cast<std::chrono::seconds>(ttl_).count()));
+    if (confirming_ && now >= confirm_by_) {
+      confirming_ = false;
+      if (!guards_.empty())
+        fence(fmt::format(
+            "{} and no lease renewal succeeded within {} ms, so this node may be the one cut "
+            "off, and its lease is revoked soon",
+            confirm_why_, confirm_within_.count()));
+    }
+    if (confirming_) deadline = std::min(deadline, confirm_by_);
     if (guards_.empty())
       wake_.wait(lock);
     else

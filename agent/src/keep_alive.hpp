@@ -15,7 +15,10 @@
 // node cut off from etcd stops its workers before a new group can start.
 // A lease the store says is gone (revoked by the leader, or by the next
 // oldest agent, because this node's link closed or fell silent; or
-// expired) fences at once: the others re-form without this node.
+// expired) fences at once: the others re-form without this node. So does
+// a node whose judge's link fell silent and which cannot renew within a
+// quarter heartbeat (confirm_within): it may be the one cut off, and the
+// judge revokes its lease well before 3/4 of the TTL.
 // Guards are held as pidfds: a guard the main thread has reaped is never
 // confused with a process that reuses its pid.
 //
@@ -59,6 +62,16 @@ class KeepAlive {
   // Renews now rather than at the next period (another part has reason
   // to think the lease is gone: it is then found lost at once).
   void renew_now();
+  // This node's judge (the agent that revokes its lease when its link
+  // falls silent: the leader, or the leader's next oldest) fell silent
+  // (`why`, "the link to the leader, node a, fell silent"): unless a
+  // renewal succeeds within `within`, the fence kills the workers then,
+  // because the judge, which may be the one that hears nothing, revokes
+  // this node's lease soon after, counting on it (node_links.cpp).
+  // Renews at once.
+  void confirm_within(std::chrono::milliseconds within, const std::string& why);
+  // The judge was heard again: no confirmation is needed.
+  void judge_heard();
   // The guards of the workers to kill at the fence (empty: none running).
   void fence_workers(const std::vector<int>& guard_pids);
   // True when the fence killed workers since the last fence_workers().
@@ -83,6 +96,12 @@ class KeepAlive {
   bool lost_ = false;
   bool fenced_ = false;
   bool renew_now_ = false;
+  // confirm_within(): a renewal must succeed by confirm_by_ (while
+  // confirming_), or the fence acts, saying confirm_why_.
+  bool confirming_ = false;
+  Clock::time_point confirm_by_{};
+  std::chrono::milliseconds confirm_within_{0};
+  std::string confirm_why_;
   std::vector<int> guards_;  // pidfds (or pids where pidfds are not available)
   bool guards_are_pidfds_ = true;
   std::thread renewer_, watcher_;

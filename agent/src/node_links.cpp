@@ -116,6 +116,7 @@ void NodeLinks::follow(const std::vector<NodeInfo>& oldest, const std::vector<No
   {
     std::lock_guard lock(mutex_);
     members_ = std::move(members);
+    judge_ = leading && alive.size() > 1 ? alive[1].id : std::string();
     own_lease_ = own;
     keep_alive_ = conn_.keep_alive_handle();
     if (leading || (!oldest.empty() && oldest.front().id == self_.id)) {
@@ -242,14 +243,24 @@ void NodeLinks::revoke() {
 void NodeLinks::run() {
   const milliseconds timeout = o_.heartbeat;
   const milliseconds period = std::max(timeout / 4, milliseconds(10));
+  // The longest this loop sleeps; it wakes sooner for a beat to send or a
+  // silence to act on (each at its time, to the millisecond).
+  const milliseconds turn =
+      std::clamp<milliseconds>(period / 2, milliseconds(10), milliseconds(250));
+  // How long a node whose judge fell silent gives the store to renew its
+  // lease before it fences (KeepAlive::confirm_within).
+  const milliseconds confirm = period;
   // A silent node may be alive on the other side of a cut: its lease is
-  // revoked only once its own fence has surely stopped its workers (3/4 of
-  // the TTL after its last renewal, which came at most a heartbeat period
-  // after the last byte heard, plus a margin), so that two rounds never
-  // train at once.
-  const milliseconds fenced_by =
-      std::max(timeout, period + std::chrono::duration_cast<milliseconds>(o_.lease_ttl) * 3 / 4 +
-                            milliseconds(100));
+  // revoked only once its own fence has surely stopped its workers, so
+  // that two rounds never train at once. That fence is the first of two:
+  // its judge's link silent for `timeout` and no renewal within `confirm`;
+  // or 3/4 of the TTL after its last renewal. Either counts from the
+  // node's last byte heard here, which came at most a period before the
+  // cut; plus a margin.
+  const milliseconds fenced_by = std::max(
+      timeout, period + milliseconds(100) +
+                   std::min(timeout + confirm,
+                            std::chrono::duration_cast<milliseconds>(o_.lease_ttl) * 3 / 4));
   const std::string& secret = conn_.snapshot_auth().secret;
   const std::string heartbeat_text =
       fmt::format("{:g}", std::chrono::duration<double>(timeout).count());
@@ -276,16 +287,25 @@ void NodeLinks::run() {
     Leader leader;
     bool stopping = false;
     std::weak_ptr<KeepAlive> keep_alive;
+    std::string judge;  // leading: the next oldest, which judges this agent
     {
       std::lock_guard lock(mutex_);
       leader = leader_;
       stopping = stopping_;
       keep_alive = keep_alive_;
+      judge = judge_;
     }
     // The keep-alive as follow() last saw it: none before the agent's loop,
     // none once the connection closed.
     auto check_lease = [&] {
       if (auto running = keep_alive.lock()) running->renew_now();
+    };
+    // The judge's link fell silent: this node may be the one cut off.
+    auto confirm_lease = [&](const std::string& why) {
+      if (auto running = keep_alive.lock()) running->confirm_within(confirm, why);
+    };
+    auto judge_heard = [&] {
+      if (auto running = keep_alive.lock()) running->judge_heard();
     };
     auto now = Clock::now();
     if (stopping) {
@@ -333,6 +353,11 @@ void NodeLinks::run() {
     for (auto it = peers.begin(); it != peers.end();) {
       Peer& peer = it->second;
       const bool linked = peer.stage == Peer::Stage::linked;
+      if (linked && peer.id == judge && !peer.asked && now - peer.heard > timeout) {
+        peer.asked = true;
+        confirm_lease(
+            fmt::format("the link from node {}, next in line to lead, fell silent", peer.id));
+      }
       if (linked && now - peer.heard > timeout && !peer.said_silent) {
         peer.said_silent = true;
         self_.log(fmt::format(
@@ -355,6 +380,14 @@ void NodeLinks::run() {
       it = peers.erase(it);
     }
     if (up.fd >= 0) {
+      if (up.stage == Peer::Stage::linked && !up.asked && now - up.heard > timeout) {
+        // The leader judges this node, and the next oldest the leader:
+        // this node may be the one cut off. Its lease is checked now, not
+        // at the next renewal; a lease gone fences at once, and one not
+        // renewed within `confirm` fences too.
+        up.asked = true;
+        confirm_lease(fmt::format("the link to the leader, node {}, fell silent", up.id));
+      }
       if (up.stage == Peer::Stage::linked && leader.next && now - up.heard > fenced_by) {
         send_now(up.fd, std::string(1, kDropped));
         lost(up.id, up.lease,
@@ -362,13 +395,6 @@ void NodeLinks::run() {
                          heartbeat_text),
              true);
         retry_later();
-      } else if (up.stage == Peer::Stage::linked && !leader.next && !up.asked &&
-                 now - up.heard > timeout) {
-        // The leader's silence is the next oldest's to judge; this node
-        // may be the one cut off: its lease is checked now, not at the
-        // next renewal, and a lease gone fences at once.
-        up.asked = true;
-        check_lease();
       } else if (up.stage != Peer::Stage::linked && now - up.opened > wire::kProofTimeout) {
         retry_later();
       }
@@ -381,7 +407,21 @@ void NodeLinks::run() {
     if (up.fd >= 0)
       fds.push_back(
           {up.fd, static_cast<short>(up.stage == Peer::Stage::connecting ? POLLOUT : POLLIN), 0});
-    const auto wait = std::clamp<milliseconds>(period / 2, milliseconds(10), milliseconds(250));
+    // Asleep until the next beat or silence to act on, or a turn.
+    Clock::time_point soonest = last_beat + period;
+    auto by = [&](Clock::time_point at) { soonest = std::min(soonest, at); };
+    for (const auto& [fd, peer] : peers) {
+      if (peer.stage != Peer::Stage::linked) continue;
+      if (!peer.said_silent || (peer.id == judge && !peer.asked)) by(peer.heard + timeout);
+      by(peer.heard + fenced_by);
+    }
+    if (up.fd >= 0 && up.stage == Peer::Stage::linked) {
+      if (!up.asked) by(up.heard + timeout);
+      if (leader.next) by(up.heard + fenced_by);
+    }
+    const auto wait = std::clamp<milliseconds>(
+        std::chrono::duration_cast<milliseconds>(soonest - now) + milliseconds(1), milliseconds(1),
+        turn);
     if (::poll(fds.data(), fds.size(), static_cast<int>(wait.count())) < 0 && errno != EINTR)
       std::this_thread::sleep_for(wait);
     now = Clock::now();
@@ -492,6 +532,8 @@ void NodeLinks::run() {
         for (char c : got) {
           if (c == kHeartbeat) {
             peer.heard = now;
+            if (peer.asked) judge_heard();
+            peer.asked = false;
           } else if (c == kDropped) {
             // The next oldest found this agent silent and revoked its
             // lease: the keep-alive finds out at once and fences.
@@ -580,6 +622,7 @@ void NodeLinks::run() {
       for (char c : got) {
         if (c == kHeartbeat) {
           up.heard = now;
+          if (up.asked) judge_heard();
           up.asked = false;
           continue;
         }

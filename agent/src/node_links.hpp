@@ -11,7 +11,11 @@
 // once. The leader acts on a member's link; the next oldest agent acts on
 // its own link to the leader (it leads afterwards). The lease stays the
 // fence: a node whose lease was revoked while it runs stops its workers
-// (keep_alive.hpp) and joins again as a new node.
+// (keep_alive.hpp) and joins again as a new node. A node whose judge (the
+// leader; for the leader, the next oldest) falls silent may be the one cut
+// off: unless its lease renews within a quarter heartbeat, it stops its
+// workers too, so that a silent node's lease can be revoked about 1.6
+// heartbeats after its last byte, not 3/4 of the TTL.
 //
 // Its own listener, not the snapshot server's: that one serves a few
 // short copies at a time, each on a thread of its own with an idle cut;
@@ -123,6 +127,7 @@ class NodeLinks {
   Leader leader_;                        // none: an empty id
   std::int64_t own_lease_ = 0;
   std::map<std::string, std::int64_t> members_;  // leading: each live node's lease
+  std::string judge_;  // leading: the next oldest, which judges this agent's silence
   std::deque<Revocation> revocations_;
   std::set<std::int64_t> revoked_;  // leases revoked or asked to be (each reported once)
   std::string leader_seen_;         // the leader follow() last looked up

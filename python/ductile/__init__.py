@@ -90,3 +90,11 @@ if os.environ.get("DUCTILE_ROUND_END"):
     from . import _round_end
 
     _round_end.install()
+
+if os.environ.get("DUCTILE_ROUND_NOTICE"):
+    # Which connections the script's process group makes: a worker held in
+    # one of its collectives after the agent's notice has them shut
+    # (_round_sockets.py).
+    from . import _round_sockets
+
+    _round_sockets.note_baseline()

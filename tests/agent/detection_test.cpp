@@ -152,9 +152,10 @@ TEST_CASE(
 }
 
 // A silent node may be alive beyond a cut: its lease goes only once its own
-// fence must have stopped its workers (3/4 of the TTL after its last
-// renewal), by the leader's revocation or by its expiry, whichever comes
-// first.
+// fence must have stopped its workers (its leader's link silent for
+// --heartbeat and no renewal within a quarter of it; here 1.6 s after its
+// last byte heard, where 3/4 of the 6 s TTL would be 4.5 s), by the
+// leader's revocation or by its expiry, whichever comes first.
 TEST_CASE("agent: a stopped node falls silent, is revoked, and after SIGCONT is fenced") {
   ThreeNodes nodes({"--heartbeat", "1"}, "6");
   REQUIRE(nodes.leader == 0);
@@ -168,7 +169,7 @@ TEST_CASE("agent: a stopped node falls silent, is revoked, and after SIGCONT is 
   REQUIRE(reformed);
   CHECK(leader.output().find("node c silent for ") != std::string::npos);
   CHECK(leader.output().find("(--heartbeat 1 s): its lease is revoked once its fence has "
-                             "stopped its workers (4.85 s after the last byte heard)") !=
+                             "stopped its workers (1.6 s after the last byte heard)") !=
         std::string::npos);
   // Resumed, it finds its lease gone: its round 1 workers are killed
   // before anything else (they never train beside round 2), and it joins
@@ -184,6 +185,45 @@ TEST_CASE("agent: a stopped node falls silent, is revoked, and after SIGCONT is 
   CHECK(rejoined);
   // Its own silence was not taken for the leader's.
   CHECK(count_of(nodes.job.all_output(), " lost: ") == 0);
+  for (Child* agent : nodes.agents) agent->signal(SIGTERM);
+  for (Child* agent : nodes.agents) CHECK(agent->wait(30s) == std::optional<int>(128 + SIGTERM));
+  CHECK(no_marked_processes(nodes.job.marker));
+}
+
+// The leader and etcd stop at once, as when a node's links and its store
+// are cut: b and c hear nothing from the leader for --heartbeat and cannot
+// renew their leases; either may be the one cut off, and the leader's
+// judge (b) counts on their fence, so each kills its workers a quarter
+// heartbeat later, long before 3/4 of the 30 s TTL. Resumed, the job
+// forms again with all three.
+TEST_CASE("agent: nodes cut off from the leader and from etcd fence their workers at once") {
+  ThreeNodes nodes({"--heartbeat", "1"});
+  REQUIRE(nodes.leader == 0);
+  const auto leader_tree = node_tree(nodes.agents[0]->pid());
+  std::vector<int> workers;
+  for (std::size_t i : {1, 2}) workers.push_back(node_tree(nodes.agents[i]->pid()).back());
+  const auto cut = Clock::now();
+  ::kill(nodes.job.etcd.pid(), SIGSTOP);
+  signal_tree(leader_tree, SIGSTOP);
+  const std::string fenced =
+      "fenced: the link to the leader, node a, fell silent and no lease renewal succeeded "
+      "within 250 ms";
+  const bool both = wait_until([&] { return count_of(nodes.job.all_output(), fenced) == 2; }, 15s);
+  const double after = seconds_since(cut);
+  ::kill(nodes.job.etcd.pid(), SIGCONT);
+  signal_tree(leader_tree, SIGCONT);
+  if (!both) nodes.job.dump();
+  REQUIRE(both);
+  std::printf("both fenced %.2f s after the cut (--heartbeat 1, lease TTL 30 s)\n", after);
+  CHECK(after < 10.0);  // 3/4 of the TTL would be 22.5 s
+  for (int worker : workers) {
+    const bool gone = wait_until([&] { return ::kill(worker, 0) != 0; }, 10s);
+    CHECK(gone);
+  }
+  const bool formed = wait_until(
+      [&] { return count_of(nodes.job.all_output(), "started: world size 3") >= 5; }, 90s);
+  if (!formed) nodes.job.dump();
+  CHECK(formed);
   for (Child* agent : nodes.agents) agent->signal(SIGTERM);
   for (Child* agent : nodes.agents) CHECK(agent->wait(30s) == std::optional<int>(128 + SIGTERM));
   CHECK(no_marked_processes(nodes.job.marker));

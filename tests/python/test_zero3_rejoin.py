@@ -7,6 +7,7 @@ losses of workers restarted from the same snapshot."""
 import json
 import os
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -394,33 +395,45 @@ def test_survivors_rejoin_in_place_with_the_losses_of_a_restart(tmp_path, starte
     """Rank 2 of 3 stops after step 3 (the survivors' next forward fails),
     after step 4's forward (their backward fails) or after its backward
     (their step's all-reduce: one survivor's fails, the other's waits on
-    it, and is left once the notice came) and is SIGKILLed; the
+    it, and is left once the notice came) and is SIGKILLed; or rank 2
+    stops after step 3 and is SIGSTOPped ("silent": its connections stay
+    open, and the survivors' next forward waits on it in the gathers the
+    engine plans, in C++, until the notice's connections are shut). The
     test, as the agents, assembles step 3's snapshot from the three nodes'
     folders and writes the survivors' notices. They go on in the same
     processes at world size 2 to step 6, with exactly the losses of two
     fresh workers restored from the same folder (DUCTILE_SNAPSHOT_RESTORE)."""
     runs, stores = {}, []
-    for where in ("boundary", "backward", "step"):
+    for case in ("boundary", "backward", "step", "silent"):
         store, port = serve_store()  # a job's: each run its own
         stores.append(store)
-        out = tmp_path / where
+        out = tmp_path / case
+        where = "boundary" if case == "silent" else case
         procs = start(out, {"steps": STEPS, "pause": {"rank": 2, "step": PAUSE,
                                                        "where": where}}, 3, port)
         started.extend(procs)
         pids = [p.pid for p in procs]
         with Releases([out / f"node{r}" for r in range(3)]):
             wait_for(out / "paused-rank2", procs)
-            kill(procs[2])
+            if case == "silent":
+                procs[2].send_signal(signal.SIGSTOP)
+            else:
+                kill(procs[2])
             assert [committed(out / f"node{r}") for r in range(3)] == [f"step{PAUSE}"] * 3
             folder = assemble(out, 3, f"step{PAUSE}")
             for r in range(2):
                 write_notice(str(out / f"notice-rank{r}.json"), notice(2, r, 2, port, folder))
-            codes = finish(procs[:2])
+            codes = finish(procs[:2], timeout=120)
+        kill(procs[2])
         assert codes == [0, 0], [(out / f"stderr-rank{r}.txt").read_text()[-3000:]
                                  for r in range(2)]
-        runs[where] = [losses(out, r) for r in range(2)]
+        if case == "silent":
+            for r in range(2):
+                assert "connection(s) to that round's workers were shut" in \
+                    (out / f"stderr-rank{r}.txt").read_text()
+        runs[case] = [losses(out, r) for r in range(2)]
         for r in range(2):
-            records = runs[where][r]
+            records = runs[case][r]
             assert sorted(records) == list(range(1, STEPS + 1))
             assert {records[s]["pid"] for s in records} == {pids[r]}  # the same process
             assert [records[s]["world_size"] for s in sorted(records)] == \

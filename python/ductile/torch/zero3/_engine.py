@@ -602,6 +602,8 @@ class Zero3Engine:
         (all-gathered; collective). The engine is unusable afterwards."""
         self.flush_log()
         self._snapshots.close()
+        if self._recovery is not None:
+            self._recovery.close()
         if self._passes.pass_open:
             self._passes.end_pass()
         if self._offload is not None:

@@ -70,9 +70,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ... import _round_end
+from ... import _round_end, _round_sockets
 from ..._errors import CommunicationError, Error, IncompatibleError, InvalidArgumentError
 from . import _checkpoint, _round_notice, _world
+from ._held import HeldWatch, connections_of
 from ._round_notice import NOTICE_ENV, RoundHold, RoundNotice
 
 _log = logging.getLogger("ductile.zero3")
@@ -150,6 +151,9 @@ def _leave(engine):
         except Exception:  # noqa: BLE001 - its collectives failed with the peer: none is kept
             pass
     passes.uninstall(engine.module)
+    recovery = engine._recovery
+    if recovery is not None and recovery.connections is not None:
+        recovery.connections.retire()  # destroyed next: its descriptors go
     if engine._steps.hook is not None:
         engine._steps.hook.remove()
     for zp in engine._params:
@@ -175,7 +179,8 @@ _ENV_PREFIX = "default_pg"
 def _join(notice, backend, timeout):
     """The notice's round as torch's default process group (its TCPStore,
     as env:// reaches the agent's store, or under the notice's
-    store_prefix); the round's variables set."""
+    store_prefix); the round's variables set. Returns the inodes of the
+    process's sockets before the group was made."""
     os.environ.update(notice.environment())
     from datetime import timedelta
     try:
@@ -187,8 +192,10 @@ def _join(notice, backend, timeout):
             f"{notice.master_addr}:{notice.master_port} (master_addr, master_port of "
             f"{NOTICE_ENV}) within {timeout:g} s: {e}") from e
     prefix = _ENV_PREFIX if notice.store_prefix is None else notice.store_prefix
+    before = _round_sockets.socket_inodes()
     dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=notice.rank,
                             world_size=notice.world_size)
+    return before
 
 
 def _transplant(optimizer, params):
@@ -236,7 +243,9 @@ def rejoin(engine, notice):
     except Error:
         pass  # a line's values needed the lost peer: the line is dropped
     _leave(engine)
-    _join(notice, backend, _wait_seconds())
+    before = _join(notice, backend, _wait_seconds())
+    if engine._recovery is not None and engine._recovery.connections is not None:
+        engine._recovery.connections = connections_of(notice.round, before)
 
     sharded = ShardedModel(engine.module, runtime, torch_world(None),
                            engine.mixed_precision, build.groups, build.offload,
@@ -282,6 +291,15 @@ class RoundRejoined(Exception):
         super().__init__(f"rejoined round {round_} in place from the snapshot of step {step}")
         self.step = step
         self.round = round_
+
+
+def _store_port():
+    """MASTER_PORT, the round's store the script's group was made over
+    (env://): not one of the group's own connections."""
+    try:
+        return int(os.environ.get("MASTER_PORT", ""))
+    except ValueError:
+        return None
 
 
 def _wait_seconds():
@@ -391,8 +409,15 @@ class Recovery:
         self.micro: list[MicroBatch] = []  # the current step's
         # Only a host collective (gloo) is polled: on cuda, polling an NCCL
         # work would make the host wait for the device at every collective.
+        # The group's connections, shut by the HeldWatch thread when a
+        # newer notice finds this worker held in a collective (_held.py).
+        self.connections = None
+        self.held = None
         if engine.device.type == "cpu":
             _world.superseded = self.superseded
+            self.connections = connections_of(self.watch.round, _round_sockets.baseline(),
+                                              _store_port())
+            self.held = HeldWatch(self)
         self.base = 0  # global_step when the current step's first forward ran
         # Where each recovery began: "forward", "backward" or "step"; "boundary" for a
         # notice seen at a step's first forward.
@@ -405,6 +430,11 @@ class Recovery:
         # micro-batches again, and nothing of them is kept.
         self.unwinds = False
         self.step_open = False  # a forward of the current step ran (unwinds)
+
+    def close(self):
+        """Ends the HeldWatch thread (the engine is closed)."""
+        if self.held is not None:
+            self.held.stop()
 
     # --- forward, backward, step ----------------------------------------------------------
 
@@ -606,6 +636,8 @@ class Recovery:
         # The agent tells a worker that waits here from one still inside a
         # collective of the old round (which a silent peer can hold).
         _round_notice.announce_waiting(self.watch.path, self.watch.round)
+        if self.connections is not None:
+            self.connections.retire()  # out of the old round's collectives for good
         while True:
             notice = self.watch.newer()
             if notice is not None:

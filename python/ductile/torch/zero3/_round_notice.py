@@ -41,9 +41,9 @@ otherwise a rank that was asked writes ``-1`` there and the agent restarts the w
 A worker that left its step to wait for a notice writes ``<notice path>.waiting`` (WAITING_SUFFIX:
 its round, a newline); once it joined the notice's round (the snapshot loaded), it writes
 ``<notice path>.joined`` (JOINED_SUFFIX: the round, a newline). An agent whose workers neither
-wait nor joined soon after the notice (a collective of the old round held by a silent peer, which
-gloo cannot abort), or did not join in time, stops them and starts them again in that round,
-from the same snapshot.
+wait nor joined soon after the notice (a collective of the old round held by a silent peer whose
+connections the engine could not shut: _held.py), or did not join in time, stops them and starts
+them again in that round, from the same snapshot.
 
 A worker polls the path once a step (one ``stat``: the notice is read only when its size or
 modification time changed) and after a collective failed because a peer is gone; a notice of a
