@@ -279,6 +279,20 @@ void Agent::rejoin_after_fence() {
   signals_.renew_mark();
 }
 
+bool Agent::behind_the_oldest(const std::optional<KeyValue>& round_kv) {
+  if (window_leader_.empty() || membership_.own_revision() <= 0) return false;
+  const auto round = membership_.read_round(round_kv);
+  if (!round || round->member_revisions.size() != round->members.size()) return false;
+  bool leader = false;
+  std::int64_t older = 0;
+  for (std::size_t i = 0; i < round->members.size(); ++i) {
+    const std::int64_t revision = round->member_revisions[i];
+    leader = leader || (round->members[i] == window_leader_ && revision == window_leader_revision_);
+    older += revision < membership_.own_revision();
+  }
+  return leader && older >= kLeaderWindow;
+}
+
 void Agent::wait_for_workers(const std::vector<std::string>& wake_on) {
   // A stop signal handled by another thread does not end the poll: it is
   // looked for in steps this short.
@@ -464,18 +478,34 @@ int Agent::run() {
         const std::int64_t round_revision = round_kv ? round_kv->mod_revision : 0;
         const bool at_rest = workers_.member() && !workers_.empty() &&
                              workers_.current_round() == membership_.highest_round();
-        if (round_revision != window_round_revision_ ||
-            (!at_rest &&
-             now_ms() - window_read_at_ >= std::max(o_.poll_interval, kWindowRecheck))) {
+        const bool round_changed = round_revision != window_round_revision_;
+        if (auto joined = membership_.take_join_window()) {
+          // The first pass: join() read them a moment ago, records and all.
+          oldest = std::move(*joined);
+          window_leader_ = oldest.empty() ? std::string() : oldest.front().id;
+          window_leader_revision_ = oldest.empty() ? 0 : oldest.front().create_revision;
+          window_round_revision_ = round_revision;
+          window_read_at_ = now_ms();
+          window_read = true;
+        } else if (round_changed && behind_the_oldest(round_kv)) {
+          window_round_revision_ = round_revision;
+          window_read_at_ = now_ms();
+        } else if (round_changed || (!at_rest && now_ms() - window_read_at_ >=
+                                                     std::max(o_.poll_interval, kWindowRecheck))) {
           // The keys say it (their age and lease): the records are read
           // once this agent follows every key.
           RangeRead keys = window;
           keys.keys_only = true;
           const auto answer = store.read({keys});
+          window_leader_.clear();
           for (const auto& kv : answer.front())
             if (kv.lease != 0) {
               NodeInfo node;
               node.id = kv.key.substr(key("nodes/").size());
+              if (window_leader_.empty()) {
+                window_leader_ = node.id;
+                window_leader_revision_ = kv.create_revision;
+              }
               oldest.push_back(std::move(node));
             }
           window_round_revision_ = round_revision;

@@ -121,6 +121,15 @@ class Agent {
   // registrations.
   std::int64_t window_round_revision_ = -1;
   std::chrono::milliseconds window_read_at_{0};
+  // The leader that read found (its node id and its key's create
+  // revision; empty: none yet).
+  std::string window_leader_;
+  std::int64_t window_leader_revision_ = 0;
+  // Whether `round_kv`'s round lists the leader of the last read of the
+  // oldest registrations (the same key) and at least kLeaderWindow members
+  // older than this agent: it is then not among the oldest, and its
+  // leader is the same (a new round costs it no read of them).
+  bool behind_the_oldest(const std::optional<KeyValue>& round_kv);
 };
 
 }  // namespace ductile::agent

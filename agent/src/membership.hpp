@@ -14,6 +14,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "agent_common.hpp"
@@ -40,6 +41,11 @@ class Membership {
   // this agent's settings against the job's (writing them when it is the
   // first agent of a run).
   void join(const JobPolicy& policy);
+  // The oldest live registrations join() read, records included (at most
+  // kLeaderWindow; an elastic job's), for the loop's first pass; once.
+  std::optional<std::vector<NodeInfo>> take_join_window() {
+    return std::exchange(join_window_, std::nullopt);
+  }
   // In the loop: registers again when this node's key is gone or was
   // overwritten (a lost lease, a deletion, a hostile write).
   void reclaim_node_key(const std::string& why);
@@ -79,7 +85,10 @@ class Membership {
   // key changed meanwhile). A key without a lease, or with a record no
   // agent writes, is replaced.
   Claim claim_node_key(std::optional<KeyValue>* holder);
-  void check_settings(const std::vector<NodeInfo>& others, const JobPolicy& policy);
+  // `first`: the settings and round records as join() read them, for the
+  // first attempt.
+  void check_settings(const std::vector<NodeInfo>& others, const JobPolicy& policy,
+                      std::vector<std::vector<KeyValue>> first);
   [[noreturn]] void refuse_duplicate(const KeyValue& holder, const std::string& how);
   // Leaves the job before it joined (the lease revoked) and throws `error`.
   [[noreturn]] void withdraw(const Error& error);
@@ -93,7 +102,8 @@ class Membership {
   // before it was a previous run's.
   std::int64_t first_revision_ = 0;
   std::int64_t highest_round_ = 0;
-  std::optional<RoundRecord> last_good_round_;  // the last valid round record seen
+  std::optional<std::vector<NodeInfo>> join_window_;  // see take_join_window()
+  std::optional<RoundRecord> last_good_round_;        // the last valid round record seen
   // The round record last parsed and found valid, and its revision: each
   // pass reads the record, which names every member; only a new one is
   // parsed and checked again.

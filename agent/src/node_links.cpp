@@ -245,8 +245,7 @@ void NodeLinks::run() {
   const milliseconds period = std::max(timeout / 4, milliseconds(10));
   // The longest this loop sleeps; it wakes sooner for a beat to send or a
   // silence to act on (each at its time, to the millisecond).
-  const milliseconds turn =
-      std::clamp<milliseconds>(period / 2, milliseconds(10), milliseconds(250));
+  const milliseconds turn = std::clamp<milliseconds>(period, milliseconds(10), milliseconds(250));
   // How long a node whose judge fell silent gives the store to renew its
   // lease before it fences (KeepAlive::confirm_within).
   const milliseconds confirm = period;

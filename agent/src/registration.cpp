@@ -132,21 +132,29 @@ void Membership::clear_previous_run() {
 }
 
 void Membership::join(const JobPolicy& policy) {
-  auto own = conn_.store().get(self_.key("nodes/" + self_.id));
-  own_revision_ = first_revision_ = own ? own->create_revision : 0;
-  bool own_ok = false;
-  // Whether other agents run: the oldest registrations tell (this one is
-  // among them otherwise). A static job checks every node rank.
+  // One request (each costs a round trip to a store that many agents load
+  // as they start): this agent's key; the oldest registrations, which say
+  // whether other agents run (this one is among them otherwise; a static
+  // job checks every node rank); the settings and the round.
   const bool ranked = o_.node_rank >= 0;
-  auto others = live_nodes(conn_.store().read({RangeRead{self_.key("nodes/"), true,
-                                                         ranked ? 0 : kLeaderWindow + 1, true}})[0],
-                           &own_ok, ranked);
+  auto reads = conn_.store().read(
+      {RangeRead{self_.key("nodes/" + self_.id)},
+       RangeRead{self_.key("nodes/"), true, ranked ? 0 : kLeaderWindow + 1, true},
+       RangeRead{self_.key("settings")}, RangeRead{self_.key("round")}});
+  own_revision_ = first_revision_ = reads[0].empty() ? 0 : reads[0].front().create_revision;
+  bool own_ok = false;
+  auto others = live_nodes(reads[1], &own_ok, ranked);
+  if (!ranked) {
+    join_window_ = others;
+    if (join_window_->size() > static_cast<std::size_t>(kLeaderWindow))
+      join_window_->resize(static_cast<std::size_t>(kLeaderWindow));
+  }
   std::erase_if(others, [&](const NodeInfo& n) { return n.id == self_.id; });
-  check_settings(others, policy);
+  check_settings(others, policy, {std::move(reads[2]), std::move(reads[3])});
 }
 
-void Membership::check_settings(const std::vector<NodeInfo>& others_alive,
-                                const JobPolicy& policy) {
+void Membership::check_settings(const std::vector<NodeInfo>& others_alive, const JobPolicy& policy,
+                                std::vector<std::vector<KeyValue>> first) {
   json mine = json::parse(policy.settings_json());
   mine["nproc_per_node"] = o_.nproc_per_node;
   mine["mpi_world"] = o_.mpi_world;
@@ -172,7 +180,9 @@ void Membership::check_settings(const std::vector<NodeInfo>& others_alive,
     }
   for (int attempt = 0; attempt < 5; ++attempt) {
     auto reads =
-        conn_.store().read({RangeRead{self_.key("settings")}, RangeRead{self_.key("round")}});
+        attempt == 0 && others && first.size() == 2
+            ? std::move(first)
+            : conn_.store().read({RangeRead{self_.key("settings")}, RangeRead{self_.key("round")}});
     std::optional<KeyValue> existing;
     if (!reads[0].empty()) existing = reads[0].front();
     if (existing && existing->value == settings_text) return;

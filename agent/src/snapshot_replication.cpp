@@ -77,6 +77,11 @@ void copy_snapshot_file(const SnapshotFileSource& source, const fs::path& to,
 // own/latest looked at this often when no inotify event came (a watch
 // that missed one: own/ replaced under it).
 constexpr std::chrono::milliseconds kWatchFallback{1000};
+// Without inotify (a user may have 128 instances at most: the 129th agent
+// of a user on one host has none), own/latest is looked at every
+// watch_interval_ for this long after the last commit seen, then every
+// kWatchFallback: workers that commit nothing cost no wake-ups.
+constexpr std::chrono::milliseconds kWatchBusy{2000};
 
 // A descriptor closed when the scope ends.
 struct ClosedOnExit {
@@ -383,17 +388,22 @@ void SnapshotReplication::watch() {
   // own/latest is looked at when the kernel says a file of own/ was
   // written or renamed into place (the workers' commit), else every
   // kWatchFallback: an agent whose workers commit nothing wakes for
-  // nothing. Without inotify, every watch_interval_.
+  // nothing. Without inotify, every watch_interval_ while the workers
+  // commit (kWatchBusy after the last commit), else every kWatchFallback.
   ClosedOnExit changes(watch_wake_ >= 0 ? inotify_init1(IN_NONBLOCK | IN_CLOEXEC) : -1);
   if (changes.fd >= 0 &&
       inotify_add_watch(changes.fd, area_.own().c_str(), IN_MOVED_TO | IN_CLOSE_WRITE) < 0) {
     ::close(changes.fd);
     changes.fd = -1;
   }
+  auto last_commit = std::chrono::steady_clock::now() - kWatchBusy;
   std::unique_lock lock(ack_mutex_);
   for (;;) {
     if (changes.fd < 0) {
-      if (watch_stop_.wait_for(lock, watch_interval_, [this] { return watch_stopping_; })) return;
+      const bool busy = std::chrono::steady_clock::now() - last_commit < kWatchBusy;
+      if (watch_stop_.wait_for(lock, busy ? watch_interval_ : kWatchFallback,
+                               [this] { return watch_stopping_; }))
+        return;
     } else {
       if (watch_stopping_) return;
       lock.unlock();
@@ -408,6 +418,7 @@ void SnapshotReplication::watch() {
     lock.unlock();
     const auto latest = read_small_file(area_.own() / kSnapshotLatest, kMaxSidecarBytes);
     lock.lock();
+    if (latest && *latest != latest_seen_) last_commit = std::chrono::steady_clock::now();
     if (!latest || *latest == latest_seen_ || !in_round_) continue;
     const std::string tag = latest->substr(0, latest->find('\n'));
     lock.unlock();

@@ -16,8 +16,9 @@
 // update() gives name it (node_snapshots.hpp).
 //
 // A new snapshot is pulled at once: the origin looks at own/latest when
-// the kernel reports a write or rename in own/ (inotify; every
-// watch_interval without it) and, when its workers commit a snapshot, sends a notify
+// the kernel reports a write or rename in own/ (inotify; without it, every
+// watch_interval for 2 s after a commit, else every second) and, when its
+// workers commit a snapshot, sends a notify
 // (snapshot_server.hpp) to each of its successors (members (i + k) mod n,
 // k = 1..min(R, n - 1)); a holder whose copy is complete sends a have
 // back. A notify is pulled when its snapshot is one the origin published
