@@ -41,7 +41,6 @@ class HeldWatch:
 
     def __init__(self, recovery):
         self._stop = threading.Event()
-        self.shut = 0  # connections shut so far, over every round
         self._thread = threading.Thread(target=self._run, args=(weakref.ref(recovery),),
                                         name="ductile-zero3-held", daemon=True)
         self._thread.start()
@@ -78,7 +77,6 @@ class HeldWatch:
                 continue
             count = connections.shut()
             if count:
-                self.shut += count
                 _log.warning("zero3: round %d's notice came while this worker waited in a "
                              "collective of round %d (a silent peer, or one that left, holds "
                              "it): its %d connection(s) to that round's workers were shut",

@@ -44,7 +44,10 @@ forward's arguments, and once its backward ran, how the loss came from the forwa
   the group's timeout: with a notice path, on the cpu, the engine's waits on torch's works poll
   the work and, every 50 polls, the notice (_world.superseded), and leave with
   CommunicationError once a newer round's notice is there, which recovers as above (on cuda
-  they wait as without a notice: the host never waits for the device's collectives).
+  they wait as without a notice: the host never waits for the device's collectives). A wait
+  that is not polled (the C++ planned gathers, a training loop's own collective), on a peer
+  that went silent or left, fails once the HeldWatch thread (_held.py) shuts the old group's
+  connections, 50 ms after a newer notice; it recovers as above.
 - A pause the agent asks for (``<notice>.hold``: a node joins), agreed by every rank in the
   all-reduce before an optimizer update that waits for the last snapshot's copies: every rank
   leaves the step with RoundHold, says so (``<notice>.held``), waits for the notice and
@@ -407,12 +410,12 @@ class Recovery:
         self.engine = engine
         self.watch = _round_notice.NoticeWatch(path, _round_notice.current_round())
         self.micro: list[MicroBatch] = []  # the current step's
-        # Only a host collective (gloo) is polled: on cuda, polling an NCCL
-        # work would make the host wait for the device at every collective.
         # The group's connections, shut by the HeldWatch thread when a
         # newer notice finds this worker held in a collective (_held.py).
         self.connections = None
         self.held = None
+        # Only a host collective (gloo) is polled: on cuda, polling an NCCL
+        # work would make the host wait for the device at every collective.
         if engine.device.type == "cpu":
             _world.superseded = self.superseded
             self.connections = connections_of(self.watch.round, _round_sockets.baseline(),
