@@ -68,7 +68,8 @@ class KeepAlive {
   // renewal succeeds within `within`, the fence kills the workers then,
   // because the judge, which may be the one that hears nothing, revokes
   // this node's lease soon after, counting on it (node_links.cpp).
-  // Renews at once.
+  // Renews at once, and every `within` for a while after (until
+  // judge_heard()): a lease the judge revoked fences within that long.
   void confirm_within(std::chrono::milliseconds within, const std::string& why);
   // The judge was heard again: no confirmation is needed.
   void judge_heard();
@@ -99,6 +100,7 @@ class KeepAlive {
   // confirm_within(): a renewal must succeed by confirm_by_ (while
   // confirming_), or the fence acts, saying confirm_why_.
   bool confirming_ = false;
+  Clock::time_point fast_until_{};  // renewals every confirm_within_ until then
   Clock::time_point confirm_by_{};
   std::chrono::milliseconds confirm_within_{0};
   std::string confirm_why_;

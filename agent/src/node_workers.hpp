@@ -74,8 +74,8 @@ class NodeWorkers {
   // After continue_in_place(): why the workers must start again, once they
   // did not say they joined the round (<notice>.joined) within max(30 s,
   // 4 x --lease-ttl) (a collective of the old round waiting on a silent
-  // peer: gloo cannot abort it); nullopt while they may still, or once
-  // they did.
+  // peer, whose connections their engine could not shut); nullopt while
+  // they may still, or once they did.
   std::optional<std::string> join_overdue();
   // Then: stops the workers and starts them again in the round they did
   // not join, from the same snapshot (they meet the others, joined in
