@@ -79,9 +79,12 @@ void copy_snapshot_file(const SnapshotFileSource& source, const fs::path& to,
 constexpr std::chrono::milliseconds kWatchFallback{1000};
 // Without inotify (a user may have 128 instances at most: the 129th agent
 // of a user on one host has none), own/latest is looked at every
-// watch_interval_ for this long after the last commit seen, then every
-// kWatchFallback: workers that commit nothing cost no wake-ups.
+// watch_interval_ while the round's workers say they keep snapshots (their
+// own/replicas), and for kWatchBusy after a commit seen; else every
+// kWatchIdle: workers that commit nothing cost few wake-ups, and a first
+// commit is seen within kWatchIdle.
 constexpr std::chrono::milliseconds kWatchBusy{2000};
+constexpr std::chrono::milliseconds kWatchIdle{100};
 
 // A descriptor closed when the scope ends.
 struct ClosedOnExit {
@@ -388,8 +391,8 @@ void SnapshotReplication::watch() {
   // own/latest is looked at when the kernel says a file of own/ was
   // written or renamed into place (the workers' commit), else every
   // kWatchFallback: an agent whose workers commit nothing wakes for
-  // nothing. Without inotify, every watch_interval_ while the workers
-  // commit (kWatchBusy after the last commit), else every kWatchFallback.
+  // nothing. Without inotify, every watch_interval_ while the workers keep
+  // snapshots or commit (kWatchBusy), else every kWatchIdle.
   ClosedOnExit changes(watch_wake_ >= 0 ? inotify_init1(IN_NONBLOCK | IN_CLOEXEC) : -1);
   if (changes.fd >= 0 &&
       inotify_add_watch(changes.fd, area_.own().c_str(), IN_MOVED_TO | IN_CLOSE_WRITE) < 0) {
@@ -397,11 +400,13 @@ void SnapshotReplication::watch() {
     changes.fd = -1;
   }
   auto last_commit = std::chrono::steady_clock::now() - kWatchBusy;
+  std::optional<std::string> last_latest;  // own/latest as last read here
   std::unique_lock lock(ack_mutex_);
   for (;;) {
     if (changes.fd < 0) {
-      const bool busy = std::chrono::steady_clock::now() - last_commit < kWatchBusy;
-      if (watch_stop_.wait_for(lock, busy ? watch_interval_ : kWatchFallback,
+      const bool busy = std::chrono::steady_clock::now() - last_commit < kWatchBusy ||
+                        (in_round_ && area_.replicas_wanted().has_value());
+      if (watch_stop_.wait_for(lock, busy ? watch_interval_ : kWatchIdle,
                                [this] { return watch_stopping_; }))
         return;
     } else {
@@ -418,7 +423,10 @@ void SnapshotReplication::watch() {
     lock.unlock();
     const auto latest = read_small_file(area_.own() / kSnapshotLatest, kMaxSidecarBytes);
     lock.lock();
-    if (latest && *latest != latest_seen_) last_commit = std::chrono::steady_clock::now();
+    if (latest != last_latest) {
+      last_commit = std::chrono::steady_clock::now();
+      last_latest = latest;
+    }
     if (!latest || *latest == latest_seen_ || !in_round_) continue;
     const std::string tag = latest->substr(0, latest->find('\n'));
     lock.unlock();

@@ -17,7 +17,8 @@
 //
 // A new snapshot is pulled at once: the origin looks at own/latest when
 // the kernel reports a write or rename in own/ (inotify; without it, every
-// watch_interval for 2 s after a commit, else every second) and, when its
+// watch_interval while its workers keep snapshots or for 2 s after a
+// commit, else every 100 ms) and, when its
 // workers commit a snapshot, sends a notify
 // (snapshot_server.hpp) to each of its successors (members (i + k) mod n,
 // k = 1..min(R, n - 1)); a holder whose copy is complete sends a have
