@@ -79,7 +79,7 @@ struct NodeLinks::Peer {
   std::uint64_t order = 0;  // accepted as the order-th
   std::string id;           // the node at the other end, once linked (or the leader's)
   std::int64_t lease = 0;
-  bool asked = false;        // its silence made the keep-alive check the lease
+  bool asked = false;        // the judge's silence made the keep-alive confirm the lease
   bool said_silent = false;  // its silence is logged
   void close() {
     if (fd >= 0) ::close(fd);

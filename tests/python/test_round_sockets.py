@@ -2,6 +2,7 @@
 shutting them once, never after the group's owner retired them, and never a
 socket that took a shut one's descriptor number."""
 
+import os
 import socket
 
 import pytest
@@ -26,7 +27,6 @@ def connect(listener):
 
 
 def inode(sock):
-    import os
     return os.fstat(sock.fileno()).st_ino
 
 
