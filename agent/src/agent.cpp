@@ -94,6 +94,8 @@ void Agent::setup() {
   // One static node: its workers' store at the port asked.
   if (o_.rendezvous == RendezvousKind::embedded && o_.agent_store && o_.master_port != 0)
     leadership_.serve_fixed_worker_store();
+  // Before the lease: waiting for the spares must not use up its TTL.
+  workers_.start_first_spares(*policy_, o_.warm_imports.empty() && joins_running_job());
   conn_.grant_first_lease();
   leadership_.start_mpi_server();
 }
@@ -361,12 +363,31 @@ std::optional<int> Agent::while_store_answers(const std::string& what,
   }
 }
 
+bool Agent::joins_running_job() {
+  // Spares run Python only: no request for another worker command.
+  try {
+    interpreter_words(o_.command, !o_.interpreter_choice.empty());
+  } catch (const Error&) {
+    return false;
+  }
+  try {
+    const auto found = conn_.store().read(
+        {RangeRead{.key = self_.key("round")},
+         RangeRead{.key = self_.key("snapshots/"), .prefix = true, .limit = 1, .keys_only = true}});
+    return found.size() == 2 && !found[0].empty() && !found[1].empty() &&
+           round_from_json(found[0].front().value).state == RoundState::running;
+  } catch (const StoreError&) {
+    return false;  // registering waits for the store, and says so
+  } catch (const MalformedRecord&) {
+    return false;  // the loop's read says what is wrong with it
+  }
+}
+
 int Agent::run() {
   // What a worker's children leave behind and outlives its guard comes to
   // the agent, which ends it with the worker group (workers.hpp).
   make_subreaper();
   setup();
-  workers_.start_first_spares(*policy_);
   // The lease is kept alive from now on: registering may wait for a
   // previous run's registration to expire.
   conn_.start_keep_alive();

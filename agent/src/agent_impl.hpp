@@ -130,6 +130,11 @@ class Agent {
   // older than this agent: it is then not among the oldest, and its
   // leader is the same (a new round costs it no read of them).
   bool behind_the_oldest(const std::optional<KeyValue>& round_kv);
+  // Whether this node, its worker command a Python's, comes to a job whose
+  // round runs and whose workers keep snapshots (one read; false when the
+  // store cannot tell now): its workers, which the running ones will pause
+  // for, then import ahead.
+  bool joins_running_job();
 };
 
 }  // namespace ductile::agent

@@ -149,6 +149,9 @@ std::optional<Holdings> NodeSnapshots::accepted(const KeyValue& kv, const std::s
 }
 
 void NodeSnapshots::publish(const Holdings& holdings) {
+  // Nothing held, nothing published: no record, whose absence says the
+  // same (a job whose workers keep no snapshots writes none).
+  if (published_.empty() && !holds_any(holdings)) return;
   const std::string record = to_json(holdings);
   // A new lease (the old one expired or was revoked) took the record with
   // it: written again.

@@ -179,9 +179,13 @@ void NodeWorkers::start(const RoundRecord& round, std::size_t group_rank, const 
 }
 
 void NodeWorkers::start_spares(const std::vector<WorkerSpec>& specs) {
-  if (o_.warm_imports.empty() || (o_.stop_signal && o_.stop_signal->load() != 0)) return;
-  SpareSetup setup{interpreter_words(o_.command, !o_.interpreter_choice.empty()), o_.warm_imports,
-                   is_round_variable, o_.warm_program_imports};
+  if (o_.warm_imports.empty()) return;
+  start_spares(specs, SpareSetup{interpreter_words(o_.command, !o_.interpreter_choice.empty()),
+                                 o_.warm_imports, is_round_variable, o_.warm_program_imports});
+}
+
+void NodeWorkers::start_spares(const std::vector<WorkerSpec>& specs, const SpareSetup& setup) {
+  if (o_.stop_signal && o_.stop_signal->load() != 0) return;
   try {
     group_.start_spares(specs, setup, o_.stop_grace);
   } catch (const std::system_error& e) {
@@ -193,8 +197,21 @@ void NodeWorkers::start_spares(const std::vector<WorkerSpec>& specs) {
   }
 }
 
-void NodeWorkers::start_first_spares(const JobPolicy& policy) {
-  if (o_.warm_imports.empty()) return;
+void NodeWorkers::start_first_spares(const JobPolicy& policy, bool joins_running_job) {
+  SpareSetup setup;
+  if (!o_.warm_imports.empty()) {
+    setup = {interpreter_words(o_.command, !o_.interpreter_choice.empty()), o_.warm_imports,
+             is_round_variable, o_.warm_program_imports};
+  } else if (joins_running_job) {
+    // Without --warm-workers a newcomer warms its first round's workers
+    // only, with torch's imports alone: a script's own modules are not
+    // imported ahead unless asked (a Python worker command: the caller
+    // checked).
+    setup = {interpreter_words(o_.command, !o_.interpreter_choice.empty()),
+             split(kDefaultWarmImports, ','), is_round_variable, false};
+  } else {
+    return;
+  }
   // A spare holds only what every round's workers share: a round of this
   // node alone at a valid size stands in for the first one it will join.
   RoundRecord any;
@@ -211,7 +228,7 @@ void NodeWorkers::start_first_spares(const JobPolicy& policy) {
                     e.what()));
     return;
   }
-  start_spares(specs);
+  start_spares(specs, setup);
   if (group_.spares() == 0) return;
   const auto started = now_ms();
   const auto ended = group_.await_spares(o_.stop_signal);
@@ -219,6 +236,11 @@ void NodeWorkers::start_first_spares(const JobPolicy& policy) {
   if (!ended.empty())
     self_.log(fmt::format("a spare worker was not ready ({}): that worker starts cold",
                           core::join(ended, "; ")));
+  else if (group_.spares() > 0 && o_.warm_imports.empty())
+    self_.log(fmt::format(
+        "the job runs and keeps snapshots: this node's workers imported {} ahead ({} ms), "
+        "so that the running workers do not wait for it; this node joins",
+        core::join(setup.imports, ", "), (now_ms() - started).count()));
   else if (group_.spares() > 0)
     self_.log(fmt::format("the spare workers are ready ({} ms): this node joins",
                           (now_ms() - started).count()));

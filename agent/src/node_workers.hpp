@@ -47,12 +47,14 @@ class NodeWorkers {
   void start(const RoundRecord& round, std::size_t group_rank, const JobPolicy& policy,
              const std::filesystem::path& restore = {},
              std::chrono::milliseconds restore_wait = std::chrono::milliseconds(0));
-  // --warm-workers: the spares of the first round this node joins, started
-  // before it registers, and waited for: a node joins once its workers can
-  // start warm, so that a running job, which pauses for it, does not wait
-  // for their imports. The later rounds' are started with each round's
-  // workers.
-  void start_first_spares(const JobPolicy& policy);
+  // The spares of the first round this node joins, started before it
+  // registers, and waited for: a node joins once its workers can start
+  // warm, so that a running job, which pauses for it, does not wait for
+  // their imports. With --warm-workers always (the later rounds' are
+  // started with each round's workers); without, only when
+  // `joins_running_job` (a running round whose workers keep snapshots),
+  // with torch's imports, and for that round alone.
+  void start_first_spares(const JobPolicy& policy, bool joins_running_job);
   // Why this node's workers cannot go on in place into `next`, "" when
   // they can: every local worker of the current round still runs and said
   // it takes round notices (round_notice_ready_of), and that it can pause
@@ -115,6 +117,7 @@ class NodeWorkers {
  private:
   // --warm-workers: the spares of `specs`' local ranks (those missing).
   void start_spares(const std::vector<WorkerSpec>& specs);
+  void start_spares(const std::vector<WorkerSpec>& specs, const SpareSetup& setup);
   // What the worker of `local_rank` wrote to its TORCHELASTIC_ERROR_FILE in
   // the current round, if it wrote torch's format.
   std::optional<WorkerError> read_error(std::int64_t local_rank);

@@ -39,8 +39,10 @@ struct Job {
   }();
   std::vector<std::unique_ptr<Child>> agents;
 
+  // `env`: variables set in the agent's environment (and so its workers').
   Child& start(const std::string& name, std::vector<std::string> options,
-               const std::vector<std::string>& command, const std::string& job_id = "job") {
+               const std::vector<std::string>& command, const std::string& job_id = "job",
+               const std::vector<std::string>& env = {}) {
     std::vector<std::string> argv = {DUCTILE_CLI,   "agent",     "--config",  config.string(),
                                      "--rdzv",      etcd.url(),  "--job-id",  job_id,
                                      "--node-addr", "127.0.0.1", "--node-id", name};
@@ -51,8 +53,9 @@ struct Job {
     std::filesystem::path log = dir / (name + ".log");
     for (int n = 2; std::filesystem::exists(log); ++n)
       log = dir / (name + "-" + std::to_string(n) + ".log");
-    agents.push_back(std::make_unique<Child>(
-        argv, std::vector<std::string>{marker, "TMPDIR=" + tmp.string()}, log));
+    std::vector<std::string> variables = {marker, "TMPDIR=" + tmp.string()};
+    variables.insert(variables.end(), env.begin(), env.end());
+    agents.push_back(std::make_unique<Child>(argv, variables, log));
     return *agents.back();
   }
   std::string all_output() const {

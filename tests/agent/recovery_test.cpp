@@ -417,17 +417,38 @@ TEST_CASE("agent: a DeepSpeed loop's survivors of a lost node go on in place") {
 // step's loss is plain torch's over the nodes of its round.
 namespace recovery_test {
 
-// Two nodes train `run`'s loop; a third joins (see below).
+// Two nodes train `run`'s loop; a third joins (see below). The two wait
+// after step 3 until the newcomer's agent joined and theirs asked them to
+// pause: the newcomer's worker imports ahead first, for as long as that
+// takes on a loaded machine.
 void join_in_place(Job& job, const InPlaceRun& run) {
-  Child& a = job.start("a", run.options, run.worker);
+  const auto go = (job.dir / "go").string();
+  auto worker = run.worker;
+  worker.insert(worker.begin() + 1, "ZERO3_WAIT=3:" + go);
+  Child& a = job.start("a", run.options, worker);
   REQUIRE(a.wait_for_output("joined job", 60s));
-  Child& b = job.start("b", run.options, run.worker);
+  Child& b = job.start("b", run.options, worker);
   const bool trained = wait_until(
       [&] { return count_of(job.all_output(), "in_place round=1 world=2 node=b step=3\n") == 1; },
       240s);
   if (!trained) job.dump();
   REQUIRE(trained);
-  Child& c = job.start("c", run.options, run.worker);
+  // The newcomer's command starts with its Python (as `ductile agent
+  // train.py` does), the variables `env` set for the others in its agent's
+  // environment: a newcomer starts only such a worker ahead.
+  const auto env_end = std::find(worker.begin(), worker.end(), DUCTILE_PYTHON);
+  REQUIRE(env_end != worker.end());
+  Child& c =
+      job.start("c", run.options, {env_end, worker.end()}, "job", {worker.begin() + 1, env_end});
+  const bool asked = wait_until(
+      [&] {
+        return count_of(a.output() + b.output(),
+                        "round 2: asking the workers of round 1 to pause") == 2;
+      },
+      240s);
+  if (!asked) job.dump();
+  REQUIRE(asked);
+  std::ofstream(go).put('\n');
   for (Child* agent : {&a, &b, &c}) {
     const auto status = agent->wait(240s);
     if (status != std::optional<int>(0)) job.dump();
@@ -442,6 +463,13 @@ void join_in_place(Job& job, const InPlaceRun& run) {
   CHECK(count_of(kept, "round 2 continued in place: world size 3 (3 nodes x 1)") == 2);
   CHECK(kept.find("round 2 started") == std::string::npos);
   CHECK(c.output().find("round 2 started: world size 3") != std::string::npos);
+  // The newcomer's worker imported torch before its agent joined: the
+  // running workers did not pause for those imports.
+  const auto warmed = c.output().find(
+      "the job runs and keeps snapshots: this node's workers imported torch, torch._dynamo "
+      "ahead (");
+  CHECK(warmed != std::string::npos);
+  CHECK(warmed < c.output().find("joined job"));
   CHECK(job.all_output().find("Traceback") == std::string::npos);
   const std::string said = field_after(kept, "round 2: the workers paused after step ", "step ");
   REQUIRE(!said.empty());

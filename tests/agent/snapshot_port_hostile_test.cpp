@@ -160,14 +160,14 @@ done
   Child a(agent_argv("a"), env, dir / "a.log");
   Child b(agent_argv("b"), env, dir / "b.log");
 
-  // Each agent's snapshot port, from its record in etcd.
+  // Each agent's snapshot port, from its registration in etcd.
   ductile::agent::EtcdStore store(etcd.endpoint(), 2000ms);
   std::map<std::string, int> ports;
   const bool published = wait_until(
       [&] {
         for (const char* node : {"a", "b"})
-          if (auto record = store.get(std::string("/ductile/agent/hostile/snapshots/") + node))
-            ports[node] = nlohmann::json::parse(record->value).at("port").get<int>();
+          if (auto record = store.get(std::string("/ductile/agent/hostile/nodes/") + node))
+            ports[node] = nlohmann::json::parse(record->value).at("snapshot_port").get<int>();
         return ports.size() == 2;
       },
       120s);

@@ -11,7 +11,9 @@ DeepSpeed script, ``engine.backward`` dividing each micro-batch's loss).
 
 After every step it appends {round, world, rank, step, loss, pid} to
 OUT/losses-<node id>.jsonl (the loss: the mean of the step's micro-batches')
-and prints one line. Exits 0 once the engine's step reaches STEPS.
+and prints one line. Exits 0 once the engine's step reaches STEPS. With
+ZERO3_WAIT=K:FILE in its environment it waits after step K until FILE
+exists (a test starts another node meanwhile).
 
 usage: zero3_in_place.py OUT STEPS [--deepspeed ACC]          (a worker)
        zero3_in_place.py OUT STEPS [--deepspeed ACC] --plain NODES CHANGE REST
@@ -72,6 +74,15 @@ def log_step(log, node, world, rank, step, loss):
           f"step={entry['step']}", flush=True)
 
 
+def hold_after(step):
+    """ZERO3_WAIT=K:FILE: after step K, wait until FILE exists."""
+    wait = os.environ.get("ZERO3_WAIT")
+    if wait:
+        at, path = wait.split(":", 1)
+        while step == int(at) and not os.path.exists(path):
+            time.sleep(0.05)
+
+
 def worker(out, steps):
     import torch.distributed as dist
 
@@ -90,6 +101,7 @@ def worker(out, steps):
             engine.backward(loss)
             engine.step()
             log_step(log, node, engine.world_size, engine.rank, engine.global_step, loss.item())
+            hold_after(engine.global_step)
             time.sleep(pause)
     print(f"in_place done node={node} pid={os.getpid()}", flush=True)
 
@@ -117,6 +129,7 @@ def deepspeed_worker(out, steps, accumulation):
                 engine.step()
                 total += loss.item() / accumulation
             log_step(log, node, engine.world_size, engine.global_rank, engine.global_steps, total)
+            hold_after(engine.global_steps)
             time.sleep(pause)
     print(f"in_place done node={node} pid={os.getpid()}", flush=True)
 

@@ -11,10 +11,12 @@ the first step at world size 3, and the steps trained again; the first
 step at world size 3 from the newcomer ready; and the running workers'
 stall, from their last step at size 2 to the first at size 3.
 
-Launchers: ductile-in-place (the running workers go on in place),
-ductile-in-place-warm (the same with --warm-workers: the newcomer's worker
-starts in an interpreter that imported torch while its agent joined),
-ductile (the running workers are restarted from the snapshot in memory).
+Launchers: ductile-in-place (the running workers go on in place; the
+newcomer's agent, coming to a job that keeps snapshots, starts its worker's
+interpreter with torch imported before it joins), ductile-in-place-warm
+(the same with --warm-workers: the script's own imports too, and spares
+for every later round), ductile (the running workers are restarted from
+the snapshot in memory).
 
 usage: bench_join.py [--cli PATH] [--python PATH] [--runs 3] [--join-after 4]
                      [--steps 40] [--launchers ductile-in-place,ductile-in-place-warm,ductile]
