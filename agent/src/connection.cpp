@@ -193,7 +193,10 @@ void RendezvousConnection::open() {
       mirror_ = mirror.get();
       store_ = std::move(mirror);
       make_store_ = [endpoint, tls = o_.tls](std::chrono::milliseconds timeout) {
-        return std::make_unique<EtcdStore>(endpoint, timeout, tls);
+        // Each member in turn within `timeout`: a silent one leaves the
+        // others time to answer.
+        const auto members = 1 + std::count(endpoint.begin(), endpoint.end(), ',');
+        return std::make_unique<EtcdStore>(endpoint, timeout / members, tls);
       };
       return;
     }

@@ -94,6 +94,23 @@ KeyValue to_key_value(const json& kv) {
   return out;
 }
 
+// A transaction's range requests for `reads`.
+json range_ops(const std::vector<RangeRead>& reads) {
+  json ops = json::array();
+  for (const auto& r : reads) {
+    json range = {{"key", base64_encode(r.key)}};
+    if (r.prefix) range["range_end"] = base64_encode(prefix_end(r.key));
+    if (r.limit > 0) range["limit"] = std::to_string(r.limit);
+    if (r.keys_only) range["keys_only"] = true;
+    if (r.oldest_first) {
+      range["sort_target"] = "CREATE";
+      range["sort_order"] = "ASCEND";
+    }
+    ops.push_back({{"request_range", range}});
+  }
+  return ops;
+}
+
 // The "kvs" of a range answer.
 std::vector<KeyValue> key_values(const json& reply) {
   std::vector<KeyValue> out;
@@ -433,19 +450,7 @@ void EtcdStore::put(const std::string& key, const std::string& value, std::int64
 
 std::vector<std::vector<KeyValue>> EtcdStore::read(const std::vector<RangeRead>& reads) {
   if (reads.empty()) return {};
-  json ops = json::array();
-  for (const auto& r : reads) {
-    json range = {{"key", base64_encode(r.key)}};
-    if (r.prefix) range["range_end"] = base64_encode(prefix_end(r.key));
-    if (r.limit > 0) range["limit"] = std::to_string(r.limit);
-    if (r.keys_only) range["keys_only"] = true;
-    if (r.oldest_first) {
-      range["sort_target"] = "CREATE";
-      range["sort_order"] = "ASCEND";
-    }
-    ops.push_back({{"request_range", range}});
-  }
-  return impl_->read_ranges(ops).first;
+  return impl_->read_ranges(range_ops(reads)).first;
 }
 
 void EtcdStore::erase(const std::string& key) {
@@ -464,20 +469,41 @@ void EtcdStore::erase_prefix(const std::string& prefix) {
 
 bool EtcdStore::compare_and_swap(const std::string& key, std::int64_t expected_mod_revision,
                                  const std::string& value, std::int64_t lease) {
+  return compare_and_swap_then_read(key, expected_mod_revision, value, lease, {}).has_value();
+}
+
+std::optional<std::vector<std::vector<KeyValue>>> EtcdStore::compare_and_swap_then_read(
+    const std::string& key, std::int64_t expected_mod_revision, const std::string& value,
+    std::int64_t lease, const std::vector<RangeRead>& reads) {
   json put = {{"key", base64_encode(key)}, {"value", base64_encode(value)}};
   if (lease != 0) put["lease"] = std::to_string(lease);
+  // The ranges after the put, in its branch: read at the revision it wrote.
+  json success = json::array({{{"request_put", put}}});
+  for (auto& op : range_ops(reads)) success.push_back(std::move(op));
   json request = {{"compare",
                    {{{"key", base64_encode(key)},
                      {"target", "MOD"},
                      {"result", "EQUAL"},
                      {"mod_revision", std::to_string(expected_mod_revision)}}}},
-                  {"success", {{{"request_put", put}}}}};
+                  {"success", std::move(success)}};
   impl_->changed = 0;
   auto reply = impl_->call("/v3/kv/txn", request);
   auto it = reply.find("succeeded");
-  const bool written = it != reply.end() && it->is_boolean() && it->get<bool>();
-  if (written) impl_->changed = header_revision(reply);
-  return written;
+  if (it == reply.end() || !it->is_boolean() || !it->get<bool>()) return std::nullopt;
+  impl_->changed = header_revision(reply);
+  std::vector<std::vector<KeyValue>> out;
+  if (reads.empty()) return out;
+  auto responses = reply.find("responses");
+  if (responses == reply.end() || !responses->is_array() || responses->size() != reads.size() + 1)
+    throw StoreError(fmt::format("etcd at {} answered a write and {} reads with another count",
+                                 impl_->endpoints, reads.size()));
+  for (std::size_t i = 1; i < responses->size(); ++i) {
+    const json& response = (*responses)[i];
+    if (!response.is_object() || !response.contains("response_range"))
+      throw StoreError("etcd answered a range of a transaction without its result");
+    out.push_back(key_values(response["response_range"]));
+  }
+  return out;
 }
 
 std::string EtcdStore::describe() const {

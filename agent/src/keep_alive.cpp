@@ -135,27 +135,43 @@ void KeepAlive::fence(const std::string& why) {
 }
 
 void KeepAlive::renew() {
-  auto store = make_store_(std::min(period_, milliseconds(2000)));
+  // A renewal sent a period after the last has until the fence acts to be
+  // answered. A loaded etcd that answers late still averts it, where a
+  // shorter timeout gave up on each renewal of an etcd slower than it
+  // (which renewed the lease all the same) and every node fenced at once.
+  auto store = make_store_(std::max(fence_after_ - period_, milliseconds(100)));
   // After a renewal that failed, the next is tried soon (then less and less
   // often, up to the period): an etcd stalled for a moment answers it as
   // soon as it resumes, well inside the fence's budget, where waiting a
   // whole period could let the fence act on a stall shorter than it.
   milliseconds retry{100};
   std::unique_lock lock(mutex_);
+  // The grant counts as the first renewal: the next is due a period after
+  // it (a job's agents start together, and each saves etcd a request).
+  wake_.wait_until(lock, last_renewal_sent_ + period_, [this] { return stopping_ || renew_now_; });
+  renew_now_ = false;
   while (!stopping_) {
     std::int64_t lease = lease_;
     lock.unlock();
     auto sent = Clock::now();
     std::optional<bool> alive;
+    std::string failure;
     try {
       alive = store->keep_alive(lease);
-    } catch (const StoreError&) {
-      // Unreachable: the main loop notices and reports it; the fence acts.
+    } catch (const StoreError& e) {
+      // Unreachable: the main loop notices and reports it; the fence acts
+      // (and says why the renewals failed).
+      failure = e.what();
     }
     lock.lock();
+    if (!alive) {
+      ++failed_renewals_;
+      last_failure_ = std::move(failure);
+    }
     if (alive && lease == lease_) {
       if (*alive) {
         last_renewal_sent_ = std::max(last_renewal_sent_, sent);
+        failed_renewals_ = 0;
         confirming_ = false;  // etcd answers: this node is not the one cut off
       } else if (!lost_) {
         lost_ = true;
@@ -185,10 +201,13 @@ void KeepAlive::watch() {
     auto now = Clock::now();
     if (now >= deadline && !guards_.empty())
       fence(fmt::format(
-          "no lease renewal for {} ms (lease TTL {} s), so the lease may expire and the others "
-          "re-form without this node",
+          "no lease renewal for {} ms (lease TTL {} s{}), so the lease may expire and the "
+          "others re-form without this node",
           std::chrono::duration_cast<milliseconds>(now - last_renewal_sent_).count(),
-          std::chrono::duration_cast<std::chrono::seconds>(ttl_).count()));
+          std::chrono::duration_cast<std::chrono::seconds>(ttl_).count(),
+          failed_renewals_ == 0 ? std::string()
+                                : fmt::format("; {} renewal(s) since failed, the last: {}",
+                                              failed_renewals_, last_failure_)));
     if (confirming_ && now >= confirm_by_) {
       confirming_ = false;
       if (!guards_.empty())

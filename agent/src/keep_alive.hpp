@@ -44,7 +44,7 @@ class KeepAlive {
  public:
   using Clock = std::chrono::steady_clock;
   // A store of the renewing thread's own, whose requests give up after
-  // `timeout`.
+  // `timeout` in all (a store of several servers splits it between them).
   using StoreFactory =
       std::function<std::unique_ptr<KeyValueStore>(std::chrono::milliseconds timeout)>;
   // `granted_at`: when the request that granted `lease` was sent. `log`
@@ -93,6 +93,10 @@ class KeepAlive {
   std::condition_variable wake_;
   std::int64_t lease_;
   Clock::time_point last_renewal_sent_;
+  // Renewals that failed (no answer) since the last that succeeded, and
+  // the last one's error: what the fence says.
+  int failed_renewals_ = 0;
+  std::string last_failure_;
   bool stopping_ = false;
   bool lost_ = false;
   bool fenced_ = false;

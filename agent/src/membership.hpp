@@ -84,7 +84,13 @@ class Membership {
   // taken (a live registration of another lease; *holder set), retry (the
   // key changed meanwhile). A key without a lease, or with a record no
   // agent writes, is replaced.
-  Claim claim_node_key(std::optional<KeyValue>* holder);
+  // `joined`: set, on a first registration, to join_reads() as they were
+  // read with it, in the same request.
+  Claim claim_node_key(std::optional<KeyValue>* holder,
+                       std::optional<std::vector<std::vector<KeyValue>>>* joined = nullptr);
+  // What join() reads: this agent's key, the oldest registrations, the
+  // settings and the round.
+  std::vector<RangeRead> join_reads() const;
   // `first`: the settings and round records as join() read them, for the
   // first attempt.
   void check_settings(const std::vector<NodeInfo>& others, const JobPolicy& policy,
@@ -103,7 +109,9 @@ class Membership {
   std::int64_t first_revision_ = 0;
   std::int64_t highest_round_ = 0;
   std::optional<std::vector<NodeInfo>> join_window_;  // see take_join_window()
-  std::optional<RoundRecord> last_good_round_;        // the last valid round record seen
+  // join_reads() as register_node() read them, for join(); once.
+  std::optional<std::vector<std::vector<KeyValue>>> registered_reads_;
+  std::optional<RoundRecord> last_good_round_;  // the last valid round record seen
   // The round record last parsed and found valid, and its revision: each
   // pass reads the record, which names every member; only a new one is
   // parsed and checked again.

@@ -16,12 +16,20 @@ namespace ductile::agent {
 
 using json = nlohmann::json;
 
-Membership::Claim Membership::claim_node_key(std::optional<KeyValue>* holder) {
+Membership::Claim Membership::claim_node_key(
+    std::optional<KeyValue>* holder, std::optional<std::vector<std::vector<KeyValue>>>* joined) {
   NodeInfo record{self_.id, self_.addr, 0, o_.node_rank};
   record.snapshot_port = self_.snapshot_port;
   record.link_port = self_.link_port;
   const std::string k = self_.key("nodes/" + self_.id), value = to_json(record);
-  if (conn_.store().compare_and_swap(k, 0, value, conn_.lease())) return Claim::held;
+  if (joined) {
+    // The first registration and join()'s reads in one request: each
+    // costs a round trip to a store that many agents load as they start.
+    *joined = conn_.store().compare_and_swap_then_read(k, 0, value, conn_.lease(), join_reads());
+    if (*joined) return Claim::held;
+  } else if (conn_.store().compare_and_swap(k, 0, value, conn_.lease())) {
+    return Claim::held;
+  }
   auto existing = conn_.store().get(k);
   if (!existing) return Claim::retry;  // deleted or expired meanwhile
   bool ours = existing->lease == conn_.lease();
@@ -72,7 +80,7 @@ void Membership::register_node() {
     std::optional<KeyValue> holder;
     Claim claim = Claim::retry;
     try {
-      claim = claim_node_key(&holder);
+      claim = claim_node_key(&holder, &registered_reads_);
     } catch (const StoreUnavailable&) {
       throw;  // a slow or absent store: the caller waits for it (agent.cpp)
     } catch (const StoreError& e) {
@@ -131,16 +139,19 @@ void Membership::clear_previous_run() {
     conn_.store().erase_prefix(self_.key(records));
 }
 
+std::vector<RangeRead> Membership::join_reads() const {
+  // The oldest registrations say whether other agents run (this one is
+  // among them otherwise; a static job checks every node rank).
+  return {RangeRead{self_.key("nodes/" + self_.id)},
+          RangeRead{self_.key("nodes/"), true, o_.node_rank >= 0 ? 0 : kLeaderWindow + 1, true},
+          RangeRead{self_.key("settings")}, RangeRead{self_.key("round")}};
+}
+
 void Membership::join(const JobPolicy& policy) {
-  // One request (each costs a round trip to a store that many agents load
-  // as they start): this agent's key; the oldest registrations, which say
-  // whether other agents run (this one is among them otherwise; a static
-  // job checks every node rank); the settings and the round.
+  // One request, the registration's when it could read them too.
   const bool ranked = o_.node_rank >= 0;
-  auto reads = conn_.store().read(
-      {RangeRead{self_.key("nodes/" + self_.id)},
-       RangeRead{self_.key("nodes/"), true, ranked ? 0 : kLeaderWindow + 1, true},
-       RangeRead{self_.key("settings")}, RangeRead{self_.key("round")}});
+  auto reads = registered_reads_ ? std::move(*registered_reads_) : conn_.store().read(join_reads());
+  registered_reads_.reset();
   own_revision_ = first_revision_ = reads[0].empty() ? 0 : reads[0].front().create_revision;
   bool own_ok = false;
   auto others = live_nodes(reads[1], &own_ok, ranked);
@@ -163,7 +174,19 @@ void Membership::check_settings(const std::vector<NodeInfo>& others_alive, const
   bool others = !others_alive.empty();
   if (!others) {
     // First agent of a (new) run: state a finished or crashed run left
-    // behind is not this run's.
+    // behind is not this run's. An agent that registered meanwhile may
+    // have read a crashed run's round, which it is not in: this run's
+    // rounds are numbered after it, so that its first is never taken for
+    // that one.
+    if (first.size() == 2 && !first[1].empty()) {
+      try {
+        const RoundRecord left = round_from_json(first[1].front().value);
+        if (left.state == RoundState::running)
+          highest_round_ = std::max(highest_round_, left.round);
+      } catch (const MalformedRecord&) {
+        // Erased all the same; no agent takes such a record for a round.
+      }
+    }
     conn_.store().erase(self_.key("round"));
     clear_previous_run();
   }

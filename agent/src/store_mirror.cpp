@@ -283,6 +283,11 @@ std::vector<std::vector<KeyValue>> MirroredStore::read(const std::vector<RangeRe
   }
   ++direct_reads_;
   auto out = store_->read(reads);
+  read_directly(out);
+  return out;
+}
+
+void MirroredStore::read_directly(const std::vector<std::vector<KeyValue>>& out) {
   // A later read from the mirror shows these records or newer ones.
   std::lock_guard lock(mutex_);
   for (const auto& result : out)
@@ -291,7 +296,6 @@ std::vector<std::vector<KeyValue>> MirroredStore::read(const std::vector<RangeRe
         auto& f = followed_[static_cast<std::size_t>(i)];
         f.needed = std::max(f.needed, kv.mod_revision);
       }
-  return out;
 }
 
 void MirroredStore::wake() {
@@ -373,22 +377,38 @@ void MirroredStore::erase_prefix(const std::string& prefix) {
 bool MirroredStore::compare_and_swap(const std::string& key, std::int64_t expected_mod_revision,
                                      const std::string& value, std::int64_t lease) {
   const bool written = store_->compare_and_swap(key, expected_mod_revision, value, lease);
-  if (written) {
+  if (written)
     wrote(key);
-  } else {
-    // Someone else changed the key: the mirror must show that change (or
-    // a newer one) before the caller reads it again, or a retry would see
-    // the state it failed against.
-    const auto now = store_->read({RangeRead{key}});
-    std::int64_t changed = 0;
-    for (const auto& kv : now.front()) changed = kv.mod_revision;
-    std::lock_guard lock(mutex_);
-    if (const int i = range_of(key); i >= 0 && changed > 0) {
-      auto& f = followed_[static_cast<std::size_t>(i)];
-      f.needed = std::max(f.needed, changed);
-    }
-  }
+  else
+    swap_lost(key);
   return written;
+}
+
+std::optional<std::vector<std::vector<KeyValue>>> MirroredStore::compare_and_swap_then_read(
+    const std::string& key, std::int64_t expected_mod_revision, const std::string& value,
+    std::int64_t lease, const std::vector<RangeRead>& reads) {
+  auto found = store_->compare_and_swap_then_read(key, expected_mod_revision, value, lease, reads);
+  if (!found) {
+    swap_lost(key);
+    return found;
+  }
+  wrote(key);
+  read_directly(*found);
+  return found;
+}
+
+void MirroredStore::swap_lost(const std::string& key) {
+  // Someone else changed the key: the mirror must show that change (or a
+  // newer one) before the caller reads it again, or a retry would see the
+  // state it failed against.
+  const auto now = store_->read({RangeRead{key}});
+  std::int64_t changed = 0;
+  for (const auto& kv : now.front()) changed = kv.mod_revision;
+  std::lock_guard lock(mutex_);
+  if (const int i = range_of(key); i >= 0 && changed > 0) {
+    auto& f = followed_[static_cast<std::size_t>(i)];
+    f.needed = std::max(f.needed, changed);
+  }
 }
 
 std::string MirroredStore::describe() const {

@@ -83,6 +83,10 @@ class MirroredStore final : public KeyValueStore {
   void erase_prefix(const std::string& prefix) override;
   bool compare_and_swap(const std::string& key, std::int64_t expected_mod_revision,
                         const std::string& value, std::int64_t lease = 0) override;
+  // From etcd, in one request (never from the mirror).
+  std::optional<std::vector<std::vector<KeyValue>>> compare_and_swap_then_read(
+      const std::string& key, std::int64_t expected_mod_revision, const std::string& value,
+      std::int64_t lease, const std::vector<RangeRead>& reads) override;
   std::string describe() const override;
   int changes_fd(const std::vector<std::string>& prefixes) override;
 
@@ -117,6 +121,13 @@ class MirroredStore final : public KeyValueStore {
   void wrote(const std::string& key, bool prefix = false);
   // Wakes changes_fd()'s caller (mutex_ held).
   void wake();
+
+  // After a read from etcd: the mirror holds what it found (each record's
+  // revision or a newer one) before the next read of its range.
+  void read_directly(const std::vector<std::vector<KeyValue>>& out);
+  // After a compare_and_swap of `key` that failed: the mirror shows the
+  // change it failed against (or a newer one) before `key` is read again.
+  void swap_lost(const std::string& key);
 
   std::unique_ptr<EtcdStore> store_;
   std::unique_ptr<EtcdStore> watch_store_;  // the watch's thread's (interrupt_watch() aside)

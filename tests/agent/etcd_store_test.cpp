@@ -54,6 +54,25 @@ TEST_CASE("etcd store: put prefix reads compare-and-swap leases that expire") {
   CHECK(reads[3].empty());
   CHECK(store.read({}).empty());
 
+  // A compare-and-swap with reads in the same request: they see the write
+  // (the key's create revision) and the state of its revision; a swap that
+  // loses reads nothing.
+  const auto joined = store.compare_and_swap_then_read(
+      "/o/new", 0, "fourth", 0,
+      {agent::RangeRead{"/o/new"}, agent::RangeRead{"/o/", true, 2, true}});
+  REQUIRE(joined);
+  REQUIRE(joined->size() == 2);
+  REQUIRE((*joined)[0].size() == 1);
+  CHECK((*joined)[0][0].value == "fourth");
+  CHECK((*joined)[0][0].create_revision == store.changed_at());
+  REQUIRE((*joined)[1].size() == 2);
+  CHECK((*joined)[1][0].key == "/o/z");
+  CHECK_FALSE(store.compare_and_swap_then_read("/o/new", 0, "fifth", 0, {agent::RangeRead{"/o/"}}));
+  CHECK(store.get("/o/new")->value == "fourth");
+  const auto no_reads = store.compare_and_swap_then_read("/o/other", 0, "sixth", 0, {});
+  REQUIRE(no_reads);
+  CHECK(no_reads->empty());
+
   store.erase_prefix("/t/");
   CHECK(store.get_prefix("/t/").empty());
   CHECK(store.get("/u/c"));

@@ -2,12 +2,14 @@
 // against a real etcd: reads under the prefix answered from the watch's
 // mirror (its own writes seen at once, other clients' writes, deletes and
 // lease expiries as they come), the same answers etcd gives, other keys
-// read from etcd; an etcd stopped for a moment, and one restarted.
+// read from etcd; records read with a compare-and-swap never answered
+// older afterwards; an etcd stopped for a moment, and one restarted.
 #include <doctest/doctest.h>
 
 #include <poll.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -246,4 +248,34 @@ TEST_CASE("etcd mirror: an etcd stopped for a moment, then restarted") {
       30s));
   CHECK(mirror.get("/job/a")->value == "1");
   CHECK(mirror.get("/job/c")->value == "after the restart");
+}
+
+// A compare-and-swap that reads in the same request (an agent registering
+// and joining): the mirror's next answers show what those reads found, or
+// newer, though the write was in another range.
+TEST_CASE("etcd mirror: records read with a compare-and-swap are never answered older after") {
+  Mirrored m;
+  auto other = m.make();
+  MirroredStore mirror(
+      m.make(), [&] { return m.make(); },
+      std::vector<KeyRange>{prefix_range("/job/a/"), prefix_range("/job/b/")}, 2000ms,
+      [](const std::string&) {});
+  other->put("/job/b/first", "1");
+  REQUIRE(answered_from_mirror(mirror, [&] { return mirror.get("/job/b/first").has_value(); }));
+  for (int i = 0; i < 20; ++i) {
+    // A large record first: the watch takes a while to bring it, and the
+    // record after it.
+    other->put("/job/b/large", std::string(std::size_t{1} << 20, char('a' + i)));
+    const std::string fresh = "/job/b/new" + std::to_string(i);
+    other->put(fresh, "y");
+    const auto seen = mirror.compare_and_swap_then_read("/job/a/own" + std::to_string(i), 0, "mine",
+                                                        0, {RangeRead{"/job/b/", true}});
+    REQUIRE(seen);
+    const auto listed = keys_of((*seen)[0]);
+    CHECK(std::find(listed.begin(), listed.end(), fresh + "=y") != listed.end());
+    const auto large = mirror.get("/job/b/large");
+    REQUIRE(large);
+    CHECK(large->value[0] == char('a' + i));
+    CHECK(mirror.get(fresh));
+  }
 }

@@ -91,6 +91,9 @@ class EtcdStore final : public KeyValueStore {
   void erase_prefix(const std::string& prefix) override;
   bool compare_and_swap(const std::string& key, std::int64_t expected_mod_revision,
                         const std::string& value, std::int64_t lease = 0) override;
+  std::optional<std::vector<std::vector<KeyValue>>> compare_and_swap_then_read(
+      const std::string& key, std::int64_t expected_mod_revision, const std::string& value,
+      std::int64_t lease, const std::vector<RangeRead>& reads) override;
   std::string describe() const override;
 
   // The revision at which the last call changed the store: a put, a

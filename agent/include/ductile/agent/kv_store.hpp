@@ -98,6 +98,15 @@ class KeyValueStore {
   // (0: only when the key does not exist). True when written.
   virtual bool compare_and_swap(const std::string& key, std::int64_t expected_mod_revision,
                                 const std::string& value, std::int64_t lease = 0) = 0;
+  // compare_and_swap(), then, when it wrote, read(`reads`) from the revision
+  // it wrote at: one request where the store can (etcd: one transaction).
+  // nullopt when not written. Errors: those of the two calls.
+  virtual std::optional<std::vector<std::vector<KeyValue>>> compare_and_swap_then_read(
+      const std::string& key, std::int64_t expected_mod_revision, const std::string& value,
+      std::int64_t lease, const std::vector<RangeRead>& reads) {
+    if (!compare_and_swap(key, expected_mod_revision, value, lease)) return std::nullopt;
+    return read(reads);
+  }
 
   // Where the store is, for messages: "etcd at http://127.0.0.1:2379".
   virtual std::string describe() const = 0;
