@@ -185,11 +185,12 @@ TEST_CASE("agent: a second agent with a node id in use is refused - a restarted 
   CHECK_FALSE(first.poll().has_value());
 
   // The same node restarted after a SIGKILL: its old registration is still
-  // there until its lease expires; the new agent waits for that and runs.
+  // there until its lease expires; the new agent waits for that and runs,
+  // in a round numbered after the killed run's (whose round still stood).
   first.signal(SIGKILL);
   first.wait(10s);
   Child& restarted = job.start("a", options, worker);
-  bool up = restarted.wait_for_output("up round 1 node a", 60s);
+  bool up = restarted.wait_for_output("up round 2 node a", 60s);
   if (!up) job.dump();
   CHECK(up);
   CHECK(restarted.output().find("node id 'a' is registered by another lease") != std::string::npos);

@@ -417,6 +417,20 @@ TEST_CASE("agent: a DeepSpeed loop's survivors of a lost node go on in place") {
 // step's loss is plain torch's over the nodes of its round.
 namespace recovery_test {
 
+// Waits until a's and b's agents asked their workers to pause for round 2,
+// then lets the workers go on past the step they wait after (`go`).
+void release_when_asked(Job& job, Child& a, Child& b, const std::string& go) {
+  const bool asked = wait_until(
+      [&] {
+        return count_of(a.output() + b.output(),
+                        "round 2: asking the workers of round 1 to pause") == 2;
+      },
+      240s);
+  if (!asked) job.dump();
+  REQUIRE(asked);
+  std::ofstream(go).put('\n');
+}
+
 // Two nodes train `run`'s loop; a third joins (see below). The two wait
 // after step 3 until the newcomer's agent joined and theirs asked them to
 // pause: the newcomer's worker imports ahead first, for as long as that
@@ -440,15 +454,7 @@ void join_in_place(Job& job, const InPlaceRun& run) {
   REQUIRE(env_end != worker.end());
   Child& c =
       job.start("c", run.options, {env_end, worker.end()}, "job", {worker.begin() + 1, env_end});
-  const bool asked = wait_until(
-      [&] {
-        return count_of(a.output() + b.output(),
-                        "round 2: asking the workers of round 1 to pause") == 2;
-      },
-      240s);
-  if (!asked) job.dump();
-  REQUIRE(asked);
-  std::ofstream(go).put('\n');
+  release_when_asked(job, a, b, go);
   for (Child* agent : {&a, &b, &c}) {
     const auto status = agent->wait(240s);
     if (status != std::optional<int>(0)) job.dump();
@@ -695,15 +701,7 @@ TEST_CASE("agent: a node that joins a Hugging Face Trainer is admitted in place"
   if (!trained) job.dump();
   REQUIRE(trained);
   Child& c = job.start("c", run.options, run.worker);
-  const bool asked = wait_until(
-      [&] {
-        return count_of(a.output() + b.output(),
-                        "round 2: asking the workers of round 1 to pause") == 2;
-      },
-      120s);
-  if (!asked) job.dump();
-  REQUIRE(asked);
-  std::ofstream(go).put('\n');
+  recovery_test::release_when_asked(job, a, b, go);
   for (Child* agent : {&a, &b, &c}) {
     const auto status = agent->wait(240s);
     if (status != std::optional<int>(0)) job.dump();
