@@ -180,8 +180,12 @@ void NodeWorkers::start(const RoundRecord& round, std::size_t group_rank, const 
 
 void NodeWorkers::start_spares(const std::vector<WorkerSpec>& specs) {
   if (o_.warm_imports.empty()) return;
-  start_spares(specs, SpareSetup{interpreter_words(o_.command, !o_.interpreter_choice.empty()),
-                                 o_.warm_imports, is_round_variable, o_.warm_program_imports});
+  start_spares(specs, spare_setup(o_.warm_imports, o_.warm_program_imports));
+}
+
+SpareSetup NodeWorkers::spare_setup(std::vector<std::string> imports, bool program_imports) const {
+  return {interpreter_words(o_.command, !o_.interpreter_choice.empty()), std::move(imports),
+          is_round_variable, program_imports};
 }
 
 void NodeWorkers::start_spares(const std::vector<WorkerSpec>& specs, const SpareSetup& setup) {
@@ -198,20 +202,13 @@ void NodeWorkers::start_spares(const std::vector<WorkerSpec>& specs, const Spare
 }
 
 void NodeWorkers::start_first_spares(const JobPolicy& policy, bool joins_running_job) {
-  SpareSetup setup;
-  if (!o_.warm_imports.empty()) {
-    setup = {interpreter_words(o_.command, !o_.interpreter_choice.empty()), o_.warm_imports,
-             is_round_variable, o_.warm_program_imports};
-  } else if (joins_running_job) {
-    // Without --warm-workers a newcomer warms its first round's workers
-    // only, with torch's imports alone: a script's own modules are not
-    // imported ahead unless asked (a Python worker command: the caller
-    // checked).
-    setup = {interpreter_words(o_.command, !o_.interpreter_choice.empty()),
-             split(kDefaultWarmImports, ','), is_round_variable, false};
-  } else {
-    return;
-  }
+  const bool warm = !o_.warm_imports.empty();
+  if (!warm && !joins_running_job) return;
+  // Without --warm-workers a newcomer warms its first round's workers only,
+  // with torch's imports alone: a script's own modules are not imported
+  // ahead unless asked (a Python worker command: the caller checked).
+  const SpareSetup setup = warm ? spare_setup(o_.warm_imports, o_.warm_program_imports)
+                                : spare_setup(split(kDefaultWarmImports, ','), false);
   // A spare holds only what every round's workers share: a round of this
   // node alone at a valid size stands in for the first one it will join.
   RoundRecord any;
@@ -236,7 +233,7 @@ void NodeWorkers::start_first_spares(const JobPolicy& policy, bool joins_running
   if (!ended.empty())
     self_.log(fmt::format("a spare worker was not ready ({}): that worker starts cold",
                           core::join(ended, "; ")));
-  else if (group_.spares() > 0 && o_.warm_imports.empty())
+  else if (group_.spares() > 0 && !warm)
     self_.log(fmt::format(
         "the job runs and keeps snapshots: this node's workers imported {} ahead ({} ms), "
         "so that the running workers do not wait for it; this node joins",

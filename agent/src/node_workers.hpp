@@ -118,6 +118,8 @@ class NodeWorkers {
   // --warm-workers: the spares of `specs`' local ranks (those missing).
   void start_spares(const std::vector<WorkerSpec>& specs);
   void start_spares(const std::vector<WorkerSpec>& specs, const SpareSetup& setup);
+  // The spares' setup for this node's worker command (a Python's).
+  SpareSetup spare_setup(std::vector<std::string> imports, bool program_imports) const;
   // What the worker of `local_rank` wrote to its TORCHELASTIC_ERROR_FILE in
   // the current round, if it wrote torch's format.
   std::optional<WorkerError> read_error(std::int64_t local_rank);
