@@ -398,9 +398,9 @@ def test_survivors_rejoin_in_place_with_the_losses_of_a_restart(tmp_path, starte
     it, and is left once the notice came) and is SIGKILLed; or rank 2
     stops after step 3 and is SIGSTOPped ("silent": its connections stay
     open, and the survivors' next forward waits on it in the gathers the
-    engine plans, in C++, until the notice's connections are shut). The
-    test, as the agents, assembles step 3's snapshot from the three nodes'
-    folders and writes the survivors' notices. They go on in the same
+    engine plans, in C++, until a survivor shuts the round's connections
+    on the notice). The test, as the agents, assembles step 3's snapshot
+    from the three nodes' folders and writes the survivors' notices. They go on in the same
     processes at world size 2 to step 6, with exactly the losses of two
     fresh workers restored from the same folder (DUCTILE_SNAPSHOT_RESTORE)."""
     runs, stores = {}, []
@@ -428,9 +428,12 @@ def test_survivors_rejoin_in_place_with_the_losses_of_a_restart(tmp_path, starte
         assert codes == [0, 0], [(out / f"stderr-rank{r}.txt").read_text()[-3000:]
                                  for r in range(2)]
         if case == "silent":
-            for r in range(2):
-                assert "connection(s) to that round's workers were shut" in \
-                    (out / f"stderr-rank{r}.txt").read_text()
+            # Rank 2 never closes its end: a survivor's thread shut its own.
+            # The other may have done so too, or have failed first on the
+            # connection that the first one shut, which ends its wait as well.
+            shut = [r for r in range(2) if "connection(s) to that round's workers were shut"
+                    in (out / f"stderr-rank{r}.txt").read_text()]
+            assert shut, [(out / f"stderr-rank{r}.txt").read_text()[-3000:] for r in range(2)]
         runs[case] = [losses(out, r) for r in range(2)]
         for r in range(2):
             records = runs[case][r]
