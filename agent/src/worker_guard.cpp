@@ -7,6 +7,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -107,18 +108,81 @@ int encode_status(int status) {
   return 1;
 }
 
-// A task's list of children is kept by kernels with CONFIG_PROC_CHILDREN.
+namespace {
+
+// Appends the pids of `/proc/<self>/task/<task>/children` to `out` (up to
+// `max` in all); false when the kernel keeps no such list
+// (CONFIG_PROC_CHILDREN) or the task is gone.
+bool read_task_children(pid_t self, pid_t task, pid_t* out, std::size_t max, std::size_t& found) {
+  char path[96] = "/proc/";
+  char* end = put_number(path + 6, self);
+  std::memcpy(end, "/task/", 6);
+  end = put_number(end + 6, task);
+  std::memcpy(end, "/children", 10);
+  const int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  found += read_pid_list(fd, out + found, max - found);
+  close(fd);
+  return true;
+}
+
+constexpr std::size_t kMaxTasksListed = 512;
+
+// The tasks (threads) of `self` into `out`, in /proc's order; 0 when they
+// cannot be read or are more than `max`.
+std::size_t tasks_of(pid_t self, pid_t* out, std::size_t max) {
+  char path[64] = "/proc/";
+  std::memcpy(put_number(path + 6, self), "/task", 6);
+  const int dir = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir < 0) return 0;
+  std::size_t found = 0;
+  bool over = false;
+  alignas(8) char buffer[8192];
+  for (ssize_t got; !over && (got = getdents64(dir, buffer, sizeof buffer)) > 0;) {
+    for (ssize_t offset = 0; offset < got;) {
+      const auto* entry = reinterpret_cast<const dirent64*>(buffer + offset);
+      offset += entry->d_reclen;
+      pid_t tid = 0;
+      const char* c = entry->d_name;
+      if (*c < '1' || *c > '9') continue;
+      while (*c >= '0' && *c <= '9') tid = tid * 10 + (*c++ - '0');
+      if (*c != '\0') continue;
+      if (found == max) {
+        over = true;
+        break;
+      }
+      out[found++] = tid;
+    }
+  }
+  close(dir);
+  return over ? 0 : found;
+}
+
+}  // namespace
+
+// A task's list of children is kept by kernels with CONFIG_PROC_CHILDREN:
+// a process's children are those of its tasks. Searching /proc instead
+// reads every process's stat on the machine, which costs a host of many
+// processes (and many agents on one host, as in a simulation) far more.
 std::size_t children_of(pid_t self, pid_t* out, std::size_t max, bool one_thread) {
   if (one_thread) {
-    char path[96] = "/proc/";
-    char* end = put_number(path + 6, self);
-    std::memcpy(end, "/task/", 6);
-    end = put_number(end + 6, self);
-    std::memcpy(end, "/children", 10);
-    if (int fd = open(path, O_RDONLY | O_CLOEXEC); fd >= 0) {
-      const std::size_t found = read_pid_list(fd, out, max);
-      close(fd);
-      return found;
+    std::size_t found = 0;
+    if (read_task_children(self, self, out, max, found)) return found;
+  } else {
+    // A task that exits hands its children to another of the process's:
+    // the lists are read again when the tasks changed meanwhile.
+    pid_t tasks[kMaxTasksListed], after[kMaxTasksListed];
+    std::size_t count = tasks_of(self, tasks, kMaxTasksListed);
+    for (int attempt = 0; count > 0 && attempt < 3; ++attempt) {
+      std::size_t found = 0;
+      bool listed = true;
+      for (std::size_t i = 0; i < count && listed; ++i)
+        listed = read_task_children(self, tasks[i], out, max, found) || i > 0;
+      if (!listed) break;  // no lists kept: /proc is searched
+      const std::size_t now = tasks_of(self, after, kMaxTasksListed);
+      if (now == count && std::memcmp(tasks, after, count * sizeof(pid_t)) == 0) return found;
+      count = now;
+      std::memcpy(tasks, after, now * sizeof(pid_t));
     }
   }
   int dir = open("/proc", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -203,6 +267,46 @@ void end_left_behind(pid_t agent, const sigset_t& guarded, std::int64_t grace_ms
   _exit(encode_status(status));
 }
 
+struct WorkerStart {
+  pid_t guard;
+  const char* path;
+  char* const* argv;
+  char* const* envp;
+  int out_fd, err_fd, launch_fd;
+};
+
+// The worker's side of the guard's clone, up to its execve. It shares the
+// guard's memory (the guard is suspended): it writes nothing but its own
+// stack, and its signals stay blocked (all of them, by the guard) until
+// every handler is the default.
+int exec_worker(void* arg) {
+  const auto& start = *static_cast<const WorkerStart*>(arg);
+  setpgid(0, 0);
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (getppid() != start.guard) _exit(128 + SIGKILL);
+  struct sigaction dfl{};
+  dfl.sa_handler = SIG_DFL;
+  for (int s = 1; s < NSIG; ++s) sigaction(s, &dfl, nullptr);
+  sigset_t none;
+  sigemptyset(&none);
+  sigprocmask(SIG_SETMASK, &none, nullptr);
+  // Above the descriptors dup2 is about to replace (out_fd may be 3).
+  const int launch = start.launch_fd >= 0 ? fcntl(start.launch_fd, F_DUPFD_CLOEXEC, 10) : -1;
+  const int devnull = open("/dev/null", O_RDONLY);
+  if (devnull >= 0) dup2(devnull, 0);
+  dup2(start.out_fd, 1);
+  dup2(start.err_fd, 2);
+  // The agent's own stdout and stderr, inherited as they are: dup2 onto
+  // the same descriptor keeps a close-on-exec flag it may carry.
+  fcntl(1, F_SETFD, 0);
+  fcntl(2, F_SETFD, 0);
+  if (launch >= 0) dup2(launch, kSpareLaunchFd);  // without close-on-exec
+  execve(start.path, start.argv, start.envp);
+  const int e = errno;
+  write_all(2, {"ductile agent: cannot execute ", start.path, ": ", strerrordesc_np(e), "\n"});
+  _exit(127);
+}
+
 }  // namespace
 
 [[noreturn]] void run_guard(pid_t agent, const char* path, char* const* argv, char* const* envp,
@@ -218,36 +322,24 @@ void end_left_behind(pid_t agent, const sigset_t& guarded, std::int64_t grace_ms
   // job started under setsid) comes to the guard, which ends it.
   prctl(PR_SET_CHILD_SUBREAPER, 1);
   pid_t guard = getpid();
-  pid_t worker = fork();
+  WorkerStart start{guard, path, argv, envp, out_fd, err_fd, launch_fd};
+  // The worker shares the guard's memory until its execve (CLONE_VFORK:
+  // the guard waits meanwhile), on a stack of its own: no copy of the
+  // agent's page tables, which the guard holds, for a process that drops
+  // them at once. The guard is single-threaded and a guard starts one
+  // worker, so one static stack serves.
+  // Every signal blocked across it: no handler the guard inherited from
+  // the agent runs in the worker while they share memory.
+  alignas(64) static char stack[64 * 1024];
+  sigset_t all, before;
+  sigfillset(&all);
+  sigprocmask(SIG_BLOCK, &all, &before);
+  const pid_t worker =
+      clone(exec_worker, stack + sizeof stack, CLONE_VM | CLONE_VFORK | SIGCHLD, &start);
+  sigprocmask(SIG_SETMASK, &before, nullptr);
   if (worker < 0) {
     const int e = errno;
-    write_all(err_fd, {"ductile agent: cannot fork a worker process: ", strerrordesc_np(e), "\n"});
-    _exit(127);
-  }
-  if (worker == 0) {
-    setpgid(0, 0);
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (getppid() != guard) _exit(128 + SIGKILL);
-    struct sigaction dfl {};
-    dfl.sa_handler = SIG_DFL;
-    for (int s = 1; s < NSIG; ++s) sigaction(s, &dfl, nullptr);
-    sigset_t none;
-    sigemptyset(&none);
-    sigprocmask(SIG_SETMASK, &none, nullptr);
-    // Above the descriptors dup2 is about to replace (out_fd may be 3).
-    const int launch = launch_fd >= 0 ? fcntl(launch_fd, F_DUPFD_CLOEXEC, 10) : -1;
-    int devnull = open("/dev/null", O_RDONLY);
-    if (devnull >= 0) dup2(devnull, 0);
-    dup2(out_fd, 1);
-    dup2(err_fd, 2);
-    // The agent's own stdout and stderr, inherited as they are: dup2 onto
-    // the same descriptor keeps a close-on-exec flag it may carry.
-    fcntl(1, F_SETFD, 0);
-    fcntl(2, F_SETFD, 0);
-    if (launch >= 0) dup2(launch, kSpareLaunchFd);  // without close-on-exec
-    execve(path, argv, envp);
-    int e = errno;
-    write_all(2, {"ductile agent: cannot execute ", path, ": ", strerrordesc_np(e), "\n"});
+    write_all(err_fd, {"ductile agent: cannot start a worker process: ", strerrordesc_np(e), "\n"});
     _exit(127);
   }
   setpgid(worker, worker);

@@ -25,9 +25,11 @@ void write_all(int fd, std::initializer_list<const char*> texts);  // NUL-termin
 int encode_status(int status);
 
 // The children of `self` (at most `max` of them) into `out`; returns how
-// many. `one_thread`: `self` has no other thread, so the kernel's list of
-// its one task's children is complete where the kernel keeps one; else
-// /proc is searched for the processes whose parent is `self`.
+// many. From the kernel's lists of each task's children where it keeps
+// them (`one_thread`: `self` has no other thread, so its one task's list
+// is complete; else every task's, read again if a task came or went
+// meanwhile); else /proc is searched for the processes whose parent is
+// `self`.
 std::size_t children_of(pid_t self, pid_t* out, std::size_t max, bool one_thread);
 
 // Runs in the child the agent forked: becomes a child subreaper, starts
