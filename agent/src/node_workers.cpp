@@ -303,7 +303,11 @@ std::optional<std::string> NodeWorkers::join_overdue() {
     const std::string said = read_small(beside(notice, ".waiting"));
     waiting = !said.empty() || !read_small(beside(notice, ".joined")).empty();
   }
-  const auto held = std::max<std::chrono::milliseconds>(std::chrono::seconds(1), o_.heartbeat);
+  // A worker freed from the collective (its engine shuts the connections
+  // 50 ms after the notice) says so within milliseconds on an idle host,
+  // but the failure travels through Python's stack and its recovery: on a
+  // host whose cores are all busy that took over a second.
+  const auto held = std::max<std::chrono::milliseconds>(std::chrono::seconds(3), o_.heartbeat);
   const auto wait = std::max<std::chrono::milliseconds>(std::chrono::seconds(30), 4 * o_.lease_ttl);
   const auto since = now_ms() - joining_since_;
   if (since <= (waiting ? wait : held)) return std::nullopt;
