@@ -15,7 +15,7 @@ DUCTILE_DEBIAN_PACKAGES=(
   # Python: the interpreter of .venv/ when python3 on PATH has no venv module or
   # headers (torch, pybind11, the tests' packages come from PyPI: requirements.txt)
   python3-dev python3-venv
-  # elastic agent: etcd as the rendezvous store, libcurl for its HTTP/JSON gateway,
+  # elastic agent: etcd as the rendezvous store, libcurl (with HTTP/2) for its gRPC API,
   # OpenSSL's libcrypto for the HMAC of the hosted rendezvous' secret
   etcd-server etcd-client libcurl4-openssl-dev libssl-dev
   # agent tests: certificates for etcd over TLS, hosts as network namespaces

@@ -1,15 +1,18 @@
-// etcd v3 over its HTTP/JSON gateway. Requests and answers are the gateway's
-// JSON mapping of the gRPC messages: 64-bit integers as strings, bytes as
-// base64, fields with default values left out.
+// etcd v3 over gRPC (HTTP/2 through libcurl: prior knowledge on plain
+// HTTP, ALPN on TLS), the messages encoded by etcd_wire. A unary call is a
+// POST of one length-prefixed message; the answer is one message and a
+// grpc-status in the trailers (or the headers, when it failed at once).
+// The bidirectional streams are used one way: a keep-alive sends one
+// request and reads its one answer, a watch sends its creates and reads
+// its messages until it ends (etcd keeps a watch after the client's half
+// of the stream closes).
 #include "ductile/agent/etcd_store.hpp"
 
 #include <curl/curl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
-#include <openssl/evp.h>
 #include <sys/socket.h>
 
-#include <array>
 #include <charconv>
 #include <exception>
 #include <filesystem>
@@ -17,23 +20,15 @@
 #include <mutex>
 
 #include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include "agent_common.hpp"
 #include "ductile/error.hpp"
+#include "etcd_wire.hpp"
 
 namespace ductile::agent {
 namespace {
 
-using json = nlohmann::json;
-
-std::string base64_encode(const std::string& in) {
-  std::string out(4 * ((in.size() + 2) / 3) + 1, '\0');  // EVP_EncodeBlock ends it with a NUL
-  out.resize(static_cast<std::size_t>(EVP_EncodeBlock(
-      reinterpret_cast<unsigned char*>(out.data()),
-      reinterpret_cast<const unsigned char*>(in.data()), static_cast<int>(in.size()))));
-  return out;
-}
+namespace wire = etcd_wire;
 
 // The key just after every key starting with `prefix` (etcd's range_end).
 std::string prefix_end(std::string prefix) {
@@ -47,89 +42,9 @@ std::string prefix_end(std::string prefix) {
   return std::string(1, '\0');
 }
 
-// The gateway writes 64-bit integers as strings; anything else in their
-// place is an answer no etcd gives (StoreError, never a crash).
-std::int64_t as_int(const json& object, const char* field) {
-  if (!object.is_object())
-    throw StoreError("etcd answered with a non-object where one is expected");
-  auto it = object.find(field);
-  if (it == object.end()) return 0;
-  if (it->is_number_integer() && !it->is_number_unsigned()) return it->get<std::int64_t>();
-  if (it->is_string()) {
-    const auto& s = it->get_ref<const std::string&>();
-    std::int64_t value = 0;
-    auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), value);
-    if (ec == std::errc() && end == s.data() + s.size() && !s.empty()) return value;
-  }
-  throw StoreError(fmt::format("etcd answered with {} = {}, not a 64-bit integer", field,
-                               it->dump(-1, ' ', false, json::error_handler_t::replace)));
-}
-
-std::string as_bytes(const json& kv, const char* field) {
-  auto it = kv.find(field);
-  if (it == kv.end()) return {};
-  // The gateway pads every value: an unpadded or invalid one is an answer
-  // no etcd gives.
-  const auto* text = it->is_string() ? &it->get_ref<const std::string&>() : nullptr;
-  std::string bytes(text ? text->size() / 4 * 3 : 0, '\0');
-  const int size = text && text->size() % 4 == 0
-                       ? EVP_DecodeBlock(reinterpret_cast<unsigned char*>(bytes.data()),
-                                         reinterpret_cast<const unsigned char*>(text->data()),
-                                         static_cast<int>(text->size()))
-                       : -1;
-  if (size < 0) throw StoreError(fmt::format("etcd answered with a {} that is not base64", field));
-  // EVP_DecodeBlock counts the padding as bytes.
-  bytes.resize(static_cast<std::size_t>(size) - (text->ends_with("==") ? 2 : text->ends_with('=')));
-  return bytes;
-}
-
-KeyValue to_key_value(const json& kv) {
-  if (!kv.is_object()) throw StoreError("etcd answered with a key-value that is not an object");
-  KeyValue out;
-  out.key = as_bytes(kv, "key");
-  out.value = as_bytes(kv, "value");
-  out.create_revision = as_int(kv, "create_revision");
-  out.mod_revision = as_int(kv, "mod_revision");
-  out.lease = as_int(kv, "lease");
-  return out;
-}
-
-// A transaction's range requests for `reads`.
-json range_ops(const std::vector<RangeRead>& reads) {
-  json ops = json::array();
-  for (const auto& r : reads) {
-    json range = {{"key", base64_encode(r.key)}};
-    if (r.prefix) range["range_end"] = base64_encode(prefix_end(r.key));
-    if (r.limit > 0) range["limit"] = std::to_string(r.limit);
-    if (r.keys_only) range["keys_only"] = true;
-    if (r.oldest_first) {
-      range["sort_target"] = "CREATE";
-      range["sort_order"] = "ASCEND";
-    }
-    ops.push_back({{"request_range", range}});
-  }
-  return ops;
-}
-
-// The "kvs" of a range answer.
-std::vector<KeyValue> key_values(const json& reply) {
-  std::vector<KeyValue> out;
-  if (!reply.is_object() || !reply.contains("kvs")) return out;
-  const json& kvs = reply["kvs"];
-  if (!kvs.is_array()) throw StoreError("etcd answered a range request with kvs not a list");
-  for (const auto& kv : kvs) out.push_back(to_key_value(kv));
-  return out;
-}
-
-std::size_t append_body(char* data, std::size_t size, std::size_t count, void* user) {
-  static_cast<std::string*>(user)->append(data, size * count);
-  return size * count;
-}
-
-// The revision in an answer's header (0 when it has none).
-std::int64_t header_revision(const json& reply) {
-  auto it = reply.find("header");
-  return it != reply.end() && it->is_object() ? as_int(*it, "revision") : 0;
+wire::Range range_of(const RangeRead& r) {
+  return wire::Range{r.key, r.prefix ? prefix_end(r.key) : std::string(), r.limit, r.keys_only,
+                     r.oldest_first};
 }
 
 // A watch's socket sends keep-alive probes after 2 s of silence, one a
@@ -146,29 +61,51 @@ int keep_probing(void*, curl_socket_t fd, curlsocktype purpose) {
   return CURL_SOCKOPT_OK;
 }
 
-// A watch's answer as it streams in: one JSON message a line.
-struct WatchStream {
-  static constexpr std::size_t kMaxMessage = std::size_t{64} << 20;
+// grpc-message is percent-encoded.
+std::string percent_decoded(std::string_view text) {
+  std::string out;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    unsigned value = 0;
+    if (text[i] == '%' && i + 2 < text.size() &&
+        std::from_chars(text.data() + i + 1, text.data() + i + 3, value, 16).ptr ==
+            text.data() + i + 3) {
+      out += static_cast<char>(value);
+      i += 2;
+    } else {
+      out += text[i];
+    }
+  }
+  return out;
+}
+
+// An answer as it comes: its messages, and the gRPC status of its headers
+// or trailers.
+struct Answer {
+  static constexpr std::size_t kMaxStatusChars = 4096;
+  wire::Deframer messages;
+  std::optional<int> status;
+  std::string status_message;
+  bool grpc = false;  // content-type application/grpc
+  // A watch's: each message as it is whole (false: stop reading).
   const std::function<bool(const WatchMessage&)>* on_message = nullptr;
-  std::string pending;
-  bool done = false;  // on_message said to stop
+  bool done = false;
   std::exception_ptr error;
 
   static std::size_t take(char* data, std::size_t size, std::size_t count, void* user) {
-    auto& self = *static_cast<WatchStream*>(user);
-    self.pending.append(data, size * count);
+    auto& self = *static_cast<Answer*>(user);
     try {
-      for (auto end = self.pending.find('\n'); end != std::string::npos;
-           end = self.pending.find('\n')) {
-        const std::string line = self.pending.substr(0, end);
-        self.pending.erase(0, end + 1);
-        if (!line.empty() && !(*self.on_message)(parse(line))) {
-          self.done = true;
-          return 0;
-        }
+      self.messages.feed(std::string_view(data, size * count));
+      if (self.on_message) {
+        std::string message;
+        while (self.messages.next(message))
+          if (!(*self.on_message)(wire::decode_watch_response(message))) {
+            self.done = true;
+            return 0;
+          }
+      } else if (self.messages.pending() > wire::kMaxMessageBytes + 5) {
+        throw StoreError(
+            fmt::format("etcd sent an answer of over {} bytes", wire::kMaxMessageBytes));
       }
-      if (self.pending.size() > kMaxMessage)
-        throw StoreError(fmt::format("etcd sent a watch message of over {} bytes", kMaxMessage));
     } catch (...) {
       self.error = std::current_exception();
       return 0;
@@ -176,37 +113,29 @@ struct WatchStream {
     return size * count;
   }
 
-  static WatchMessage parse(const std::string& line) {
-    const json message = json::parse(line, nullptr, false);
-    if (message.is_discarded() || !message.is_object())
-      throw StoreError("etcd sent a watch message that is not a JSON object");
-    if (message.contains("error"))
-      throw StoreError(
-          fmt::format("etcd ended the watch: {}",
-                      message["error"].dump(-1, ' ', false, json::error_handler_t::replace)));
-    auto result = message.find("result");
-    if (result == message.end() || !result->is_object())
-      throw StoreError("etcd sent a watch message without its result");
-    WatchMessage out;
-    auto flag = [&](const char* field) {
-      auto it = result->find(field);
-      return it != result->end() && it->is_boolean() && it->get<bool>();
-    };
-    out.created = flag("created");
-    out.canceled = flag("canceled");
-    out.compact_revision = as_int(*result, "compact_revision");
-    if (auto events = result->find("events"); events != result->end()) {
-      if (!events->is_array()) throw StoreError("etcd sent watch events that are not a list");
-      for (const auto& event : *events) {
-        if (!event.is_object() || !event.contains("kv"))
-          throw StoreError("etcd sent a watch event without its key");
-        auto type = event.find("type");
-        out.events.push_back(
-            {type != event.end() && type->is_string() && type->get<std::string>() == "DELETE",
-             to_key_value(event["kv"])});
-      }
+  static std::size_t header(char* data, std::size_t size, std::size_t count, void* user) {
+    auto& self = *static_cast<Answer*>(user);
+    std::string_view line(data, size * count);
+    while (!line.empty() && (line.back() == '\n' || line.back() == '\r')) line.remove_suffix(1);
+    const auto colon = line.find(':');
+    if (colon == std::string_view::npos) return size * count;
+    std::string name(line.substr(0, colon));
+    for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    std::string_view value = line.substr(colon + 1);
+    while (!value.empty() && value.front() == ' ') value.remove_prefix(1);
+    if (name == "grpc-status") {
+      int code = 0;
+      if (std::from_chars(value.data(), value.data() + value.size(), code).ptr ==
+          value.data() + value.size())
+        self.status = code;
+      else
+        self.status = 2;  // UNKNOWN: a status no gRPC server sends
+    } else if (name == "grpc-message") {
+      self.status_message = percent_decoded(value.substr(0, kMaxStatusChars));
+    } else if (name == "content-type") {
+      self.grpc = value.starts_with("application/grpc");
     }
-    return out;
+    return size * count;
   }
 };
 
@@ -288,28 +217,154 @@ struct EtcdStore::Impl {
   EtcdTls tls;
   CURL* curl = nullptr;
   std::int64_t changed = 0;  // see changed_at()
+  // Every call runs on this multi handle, so that they all, the watch
+  // too, use its one connection (an easy handle added to a multi handle
+  // uses the multi's connections, not its own).
+  CURLM* multi = nullptr;
   std::mutex watch_mutex;
-  CURLM* watching = nullptr;  // the watch's, while one runs
+  bool watching = false;  // a watch runs: interrupt_watch() wakes it
 
-  // TLS to an https:// endpoint, with the files given.
-  void set_tls(const std::string& endpoint) {
-    if (!endpoint.starts_with("https://")) return;
-    curl_easy_setopt(curl, CURLOPT_SSL_VERIFYPEER, 1L);
-    curl_easy_setopt(curl, CURLOPT_SSL_VERIFYHOST, 2L);
-    if (!tls.ca_file.empty()) curl_easy_setopt(curl, CURLOPT_CAINFO, tls.ca_file.c_str());
-    if (!tls.cert_file.empty()) {
-      curl_easy_setopt(curl, CURLOPT_SSLCERT, tls.cert_file.c_str());
-      curl_easy_setopt(curl, CURLOPT_SSLKEY, tls.key_file.c_str());
+  // Runs the transfer prepared on `curl` until it ends (or `stop` is set):
+  // libcurl's code.
+  CURLcode perform(const std::atomic<bool>* stop = nullptr) {
+    curl_multi_add_handle(multi, curl);
+    for (int running = 1; running && !(stop && stop->load());) {
+      if (curl_multi_perform(multi, &running) != CURLM_OK) break;
+      if (running) curl_multi_poll(multi, nullptr, 0, 1000, nullptr);
+    }
+    CURLcode rc = CURLE_OK;
+    int left = 0;
+    while (CURLMsg* done = curl_multi_info_read(multi, &left))
+      if (done->msg == CURLMSG_DONE) rc = done->data.result;
+    curl_multi_remove_handle(multi, curl);
+    return rc;
+  }
+
+  // libcurl 7.88 cannot use again an HTTP/2 connection that it opened with
+  // prior knowledge (the call fails at once, "Error in the HTTP2 framing
+  // layer"; fixed in 8.0). With it, a call on the connection of the last
+  // one asks for HTTP/2 without prior knowledge, which uses that
+  // connection; should the connection be gone, that call is made on a new
+  // one in HTTP/1.1, which etcd answers without gRPC, and is made again.
+  bool reuse_quirk = [] {
+    const auto* info = curl_version_info(CURLVERSION_NOW);
+    return info->version_num >= 0x075800 && info->version_num < 0x080000;
+  }();
+  std::string open_h2;  // the endpoint of this handle's last HTTP/2 call
+
+  // A POST of `body` to `endpoint`'s `method` ("KV/Range"), HTTP/2, TLS
+  // with the files given to an https:// endpoint; the answer into `answer`
+  // (`fresh`: on a new connection, with prior knowledge). Sets `headers`
+  // (freed by the caller). Not reset between calls: with libcurl 7.88
+  // that too loses the connection; every option is set for each call.
+  void prepare(const std::string& endpoint, const char* method, const std::string& body,
+               Answer& answer, curl_slist*& headers, bool fresh) {
+    const std::string url = endpoint + "/etcdserverpb." + method;
+    const bool tls_endpoint = endpoint.starts_with("https://");
+    curl_easy_setopt(curl, CURLOPT_URL, url.c_str());
+    // With the quirk, prior knowledge goes on a new connection only (after
+    // a failed call the old one may still be there).
+    const bool reuse = reuse_quirk && !fresh && open_h2 == endpoint;
+    curl_easy_setopt(curl, CURLOPT_HTTP_VERSION,
+                     tls_endpoint ? long(CURL_HTTP_VERSION_2TLS)
+                     : reuse      ? long(CURL_HTTP_VERSION_2_0)
+                                  : long(CURL_HTTP_VERSION_2_PRIOR_KNOWLEDGE));
+    curl_easy_setopt(curl, CURLOPT_FRESH_CONNECT,
+                     fresh || (reuse_quirk && !tls_endpoint && !reuse) ? 1L : 0L);
+    curl_easy_setopt(curl, CURLOPT_POST, 1L);
+    curl_easy_setopt(curl, CURLOPT_POSTFIELDS, body.data());
+    curl_easy_setopt(curl, CURLOPT_POSTFIELDSIZE, long(body.size()));
+    curl_easy_setopt(curl, CURLOPT_CONNECTTIMEOUT_MS, long(timeout.count()));
+    curl_easy_setopt(curl, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(curl, CURLOPT_NOPROXY, "*");
+    curl_easy_setopt(curl, CURLOPT_SOCKOPTFUNCTION, keep_probing);
+    if (tls_endpoint) {
+      curl_easy_setopt(curl, CURLOPT_SSL_VERIFYPEER, 1L);
+      curl_easy_setopt(curl, CURLOPT_SSL_VERIFYHOST, 2L);
+      if (!tls.ca_file.empty()) curl_easy_setopt(curl, CURLOPT_CAINFO, tls.ca_file.c_str());
+      if (!tls.cert_file.empty()) {
+        curl_easy_setopt(curl, CURLOPT_SSLCERT, tls.cert_file.c_str());
+        curl_easy_setopt(curl, CURLOPT_SSLKEY, tls.key_file.c_str());
+      }
+    }
+    curl_easy_setopt(curl, CURLOPT_WRITEFUNCTION, Answer::take);
+    curl_easy_setopt(curl, CURLOPT_WRITEDATA, &answer);
+    curl_easy_setopt(curl, CURLOPT_HEADERFUNCTION, Answer::header);
+    curl_easy_setopt(curl, CURLOPT_HEADERDATA, &answer);
+    headers = curl_slist_append(nullptr, "Content-Type: application/grpc");
+    headers = curl_slist_append(headers, "TE: trailers");
+    curl_easy_setopt(curl, CURLOPT_HTTPHEADER, headers);
+  }
+
+  // After a call to `endpoint` that ended with `rc`: whether it must be
+  // made again on a new connection (see reuse_quirk).
+  bool again_on_new_connection(const std::string& endpoint, CURLcode rc, const Answer& answer,
+                               bool fresh) {
+    long used = 0;
+    curl_easy_getinfo(curl, CURLINFO_HTTP_VERSION, &used);
+    const bool again = !fresh && rc == CURLE_OK && !answer.status && open_h2 == endpoint &&
+                       used != CURL_HTTP_VERSION_2_0;
+    open_h2 = rc == CURLE_OK && used == CURL_HTTP_VERSION_2_0 ? endpoint : std::string();
+    return again;
+  }
+
+  // The error of an answer that ended with a gRPC status other than OK, or
+  // without one: StoreUnavailable where trying again helps (no leader yet,
+  // a restart in progress, too many requests), else StoreError.
+  [[noreturn]] void fail(const std::string& endpoint, const char* method, const Answer& answer,
+                         long http) {
+    if (!answer.status) {
+      const std::string what = fmt::format(
+          "etcd at {}: {} failed: HTTP {} {}", endpoint, method, http,
+          answer.grpc ? "without a gRPC status" : "that is not gRPC (is this etcd's client URL?)");
+      if (http >= 500) throw StoreUnavailable(what);
+      throw StoreError(what);
+    }
+    const int code = *answer.status;
+    const std::string what =
+        fmt::format("etcd at {}: {} failed: {} (gRPC status {})", endpoint, method,
+                    answer.status_message.empty() ? "no message" : answer.status_message, code);
+    // 4 deadline exceeded, 8 resource exhausted, 14 unavailable.
+    if (code == 4 || code == 8 || code == 14) throw StoreUnavailable(what);
+    throw StoreError(what);
+  }
+
+  std::string call_one(const std::string& endpoint, const char* method,
+                       const std::string& request) {
+    const std::string body = wire::frame(request);
+    for (bool fresh = false;; fresh = true) {
+      Answer answer;
+      curl_slist* headers = nullptr;
+      prepare(endpoint, method, body, answer, headers, fresh);
+      curl_easy_setopt(curl, CURLOPT_TIMEOUT_MS, long(timeout.count()));
+      const CURLcode rc = perform();
+      long http = 0;
+      curl_easy_getinfo(curl, CURLINFO_RESPONSE_CODE, &http);
+      curl_slist_free_all(headers);
+      if (again_on_new_connection(endpoint, rc, answer, fresh)) continue;
+      if (answer.error) std::rethrow_exception(answer.error);
+      if (rc == CURLE_OPERATION_TIMEDOUT)
+        throw StoreTimeout(
+            fmt::format("etcd at {}: {} failed: {}", endpoint, method, curl_easy_strerror(rc)));
+      if (rc != CURLE_OK)
+        throw StoreUnavailable(
+            fmt::format("etcd at {}: {} failed: {}", endpoint, method, curl_easy_strerror(rc)));
+      if (!answer.status || *answer.status != 0) fail(endpoint, method, answer, http);
+      std::string message;
+      if (!answer.messages.next(message) || answer.messages.pending() != 0)
+        throw StoreError(fmt::format("etcd at {}: {} answered with {} one message", endpoint,
+                                     method, message.empty() ? "less than" : "more than"));
+      return message;
     }
   }
 
   // The request to the member that answered last, else to the others in
   // turn: a member that is down, or cannot serve without a quorum, is
   // skipped. StoreUnavailable when no member could serve it.
-  json call(const std::string& path, const json& request) {
+  std::string call(const char* method, const std::string& request) {
     for (std::size_t tried = 0;; ++tried) {
       try {
-        return call_one(members[current], path, request);
+        return call_one(members[current], method, request);
       } catch (const StoreUnavailable&) {
         if (tried + 1 >= members.size()) throw;
         current = (current + 1) % members.size();
@@ -317,78 +372,25 @@ struct EtcdStore::Impl {
     }
   }
 
-  // A transaction of `ops` (range requests only: without comparisons it
-  // runs its success branch, every range at one revision, in one round
-  // trip): each range's keys, and the revision they were read at.
-  std::pair<std::vector<std::vector<KeyValue>>, std::int64_t> read_ranges(const json& ops) {
+  // A transaction of range ops only (without comparisons it runs its
+  // success branch, every range at one revision, in one round trip): each
+  // range's keys, and the revision they were read at.
+  std::pair<std::vector<std::vector<KeyValue>>, std::int64_t> read_ranges(
+      const std::vector<wire::Range>& ranges) {
     changed = 0;
-    const auto reply = call("/v3/kv/txn", {{"success", ops}});
-    auto it = reply.find("responses");
-    if (it == reply.end() || !it->is_array() || it->size() != ops.size())
+    std::vector<std::string> ops;
+    for (const auto& r : ranges) ops.push_back(wire::range_op(r));
+    auto answer = wire::decode_txn_response(call("KV/Txn", wire::txn_request({}, ops)));
+    if (answer.responses.size() != ranges.size())
       throw StoreError(fmt::format("etcd at {} answered a read of {} ranges with another count",
-                                   endpoints, ops.size()));
+                                   endpoints, ranges.size()));
     std::vector<std::vector<KeyValue>> out;
-    for (const auto& response : *it) {
-      if (!response.is_object() || !response.contains("response_range"))
+    for (auto& response : answer.responses) {
+      if (!response.is_range)
         throw StoreError("etcd answered a range of a transaction without its result");
-      out.push_back(key_values(response["response_range"]));
+      out.push_back(std::move(response.kvs));
     }
-    return {std::move(out), header_revision(reply)};
-  }
-
-  json call_one(const std::string& endpoint, const std::string& path, const json& request) {
-    std::string body = request.dump();
-    std::string answer;
-    curl_easy_reset(curl);
-    std::string url = endpoint + path;
-    curl_easy_setopt(curl, CURLOPT_URL, url.c_str());
-    curl_easy_setopt(curl, CURLOPT_POST, 1L);
-    curl_easy_setopt(curl, CURLOPT_POSTFIELDS, body.c_str());
-    curl_easy_setopt(curl, CURLOPT_POSTFIELDSIZE, long(body.size()));
-    curl_easy_setopt(curl, CURLOPT_TIMEOUT_MS, long(timeout.count()));
-    curl_easy_setopt(curl, CURLOPT_CONNECTTIMEOUT_MS, long(timeout.count()));
-    curl_easy_setopt(curl, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(curl, CURLOPT_NOPROXY, "*");
-    set_tls(endpoint);
-    curl_easy_setopt(curl, CURLOPT_WRITEFUNCTION, append_body);
-    curl_easy_setopt(curl, CURLOPT_WRITEDATA, &answer);
-    struct curl_slist* headers = curl_slist_append(nullptr, "Content-Type: application/json");
-    curl_easy_setopt(curl, CURLOPT_HTTPHEADER, headers);
-    CURLcode rc = curl_easy_perform(curl);
-    long status = 0;
-    curl_easy_getinfo(curl, CURLINFO_RESPONSE_CODE, &status);
-    curl_slist_free_all(headers);
-    if (rc == CURLE_OPERATION_TIMEDOUT)
-      throw StoreTimeout(
-          fmt::format("etcd at {}: {} failed: {}", endpoint, path, curl_easy_strerror(rc)));
-    if (rc != CURLE_OK)
-      throw StoreUnavailable(
-          fmt::format("etcd at {}: {} failed: {}", endpoint, path, curl_easy_strerror(rc)));
-    json reply = json::parse(answer, nullptr, false);
-    if (reply.is_discarded() || !reply.is_object())
-      throw StoreError(
-          fmt::format("etcd at {}: {} answered HTTP {} with a body that is not "
-                      "a JSON object: {}",
-                      endpoint, path, status, answer.substr(0, 200)));
-    if (status != 200 || reply.contains("error")) {
-      auto text_of = [&](const char* field) -> std::string {
-        auto it = reply.find(field);
-        return it != reply.end() && it->is_string() ? it->get<std::string>() : std::string();
-      };
-      std::string message = text_of("message");
-      if (message.empty()) message = text_of("error");
-      if (message.empty()) message = answer.substr(0, 200);
-      auto code_it = reply.find("code");
-      std::int64_t code =
-          code_it != reply.end() && code_it->is_number_integer() ? code_it->get<std::int64_t>() : 0;
-      const std::string what =
-          fmt::format("etcd at {}: {} failed (HTTP {}): {}", endpoint, path, status, message);
-      // gRPC codes 4 (deadline exceeded), 14 (unavailable): no leader yet,
-      // a restart in progress; retrying helps.
-      if (status >= 500 || code == 4 || code == 14) throw StoreUnavailable(what);
-      throw StoreError(what);
-    }
-    return reply;
+    return {std::move(out), answer.revision};
   }
 };
 
@@ -396,6 +398,13 @@ EtcdStore::EtcdStore(std::string endpoint, std::chrono::milliseconds timeout, Et
     : impl_(std::make_unique<Impl>()) {
   static std::once_flag once;
   std::call_once(once, [] { curl_global_init(CURL_GLOBAL_DEFAULT); });
+  if (const auto* version = curl_version_info(CURLVERSION_NOW);
+      !(version->features & CURL_VERSION_HTTP2))
+    throw Error(ErrorKind::unsupported,
+                fmt::format("libcurl {} has no HTTP/2 (it was built without nghttp2), and the "
+                            "agent reaches etcd over gRPC, which runs on HTTP/2: install a "
+                            "libcurl with HTTP/2 (`curl -V` lists HTTP2 among its features)",
+                            version->version));
   impl_->endpoints = endpoint;
   for (auto& member : split(endpoint, ','))
     if (!member.empty()) impl_->members.push_back(std::move(member));
@@ -403,31 +412,44 @@ EtcdStore::EtcdStore(std::string endpoint, std::chrono::milliseconds timeout, Et
   impl_->timeout = timeout;
   impl_->tls = std::move(tls);
   impl_->curl = curl_easy_init();
-  if (!impl_->curl) throw StoreError("curl_easy_init failed");
+  impl_->multi = curl_multi_init();
+  // One connection kept: a new one (another member, or one made after an
+  // answer in HTTP/1.1, see reuse_quirk) closes the one before.
+  if (impl_->multi) curl_multi_setopt(impl_->multi, CURLMOPT_MAXCONNECTS, 1L);
+  if (!impl_->curl || !impl_->multi) {
+    if (impl_->curl) curl_easy_cleanup(impl_->curl);
+    if (impl_->multi) curl_multi_cleanup(impl_->multi);
+    throw StoreError("curl_easy_init failed");
+  }
 }
 
 EtcdStore::~EtcdStore() {
+  curl_multi_cleanup(impl_->multi);
   curl_easy_cleanup(impl_->curl);
 }
 
 std::int64_t EtcdStore::grant_lease(std::int64_t ttl_seconds) {
-  auto reply = impl_->call("/v3/lease/grant", {{"TTL", std::to_string(ttl_seconds)}});
-  auto id = as_int(reply, "ID");
-  if (id == 0) throw StoreError("etcd at " + impl_->endpoints + ": lease grant returned no id");
-  return id;
+  const auto answer = wire::decode_lease_response(
+      impl_->call("Lease/LeaseGrant", wire::lease_grant_request(ttl_seconds)));
+  if (!answer.error.empty())
+    throw StoreError(fmt::format("etcd at {}: lease grant failed: {}", impl_->endpoints,
+                                 excerpt(answer.error, 200)));
+  if (answer.id == 0)
+    throw StoreError("etcd at " + impl_->endpoints + ": lease grant returned no id");
+  return answer.id;
 }
 
 bool EtcdStore::keep_alive(std::int64_t lease) {
-  auto reply = impl_->call("/v3/lease/keepalive", {{"ID", std::to_string(lease)}});
-  // The gateway streams LeaseKeepAliveResponse messages as {"result": {...}};
-  // a TTL of 0 (left out) means the lease no longer exists.
-  const json& result = reply.contains("result") ? reply["result"] : reply;
-  return as_int(result, "TTL") > 0;
+  // One request on the stream, and its answer: a TTL of 0 means the lease
+  // no longer exists.
+  return wire::decode_lease_response(
+             impl_->call("Lease/LeaseKeepAlive", wire::lease_id_request(lease)))
+             .ttl > 0;
 }
 
 void EtcdStore::revoke_lease(std::int64_t lease) {
   try {
-    impl_->call("/v3/lease/revoke", {{"ID", std::to_string(lease)}});
+    impl_->call("Lease/LeaseRevoke", wire::lease_id_request(lease));
   } catch (const StoreUnavailable&) {
     throw;
   } catch (const StoreError&) {
@@ -436,35 +458,38 @@ void EtcdStore::revoke_lease(std::int64_t lease) {
 }
 
 std::int64_t EtcdStore::lease_remaining(std::int64_t lease) {
-  auto reply = impl_->call("/v3/lease/timetolive", {{"ID", std::to_string(lease)}});
   // An expired or unknown lease: TTL -1.
-  return as_int(reply, "TTL");
+  return wire::decode_lease_response(
+             impl_->call("Lease/LeaseTimeToLive", wire::lease_id_request(lease)))
+      .ttl;
 }
 
 void EtcdStore::put(const std::string& key, const std::string& value, std::int64_t lease) {
-  json request = {{"key", base64_encode(key)}, {"value", base64_encode(value)}};
-  if (lease != 0) request["lease"] = std::to_string(lease);
   impl_->changed = 0;
-  impl_->changed = header_revision(impl_->call("/v3/kv/put", request));
+  impl_->changed =
+      wire::decode_change_response(impl_->call("KV/Put", wire::put_request(key, value, lease)))
+          .revision;
 }
 
 std::vector<std::vector<KeyValue>> EtcdStore::read(const std::vector<RangeRead>& reads) {
   if (reads.empty()) return {};
-  return impl_->read_ranges(range_ops(reads)).first;
+  std::vector<wire::Range> ranges;
+  for (const auto& r : reads) ranges.push_back(range_of(r));
+  return impl_->read_ranges(ranges).first;
 }
 
 void EtcdStore::erase(const std::string& key) {
   impl_->changed = 0;
-  const auto reply = impl_->call("/v3/kv/deleterange", {{"key", base64_encode(key)}});
-  if (as_int(reply, "deleted") > 0) impl_->changed = header_revision(reply);
+  const auto answer = wire::decode_change_response(
+      impl_->call("KV/DeleteRange", wire::delete_range_request(key, {})));
+  if (answer.deleted > 0) impl_->changed = answer.revision;
 }
 
 void EtcdStore::erase_prefix(const std::string& prefix) {
   impl_->changed = 0;
-  const auto reply = impl_->call(
-      "/v3/kv/deleterange",
-      {{"key", base64_encode(prefix)}, {"range_end", base64_encode(prefix_end(prefix))}});
-  if (as_int(reply, "deleted") > 0) impl_->changed = header_revision(reply);
+  const auto answer = wire::decode_change_response(
+      impl_->call("KV/DeleteRange", wire::delete_range_request(prefix, prefix_end(prefix))));
+  if (answer.deleted > 0) impl_->changed = answer.revision;
 }
 
 bool EtcdStore::compare_and_swap(const std::string& key, std::int64_t expected_mod_revision,
@@ -475,33 +500,24 @@ bool EtcdStore::compare_and_swap(const std::string& key, std::int64_t expected_m
 std::optional<std::vector<std::vector<KeyValue>>> EtcdStore::compare_and_swap_then_read(
     const std::string& key, std::int64_t expected_mod_revision, const std::string& value,
     std::int64_t lease, const std::vector<RangeRead>& reads) {
-  json put = {{"key", base64_encode(key)}, {"value", base64_encode(value)}};
-  if (lease != 0) put["lease"] = std::to_string(lease);
   // The ranges after the put, in its branch: read at the revision it wrote.
-  json success = json::array({{{"request_put", put}}});
-  for (auto& op : range_ops(reads)) success.push_back(std::move(op));
-  json request = {{"compare",
-                   {{{"key", base64_encode(key)},
-                     {"target", "MOD"},
-                     {"result", "EQUAL"},
-                     {"mod_revision", std::to_string(expected_mod_revision)}}}},
-                  {"success", std::move(success)}};
+  std::vector<std::string> success = {wire::put_op(key, value, lease)};
+  for (const auto& r : reads) success.push_back(wire::range_op(range_of(r)));
   impl_->changed = 0;
-  auto reply = impl_->call("/v3/kv/txn", request);
-  auto it = reply.find("succeeded");
-  if (it == reply.end() || !it->is_boolean() || !it->get<bool>()) return std::nullopt;
-  impl_->changed = header_revision(reply);
+  auto answer = wire::decode_txn_response(impl_->call(
+      "KV/Txn",
+      wire::txn_request({wire::compare_mod_revision(key, expected_mod_revision)}, success)));
+  if (!answer.succeeded) return std::nullopt;
+  impl_->changed = answer.revision;
   std::vector<std::vector<KeyValue>> out;
   if (reads.empty()) return out;
-  auto responses = reply.find("responses");
-  if (responses == reply.end() || !responses->is_array() || responses->size() != reads.size() + 1)
+  if (answer.responses.size() != reads.size() + 1)
     throw StoreError(fmt::format("etcd at {} answered a write and {} reads with another count",
                                  impl_->endpoints, reads.size()));
-  for (std::size_t i = 1; i < responses->size(); ++i) {
-    const json& response = (*responses)[i];
-    if (!response.is_object() || !response.contains("response_range"))
+  for (std::size_t i = 1; i < answer.responses.size(); ++i) {
+    if (!answer.responses[i].is_range)
       throw StoreError("etcd answered a range of a transaction without its result");
-    out.push_back(key_values(response["response_range"]));
+    out.push_back(std::move(answer.responses[i].kvs));
   }
   return out;
 }
@@ -512,7 +528,7 @@ std::string EtcdStore::describe() const {
 
 void EtcdStore::interrupt_watch() {
   std::lock_guard lock(impl_->watch_mutex);
-  if (impl_->watching) curl_multi_wakeup(impl_->watching);
+  if (impl_->watching) curl_multi_wakeup(impl_->multi);
 }
 
 std::int64_t EtcdStore::changed_at() const {
@@ -529,11 +545,9 @@ KeyRange single_key(const std::string& key) {
 
 std::pair<std::vector<std::vector<KeyValue>>, std::int64_t> EtcdStore::read_ranges_at(
     const std::vector<KeyRange>& ranges) {
-  json ops = json::array();
-  for (const auto& r : ranges)
-    ops.push_back(
-        {{"request_range", {{"key", base64_encode(r.key)}, {"range_end", base64_encode(r.end)}}}});
-  return impl_->read_ranges(ops);
+  std::vector<wire::Range> reads;
+  for (const auto& r : ranges) reads.push_back(wire::Range{r.key, r.end});
+  return impl_->read_ranges(reads);
 }
 
 void EtcdStore::watch(const std::vector<KeyRange>& ranges, std::int64_t start_revision,
@@ -542,61 +556,40 @@ void EtcdStore::watch(const std::vector<KeyRange>& ranges, std::int64_t start_re
   Impl& m = *impl_;
   m.changed = 0;
   const std::string endpoint = m.members[m.current];
-  // The gateway reads the body as a stream of requests: one watch a range,
-  // all on this stream.
+  // One watch a range, all on this stream; its sending half then closes.
   std::string body;
-  for (const auto& r : ranges) {
-    json create = {{"key", base64_encode(r.key)}, {"range_end", base64_encode(r.end)}};
-    if (start_revision > 0) create["start_revision"] = std::to_string(start_revision);
-    body += json{{"create_request", create}}.dump() + "\n";
+  for (const auto& r : ranges) body += wire::frame(wire::watch_create_request(r, start_revision));
+  for (bool fresh = false;; fresh = true) {
+    Answer answer;
+    answer.on_message = &on_message;
+    curl_slist* headers = nullptr;
+    m.prepare(endpoint, "Watch/Watch", body, answer, headers, fresh);
+    curl_easy_setopt(m.curl, CURLOPT_TIMEOUT_MS, 0L);
+    {
+      std::lock_guard lock(m.watch_mutex);
+      m.watching = true;
+    }
+    const CURLcode rc = m.perform(&stop);
+    long http = 0;
+    curl_easy_getinfo(m.curl, CURLINFO_RESPONSE_CODE, &http);
+    {
+      std::lock_guard lock(m.watch_mutex);
+      m.watching = false;
+    }
+    curl_slist_free_all(headers);
+    if (answer.done || stop.load()) return;
+    if (m.again_on_new_connection(endpoint, rc, answer, fresh)) continue;
+    if (answer.error) std::rethrow_exception(answer.error);
+    // A status other than OK: the server refused or ended the watch.
+    if (rc == CURLE_OK && (!answer.status || *answer.status != 0))
+      m.fail(endpoint, "Watch/Watch", answer, http);
+    // The next attempt goes to the next member of a cluster.
+    m.current = (m.current + 1) % m.members.size();
+    throw StoreUnavailable(
+        fmt::format("etcd at {}: the watch of {} ended: {}", endpoint,
+                    ranges.empty() ? std::string("nothing") : ranges.front().key,
+                    rc == CURLE_OK ? "the server closed it" : curl_easy_strerror(rc)));
   }
-  WatchStream stream;
-  stream.on_message = &on_message;
-  curl_easy_reset(m.curl);
-  const std::string url = endpoint + "/v3/watch";
-  curl_easy_setopt(m.curl, CURLOPT_URL, url.c_str());
-  curl_easy_setopt(m.curl, CURLOPT_POST, 1L);
-  curl_easy_setopt(m.curl, CURLOPT_POSTFIELDS, body.c_str());
-  curl_easy_setopt(m.curl, CURLOPT_POSTFIELDSIZE, long(body.size()));
-  curl_easy_setopt(m.curl, CURLOPT_CONNECTTIMEOUT_MS, long(m.timeout.count()));
-  curl_easy_setopt(m.curl, CURLOPT_NOSIGNAL, 1L);
-  curl_easy_setopt(m.curl, CURLOPT_NOPROXY, "*");
-  m.set_tls(endpoint);
-  curl_easy_setopt(m.curl, CURLOPT_SOCKOPTFUNCTION, keep_probing);
-  curl_easy_setopt(m.curl, CURLOPT_WRITEFUNCTION, WatchStream::take);
-  curl_easy_setopt(m.curl, CURLOPT_WRITEDATA, &stream);
-  struct curl_slist* headers = curl_slist_append(nullptr, "Content-Type: application/json");
-  curl_easy_setopt(m.curl, CURLOPT_HTTPHEADER, headers);
-  // On a multi handle, so that interrupt_watch() can wake the wait at once.
-  CURLM* multi = curl_multi_init();
-  curl_multi_add_handle(multi, m.curl);
-  {
-    std::lock_guard lock(m.watch_mutex);
-    m.watching = multi;
-  }
-  CURLcode rc = CURLE_OK;
-  for (int running = 1; running && !stop.load();) {
-    if (curl_multi_perform(multi, &running) != CURLM_OK) break;
-    if (running) curl_multi_poll(multi, nullptr, 0, 1000, nullptr);
-  }
-  int left = 0;
-  while (CURLMsg* done = curl_multi_info_read(multi, &left))
-    if (done->msg == CURLMSG_DONE) rc = done->data.result;
-  {
-    std::lock_guard lock(m.watch_mutex);
-    m.watching = nullptr;
-  }
-  curl_multi_remove_handle(multi, m.curl);
-  curl_multi_cleanup(multi);
-  curl_slist_free_all(headers);
-  if (stream.done || stop.load()) return;
-  if (stream.error) std::rethrow_exception(stream.error);
-  // The next attempt goes to the next member of a cluster.
-  m.current = (m.current + 1) % m.members.size();
-  throw StoreUnavailable(
-      fmt::format("etcd at {}: the watch of {} ended: {}", endpoint,
-                  ranges.empty() ? std::string("nothing") : ranges.front().key,
-                  rc == CURLE_OK ? "the server closed it" : curl_easy_strerror(rc)));
 }
 
 }  // namespace ductile::agent

@@ -28,7 +28,7 @@ using namespace std::chrono_literals;
 namespace {
 
 // etcd's count of the unary requests it started, by method (from its
-// /metrics: the HTTP gateway's requests become gRPC calls).
+// /metrics).
 std::map<std::string, double> unary_requests(const EtcdServer& etcd) {
   auto r = run_process({"curl", "-s", "--max-time", "10", etcd.endpoint() + "/metrics"});
   REQUIRE(r.exit_code == 0);

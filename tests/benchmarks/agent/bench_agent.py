@@ -10,8 +10,8 @@ each N, --scale-runs times:
              does not lead) until every worker of the survivors' round (N-1)
              ran;
   etcd       at steady state, over 10 s: requests per second (gRPC messages
-             the server received, from its /metrics: the HTTP gateway's
-             requests and the lease keep-alives), bytes sent per second, and
+             the server received, from its /metrics: the unary calls and
+             the lease keep-alives), bytes sent per second, and
              the CPU the etcd process used; and the same counts over the
              forming (from the first start) and over the re-forming.
   agents     the CPU all agents used at steady state.
@@ -97,7 +97,7 @@ class Etcd:
     def metric(self, name):
         """A counter of etcd's /metrics, summed over its labels.
         grpc_server_msg_received_total: the requests (unary calls and stream
-        messages: the HTTP gateway's requests arrive as these)."""
+        messages)."""
         total = 0
         for line in urllib.request.urlopen(self.url + "/metrics", timeout=5).read().decode() \
                 .splitlines():

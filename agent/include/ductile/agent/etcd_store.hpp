@@ -1,9 +1,10 @@
-// KeyValueStore on etcd v3 through its HTTP/JSON gateway (/v3/kv/*,
-// /v3/lease/*; keys and values base64), with libcurl, over plain HTTP or
-// TLS.
+// KeyValueStore on etcd's v3 API over gRPC (HTTP/2 with libcurl; plain,
+// or TLS for an https:// endpoint). Each object keeps one connection to
+// the member that answered last, for its calls and its watch alike.
 //
 // Threading: one EtcdStore per thread (each call uses the object's own curl
-// handle). Errors: see kv_store.hpp; every call gives up after `timeout`.
+// handles), but interrupt_watch(). Errors: see kv_store.hpp; every call
+// gives up after `timeout`; an answer of over 64 MiB is an error.
 #pragma once
 
 #include <atomic>
