@@ -13,11 +13,13 @@
 #include <netinet/tcp.h>
 #include <sys/socket.h>
 
+#include <cctype>
 #include <charconv>
 #include <exception>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <optional>
 
 #include <fmt/format.h>
 
