@@ -223,6 +223,16 @@ struct EtcdStore::Impl {
   // too, use its one connection (an easy handle added to a multi handle
   // uses the multi's connections, not its own).
   CURLM* multi = nullptr;
+  curl_slist* grpc_headers = nullptr;  // every call's: gRPC's content type, trailers
+
+  Impl() = default;
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
+  ~Impl() {
+    if (multi) curl_multi_cleanup(multi);
+    if (curl) curl_easy_cleanup(curl);
+    curl_slist_free_all(grpc_headers);
+  }
   std::mutex watch_mutex;
   bool watching = false;  // a watch runs: interrupt_watch() wakes it
 
@@ -256,11 +266,10 @@ struct EtcdStore::Impl {
 
   // A POST of `body` to `endpoint`'s `method` ("KV/Range"), HTTP/2, TLS
   // with the files given to an https:// endpoint; the answer into `answer`
-  // (`fresh`: on a new connection, with prior knowledge). Sets `headers`
-  // (freed by the caller). Not reset between calls: with libcurl 7.88
-  // that too loses the connection; every option is set for each call.
+  // (`fresh`: on a new connection, with prior knowledge). Not reset between calls: with
+  // libcurl 7.88 that too loses the connection; every option is set for each call.
   void prepare(const std::string& endpoint, const char* method, const std::string& body,
-               Answer& answer, curl_slist*& headers, bool fresh) {
+               Answer& answer, bool fresh) {
     const std::string url = endpoint + "/etcdserverpb." + method;
     const bool tls_endpoint = endpoint.starts_with("https://");
     curl_easy_setopt(curl, CURLOPT_URL, url.c_str());
@@ -293,9 +302,7 @@ struct EtcdStore::Impl {
     curl_easy_setopt(curl, CURLOPT_WRITEDATA, &answer);
     curl_easy_setopt(curl, CURLOPT_HEADERFUNCTION, Answer::header);
     curl_easy_setopt(curl, CURLOPT_HEADERDATA, &answer);
-    headers = curl_slist_append(nullptr, "Content-Type: application/grpc");
-    headers = curl_slist_append(headers, "TE: trailers");
-    curl_easy_setopt(curl, CURLOPT_HTTPHEADER, headers);
+    curl_easy_setopt(curl, CURLOPT_HTTPHEADER, grpc_headers);
   }
 
   // After a call to `endpoint` that ended with `rc`: whether it must be
@@ -336,13 +343,11 @@ struct EtcdStore::Impl {
     const std::string body = wire::frame(request);
     for (bool fresh = false;; fresh = true) {
       Answer answer;
-      curl_slist* headers = nullptr;
-      prepare(endpoint, method, body, answer, headers, fresh);
+      prepare(endpoint, method, body, answer, fresh);
       curl_easy_setopt(curl, CURLOPT_TIMEOUT_MS, long(timeout.count()));
       const CURLcode rc = perform();
       long http = 0;
       curl_easy_getinfo(curl, CURLINFO_RESPONSE_CODE, &http);
-      curl_slist_free_all(headers);
       if (again_on_new_connection(endpoint, rc, answer, fresh)) continue;
       if (answer.error) std::rethrow_exception(answer.error);
       if (rc == CURLE_OPERATION_TIMEDOUT)
@@ -418,17 +423,16 @@ EtcdStore::EtcdStore(std::string endpoint, std::chrono::milliseconds timeout, Et
   // One connection kept: a new one (another member, or one made after an
   // answer in HTTP/1.1, see reuse_quirk) closes the one before.
   if (impl_->multi) curl_multi_setopt(impl_->multi, CURLMOPT_MAXCONNECTS, 1L);
-  if (!impl_->curl || !impl_->multi) {
-    if (impl_->curl) curl_easy_cleanup(impl_->curl);
-    if (impl_->multi) curl_multi_cleanup(impl_->multi);
-    throw StoreError("curl_easy_init failed");
+  impl_->grpc_headers = curl_slist_append(nullptr, "Content-Type: application/grpc");
+  if (impl_->grpc_headers)
+    if (auto* both = curl_slist_append(impl_->grpc_headers, "TE: trailers"))
+      impl_->grpc_headers = both;
+  if (!impl_->curl || !impl_->multi || !impl_->grpc_headers || !impl_->grpc_headers->next) {
+    throw StoreError("curl_easy_init failed");  // ~Impl frees what was made
   }
 }
 
-EtcdStore::~EtcdStore() {
-  curl_multi_cleanup(impl_->multi);
-  curl_easy_cleanup(impl_->curl);
-}
+EtcdStore::~EtcdStore() = default;
 
 std::int64_t EtcdStore::grant_lease(std::int64_t ttl_seconds) {
   const auto answer = wire::decode_lease_response(
@@ -564,8 +568,7 @@ void EtcdStore::watch(const std::vector<KeyRange>& ranges, std::int64_t start_re
   for (bool fresh = false;; fresh = true) {
     Answer answer;
     answer.on_message = &on_message;
-    curl_slist* headers = nullptr;
-    m.prepare(endpoint, "Watch/Watch", body, answer, headers, fresh);
+    m.prepare(endpoint, "Watch/Watch", body, answer, fresh);
     curl_easy_setopt(m.curl, CURLOPT_TIMEOUT_MS, 0L);
     {
       std::lock_guard lock(m.watch_mutex);
@@ -578,7 +581,6 @@ void EtcdStore::watch(const std::vector<KeyRange>& ranges, std::int64_t start_re
       std::lock_guard lock(m.watch_mutex);
       m.watching = false;
     }
-    curl_slist_free_all(headers);
     if (answer.done || stop.load()) return;
     if (m.again_on_new_connection(endpoint, rc, answer, fresh)) continue;
     if (answer.error) std::rethrow_exception(answer.error);

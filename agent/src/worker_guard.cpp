@@ -128,34 +128,43 @@ bool read_task_children(pid_t self, pid_t task, pid_t* out, std::size_t max, std
 
 constexpr std::size_t kMaxTasksListed = 512;
 
+// Calls `visit(id, name)` for each entry of the directory `path` named by a
+// positive number (/proc's processes, a process's tasks) until it returns
+// false; false when the directory cannot be read.
+template <typename Visit>
+bool each_numbered_entry(const char* path, Visit&& visit) {
+  const int dir = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir < 0) return false;
+  alignas(8) char buffer[16384];
+  bool more = true;
+  for (ssize_t got; more && (got = getdents64(dir, buffer, sizeof buffer)) > 0;) {
+    for (ssize_t offset = 0; more && offset < got;) {
+      const auto* entry = reinterpret_cast<const dirent64*>(buffer + offset);
+      offset += entry->d_reclen;
+      pid_t id = 0;
+      const char* c = entry->d_name;
+      if (*c < '1' || *c > '9') continue;
+      while (*c >= '0' && *c <= '9') id = id * 10 + (*c++ - '0');
+      if (*c == '\0') more = visit(id, entry->d_name);
+    }
+  }
+  close(dir);
+  return true;
+}
+
 // The tasks (threads) of `self` into `out`, in /proc's order; 0 when they
 // cannot be read or are more than `max`.
 std::size_t tasks_of(pid_t self, pid_t* out, std::size_t max) {
   char path[64] = "/proc/";
   std::memcpy(put_number(path + 6, self), "/task", 6);
-  const int dir = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir < 0) return 0;
   std::size_t found = 0;
   bool over = false;
-  alignas(8) char buffer[8192];
-  for (ssize_t got; !over && (got = getdents64(dir, buffer, sizeof buffer)) > 0;) {
-    for (ssize_t offset = 0; offset < got;) {
-      const auto* entry = reinterpret_cast<const dirent64*>(buffer + offset);
-      offset += entry->d_reclen;
-      pid_t tid = 0;
-      const char* c = entry->d_name;
-      if (*c < '1' || *c > '9') continue;
-      while (*c >= '0' && *c <= '9') tid = tid * 10 + (*c++ - '0');
-      if (*c != '\0') continue;
-      if (found == max) {
-        over = true;
-        break;
-      }
-      out[found++] = tid;
-    }
-  }
-  close(dir);
-  return over ? 0 : found;
+  const bool read = each_numbered_entry(path, [&](pid_t tid, const char*) {
+    over = found == max;
+    if (!over) out[found++] = tid;
+    return !over;
+  });
+  return read && !over ? found : 0;
 }
 
 }  // namespace
@@ -185,25 +194,11 @@ std::size_t children_of(pid_t self, pid_t* out, std::size_t max, bool one_thread
       std::memcpy(tasks, after, now * sizeof(pid_t));
     }
   }
-  int dir = open("/proc", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir < 0) return 0;
   std::size_t found = 0;
-  alignas(8) char buffer[16384];
-  for (;;) {
-    const ssize_t got = getdents64(dir, buffer, sizeof buffer);
-    if (got <= 0) break;
-    for (ssize_t offset = 0; offset < got;) {
-      const auto* entry = reinterpret_cast<const dirent64*>(buffer + offset);
-      offset += entry->d_reclen;
-      pid_t pid = 0;
-      const char* c = entry->d_name;
-      if (*c < '1' || *c > '9') continue;
-      while (*c >= '0' && *c <= '9') pid = pid * 10 + (*c++ - '0');
-      if (*c != '\0' || pid == self) continue;
-      if (parent_of(entry->d_name) == self && found < max) out[found++] = pid;
-    }
-  }
-  close(dir);
+  each_numbered_entry("/proc", [&](pid_t pid, const char* name) {
+    if (pid != self && found < max && parent_of(name) == self) out[found++] = pid;
+    return true;
+  });
   return found;
 }
 
