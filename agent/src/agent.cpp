@@ -17,6 +17,21 @@ namespace ductile::agent {
 
 using std::chrono::milliseconds;
 
+namespace {
+
+// The index of `round`'s oldest member (the lowest registration revision),
+// its leader: rounds take the oldest nodes. None for a round without its
+// members' revisions.
+std::optional<std::size_t> oldest_member(const RoundRecord& round) {
+  if (round.members.empty() || round.member_revisions.size() != round.members.size())
+    return std::nullopt;
+  return static_cast<std::size_t>(
+      std::min_element(round.member_revisions.begin(), round.member_revisions.end()) -
+      round.member_revisions.begin());
+}
+
+}  // namespace
+
 // How often a node that waits for enough nodes says so again.
 constexpr milliseconds kShortOfNodesReminder{15000};
 
@@ -284,15 +299,16 @@ void Agent::rejoin_after_fence() {
 bool Agent::behind_the_oldest(const std::optional<KeyValue>& round_kv) {
   if (window_leader_.empty() || membership_.own_revision() <= 0) return false;
   const auto round = membership_.read_round(round_kv);
-  if (!round || round->member_revisions.size() != round->members.size()) return false;
-  bool leader = false;
-  std::int64_t older = 0;
-  for (std::size_t i = 0; i < round->members.size(); ++i) {
-    const std::int64_t revision = round->member_revisions[i];
-    leader = leader || (round->members[i] == window_leader_ && revision == window_leader_revision_);
-    older += revision < membership_.own_revision();
-  }
-  return leader && older >= kLeaderWindow;
+  const auto leader = round ? oldest_member(*round) : std::nullopt;
+  // Its leader the one this agent links to (else the age index it read
+  // lacked the leader's entry, written a moment after the registration).
+  if (!leader || round->members[*leader] != window_leader_ ||
+      round->member_revisions[*leader] != window_leader_revision_)
+    return false;
+  const auto older = std::count_if(
+      round->member_revisions.begin(), round->member_revisions.end(),
+      [this](std::int64_t revision) { return revision < membership_.own_revision(); });
+  return older >= kLeaderWindow;
 }
 
 void Agent::wait_for_workers(const std::vector<std::string>& wake_on) {
@@ -493,52 +509,53 @@ int Agent::run() {
         oldest = membership_.live_nodes(reads[2], &ignored, ranked);
       } else {
         // An agent that follows its own part looks at the oldest
-        // registrations when the round changed, and while it is not at
-        // rest (a round without it, workers gone) every kWindowRecheck: the
-        // nodes older than it may have gone, and it may now lead.
+        // registrations when the round changed, and while it has no link
+        // to its leader every kWindowRecheck: the nodes older than it may
+        // have gone, and it may now lead. A leader it is linked to writes a
+        // round when they go; a job whose oldest agents all died at once
+        // has none.
         const std::int64_t round_revision = round_kv ? round_kv->mod_revision : 0;
-        const bool at_rest = workers_.member() && !workers_.empty() &&
-                             workers_.current_round() == membership_.highest_round();
         const bool round_changed = round_revision != window_round_revision_;
         if (auto joined = membership_.take_join_window()) {
           // The first pass: join() read them a moment ago, records and all.
           oldest = std::move(*joined);
-          window_leader_ = oldest.empty() ? std::string() : oldest.front().id;
-          window_leader_revision_ = oldest.empty() ? 0 : oldest.front().create_revision;
-          window_round_revision_ = round_revision;
-          window_read_at_ = now_ms();
           window_read = true;
         } else if (round_changed && behind_the_oldest(round_kv)) {
           window_round_revision_ = round_revision;
           window_read_at_ = now_ms();
-        } else if (round_changed || (!at_rest && now_ms() - window_read_at_ >=
-                                                     std::max(o_.poll_interval, kWindowRecheck))) {
-          // The keys say it (their age and lease): the records are read
-          // once this agent follows every key.
-          RangeRead keys = window;
-          keys.keys_only = true;
-          const auto answer = store.read({keys});
-          window_leader_.clear();
-          for (const auto& kv : answer.front())
-            if (kv.lease != 0) {
-              NodeInfo node;
-              node.id = kv.key.substr(key("nodes/").size());
-              if (window_leader_.empty()) {
-                window_leader_ = node.id;
-                window_leader_revision_ = kv.create_revision;
-              }
-              oldest.push_back(std::move(node));
-            }
-          window_round_revision_ = round_revision;
-          window_read_at_ = now_ms();
+        } else if (round_changed ||
+                   (!links_.leader_linked() &&
+                    now_ms() - window_read_at_ >= std::max(o_.poll_interval, kWindowRecheck))) {
+          // The age index's keys say it (age, id and lease): the records
+          // are read once this agent follows every key.
+          oldest = membership_.oldest_by_age(store.read({membership_.age_window(false)}).front());
           window_read = true;
         }
+        if (window_read) {
+          // The round's oldest member leads it: when the index lacks it (its
+          // entry not written yet, or deleted), it comes first all the same.
+          const auto round = membership_.read_round(round_kv);
+          if (const auto leader = round ? oldest_member(*round) : std::nullopt;
+              leader && (oldest.empty() ||
+                         round->member_revisions[*leader] < oldest.front().create_revision)) {
+            NodeInfo first;
+            first.id = round->members[*leader];
+            first.create_revision = round->member_revisions[*leader];
+            oldest.insert(oldest.begin(), std::move(first));
+          }
+          window_leader_ = oldest.empty() ? std::string() : oldest.front().id;
+          window_leader_revision_ = oldest.empty() ? 0 : oldest.front().create_revision;
+          window_round_revision_ = round_revision;
+          window_read_at_ = now_ms();
+        }
       }
-      const bool in_window =
-          ranked ||
-          (window_read &&
-           (oldest.empty() || std::any_of(oldest.begin(), oldest.end(),
-                                          [this](const NodeInfo& n) { return n.id == self_.id; })));
+      // Among the kLeaderWindow oldest: fewer live registrations are older
+      // (the age index may lack the newest entries, never an old one that
+      // lives, but this agent's own).
+      const auto older = std::count_if(oldest.begin(), oldest.end(), [this](const NodeInfo& n) {
+        return n.id != self_.id && n.create_revision < membership_.own_revision();
+      });
+      const bool in_window = ranked || (window_read && older < kLeaderWindow);
       if (window_read) {
         nodes_seen_ = oldest.size();
         conn_.follow_everything(in_window);
@@ -565,6 +582,7 @@ int Agent::run() {
             fmt::format("{} is gone or is not this agent's", key("nodes/" + self_.id)));
         continue;
       }
+      membership_.keep_age_entry();
       std::vector<NodeInfo> alive;
       if (everything && (oldest.empty() || oldest.front().id == self_.id)) {
         // Leading (or no live registration among the oldest keys): all of

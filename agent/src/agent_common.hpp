@@ -97,7 +97,7 @@ std::string round_notice_json(const RoundRecord& round, std::int64_t rank, std::
 // leader (the oldest live one); the leader reads them all.
 inline constexpr std::int64_t kLeaderWindow = 16;
 // How often an agent that follows only its own part of the job's keys, and
-// is not at rest in a round, reads the oldest registrations (it may lead
+// has no link to its leader, reads the oldest registrations (it may lead
 // once all of them are gone; a new round makes it look at once).
 inline constexpr std::chrono::milliseconds kWindowRecheck{2000};
 

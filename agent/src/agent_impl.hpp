@@ -125,10 +125,11 @@ class Agent {
   // revision; empty: none yet).
   std::string window_leader_;
   std::int64_t window_leader_revision_ = 0;
-  // Whether `round_kv`'s round lists the leader of the last read of the
-  // oldest registrations (the same key) and at least kLeaderWindow members
-  // older than this agent: it is then not among the oldest, and its
-  // leader is the same (a new round costs it no read of them).
+  // Whether `round_kv`'s round has the leader of the last read of the
+  // oldest registrations (the same key) for its oldest member, and at
+  // least kLeaderWindow members older than this agent: it is then not among
+  // the oldest, and its leader is the same (a new round costs it no read
+  // of them).
   bool behind_the_oldest(const std::optional<KeyValue>& round_kv);
   // Whether this node, its worker command a Python's, comes to a job whose
   // round runs and whose workers keep snapshots (one read; false when the

@@ -393,7 +393,12 @@ std::vector<KeyRange> RendezvousConnection::own_part() const {
 void RendezvousConnection::follow_everything(bool everything) {
   if (!mirror_ || everything == following_everything_) return;
   following_everything_ = everything;
-  mirror_->follow(everything ? std::vector<KeyRange>{prefix_range(self_.prefix)} : own_part());
+  if (!everything) return mirror_->follow(own_part());
+  // Every key but the age index's, which only agents that follow their
+  // own part read (from etcd: the first few keys of it), and which would
+  // bring these each agent's registration twice.
+  const KeyRange all = prefix_range(self_.prefix);
+  mirror_->follow({KeyRange{all.key, self_.key("ages/")}, KeyRange{self_.key("ages0"), all.end}});
 }
 
 void RendezvousConnection::linger_as_host() {

@@ -56,10 +56,11 @@ class RendezvousConnection {
 
   KeyValueStore& store() { return *store_; }
   // The job's keys this agent follows in its mirror of an etcd (the other
-  // stores answer every read themselves: always "everything"): every key,
-  // when it leads or is next in line, else its own part (the round, the
-  // job's settings and marks, the restore/ records and its registration),
-  // so that a record each node writes reaches only the few that lead.
+  // stores answer every read themselves: always "everything"): every key
+  // but the age index's when it leads or is next in line, else its own part
+  // (the round, the job's settings and marks, the restore/ records and its
+  // registration), so that a record each node writes reaches only the few
+  // that lead.
   void follow_everything(bool everything);
   bool follows_everything() const { return !mirror_ || following_everything_; }
   // How the snapshot servers know the job's agents, after open(): the

@@ -1,6 +1,7 @@
 // The live nodes' registrations and the round records, as this agent reads
 // them from the rendezvous. See membership.hpp.
 #include <algorithm>
+#include <charconv>
 
 #include <fmt/format.h>
 
@@ -66,6 +67,48 @@ std::vector<NodeInfo> Membership::live_nodes(const std::vector<KeyValue>& kvs, b
               return a.create_revision < b.create_revision;
             });
   return alive;
+}
+
+std::vector<NodeInfo> Membership::oldest_by_age(const std::vector<KeyValue>& kvs) {
+  std::vector<NodeInfo> oldest;
+  const std::string ages = self_.key("ages/");
+  constexpr std::size_t kDigits = 20;
+  for (const auto& kv : kvs) {
+    // ages/<create revision, 20 digits>/<id>
+    const std::string name = kv.key.substr(std::min(ages.size(), kv.key.size()));
+    std::int64_t revision = 0;
+    const bool digits =
+        name.size() > kDigits + 1 && name[kDigits] == '/' &&
+        std::all_of(name.begin(), name.begin() + kDigits,
+                    [](char c) { return c >= '0' && c <= '9'; }) &&
+        std::from_chars(name.data(), name.data() + kDigits, revision).ec == std::errc{} &&
+        revision > 0;
+    if (!digits || kv.lease == 0) {
+      if (!conn_.ignored(kv))
+        conn_.ignore_record(kv,
+                            !digits ? "not an age index entry (ages/<create revision, 20 digits>/"
+                                      "<node id>)"
+                                    : "it has no lease, so no agent keeps it alive",
+                            "not counted as a node");
+      continue;
+    }
+    NodeInfo node;
+    node.id = name.substr(kDigits + 1);
+    node.create_revision = revision;
+    if (!kv.value.empty()) {
+      if (conn_.ignored(kv)) continue;
+      try {
+        node = node_from_json(kv.value, node.id, node.create_revision);
+      } catch (const MalformedRecord& e) {
+        conn_.ignore_record(kv, e.what(), "not counted as a node");
+        continue;
+      }
+    }
+    node.lease = kv.lease;
+    oldest.push_back(std::move(node));
+  }
+  conn_.report_ignored();
+  return oldest;
 }
 
 bool Membership::own_registration_ok(const std::vector<KeyValue>& own) {

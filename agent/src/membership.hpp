@@ -41,8 +41,9 @@ class Membership {
   // this agent's settings against the job's (writing them when it is the
   // first agent of a run).
   void join(const JobPolicy& policy);
-  // The oldest live registrations join() read, records included (at most
-  // kLeaderWindow; an elastic job's), for the loop's first pass; once.
+  // The oldest live registrations join() read from the age index, records
+  // included, and this agent when fewer are older (at most kLeaderWindow;
+  // an elastic job's), for the loop's first pass; once.
   std::optional<std::vector<NodeInfo>> take_join_window() {
     return std::exchange(join_window_, std::nullopt);
   }
@@ -52,6 +53,20 @@ class Membership {
   // Removes a previous run's failure, done, checkpoint and saved records
   // (the first agent of a run, or the leader starting one over them).
   void clear_previous_run();
+  // The age index (an elastic job's): ages/<create revision, 20 digits>/<id>
+  // holds a copy of each registration on its lease, so that the oldest
+  // registrations are the first keys of a range, which etcd answers by
+  // reading those keys only (a range sorted by creation costs etcd 3.4 a
+  // read of every key in it). Each pass: writes this agent's entry when
+  // its registration's revision or lease changed since the last, and
+  // removes the entry it replaces. Throws StoreError.
+  void keep_age_entry();
+  // The age index's first kLeaderWindow entries (`records`: with their
+  // records, else keys only).
+  RangeRead age_window(bool records) const;
+  // The live registrations an age_window() read names, oldest first (from
+  // keys only: id, create revision and lease, no address).
+  std::vector<NodeInfo> oldest_by_age(const std::vector<KeyValue>& kvs);
 
   // membership.cpp
   // The live agents' registrations: leased keys holding valid records (or
@@ -88,8 +103,9 @@ class Membership {
   // read with it, in the same request.
   Claim claim_node_key(std::optional<KeyValue>* holder,
                        std::optional<std::vector<std::vector<KeyValue>>>* joined = nullptr);
-  // What join() reads: this agent's key, the oldest registrations, the
-  // settings and the round.
+  // What join() reads: this agent's key, some registrations (an elastic
+  // job's first in key order: whether others run; a static job's all), the
+  // settings, the round and (elastic) the age index's first entries.
   std::vector<RangeRead> join_reads() const;
   // `first`: the settings and round records as join() read them, for the
   // first attempt.
@@ -99,11 +115,17 @@ class Membership {
   // Leaves the job before it joined (the lease revoked) and throws `error`.
   [[noreturn]] void withdraw(const Error& error);
 
+  // This node's registration record.
+  NodeInfo own_record() const;
+  std::string age_key(std::int64_t revision) const;
+
   const AgentOptions& o_;
   const RendezvousSettings& settings_;
   const NodeIdentity& self_;
   RendezvousConnection& conn_;
   std::int64_t own_revision_ = 0;
+  // The revision and lease of this agent's age index entry (0: none).
+  std::int64_t age_revision_ = 0, age_lease_ = 0;
   // The revision of this agent's first registration: a round that ended
   // before it was a previous run's.
   std::int64_t first_revision_ = 0;

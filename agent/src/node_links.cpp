@@ -308,6 +308,7 @@ void NodeLinks::run() {
     };
     auto now = Clock::now();
     if (stopping) {
+      leader_linked_.store(false, std::memory_order_relaxed);
       say_goodbye(up);
       for (auto& [fd, peer] : peers) say_goodbye(peer);
       return;
@@ -399,6 +400,8 @@ void NodeLinks::run() {
       }
     }
 
+    leader_linked_.store(up.fd >= 0 && up.stage == Peer::Stage::linked && now - up.heard <= timeout,
+                         std::memory_order_relaxed);
     std::vector<pollfd> fds;
     fds.push_back({wake_[0], POLLIN, 0});
     for (int fd : listeners_) fds.push_back({now >= accept_after ? fd : -1, POLLIN, 0});

@@ -50,6 +50,7 @@
 
 #include <sys/socket.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -89,6 +90,10 @@ class NodeLinks {
   void follow(const std::vector<NodeInfo>& oldest, const std::vector<NodeInfo>& alive);
   // Leaving on purpose: a goodbye on every link, then they close.
   void close();
+  // This agent's link to the leader follow() named is made and heard from
+  // within --heartbeat (as of the links' thread's last turn, at most 250 ms
+  // ago). Any thread.
+  bool leader_linked() const { return leader_linked_.load(std::memory_order_relaxed); }
 
  private:
   struct Peer;  // one link's end on this agent (node_links.cpp)
@@ -132,6 +137,7 @@ class NodeLinks {
   std::set<std::int64_t> revoked_;  // leases revoked or asked to be (each reported once)
   std::string leader_seen_;         // the leader follow() last looked up
   std::thread links_, revoker_;
+  std::atomic<bool> leader_linked_{false};
 };
 
 }  // namespace ductile::agent

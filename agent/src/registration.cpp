@@ -16,12 +16,40 @@ namespace ductile::agent {
 
 using json = nlohmann::json;
 
-Membership::Claim Membership::claim_node_key(
-    std::optional<KeyValue>* holder, std::optional<std::vector<std::vector<KeyValue>>>* joined) {
+NodeInfo Membership::own_record() const {
   NodeInfo record{self_.id, self_.addr, 0, o_.node_rank};
   record.snapshot_port = self_.snapshot_port;
   record.link_port = self_.link_port;
-  const std::string k = self_.key("nodes/" + self_.id), value = to_json(record);
+  return record;
+}
+
+std::string Membership::age_key(std::int64_t revision) const {
+  return self_.key(fmt::format("ages/{:020}/{}", revision, self_.id));
+}
+
+RangeRead Membership::age_window(bool records) const {
+  RangeRead read{self_.key("ages/"), true, kLeaderWindow};
+  read.keys_only = !records;
+  return read;
+}
+
+void Membership::keep_age_entry() {
+  const std::int64_t lease = conn_.lease();
+  if (o_.node_rank >= 0 || own_revision_ <= 0 ||
+      (age_revision_ == own_revision_ && age_lease_ == lease))
+    return;
+  // The new entry before the old one goes: the node is never missing from
+  // the index while its registration lives.
+  conn_.store().put(age_key(own_revision_), to_json(own_record()), lease);
+  if (age_revision_ > 0 && age_revision_ != own_revision_)
+    conn_.store().erase(age_key(age_revision_));
+  age_revision_ = own_revision_;
+  age_lease_ = lease;
+}
+
+Membership::Claim Membership::claim_node_key(
+    std::optional<KeyValue>* holder, std::optional<std::vector<std::vector<KeyValue>>>* joined) {
+  const std::string k = self_.key("nodes/" + self_.id), value = to_json(own_record());
   if (joined) {
     // The first registration and join()'s reads in one request: each
     // costs a round trip to a store that many agents load as they start.
@@ -140,11 +168,16 @@ void Membership::clear_previous_run() {
 }
 
 std::vector<RangeRead> Membership::join_reads() const {
-  // The oldest registrations say whether other agents run (this one is
-  // among them otherwise; a static job checks every node rank).
-  return {RangeRead{self_.key("nodes/" + self_.id)},
-          RangeRead{self_.key("nodes/"), true, o_.node_rank >= 0 ? 0 : kLeaderWindow + 1, true},
-          RangeRead{self_.key("settings")}, RangeRead{self_.key("round")}};
+  // Whether other agents run: the first two registrations in key order
+  // (this one is among them otherwise; etcd reads those keys only) and the
+  // age index's entries. A static job checks every node rank (its leader,
+  // the lowest, reads them anyway).
+  if (o_.node_rank >= 0)
+    return {RangeRead{self_.key("nodes/" + self_.id)},
+            RangeRead{self_.key("nodes/"), true, 0, true}, RangeRead{self_.key("settings")},
+            RangeRead{self_.key("round")}};
+  return {RangeRead{self_.key("nodes/" + self_.id)}, RangeRead{self_.key("nodes/"), true, 2},
+          RangeRead{self_.key("settings")}, RangeRead{self_.key("round")}, age_window(true)};
 }
 
 void Membership::join(const JobPolicy& policy) {
@@ -153,14 +186,31 @@ void Membership::join(const JobPolicy& policy) {
   auto reads = registered_reads_ ? std::move(*registered_reads_) : conn_.store().read(join_reads());
   registered_reads_.reset();
   own_revision_ = first_revision_ = reads[0].empty() ? 0 : reads[0].front().create_revision;
+  // At once: until it is written, agents that join read an age index
+  // without this one, and may take another for their leader.
+  keep_age_entry();
   bool own_ok = false;
   auto others = live_nodes(reads[1], &own_ok, ranked);
   if (!ranked) {
-    join_window_ = others;
+    // This agent's own entry is written after (keep_age_entry()): it is
+    // placed by its age.
+    join_window_ = oldest_by_age(reads[4]);
+    std::erase_if(*join_window_, [&](const NodeInfo& n) { return n.id == self_.id; });
+    NodeInfo own = own_record();
+    own.create_revision = own_revision_;
+    own.lease = conn_.lease();
+    join_window_->insert(std::upper_bound(join_window_->begin(), join_window_->end(), own,
+                                          [](const NodeInfo& a, const NodeInfo& b) {
+                                            return a.create_revision < b.create_revision;
+                                          }),
+                         std::move(own));
     if (join_window_->size() > static_cast<std::size_t>(kLeaderWindow))
       join_window_->resize(static_cast<std::size_t>(kLeaderWindow));
   }
   std::erase_if(others, [&](const NodeInfo& n) { return n.id == self_.id; });
+  if (others.empty() && join_window_)
+    for (const auto& n : *join_window_)
+      if (n.id != self_.id) others.push_back(n);
   check_settings(others, policy, {std::move(reads[2]), std::move(reads[3])});
 }
 

@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <thread>
@@ -75,6 +76,30 @@ std::vector<int> node_tree(int agent) {
 
 void signal_tree(const std::vector<int>& tree, int sig) {
   for (int pid : tree) ::kill(pid, sig);
+}
+
+// The age index of job "job" holds one entry per registration: ages/<its
+// create revision, 20 digits>/<id>, on its lease, with its record.
+void check_age_index(const Job& job) {
+  ductile::agent::EtcdStore store(job.etcd.endpoint());
+  const std::string prefix = "/ductile/agent/job/";
+  const auto nodes = store.get_prefix(prefix + "nodes/");
+  const auto ages = store.get_prefix(prefix + "ages/");
+  CHECK(ages.size() == nodes.size());
+  for (const auto& node : nodes) {
+    char revision[32];
+    std::snprintf(revision, sizeof revision, "%020lld",
+                  static_cast<long long>(node.create_revision));
+    const std::string key =
+        prefix + "ages/" + revision + "/" + node.key.substr(node.key.rfind('/') + 1);
+    const auto entry =
+        std::find_if(ages.begin(), ages.end(),
+                     [&](const ductile::agent::KeyValue& kv) { return kv.key == key; });
+    INFO(key);
+    REQUIRE(entry != ages.end());
+    CHECK(entry->lease == node.lease);
+    CHECK(entry->value == node.value);
+  }
 }
 
 // 3 agents with trivial workers and a lease (`ttl` seconds: by default
@@ -183,6 +208,9 @@ TEST_CASE("agent: a stopped node falls silent, is revoked, and after SIGCONT is 
       [&] { return count_of(nodes.job.all_output(), "started: world size 3") == 6; }, 60s);
   if (!rejoined) nodes.job.dump();
   CHECK(rejoined);
+  // Its new registration (another lease, another revision) is in the age
+  // index, its old one is not.
+  check_age_index(nodes.job);
   // Its own silence was not taken for the leader's.
   CHECK(count_of(nodes.job.all_output(), " lost: ") == 0);
   for (Child* agent : nodes.agents) agent->signal(SIGTERM);

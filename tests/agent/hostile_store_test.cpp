@@ -60,6 +60,14 @@ TEST_CASE("agent: malformed records are logged with their key and ignored - the 
   // A lease-less node key older than every agent's (it once made the agents
   // wait for it to lead, forever and without a word).
   store.put(kPrefix + "nodes/ghost", R"({"id":"ghost","addr":"127.0.0.1"})");
+  // Age index entries no agent wrote: names that are not an entry's (the
+  // revision past 64 bits), one without a lease, one whose record is not
+  // JSON. None is counted as a node.
+  const auto junk_lease = store.grant_lease(60);
+  store.put(kPrefix + "ages/junk", "{}", junk_lease);
+  store.put(kPrefix + "ages/99999999999999999999/x", "{}", junk_lease);
+  store.put(kPrefix + "ages/00000000000000000001/ghost", R"({"id":"ghost","addr":"127.0.0.1"})");
+  store.put(kPrefix + "ages/00000000000000000002/bad", "{not json", junk_lease);
 
   const std::string stop = (job.dir / "stop").string(), fail = (job.dir / "fail").string();
   auto [leader, other] = two_nodes_in_round_1(job, two_node_worker(stop, fail), "3");
@@ -68,6 +76,19 @@ TEST_CASE("agent: malformed records are logged with their key and ignored - the 
   CHECK(a.output().find("ignoring " + kPrefix + "nodes/ghost (revision ") != std::string::npos);
   CHECK(a.output().find("): it has no lease, so no agent keeps it alive; not counted as a node") !=
         std::string::npos);
+  for (Child* agent : {&a, &b}) {
+    const std::string out = agent->output();
+    for (const char* entry : {"junk", "99999999999999999999/x"})
+      CHECK(out.find("ignoring " + kPrefix + "ages/" + entry + " (revision ") != std::string::npos);
+    CHECK(count_of(out,
+                   "): not an age index entry (ages/<create revision, 20 digits>/<node id>); "
+                   "not counted as a node") == 2);
+    CHECK(out.find("ignoring " + kPrefix + "ages/00000000000000000001/ghost (revision ") !=
+          std::string::npos);
+    CHECK(out.find("ignoring " + kPrefix + "ages/00000000000000000002/bad (revision ") !=
+          std::string::npos);
+  }
+  store.revoke_lease(junk_lease);
 
   // The round record: not JSON, JSON of the wrong types, a world size this
   // job cannot have. Each is logged and replaced by the last valid round;

@@ -15,10 +15,16 @@ each N, --scale-runs times:
              the CPU the etcd process used; and the same counts over the
              forming (from the first start) and over the re-forming.
   agents     the CPU all agents used at steady state.
-  model      etcd's work per forming and per re-forming fitted as a + b N +
-             c N^2 (requests, bytes sent, CPU seconds) over every run, the
-             fit from all sizes but the largest checked against the
-             largest, and the prediction at 1,024 and 4,096 agents.
+  model      etcd's load at rest per agent (requests, bytes sent and CPU a
+             second: N x that, fitted through the origin) and the work a
+             forming and a re-forming adds to it (their counts less the
+             load at rest over the same agent-seconds: agents start evenly
+             over the start time), fitted as a + b N + c N^2 over every
+             run; the fit from all sizes but the largest checked against
+             the largest; the prediction at 1,024 and 4,096 agents; and the
+             time to form with etcd on one core, every agent started at
+             once: the forming's work over the core the load at rest
+             leaves.
 
 race: torchrun (torch's c10d rendezvous) and `ductile agent`, the same
 nodes as processes on loopback, the same worker (2 gloo ranks a node that
@@ -240,11 +246,14 @@ def difference(before, after):
             "cpu": after[2] - before[2]}
 
 
-def fit_quadratic(points):
+def fit_quadratic(points, degree=2):
     """Least squares a + b n + c n^2 through (n, y) points: (a, b, c). With
-    fewer than three sizes, c is 0 (and with one, b too)."""
+    fewer than three sizes, c is 0 (and with one, b too). A term that would
+    make the work shrink as the size grows (c < 0, then b < 0: noise, or a
+    term too small to measure) is left out and the rest fitted again:
+    extrapolated, it would turn the work negative."""
     sizes = sorted({n for n, _ in points})
-    degree = min(len(sizes) - 1, 2)
+    degree = min(len(sizes) - 1, degree)
     # The normal equations, solved by Gaussian elimination (no numpy here).
     m = degree + 1
     rows = [[sum(float(n) ** (i + j) for n, _ in points) for j in range(m)]
@@ -257,6 +266,8 @@ def fit_quadratic(points):
                 factor = rows[r][col] / rows[col][col]
                 rows[r] = [x - factor * y for x, y in zip(rows[r], rows[col])]
     coefficients = [rows[i][m] / rows[i][i] if rows[i][i] else 0.0 for i in range(m)]
+    if degree > 0 and coefficients[degree] < 0:
+        return fit_quadratic(points, degree - 1)
     return tuple(coefficients + [0.0] * (3 - m))
 
 
@@ -268,9 +279,20 @@ def model(rows, ttl):
     if len(sizes) < 2:
         print("\nmodel: needs at least two sizes (--sizes)")
         return
-    print(f"\nmodel of etcd's work (a + b N + c N^2, least squares over {len(runs)} run(s) of "
-          f"{len(sizes)} size(s)); at rest: requests/s = {4 / ttl:.2f} N (the keep-alives, one "
-          "a lease every TTL/4)")
+    # At rest: per agent, least squares through the origin.
+    at_rest = {key: sum(r[key] * r["n"] for r in runs) / sum(r["n"] ** 2 for r in runs)
+               for key in ("rate", "sent", "cpu")}
+    print(f"\nmodel of etcd's work, least squares over {len(runs)} run(s) of {len(sizes)} "
+          f"size(s). At rest, per agent: {at_rest['rate']:.3f} requests/s (the keep-alives, "
+          f"one a lease every TTL/4 = {4 / ttl:.2f}/s), {at_rest['sent']:.0f} bytes/s sent, "
+          f"{1e3 * at_rest['cpu']:.3f} ms of CPU a second. A forming and a re-forming, less "
+          "the load at rest over their agent-seconds, as a + b N + c N^2:")
+    own = {"rate": "requests", "sent": "bytes", "cpu": "cpu"}
+
+    def work(r, phase):
+        # Agents start evenly over the start time, then all wait for the round.
+        seconds = r["spawn"] / 2 + r["formed"] if phase == "forming" else r["reformed"]
+        return {own[key]: r[phase][own[key]] - r[key] * seconds for key in own}
     measures = [("forming", "requests", 1, "requests"), ("forming", "bytes", 1e-6, "MB sent"),
                 ("forming", "cpu", 1, "CPU s"), ("reforming", "requests", 1, "requests"),
                 ("reforming", "bytes", 1e-6, "MB sent"), ("reforming", "cpu", 1, "CPU s")]
@@ -278,18 +300,26 @@ def model(rows, ttl):
     print(f"| phase | measure | a | b | c | fit without N={largest}, at N={largest} | "
           f"measured at N={largest} | N=1,024 | N=4,096 |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    forming_cpu = None
     for phase, key, scale, unit in measures:
-        points = [(r["n"], r[phase][key] * scale) for r in runs]
+        points = [(r["n"], work(r, phase)[key] * scale) for r in runs]
         a, b, c = fit_quadratic(points)
 
         def at(n, f=(a, b, c)):
             return f[0] + f[1] * n + f[2] * n * n
+        if (phase, key) == ("forming", "cpu"):
+            forming_cpu = at
         held_out = fit_quadratic([p for p in points if p[0] != largest])
         measured = statistics.median(y for n, y in points if n == largest)
         print(f"| {phase} | {unit} | {a:.3g} | {b:.3g} | {c:.3g} | "
               f"{at(largest, held_out):.3g} | {measured:.3g} | {at(1024):.3g} | {at(4096):.3g} |")
-    print("etcd's CPU seconds per forming bound the time to form from below on a machine "
-          "where etcd has one core.")
+    for n in (largest, 1024, 4096):
+        left = 1 - at_rest["cpu"] * n
+        time_to_form = (f"{forming_cpu(n) / left:.2f} s" if left > 0 else
+                        "never (the load at rest alone takes the core)")
+        print(f"N={n}: etcd at rest {100 * at_rest['cpu'] * n:.0f}% of a core; the forming's "
+              f"work {forming_cpu(n):.2f} CPU s; formed, with etcd on one core and every agent "
+              f"started at once, in at least {time_to_form}")
 
 
 def scale_one(cli, n, ttl, directory):
