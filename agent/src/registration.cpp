@@ -192,8 +192,8 @@ void Membership::join(const JobPolicy& policy) {
   bool own_ok = false;
   auto others = live_nodes(reads[1], &own_ok, ranked);
   if (!ranked) {
-    // This agent's own entry is written after (keep_age_entry()): it is
-    // placed by its age.
+    // Read with the registration, before this agent wrote its own entry:
+    // it is placed by its age.
     join_window_ = oldest_by_age(reads[4]);
     std::erase_if(*join_window_, [&](const NodeInfo& n) { return n.id == self_.id; });
     NodeInfo own = own_record();
