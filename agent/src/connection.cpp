@@ -181,7 +181,8 @@ void RendezvousConnection::open() {
                             : "authenticated by DUCTILE_RDZV_SECRET, not encrypted"));
       }
       // The job's keys are followed by a watch, not read at every pass
-      // (store_mirror.hpp).
+      // (store_mirror.hpp), from the registration on: its request reads
+      // them.
       // A new agent follows its own part until it finds itself among the
       // oldest (agent.cpp).
       auto mirror = std::make_unique<MirroredStore>(
@@ -189,7 +190,9 @@ void RendezvousConnection::open() {
           [endpoint, timeout = o_.request_timeout, tls = o_.tls] {
             return std::make_unique<EtcdStore>(endpoint, timeout, tls);
           },
-          own_part(), o_.request_timeout, [this](const std::string& line) { self_.log(line); });
+          std::vector<KeyRange>{}, o_.request_timeout,
+          [this](const std::string& line) { self_.log(line); });
+      mirror->follow_with_next_swap(own_part());
       mirror_ = mirror.get();
       store_ = std::move(mirror);
       make_store_ = [endpoint, tls = o_.tls](std::chrono::milliseconds timeout) {

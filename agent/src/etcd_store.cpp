@@ -2,10 +2,10 @@
 // HTTP, ALPN on TLS), the messages encoded by etcd_wire. A unary call is a
 // POST of one length-prefixed message; the answer is one message and a
 // grpc-status in the trailers (or the headers, when it failed at once).
-// The bidirectional streams are used one way: a keep-alive sends one
-// request and reads its one answer, a watch sends its creates and reads
-// its messages until it ends (etcd keeps a watch after the client's half
-// of the stream closes).
+// The lease keep-alives run on one stream that stays open: each renewal
+// is a message on it and its one answer. A watch sends its creates and
+// reads its messages until it ends (etcd keeps a watch after the client's
+// half of the stream closes).
 #include "ductile/agent/etcd_store.hpp"
 
 #include <curl/curl.h>
@@ -15,6 +15,7 @@
 
 #include <cctype>
 #include <charconv>
+#include <cstring>
 #include <exception>
 #include <filesystem>
 #include <fstream>
@@ -80,6 +81,12 @@ std::string percent_decoded(std::string_view text) {
   return out;
 }
 
+}  // namespace
+
+// Named, not anonymous: EtcdStore::Impl holds one (a unity build would
+// otherwise warn).
+namespace etcd_store_detail {
+
 // An answer as it comes: its messages, and the gRPC status of its headers
 // or trailers.
 struct Answer {
@@ -141,7 +148,9 @@ struct Answer {
   }
 };
 
-}  // namespace
+}  // namespace etcd_store_detail
+
+using etcd_store_detail::Answer;
 
 std::string etcd_endpoint_from_url(const std::string& url, const std::string& what) {
   std::string rest, scheme = "http://";
@@ -268,8 +277,11 @@ struct EtcdStore::Impl {
   // with the files given to an https:// endpoint; the answer into `answer`
   // (`fresh`: on a new connection, with prior knowledge). Not reset between calls: with
   // libcurl 7.88 that too loses the connection; every option is set for each call.
-  void prepare(const std::string& endpoint, const char* method, const std::string& body,
-               Answer& answer, bool fresh) {
+  // `handle`: `curl` unless another; no `body`: the request's body comes
+  // from the handle's read function, as the caller sets it.
+  void prepare(const std::string& endpoint, const char* method, const std::string* body,
+               Answer& answer, bool fresh, CURL* handle = nullptr) {
+    CURL* curl = handle ? handle : this->curl;
     const std::string url = endpoint + "/etcdserverpb." + method;
     const bool tls_endpoint = endpoint.starts_with("https://");
     curl_easy_setopt(curl, CURLOPT_URL, url.c_str());
@@ -283,8 +295,10 @@ struct EtcdStore::Impl {
     curl_easy_setopt(curl, CURLOPT_FRESH_CONNECT,
                      fresh || (reuse_quirk && !tls_endpoint && !reuse) ? 1L : 0L);
     curl_easy_setopt(curl, CURLOPT_POST, 1L);
-    curl_easy_setopt(curl, CURLOPT_POSTFIELDS, body.data());
-    curl_easy_setopt(curl, CURLOPT_POSTFIELDSIZE, long(body.size()));
+    if (body) {
+      curl_easy_setopt(curl, CURLOPT_POSTFIELDS, body->data());
+      curl_easy_setopt(curl, CURLOPT_POSTFIELDSIZE, long(body->size()));
+    }
     curl_easy_setopt(curl, CURLOPT_CONNECTTIMEOUT_MS, long(timeout.count()));
     curl_easy_setopt(curl, CURLOPT_NOSIGNAL, 1L);
     curl_easy_setopt(curl, CURLOPT_NOPROXY, "*");
@@ -343,7 +357,7 @@ struct EtcdStore::Impl {
     const std::string body = wire::frame(request);
     for (bool fresh = false;; fresh = true) {
       Answer answer;
-      prepare(endpoint, method, body, answer, fresh);
+      prepare(endpoint, method, &body, answer, fresh);
       curl_easy_setopt(curl, CURLOPT_TIMEOUT_MS, long(timeout.count()));
       const CURLcode rc = perform();
       long http = 0;
@@ -375,6 +389,113 @@ struct EtcdStore::Impl {
       } catch (const StoreUnavailable&) {
         if (tried + 1 >= members.size()) throw;
         current = (current + 1) % members.size();
+      }
+    }
+  }
+
+  // The lease keep-alives' stream: open from the first renewal on, on a
+  // connection of its own (the calls' connection cannot carry a second
+  // stream with libcurl 7.88, see reuse_quirk). A renewal on a stream of
+  // its own cost etcd 7 times the CPU of a message on this one.
+  struct Renewals {
+    CURL* curl = nullptr;
+    CURLM* multi = nullptr;
+    std::string endpoint;
+    Answer answer;
+    std::string outgoing;  // request frames libcurl has not taken yet
+    bool paused = false;   // libcurl waits for outgoing
+
+    Renewals() = default;
+    Renewals(const Renewals&) = delete;
+    Renewals& operator=(const Renewals&) = delete;
+    ~Renewals() {
+      if (multi && curl) curl_multi_remove_handle(multi, curl);
+      if (curl) curl_easy_cleanup(curl);
+      if (multi) curl_multi_cleanup(multi);
+    }
+    static std::size_t give(char* buffer, std::size_t size, std::size_t count, void* user) {
+      auto& self = *static_cast<Renewals*>(user);
+      if (self.outgoing.empty()) {
+        self.paused = true;
+        return CURL_READFUNC_PAUSE;
+      }
+      const std::size_t n = std::min(size * count, self.outgoing.size());
+      std::memcpy(buffer, self.outgoing.data(), n);
+      self.outgoing.erase(0, n);
+      return n;
+    }
+  };
+  std::unique_ptr<Renewals> renewals;
+
+  // One renewal on the stream (opened first when there is none): the
+  // answer's message. Throws as call_one(); the caller closes the stream
+  // then, so that a late answer is never taken for the next renewal's.
+  std::string renew_once(const std::string& request) {
+    constexpr const char* kMethod = "Lease/LeaseKeepAlive";
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    if (!renewals) {
+      auto r = std::make_unique<Renewals>();
+      r->curl = curl_easy_init();
+      r->multi = curl_multi_init();
+      if (!r->curl || !r->multi) throw StoreError("curl_easy_init failed");
+      r->endpoint = members[current];
+      prepare(r->endpoint, kMethod, nullptr, r->answer, true, r->curl);
+      curl_easy_setopt(r->curl, CURLOPT_READFUNCTION, Renewals::give);
+      curl_easy_setopt(r->curl, CURLOPT_READDATA, r.get());
+      curl_easy_setopt(r->curl, CURLOPT_TIMEOUT_MS, 0L);
+      r->outgoing = wire::frame(request);
+      curl_multi_add_handle(r->multi, r->curl);
+      renewals = std::move(r);
+    } else {
+      renewals->outgoing += wire::frame(request);
+      if (std::exchange(renewals->paused, false)) curl_easy_pause(renewals->curl, CURLPAUSE_CONT);
+    }
+    Renewals& r = *renewals;
+    for (std::string message;;) {
+      int running = 0;
+      const CURLMcode mc = curl_multi_perform(r.multi, &running);
+      if (r.answer.error) std::rethrow_exception(r.answer.error);
+      if (r.answer.messages.next(message)) return message;
+      if (mc != CURLM_OK)
+        throw StoreUnavailable(
+            fmt::format("etcd at {}: {} failed: {}", r.endpoint, kMethod, curl_multi_strerror(mc)));
+      if (!running) {
+        CURLcode rc = CURLE_OK;
+        int left = 0;
+        while (CURLMsg* done = curl_multi_info_read(r.multi, &left))
+          if (done->msg == CURLMSG_DONE) rc = done->data.result;
+        long http = 0;
+        curl_easy_getinfo(r.curl, CURLINFO_RESPONSE_CODE, &http);
+        if (rc != CURLE_OK)
+          throw StoreUnavailable(fmt::format("etcd at {}: {} failed: {}", r.endpoint, kMethod,
+                                             curl_easy_strerror(rc)));
+        if (!r.answer.status || *r.answer.status != 0) fail(r.endpoint, kMethod, r.answer, http);
+        throw StoreUnavailable(fmt::format("etcd at {}: {} failed: the server closed the stream",
+                                           r.endpoint, kMethod));
+      }
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= deadline)
+        throw StoreTimeout(fmt::format("etcd at {}: {} failed: no answer within {} ms", r.endpoint,
+                                       kMethod, timeout.count()));
+      const auto wait = std::chrono::ceil<std::chrono::milliseconds>(deadline - now);
+      curl_multi_poll(r.multi, nullptr, 0,
+                      static_cast<int>(std::min<std::int64_t>(wait.count(), 1000)), nullptr);
+    }
+  }
+
+  // A renewal, to the member that answered last, else to the others in
+  // turn (as call()).
+  std::string renew(const std::string& request) {
+    for (std::size_t tried = 0;; ++tried) {
+      try {
+        return renew_once(request);
+      } catch (const StoreUnavailable&) {
+        renewals.reset();
+        if (tried + 1 >= members.size()) throw;
+        current = (current + 1) % members.size();
+      } catch (...) {
+        renewals.reset();
+        throw;
       }
     }
   }
@@ -446,11 +567,9 @@ std::int64_t EtcdStore::grant_lease(std::int64_t ttl_seconds) {
 }
 
 bool EtcdStore::keep_alive(std::int64_t lease) {
-  // One request on the stream, and its answer: a TTL of 0 means the lease
+  // One message on the stream, and its answer: a TTL of 0 means the lease
   // no longer exists.
-  return wire::decode_lease_response(
-             impl_->call("Lease/LeaseKeepAlive", wire::lease_id_request(lease)))
-             .ttl > 0;
+  return wire::decode_lease_response(impl_->renew(wire::lease_id_request(lease))).ttl > 0;
 }
 
 void EtcdStore::revoke_lease(std::int64_t lease) {
@@ -506,9 +625,19 @@ bool EtcdStore::compare_and_swap(const std::string& key, std::int64_t expected_m
 std::optional<std::vector<std::vector<KeyValue>>> EtcdStore::compare_and_swap_then_read(
     const std::string& key, std::int64_t expected_mod_revision, const std::string& value,
     std::int64_t lease, const std::vector<RangeRead>& reads) {
+  std::vector<std::vector<KeyValue>> none;
+  return compare_and_swap_then_read_ranges(key, expected_mod_revision, value, lease, reads, {},
+                                           none);
+}
+
+std::optional<std::vector<std::vector<KeyValue>>> EtcdStore::compare_and_swap_then_read_ranges(
+    const std::string& key, std::int64_t expected_mod_revision, const std::string& value,
+    std::int64_t lease, const std::vector<RangeRead>& reads, const std::vector<KeyRange>& ranges,
+    std::vector<std::vector<KeyValue>>& contents) {
   // The ranges after the put, in its branch: read at the revision it wrote.
   std::vector<std::string> success = {wire::put_op(key, value, lease)};
   for (const auto& r : reads) success.push_back(wire::range_op(range_of(r)));
+  for (const auto& r : ranges) success.push_back(wire::range_op(wire::Range{r.key, r.end}));
   impl_->changed = 0;
   auto answer = wire::decode_txn_response(impl_->call(
       "KV/Txn",
@@ -516,15 +645,19 @@ std::optional<std::vector<std::vector<KeyValue>>> EtcdStore::compare_and_swap_th
   if (!answer.succeeded) return std::nullopt;
   impl_->changed = answer.revision;
   std::vector<std::vector<KeyValue>> out;
-  if (reads.empty()) return out;
-  if (answer.responses.size() != reads.size() + 1)
+  if (success.size() == 1) return out;
+  if (answer.responses.size() != success.size())
     throw StoreError(fmt::format("etcd at {} answered a write and {} reads with another count",
-                                 impl_->endpoints, reads.size()));
-  for (std::size_t i = 1; i < answer.responses.size(); ++i) {
+                                 impl_->endpoints, success.size() - 1));
+  for (std::size_t i = 1; i < answer.responses.size(); ++i)
     if (!answer.responses[i].is_range)
       throw StoreError("etcd answered a range of a transaction without its result");
-    out.push_back(std::move(answer.responses[i].kvs));
-  }
+  for (std::size_t i = 0; i < reads.size(); ++i)
+    out.push_back(std::move(answer.responses[1 + i].kvs));
+  if (ranges.empty()) return out;
+  contents.clear();
+  for (std::size_t i = 1 + reads.size(); i < answer.responses.size(); ++i)
+    contents.push_back(std::move(answer.responses[i].kvs));
   return out;
 }
 
@@ -568,7 +701,7 @@ void EtcdStore::watch(const std::vector<KeyRange>& ranges, std::int64_t start_re
   for (bool fresh = false;; fresh = true) {
     Answer answer;
     answer.on_message = &on_message;
-    m.prepare(endpoint, "Watch/Watch", body, answer, fresh);
+    m.prepare(endpoint, "Watch/Watch", &body, answer, fresh);
     curl_easy_setopt(m.curl, CURLOPT_TIMEOUT_MS, 0L);
     {
       std::lock_guard lock(m.watch_mutex);

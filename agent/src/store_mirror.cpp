@@ -62,17 +62,46 @@ MirroredStore::~MirroredStore() {
 }
 
 void MirroredStore::follow(std::vector<KeyRange> ranges) {
+  with_next_swap_.clear();
   if (ranges == wanted_) return;
   wanted_ = ranges;
   {
     std::lock_guard lock(mutex_);
     pending_ = std::move(ranges);
     repending_ = true;
+    pending_held_ = false;
     live_ = false;
+    starting_ = false;
     leave_watch_ = true;
   }
   changed_.notify_all();
   watch_store_->interrupt_watch();
+}
+
+void MirroredStore::follow_with_next_swap(std::vector<KeyRange> ranges) {
+  if (ranges == wanted_) return;
+  with_next_swap_ = std::move(ranges);
+}
+
+void MirroredStore::hold(const std::vector<KeyRange>& ranges, std::map<std::string, KeyValue> keys,
+                         std::size_t bytes, std::int64_t revision) {
+  keys_ = std::move(keys);
+  bytes_ = bytes;
+  // What a range kept still must show stays; a new range's read shows
+  // everything up to `revision`.
+  std::vector<Followed> followed;
+  for (const auto& range : ranges) {
+    Followed f{range, revision, 0, revision};
+    for (const auto& old : followed_)
+      if (old.range == range) f.needed = old.needed;
+    followed.push_back(std::move(f));
+  }
+  followed_ = std::move(followed);
+  ++generation_;
+  // What changed in between is not known key by key.
+  recent_.clear();
+  recent_floor_ = revision;
+  if (wake_armed_) wake();
 }
 
 void MirroredStore::run() {
@@ -87,10 +116,17 @@ void MirroredStore::run() {
           ranges = pending_;
           repending_ = false;
           leave_watch_ = false;
-          resync = true;
+          resync = !std::exchange(pending_held_, false);
         }
       }
+      if (resync && ranges.empty()) {
+        std::lock_guard lock(mutex_);
+        if (repending_) continue;
+        hold(ranges, {}, 0, 0);
+        resync = false;
+      }
       if (resync) {
+        ++range_reads_;
         auto [read, revision] = watch_store_->read_ranges_at(ranges);
         std::map<std::string, KeyValue> keys;
         std::size_t bytes = 0;
@@ -105,24 +141,8 @@ void MirroredStore::run() {
           break;
         }
         if (repending_) continue;  // asked for other ranges meanwhile
-        keys_ = std::move(keys);
-        bytes_ = bytes;
-        // What a range kept still must show stays; a new range's read shows
-        // everything up to `revision`.
-        std::vector<Followed> followed;
-        for (const auto& range : ranges) {
-          Followed f{range, revision, 0, revision};
-          for (const auto& old : followed_)
-            if (old.range == range) f.needed = old.needed;
-          followed.push_back(std::move(f));
-        }
-        followed_ = std::move(followed);
-        ++generation_;
+        hold(ranges, std::move(keys), bytes, revision);
         resync = false;
-        // What changed in between is not known key by key.
-        recent_.clear();
-        recent_floor_ = revision;
-        if (wake_armed_) wake();
       }
       std::int64_t from = 0;
       {
@@ -151,6 +171,7 @@ void MirroredStore::run() {
             std::lock_guard lock(mutex_);
             if (repending_) return false;
             live_ = true;
+            starting_ = false;
             retry = kFirstRetry;
             for (const auto& event : message.events) {
               const int at_range = range_of(event.kv.key);
@@ -190,6 +211,10 @@ void MirroredStore::run() {
     }
     std::unique_lock lock(mutex_);
     live_ = false;
+    if (starting_) {
+      starting_ = false;  // reads waiting for the watch go to etcd
+      changed_.notify_all();
+    }
     if (over_bound_) break;
     if (repending_) continue;
     changed_.wait_for(lock, retry, [this] { return stop_.load() || repending_; });
@@ -226,13 +251,13 @@ int MirroredStore::range_of(const RangeRead& read) const {
 
 bool MirroredStore::caught_up(std::unique_lock<std::mutex>& lock, const std::vector<int>& ranges) {
   auto ready = [&] {
-    if (!live_) return true;  // decided: not from the mirror
+    if (!live_) return !starting_;  // decided: not from the mirror; or the watch starts
     return std::all_of(ranges.begin(), ranges.end(), [&](int i) {
       const Followed& f = followed_[static_cast<std::size_t>(i)];
       return f.revision >= f.needed;
     });
   };
-  if (!live_) return false;
+  if (!live_ && !starting_) return false;
   return changed_.wait_for(lock, catch_up_, ready) && live_;
 }
 
@@ -266,7 +291,7 @@ std::vector<std::vector<KeyValue>> MirroredStore::read(const std::vector<RangeRe
   {
     std::unique_lock lock(mutex_);
     std::vector<int> ranges;
-    bool mirrored = live_;
+    bool mirrored = live_ || starting_;
     for (const auto& r : reads) {
       const int i = range_of(r);
       if (i < 0) mirrored = false;
@@ -387,13 +412,46 @@ bool MirroredStore::compare_and_swap(const std::string& key, std::int64_t expect
 std::optional<std::vector<std::vector<KeyValue>>> MirroredStore::compare_and_swap_then_read(
     const std::string& key, std::int64_t expected_mod_revision, const std::string& value,
     std::int64_t lease, const std::vector<RangeRead>& reads) {
-  auto found = store_->compare_and_swap_then_read(key, expected_mod_revision, value, lease, reads);
+  if (with_next_swap_.empty()) {
+    auto found =
+        store_->compare_and_swap_then_read(key, expected_mod_revision, value, lease, reads);
+    if (!found) {
+      swap_lost(key);
+      return found;
+    }
+    wrote(key);
+    read_directly(*found);
+    return found;
+  }
+  std::vector<std::vector<KeyValue>> contents;
+  auto found = store_->compare_and_swap_then_read_ranges(key, expected_mod_revision, value, lease,
+                                                         reads, with_next_swap_, contents);
   if (!found) {
     swap_lost(key);
     return found;
   }
-  wrote(key);
-  read_directly(*found);
+  std::vector<KeyRange> ranges = std::exchange(with_next_swap_, {});
+  std::map<std::string, KeyValue> keys;
+  std::size_t bytes = 0;
+  for (auto& kvs : contents)
+    for (auto& kv : kvs) {
+      bytes += bytes_of(kv);
+      keys.emplace(kv.key, std::move(kv));
+    }
+  wanted_ = ranges;
+  {
+    std::lock_guard lock(mutex_);
+    pending_ = ranges;
+    repending_ = true;
+    live_ = false;
+    leave_watch_ = true;
+    // Too many to hold: the watch reads them and stops (run()).
+    pending_held_ = keys.size() <= kMaxMirroredKeys && bytes <= kMaxMirroredBytes;
+    starting_ = pending_held_;
+    if (pending_held_) hold(ranges, std::move(keys), bytes, store_->changed_at());
+  }
+  changed_.notify_all();
+  watch_store_->interrupt_watch();
   return found;
 }
 

@@ -93,12 +93,21 @@ class MirroredStore final : public KeyValueStore {
   // From now on the mirror holds `ranges` (disjoint) instead: the watch
   // reads them afresh and follows them; meanwhile reads go to etcd.
   void follow(std::vector<KeyRange> ranges);
+  // The next compare_and_swap_then_read() that succeeds reads `ranges`
+  // (disjoint) too, in its transaction, and the mirror holds them from
+  // then on: the watch follows them from that revision without a read of
+  // its own (an agent's registration carries the mirror's first read, one
+  // request fewer for each agent that joins). Reads wait for the watch to
+  // start then, up to `catch_up`. A follow() before it cancels it.
+  void follow_with_next_swap(std::vector<KeyRange> ranges);
   const std::vector<KeyRange>& followed() const { return wanted_; }
 
   // Reads answered from the mirror and from etcd so far (for tests and
   // benchmarks).
   std::uint64_t mirrored_reads() const { return mirrored_reads_; }
   std::uint64_t direct_reads() const { return direct_reads_; }
+  // Reads of the followed ranges the watch made (a start, a resync).
+  std::uint64_t range_reads() const { return range_reads_; }
 
  private:
   // One followed range and where the mirror stands in it.
@@ -109,6 +118,10 @@ class MirroredStore final : public KeyValueStore {
     std::int64_t read_at = 0;   // `revision` at the caller's last read
   };
   void run();  // the watch's thread
+  // Holds `keys` (`bytes` in all) as every key of `ranges` at `revision`,
+  // the watch to follow them from there (mutex_ held).
+  void hold(const std::vector<KeyRange>& ranges, std::map<std::string, KeyValue> keys,
+            std::size_t bytes, std::int64_t revision);
   // The index in followed_ of the range holding `read`, or -1 (mutex_ held).
   int range_of(const RangeRead& read) const;
   int range_of(const std::string& key) const;
@@ -132,6 +145,7 @@ class MirroredStore final : public KeyValueStore {
   std::unique_ptr<EtcdStore> store_;
   std::unique_ptr<EtcdStore> watch_store_;  // the watch's thread's (interrupt_watch() aside)
   std::vector<KeyRange> wanted_;            // what follow() asked (the caller's)
+  std::vector<KeyRange> with_next_swap_;    // follow_with_next_swap()'s (the caller's)
   const std::chrono::milliseconds catch_up_;
   std::function<void(const std::string&)> log_;
 
@@ -143,8 +157,11 @@ class MirroredStore final : public KeyValueStore {
   std::uint64_t generation_ = 0;    // followed_ replaced so many times
   std::vector<KeyRange> pending_;   // follow()'s ranges, until the watch reads them
   bool repending_ = false;          // pending_ is set
-  bool live_ = false;               // the watch runs from followed_'s revisions
-  bool over_bound_ = false;         // stopped for good: every read goes to etcd
+  bool pending_held_ = false;       // pending_ held already (hold()): no read
+  // Held from a swap's transaction; the watch not yet started: reads wait.
+  bool starting_ = false;
+  bool live_ = false;        // the watch runs from followed_'s revisions
+  bool over_bound_ = false;  // stopped for good: every read goes to etcd
   // changes_fd(): its eventfd, what it waits for (a change after the
   // caller's last read of its range), and the changes applied lately (their
   // revision and key), kRecentChanges at most; recent_floor_ is the newest
@@ -156,7 +173,7 @@ class MirroredStore final : public KeyValueStore {
   std::int64_t recent_floor_ = 0;
   std::atomic<bool> stop_{false};
   std::atomic<bool> leave_watch_{false};  // stop_, or new ranges to follow
-  std::atomic<std::uint64_t> mirrored_reads_{0}, direct_reads_{0};
+  std::atomic<std::uint64_t> mirrored_reads_{0}, direct_reads_{0}, range_reads_{0};
   std::thread thread_;
 };
 

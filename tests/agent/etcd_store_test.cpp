@@ -1,6 +1,10 @@
 // EtcdStore against a real etcd started by the test.
 #include <doctest/doctest.h>
 
+#include <signal.h>
+
+#include <sstream>
+
 #include "agent_support.hpp"
 #include "ductile/agent/etcd_store.hpp"
 #include "ductile/error.hpp"
@@ -92,6 +96,70 @@ TEST_CASE("etcd store: put prefix reads compare-and-swap leases that expire") {
   store.revoke_lease(second);
   CHECK_FALSE(store.get("/l/long"));
   store.revoke_lease(second);  // already gone: no error
+}
+
+namespace etcd_store_test {
+
+// The streams etcd started for `method` ("LeaseKeepAlive"), from its
+// /metrics.
+double streams_started(const EtcdServer& etcd, const std::string& method) {
+  auto r = run_process({"curl", "-s", "--max-time", "10", etcd.endpoint() + "/metrics"});
+  REQUIRE(r.exit_code == 0);
+  std::istringstream lines(r.out);
+  double total = 0;
+  for (std::string line; std::getline(lines, line);)
+    if (line.starts_with("grpc_server_started_total{") &&
+        line.find("grpc_method=\"" + method + "\"") != std::string::npos)
+      total += std::stod(line.substr(line.rfind(' ')));
+  return total;
+}
+
+}  // namespace etcd_store_test
+
+TEST_CASE("etcd store: lease renewals on one stream - a lost lease, a stopped and a new etcd") {
+  using etcd_store_test::streams_started;
+  TempDir dir;
+  EtcdServer etcd(dir.path());
+  agent::EtcdStore store(etcd.endpoint(), std::chrono::milliseconds(1000));
+  const auto lease = store.grant_lease(60);
+  for (int i = 0; i < 20; ++i) CHECK(store.keep_alive(lease));
+  CHECK(streams_started(etcd, "LeaseKeepAlive") == 1);
+  // A lease that is gone is said on the stream, which goes on.
+  const auto gone = store.grant_lease(60);
+  store.revoke_lease(gone);
+  CHECK_FALSE(store.keep_alive(gone));
+  CHECK(store.keep_alive(lease));
+  CHECK(streams_started(etcd, "LeaseKeepAlive") == 1);
+
+  // A stopped etcd: the renewal gives up after the store's timeout; once
+  // it runs again a renewal succeeds, on a new stream (the answer the
+  // stopped one owes is never taken for a later renewal's).
+  REQUIRE(kill(etcd.pid(), SIGSTOP) == 0);
+  const auto asked = std::chrono::steady_clock::now();
+  CHECK_THROWS_AS(store.keep_alive(lease), agent::StoreTimeout);
+  CHECK(std::chrono::steady_clock::now() - asked < 5s);
+  REQUIRE(kill(etcd.pid(), SIGCONT) == 0);
+  CHECK(store.keep_alive(lease));
+  CHECK_FALSE(store.keep_alive(gone));
+  CHECK(store.keep_alive(lease));
+  CHECK(streams_started(etcd, "LeaseKeepAlive") == 2);
+
+  // etcd restarted: its stream is gone; the renewals go on once it is back
+  // (a lease outlives a restart).
+  etcd.stop();
+  CHECK_THROWS_AS(store.keep_alive(lease), agent::StoreUnavailable);
+  etcd.start();
+  CHECK(wait_until(
+      [&] {
+        try {
+          return store.keep_alive(lease);
+        } catch (const agent::StoreUnavailable&) {
+          return false;
+        }
+      },
+      20s));
+  CHECK(store.keep_alive(lease));
+  CHECK(streams_started(etcd, "LeaseKeepAlive") == 1);
 }
 
 TEST_CASE("etcd store: an unreachable server and bad addresses") {

@@ -279,3 +279,49 @@ TEST_CASE("etcd mirror: records read with a compare-and-swap are never answered 
     CHECK(mirror.get(fresh));
   }
 }
+
+TEST_CASE(
+    "etcd mirror: the first read carried by a compare-and-swap - no read of the watch's own") {
+  Mirrored m;
+  auto other = m.make();
+  other->put("/job/a/old", "1");
+  other->put("/job/b", "outside");
+  MirroredStore mirror(
+      m.make(), [&] { return m.make(); }, std::vector<KeyRange>{}, 2000ms,
+      [](const std::string&) {});
+  mirror.follow_with_next_swap({prefix_range("/job/a/"), single_key("/job/own")});
+  // Nothing followed yet: reads go to etcd.
+  CHECK(mirror.get("/job/a/old")->value == "1");
+  CHECK(mirror.direct_reads() == 1);
+  // A swap that fails carries nothing.
+  CHECK_FALSE(mirror.compare_and_swap_then_read("/job/b", 0, "x", 0, {}));
+  const auto joined =
+      mirror.compare_and_swap_then_read("/job/own", 0, "mine", 0, {RangeRead{"/job/b"}});
+  REQUIRE(joined);
+  REQUIRE(joined->size() == 1);
+  CHECK(keys_of((*joined)[0]) == std::vector<std::string>{"/job/b=outside"});
+  // At once from the mirror: the keys as the swap's transaction read them,
+  // its own write among them, with no read of the watch's.
+  const auto direct = mirror.direct_reads();
+  const auto read = mirror.read({RangeRead{"/job/a/", true}, RangeRead{"/job/own"}});
+  CHECK(keys_of(read[0]) == std::vector<std::string>{"/job/a/old=1"});
+  CHECK(keys_of(read[1]) == std::vector<std::string>{"/job/own=mine"});
+  CHECK(mirror.direct_reads() == direct);
+  CHECK(mirror.mirrored_reads() >= 1);
+  // Changes after the swap's revision arrive by the watch.
+  other->put("/job/a/new", "2");
+  other->erase("/job/a/old");
+  CHECK(wait_until(
+      [&] {
+        return keys_of(mirror.read({RangeRead{"/job/a/", true}}).front()) ==
+               std::vector<std::string>{"/job/a/new=2"};
+      },
+      10s));
+  CHECK(mirror.direct_reads() == direct);
+  CHECK(mirror.range_reads() == 0);
+  // A later swap is a plain one; follow() reads afresh.
+  CHECK(mirror.compare_and_swap_then_read("/job/own2", 0, "x", 0, {}));
+  mirror.follow({prefix_range("/job/")});
+  REQUIRE(answered_from_mirror(mirror, [&] { return mirror.get("/job/b").has_value(); }));
+  CHECK(mirror.range_reads() == 1);
+}

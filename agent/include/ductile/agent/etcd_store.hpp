@@ -97,6 +97,15 @@ class EtcdStore final : public KeyValueStore {
       std::int64_t lease, const std::vector<RangeRead>& reads) override;
   std::string describe() const override;
 
+  // compare_and_swap_then_read(), and in the same transaction every key of
+  // each of `ranges` into `contents` (read after the write, at
+  // changed_at()): a mirror's first read rides on a registration. When the
+  // swap fails, `contents` is left as it was.
+  std::optional<std::vector<std::vector<KeyValue>>> compare_and_swap_then_read_ranges(
+      const std::string& key, std::int64_t expected_mod_revision, const std::string& value,
+      std::int64_t lease, const std::vector<RangeRead>& reads, const std::vector<KeyRange>& ranges,
+      std::vector<std::vector<KeyValue>>& contents);
+
   // The revision at which the last call changed the store: a put, a
   // compare_and_swap that succeeded, an erase that deleted keys; 0 when the
   // last call changed nothing (or was a read, or a lease call).
