@@ -31,7 +31,7 @@ KeepAlive::KeepAlive(StoreFactory make_store, std::int64_t lease, std::chrono::s
                      Clock::time_point granted_at, std::function<void(const std::string&)> log)
     : make_store_(std::move(make_store)),
       ttl_(ttl),
-      period_(std::max(milliseconds(ttl) / 4, milliseconds(200))),
+      period_(std::max(milliseconds(ttl) / 3, milliseconds(200))),
       fence_after_(milliseconds(ttl) * 3 / 4),
       log_(std::move(log)),
       lease_(lease),

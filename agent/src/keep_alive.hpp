@@ -1,10 +1,12 @@
 // The agent's lease keep-alive and its fence. Internal to libductile_agent.
 //
-// The keep-alive renews the lease every TTL/4 from a helper thread on its own
-// connection to the store, so that a slow step of the main loop (stopping workers, a
-// request to an unreachable etcd) never lets the lease expire. A renewal
+// The keep-alive renews the lease every TTL/3 (as etcd's own client does)
+// from a helper thread on its own connection to the store (etcd: one
+// stream, each renewal a message on it), so that a slow step of the main
+// loop (stopping workers, a request to an unreachable etcd) never lets the
+// lease expire. A renewal
 // that failed is tried again after 100 ms, then twice as long each time up
-// to TTL/4: an etcd that stalls for less than the fence's budget is ridden
+// to TTL/3: an etcd that stalls for less than the fence's budget is ridden
 // out.
 //
 // The fence: a second helper thread kills this node's workers (SIGUSR1 to

@@ -26,6 +26,24 @@ each N, --scale-runs times:
              once: the forming's work over the core the load at rest
              leaves.
 
+replay: etcd's side of N agents, made by one process (agent_etcd_replay,
+built in a Release tree): each replayed agent makes an agent's requests
+through the agent's own etcd client (its lease, its registration with its
+reads and its mirror's first read, its age index entry, the watch of its
+part of the job's keys, its renewals on one stream every TTL/3; the 16
+oldest read and watch every key), --in-flight agents joining at a time,
+then the oldest writes the round naming every member and each watch
+receives it. It goes past what a machine holds as agents (each a process
+with a worker). For each N, --scale-runs times: joined (from the first
+grant to the last age entry), delivered (from the round's write until
+every watch had it), etcd's CPU over both, and etcd's CPU at rest over
+10 s; then the forming's CPU fitted as a + b N + c N^2 and the load at
+rest per agent through the origin, and the time to form on one etcd core
+(the forming's CPU over the core the load at rest leaves), measured and
+predicted at 4,096. --join-rate R: the agents start R a second (as
+`scale` starts them, one process after the other), to check the replay
+against the agents themselves at a size both run.
+
 race: torchrun (torch's c10d rendezvous) and `ductile agent`, the same
 nodes as processes on loopback, the same worker (2 gloo ranks a node that
 all-reduce every 0.1 s). Formed: from the first launcher's start until
@@ -50,10 +68,13 @@ first all-reduce in the new group. Defaults on both sides but
 usage:
   bench_agent.py scale [--cli PATH] [--sizes 8,64,256] [--lease-ttl 5] [--scale-runs 3]
                        [--quiet-file PATH]
+  bench_agent.py replay [--replay PATH] [--sizes 256,512,1024,2048] [--in-flight 32]
+                       [--join-rate 0] [--lease-ttl 5] [--scale-runs 2]
   bench_agent.py race  [--cli PATH] [--python PATH] [--nodes 4] [--runs 3] [--quiet-file PATH]
                        [--launchers torchrun,torchrun-own-store,ductile,ductile-c10d]
 
 --cli: the ductile CLI (default build/bin/ductile, a Release build);
+--replay: agent_etcd_replay (default build/bin/agent_etcd_replay);
 --python: the interpreter with torch for the race (default .venv/bin/python).
 """
 
@@ -284,7 +305,7 @@ def model(rows, ttl):
                for key in ("rate", "sent", "cpu")}
     print(f"\nmodel of etcd's work, least squares over {len(runs)} run(s) of {len(sizes)} "
           f"size(s). At rest, per agent: {at_rest['rate']:.3f} requests/s (the keep-alives, "
-          f"one a lease every TTL/4 = {4 / ttl:.2f}/s), {at_rest['sent']:.0f} bytes/s sent, "
+          f"one a lease every TTL/3 = {3 / ttl:.2f}/s), {at_rest['sent']:.0f} bytes/s sent, "
           f"{1e3 * at_rest['cpu']:.3f} ms of CPU a second. A forming and a re-forming, less "
           "the load at rest over their agent-seconds, as a + b N + c N^2:")
     own = {"rate": "requests", "sent": "bytes", "cpu": "cpu"}
@@ -426,6 +447,82 @@ def scale(args):
     model(rows, args.lease_ttl)
     print(f"\ngoals at 256 agents: formed within 2 s, re-formed within TTL + 1 = "
           f"{args.lease_ttl + 1} s")
+
+
+def replay_one(program, n, ttl, in_flight, directory, joins_per_s=0):
+    etcd = Etcd(directory)
+    try:
+        before = etcd.metric("etcd_network_client_grpc_sent_bytes_total")
+        done = subprocess.run([program, etcd.url, str(etcd.process.pid), str(n), str(ttl), "10",
+                               str(in_flight), str(joins_per_s)], capture_output=True, text=True, timeout=600)
+        sent = etcd.metric("etcd_network_client_grpc_sent_bytes_total") - before
+    finally:
+        etcd.stop()
+    line = next((x for x in done.stdout.splitlines() if x.startswith("replay ")), None)
+    if done.returncode != 0 or line is None:
+        sys.exit(f"bench_agent.py: {program} failed (exit {done.returncode}): "
+                 f"{done.stderr.strip()[-2000:]}")
+    fields = dict(f.split("=", 1) for f in line.split()[1:])
+    r = {k: float(v) for k, v in fields.items()}
+    r["n"] = n
+    r["rest"] = r["rest_cpu_s"] / r["rest_s"]  # of a core
+    r["sent_mb"] = sent / 1e6
+    return r
+
+
+def replay(args):
+    print(f"etcd's side of N agents, replayed by one process: one etcd on loopback, lease TTL "
+          f"{args.lease_ttl} s, {args.in_flight} agents joining at a time"
+          + (f", {args.join_rate} starting a second" if args.join_rate else "")
+          + f"; medians (min-max) of "
+          f"{args.runs} run(s); {os.cpu_count()} CPU(s)", flush=True)
+    runs = []
+    for n in args.sizes:
+        for run in range(args.runs):
+            if not may_start(args):
+                break
+            directory = tempfile.mkdtemp(prefix=f"ductile-bench-replay-{n}-")
+            r = replay_one(args.replay, n, args.lease_ttl, args.in_flight, directory,
+                           args.join_rate)
+            shutil.rmtree(directory, ignore_errors=True)
+            runs.append(r)
+            print(f"N={n} run {run + 1}: joined in {r['joined_s']:.2f} s, the round at every "
+                  f"watch {r['delivered_s']:.2f} s after its write; etcd {r['forming_cpu_s']:.2f} "
+                  f"CPU s over both, {r['sent_mb']:.1f} MB sent in all; at rest "
+                  f"{100 * r['rest']:.1f}% of a core ({r['renewals'] / r['rest_s']:.0f} "
+                  "renewals/s)", flush=True)
+    sizes = sorted({r["n"] for r in runs})
+    print()
+    print("| agents | joined (s) | round at every watch (s) | etcd CPU, forming (s) | "
+          "per agent (ms) | etcd at rest (% of a core) | per agent (ms/s) | formed, etcd on "
+          "one core (s) |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for n in sizes:
+        mine = [r for r in runs if r["n"] == n]
+        col = lambda f, fmt: spread([f(r) for r in mine], fmt)
+        print(f"| {n} | {col(lambda r: r['joined_s'], '.2f')} | "
+              f"{col(lambda r: r['delivered_s'], '.2f')} | "
+              f"{col(lambda r: r['forming_cpu_s'], '.2f')} | "
+              f"{col(lambda r: 1e3 * r['forming_cpu_s'] / n, '.2f')} | "
+              f"{col(lambda r: 100 * r['rest'], '.1f')} | "
+              f"{col(lambda r: 1e3 * r['rest'] / n, '.3f')} | "
+              f"{col(lambda r: r['forming_cpu_s'] / (1 - r['rest']) if r['rest'] < 1 else 0, '.2f')} |")
+    if len(sizes) < 2:
+        return
+    a, b, c = fit_quadratic([(r["n"], r["forming_cpu_s"]) for r in runs])
+    rest = sum(r["rest"] * r["n"] for r in runs) / sum(r["n"] ** 2 for r in runs)
+    largest = sizes[-1]
+    held_out = fit_quadratic([(r["n"], r["forming_cpu_s"]) for r in runs if r["n"] != largest])
+    at = lambda n, f=(a, b, c): f[0] + f[1] * n + f[2] * n * n
+    measured = statistics.median(r["forming_cpu_s"] for r in runs if r["n"] == largest)
+    print(f"\nfit over {len(runs)} run(s): the forming's etcd CPU = {a:.3g} + {b:.3g} N + "
+          f"{c:.3g} N^2 s (without N={largest}: {at(largest, held_out):.2f} s at N={largest}, "
+          f"measured {measured:.2f} s); at rest {1e3 * rest:.3f} ms of CPU a second an agent")
+    for n in (1024, 4096):
+        left = 1 - rest * n
+        formed = f"{at(n) / left:.2f} s" if left > 0 else "never (the load at rest takes the core)"
+        print(f"N={n}: etcd at rest {100 * rest * n:.0f}% of a core; the forming's CPU "
+              f"{at(n):.2f} s; formed, with etcd on one core, in {formed}")
 
 
 RACE_WORKER = r'''
@@ -580,7 +677,7 @@ def race(args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=["scale", "race"])
+    parser.add_argument("what", choices=["scale", "replay", "race"])
     parser.add_argument("--cli", default=os.path.join(ROOT, "build", "bin", "ductile"))
     parser.add_argument("--python", default=os.path.join(ROOT, ".venv", "bin", "python"))
     parser.add_argument("--sizes", default="8,64,256",
@@ -592,7 +689,18 @@ def main():
     parser.add_argument("--launchers", default=",".join(LAUNCHERS),
                         type=lambda s: s.split(","))
     parser.add_argument("--scale-runs", type=int, default=3, dest="scale_runs")
+    parser.add_argument("--replay", default=os.path.join(ROOT, "build", "bin", "agent_etcd_replay"))
+    parser.add_argument("--in-flight", type=int, default=32, dest="in_flight")
+    parser.add_argument("--join-rate", type=int, default=0, dest="join_rate")
     args = parser.parse_args()
+    if args.what == "replay":
+        if not os.access(args.replay, os.X_OK):
+            sys.exit(f"bench_agent.py: --replay {args.replay} is not an executable; build it "
+                     "(cmake --build build --target agent_etcd_replay)")
+        if args.sizes == [8, 64, 256]:
+            args.sizes = [256, 512, 1024, 2048]
+        args.runs = 2 if args.scale_runs == 3 else args.scale_runs
+        return replay(args)
     if not os.access(args.cli, os.X_OK):
         sys.exit(f"bench_agent.py: --cli {args.cli} is not an executable; build it (./run.sh, "
                  "or cmake --build build --target ductile_cli ductile_agent)")
