@@ -116,9 +116,9 @@ class Etcd:
             try:
                 urllib.request.urlopen(self.url + "/health", timeout=1).read()
                 return
-            except OSError:
+            except OSError as e:
                 if time.monotonic() > deadline:
-                    raise RuntimeError("etcd did not start")
+                    raise RuntimeError("etcd did not start") from e
                 time.sleep(0.05)
 
     def metric(self, name):
@@ -439,7 +439,8 @@ def scale(args):
           "requests/s | etcd sent (MB/s) | etcd CPU (%) | agents' CPU (%) |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for n, results in rows:
-        col = lambda k, f, m=1: spread([m * r[k] for r in results], f)
+        def col(k, f, m=1, results=results):
+            return spread([m * r[k] for r in results], f)
         print(f"| {n} | {col('spawn', '.2f')} | {col('formed', '.2f')} | "
               f"{col('from_first', '.2f')} | {col('rounds', '.0f')} | {col('reformed', '.2f')} | "
               f"{col('rate', '.0f')} | {col('sent', '.2f', 1e-6)} | {col('cpu', '.0f', 100)} | "
@@ -454,7 +455,8 @@ def replay_one(program, n, ttl, in_flight, directory, joins_per_s=0):
     try:
         before = etcd.metric("etcd_network_client_grpc_sent_bytes_total")
         done = subprocess.run([program, etcd.url, str(etcd.process.pid), str(n), str(ttl), "10",
-                               str(in_flight), str(joins_per_s)], capture_output=True, text=True, timeout=600)
+                               str(in_flight), str(joins_per_s)],
+                              capture_output=True, text=True, timeout=600, check=False)
         sent = etcd.metric("etcd_network_client_grpc_sent_bytes_total") - before
     finally:
         etcd.stop()
@@ -497,23 +499,29 @@ def replay(args):
           "per agent (ms) | etcd at rest (% of a core) | per agent (ms/s) | formed, etcd on "
           "one core (s) |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    def on_one_core(r):
+        return r["forming_cpu_s"] / (1 - r["rest"]) if r["rest"] < 1 else float("inf")
+
     for n in sizes:
         mine = [r for r in runs if r["n"] == n]
-        col = lambda f, fmt: spread([f(r) for r in mine], fmt)
+
+        def col(values, fmt, mine=mine):
+            return spread([values(r) for r in mine], fmt)
         print(f"| {n} | {col(lambda r: r['joined_s'], '.2f')} | "
               f"{col(lambda r: r['delivered_s'], '.2f')} | "
               f"{col(lambda r: r['forming_cpu_s'], '.2f')} | "
-              f"{col(lambda r: 1e3 * r['forming_cpu_s'] / n, '.2f')} | "
+              f"{col(lambda r, n=n: 1e3 * r['forming_cpu_s'] / n, '.2f')} | "
               f"{col(lambda r: 100 * r['rest'], '.1f')} | "
-              f"{col(lambda r: 1e3 * r['rest'] / n, '.3f')} | "
-              f"{col(lambda r: r['forming_cpu_s'] / (1 - r['rest']) if r['rest'] < 1 else 0, '.2f')} |")
+              f"{col(lambda r, n=n: 1e3 * r['rest'] / n, '.3f')} | "
+              f"{col(on_one_core, '.2f')} |")
     if len(sizes) < 2:
         return
     a, b, c = fit_quadratic([(r["n"], r["forming_cpu_s"]) for r in runs])
     rest = sum(r["rest"] * r["n"] for r in runs) / sum(r["n"] ** 2 for r in runs)
     largest = sizes[-1]
     held_out = fit_quadratic([(r["n"], r["forming_cpu_s"]) for r in runs if r["n"] != largest])
-    at = lambda n, f=(a, b, c): f[0] + f[1] * n + f[2] * n * n
+    def at(n, f=(a, b, c)):
+        return f[0] + f[1] * n + f[2] * n * n
     measured = statistics.median(r["forming_cpu_s"] for r in runs if r["n"] == largest)
     print(f"\nfit over {len(runs)} run(s): the forming's etcd CPU = {a:.3g} + {b:.3g} N + "
           f"{c:.3g} N^2 s (without N={largest}: {at(largest, held_out):.2f} s at N={largest}, "
@@ -650,7 +658,8 @@ def race(args):
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for kind, runs in results.items():
         ok = [r for r in runs if r[2] is not None]
-        col = lambda rows, i: spread([r[i] for r in rows], ".2f") if rows else "-"
+        def col(rows, i):
+            return spread([r[i] for r in rows], ".2f") if rows else "-"
         print(f"| {LAUNCHERS[kind]} | {col(runs, 0)} | {col(runs, 1)} | {len(ok)} of {len(runs)} "
               f"| {col(ok, 2)} | {col(ok, 3)} |")
     # The goals are the launchers' own part: until the workers run. The
