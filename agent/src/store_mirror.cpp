@@ -31,6 +31,18 @@ std::size_t bytes_of(const KeyValue& kv) {
   return kv.key.size() + kv.value.size() + 64;
 }
 
+// Each range's keys, read, by key, and their bytes as bytes_of() counts them.
+std::pair<std::map<std::string, KeyValue>, std::size_t> by_key(
+    std::vector<std::vector<KeyValue>>& read) {
+  std::pair<std::map<std::string, KeyValue>, std::size_t> out;
+  for (auto& kvs : read)
+    for (auto& kv : kvs) {
+      out.second += bytes_of(kv);
+      out.first.emplace(kv.key, std::move(kv));
+    }
+  return out;
+}
+
 }  // namespace store_mirror_detail
 
 using namespace store_mirror_detail;
@@ -128,13 +140,7 @@ void MirroredStore::run() {
       if (resync) {
         ++range_reads_;
         auto [read, revision] = watch_store_->read_ranges_at(ranges);
-        std::map<std::string, KeyValue> keys;
-        std::size_t bytes = 0;
-        for (auto& kvs : read)
-          for (auto& kv : kvs) {
-            bytes += bytes_of(kv);
-            keys.emplace(kv.key, std::move(kv));
-          }
+        auto [keys, bytes] = by_key(read);
         std::lock_guard lock(mutex_);
         if (keys.size() > kMaxMirroredKeys || bytes > kMaxMirroredBytes) {
           over_bound_ = true;
@@ -431,13 +437,7 @@ std::optional<std::vector<std::vector<KeyValue>>> MirroredStore::compare_and_swa
     return found;
   }
   std::vector<KeyRange> ranges = std::exchange(with_next_swap_, {});
-  std::map<std::string, KeyValue> keys;
-  std::size_t bytes = 0;
-  for (auto& kvs : contents)
-    for (auto& kv : kvs) {
-      bytes += bytes_of(kv);
-      keys.emplace(kv.key, std::move(kv));
-    }
+  auto [keys, bytes] = by_key(contents);
   wanted_ = ranges;
   {
     std::lock_guard lock(mutex_);
