@@ -1,6 +1,9 @@
 // KeyValueStore on etcd's v3 API over gRPC (HTTP/2 with libcurl; plain,
 // or TLS for an https:// endpoint). Each object keeps one connection to
-// the member that answered last, for its calls and its watch alike.
+// the member that answered last, for its calls and its watch alike, and
+// from its first keep_alive() on a second one, whose one LeaseKeepAlive
+// stream stays open and carries every renewal (closed and opened again
+// after an error or a timeout).
 //
 // Threading: one EtcdStore per thread (each call uses the object's own curl
 // handles), but interrupt_watch(). Errors: see kv_store.hpp; every call
