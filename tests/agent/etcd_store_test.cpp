@@ -158,8 +158,13 @@ TEST_CASE("etcd store: lease renewals on one stream - a lost lease, a stopped an
         }
       },
       20s));
-  CHECK(store.keep_alive(lease));
-  CHECK(streams_started(etcd, "LeaseKeepAlive") == 1);
+  // The new etcd started one stream per renewal that reached it before one
+  // succeeded (one, unless it was not ready yet); the renewals after it
+  // all go on that one.
+  const double streams = streams_started(etcd, "LeaseKeepAlive");
+  CHECK(streams >= 1);
+  for (int i = 0; i < 10; ++i) CHECK(store.keep_alive(lease));
+  CHECK(streams_started(etcd, "LeaseKeepAlive") == streams);
 }
 
 TEST_CASE("etcd store: an unreachable server and bad addresses") {

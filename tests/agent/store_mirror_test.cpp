@@ -286,8 +286,9 @@ TEST_CASE(
   auto other = m.make();
   other->put("/job/a/old", "1");
   other->put("/job/b", "outside");
+  // Reads wait for the watch to start (up to 30 s on a loaded machine).
   MirroredStore mirror(
-      m.make(), [&] { return m.make(); }, std::vector<KeyRange>{}, 2000ms,
+      m.make(), [&] { return m.make(); }, std::vector<KeyRange>{}, 30000ms,
       [](const std::string&) {});
   mirror.follow_with_next_swap({prefix_range("/job/a/"), single_key("/job/own")});
   // Nothing followed yet: reads go to etcd.
