@@ -379,18 +379,24 @@ struct EtcdStore::Impl {
     }
   }
 
-  // The request to the member that answered last, else to the others in
-  // turn: a member that is down, or cannot serve without a quorum, is
-  // skipped. StoreUnavailable when no member could serve it.
-  std::string call(const char* method, const std::string& request) {
+  // `one()` made to the member that answered last, else to the others in
+  // turn (`one` reads `current`): a member that is down, or cannot serve
+  // without a quorum, is skipped. StoreUnavailable when no member could
+  // serve it.
+  template <class One>
+  std::string on_members(const One& one) {
     for (std::size_t tried = 0;; ++tried) {
       try {
-        return call_one(members[current], method, request);
+        return one();
       } catch (const StoreUnavailable&) {
         if (tried + 1 >= members.size()) throw;
         current = (current + 1) % members.size();
       }
     }
+  }
+
+  std::string call(const char* method, const std::string& request) {
+    return on_members([&] { return call_one(members[current], method, request); });
   }
 
   // The lease keep-alives' stream: open from the first renewal on, on a
@@ -483,21 +489,17 @@ struct EtcdStore::Impl {
     }
   }
 
-  // A renewal, to the member that answered last, else to the others in
-  // turn (as call()).
+  // A renewal, to the members in turn (as call()); the stream is closed
+  // after any error.
   std::string renew(const std::string& request) {
-    for (std::size_t tried = 0;; ++tried) {
+    return on_members([&] {
       try {
         return renew_once(request);
-      } catch (const StoreUnavailable&) {
-        renewals.reset();
-        if (tried + 1 >= members.size()) throw;
-        current = (current + 1) % members.size();
       } catch (...) {
         renewals.reset();
         throw;
       }
-    }
+    });
   }
 
   // A transaction of range ops only (without comparisons it runs its

@@ -418,22 +418,17 @@ bool MirroredStore::compare_and_swap(const std::string& key, std::int64_t expect
 std::optional<std::vector<std::vector<KeyValue>>> MirroredStore::compare_and_swap_then_read(
     const std::string& key, std::int64_t expected_mod_revision, const std::string& value,
     std::int64_t lease, const std::vector<RangeRead>& reads) {
-  if (with_next_swap_.empty()) {
-    auto found =
-        store_->compare_and_swap_then_read(key, expected_mod_revision, value, lease, reads);
-    if (!found) {
-      swap_lost(key);
-      return found;
-    }
-    wrote(key);
-    read_directly(*found);
-    return found;
-  }
+  // With no ranges to follow from it, `contents` stays empty.
   std::vector<std::vector<KeyValue>> contents;
   auto found = store_->compare_and_swap_then_read_ranges(key, expected_mod_revision, value, lease,
                                                          reads, with_next_swap_, contents);
   if (!found) {
     swap_lost(key);
+    return found;
+  }
+  if (with_next_swap_.empty()) {
+    wrote(key);
+    read_directly(*found);
     return found;
   }
   std::vector<KeyRange> ranges = std::exchange(with_next_swap_, {});

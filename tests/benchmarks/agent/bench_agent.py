@@ -689,7 +689,7 @@ def main():
     parser.add_argument("what", choices=["scale", "replay", "race"])
     parser.add_argument("--cli", default=os.path.join(ROOT, "build", "bin", "ductile"))
     parser.add_argument("--python", default=os.path.join(ROOT, ".venv", "bin", "python"))
-    parser.add_argument("--sizes", default="8,64,256",
+    parser.add_argument("--sizes", default=None,
                         type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--lease-ttl", type=int, default=5)
     parser.add_argument("--nodes", type=int, default=4)
@@ -697,7 +697,9 @@ def main():
     parser.add_argument("--quiet-file", help="start a run only while this file exists")
     parser.add_argument("--launchers", default=",".join(LAUNCHERS),
                         type=lambda s: s.split(","))
-    parser.add_argument("--scale-runs", type=int, default=3, dest="scale_runs")
+    # Their defaults are each command's: scale 8,64,256 x 3; replay
+    # 256,512,1024,2048 x 2.
+    parser.add_argument("--scale-runs", type=int, default=None, dest="scale_runs")
     parser.add_argument("--replay", default=os.path.join(ROOT, "build", "bin", "agent_etcd_replay"))
     parser.add_argument("--in-flight", type=int, default=32, dest="in_flight")
     parser.add_argument("--join-rate", type=int, default=0, dest="join_rate")
@@ -706,9 +708,8 @@ def main():
         if not os.access(args.replay, os.X_OK):
             sys.exit(f"bench_agent.py: --replay {args.replay} is not an executable; build it "
                      "(cmake --build build --target agent_etcd_replay)")
-        if args.sizes == [8, 64, 256]:
-            args.sizes = [256, 512, 1024, 2048]
-        args.runs = 2 if args.scale_runs == 3 else args.scale_runs
+        args.sizes = args.sizes or [256, 512, 1024, 2048]
+        args.runs = args.scale_runs or 2
         return replay(args)
     if not os.access(args.cli, os.X_OK):
         sys.exit(f"bench_agent.py: --cli {args.cli} is not an executable; build it (./run.sh, "
@@ -718,7 +719,8 @@ def main():
         sys.exit(f"bench_agent.py: --launchers {bad[0]!r} is not valid; use "
                  f"{', '.join(LAUNCHERS)}")
     if args.what == "scale":
-        args.runs = args.scale_runs
+        args.sizes = args.sizes or [8, 64, 256]
+        args.runs = args.scale_runs or 3
         scale(args)
     else:
         race(args)
